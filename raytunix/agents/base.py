@@ -1,0 +1,251 @@
+"""The agent side of an episode: the conversation as exact tokens, token-in/token-out.
+
+An agent keeps the token ids of its conversation and extends them piece by piece, each
+piece tokenized once when it arrives::
+
+    agent.reset(task, observation)            # [system] <|user|>obs<|end|> <|assistant|>
+    request = agent.next_request(rid, sampling, seed)
+    action = agent.on_generation(result)      # generated ids appended verbatim, mask 1
+    agent.on_observation(step.observation)    # <|tool|>obs<|end|> <|assistant|>
+    ...
+    trajectory = agent.to_trajectory(task_id, group_id, reward, status)
+
+The history is never re-rendered or re-tokenized, so the learner trains on exactly the
+tokens the engine saw and produced. This equals tokenizing the rendered chat
+(``render_chat``) because the tokenizer splits special tokens out before anything else.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, Mapping, Sequence
+
+from raytunix.models.chat_template import MESSAGE_END, message_header
+from raytunix.types import (
+    Action,
+    EpisodeStatus,
+    GenerationRequest,
+    GenerationResult,
+    SamplingParams,
+    Task,
+    Trajectory,
+)
+
+
+class ConversationAgentBase(abc.ABC):
+    """Keeps one conversation as per-token lists and turns model text into actions.
+
+    Per-token state (all the same length T):
+      token_ids: int ids of the whole conversation.
+      loss_mask: 1 on model-generated tokens, 0 on headers, user, system and tool text.
+      logprobs: behaviour log-probabilities (nats) of generated tokens, 0.0 elsewhere.
+      policy_versions: policy version of each generated token, -1 elsewhere.
+
+    Args:
+      tokenizer: a ``raytunix.models.tokenizer.Tokenizer`` (``encode``, ``decode``,
+        ``token_to_id``) whose special tokens include the chat headers and ``<|end|>``.
+      system_prompt: text of a system message put before the user message, or None.
+
+    Subclasses implement ``parse``.
+    """
+
+    def __init__(self, tokenizer: Any, system_prompt: str | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.system_prompt = system_prompt
+        self.end_id: int = tokenizer.token_to_id(MESSAGE_END)
+        self._header_ids = {
+            role: tuple(tokenizer.encode(message_header(role)))
+            for role in ("system", "user", "assistant", "tool")
+        }
+        self._clear()
+
+    # -- the episode ---------------------------------------------------------------------
+
+    def reset(self, task: Task, observation: str) -> None:
+        """Starts a conversation: optional system message, the user message holding
+        ``observation``, then the assistant header the model continues from (mask 0)."""
+        self._clear()
+        self.task = task
+        if self.system_prompt is not None:
+            self._append_message("system", self.system_prompt)
+        self._append_message("user", observation)
+        self._append_context(self._header_ids["assistant"])
+
+    def next_request(
+        self, request_id: str, sampling: SamplingParams, seed: int
+    ) -> GenerationRequest:
+        """Returns the request that continues the conversation: ``prompt_ids`` are all
+        tokens so far; ``<|end|>`` is added to ``sampling.stop_token_ids`` if missing.
+
+        Raises:
+          RuntimeError: called before ``reset`` or while a turn is unfinished (the last
+            generation did not end with ``<|end|>``).
+        """
+        self._check_turn_open("next_request")
+        if self.end_id not in sampling.stop_token_ids:
+            stop_token_ids = (*sampling.stop_token_ids, self.end_id)
+            sampling = dataclasses.replace(sampling, stop_token_ids=stop_token_ids)
+        return GenerationRequest(
+            request_id=request_id, prompt_ids=tuple(self.token_ids), sampling=sampling, seed=seed
+        )
+
+    def on_generation(self, result: GenerationResult) -> Action:
+        """Appends the generated tokens verbatim (mask 1, their logprobs and versions) and
+        parses their text into an ``Action``.
+
+        A generation that does not end with ``<|end|>`` (max tokens, abort) leaves the
+        turn unfinished: nothing is added, ``turn_finished`` is False and the episode
+        driver should truncate the episode.
+
+        Raises:
+          RuntimeError: called before ``reset`` or after an unfinished turn.
+          ValueError: the per-token lists of ``result`` differ in length.
+        """
+        self._check_turn_open("on_generation")
+        n = len(result.token_ids)
+        if len(result.logprobs) != n or len(result.policy_versions) != n:
+            raise ValueError(
+                f"GenerationResult {result.request_id!r} has {n} token_ids, {len(result.logprobs)} "
+                f"logprobs and {len(result.policy_versions)} policy_versions; the engine must "
+                "return one of each per token."
+            )
+        self._append_generated(result.token_ids, result.logprobs, result.policy_versions)
+        self._num_turns += 1
+        self._turn_finished = n > 0 and result.token_ids[-1] == self.end_id
+        text = self.tokenizer.decode(list(result.token_ids), skip_special_tokens=False)
+        return self.parse(text)
+
+    def on_observation(self, text: str) -> None:
+        """Appends the environment's reply as a tool message, then the assistant header
+        (mask 0); ``text`` is tokenized once, here.
+
+        Raises:
+          RuntimeError: called before ``reset`` or after an unfinished turn.
+        """
+        self._check_turn_open("on_observation")
+        self._append_message("tool", text)
+        self._append_context(self._header_ids["assistant"])
+
+    @abc.abstractmethod
+    def parse(self, text: str) -> Action:
+        """Turns the decoded text of one generation (special tokens kept) into an Action;
+        never raises: unparseable text gives ``Action(parse_error=...)``."""
+
+    def to_trajectory(
+        self,
+        task_id: str,
+        group_id: str,
+        reward: float,
+        status: EpisodeStatus,
+        metrics: Mapping[str, float] | None = None,
+    ) -> Trajectory:
+        """Returns the conversation so far as a ``Trajectory`` (copies of the lists)."""
+        return Trajectory(
+            task_id=task_id,
+            group_id=group_id,
+            token_ids=list(self.token_ids),
+            loss_mask=list(self.loss_mask),
+            logprobs=list(self.logprobs),
+            policy_versions=list(self.policy_versions),
+            reward=float(reward),
+            status=status,
+            num_turns=self._num_turns,
+            metrics=dict(metrics or {}),
+        )
+
+    @property
+    def num_turns(self) -> int:
+        """Model turns (generations) so far."""
+        return self._num_turns
+
+    @property
+    def turn_finished(self) -> bool:
+        """False when the last generation did not end with ``<|end|>``; the episode must
+        then be truncated, since the conversation cannot be continued."""
+        return self._turn_finished
+
+    @property
+    def num_generated_tokens(self) -> int:
+        """Tokens the model generated in this conversation."""
+        return sum(self.loss_mask)
+
+    # -- supervised demonstrations ---------------------------------------------------------
+
+    def render_demonstration(
+        self, task: Task, messages: Sequence[Mapping[str, str]]
+    ) -> tuple[list[int], list[int]]:
+        """Tokens and loss mask of a whole demonstration, built through the same per-piece
+        path as an episode (so SFT and RL see identical token boundaries). Resets the
+        agent: afterwards it holds the demonstrated conversation.
+
+        Args:
+          task: the task the demonstration solves.
+          messages: ``[{"role": "user", "content": ...}, {"role": "assistant", ...},
+            ({"role": "tool", ...}, {"role": "assistant", ...})*]``; the agent's own
+            system prompt, if any, goes first.
+
+        Returns:
+          ``(token_ids, loss_mask)``, both length T; mask 1 on assistant contents and
+          their ``<|end|>``, 0 on headers, system, user and tool messages.
+
+        Raises:
+          ValueError: the roles are not user, assistant, then (tool, assistant) pairs.
+        """
+        roles = [message["role"] for message in messages]
+        n_pairs = max(len(roles) - 2, 0) // 2
+        if roles != ["user", "assistant"] + ["tool", "assistant"] * n_pairs:
+            raise ValueError(
+                f"demonstration roles {roles} must be user, assistant, then (tool, assistant) "
+                "pairs, ending with an assistant message."
+            )
+        self.reset(task, messages[0]["content"])
+        for message in messages[1:]:
+            if message["role"] == "tool":
+                self.on_observation(message["content"])
+            else:
+                ids = self.tokenizer.encode(message["content"]) + [self.end_id]
+                self._append_generated(ids, [0.0] * len(ids), [-1] * len(ids))
+                self._num_turns += 1
+        return list(self.token_ids), list(self.loss_mask)
+
+    # -- internals --------------------------------------------------------------------
+
+    def _clear(self) -> None:
+        self.task: Task | None = None
+        self.token_ids: list[int] = []
+        self.loss_mask: list[int] = []
+        self.logprobs: list[float] = []
+        self.policy_versions: list[int] = []
+        self._num_turns = 0
+        self._turn_finished = True
+
+    def _check_turn_open(self, method: str) -> None:
+        if self.task is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.{method} called before reset(task, observation)."
+            )
+        if not self._turn_finished:
+            raise RuntimeError(
+                f"{type(self).__name__}.{method} called after a generation that did not end with "
+                f"{MESSAGE_END!r}; the episode driver must end (truncate) such an episode."
+            )
+
+    def _append_message(self, role: str, content: str) -> None:
+        self._append_context(self._header_ids[role])
+        self._append_context(self.tokenizer.encode(content))
+        self._append_context((self.end_id,))
+
+    def _append_context(self, ids: Sequence[int]) -> None:
+        self.token_ids.extend(ids)
+        self.loss_mask.extend([0] * len(ids))
+        self.logprobs.extend([0.0] * len(ids))
+        self.policy_versions.extend([-1] * len(ids))
+
+    def _append_generated(
+        self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int]
+    ) -> None:
+        self.token_ids.extend(ids)
+        self.loss_mask.extend([1] * len(ids))
+        self.logprobs.extend(float(x) for x in logprobs)
+        self.policy_versions.extend(int(v) for v in versions)

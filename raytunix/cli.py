@@ -1,0 +1,53 @@
+"""Command line: ``raytunix train [--config PRESET|FILE] [--resume RUN_DIR] [key=value ...]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from raytunix.config import ConfigError, load_config, preset_names
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="raytunix", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser(
+        "train", help="warm start, then asynchronous GRPO on Ray; prints a summary",
+        description="Runs the main job on local Ray (or the cluster in RAY_ADDRESS).")
+    train.add_argument("--config", default="default",
+                       help=f"a preset ({', '.join(preset_names())}) or a YAML file")
+    train.add_argument("--resume", metavar="RUN_DIR",
+                       help="continue a run from its latest checkpoint (uses the run's config)")
+    train.add_argument("overrides", nargs="*", metavar="section.key=value",
+                       help="config overrides, e.g. rollout.max_concurrent_episodes=64")
+    show = sub.add_parser("config", help="print the resolved config as YAML")
+    show.add_argument("--config", default="default")
+    show.add_argument("overrides", nargs="*", metavar="section.key=value")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"raytunix: config error: {e}", file=sys.stderr)
+        return 2
+    if args.command == "config":
+        print(cfg.to_yaml(), end="")
+        return 0
+    if args.resume and args.overrides:
+        print("raytunix: --resume continues a run with its own config; drop the overrides "
+              f"({' '.join(args.overrides)}) or start a new run.", file=sys.stderr)
+        return 2
+    from raytunix.train import main_train
+
+    try:
+        return main_train(cfg, resume=args.resume)
+    except FileNotFoundError as e:
+        print(f"raytunix: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

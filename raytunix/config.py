@@ -1,0 +1,320 @@
+"""One typed configuration for a run: packaged YAML presets, a user's YAML file and dotted
+command-line overrides, validated at start with errors that name the bad key and value.
+
+    cfg = load_config("default", overrides=["rollout.max_concurrent_episodes=64"])
+    cfg.rollout.max_concurrent_episodes  # 64
+
+Each section is one dataclass; every field has a default and a comment saying what it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from importlib import resources
+from typing import Any, Sequence
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config key or value is wrong; the message names it and says what to do."""
+
+
+@dataclasses.dataclass
+class RunConfig:
+    name: str = "default"  # run name; the run directory is output_dir/name-<timestamp>
+    output_dir: str = "runs"  # parent of run directories
+    seed: int = 0  # seeds data order, model init and sampling
+    log_every: int = 1  # print a progress line every this many RL steps
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    d_model: int = 128  # residual width
+    n_layers: int = 3  # transformer blocks
+    n_heads: int = 4  # query heads
+    n_kv_heads: int = 2  # key/value heads (grouped-query attention)
+    d_ff: int = 384  # SwiGLU hidden width
+    max_seq_len: int = 128  # context length in tokens (also the KV cache length)
+    tokenizer_vocab_size: int = 384  # byte-level BPE vocabulary, trained on the demonstrations
+
+
+@dataclasses.dataclass
+class DataConfig:
+    dataset: str = "basic_arithmetic"  # reasoning-gym generator
+    train_size: int = 20000  # training tasks (cycled through in order)
+    heldout_size: int = 200  # held-out tasks, never trained on
+    seed: int = 0  # generator seed of the training split (held-out uses another)
+    min_terms: int = 2
+    max_terms: int = 3
+    min_digits: int = 2
+    max_digits: int = 3
+
+
+@dataclasses.dataclass
+class EnvConfig:
+    name: str = "calculator_math"  # calculator_math (multi-turn, tool) | math_verifier (single turn)
+    agent: str = "auto"  # auto = the environment's default agent; or tool | answer
+    max_turns: int = 4  # model turns per episode
+    max_tool_errors: int = 2  # malformed or failing tool calls before the episode ends
+    num_env_actors: int = 2  # Ray actors hosting environments (scaled apart from the learner)
+    env_actor_max_restarts: int = 3  # a crashed env actor is restarted this often
+
+
+@dataclasses.dataclass
+class RolloutConfig:
+    group_size: int = 8  # G trajectories sampled per task (GRPO group)
+    groups_per_batch: int = 16  # tasks per learner batch
+    max_concurrent_episodes: int = 128  # episodes in flight at once
+    max_staleness: int = 1  # a group is only started if it will be consumed within this many versions
+    temperature: float = 1.0  # sampling temperature for training rollouts
+    max_new_tokens: int = 48  # per model turn
+    episode_timeout_s: float = 120.0  # wall-clock budget per episode
+    batch_queue_size: int = 2  # finished batches waiting for the learner (backpressure)
+    drop_failed_groups: bool = False  # drop a group with a failed member instead of masking it
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    max_batch_size: int = 128  # decode slots (continuous batching)
+    placement: str = "colocated"  # colocated (engine and learner in one actor) | disaggregated
+
+
+@dataclasses.dataclass
+class LearnerConfig:
+    rl_steps: int = 40  # GRPO updates
+    learning_rate: float = 1e-4
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.28  # asymmetric upper clip (DAPO)
+    kl_coef: float = 0.0  # > 0 adds a k3 KL penalty to the warm-start policy
+    loss_aggregation: str = "token_mean"  # token_mean | sequence_mean
+    normalize_advantages_by_std: bool = True
+    checkpoint_every: int = 10  # RL steps between checkpoints (and one at the end)
+    max_checkpoints: int = 3
+
+
+@dataclasses.dataclass
+class WarmupConfig:
+    enabled: bool = True  # supervised warm start on synthetic tool-use demonstrations
+    max_steps: int = 1400
+    min_steps: int = 300
+    batch_size: int = 32
+    learning_rate: float = 2e-3
+    warmup_steps: int = 50
+    tool_use_prob_2_terms: float = 0.25  # share of demonstrations that call the tool
+    tool_use_prob_3_terms: float = 0.85
+    eval_every: int = 100  # steps between checks of the stop condition
+    eval_size: int = 64  # held-out-free dev tasks used for the stop condition
+    target_tool_accuracy: float = 0.7  # stop once greedy tool-path accuracy reaches this
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    heldout_size: int = 200  # held-out tasks evaluated greedily before and after RL
+    max_new_tokens: int = 48
+
+
+@dataclasses.dataclass
+class Config:
+    run: RunConfig = dataclasses.field(default_factory=RunConfig)
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+    learner: LearnerConfig = dataclasses.field(default_factory=LearnerConfig)
+    warmup: WarmupConfig = dataclasses.field(default_factory=WarmupConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+_CHOICES = {
+    "env.name": ("calculator_math", "math_verifier"),
+    "env.agent": ("auto", "tool", "answer"),
+    "engine.placement": ("colocated", "disaggregated"),
+    "learner.loss_aggregation": ("token_mean", "sequence_mean"),
+    "data.dataset": ("basic_arithmetic",),
+}
+_POSITIVE = {
+    "model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.d_ff",
+    "model.max_seq_len", "data.train_size", "data.heldout_size", "env.max_turns",
+    "env.num_env_actors", "rollout.group_size", "rollout.groups_per_batch",
+    "rollout.max_concurrent_episodes", "rollout.max_new_tokens", "rollout.episode_timeout_s",
+    "rollout.batch_queue_size", "engine.max_batch_size", "learner.learning_rate",
+    "learner.checkpoint_every", "learner.max_checkpoints", "warmup.batch_size",
+    "warmup.learning_rate", "warmup.eval_every", "warmup.eval_size", "eval.heldout_size",
+    "eval.max_new_tokens", "run.log_every",
+}
+_NON_NEGATIVE = {
+    "rollout.max_staleness", "rollout.temperature", "learner.rl_steps", "learner.kl_coef",
+    "learner.weight_decay", "learner.max_grad_norm", "warmup.max_steps", "warmup.min_steps",
+    "env.max_tool_errors", "env.env_actor_max_restarts", "learner.clip_eps_low",
+    "learner.clip_eps_high", "warmup.warmup_steps",
+}
+_PROBABILITY = {"warmup.tool_use_prob_2_terms", "warmup.tool_use_prob_3_terms",
+                "warmup.target_tool_accuracy"}
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    """Converts a YAML or command-line value to the field's type, or raises ConfigError."""
+    target = {"int": int, "float": float, "str": str, "bool": bool}.get(
+        annotation if isinstance(annotation, str) else getattr(annotation, "__name__", ""))
+    if target is None:
+        return value
+    if target is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{key}={value!r} is not a boolean; use true or false.")
+    if target is int:
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise ConfigError(f"{key}={value!r} is not an integer; give a whole number.")
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}={value!r} is not an integer; give a whole number.") from None
+    if target is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r} is not a number.")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}={value!r} is not a number.") from None
+    if value is None or isinstance(value, (dict, list)):
+        raise ConfigError(f"{key}={value!r} is not a string.")
+    return str(value)
+
+
+def _merge(cfg: Config, tree: dict[str, Any], source: str) -> None:
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections, got {type(tree).__name__}.")
+    sections = {f.name: f for f in dataclasses.fields(cfg)}
+    for section_name, values in tree.items():
+        if section_name not in sections:
+            raise ConfigError(
+                f"{source}: unknown section {section_name!r}; valid sections: {', '.join(sections)}.")
+        section = getattr(cfg, section_name)
+        if not isinstance(values, dict):
+            raise ConfigError(f"{source}: section {section_name!r} must be a mapping, got {values!r}.")
+        for key, value in values.items():
+            _set(section_name, section, key, value, source)
+
+
+def _set(section_name: str, section: Any, key: str, value: Any, source: str) -> None:
+    fields = {f.name: f for f in dataclasses.fields(section)}
+    full = f"{section_name}.{key}"
+    if key not in fields:
+        raise ConfigError(
+            f"{source}: unknown key {full!r}; valid keys in {section_name!r}: {', '.join(fields)}.")
+    setattr(section, key, _coerce(full, value, fields[key].type))
+
+
+def validate(cfg: Config) -> Config:
+    """Checks ranges and choices; raises ConfigError naming the key and the bad value."""
+    flat = {f"{s}.{k}": v for s, d in cfg.to_dict().items() for k, v in d.items()}
+    for key, choices in _CHOICES.items():
+        if flat[key] not in choices:
+            raise ConfigError(f"{key}={flat[key]!r} is not one of {', '.join(choices)}.")
+    for key in _POSITIVE:
+        if not flat[key] > 0:
+            raise ConfigError(f"{key}={flat[key]!r} must be > 0.")
+    for key in _NON_NEGATIVE:
+        if not flat[key] >= 0:
+            raise ConfigError(f"{key}={flat[key]!r} must be >= 0.")
+    for key in _PROBABILITY:
+        if not 0.0 <= flat[key] <= 1.0:
+            raise ConfigError(f"{key}={flat[key]!r} must be a probability in [0, 1].")
+    m = cfg.model
+    if m.d_model % m.n_heads:
+        raise ConfigError(f"model.d_model={m.d_model} must be divisible by model.n_heads={m.n_heads}.")
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(f"model.n_heads={m.n_heads} must be divisible by model.n_kv_heads={m.n_kv_heads}.")
+    if m.tokenizer_vocab_size < 256 + 16:
+        raise ConfigError(
+            f"model.tokenizer_vocab_size={m.tokenizer_vocab_size} must be at least 272 "
+            "(256 bytes plus the special tokens).")
+    if cfg.warmup.min_steps > cfg.warmup.max_steps:
+        raise ConfigError(
+            f"warmup.min_steps={cfg.warmup.min_steps} exceeds warmup.max_steps={cfg.warmup.max_steps}.")
+    if cfg.rollout.group_size < 2:
+        raise ConfigError(
+            f"rollout.group_size={cfg.rollout.group_size}: GRPO needs at least 2 samples per task.")
+    if cfg.eval.heldout_size > cfg.data.heldout_size:
+        raise ConfigError(
+            f"eval.heldout_size={cfg.eval.heldout_size} exceeds data.heldout_size="
+            f"{cfg.data.heldout_size}; raise data.heldout_size or lower eval.heldout_size.")
+    return cfg
+
+
+def preset_names() -> list[str]:
+    return sorted(p.name[:-5] for p in resources.files("raytunix.configs").iterdir()
+                  if p.name.endswith(".yaml"))
+
+
+def _read_yaml(text: str, source: str) -> dict[str, Any]:
+    try:
+        tree = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source} is not valid YAML: {e}") from None
+    return tree or {}
+
+
+def parse_override(item: str) -> tuple[str, str, Any]:
+    """'section.key=value' -> (section, key, YAML-parsed value)."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like section.key=value, e.g. learner.rl_steps=20.")
+    dotted, raw = item.split("=", 1)
+    parts = dotted.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"override key {dotted!r} must be section.key, e.g. rollout.group_size.")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return parts[0], parts[1], value
+
+
+def load_config(config: str | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Builds the run config.
+
+    Args:
+      config: a packaged preset name (see ``preset_names()``), a path to a YAML file, or
+        None for the defaults.
+      overrides: ``section.key=value`` strings applied last, in order.
+
+    Raises:
+      ConfigError: unknown preset or file, bad YAML, unknown section/key, bad value.
+    """
+    cfg = Config()
+    if config:
+        if os.path.exists(config):
+            with open(config) as f:
+                _merge(cfg, _read_yaml(f.read(), config), config)
+        elif config in preset_names():
+            text = resources.files("raytunix.configs").joinpath(f"{config}.yaml").read_text()
+            _merge(cfg, _read_yaml(text, f"preset {config}"), f"preset {config}")
+        else:
+            raise ConfigError(
+                f"config {config!r} is neither a YAML file nor a preset; presets: "
+                f"{', '.join(preset_names())}.")
+    for item in overrides:
+        section, key, value = parse_override(item)
+        _merge(cfg, {section: {key: value}}, f"override {item!r}")
+    return validate(cfg)
+
+
+def config_from_dict(tree: dict[str, Any]) -> Config:
+    """Rebuilds a Config saved with ``to_dict`` (e.g. from a run directory)."""
+    cfg = Config()
+    _merge(cfg, tree, "saved config")
+    return validate(cfg)
+

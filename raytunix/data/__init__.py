@@ -1,0 +1,20 @@
+"""Datasets and task generators: reasoning-gym arithmetic, warm-start demonstrations."""
+
+from __future__ import annotations
+
+from raytunix.data.arithmetic import make_arithmetic_splits, score_answer
+from raytunix.data.demonstrations import (
+    DEFAULT_TOOL_USE_PROB,
+    make_demonstration,
+    sample_demonstrations,
+    tokenizer_corpus,
+)
+
+__all__ = [
+    "DEFAULT_TOOL_USE_PROB",
+    "make_arithmetic_splits",
+    "make_demonstration",
+    "sample_demonstrations",
+    "score_answer",
+    "tokenizer_corpus",
+]

@@ -1,0 +1,110 @@
+"""Ray actors around the learner: alone (``LearnerActor``), or colocated with an inference
+engine in one process (``PolicyActor``), which is what small runs on a few CPU cores want:
+one JAX process, weights handed to the engine by reference, no copies.
+
+Device work (updates, decode steps) runs in worker threads so the actor's event loop keeps
+accepting generation requests while an update is computed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+from raytunix.learner.checkpoint import Checkpointer  # noqa: E402
+from raytunix.learner.learner import GRPOHyperparams, Learner  # noqa: E402
+from raytunix.models.llama import ModelConfig  # noqa: E402
+
+
+class LearnerActor:
+    """The learner as an actor (run with ``ray.remote``); the only writer of weights and of
+    the policy version."""
+
+    def __init__(self, model_config: ModelConfig, seed: int, pad_id: int):
+        self.learner = Learner(model_config, seed=seed, pad_id=pad_id)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="learner")
+        self._demos = None
+        self._checkpointers: dict[str, Checkpointer] = {}
+
+    async def _in_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _publish(self) -> None:
+        """Hook: colocated actors hand the new weights to their engine."""
+
+    def _checkpointer(self, directory: str, max_to_keep: int = 3) -> Checkpointer:
+        if directory not in self._checkpointers:
+            self._checkpointers[directory] = Checkpointer(directory, max_to_keep=max_to_keep)
+        return self._checkpointers[directory]
+
+    # warm start -------------------------------------------------------------------------
+    def set_demonstrations(self, tokens, loss_mask) -> int:
+        self._demos = (tokens, loss_mask)
+        return len(tokens)
+
+    def start_warmup(self, learning_rate: float, warmup_steps: int, max_grad_norm: float) -> None:
+        self.learner.start_warmup(learning_rate, warmup_steps=warmup_steps, max_grad_norm=max_grad_norm)
+
+    async def sft_steps(self, num_steps: int, batch_size: int) -> dict[str, float]:
+        if self._demos is None:
+            raise RuntimeError("set_demonstrations must come before sft_steps")
+        metrics = await self._in_thread(self.learner.sft_steps, *self._demos, num_steps, batch_size)
+        self._publish()
+        return metrics
+
+    # RL ----------------------------------------------------------------------------------
+    def start_rl(self, hp: GRPOHyperparams) -> None:
+        self.learner.start_rl(hp)
+
+    async def train_step(self, batch_refs: list) -> dict[str, float]:
+        """One GRPO update on the batch behind ``batch_refs[0]`` (an ObjectRef in a list,
+        so that Ray hands the reference over instead of the data)."""
+        batch = await batch_refs[0]
+        metrics = await self._in_thread(self.learner.train_step, batch)
+        self._publish()
+        return metrics
+
+    def weights(self) -> tuple[Any, int]:
+        """(numpy parameter pytree, policy version) for engines in other processes."""
+        return self.learner.weights_numpy(), self.learner.version
+
+    def policy_version(self) -> int:
+        return self.learner.version
+
+    # checkpoints ------------------------------------------------------------------------------
+    async def save(self, directory: str, extras: dict[str, Any], max_to_keep: int = 3) -> int:
+        ckpt = self._checkpointer(directory, max_to_keep)
+        await self._in_thread(self.learner.save, ckpt, extras)
+        return self.learner.rl_step
+
+    async def restore(self, directory: str, max_to_keep: int = 3) -> dict[str, Any]:
+        extras = await self._in_thread(self.learner.restore, self._checkpointer(directory, max_to_keep))
+        self._publish()
+        return extras
+
+
+class PolicyActor(LearnerActor):
+    """Learner and inference engine in one process (``engine.placement: colocated``)."""
+
+    def __init__(self, model_config: ModelConfig, seed: int, tokenizer, max_batch_size: int):
+        super().__init__(model_config, seed, tokenizer.pad_id)
+        from raytunix.inference.engine import InferenceEngine
+
+        self.engine = InferenceEngine(
+            self.learner.graphdef, self.learner.params, model_config, tokenizer,
+            max_batch_size=max_batch_size, policy_version=self.learner.version)
+
+    def _publish(self) -> None:
+        self.engine.update_weights(self.learner.params, self.learner.version)
+
+    async def generate(self, request):
+        return await self.engine.generate(request)
+
+    def engine_stats(self) -> dict:
+        return self.engine.stats()

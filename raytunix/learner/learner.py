@@ -1,0 +1,169 @@
+"""The learner: owns the policy's weights, its optimizer and the policy version counter.
+
+A plain class (no Ray): ``raytunix.learner.actor`` wraps it in an actor, alone or together
+with an inference engine. Two phases share one model:
+
+* warm start: supervised steps on demonstration tokens (``sft_steps``);
+* RL: GRPO updates on trajectory batches (``train_step``), each bumping the version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pyarrow as pa
+
+from raytunix.learner.checkpoint import Checkpointer
+from raytunix.learner.train_state import (
+    TrainState,
+    create_train_state,
+    make_grpo_update,
+    make_optimizer,
+    make_sft_update,
+)
+from raytunix.models.llama import ModelConfig, init_model
+from raytunix.rollout.batch import record_batch_to_arrays
+
+PAD_MULTIPLE = 64  # trajectory lengths are padded to this many tokens: few shapes, few compiles
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOHyperparams:
+    """The numbers the GRPO update needs (see ``raytunix.config.LearnerConfig``)."""
+
+    learning_rate: float = 1e-4
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.28
+    kl_coef: float = 0.0
+    temperature: float = 1.0
+    loss_aggregation: str = "token_mean"
+    normalize_advantages_by_std: bool = True
+
+
+class Learner:
+    """Policy weights, optimizer state and the version counter.
+
+    Args:
+      model_config: the model to build.
+      seed: model init and the learner's PRNG.
+      pad_id: token id used to pad batches.
+    """
+
+    def __init__(self, model_config: ModelConfig, seed: int = 0, pad_id: int = 0):
+        self.model_config = model_config
+        self.seed = seed
+        self.pad_id = pad_id
+        self.graphdef, params = init_model(model_config, seed)
+        self.version = 0
+        self.rl_step = 0
+        self._params = params
+        self._state: TrainState | None = None
+        self._update = None
+        self._ref_params = None
+        self._hp: GRPOHyperparams | None = None
+        self._sft_rng = np.random.default_rng(seed)
+
+    @property
+    def params(self):
+        """The current model parameters (an ``nnx.State`` of jax arrays)."""
+        return self._state.params if self._state is not None else self._params
+
+    # ------------------------------------------------------------------ warm start
+    def start_warmup(self, learning_rate: float, warmup_steps: int = 0, max_grad_norm: float = 1.0) -> None:
+        optimizer = make_optimizer(learning_rate, max_grad_norm=max_grad_norm, warmup_steps=warmup_steps)
+        self._state = create_train_state(self.graphdef, self.params, optimizer, self.seed)
+        # No buffer donation: a colocated engine may still hold the previous params.
+        self._update = jax.jit(make_sft_update(self.graphdef, optimizer))
+
+    def sft_steps(self, tokens: np.ndarray, loss_mask: np.ndarray, num_steps: int, batch_size: int) -> dict[str, float]:
+        """Runs ``num_steps`` supervised steps on random rows of the demonstrations.
+
+        Args:
+          tokens: int32[N, T] demonstration tokens (right-padded).
+          loss_mask: float32[N, T], 1 on the tokens to learn (the assistant's).
+        Returns: mean ``loss`` over the steps and ``steps_per_s``.
+        """
+        if self._update is None:
+            raise RuntimeError("call start_warmup before sft_steps")
+        t0 = time.monotonic()
+        losses = []
+        for _ in range(num_steps):
+            rows = self._sft_rng.integers(0, len(tokens), size=batch_size)
+            self._state, metrics = self._update(self._state, tokens[rows], loss_mask[rows])
+            losses.append(metrics["loss"])
+        losses = [float(x) for x in jax.device_get(losses)]
+        return {"loss": float(np.mean(losses)), "loss_last": losses[-1],
+                "steps_per_s": num_steps / (time.monotonic() - t0)}
+
+    # ------------------------------------------------------------------ RL
+    def start_rl(self, hp: GRPOHyperparams) -> None:
+        """Fresh optimizer for RL; the current weights become the KL reference if used."""
+        optimizer = make_optimizer(hp.learning_rate, weight_decay=hp.weight_decay,
+                                   max_grad_norm=hp.max_grad_norm)
+        self._hp = hp
+        self._state = create_train_state(self.graphdef, self.params, optimizer, self.seed)
+        self._ref_params = jax.tree.map(jnp.copy, self.params) if hp.kl_coef > 0 else None
+        self._update = jax.jit(
+            make_grpo_update(
+                self.graphdef, optimizer, clip_eps_low=hp.clip_eps_low,
+                clip_eps_high=hp.clip_eps_high, kl_coef=hp.kl_coef, temperature=hp.temperature,
+                aggregation=hp.loss_aggregation,
+                normalize_adv_by_std=hp.normalize_advantages_by_std))
+
+    def train_step(self, batch: pa.RecordBatch) -> dict[str, float]:
+        """One GRPO update on a trajectory batch; bumps the policy version.
+
+        Raises:
+          RuntimeError: before ``start_rl``.
+          ValueError: a batch longer than the model's context.
+        """
+        if self._hp is None:
+            raise RuntimeError("call start_rl before train_step")
+        arrays = record_batch_to_arrays(batch, pad_to_multiple=PAD_MULTIPLE, pad_id=self.pad_id)
+        if arrays["tokens"].shape[1] > self.model_config.max_seq_len:
+            arrays = _trim(arrays, self.model_config.max_seq_len)
+        versions = arrays["policy_versions"][arrays["loss_mask"] > 0]
+        t0 = time.monotonic()
+        self._state, metrics = self._update(self._state, self._ref_params, arrays)
+        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        self.version += 1
+        self.rl_step += 1
+        metrics["update_s"] = time.monotonic() - t0
+        metrics["policy_version"] = self.version
+        metrics["staleness_max"] = float(self.version - 1 - versions.min()) if versions.size else 0.0
+        metrics["batch_tokens"] = int(arrays["tokens"].size)
+        return metrics
+
+    def weights_numpy(self):
+        """The parameters as a pytree of numpy arrays (for shipping to engine actors)."""
+        return jax.device_get(self.params)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, checkpointer: Checkpointer, extras: dict[str, Any]) -> None:
+        """Saves params, optimizer state, step and RNG with ``extras`` (data position...)."""
+        extras = dict(extras, policy_version=self.version, rl_step=self.rl_step)
+        checkpointer.save(self.rl_step, self._state, extras)
+
+    def restore(self, checkpointer: Checkpointer, step: int | None = None) -> dict[str, Any]:
+        """Restores the latest (or ``step``) checkpoint into the RL state; returns extras."""
+        if self._hp is None:
+            raise RuntimeError("call start_rl (with the run's hyperparameters) before restore")
+        self._state, extras = checkpointer.restore(step, self._state)
+        self.version = int(extras["policy_version"])
+        self.rl_step = int(extras["rl_step"])
+        return extras
+
+
+def _trim(arrays: dict[str, np.ndarray], max_len: int) -> dict[str, np.ndarray]:
+    out = dict(arrays)
+    for key in ("tokens", "loss_mask", "logprobs", "policy_versions"):
+        out[key] = arrays[key][:, :max_len]
+    return out
+

@@ -1,0 +1,156 @@
+"""Policy-gradient and supervised losses: pure functions of arrays, jit-safe.
+
+Shapes: B sequences of T tokens over a vocabulary of V. ``loss_mask[b, t] == 1`` marks
+a token the loss is computed on (a token the policy generated); every other token
+contributes exactly zero to the loss and to its gradients, whatever its logits.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+Aggregation = Literal["token_mean", "sequence_mean"]
+
+
+def token_logprobs(logits: jax.Array, targets: jax.Array, temperature: float = 1.0) -> jax.Array:
+    """Log-probability of each target token under ``softmax(logits / temperature)``.
+
+    Args:
+      logits: float[B, T, V], unnormalized.
+      targets: int32[B, T], token ids in ``[0, V)``.
+      temperature: the sampling temperature the tokens were drawn with (> 0).
+
+    Returns:
+      float32[B, T] log-probabilities (nats).
+    """
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+    return jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+
+def token_entropy(logits: jax.Array, temperature: float = 1.0) -> jax.Array:
+    """Entropy (nats) of ``softmax(logits / temperature)``: float[B, T, V] -> float32[B, T]."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+    return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+
+
+def masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
+    """Mean of ``values`` over entries where ``mask`` is nonzero; 0.0 when none are.
+
+    Masked-out entries are replaced before summing, so a NaN or inf there is harmless.
+    """
+    on = mask > 0
+    total = jnp.sum(jnp.where(on, values, 0.0))
+    return total / jnp.maximum(jnp.sum(on), 1)
+
+
+def _aggregate(per_token: jax.Array, on: jax.Array, aggregation: str) -> jax.Array:
+    per_token = jnp.where(on, per_token, 0.0)
+    if aggregation == "token_mean":
+        return jnp.sum(per_token) / jnp.maximum(jnp.sum(on), 1)
+    if aggregation == "sequence_mean":
+        tokens_per_seq = jnp.sum(on, axis=-1)
+        seq_means = jnp.sum(per_token, axis=-1) / jnp.maximum(tokens_per_seq, 1)
+        has_tokens = tokens_per_seq > 0
+        return jnp.sum(jnp.where(has_tokens, seq_means, 0.0)) / jnp.maximum(jnp.sum(has_tokens), 1)
+    raise ValueError(
+        f"aggregation={aggregation!r} is not supported; use 'token_mean' or 'sequence_mean'."
+    )
+
+
+def grpo_policy_loss(
+    logprobs: jax.Array,
+    old_logprobs: jax.Array,
+    advantages: jax.Array,
+    loss_mask: jax.Array,
+    *,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float = 0.2,
+    ref_logprobs: jax.Array | None = None,
+    kl_coef: float = 0.0,
+    aggregation: Aggregation = "token_mean",
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Clipped surrogate policy loss with an optional KL penalty to a reference policy.
+
+    Per masked token, with ratio ``rho = exp(logprobs - old_logprobs)`` and the
+    sequence's advantage ``A`` broadcast over its tokens::
+
+        loss_t = -min(rho * A, clip(rho, 1 - clip_eps_low, 1 + clip_eps_high) * A)
+                 + kl_coef * (exp(ref - logprobs) - (ref - logprobs) - 1)
+
+    The clipped surrogate is PPO's (Schulman et al. 2017, arXiv:1707.06347); separate
+    lower and upper clip ranges ("clip-higher") are DAPO's (Yu et al. 2025,
+    arXiv:2503.14476); the KL term is the k3 estimator of KL(pi || pi_ref) (Schulman
+    2020, "Approximating KL divergence"), as used by GRPO (arXiv:2402.03300).
+
+    Args:
+      logprobs: float32[B, T], log-probabilities of the tokens under the current policy.
+      old_logprobs: float32[B, T], under the behaviour policy that sampled them.
+      advantages: float32[B], one per sequence.
+      loss_mask: float[B, T], nonzero on tokens that count. Masked-out tokens contribute
+        exactly zero to the loss and its gradients, even if their logprobs are NaN/inf.
+      clip_eps_low, clip_eps_high: the ratio is clipped to
+        ``[1 - clip_eps_low, 1 + clip_eps_high]``.
+      ref_logprobs: float32[B, T] under the reference policy, or None for no KL term.
+      kl_coef: weight of the KL penalty; ignored when ``ref_logprobs`` is None.
+      aggregation: ``"token_mean"``: sum over all masked tokens / their number in the
+        batch; ``"sequence_mean"``: mean over each sequence's masked tokens, then mean
+        over the sequences that have any.
+
+    Returns:
+      ``(loss, aux)``: a float32 scalar and float32 scalars ``clip_fraction`` (share of
+      masked tokens whose clipped term is the active one, i.e. get no gradient),
+      ``approx_kl`` (k3 estimate of KL(behaviour || current)), ``ratio_mean``,
+      ``num_tokens``, and ``kl_ref`` when ``ref_logprobs`` is given. All token statistics
+      are token means.
+
+    Raises:
+      ValueError: for an unknown ``aggregation``.
+    """
+    on = loss_mask > 0
+    log_ratio = jnp.where(on, logprobs - old_logprobs, 0.0)
+    ratio = jnp.exp(log_ratio)
+    adv = jnp.asarray(advantages, jnp.float32)[:, None]
+    unclipped = ratio * adv
+    clipped = jnp.clip(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high) * adv
+    per_token = -jnp.minimum(unclipped, clipped)
+
+    aux = {}
+    if ref_logprobs is not None:
+        ref_log_ratio = jnp.where(on, ref_logprobs - logprobs, 0.0)
+        kl = jnp.exp(ref_log_ratio) - ref_log_ratio - 1.0
+        per_token = per_token + kl_coef * kl
+        aux["kl_ref"] = masked_mean(kl, on)
+
+    loss = _aggregate(per_token, on, aggregation)
+    aux.update(
+        clip_fraction=masked_mean((clipped < unclipped).astype(jnp.float32), on),
+        approx_kl=masked_mean(ratio - 1.0 - log_ratio, on),
+        ratio_mean=masked_mean(ratio, on),
+        num_tokens=jnp.sum(on).astype(jnp.float32),
+    )
+    return loss, jax.tree.map(jax.lax.stop_gradient, aux)
+
+
+def sft_loss(
+    logits: jax.Array, targets: jax.Array, loss_mask: jax.Array
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Masked mean negative log-likelihood (nats per target token).
+
+    Args:
+      logits: float[B, T, V]; ``logits[b, t]`` predicts ``targets[b, t]``.
+      targets: int32[B, T].
+      loss_mask: float[B, T], nonzero on the tokens to learn.
+
+    Returns:
+      ``(loss, aux)``: a float32 scalar (0.0 when no token is masked in) and float32
+      scalars ``num_tokens`` and ``accuracy`` (share of masked targets that are the
+      argmax).
+    """
+    on = loss_mask > 0
+    nll = -token_logprobs(logits, targets)
+    correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+    aux = {"num_tokens": jnp.sum(on).astype(jnp.float32), "accuracy": masked_mean(correct, on)}
+    return masked_mean(nll, on), jax.tree.map(jax.lax.stop_gradient, aux)

@@ -1,0 +1,356 @@
+"""A decoder-only language model of the Llama / Qwen2 family, in Flax NNX.
+
+One forward pass serves training and inference::
+
+    graphdef, state = init_model(ModelConfig(vocab_size=512), seed=0)
+    logits, _ = forward(graphdef, state, tokens, positions)               # training
+    cache = init_kv_cache(config, batch_size=B)
+    logits, cache = forward(graphdef, state, prompt, prompt_pos, cache)   # prefill
+    logits, cache = forward(graphdef, state, next_tok, next_pos, cache)   # decode
+
+Each block is pre-norm: ``x + attn(rms_norm(x))`` then ``x + mlp(rms_norm(x))``, with
+grouped-query attention, rotary position embeddings and a SwiGLU MLP, as in Llama
+(Touvron et al. 2023, arXiv:2302.13971) and the Hugging Face ``LlamaForCausalLM``
+reference. There are no biases. Submodules carry the Hugging Face names
+(``embed_tokens``, ``layers.i.self_attn.q_proj``, ``mlp.gate_proj``, ``norm``,
+``lm_head``) so that importing a checkpoint is a renaming plus a kernel transpose.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+# Added to masked attention scores. Finite, so that a query that may see nothing (a padding
+# row with a negative position) yields uniform, NaN-free garbage instead of NaNs.
+_MASK_VALUE = -1e30
+_PRECISION = jax.lax.Precision.HIGHEST
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a decoder-only transformer.
+
+    Attributes:
+      vocab_size: number of token ids the embedding and the LM head cover.
+      d_model: width of the residual stream.
+      n_layers: number of transformer blocks.
+      n_heads: number of query heads; must divide ``d_model``.
+      n_kv_heads: number of key/value heads (grouped-query attention, Ainslie et al. 2023,
+        arXiv:2305.13245); must divide ``n_heads``. 1 is multi-query attention,
+        ``n_heads`` is ordinary multi-head attention.
+      d_ff: hidden width of the SwiGLU MLP.
+      max_seq_len: longest sequence (in tokens) the default KV cache holds.
+      rope_theta: base of the rotary embedding frequencies.
+      norm_eps: epsilon inside the RMSNorm square root.
+      tie_embeddings: whether the LM head reuses the token embedding matrix.
+    """
+
+    vocab_size: int
+    d_model: int = 128
+    n_layers: int = 3
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    d_ff: int = 384
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
+                     "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}.")
+        for name in ("rope_theta", "norm_eps"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive number, got {value!r}.")
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"ModelConfig.d_model={self.d_model} is not divisible by "
+                f"n_heads={self.n_heads}; pick n_heads that divides d_model.")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"ModelConfig.n_heads={self.n_heads} is not divisible by "
+                f"n_kv_heads={self.n_kv_heads}; each key/value head must serve a whole "
+                "group of query heads.")
+        if self.head_dim % 2:
+            raise ValueError(
+                f"ModelConfig.head_dim = d_model // n_heads = {self.head_dim} is odd; rotary "
+                "embeddings rotate pairs of features, so choose d_model and n_heads to "
+                "give an even head_dim.")
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head: ``d_model // n_heads``."""
+        return self.d_model // self.n_heads
+
+
+class KVCache(NamedTuple):
+    """Keys and values of every layer, indexed by sequence position.
+
+    Attributes:
+      k: ``[n_layers, B, n_kv_heads, S, head_dim]``, the cache dtype (float32 by default).
+        Heads before positions, so that attention over the cache is a plain batched matmul.
+      v: same shape and dtype as ``k``.
+
+    Entry ``[:, b, :, j]`` holds the token of row ``b`` at position ``j``; entries never
+    written are zeros and are masked out as long as queries only use positions that
+    were written before.
+    """
+
+    k: jax.Array
+    v: jax.Array
+
+
+def init_kv_cache(config: ModelConfig, batch_size: int, max_len: int | None = None,
+                  dtype=jnp.float32) -> KVCache:
+    """Returns an all-zero KV cache.
+
+    Args:
+      config: the model the cache is for.
+      batch_size: number of rows (sequences) B.
+      max_len: number of positions S; defaults to ``config.max_seq_len``.
+      dtype: dtype of the keys and values.
+
+    Returns:
+      ``KVCache`` with ``k`` and ``v`` of shape
+      ``[n_layers, batch_size, n_kv_heads, S, head_dim]``.
+
+    Raises:
+      ValueError: if ``batch_size`` or ``max_len`` is not positive.
+    """
+    max_len = config.max_seq_len if max_len is None else max_len
+    if batch_size <= 0:
+        raise ValueError(f"init_kv_cache: batch_size must be positive, got {batch_size}.")
+    if max_len <= 0:
+        raise ValueError(f"init_kv_cache: max_len must be positive, got {max_len}.")
+    shape = (config.n_layers, batch_size, config.n_kv_heads, max_len, config.head_dim)
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotates feature pairs of ``x`` by angles proportional to the token position.
+
+    Rotary position embedding (Su et al. 2021, arXiv:2104.09864) in the "rotate half"
+    layout of the Hugging Face Llama code: feature ``i`` is paired with ``i + D/2`` and
+    ``out = x * cos + rotate_half(x) * sin`` with ``rotate_half([x1, x2]) = [-x2, x1]``
+    and angle ``position * theta ** (-2i / D)``.
+
+    Args:
+      x: ``float[B, T, H, D]`` queries or keys, D even.
+      positions: ``int[B, T]`` position of each token.
+      theta: frequency base (``ModelConfig.rope_theta``).
+
+    Returns:
+      An array of the shape and dtype of ``x``.
+    """
+    head_dim = x.shape[-1]
+    inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, D]
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (xf * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
+
+
+def _normal(std: float):
+    return nnx.initializers.normal(stddev=std)
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention with rotary embeddings and an optional KV cache."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        d, h, kv, hd = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim
+        init = _normal(0.02)
+        out_init = _normal(0.02 / math.sqrt(2 * config.n_layers))
+        self.q_proj = nnx.Linear(d, h * hd, use_bias=False, kernel_init=init, rngs=rngs)
+        self.k_proj = nnx.Linear(d, kv * hd, use_bias=False, kernel_init=init, rngs=rngs)
+        self.v_proj = nnx.Linear(d, kv * hd, use_bias=False, kernel_init=init, rngs=rngs)
+        self.o_proj = nnx.Linear(h * hd, d, use_bias=False, kernel_init=out_init, rngs=rngs)
+
+    def __call__(self, x, positions, cache: tuple[jax.Array, jax.Array] | None, layer: int):
+        """``x: float[B, T, d_model]``; ``cache``: the whole ``(k, v)`` of the model, each
+        ``[n_layers, B, n_kv_heads, S, head_dim]``, or None; ``layer``: this layer's index.
+        Returns the output ``[B, T, d_model]`` and the updated ``(k, v)`` (None without a
+        cache). The cache is written in place at ``[layer, b, :, positions[b, t]]`` so that
+        a decode step moves no more than one token per row (no per-layer copies)."""
+        cfg = self.config
+        batch, length, _ = x.shape
+        groups = cfg.n_heads // cfg.n_kv_heads
+        q = self.q_proj(x).reshape(batch, length, cfg.n_heads, cfg.head_dim)
+        k = self.k_proj(x).reshape(batch, length, cfg.n_kv_heads, cfg.head_dim)
+        v = self.v_proj(x).reshape(batch, length, cfg.n_kv_heads, cfg.head_dim)
+        q = apply_rope(q, positions, cfg.rope_theta)
+        k = apply_rope(k, positions, cfg.rope_theta).transpose(0, 2, 1, 3)  # [B, KVH, T, D]
+        v = v.transpose(0, 2, 1, 3)
+
+        if cache is None:
+            keys, values = k, v
+            idx = jnp.arange(length)
+            mask = jnp.broadcast_to(idx[None, :, None] >= idx[None, None, :],
+                                    (batch, length, length))  # [B, T, S=T]
+        else:
+            cache_k, cache_v = cache
+            cache_len = cache_k.shape[3]
+            # jnp scatter wraps negative indices even with mode="drop", so padding
+            # (negative positions) is sent to the out-of-range index cache_len instead.
+            write_at = jnp.where(positions >= 0, positions, cache_len)[:, None, :]  # [B, 1, T]
+            rows = jnp.arange(batch)[:, None, None]
+            heads = jnp.arange(cfg.n_kv_heads)[None, :, None]
+            cache_k = cache_k.at[layer, rows, heads, write_at].set(
+                k.astype(cache_k.dtype), mode="drop")
+            cache_v = cache_v.at[layer, rows, heads, write_at].set(
+                v.astype(cache_v.dtype), mode="drop")
+            cache = (cache_k, cache_v)
+            keys, values = cache_k[layer], cache_v[layer]  # [B, KVH, S, D]
+            mask = jnp.arange(cache_len)[None, None, :] <= positions[:, :, None]  # [B, T, S]
+
+        # Query head h uses key/value head h // groups, as in the HF repeat_kv layout.
+        q = q.reshape(batch, length, cfg.n_kv_heads, groups, cfg.head_dim)
+        q = q.transpose(0, 2, 3, 1, 4).reshape(batch, cfg.n_kv_heads, groups * length, cfg.head_dim)
+        scores = jnp.einsum("bkqd,bksd->bkqs", q.astype(jnp.float32), keys.astype(jnp.float32),
+                            precision=_PRECISION) / math.sqrt(cfg.head_dim)
+        scores = scores.reshape(batch, cfg.n_kv_heads, groups, length, -1)
+        scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
+        probs = jax.nn.softmax(scores, axis=-1).reshape(batch, cfg.n_kv_heads, groups * length, -1)
+        out = jnp.einsum("bkqs,bksd->bkqd", probs, values.astype(jnp.float32),
+                         precision=_PRECISION)
+        out = out.reshape(batch, cfg.n_kv_heads, groups, length, cfg.head_dim)
+        out = out.transpose(0, 3, 1, 2, 4).reshape(batch, length, cfg.n_heads * cfg.head_dim)
+        return self.o_proj(out.astype(x.dtype)), cache
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` (Shazeer 2020,
+    arXiv:2002.05202)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        d, f = config.d_model, config.d_ff
+        init = _normal(0.02)
+        out_init = _normal(0.02 / math.sqrt(2 * config.n_layers))
+        self.gate_proj = nnx.Linear(d, f, use_bias=False, kernel_init=init, rngs=rngs)
+        self.up_proj = nnx.Linear(d, f, use_bias=False, kernel_init=init, rngs=rngs)
+        self.down_proj = nnx.Linear(f, d, use_bias=False, kernel_init=out_init, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nnx.Module):
+    """One pre-norm transformer block: attention then MLP, each with a residual."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.input_layernorm = nnx.RMSNorm(config.d_model, epsilon=config.norm_eps, rngs=rngs)
+        self.self_attn = Attention(config, rngs=rngs)
+        self.post_attention_layernorm = nnx.RMSNorm(config.d_model, epsilon=config.norm_eps,
+                                                    rngs=rngs)
+        self.mlp = MLP(config, rngs=rngs)
+
+    def __call__(self, x, positions, cache, layer: int):
+        attn_out, cache = self.self_attn(self.input_layernorm(x), positions, cache, layer)
+        x = x + attn_out
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, cache
+
+
+class Transformer(nnx.Module):
+    """Decoder-only language model; see the module docstring for the architecture."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        self.embed_tokens = nnx.Embed(config.vocab_size, config.d_model,
+                                      embedding_init=_normal(0.02), rngs=rngs)
+        self.layers = nnx.List([Block(config, rngs=rngs) for _ in range(config.n_layers)])
+        self.norm = nnx.RMSNorm(config.d_model, epsilon=config.norm_eps, rngs=rngs)
+        if config.tie_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nnx.Linear(config.d_model, config.vocab_size, use_bias=False,
+                                      kernel_init=_normal(0.02), rngs=rngs)
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array,
+                 kv_cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
+        """Computes next-token logits for every input token.
+
+        Args:
+          tokens: ``int32[B, T]`` token ids.
+          positions: ``int32[B, T]`` position of each token in its sequence, used for the
+            rotary embedding and, with a cache, as the cache index. With a cache, a
+            negative position marks padding: nothing is written for it and its logits
+            are garbage to be ignored.
+          kv_cache: None for a full causal forward over the T tokens (training; right
+            padding is harmless). Otherwise each token's key/value is written at
+            ``positions[b, t]`` of row b, and the token attends to the entries
+            ``j <= positions[b, t]`` of its row: T = prompt length for prefill, T = 1
+            for decode. Positions ``>= S`` are not written either.
+
+        Returns:
+          ``(logits, new_cache)``: ``float32[B, T, vocab_size]`` logits and the updated
+          ``KVCache`` (None when ``kv_cache`` is None).
+
+        Raises:
+          ValueError: if ``tokens`` and ``positions`` differ in shape, or the cache does
+            not match the model or the batch.
+        """
+        if tokens.shape != positions.shape or tokens.ndim != 2:
+            raise ValueError(
+                f"tokens {tokens.shape} and positions {positions.shape} must both be [B, T].")
+        cfg = self.config
+        if kv_cache is not None:
+            expected = (cfg.n_layers, tokens.shape[0], cfg.n_kv_heads, cfg.head_dim)
+            got = (*kv_cache.k.shape[:3], kv_cache.k.shape[4])
+            if kv_cache.k.ndim != 5 or got != expected or kv_cache.v.shape != kv_cache.k.shape:
+                raise ValueError(
+                    f"KV cache k {kv_cache.k.shape} / v {kv_cache.v.shape} does not fit "
+                    f"[n_layers={cfg.n_layers}, B={tokens.shape[0]}, "
+                    f"n_kv_heads={cfg.n_kv_heads}, S, head_dim={cfg.head_dim}]; build it with "
+                    "init_kv_cache(config, batch_size).")
+
+        x = self.embed_tokens(tokens)
+        cache = None if kv_cache is None else (kv_cache.k, kv_cache.v)
+        for i, block in enumerate(self.layers):
+            x, cache = block(x, positions, cache, i)
+        x = self.norm(x)
+        if self.lm_head is None:
+            logits = self.embed_tokens.attend(x)
+        else:
+            logits = self.lm_head(x)
+        new_cache = None if cache is None else KVCache(k=cache[0], v=cache[1])
+        return logits.astype(jnp.float32), new_cache
+
+
+def init_model(config: ModelConfig, seed: int) -> tuple[nnx.GraphDef, nnx.State]:
+    """Builds a freshly initialised model and splits it for functional use.
+
+    Returns:
+      ``(graphdef, state)`` from ``nnx.split``; ``state`` holds float32 parameters and is
+      a pytree that can be passed through ``jax.jit``.
+    """
+    return nnx.split(Transformer(config, rngs=nnx.Rngs(seed)))
+
+
+def forward(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array,
+            positions: jax.Array, kv_cache: KVCache | None = None
+            ) -> tuple[jax.Array, KVCache | None]:
+    """Functional ``Transformer.__call__``: merges ``graphdef`` and ``state`` and runs the
+    model. Pure, so it can be wrapped in ``jax.jit`` (with ``graphdef`` static or closed
+    over). Arguments and return value are those of ``Transformer.__call__``."""
+    model = nnx.merge(graphdef, state)
+    return model(tokens, positions, kv_cache)
+
+
+def count_params(state: nnx.State) -> int:
+    """Number of scalar parameters (``nnx.Param`` entries) in ``state``."""
+    params = nnx.filter_state(state, nnx.Param)
+    return sum(int(leaf.size) for leaf in jax.tree.leaves(params))

@@ -1,0 +1,327 @@
+"""The rollout orchestrator: many episodes in flight, finished groups out as Arrow batches.
+
+Episodes run as asyncio coroutines, so while one waits for a tool the engine keeps
+decoding the others. The G episodes of one task form a group; every ``groups_per_batch``
+finished groups are packed into one Arrow record batch, put into the object store by this
+process (so it owns the data) and queued for the learner in a bounded queue.
+
+Staleness control (see ``RolloutOrchestrator`` for the exact rules): a group is only
+started when the batch it will land in is consumed at most ``max_staleness`` policy versions
+after the version running now; a group that would still be too stale when packed is dropped
+and counted.
+
+Exactly-once accounting: every task index handed out is either trained on (its batch was
+consumed by an update), filtered with a counted reason, or still pending; ``state()``
+records the pending ones so that a resumed run starts them again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from raytunix.rollout.batch import trajectories_to_record_batch
+from raytunix.rollout.episode import EngineClient, EnvClient, run_episode
+from raytunix.types import EpisodeStatus, SamplingParams, Task, Trajectory
+
+logger = logging.getLogger(__name__)
+
+_OK = (EpisodeStatus.COMPLETED, EpisodeStatus.TRUNCATED)
+
+# (env client, release callback) for one episode of one group.
+EnvProvider = Callable[[str], tuple[EnvClient, Callable[[], None]]]
+
+
+class RolloutOrchestrator:
+    """Runs GRPO groups concurrently and emits trajectory batches.
+
+    Args:
+      tasks: the training tasks; task index i is ``tasks[i % len(tasks)]``.
+      agent_factory: builds a fresh agent for one episode.
+      engine: where generations come from.
+      env_provider: gives each episode its environment.
+      put: stores a record batch and returns a handle for the learner (``ray.put`` in an
+        actor; identity in tests).
+      group_size, groups_per_batch, max_concurrent_episodes, max_staleness, max_turns,
+      max_context_tokens, sampling, episode_timeout_s, batch_queue_size,
+      drop_failed_groups: see ``raytunix.config.RolloutConfig`` / ``EnvConfig``.
+      seed: base seed; sample j of task index i uses its own seed.
+      policy_version: the version the engine holds now.
+      state: a dict from ``state()`` to resume from (data position, pending tasks).
+
+    Admission rule: with ``v0`` the version at start and ``v`` now, a new group starts
+    only if ``groups_started - groups_dropped < (v - v0 + max_staleness + 1) *
+    groups_per_batch`` and the episode budget has room. Packing rule: batch k (counted
+    from 0 since start) is consumed at version ``v0 + k``; a group whose oldest generated
+    token is older than ``v0 + k - max_staleness`` is dropped as stale.
+    """
+
+    def __init__(
+        self,
+        *,
+        tasks: Sequence[Task],
+        agent_factory: Callable[[], Any],
+        engine: EngineClient,
+        env_provider: EnvProvider,
+        put: Callable[[Any], Any] = lambda x: x,
+        group_size: int,
+        groups_per_batch: int,
+        max_concurrent_episodes: int,
+        max_staleness: int,
+        max_turns: int,
+        max_context_tokens: int,
+        sampling: SamplingParams,
+        episode_timeout_s: float = 120.0,
+        batch_queue_size: int = 2,
+        drop_failed_groups: bool = False,
+        seed: int = 0,
+        policy_version: int = 0,
+        state: dict[str, Any] | None = None,
+    ):
+        if not tasks:
+            raise ValueError("RolloutOrchestrator got no tasks; give it a non-empty dataset.")
+        self._tasks = list(tasks)
+        self._agent_factory = agent_factory
+        self._engine = engine
+        self._env_provider = env_provider
+        self._put = put
+        self.group_size = group_size
+        self.groups_per_batch = groups_per_batch
+        self.max_concurrent_episodes = max_concurrent_episodes
+        self.max_staleness = max_staleness
+        self.max_turns = max_turns
+        self.max_context_tokens = max_context_tokens
+        self.sampling = sampling
+        self.episode_timeout_s = episode_timeout_s
+        self.drop_failed_groups = drop_failed_groups
+        self.seed = seed
+
+        self._version0 = policy_version
+        self._version = policy_version
+        state = state or {}
+        self._next_index = int(state.get("next_index", 0))
+        self._retry = collections.deque(int(i) for i in state.get("pending", []))
+        self.counters: collections.Counter = collections.Counter(state.get("counters", {}))
+        self._pending: set[int] = set()  # handed out, not yet trained or filtered
+        self._batch_members: dict[int, list[int]] = {}  # batch id -> task indices
+        self._groups_started = 0
+        self._groups_dropped = 0
+        self._batches_formed = 0
+        self._in_flight_episodes = 0
+        self._finished: list[tuple[int, list[Trajectory]]] = []
+        self._queue: asyncio.Queue | None = None
+        self._queue_size = batch_queue_size
+        self._wake: asyncio.Event | None = None
+        self._producer: asyncio.Task | None = None
+        self._group_tasks: set[asyncio.Task] = set()
+        self._created = time.monotonic()
+
+    # ----------------------------------------------------------------- producer side
+    def _can_start_group(self) -> bool:
+        room = self._in_flight_episodes == 0 or (
+            self._in_flight_episodes + self.group_size <= self.max_concurrent_episodes)
+        allowed = (self._version - self._version0 + self.max_staleness + 1) * self.groups_per_batch
+        return room and self._groups_started - self._groups_dropped < allowed
+
+    def _take_index(self) -> int:
+        if self._retry:
+            return self._retry.popleft()
+        index, self._next_index = self._next_index, self._next_index + 1
+        return index
+
+    async def _produce(self) -> None:
+        while True:
+            while not self._can_start_group():
+                self._wake.clear()
+                await self._wake.wait()
+            index = self._take_index()
+            self._pending.add(index)
+            self._groups_started += 1
+            self.counters["groups_started"] += 1
+            task = asyncio.create_task(self._run_group(index))
+            self._group_tasks.add(task)
+            task.add_done_callback(self._group_tasks.discard)
+
+    async def _run_group(self, index: int) -> None:
+        task = self._tasks[index % len(self._tasks)]
+        group_id = f"g{index}"
+        self._in_flight_episodes += self.group_size
+        try:
+            trajectories = await asyncio.gather(*[
+                self._episode(task, group_id, self.sampling,
+                              seed=(self.seed * 1_000_003 + index * self.group_size + j) % 2**31)
+                for j in range(self.group_size)
+            ])
+        except Exception as e:  # the engine failed: the task is redone, not lost
+            logger.warning("group %s failed (%r); task index %d goes back in the queue", group_id, e, index)
+            self.counters["groups_retried_engine_error"] += 1
+            self._pending.discard(index)
+            self._retry.append(index)
+            self._groups_dropped += 1
+            return
+        finally:
+            self._in_flight_episodes -= self.group_size
+            self._wake.set()
+        for t in trajectories:
+            self.counters[f"episodes_{t.status.value}"] += 1
+        failed = [t for t in trajectories if t.status not in _OK]
+        if failed and self.drop_failed_groups:
+            self._drop(index, "failed_episode")
+            return
+        for t in failed:  # keep the group's shape; the failed member teaches nothing
+            t.loss_mask = [0] * len(t.loss_mask)
+        self._finished.append((index, list(trajectories)))
+        await self._pack_ready_batches()
+
+    async def _episode(self, task: Task, group_id: str, sampling: SamplingParams, seed: int) -> Trajectory:
+        env, release = self._env_provider(group_id)
+        try:
+            return await run_episode(
+                task, group_id, self._agent_factory(), env, self._engine, sampling,
+                max_turns=self.max_turns, max_context_tokens=self.max_context_tokens,
+                seed=seed, timeout_s=self.episode_timeout_s)
+        finally:
+            release()
+
+    def _drop(self, index: int, reason: str) -> None:
+        self._pending.discard(index)
+        self._groups_dropped += 1
+        self.counters[f"groups_filtered_{reason}"] += 1
+        self._wake.set()
+
+    async def _pack_ready_batches(self) -> None:
+        while len(self._finished) >= self.groups_per_batch:
+            consume_version = self._version0 + self._batches_formed
+            fresh = []
+            for index, group in self._finished:
+                versions = [v for t in group for v, m in zip(t.policy_versions, t.loss_mask) if m]
+                if versions and min(versions) < consume_version - self.max_staleness:
+                    self._drop(index, "stale")
+                else:
+                    fresh.append((index, group))
+            self._finished = fresh
+            if len(fresh) < self.groups_per_batch:
+                return
+            chosen, self._finished = fresh[: self.groups_per_batch], fresh[self.groups_per_batch:]
+            batch_id = self._batches_formed
+            self._batches_formed += 1
+            trajectories = [t for _, group in chosen for t in group]
+            self._batch_members[batch_id] = [index for index, _ in chosen]
+            record_batch = trajectories_to_record_batch(trajectories)
+            info = self._batch_info(batch_id, consume_version, trajectories)
+            await self._queue.put((self._put(record_batch), info))
+
+    def _batch_info(self, batch_id: int, consume_version: int, trajectories: list[Trajectory]) -> dict:
+        rewards = np.array([t.reward for t in trajectories], np.float32)
+        statuses = collections.Counter(t.status.value for t in trajectories)
+        staleness = [consume_version - v for t in trajectories
+                     for v, m in zip(t.policy_versions, t.loss_mask) if m]
+        used_tool = [t.metrics.get("tool_calls", 0) > 0 for t in trajectories]
+        return {
+            "batch_id": batch_id,
+            "consume_version": consume_version,
+            "num_trajectories": len(trajectories),
+            "reward_mean": float(rewards.mean()),
+            "tool_use_rate": float(np.mean(used_tool)),
+            "turns_mean": float(np.mean([t.num_turns for t in trajectories])),
+            "generated_tokens_mean": float(np.mean([t.metrics.get("generated_tokens", 0.0) for t in trajectories])),
+            "episode_generate_s_mean": float(np.mean([t.metrics.get("generate_s", 0.0) for t in trajectories])),
+            "episode_env_s_mean": float(np.mean([t.metrics.get("env_s", 0.0) for t in trajectories])),
+            "staleness_max": int(max(staleness, default=0)),
+            "staleness_mean": float(np.mean(staleness)) if staleness else 0.0,
+            "statuses": dict(statuses),
+        }
+
+    # ----------------------------------------------------------------- learner side
+    def start(self) -> None:
+        """Starts producing on the running event loop (idempotent)."""
+        if self._producer is None:
+            self._queue = asyncio.Queue(maxsize=self._queue_size)
+            self._wake = asyncio.Event()
+            self._producer = asyncio.create_task(self._produce())
+
+    async def next_batch(self) -> tuple[list[Any], dict]:
+        """Waits for the next batch; returns ``([handle], info)``.
+
+        The handle is wrapped in a list so that Ray passes the object reference on instead
+        of resolving it in this actor.
+        """
+        self.start()
+        handle, info = await self._queue.get()
+        info["queue_depth"] = self._queue.qsize()
+        info["episodes_in_flight"] = self._in_flight_episodes
+        return [handle], info
+
+    def mark_trained(self, batch_id: int, policy_version: int) -> None:
+        """The learner finished the update on ``batch_id``; the engine now runs
+        ``policy_version``. Its tasks leave the pending set; admission opens."""
+        for index in self._batch_members.pop(batch_id, []):
+            self._pending.discard(index)
+            self.counters["groups_trained"] += 1
+        self.set_policy_version(policy_version)
+
+    def set_policy_version(self, policy_version: int) -> None:
+        self._version = policy_version
+        if self._wake is not None:
+            self._wake.set()
+
+    def state(self) -> dict[str, Any]:
+        """JSON-able resume state: data position, tasks to redo, counters."""
+        return {
+            "next_index": self._next_index,
+            "pending": sorted(self._pending | set(self._retry)),
+            "counters": dict(self.counters),
+        }
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "episodes_in_flight": self._in_flight_episodes,
+            "groups_started": self._groups_started,
+            "groups_dropped": self._groups_dropped,
+            "batches_formed": self._batches_formed,
+            "queue_depth": self._queue.qsize() if self._queue else 0,
+            "counters": dict(self.counters),
+            "uptime_s": time.monotonic() - self._created,
+        }
+
+    async def stop(self) -> None:
+        """Cancels the producer and every in-flight episode (their tasks stay pending)."""
+        if self._producer is not None:
+            self._producer.cancel()
+        for task in list(self._group_tasks):
+            task.cancel()
+        await asyncio.gather(*self._group_tasks, return_exceptions=True)
+        self._producer = None
+
+    # ----------------------------------------------------------------- evaluation
+    async def evaluate(self, tasks: Sequence[Task], max_new_tokens: int,
+                       max_concurrent: int | None = None) -> dict[str, Any]:
+        """Greedy episodes on ``tasks`` (one each); returns success and tool-use rates.
+
+        ``tool_path_accuracy`` is the success rate among episodes that called a tool.
+        """
+        sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
+                                  stop_token_ids=self.sampling.stop_token_ids,
+                                  stop_strings=self.sampling.stop_strings)
+        limit = asyncio.Semaphore(max_concurrent or self.max_concurrent_episodes)
+
+        async def one(i: int, task: Task) -> Trajectory:
+            async with limit:
+                return await self._episode(task, f"eval{i}", sampling, seed=i)
+
+        trajectories = await asyncio.gather(*[one(i, t) for i, t in enumerate(tasks)])
+        success = np.array([t.reward >= 1.0 for t in trajectories])
+        used_tool = np.array([t.metrics.get("tool_calls", 0) > 0 for t in trajectories])
+        return {
+            "num_tasks": len(tasks),
+            "success_rate": float(success.mean()),
+            "tool_use_rate": float(used_tool.mean()),
+            "tool_path_accuracy": float(success[used_tool].mean()) if used_tool.any() else 0.0,
+            "direct_accuracy": float(success[~used_tool].mean()) if (~used_tool).any() else 0.0,
+            "statuses": dict(collections.Counter(t.status.value for t in trajectories)),
+        }

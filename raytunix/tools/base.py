@@ -1,0 +1,112 @@
+"""The tool contract: a named callable with a JSON schema that never raises for bad input.
+
+A tool call reads::
+
+    result = tool(**call.arguments)          # ToolResult, never an exception for bad input
+    text = result.error and f"error: {result.error}" or result.output
+
+Subclasses implement ``run``; the base class checks the arguments against ``parameters``,
+times the call and turns a ``ToolError`` into a ``ToolResult`` with ``error`` set.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import time
+from typing import Any, ClassVar
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolResult:
+    """What one tool call produced.
+
+    Attributes:
+      output: the tool's text output; empty when ``error`` is set.
+      error: why the call failed (names the bad value), or None on success.
+      latency_s: wall-clock time of the call, seconds.
+    """
+
+    output: str
+    error: str | None = None
+    latency_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class ToolError(Exception):
+    """Raised inside ``Tool.run`` for input the tool cannot handle; the message is shown
+    to the model, so it names the bad value and what to do instead."""
+
+
+# JSON-schema type name -> Python types accepted for it (bool is not a number here).
+_JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "object": (dict,),
+    "array": (list,),
+}
+
+
+class Tool(abc.ABC):
+    """A named function the model may call.
+
+    Attributes:
+      name: the name the model writes in a tool call.
+      description: one sentence for the model (system prompt) and for people.
+      parameters: JSON schema of the arguments, an ``object`` schema with ``properties``
+        and ``required``; only top-level keys and their ``type`` are checked.
+    """
+
+    name: ClassVar[str]
+    description: ClassVar[str]
+    parameters: ClassVar[dict[str, Any]]
+
+    def __call__(self, **arguments: Any) -> ToolResult:
+        """Runs the tool on ``arguments``; bad arguments give a ``ToolResult`` with
+        ``error`` set, never an exception."""
+        start = time.perf_counter()
+        error = self._check_arguments(arguments)
+        if error is None:
+            try:
+                output = self.run(**arguments)
+                return ToolResult(output=output, latency_s=time.perf_counter() - start)
+            except ToolError as e:
+                error = str(e)
+        return ToolResult(output="", error=error, latency_s=time.perf_counter() - start)
+
+    @abc.abstractmethod
+    def run(self, **arguments: Any) -> str:
+        """Does the work on checked arguments and returns the output text.
+
+        Raises:
+          ToolError: the input cannot be handled (the message is shown to the model).
+        """
+
+    def _check_arguments(self, arguments: dict[str, Any]) -> str | None:
+        properties = self.parameters.get("properties", {})
+        expected = f"expected arguments {sorted(properties)}"
+        unknown = [key for key in arguments if key not in properties]
+        if unknown:
+            return f"{self.name}: unknown argument(s) {unknown}; {expected}"
+        missing = [key for key in self.parameters.get("required", ()) if key not in arguments]
+        if missing:
+            return f"{self.name}: missing argument(s) {missing}; {expected}"
+        for key, value in arguments.items():
+            type_name = properties[key].get("type")
+            accepted = _JSON_TYPES.get(type_name)
+            if accepted is None:
+                continue
+            is_bool_as_number = isinstance(value, bool) and type_name != "boolean"
+            if is_bool_as_number or not isinstance(value, accepted):
+                got = _short(repr(value))
+                return f"{self.name}: argument {key!r} must be a {type_name}, got {got}"
+        return None
+
+
+def _short(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,363 @@
+"""The main job: warm start, then asynchronous GRPO on Ray, then a summary.
+
+    driver ─► PolicyActor (learner + engine, colocated) or LearnerActor + EngineActor
+          ─► EnvActor pool (environments, no JAX)
+          ─► OrchestratorActor (episodes as coroutines, Arrow batches in the object store)
+
+The driver builds everything from one config, moves batch references from the
+orchestrator to the learner, writes metrics/checkpoints to the run directory and prints
+progress. ``train(cfg)`` starts local Ray itself when no cluster is connected.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from typing import Any
+
+import numpy as np
+import ray
+import yaml
+
+from raytunix.config import Config, config_from_dict
+from raytunix.envs import ENVS
+from raytunix.learner.learner import GRPOHyperparams
+from raytunix.models.llama import ModelConfig
+from raytunix.models.tokenizer import Tokenizer
+from raytunix.types import SamplingParams
+
+_ACTOR_ENV = {"env_vars": {"JAX_PLATFORMS": "cpu"}}
+
+
+class RunDir:
+    """The files of one run: config.yaml, tokenizer.json, metrics.jsonl, checkpoints/,
+    summary.json."""
+
+    def __init__(self, path: str):
+        self.path = os.path.abspath(path)
+        os.makedirs(self.path, exist_ok=True)
+        self.config = os.path.join(self.path, "config.yaml")
+        self.tokenizer = os.path.join(self.path, "tokenizer.json")
+        self.metrics = os.path.join(self.path, "metrics.jsonl")
+        self.checkpoints = os.path.join(self.path, "checkpoints")
+        self.summary = os.path.join(self.path, "summary.json")
+        self.state = os.path.join(self.path, "state.json")
+
+    def log(self, record: dict[str, Any]) -> None:
+        with open(self.metrics, "a") as f:
+            f.write(json.dumps(dict(record, time=time.time())) + "\n")
+
+    def read_state(self) -> dict[str, Any]:
+        if not os.path.exists(self.state):
+            return {}
+        with open(self.state) as f:
+            return json.load(f)
+
+    def write_state(self, state: dict[str, Any]) -> None:
+        tmp = self.state + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(state, f, indent=2)
+        os.replace(tmp, self.state)
+
+
+def _say(msg: str) -> None:
+    print(f"[raytunix {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _new_run_dir(cfg: Config) -> RunDir:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = os.path.join(cfg.run.output_dir, f"{cfg.run.name}-{stamp}")
+    suffix = 1
+    while os.path.exists(path):
+        path = os.path.join(cfg.run.output_dir, f"{cfg.run.name}-{stamp}-{suffix}")
+        suffix += 1
+    return RunDir(path)
+
+
+def load_run_config(run_dir: str) -> Config:
+    """The config a run was started with (``RUN_DIR/config.yaml``).
+
+    Raises:
+      FileNotFoundError: ``run_dir`` is not a raytunix run directory.
+    """
+    path = os.path.join(run_dir, "config.yaml")
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"{run_dir!r} has no config.yaml, so it is not a raytunix run directory; pass the "
+            "directory `raytunix train` printed at start (under runs/).")
+    with open(path) as f:
+        return config_from_dict(yaml.safe_load(f))
+
+
+def _agent_name(cfg: Config) -> str:
+    return ENVS[cfg.env.name].default_agent if cfg.env.agent == "auto" else cfg.env.agent
+
+
+def _demonstration_arrays(cfg: Config, tasks, tokenizer) -> tuple[np.ndarray, np.ndarray]:
+    """Renders warm-start demonstrations through the agent's own token path."""
+    from raytunix.agents import make_agent
+    from raytunix.data.demonstrations import sample_demonstrations
+
+    rng = random.Random(cfg.run.seed)
+    tool = cfg.env.name == "calculator_math"
+    probs = ({2: cfg.warmup.tool_use_prob_2_terms, 3: cfg.warmup.tool_use_prob_3_terms}
+             if tool else {n: 0.0 for n in range(1, 10)})
+    demos = sample_demonstrations(tasks, rng, probs)
+    agent = make_agent(_agent_name(cfg), tokenizer)
+    rows = [agent.render_demonstration(task, messages) for task, messages in zip(tasks, demos)]
+    limit = cfg.model.max_seq_len
+    rows = [r for r in rows if len(r[0]) <= limit]
+    width = max(len(r[0]) for r in rows)
+    width = -(-width // 16) * 16
+    tokens = np.full((len(rows), width), tokenizer.pad_id, np.int32)
+    mask = np.zeros((len(rows), width), np.float32)
+    for i, (ids, m) in enumerate(rows):
+        tokens[i, : len(ids)] = ids
+        mask[i, : len(m)] = m
+    return tokens, mask
+
+
+class Job:
+    """The actors of one run, built from its config."""
+
+    def __init__(self, cfg: Config, tokenizer: Tokenizer, train_tasks):
+        from raytunix.learner.actor import LearnerActor, PolicyActor
+        from raytunix.rollout.env_pool import EnvPool
+
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.train_tasks = train_tasks
+        self.orchestrator = None
+        model_config = ModelConfig(
+            vocab_size=tokenizer.vocab_size, d_model=cfg.model.d_model, n_layers=cfg.model.n_layers,
+            n_heads=cfg.model.n_heads, n_kv_heads=cfg.model.n_kv_heads, d_ff=cfg.model.d_ff,
+            max_seq_len=cfg.model.max_seq_len)
+        self.colocated = cfg.engine.placement == "colocated"
+        if self.colocated:
+            self.learner = ray.remote(PolicyActor).options(
+                num_cpus=1, max_concurrency=10_000, runtime_env=_ACTOR_ENV).remote(
+                model_config, cfg.run.seed, tokenizer, cfg.engine.max_batch_size)
+            self.engine = self.learner
+        else:
+            from raytunix.inference.actor import EngineActor
+
+            self.learner = ray.remote(LearnerActor).options(
+                num_cpus=1, max_concurrency=100, runtime_env=_ACTOR_ENV).remote(
+                model_config, cfg.run.seed, tokenizer.pad_id)
+            self.engine = ray.remote(EngineActor).options(
+                num_cpus=0, max_concurrency=10_000, runtime_env=_ACTOR_ENV).remote(
+                model_config, cfg.run.seed, tokenizer, cfg.engine.max_batch_size)
+        self.env_pool = EnvPool(
+            cfg.env.name, {"max_tool_errors": cfg.env.max_tool_errors} if cfg.env.name == "calculator_math" else {},
+            cfg.env.num_env_actors, max_restarts=cfg.env.env_actor_max_restarts)
+
+    def start_orchestrator(self, state: dict[str, Any], policy_version: int) -> None:
+        """(Re)creates the orchestrator at a data position (``state``) and version."""
+        from raytunix.rollout.actor import OrchestratorActor
+
+        cfg, tokenizer = self.cfg, self.tokenizer
+        if self.orchestrator is not None:
+            ray.kill(self.orchestrator)
+        self.orchestrator = ray.remote(OrchestratorActor).options(
+            num_cpus=0, max_concurrency=10_000, runtime_env=_ACTOR_ENV).remote(
+            tasks=self.train_tasks, tokenizer=tokenizer, agent_name=_agent_name(cfg),
+            env_pool=self.env_pool, engine=self.engine,
+            group_size=cfg.rollout.group_size, groups_per_batch=cfg.rollout.groups_per_batch,
+            max_concurrent_episodes=cfg.rollout.max_concurrent_episodes,
+            max_staleness=cfg.rollout.max_staleness, max_turns=cfg.env.max_turns,
+            max_context_tokens=cfg.model.max_seq_len,
+            sampling=SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,
+                                    temperature=cfg.rollout.temperature,
+                                    stop_token_ids=(tokenizer.end_id,)),
+            episode_timeout_s=cfg.rollout.episode_timeout_s,
+            batch_queue_size=cfg.rollout.batch_queue_size,
+            drop_failed_groups=cfg.rollout.drop_failed_groups, seed=cfg.run.seed,
+            policy_version=policy_version, state=state)
+
+
+    def publish_weights(self) -> None:
+        """Disaggregated placement: ship the learner's weights to the engine."""
+        if not self.colocated:
+            ray.get(self.engine.update_weights.remote(self.learner.weights.remote()))
+
+    def evaluate(self, tasks) -> dict[str, Any]:
+        return ray.get(self.orchestrator.evaluate.remote(tasks, self.cfg.eval.max_new_tokens))
+
+    def engine_stats(self) -> dict[str, Any]:
+        return ray.get(self.engine.engine_stats.remote())
+
+
+def _ensure_ray(cfg: Config) -> None:
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+    else:
+        ray.init(include_dashboard=False, object_store_memory=256 * 1024**2,
+                 num_cpus=max(2, os.cpu_count() or 2), log_to_driver=True,
+                 runtime_env=_ACTOR_ENV)
+
+
+def _warm_start(cfg: Config, job: Job, run: RunDir, tokenizer, train_tasks, dev_tasks) -> dict:
+    w = cfg.warmup
+    tokens, mask = _demonstration_arrays(cfg, train_tasks[: max(4000, w.batch_size)], tokenizer)
+    ray.get(job.learner.set_demonstrations.remote(tokens, mask))
+    ray.get(job.learner.start_warmup.remote(w.learning_rate, w.warmup_steps, cfg.learner.max_grad_norm))
+    _say(f"warm start: {len(tokens)} demonstrations of <= {tokens.shape[1]} tokens, "
+         f"up to {w.max_steps} steps (stop at tool-path accuracy >= {w.target_tool_accuracy:.0%})")
+    steps, t0, result = 0, time.monotonic(), {}
+    while steps < w.max_steps:
+        n = min(w.eval_every, w.max_steps - steps)
+        metrics = ray.get(job.learner.sft_steps.remote(n, w.batch_size))
+        steps += n
+        job.publish_weights()
+        dev = job.evaluate(dev_tasks)
+        result = {"phase": "warmup", "step": steps, **metrics, **{f"dev_{k}": v for k, v in dev.items()}}
+        run.log(result)
+        _say(f"warm start step {steps}: loss {metrics['loss']:.3f}  dev success "
+             f"{dev['success_rate']:.1%}  tool use {dev['tool_use_rate']:.1%}  tool-path accuracy "
+             f"{dev['tool_path_accuracy']:.1%}  ({time.monotonic() - t0:.0f} s)")
+        target_met = (dev["tool_path_accuracy"] >= w.target_tool_accuracy
+                      if cfg.env.name == "calculator_math" else dev["success_rate"] >= w.target_tool_accuracy)
+        if steps >= w.min_steps and target_met:
+            break
+    return {"warmup_steps": steps, "warmup_s": time.monotonic() - t0}
+
+
+def train(cfg: Config, resume: str | None = None) -> dict[str, Any]:
+    """Runs the main job; returns the summary (also saved as ``summary.json``).
+
+    Args:
+      cfg: the run config (ignored when resuming: the run's own config is used).
+      resume: a run directory to continue from its latest checkpoint.
+
+    Raises:
+      FileNotFoundError: ``resume`` is not a run directory or has no checkpoint.
+    """
+    from raytunix.data.arithmetic import make_arithmetic_splits
+    from raytunix.data.demonstrations import tokenizer_corpus
+
+    wall0 = time.monotonic()
+    if resume:
+        cfg = load_run_config(resume)
+        run = RunDir(resume)
+        saved = run.read_state()
+        if not saved.get("checkpoint_step") and saved.get("checkpoint_step") != 0:
+            raise FileNotFoundError(
+                f"{resume!r} has no RL checkpoint yet (the run stopped before RL began); start "
+                "a new run instead.")
+    else:
+        run = _new_run_dir(cfg)
+        with open(run.config, "w") as f:
+            f.write(cfg.to_yaml())
+        saved = {}
+    _say(f"run directory: {run.path}")
+
+    d = cfg.data
+    train_tasks, heldout = make_arithmetic_splits(
+        d.train_size, d.heldout_size, d.seed, min_terms=d.min_terms, max_terms=d.max_terms,
+        min_digits=d.min_digits, max_digits=d.max_digits)
+    heldout = heldout[: cfg.eval.heldout_size]
+    dev_tasks = train_tasks[-cfg.warmup.eval_size:]  # warm-start stop condition; not held out
+    if resume:
+        tokenizer = Tokenizer.load(run.tokenizer)
+    else:
+        tokenizer = Tokenizer.train(tokenizer_corpus(train_tasks[:3000]), cfg.model.tokenizer_vocab_size)
+        tokenizer.save(run.tokenizer)
+
+    _ensure_ray(cfg)
+    hp = GRPOHyperparams(
+        learning_rate=cfg.learner.learning_rate, weight_decay=cfg.learner.weight_decay,
+        max_grad_norm=cfg.learner.max_grad_norm, clip_eps_low=cfg.learner.clip_eps_low,
+        clip_eps_high=cfg.learner.clip_eps_high, kl_coef=cfg.learner.kl_coef,
+        temperature=max(cfg.rollout.temperature, 1e-6), loss_aggregation=cfg.learner.loss_aggregation,
+        normalize_advantages_by_std=cfg.learner.normalize_advantages_by_std)
+    ckpt_dir = run.checkpoints
+
+    if resume:
+        job = Job(cfg, tokenizer, train_tasks)
+        ray.get(job.learner.start_rl.remote(hp))
+        extras = ray.get(job.learner.restore.remote(ckpt_dir, cfg.learner.max_checkpoints))
+        job.publish_weights()
+        version = int(extras["policy_version"])
+        job.start_orchestrator(extras["orchestrator"], version)
+        before = extras["heldout_before"]
+        warm = extras.get("warm_start", {})
+        start_step = int(extras["rl_step"])
+        _say(f"resumed at RL step {start_step}, policy version {version}, data position "
+             f"{extras['orchestrator']['next_index']}")
+    else:
+        job = Job(cfg, tokenizer, train_tasks)
+        job.start_orchestrator({}, 0)
+        warm = _warm_start(cfg, job, run, tokenizer, train_tasks, dev_tasks) if cfg.warmup.enabled else {}
+        before = job.evaluate(heldout)
+        run.log({"phase": "eval", "when": "before_rl", **before})
+        _say(f"held-out before RL: success {before['success_rate']:.1%} (tool use "
+             f"{before['tool_use_rate']:.1%}) on {before['num_tasks']} tasks")
+        ray.get(job.learner.start_rl.remote(hp))
+        start_step = 0
+        _checkpoint(job, run, ckpt_dir, cfg, before, warm)
+
+    t_rl = time.monotonic()
+    for step in range(start_step, cfg.learner.rl_steps):
+        refs, info = ray.get(job.orchestrator.next_batch.remote())
+        metrics = ray.get(job.learner.train_step.remote(refs))
+        job.publish_weights()
+        version = int(metrics["policy_version"])
+        ray.get(job.orchestrator.mark_trained.remote(info["batch_id"], version))
+        record = {"phase": "rl", "step": step + 1, **metrics,
+                  **{k: v for k, v in info.items() if k != "statuses"},
+                  "statuses": info["statuses"]}
+        run.log(record)
+        if (step + 1) % cfg.run.log_every == 0 or step + 1 == cfg.learner.rl_steps:
+            _say(f"RL step {step + 1}/{cfg.learner.rl_steps}: reward {info['reward_mean']:.3f}  "
+                 f"tool use {info['tool_use_rate']:.1%}  loss {metrics['loss']:+.4f}  staleness<= "
+                 f"{info['staleness_max']}  ({time.monotonic() - t_rl:.0f} s)")
+        if (step + 1) % cfg.learner.checkpoint_every == 0 or step + 1 == cfg.learner.rl_steps:
+            _checkpoint(job, run, ckpt_dir, cfg, before, warm)
+
+    ray.get(job.orchestrator.stop.remote())
+    engine_stats = job.engine_stats()
+    after = job.evaluate(heldout)
+    run.log({"phase": "eval", "when": "after_rl", **after})
+    summary = {
+        "run_dir": run.path,
+        "env": cfg.env.name,
+        "heldout_tasks": before["num_tasks"],
+        "heldout_success_before_rl": before["success_rate"],
+        "heldout_success_after_rl": after["success_rate"],
+        "improvement_points": 100 * (after["success_rate"] - before["success_rate"]),
+        "tool_use_before_rl": before["tool_use_rate"],
+        "tool_use_after_rl": after["tool_use_rate"],
+        "rl_steps": cfg.learner.rl_steps,
+        "warm_start_steps": warm.get("warmup_steps", 0),
+        "warm_start_s": warm.get("warmup_s", 0.0),
+        "rl_s": time.monotonic() - t_rl,
+        "wall_s": time.monotonic() - wall0,
+        "engine_busy_fraction": engine_stats.get("busy_fraction"),
+        "orchestrator": ray.get(job.orchestrator.stats.remote())["counters"],
+    }
+    with open(run.summary, "w") as f:
+        json.dump(summary, f, indent=2)
+    _say("summary:\n" + json.dumps(summary, indent=2))
+    return summary
+
+
+def _checkpoint(job: Job, run: RunDir, ckpt_dir: str, cfg: Config, before: dict, warm: dict) -> None:
+    orch_state = ray.get(job.orchestrator.state.remote())
+    extras = {"orchestrator": orch_state, "heldout_before": before, "warm_start": warm}
+    step = ray.get(job.learner.save.remote(ckpt_dir, extras, cfg.learner.max_checkpoints))
+    run.write_state({"checkpoint_step": step, "data_position": orch_state["next_index"]})
+
+
+def main_train(cfg: Config, resume: str | None = None) -> int:
+    try:
+        summary = train(cfg, resume)
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+    return 0 if summary else 1
+

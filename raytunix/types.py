@@ -1,0 +1,205 @@
+"""The few notions raytunix is built from, on one page.
+
+One episode (one agent, one environment, one task) reads::
+
+    observation = env.reset(task)                       # str: the task as the user sees it
+    agent.reset(task, observation)                      # tokens of the conversation so far
+    while True:
+        request = agent.next_request(sampling)          # GenerationRequest(prompt_ids=...)
+        result = await engine.generate(request)         # GenerationResult: tokens, logprobs
+        action = agent.on_generation(result)            # Action parsed from the model's text
+        step = env.step(action)                         # StepResult: observation, reward, done
+        if step.done or agent.turns >= max_turns:
+            break
+        agent.on_observation(step.observation)          # env text, tokenized once
+    trajectory = agent.to_trajectory(reward, status)    # exact tokens + loss mask
+
+Many such coroutines run at once in the rollout orchestrator; the G trajectories of one
+task form a group, groups are packed into Arrow record batches for the learner.
+
+Nothing here imports Ray or JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+
+class EpisodeStatus(str, enum.Enum):
+    """How an episode ended. Only ``COMPLETED`` and ``TRUNCATED`` episodes carry a reward
+    the environment computed; the others carry reward 0 and are counted in metrics."""
+
+    COMPLETED = "completed"
+    TRUNCATED = "truncated"  # max turns, max tokens or the context length ran out
+    TIMEOUT = "timeout"  # the episode's wall-clock budget ran out
+    ENV_ERROR = "env_error"  # the environment raised or its actor died
+    TOOL_ERROR_LIMIT = "tool_error_limit"  # too many malformed or failing tool calls
+    ABORTED = "aborted"  # the run stopped while the episode was in flight
+
+
+class FinishReason(str, enum.Enum):
+    """Why the engine stopped generating for one request."""
+
+    STOP = "stop"  # a stop token or stop string was produced
+    LENGTH = "length"  # max_new_tokens or the context length was reached
+    ABORT = "abort"  # the request was cancelled or the engine paused
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """One row of a dataset.
+
+    Attributes:
+      task_id: stable id, unique within a dataset split (used for exactly-once accounting).
+      question: the prompt text shown to the agent.
+      answer: the ground-truth answer as text.
+      metadata: anything the environment's verifier needs (e.g. the generator's entry).
+    """
+
+    task_id: str
+    question: str
+    answer: str
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one generation.
+
+    Attributes:
+      max_new_tokens: at most this many tokens are generated (tokens).
+      temperature: softmax temperature; 0 means greedy (argmax).
+      stop_token_ids: generation ends after any of these tokens (the token is kept).
+      stop_strings: generation ends once the decoded text ends with one of these.
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+    """One call to the inference engine.
+
+    Attributes:
+      request_id: unique per in-flight request.
+      prompt_ids: the exact token ids the model sees, int, length >= 1.
+      sampling: see ``SamplingParams``.
+      seed: per-request PRNG seed; two requests of one group must differ, or every
+        sample of the group is identical.
+    """
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationResult:
+    """What the engine produced for one request.
+
+    Attributes:
+      request_id: as in the request.
+      token_ids: generated token ids, length N (stop token included when one ended it).
+      logprobs: float log-probabilities of ``token_ids`` under the sampling distribution
+        (logits / temperature; logits themselves when greedy), length N, nats.
+      policy_versions: the policy version that produced each token, length N.
+      finish_reason: see ``FinishReason``.
+      text: ``token_ids`` decoded (special tokens kept), for parsing only.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    policy_versions: tuple[int, ...]
+    finish_reason: FinishReason
+    text: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+    """A parsed request to run a tool: ``name`` with JSON ``arguments``."""
+
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Action:
+    """What the agent made of one model turn.
+
+    Exactly one of ``tool_calls``, ``answer`` or ``parse_error`` is meaningful:
+    tool calls to run, a final answer to verify, or a message saying why the text could
+    not be parsed (the environment turns it into an error observation, never an
+    exception).
+    """
+
+    text: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    answer: str | None = None
+    parse_error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What the environment returned for one action.
+
+    Attributes:
+      observation: text to show the agent next (tool results, error messages); empty
+        when the episode is done.
+      reward: float reward for this step (the episode reward is the sum).
+      done: the episode ended.
+      status: set when ``done``: how the episode ended.
+      info: diagnostics (e.g. ``{"tool_error": True}``, tool latency in seconds).
+    """
+
+    observation: str
+    reward: float = 0.0
+    done: bool = False
+    status: EpisodeStatus | None = None
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """The learner's unit: one episode as exact tokens.
+
+    All per-token lists have the same length T (the whole conversation).
+
+    Attributes:
+      task_id, group_id: which task and which group of G samples it belongs to.
+      token_ids: int token ids, exactly as the model saw and produced them.
+      loss_mask: 1 on tokens the policy generated, 0 on prompt/env/tool tokens.
+      logprobs: behaviour log-probabilities (nats) on generated tokens, 0.0 elsewhere.
+      policy_versions: version that generated each token; -1 on non-generated tokens.
+      reward: episode reward (float).
+      status: how the episode ended.
+      num_turns: model turns taken.
+      metrics: timings in seconds and counts (``generate_s``, ``env_s``, ``tool_errors``).
+    """
+
+    task_id: str
+    group_id: str
+    token_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    policy_versions: list[int]
+    reward: float
+    status: EpisodeStatus
+    num_turns: int
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        for name in ("loss_mask", "logprobs", "policy_versions"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(
+                    f"Trajectory {self.task_id}/{self.group_id}: {name} has "
+                    f"{len(getattr(self, name))} entries but token_ids has {n}; every "
+                    "per-token list must be as long as token_ids."
+                )
