@@ -17,7 +17,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--config", default="default",
                        help=f"a preset ({', '.join(preset_names())}) or a YAML file")
     train.add_argument("--resume", metavar="RUN_DIR",
-                       help="continue a run from its latest checkpoint (uses the run's config)")
+                       help="continue a run from its latest checkpoint, with the run's own config "
+                            "(overrides apply on top, e.g. learner.rl_steps=80)")
     train.add_argument("overrides", nargs="*", metavar="section.key=value",
                        help="config overrides, e.g. rollout.max_concurrent_episodes=64")
     show = sub.add_parser("config", help="print the resolved config as YAML")
@@ -29,22 +30,20 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, [] if getattr(args, "resume", None) else args.overrides)
     except ConfigError as e:
         print(f"raytunix: config error: {e}", file=sys.stderr)
         return 2
     if args.command == "config":
         print(cfg.to_yaml(), end="")
         return 0
-    if args.resume and args.overrides:
-        print("raytunix: --resume continues a run with its own config; drop the overrides "
-              f"({' '.join(args.overrides)}) or start a new run.", file=sys.stderr)
-        return 2
     from raytunix.train import main_train
 
     try:
-        return main_train(cfg, resume=args.resume)
-    except FileNotFoundError as e:
+        if args.resume:  # the run's own config, with the overrides on top (e.g. more steps)
+            return main_train(cfg, resume=args.resume, resume_overrides=args.overrides)
+        return main_train(cfg)
+    except (FileNotFoundError, ConfigError) as e:
         print(f"raytunix: {e}", file=sys.stderr)
         return 2
 

@@ -15,13 +15,13 @@ import json
 import os
 import random
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import ray
 import yaml
 
-from raytunix.config import Config, config_from_dict
+from raytunix.config import Config, config_from_dict, parse_override
 from raytunix.envs import ENVS
 from raytunix.learner.learner import GRPOHyperparams
 from raytunix.models.llama import ModelConfig
@@ -76,8 +76,8 @@ def _new_run_dir(cfg: Config) -> RunDir:
     return RunDir(path)
 
 
-def load_run_config(run_dir: str) -> Config:
-    """The config a run was started with (``RUN_DIR/config.yaml``).
+def load_run_config(run_dir: str, overrides: Sequence[str] = ()) -> Config:
+    """The config a run was started with (``RUN_DIR/config.yaml``), plus ``overrides``.
 
     Raises:
       FileNotFoundError: ``run_dir`` is not a raytunix run directory.
@@ -88,7 +88,11 @@ def load_run_config(run_dir: str) -> Config:
             f"{run_dir!r} has no config.yaml, so it is not a raytunix run directory; pass the "
             "directory `raytunix train` printed at start (under runs/).")
     with open(path) as f:
-        return config_from_dict(yaml.safe_load(f))
+        tree = yaml.safe_load(f)
+    for item in overrides:
+        section, key, value = parse_override(item)
+        tree.setdefault(section, {})[key] = value
+    return config_from_dict(tree)
 
 
 def _agent_name(cfg: Config) -> str:
@@ -188,6 +192,15 @@ class Job:
     def engine_stats(self) -> dict[str, Any]:
         return ray.get(self.engine.engine_stats.remote())
 
+    def shutdown(self) -> None:
+        """Kills the run's actors (checkpoints and the run directory stay)."""
+        actors = [self.orchestrator, self.learner, *self.env_pool.actors]
+        if not self.colocated:
+            actors.append(self.engine)
+        for actor in actors:
+            if actor is not None:
+                ray.kill(actor)
+
 
 def _ensure_ray(cfg: Config) -> None:
     if ray.is_initialized():
@@ -227,12 +240,14 @@ def _warm_start(cfg: Config, job: Job, run: RunDir, tokenizer, train_tasks, dev_
     return {"warmup_steps": steps, "warmup_s": time.monotonic() - t0}
 
 
-def train(cfg: Config, resume: str | None = None) -> dict[str, Any]:
+def train(cfg: Config, resume: str | None = None, resume_overrides: Sequence[str] = ()) -> dict[str, Any]:
     """Runs the main job; returns the summary (also saved as ``summary.json``).
 
     Args:
       cfg: the run config (ignored when resuming: the run's own config is used).
       resume: a run directory to continue from its latest checkpoint.
+      resume_overrides: ``section.key=value`` changes to the resumed run's config, e.g.
+        ``learner.rl_steps=80`` to train further; saved back to its config.yaml.
 
     Raises:
       FileNotFoundError: ``resume`` is not a run directory or has no checkpoint.
@@ -242,10 +257,11 @@ def train(cfg: Config, resume: str | None = None) -> dict[str, Any]:
 
     wall0 = time.monotonic()
     if resume:
-        cfg = load_run_config(resume)
+        cfg = load_run_config(resume, resume_overrides)
         run = RunDir(resume)
-        saved = run.read_state()
-        if not saved.get("checkpoint_step") and saved.get("checkpoint_step") != 0:
+        with open(run.config, "w") as f:
+            f.write(cfg.to_yaml())
+        if "checkpoint_step" not in run.read_state():
             raise FileNotFoundError(
                 f"{resume!r} has no RL checkpoint yet (the run stopped before RL began); start "
                 "a new run instead.")
@@ -253,7 +269,6 @@ def train(cfg: Config, resume: str | None = None) -> dict[str, Any]:
         run = _new_run_dir(cfg)
         with open(run.config, "w") as f:
             f.write(cfg.to_yaml())
-        saved = {}
     _say(f"run directory: {run.path}")
 
     d = cfg.data
@@ -275,10 +290,18 @@ def train(cfg: Config, resume: str | None = None) -> dict[str, Any]:
         clip_eps_high=cfg.learner.clip_eps_high, kl_coef=cfg.learner.kl_coef,
         temperature=max(cfg.rollout.temperature, 1e-6), loss_aggregation=cfg.learner.loss_aggregation,
         normalize_advantages_by_std=cfg.learner.normalize_advantages_by_std)
-    ckpt_dir = run.checkpoints
 
+    job = Job(cfg, tokenizer, train_tasks)
+    try:
+        return _run(cfg, job, run, hp, resume, heldout, dev_tasks, train_tasks, tokenizer, wall0)
+    finally:
+        job.shutdown()
+
+
+def _run(cfg: Config, job: Job, run: RunDir, hp: GRPOHyperparams, resume: str | None, heldout,
+         dev_tasks, train_tasks, tokenizer, wall0: float) -> dict[str, Any]:
+    ckpt_dir = run.checkpoints
     if resume:
-        job = Job(cfg, tokenizer, train_tasks)
         ray.get(job.learner.start_rl.remote(hp))
         extras = ray.get(job.learner.restore.remote(ckpt_dir, cfg.learner.max_checkpoints))
         job.publish_weights()
@@ -290,7 +313,6 @@ def train(cfg: Config, resume: str | None = None) -> dict[str, Any]:
         _say(f"resumed at RL step {start_step}, policy version {version}, data position "
              f"{extras['orchestrator']['next_index']}")
     else:
-        job = Job(cfg, tokenizer, train_tasks)
         job.start_orchestrator({}, 0)
         warm = _warm_start(cfg, job, run, tokenizer, train_tasks, dev_tasks) if cfg.warmup.enabled else {}
         before = job.evaluate(heldout)
@@ -353,9 +375,9 @@ def _checkpoint(job: Job, run: RunDir, ckpt_dir: str, cfg: Config, before: dict,
     run.write_state({"checkpoint_step": step, "data_position": orch_state["next_index"]})
 
 
-def main_train(cfg: Config, resume: str | None = None) -> int:
+def main_train(cfg: Config, resume: str | None = None, resume_overrides: Sequence[str] = ()) -> int:
     try:
-        summary = train(cfg, resume)
+        summary = train(cfg, resume, resume_overrides)
     finally:
         if ray.is_initialized():
             ray.shutdown()

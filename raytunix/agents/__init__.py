@@ -11,15 +11,20 @@ from raytunix.agents.parsers import (
     parse_answer_action,
     parse_tool_calls,
 )
+from raytunix.agents.text_agent import TextAgent
 from raytunix.agents.tool_agent import AnswerAgent, ToolAgent
 
-AGENTS: dict[str, type[ConversationAgentBase]] = {"tool": ToolAgent, "answer": AnswerAgent}
+AGENTS: dict[str, type[ConversationAgentBase]] = {
+    "tool": ToolAgent,
+    "answer": AnswerAgent,
+    "text": TextAgent,
+}
 
 
 def make_agent(
     name: str, tokenizer: Any, system_prompt: str | None = None
 ) -> ConversationAgentBase:
-    """Builds the agent registered as ``name`` ("tool" or "answer").
+    """Builds the agent registered as ``name`` ("tool", "answer" or "text").
 
     Raises:
       ValueError: ``name`` is not registered (the message lists the valid names).
@@ -35,6 +40,7 @@ __all__ = [
     "AGENTS",
     "AnswerAgent",
     "ConversationAgentBase",
+    "TextAgent",
     "ToolAgent",
     "make_agent",
     "parse_action",

@@ -1,4 +1,5 @@
-"""Environments: the ``BaseEnv`` contract, a gymnasium adapter, math environments."""
+"""Environments: the ``BaseEnv`` contract, a gymnasium adapter, math environments, and a
+simulated slow-tool environment for benchmarks."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ from typing import Any
 
 from raytunix.envs.base import BaseEnv, GymTextEnv
 from raytunix.envs.math_envs import CalculatorMathEnv, MathVerifierEnv
+from raytunix.envs.simulated_tool import SimulatedToolEnv
 
 ENVS: dict[str, type[BaseEnv]] = {
     "calculator_math": CalculatorMathEnv,
     "math_verifier": MathVerifierEnv,
+    "simulated_tool": SimulatedToolEnv,
 }
 
 
@@ -26,4 +29,12 @@ def make_env(name: str, **kwargs: Any) -> BaseEnv:
     return cls(**kwargs)
 
 
-__all__ = ["BaseEnv", "CalculatorMathEnv", "ENVS", "GymTextEnv", "MathVerifierEnv", "make_env"]
+__all__ = [
+    "BaseEnv",
+    "CalculatorMathEnv",
+    "ENVS",
+    "GymTextEnv",
+    "MathVerifierEnv",
+    "SimulatedToolEnv",
+    "make_env",
+]

@@ -71,8 +71,10 @@ def record_batch_to_trajectories(batch: pa.RecordBatch) -> list[Trajectory]:
 
 def _padded(column: pa.ListArray, width: int, fill, dtype) -> np.ndarray:
     """[B] list column -> [B, width] array, right-padded with ``fill``."""
+    # ``offsets`` index the whole child array, also for a slice of a batch (whose first
+    # offset is not 0), so read ``values`` (all of it), not ``flatten()`` (the slice's part).
     offsets = column.offsets.to_numpy()
-    values = column.flatten().to_numpy(zero_copy_only=False)
+    values = column.values.to_numpy(zero_copy_only=False)
     out = np.full((len(column), width), fill, dtype=dtype)
     for i in range(len(column)):
         row = values[offsets[i] : offsets[i + 1]]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import ray
@@ -21,30 +22,41 @@ from raytunix.types import Action, StepResult, Task
 
 
 class EnvActor:
-    """Hosts environment instances keyed by episode id (run with ``ray.remote``)."""
+    """Hosts environment instances keyed by episode id (run with ``ray.remote``).
 
-    def __init__(self, env_name: str, env_kwargs: dict[str, Any]):
+    Args:
+      env_name, env_kwargs: what ``raytunix.envs.make_env`` builds per episode.
+      max_threads: environment calls that may block at once (threads are started on
+        demand). asyncio's default executor has only ``cpu_count + 4`` threads, so on a
+        small host a few slow tools would queue every other episode's step behind them.
+    """
+
+    def __init__(self, env_name: str, env_kwargs: dict[str, Any], max_threads: int = 256):
         os.environ.setdefault("JAX_PLATFORMS", "cpu")  # never grab an accelerator
         self._env_name = env_name
         self._env_kwargs = env_kwargs
         self._envs: dict[str, Any] = {}
+        self._executor = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="env")
         make_env(env_name, **env_kwargs).close()  # fail at start, not mid-run, on a bad config
 
     async def reset(self, episode_id: str, task: Task) -> str:
         env = make_env(self._env_name, **self._env_kwargs)
         self._envs[episode_id] = env
-        return await asyncio.to_thread(env.reset, task)
+        return await self._in_thread(env.reset, task)
 
     async def step(self, episode_id: str, action: Action) -> StepResult:
         env = self._envs.get(episode_id)
         if env is None:
             raise KeyError(f"episode {episode_id!r} has no environment on this actor (restarted?)")
-        return await asyncio.to_thread(env.step, action)
+        return await self._in_thread(env.step, action)
 
     async def close(self, episode_id: str) -> None:
         env = self._envs.pop(episode_id, None)
         if env is not None:
             env.close()
+
+    async def _in_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def num_envs(self) -> int:
         return len(self._envs)
@@ -78,16 +90,26 @@ class RemoteEnv:
 
 
 class LocalEnv:
-    """``EnvClient`` running an environment in-process (tests, evaluation without Ray)."""
+    """``EnvClient`` running an environment in-process (tests, evaluation without Ray).
+
+    Like ``RemoteEnv``, an exception from the environment becomes ``EnvFailure`` (the
+    episode ends as ENV_ERROR); anything else would read as an engine failure and the
+    task would be retried forever."""
 
     def __init__(self, env_name: str, env_kwargs: dict[str, Any]):
         self._env = make_env(env_name, **env_kwargs)
 
     async def reset(self, task: Task) -> str:
-        return self._env.reset(task)
+        try:
+            return self._env.reset(task)
+        except Exception as e:  # noqa: BLE001 - any failure ends this episode only
+            raise EnvFailure(f"reset failed: {e!r}") from e
 
     async def step(self, action: Action) -> StepResult:
-        return self._env.step(action)
+        try:
+            return self._env.step(action)
+        except Exception as e:  # noqa: BLE001
+            raise EnvFailure(f"step failed: {e!r}") from e
 
     async def close(self) -> None:
         self._env.close()
@@ -102,10 +124,12 @@ class EnvPool:
       max_restarts: Ray restarts of a crashed actor.
       resources: extra Ray resources each actor needs (e.g. ``{"env_host": 1}``) so that
         env actors land on their own node pool.
+      threads_per_actor: environment calls each actor runs at once (see ``EnvActor``).
     """
 
     def __init__(self, env_name: str, env_kwargs: dict[str, Any], num_actors: int,
-                 max_restarts: int = 3, resources: dict[str, float] | None = None):
+                 max_restarts: int = 3, resources: dict[str, float] | None = None,
+                 threads_per_actor: int = 256):
         if num_actors < 1:
             raise ValueError(f"num_actors={num_actors}: an env pool needs at least one actor.")
         cls = ray.remote(EnvActor).options(
@@ -113,7 +137,8 @@ class EnvPool:
             max_concurrency=10_000, resources=resources or {},
             runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu"}},
         )
-        self.actors = [cls.remote(env_name, env_kwargs) for _ in range(num_actors)]
+        self.actors = [cls.remote(env_name, env_kwargs, threads_per_actor)
+                       for _ in range(num_actors)]
         self._load = [0] * num_actors
         self._ids = itertools.count()
 

@@ -103,8 +103,8 @@ async def run_episode(
                 if result.finish_reason == FinishReason.ABORT:
                     status = EpisodeStatus.ABORTED
                     break
-                if result.finish_reason == FinishReason.LENGTH:
-                    break  # the turn did not end: TRUNCATED
+                if result.finish_reason == FinishReason.LENGTH and not agent.turn_finished:
+                    break  # the turn did not end (an agent may close a cut reply): TRUNCATED
                 timings["tool_calls"] += len(action.tool_calls)
                 step = await env_call(env.step(action))
                 reward += step.reward

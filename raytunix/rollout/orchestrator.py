@@ -117,6 +117,7 @@ class RolloutOrchestrator:
         self._queue: asyncio.Queue | None = None
         self._queue_size = batch_queue_size
         self._wake: asyncio.Event | None = None
+        self._pack_lock: asyncio.Lock | None = None
         self._producer: asyncio.Task | None = None
         self._group_tasks: set[asyncio.Task] = set()
         self._created = time.monotonic()
@@ -126,7 +127,8 @@ class RolloutOrchestrator:
         room = self._in_flight_episodes == 0 or (
             self._in_flight_episodes + self.group_size <= self.max_concurrent_episodes)
         allowed = (self._version - self._version0 + self.max_staleness + 1) * self.groups_per_batch
-        return room and self._groups_started - self._groups_dropped < allowed
+        backlog = self._queue is not None and self._queue.full()  # the learner is behind
+        return room and not backlog and self._groups_started - self._groups_dropped < allowed
 
     def _take_index(self) -> int:
         if self._retry:
@@ -141,6 +143,9 @@ class RolloutOrchestrator:
                 await self._wake.wait()
             index = self._take_index()
             self._pending.add(index)
+            # Counted here, not when the task first runs: this loop starts groups without
+            # yielding, so a count taken later would let every admissible group in at once.
+            self._in_flight_episodes += self.group_size
             self._groups_started += 1
             self.counters["groups_started"] += 1
             task = asyncio.create_task(self._run_group(index))
@@ -150,13 +155,15 @@ class RolloutOrchestrator:
     async def _run_group(self, index: int) -> None:
         task = self._tasks[index % len(self._tasks)]
         group_id = f"g{index}"
-        self._in_flight_episodes += self.group_size
         try:
-            trajectories = await asyncio.gather(*[
-                self._episode(task, group_id, self.sampling,
-                              seed=(self.seed * 1_000_003 + index * self.group_size + j) % 2**31)
-                for j in range(self.group_size)
-            ])
+            # A TaskGroup (unlike gather) cancels and awaits the other episodes when one
+            # raises, so none keeps running, unbudgeted, after the group is given up.
+            async with asyncio.TaskGroup() as episodes:
+                runs = [episodes.create_task(self._episode(
+                    task, group_id, self.sampling,
+                    seed=(self.seed * 1_000_003 + index * self.group_size + j) % 2**31))
+                    for j in range(self.group_size)]
+            trajectories = [run.result() for run in runs]
         except Exception as e:  # the engine failed: the task is redone, not lost
             logger.warning("group %s failed (%r); task index %d goes back in the queue", group_id, e, index)
             self.counters["groups_retried_engine_error"] += 1
@@ -195,6 +202,12 @@ class RolloutOrchestrator:
         self._wake.set()
 
     async def _pack_ready_batches(self) -> None:
+        # One packer at a time: a coroutine waiting in queue.put can be overtaken by a later
+        # put, and batch k must reach the learner k-th (it is checked against version v0 + k).
+        async with self._pack_lock:
+            await self._pack_ready_batches_locked()
+
+    async def _pack_ready_batches_locked(self) -> None:
         while len(self._finished) >= self.groups_per_batch:
             consume_version = self._version0 + self._batches_formed
             fresh = []
@@ -243,6 +256,7 @@ class RolloutOrchestrator:
         if self._producer is None:
             self._queue = asyncio.Queue(maxsize=self._queue_size)
             self._wake = asyncio.Event()
+            self._pack_lock = asyncio.Lock()
             self._producer = asyncio.create_task(self._produce())
 
     async def next_batch(self) -> tuple[list[Any], dict]:
@@ -253,6 +267,7 @@ class RolloutOrchestrator:
         """
         self.start()
         handle, info = await self._queue.get()
+        self._wake.set()  # the queue has room again
         info["queue_depth"] = self._queue.qsize()
         info["episodes_in_flight"] = self._in_flight_episodes
         return [handle], info

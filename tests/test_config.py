@@ -1,0 +1,106 @@
+import pytest
+
+from raytunix.config import Config, ConfigError, config_from_dict, load_config, preset_names
+
+
+def test_every_preset_loads_and_validates():
+    names = preset_names()
+    assert {"default", "single_turn"} <= set(names)
+    for name in names:
+        assert isinstance(load_config(name), Config)
+    single = load_config("single_turn")
+    assert single.env.name == "math_verifier"
+    assert single.env.max_turns == 1
+
+
+def test_no_config_gives_the_defaults():
+    assert load_config(None) == Config()
+
+
+def test_yaml_file_then_overrides_in_order(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("rollout:\n  group_size: 4\n  max_staleness: 0\nrun:\n  name: mine\n")
+    cfg = load_config(str(path), overrides=[
+        "rollout.group_size=6", "rollout.temperature=0.7", "rollout.drop_failed_groups=true",
+        "rollout.group_size=5"])
+    assert cfg.rollout.group_size == 5  # the last override wins
+    assert cfg.rollout.max_staleness == 0  # from the file
+    assert cfg.rollout.temperature == 0.7
+    assert cfg.rollout.drop_failed_groups is True
+    assert cfg.run.name == "mine"
+    assert cfg.learner.rl_steps == Config().learner.rl_steps  # untouched keys keep defaults
+
+
+def test_override_values_are_coerced_to_the_field_type():
+    cfg = load_config(None, ["rollout.episode_timeout_s=5", "run.name=123", "learner.rl_steps=7.0"])
+    assert cfg.rollout.episode_timeout_s == 5.0 and isinstance(cfg.rollout.episode_timeout_s, float)
+    assert cfg.run.name == "123"
+    assert cfg.learner.rl_steps == 7 and isinstance(cfg.learner.rl_steps, int)
+
+
+@pytest.mark.parametrize("override, named", [
+    ("rollout.grup_size=4", "rollout.grup_size"),  # unknown key
+    ("rolout.group_size=4", "rolout"),  # unknown section
+    ("rollout.group_size=abc", "'abc'"),  # not an integer
+    ("rollout.group_size=2.5", "2.5"),  # not a whole number
+    ("rollout.group_size=true", "True"),  # a bool is not an integer
+    ("rollout.temperature=hot", "'hot'"),  # not a number
+    ("rollout.drop_failed_groups=maybe", "'maybe'"),  # not a boolean
+    ("run.name=null", "None"),  # not a string
+    ("rollout.group_size=1", "rollout.group_size=1"),  # GRPO needs two samples
+    ("rollout.max_staleness=-1", "rollout.max_staleness=-1"),  # negative
+    ("rollout.max_concurrent_episodes=0", "rollout.max_concurrent_episodes=0"),  # not positive
+    ("env.name=chess", "'chess'"),  # not a choice
+    ("warmup.target_tool_accuracy=1.5", "warmup.target_tool_accuracy=1.5"),  # not a probability
+    ("model.n_heads=3", "model.n_heads=3"),  # d_model not divisible
+    ("eval.heldout_size=500", "eval.heldout_size=500"),  # more than the held-out split
+    ("rollout.group_size", "rollout.group_size"),  # no '='
+    ("group_size=4", "group_size"),  # no section
+])
+def test_bad_overrides_name_the_key_and_value(override, named):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert named in str(e.value)
+
+
+def test_bad_value_in_a_file_names_the_file_key_and_value(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("learner:\n  rl_steps: many\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(str(path))
+    assert "learner.rl_steps" in str(e.value) and "'many'" in str(e.value)
+
+
+@pytest.mark.parametrize("text, named", [
+    ("rollout: [1, 2\n", "not valid YAML"),
+    ("- rollout\n- env\n", "top level must be a mapping"),
+    ("rollout: 3\n", "'rollout'"),
+    ("training:\n  steps: 3\n", "'training'"),
+    ("env:\n  nme: x\n", "env.nme"),
+])
+def test_malformed_files_raise_config_error(tmp_path, text, named):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(str(path))
+    assert named in str(e.value)
+    assert str(path) in str(e.value)
+
+
+def test_unknown_preset_lists_the_presets():
+    with pytest.raises(ConfigError) as e:
+        load_config("no_such_preset")
+    assert "'no_such_preset'" in str(e.value) and "default" in str(e.value)
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_round_trip_through_yaml_and_dict(tmp_path):
+    cfg = load_config("default", ["rollout.max_staleness=0", "learner.kl_coef=0.01",
+                                  "env.agent=tool", "rollout.drop_failed_groups=true"])
+    path = tmp_path / "config.yaml"
+    path.write_text(cfg.to_yaml())
+    assert load_config(str(path)) == cfg
+    assert config_from_dict(cfg.to_dict()) == cfg

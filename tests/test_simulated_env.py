@@ -1,0 +1,140 @@
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import asyncio
+import time
+
+import pytest
+
+from raytunix.agents import AGENTS, TextAgent, ToolAgent, make_agent
+from raytunix.envs import SimulatedToolEnv, make_env
+from raytunix.inference.engine import InferenceEngine
+from raytunix.models.llama import ModelConfig, init_model
+from raytunix.models.tokenizer import Tokenizer
+from raytunix.rollout.env_pool import LocalEnv
+from raytunix.rollout.episode import run_episode
+from raytunix.types import (
+    Action,
+    EpisodeStatus,
+    FinishReason,
+    GenerationResult,
+    SamplingParams,
+    Task,
+)
+
+TOKENIZER = Tokenizer.byte_level()
+TASK = Task(task_id="t0", question="Look it up.", answer="")
+
+
+def generation(text, finish_reason=FinishReason.STOP):
+    ids = TOKENIZER.encode(text)
+    return GenerationResult(request_id="r", token_ids=tuple(ids), logprobs=(-0.5,) * len(ids),
+                            policy_versions=(3,) * len(ids), finish_reason=finish_reason)
+
+
+def test_env_sleeps_per_step_and_ends_after_turns():
+    env = SimulatedToolEnv(tool_latency_s=0.02, turns=3)
+    assert env.reset(TASK) == TASK.question
+    for k in (1, 2):
+        start = time.perf_counter()
+        step = env.step(Action(text="anything"))
+        assert time.perf_counter() - start >= 0.02
+        assert (step.observation, step.done, step.reward) == (f"tool result {k}", False, 0.0)
+        assert step.info["tool_latency_s"] == pytest.approx(0.02)
+    step = env.step(Action(text="anything"))
+    assert (step.done, step.reward, step.status) == (True, 1.0, EpisodeStatus.COMPLETED)
+    assert env.step(Action(text="late")).status == EpisodeStatus.ENV_ERROR  # no episode running
+
+
+def test_jitter_stays_in_range_and_is_seeded_per_task():
+    def latencies(seed, task_id):
+        env = SimulatedToolEnv(tool_latency_s=0.001, turns=20, jitter=0.5, seed=seed)
+        env.reset(Task(task_id=task_id, question="q", answer=""))
+        return [env.step(Action(text="x")).info["tool_latency_s"] for _ in range(20)]
+
+    first = latencies(0, "a")
+    assert all(0.0005 <= s <= 0.0015 for s in first)
+    assert len(set(first)) > 1
+    assert latencies(0, "a") == first  # same seed and task: same latencies, on any actor
+    assert latencies(0, "b") != first and latencies(1, "a") != first
+
+
+@pytest.mark.parametrize("kwargs", [{"tool_latency_s": -1.0}, {"turns": 0}, {"jitter": 1.5}])
+def test_bad_arguments_are_rejected(kwargs):
+    with pytest.raises(ValueError):
+        SimulatedToolEnv(**kwargs)
+
+
+def test_registered_with_the_text_agent():
+    env = make_env("simulated_tool", tool_latency_s=0.0, turns=2)
+    assert isinstance(env, SimulatedToolEnv) and env.default_agent == "text"
+    assert AGENTS["text"] is TextAgent
+    assert isinstance(make_agent("text", TOKENIZER), TextAgent)
+
+
+def test_text_agent_passes_text_through_and_closes_cut_replies():
+    agent = TextAgent(TOKENIZER)
+    agent.reset(TASK, TASK.question)
+    prompt_len = len(agent.token_ids)
+    action = agent.on_generation(generation("no tags here", FinishReason.LENGTH))
+    assert action == Action(text="no tags here")
+    n = len(TOKENIZER.encode("no tags here"))
+    # the closing <|end|> is context, not a generated token
+    assert agent.token_ids[prompt_len + n] == agent.end_id
+    assert agent.loss_mask[prompt_len:] == [1] * n + [0]
+    assert agent.turn_finished and agent.num_generated_tokens == n
+    agent.on_observation("tool result 1")  # the conversation goes on
+
+    agent.on_generation(generation("cut", FinishReason.ABORT))
+    assert not agent.turn_finished  # an aborted reply is not a whole action
+
+
+class ScriptedEngine:
+    """Replies with the same 5 tokens, cut at max_new_tokens, every turn."""
+
+    def __init__(self):
+        self.requests = []
+
+    async def generate(self, request):
+        self.requests.append(request)
+        return generation("abcde", FinishReason.LENGTH)
+
+
+def _episode(agent, env, engine, max_new_tokens=5):
+    return asyncio.run(run_episode(
+        TASK, "g0", agent, env, engine, SamplingParams(max_new_tokens=max_new_tokens),
+        max_turns=10, max_context_tokens=256, seed=0, timeout_s=30.0))
+
+
+def test_cut_replies_still_truncate_a_tool_agent_episode():
+    engine = ScriptedEngine()
+    trajectory = _episode(ToolAgent(TOKENIZER), LocalEnv("simulated_tool", {"turns": 3,
+                                                                        "tool_latency_s": 0.0}),
+                          engine)
+    assert trajectory.status == EpisodeStatus.TRUNCATED and trajectory.num_turns == 1
+    assert len(engine.requests) == 1
+
+
+def test_text_agent_episode_on_a_real_engine_runs_every_turn():
+    config = ModelConfig(vocab_size=TOKENIZER.vocab_size, d_model=32, n_layers=2, n_heads=4,
+                         n_kv_heads=2, d_ff=64, max_seq_len=128)
+    graphdef, params = init_model(config, seed=0)
+
+    async def main():
+        engine = InferenceEngine(graphdef, params, config, TOKENIZER, max_batch_size=4,
+                                 prefill_len_buckets=(32, 64, 128))
+        env = LocalEnv("simulated_tool", {"turns": 3, "tool_latency_s": 0.001})
+        agent = TextAgent(TOKENIZER)
+        # a random model almost never emits <|end|>: without it every turn is cut at 6 tokens
+        sampling = SamplingParams(max_new_tokens=6, temperature=1.0, stop_token_ids=())
+        trajectory = await run_episode(TASK, "g0", agent, env, engine, sampling, max_turns=5,
+                                       max_context_tokens=128, seed=1, timeout_s=60.0)
+        await engine.close()
+        return trajectory
+
+    trajectory = asyncio.run(main())
+    assert trajectory.status == EpisodeStatus.COMPLETED and trajectory.reward == 1.0
+    assert trajectory.num_turns == 3
+    assert 3 <= trajectory.metrics["generated_tokens"] <= 18
+    assert trajectory.metrics["env_s"] >= 0.002
