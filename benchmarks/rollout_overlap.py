@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import platform
@@ -42,8 +43,15 @@ from raytunix.inference.actor import EngineActor  # noqa: E402
 from raytunix.models.llama import ModelConfig  # noqa: E402
 from raytunix.models.tokenizer import Tokenizer  # noqa: E402
 from raytunix.rollout.actor import OrchestratorActor, RayEngineClient  # noqa: E402
+from raytunix.rollout.batch import trajectories_to_record_batch  # noqa: E402
 from raytunix.rollout.env_pool import EnvPool  # noqa: E402
-from raytunix.types import FinishReason, GenerationRequest, SamplingParams, Task  # noqa: E402
+from raytunix.types import (  # noqa: E402
+    EpisodeStatus,
+    FinishReason,
+    GenerationRequest,
+    SamplingParams,
+    Task,
+)
 
 _ACTOR_ENV = {"env_vars": {"JAX_PLATFORMS": "cpu"}}
 AGENT = "text"  # SimulatedToolEnv.default_agent
@@ -51,7 +59,7 @@ AGENT = "text"  # SimulatedToolEnv.default_agent
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--trajectories", type=int, default=256, help="per mode and repeat")
+    p.add_argument("--trajectories", type=int, default=192, help="per mode and repeat")
     p.add_argument("--tool-latency-s", type=float, default=None,
                    help="mean tool latency (s); default: latency factor x calibrated turn time")
     p.add_argument("--latency-factor", type=float, default=5.0)
@@ -60,7 +68,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=16, help="generated tokens per turn")
     p.add_argument("--max-batch-size", type=int, default=16, help="engine slots")
     p.add_argument("--concurrency", type=int, default=None,
-                   help="async episodes in flight (default 6 x max batch size)")
+                   help="async episodes in flight (default 6 x max batch size: with tools "
+                        "taking 5x a turn's generation, 1 episode in 6 is generating)")
     p.add_argument("--env-actors", type=int, default=1)
     p.add_argument("--repeats", type=int, default=2, help="measurements per mode")
     p.add_argument("--seed", type=int, default=0)
@@ -117,6 +126,7 @@ async def lockstep_batch(tasks, tokenizer, engine, pool: EnvPool, args, batch_in
     for agent, task, obs in zip(agents, tasks, observations):
         agent.reset(task, obs)
     rewards = [0.0] * len(tasks)
+    statuses = [EpisodeStatus.TRUNCATED] * len(tasks)
     live = list(range(len(tasks)))
     for turn in range(args.turns):
         requests = [agents[i].next_request(f"l{batch_index}/{i}/{turn}", sampling(args),
@@ -136,7 +146,9 @@ async def lockstep_batch(tasks, tokenizer, engine, pool: EnvPool, args, batch_in
         live = []
         for i, step in zip(stepping, steps):
             rewards[i] += step.reward
-            if not step.done and turn + 1 < args.turns:
+            if step.done:
+                statuses[i] = step.status or EpisodeStatus.COMPLETED
+            elif turn + 1 < args.turns:
                 agents[i].on_observation(step.observation)
                 live.append(i)
         if not live:
@@ -144,8 +156,10 @@ async def lockstep_batch(tasks, tokenizer, engine, pool: EnvPool, args, batch_in
     await asyncio.gather(*(env.close() for env in envs))
     for _, index in leases:
         pool.release(index)
-    return [agent.to_trajectory(t.task_id, f"l{batch_index}", r, "completed")
-            for agent, t, r in zip(agents, tasks, rewards)]
+    trajectories = [agent.to_trajectory(t.task_id, f"l{batch_index}", r, status)
+                    for agent, t, r, status in zip(agents, tasks, rewards, statuses)]
+    ray.put(trajectories_to_record_batch(trajectories))  # what the orchestrator hands on, too
+    return trajectories
 
 
 async def run_lockstep(tasks, tokenizer, engine, pool, args, turn_times=None) -> list:
@@ -165,48 +179,57 @@ def measure_lockstep(tasks, tokenizer, engine, pool, args) -> dict:
     after = ray.get(engine.engine_stats.remote())
     tokens = sum(sum(t.loss_mask) for t in trajectories)
     turns = sum(t.num_turns for t in trajectories)
+    statuses = collections.Counter(t.status.value for t in trajectories)
     return {"wall_s": wall, "trajectories": len(trajectories),
             "trajectories_per_s": len(trajectories) / wall,
             "generated_tokens_per_s": tokens / wall, "mean_turns": turns / len(trajectories),
-            "mean_tokens_per_turn": tokens / max(turns, 1),
+            "mean_tokens_per_turn": tokens / max(turns, 1), "statuses": dict(statuses),
             **engine_window(before, after, wall)}
 
 
 # ----------------------------------------------------------------------- async orchestrator
 
-def measure_async(tasks, tokenizer, engine, pool, args) -> dict:
+def measure_async(tasks, tokenizer, engine, pool, args, max_context_tokens: int) -> dict:
     orchestrator = ray.remote(OrchestratorActor).options(
         num_cpus=0, max_concurrency=10_000, runtime_env=_ACTOR_ENV).remote(
         tasks=tasks, tokenizer=tokenizer, agent_name=AGENT, env_pool=pool, engine=engine,
         group_size=1, groups_per_batch=args.max_batch_size,
         max_concurrent_episodes=args.concurrency,
         max_staleness=10**9,  # no learner runs: admission must never wait for one
-        max_turns=args.turns, max_context_tokens=engine_max_seq_len(args),
+        max_turns=args.turns, max_context_tokens=max_context_tokens,
         sampling=sampling(args), episode_timeout_s=600.0, batch_queue_size=4, seed=args.seed)
     ray.get(orchestrator.stats.remote())  # constructed and ready before the clock starts
     before = ray.get(engine.engine_stats.remote())
     start = time.perf_counter()
-    n, tokens, turns, statuses = 0, 0.0, 0.0, {}
+    n, tokens, turns, statuses = 0, 0.0, 0.0, collections.Counter()
     while n < args.trajectories:
         _, info = ray.get(orchestrator.next_batch.remote())
         k = info["num_trajectories"]
         n += k
         tokens += info["generated_tokens_mean"] * k
         turns += info["turns_mean"] * k
-        for status, count in info["statuses"].items():
-            statuses[status] = statuses.get(status, 0) + count
+        statuses.update(info["statuses"])
     wall = time.perf_counter() - start
     after = ray.get(engine.engine_stats.remote())
     ray.get(orchestrator.stop.remote())
     ray.kill(orchestrator)
+    wait_engine_idle(engine)
     return {"wall_s": wall, "trajectories": n, "trajectories_per_s": n / wall,
             "generated_tokens_per_s": tokens / wall, "mean_turns": turns / n,
-            "mean_tokens_per_turn": tokens / max(turns, 1), "statuses": statuses,
+            "mean_tokens_per_turn": tokens / max(turns, 1), "statuses": dict(statuses),
             **engine_window(before, after, wall)}
 
 
-def engine_max_seq_len(args) -> int:
-    return ModelConfig(vocab_size=300).max_seq_len  # the default config the engine runs
+def wait_engine_idle(engine, timeout_s: float = 60.0) -> None:
+    """Waits out the requests of episodes cancelled at the end of a run, which the engine
+    still finishes, so that they do not run into the next measurement."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        stats = ray.get(engine.engine_stats.remote())
+        if stats["active_slots"] == 0 and stats["waiting"] == 0:
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"engine still busy {timeout_s} s after the async run: {stats}")
 
 
 # ----------------------------------------------------------------------- main
@@ -265,7 +288,8 @@ def main() -> None:
     for r in range(args.repeats):
         tasks = make_tasks(args.trajectories)
         results["lockstep"].append(measure_lockstep(tasks, tokenizer, engine, pool, args))
-        results["async"].append(measure_async(tasks, tokenizer, engine, pool, args))
+        results["async"].append(measure_async(tasks, tokenizer, engine, pool, args,
+                                              model_config.max_seq_len))
     summary = {mode: summarize(runs) for mode, runs in results.items()}
     print(json.dumps({
         "benchmark": "rollout_overlap",

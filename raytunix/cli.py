@@ -37,13 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config":
         print(cfg.to_yaml(), end="")
         return 0
-    from raytunix.train import main_train
+    from raytunix.train import RunError, main_train
 
     try:
         if args.resume:  # the run's own config, with the overrides on top (e.g. more steps)
             return main_train(cfg, resume=args.resume, resume_overrides=args.overrides)
         return main_train(cfg)
-    except (FileNotFoundError, ConfigError) as e:
+    except (FileNotFoundError, ConfigError, RunError) as e:
         print(f"raytunix: {e}", file=sys.stderr)
         return 2
 

@@ -73,6 +73,7 @@ class RolloutConfig:
     episode_timeout_s: float = 120.0  # wall-clock budget per episode
     batch_queue_size: int = 2  # finished batches waiting for the learner (backpressure)
     drop_failed_groups: bool = False  # drop a group with a failed member instead of masking it
+    batch_timeout_s: float = 900.0  # the run stops (checkpoints kept) if no batch arrives in this time
 
 
 @dataclasses.dataclass
@@ -148,7 +149,7 @@ _POSITIVE = {
     "model.max_seq_len", "data.train_size", "data.heldout_size", "env.max_turns",
     "env.num_env_actors", "rollout.group_size", "rollout.groups_per_batch",
     "rollout.max_concurrent_episodes", "rollout.max_new_tokens", "rollout.episode_timeout_s",
-    "rollout.batch_queue_size", "engine.max_batch_size", "learner.learning_rate",
+    "rollout.batch_queue_size", "rollout.batch_timeout_s", "engine.max_batch_size", "learner.learning_rate",
     "learner.checkpoint_every", "learner.max_checkpoints", "warmup.batch_size",
     "warmup.learning_rate", "warmup.eval_every", "warmup.eval_size", "eval.heldout_size",
     "eval.max_new_tokens", "run.log_every",

@@ -21,7 +21,7 @@ import numpy as np
 import ray
 import yaml
 
-from raytunix.config import Config, config_from_dict, parse_override
+from raytunix.config import Config, ConfigError, config_from_dict, parse_override
 from raytunix.envs import ENVS
 from raytunix.learner.learner import GRPOHyperparams
 from raytunix.models.llama import ModelConfig
@@ -29,6 +29,10 @@ from raytunix.models.tokenizer import Tokenizer
 from raytunix.types import SamplingParams
 
 _ACTOR_ENV = {"env_vars": {"JAX_PLATFORMS": "cpu"}}
+
+
+class RunError(RuntimeError):
+    """The run cannot go on; the message says why and what to do (checkpoints are kept)."""
 
 
 class RunDir:
@@ -42,6 +46,7 @@ class RunDir:
         self.tokenizer = os.path.join(self.path, "tokenizer.json")
         self.metrics = os.path.join(self.path, "metrics.jsonl")
         self.checkpoints = os.path.join(self.path, "checkpoints")
+        self.reference = os.path.join(self.path, "reference")  # KL reference policy, if any
         self.summary = os.path.join(self.path, "summary.json")
         self.state = os.path.join(self.path, "state.json")
 
@@ -81,6 +86,7 @@ def load_run_config(run_dir: str, overrides: Sequence[str] = ()) -> Config:
 
     Raises:
       FileNotFoundError: ``run_dir`` is not a raytunix run directory.
+      ConfigError: the saved config is corrupt or an override is bad.
     """
     path = os.path.join(run_dir, "config.yaml")
     if not os.path.exists(path):
@@ -88,7 +94,12 @@ def load_run_config(run_dir: str, overrides: Sequence[str] = ()) -> Config:
             f"{run_dir!r} has no config.yaml, so it is not a raytunix run directory; pass the "
             "directory `raytunix train` printed at start (under runs/).")
     with open(path) as f:
-        tree = yaml.safe_load(f)
+        try:
+            tree = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path} is not valid YAML ({e}); restore it from a copy or start a new run.") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path} does not hold a config mapping; restore it or start a new run.")
     for item in overrides:
         section, key, value = parse_override(item)
         tree.setdefault(section, {})[key] = value
@@ -303,7 +314,8 @@ def _run(cfg: Config, job: Job, run: RunDir, hp: GRPOHyperparams, resume: str | 
     ckpt_dir = run.checkpoints
     if resume:
         ray.get(job.learner.start_rl.remote(hp))
-        extras = ray.get(job.learner.restore.remote(ckpt_dir, cfg.learner.max_checkpoints))
+        extras = ray.get(job.learner.restore.remote(
+            ckpt_dir, cfg.learner.max_checkpoints, run.reference))
         job.publish_weights()
         version = int(extras["policy_version"])
         job.start_orchestrator(extras["orchestrator"], version)
@@ -320,12 +332,20 @@ def _run(cfg: Config, job: Job, run: RunDir, hp: GRPOHyperparams, resume: str | 
         _say(f"held-out before RL: success {before['success_rate']:.1%} (tool use "
              f"{before['tool_use_rate']:.1%}) on {before['num_tasks']} tasks")
         ray.get(job.learner.start_rl.remote(hp))
+        ray.get(job.learner.save_reference.remote(run.reference))
         start_step = 0
         _checkpoint(job, run, ckpt_dir, cfg, before, warm)
 
     t_rl = time.monotonic()
     for step in range(start_step, cfg.learner.rl_steps):
-        refs, info = ray.get(job.orchestrator.next_batch.remote())
+        try:
+            refs, info = ray.get(job.orchestrator.next_batch.remote(), timeout=cfg.rollout.batch_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            stats = ray.get(job.orchestrator.stats.remote())
+            raise RunError(
+                f"no trajectory batch within rollout.batch_timeout_s={cfg.rollout.batch_timeout_s} s "
+                f"at RL step {step + 1}; orchestrator: {json.dumps(stats)}. Checkpoints up to "
+                f"the last one are in {ckpt_dir}; fix the cause and use --resume.") from None
         metrics = ray.get(job.learner.train_step.remote(refs))
         job.publish_weights()
         version = int(metrics["policy_version"])

@@ -138,3 +138,34 @@ def test_text_agent_episode_on_a_real_engine_runs_every_turn():
     assert trajectory.num_turns == 3
     assert 3 <= trajectory.metrics["generated_tokens"] <= 18
     assert trajectory.metrics["env_s"] >= 0.002
+
+
+class BarrierEnv(SimulatedToolEnv):
+    """Each step blocks until ``parties`` steps are blocked at once (or 10 s pass)."""
+
+    barrier = None
+
+    def _step_impl(self, action):
+        BarrierEnv.barrier.wait(timeout=10.0)
+        return super()._step_impl(action)
+
+
+def test_env_actor_runs_more_blocking_steps_at_once_than_asyncio_default(monkeypatch):
+    import threading
+
+    from raytunix.envs import ENVS
+    from raytunix.rollout.env_pool import EnvActor
+
+    parties = (os.cpu_count() or 1) + 4 + 8  # more than asyncio's default executor holds
+    BarrierEnv.barrier = threading.Barrier(parties)
+    monkeypatch.setitem(ENVS, "barrier", BarrierEnv)
+
+    async def main():
+        actor = EnvActor("barrier", {"tool_latency_s": 0.0, "turns": 1})
+        await asyncio.gather(*(actor.reset(f"e{i}", TASK) for i in range(parties)))
+        return await asyncio.gather(*(actor.step(f"e{i}", Action(text="x"))
+                                      for i in range(parties)))
+
+    steps = asyncio.run(main())
+    # a broken barrier (too few threads) would end every step as ENV_ERROR
+    assert all(step.status == EpisodeStatus.COMPLETED for step in steps)

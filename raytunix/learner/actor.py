@@ -83,8 +83,14 @@ class LearnerActor:
         await self._in_thread(self.learner.save, ckpt, extras)
         return self.learner.rl_step
 
-    async def restore(self, directory: str, max_to_keep: int = 3) -> dict[str, Any]:
-        extras = await self._in_thread(self.learner.restore, self._checkpointer(directory, max_to_keep))
+    async def save_reference(self, directory: str) -> None:
+        await self._in_thread(self.learner.save_reference, self._checkpointer(directory, 1))
+
+    async def restore(self, directory: str, max_to_keep: int = 3,
+                      reference_directory: str | None = None) -> dict[str, Any]:
+        reference = self._checkpointer(reference_directory, 1) if reference_directory else None
+        extras = await self._in_thread(
+            self.learner.restore, self._checkpointer(directory, max_to_keep), None, reference)
         self._publish()
         return extras
 

@@ -29,7 +29,7 @@ from raytunix.learner.train_state import (
 from raytunix.models.llama import ModelConfig, init_model
 from raytunix.rollout.batch import record_batch_to_arrays
 
-PAD_MULTIPLE = 64  # trajectory lengths are padded to this many tokens: few shapes, few compiles
+PAD_MULTIPLE = 32  # trajectory lengths are padded to this many tokens: few shapes, few compiles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,13 +151,31 @@ class Learner:
         extras = dict(extras, policy_version=self.version, rl_step=self.rl_step)
         checkpointer.save(self.rl_step, self._state, extras)
 
-    def restore(self, checkpointer: Checkpointer, step: int | None = None) -> dict[str, Any]:
-        """Restores the latest (or ``step``) checkpoint into the RL state; returns extras."""
+    def save_reference(self, checkpointer: Checkpointer) -> None:
+        """Saves the KL reference policy (the weights at ``start_rl``) once, so that a
+        resumed run penalizes KL to the same policy. No-op without a KL penalty."""
+        if self._ref_params is not None and checkpointer.latest_step() is None:
+            checkpointer.save(0, self._state.replace(params=self._ref_params), {"reference": True})
+
+    def restore(self, checkpointer: Checkpointer, step: int | None = None,
+                reference: Checkpointer | None = None) -> dict[str, Any]:
+        """Restores the latest (or ``step``) checkpoint into the RL state; returns extras.
+
+        Raises:
+          RuntimeError: before ``start_rl``, or a KL penalty is on and ``reference`` holds
+            no reference policy.
+        """
         if self._hp is None:
             raise RuntimeError("call start_rl (with the run's hyperparameters) before restore")
         self._state, extras = checkpointer.restore(step, self._state)
         self.version = int(extras["policy_version"])
         self.rl_step = int(extras["rl_step"])
+        if self._hp.kl_coef > 0:
+            if reference is None or reference.latest_step() is None:
+                raise RuntimeError(
+                    "learner.kl_coef > 0 but the run has no saved reference policy; resume "
+                    "with learner.kl_coef=0 or start a new run.")
+            self._ref_params = reference.restore(0, self._state)[0].params
         return extras
 
 

@@ -50,13 +50,16 @@ class RolloutOrchestrator:
       group_size, groups_per_batch, max_concurrent_episodes, max_staleness, max_turns,
       max_context_tokens, sampling, episode_timeout_s, batch_queue_size,
       drop_failed_groups: see ``raytunix.config.RolloutConfig`` / ``EnvConfig``.
+      max_group_retries: a group whose engine calls fail is retried this many times,
+        then its task is filtered (counted as ``groups_filtered_engine_error``).
       seed: base seed; sample j of task index i uses its own seed.
       policy_version: the version the engine holds now.
       state: a dict from ``state()`` to resume from (data position, pending tasks).
 
     Admission rule: with ``v0`` the version at start and ``v`` now, a new group starts
     only if ``groups_started - groups_dropped < (v - v0 + max_staleness + 1) *
-    groups_per_batch`` and the episode budget has room. Packing rule: batch k (counted
+    groups_per_batch``, the episode budget has room and the batch queue is not full
+    (backpressure: a stalled learner stops the producer). Packing rule: batch k (counted
     from 0 since start) is consumed at version ``v0 + k``; a group whose oldest generated
     token is older than ``v0 + k - max_staleness`` is dropped as stale.
     """
@@ -79,6 +82,7 @@ class RolloutOrchestrator:
         episode_timeout_s: float = 120.0,
         batch_queue_size: int = 2,
         drop_failed_groups: bool = False,
+        max_group_retries: int = 3,
         seed: int = 0,
         policy_version: int = 0,
         state: dict[str, Any] | None = None,
@@ -99,6 +103,7 @@ class RolloutOrchestrator:
         self.sampling = sampling
         self.episode_timeout_s = episode_timeout_s
         self.drop_failed_groups = drop_failed_groups
+        self.max_group_retries = max_group_retries
         self.seed = seed
 
         self._version0 = policy_version
@@ -108,6 +113,7 @@ class RolloutOrchestrator:
         self._retry = collections.deque(int(i) for i in state.get("pending", []))
         self.counters: collections.Counter = collections.Counter(state.get("counters", {}))
         self._pending: set[int] = set()  # handed out, not yet trained or filtered
+        self._failures: collections.Counter = collections.Counter()  # engine errors per task index
         self._batch_members: dict[int, list[int]] = {}  # batch id -> task indices
         self._groups_started = 0
         self._groups_dropped = 0
@@ -165,6 +171,12 @@ class RolloutOrchestrator:
                     for j in range(self.group_size)]
             trajectories = [run.result() for run in runs]
         except Exception as e:  # the engine failed: the task is redone, not lost
+            self._failures[index] += 1
+            if self._failures[index] > self.max_group_retries:
+                logger.error("group %s failed %d times (last: %r); task index %d is filtered",
+                             group_id, self._failures[index], e, index)
+                self._drop(index, "engine_error")
+                return
             logger.warning("group %s failed (%r); task index %d goes back in the queue", group_id, e, index)
             self.counters["groups_retried_engine_error"] += 1
             self._pending.discard(index)

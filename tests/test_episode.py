@@ -1,0 +1,80 @@
+"""Token exactness with the real engine: a multi-turn calculator episode's trajectory is
+exactly the tokens the engine was given plus what it generated, turn after turn, and the
+loss mask is 1 only on generated tokens."""
+
+import asyncio
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import numpy as np  # noqa: E402
+
+from raytunix.agents import make_agent  # noqa: E402
+from raytunix.data.arithmetic import make_arithmetic_splits  # noqa: E402
+from raytunix.data.demonstrations import make_demonstration  # noqa: E402
+from raytunix.inference.engine import InferenceEngine  # noqa: E402
+from raytunix.learner.learner import Learner  # noqa: E402
+from raytunix.models.llama import ModelConfig  # noqa: E402
+from raytunix.models.tokenizer import Tokenizer  # noqa: E402
+from raytunix.rollout.env_pool import LocalEnv  # noqa: E402
+from raytunix.rollout.episode import run_episode  # noqa: E402
+from raytunix.types import EpisodeStatus, SamplingParams  # noqa: E402
+
+
+class RecordingEngine:
+    """Passes requests to a real engine and keeps every (prompt, result) pair."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.calls = []
+
+    async def generate(self, request):
+        result = await self.engine.generate(request)
+        self.calls.append((list(request.prompt_ids), result))
+        return result
+
+
+def _memorized_engine(tokenizer, task):
+    """A tiny model trained until it reproduces one tool-using demonstration greedily."""
+    agent = make_agent("tool", tokenizer)
+    ids, mask = agent.render_demonstration(task, make_demonstration(task, use_tool=True))
+    config = ModelConfig(vocab_size=tokenizer.vocab_size, d_model=64, n_layers=2, n_heads=4,
+                         n_kv_heads=2, d_ff=128, max_seq_len=128)
+    learner = Learner(config, seed=0, pad_id=tokenizer.pad_id)
+    learner.start_warmup(3e-3)
+    tokens = np.array([ids], np.int32)
+    loss_mask = np.array([mask], np.float32)
+    learner.sft_steps(tokens, loss_mask, num_steps=150, batch_size=1)
+    return InferenceEngine(learner.graphdef, learner.params, config, tokenizer, max_batch_size=4)
+
+
+def test_multi_turn_trajectory_is_exactly_engine_inputs_plus_outputs():
+    train, _ = make_arithmetic_splits(8, 2, seed=3)
+    task = train[0]
+    tokenizer = Tokenizer.byte_level()
+    engine = RecordingEngine(_memorized_engine(tokenizer, task))
+    sampling = SamplingParams(max_new_tokens=80, temperature=0.0, stop_token_ids=(tokenizer.end_id,))
+
+    trajectory = asyncio.run(run_episode(
+        task, "g0", make_agent("tool", tokenizer), LocalEnv("calculator_math", {}), engine,
+        sampling, max_turns=3, max_context_tokens=128, seed=0, timeout_s=60.0))
+
+    assert trajectory.status == EpisodeStatus.COMPLETED and trajectory.reward == 1.0
+    assert len(engine.calls) == 2  # a tool call, then the answer
+    # Each prompt extends the previous prompt + generation (plus the tool observation).
+    (prompt1, result1), (prompt2, result2) = engine.calls
+    assert prompt2[: len(prompt1) + len(result1.token_ids)] == prompt1 + list(result1.token_ids)
+    observation = prompt2[len(prompt1) + len(result1.token_ids):]
+    assert tokenizer.decode(observation) == f"<|tool|>{task.answer}<|end|><|assistant|>"
+    # The trajectory is the last prompt plus the last generation, token for token.
+    assert trajectory.token_ids == prompt2 + list(result2.token_ids)
+    # Loss mask 1 exactly on generated tokens, with their logprobs and versions.
+    generated = set(range(len(prompt1), len(prompt1) + len(result1.token_ids))) | set(
+        range(len(prompt2), len(trajectory.token_ids)))
+    assert [i for i, m in enumerate(trajectory.loss_mask) if m] == sorted(generated)
+    expected_logprobs = list(result1.logprobs) + list(result2.logprobs)
+    got = [lp for lp, m in zip(trajectory.logprobs, trajectory.loss_mask) if m]
+    np.testing.assert_allclose(got, expected_logprobs, rtol=1e-6)
+    assert all(v == 0 for v, m in zip(trajectory.policy_versions, trajectory.loss_mask) if m)
+    assert all(v == -1 for v, m in zip(trajectory.policy_versions, trajectory.loss_mask) if not m)
+    assert tokenizer.decode(result2.token_ids) == f"<answer>{task.answer}</answer><|end|>"
