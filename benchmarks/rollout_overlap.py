@@ -270,7 +270,7 @@ def main() -> None:
         pool = EnvPool("simulated_tool", {"tool_latency_s": 0.0, "turns": args.turns},
                        num_actors=1)
         turn_times: list[float] = []
-        tasks = make_tasks(3 * args.max_batch_size)
+        tasks = make_tasks(2 * args.max_batch_size)
         asyncio.run(run_lockstep(tasks[:args.max_batch_size], tokenizer, engine, pool, args))
         asyncio.run(run_lockstep(tasks[args.max_batch_size:], tokenizer, engine, pool, args,
                                  turn_times))
@@ -285,7 +285,7 @@ def main() -> None:
                    num_actors=args.env_actors)
     pool.wait_ready()
     results: dict[str, list[dict]] = {"lockstep": [], "async": []}
-    for r in range(args.repeats):
+    for _ in range(args.repeats):
         tasks = make_tasks(args.trajectories)
         results["lockstep"].append(measure_lockstep(tasks, tokenizer, engine, pool, args))
         results["async"].append(measure_async(tasks, tokenizer, engine, pool, args,
