@@ -225,9 +225,10 @@ def _ensure_ray(cfg: Config) -> None:
                  runtime_env=_ACTOR_ENV)
 
 
-def _warm_start(cfg: Config, job: Job, run: RunDir, tokenizer, train_tasks, dev_tasks) -> dict:
+def _warm_start(cfg: Config, job: Job, run: RunDir, dev_tasks) -> dict:
+    """Supervised steps on demonstrations until the dev check passes (or max_steps)."""
     w = cfg.warmup
-    tokens, mask = _demonstration_arrays(cfg, train_tasks[: max(4000, w.batch_size)], tokenizer)
+    tokens, mask = _demonstration_arrays(cfg, job.train_tasks[: max(4000, w.batch_size)], job.tokenizer)
     ray.get(job.learner.set_demonstrations.remote(tokens, mask))
     ray.get(job.learner.start_warmup.remote(w.learning_rate, w.warmup_steps, cfg.learner.max_grad_norm))
     _say(f"warm start: {len(tokens)} demonstrations of <= {tokens.shape[1]} tokens, "
@@ -304,13 +305,14 @@ def train(cfg: Config, resume: str | None = None, resume_overrides: Sequence[str
 
     job = Job(cfg, tokenizer, train_tasks)
     try:
-        return _run(cfg, job, run, hp, resume, heldout, dev_tasks, train_tasks, tokenizer, wall0)
+        return _run(cfg, job, run, hp, resume, heldout, dev_tasks, wall0)
     finally:
         job.shutdown()
 
 
 def _run(cfg: Config, job: Job, run: RunDir, hp: GRPOHyperparams, resume: str | None, heldout,
-         dev_tasks, train_tasks, tokenizer, wall0: float) -> dict[str, Any]:
+         dev_tasks, wall0: float) -> dict[str, Any]:
+    """Warm start (new runs) or restore (resumed runs), then the RL loop and the summary."""
     ckpt_dir = run.checkpoints
     if resume:
         ray.get(job.learner.start_rl.remote(hp))
@@ -326,7 +328,7 @@ def _run(cfg: Config, job: Job, run: RunDir, hp: GRPOHyperparams, resume: str | 
              f"{extras['orchestrator']['next_index']}")
     else:
         job.start_orchestrator({}, 0)
-        warm = _warm_start(cfg, job, run, tokenizer, train_tasks, dev_tasks) if cfg.warmup.enabled else {}
+        warm = _warm_start(cfg, job, run, dev_tasks) if cfg.warmup.enabled else {}
         before = job.evaluate(heldout)
         run.log({"phase": "eval", "when": "before_rl", **before})
         _say(f"held-out before RL: success {before['success_rate']:.1%} (tool use "

@@ -482,6 +482,36 @@ def test_an_engine_error_retries_the_group_without_losing_or_orphaning_episodes(
     assert leases.outstanding == 0
 
 
+class AlwaysFailingFor(FakeEngine):
+    """Every request of the named groups raises, every time."""
+
+    def __init__(self, groups, **kwargs):
+        super().__init__(**kwargs)
+        self.broken = set(groups)
+
+    async def generate(self, request):
+        if request.request_id.split("/")[0] in self.broken:
+            raise RuntimeError(f"engine crashed on {request.request_id}")
+        return await super().generate(request)
+
+
+def test_a_task_whose_engine_calls_always_fail_is_filtered_after_bounded_retries():
+    async def main():
+        engine = AlwaysFailingFor({"g0"}, delay=lambda r: 0.001)
+        orchestrator = make_orchestrator(engine, group_size=2, groups_per_batch=1,
+                                         max_concurrent_episodes=2, max_group_retries=2)
+        consumed = await learner_loop(orchestrator, engine, 3)
+        await orchestrator.stop()
+        return consumed, orchestrator.state()
+
+    consumed, state = run(main())
+    assert state["counters"]["groups_retried_engine_error"] == 2  # then given up
+    assert state["counters"]["groups_filtered_engine_error"] == 1
+    trained = _trained_indices(consumed)
+    assert 0 not in trained and 0 not in state["pending"]
+    _assert_accounted(trained, state)
+
+
 def test_an_episode_over_its_time_budget_ends_as_timeout():
     async def main():
         # The answer turn never comes back in time.
