@@ -108,8 +108,8 @@ class WarmupConfig:
     tool_use_prob_2_terms: float = 0.25  # share of demonstrations that call the tool
     tool_use_prob_3_terms: float = 0.85
     eval_every: int = 100  # steps between checks of the stop condition
-    eval_size: int = 64  # held-out-free dev tasks used for the stop condition
-    target_tool_accuracy: float = 0.7  # stop once greedy tool-path accuracy reaches this
+    eval_size: int = 128  # held-out-free dev tasks used for the stop condition
+    target_tool_accuracy: float = 0.6  # stop once greedy tool-path accuracy reaches this
 
 
 @dataclasses.dataclass
