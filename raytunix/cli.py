@@ -1,15 +1,22 @@
-"""Command line: ``raytunix train [--config PRESET|FILE] [--resume RUN_DIR] [key=value ...]``."""
+"""raytunix command line.
+
+  raytunix train [--config PRESET|FILE] [section.key=value ...]
+  raytunix train --resume RUN_DIR [learner.rl_steps=N ...]
+  raytunix config [--config PRESET|FILE] [section.key=value ...]
+"""
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from raytunix.config import ConfigError, load_config, preset_names
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="raytunix", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="raytunix", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser(
         "train", help="warm start, then asynchronous GRPO on Ray; prints a summary",
@@ -21,9 +28,12 @@ def _parser() -> argparse.ArgumentParser:
                             "(overrides apply on top, e.g. learner.rl_steps=80)")
     train.add_argument("overrides", nargs="*", metavar="section.key=value",
                        help="config overrides, e.g. rollout.max_concurrent_episodes=64")
-    show = sub.add_parser("config", help="print the resolved config as YAML")
-    show.add_argument("--config", default="default")
-    show.add_argument("overrides", nargs="*", metavar="section.key=value")
+    show = sub.add_parser("config", help="print the resolved config as YAML",
+                          description="Prints the config a run would use, as YAML.")
+    show.add_argument("--config", default="default",
+                      help=f"a preset ({', '.join(preset_names())}) or a YAML file")
+    show.add_argument("overrides", nargs="*", metavar="section.key=value",
+                      help="config overrides, e.g. learner.rl_steps=20")
     return parser
 
 
@@ -39,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from raytunix.train import RunError, main_train
 
+    # `kill`/`timeout` (SIGTERM) stops a run the way Ctrl-C does: actors are shut down,
+    # finished checkpoints stay on disk.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         if args.resume:  # the run's own config, with the overrides on top (e.g. more steps)
             return main_train(cfg, resume=args.resume, resume_overrides=args.overrides)
@@ -46,6 +59,14 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ConfigError, RunError) as e:
         print(f"raytunix: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("raytunix: interrupted; checkpoints written so far are kept (continue with "
+              "`raytunix train --resume RUN_DIR`).", file=sys.stderr)
+        return 130
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

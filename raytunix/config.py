@@ -303,6 +303,8 @@ def load_config(config: str | None = None, overrides: Sequence[str] = ()) -> Con
         elif config in preset_names():
             text = resources.files("raytunix.configs").joinpath(f"{config}.yaml").read_text()
             _merge(cfg, _read_yaml(text, f"preset {config}"), f"preset {config}")
+        elif config.endswith((".yaml", ".yml")) or os.sep in config:
+            raise ConfigError(f"config file {config!r} does not exist; check the path.")
         else:
             raise ConfigError(
                 f"config {config!r} is neither a YAML file nor a preset; presets: "

@@ -26,7 +26,7 @@ from raytunix.envs import ENVS
 from raytunix.learner.learner import GRPOHyperparams
 from raytunix.models.llama import ModelConfig
 from raytunix.models.tokenizer import Tokenizer
-from raytunix.types import SamplingParams
+from raytunix.types import EpisodeStatus, SamplingParams
 
 _ACTOR_ENV = {"env_vars": {"JAX_PLATFORMS": "cpu"}}
 
@@ -72,6 +72,12 @@ def _say(msg: str) -> None:
 
 
 def _new_run_dir(cfg: Config) -> RunDir:
+    try:
+        os.makedirs(cfg.run.output_dir, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(
+            f"run.output_dir={cfg.run.output_dir!r} cannot be created ({e.strerror}); pass a "
+            "writable directory.") from None
     stamp = time.strftime("%Y%m%d-%H%M%S")
     path = os.path.join(cfg.run.output_dir, f"{cfg.run.name}-{stamp}")
     suffix = 1
@@ -79,6 +85,15 @@ def _new_run_dir(cfg: Config) -> RunDir:
         path = os.path.join(cfg.run.output_dir, f"{cfg.run.name}-{stamp}-{suffix}")
         suffix += 1
     return RunDir(path)
+
+
+# What a resumed run may change: how long it trains and how it is run, never what the
+# checkpoint holds (model shape, tokenizer, data, algorithm).
+RESUME_OVERRIDABLE = frozenset({
+    "learner.rl_steps", "learner.checkpoint_every", "learner.max_checkpoints", "run.log_every",
+    "rollout.batch_timeout_s", "rollout.max_concurrent_episodes", "env.num_env_actors",
+    "eval.max_new_tokens",
+})
 
 
 def load_run_config(run_dir: str, overrides: Sequence[str] = ()) -> Config:
@@ -102,6 +117,10 @@ def load_run_config(run_dir: str, overrides: Sequence[str] = ()) -> Config:
         raise ConfigError(f"{path} does not hold a config mapping; restore it or start a new run.")
     for item in overrides:
         section, key, value = parse_override(item)
+        if f"{section}.{key}" not in RESUME_OVERRIDABLE:
+            raise ConfigError(
+                f"{section}.{key} cannot change when resuming (the checkpoint depends on it); "
+                f"keys a resume may change: {', '.join(sorted(RESUME_OVERRIDABLE))}.")
         tree.setdefault(section, {})[key] = value
     return config_from_dict(tree)
 
@@ -110,15 +129,18 @@ def _agent_name(cfg: Config) -> str:
     return ENVS[cfg.env.name].default_agent if cfg.env.agent == "auto" else cfg.env.agent
 
 
+def _uses_tools(cfg: Config) -> bool:
+    return cfg.env.name == "calculator_math"
+
+
 def _demonstration_arrays(cfg: Config, tasks, tokenizer) -> tuple[np.ndarray, np.ndarray]:
     """Renders warm-start demonstrations through the agent's own token path."""
     from raytunix.agents import make_agent
     from raytunix.data.demonstrations import sample_demonstrations
 
     rng = random.Random(cfg.run.seed)
-    tool = cfg.env.name == "calculator_math"
     probs = ({2: cfg.warmup.tool_use_prob_2_terms, 3: cfg.warmup.tool_use_prob_3_terms}
-             if tool else {n: 0.0 for n in range(1, 10)})
+             if _uses_tools(cfg) else {n: 0.0 for n in range(1, 10)})
     demos = sample_demonstrations(tasks, rng, probs)
     agent = make_agent(_agent_name(cfg), tokenizer)
     rows = [agent.render_demonstration(task, messages) for task, messages in zip(tasks, demos)]
@@ -231,8 +253,9 @@ def _warm_start(cfg: Config, job: Job, run: RunDir, dev_tasks) -> dict:
     tokens, mask = _demonstration_arrays(cfg, job.train_tasks[: max(4000, w.batch_size)], job.tokenizer)
     ray.get(job.learner.set_demonstrations.remote(tokens, mask))
     ray.get(job.learner.start_warmup.remote(w.learning_rate, w.warmup_steps, cfg.learner.max_grad_norm))
+    measure = "tool-path accuracy" if _uses_tools(cfg) else "success"
     _say(f"warm start: {len(tokens)} demonstrations of <= {tokens.shape[1]} tokens, "
-         f"up to {w.max_steps} steps (stop at tool-path accuracy >= {w.target_tool_accuracy:.0%})")
+         f"up to {w.max_steps} steps (stop at dev {measure} >= {w.target_tool_accuracy:.0%})")
     steps, t0, result = 0, time.monotonic(), {}
     while steps < w.max_steps:
         n = min(w.eval_every, w.max_steps - steps)
@@ -245,8 +268,7 @@ def _warm_start(cfg: Config, job: Job, run: RunDir, dev_tasks) -> dict:
         _say(f"warm start step {steps}: loss {metrics['loss']:.3f}  dev success "
              f"{dev['success_rate']:.1%}  tool use {dev['tool_use_rate']:.1%}  tool-path accuracy "
              f"{dev['tool_path_accuracy']:.1%}  ({time.monotonic() - t0:.0f} s)")
-        target_met = (dev["tool_path_accuracy"] >= w.target_tool_accuracy
-                      if cfg.env.name == "calculator_math" else dev["success_rate"] >= w.target_tool_accuracy)
+        target_met = (dev["tool_path_accuracy"] if _uses_tools(cfg) else dev["success_rate"]) >= w.target_tool_accuracy
         if steps >= w.min_steps and target_met:
             break
     return {"warmup_steps": steps, "warmup_s": time.monotonic() - t0}
@@ -324,6 +346,10 @@ def _run(cfg: Config, job: Job, run: RunDir, hp: GRPOHyperparams, resume: str | 
         before = extras["heldout_before"]
         warm = extras.get("warm_start", {})
         start_step = int(extras["rl_step"])
+        if start_step >= cfg.learner.rl_steps:
+            raise RunError(
+                f"the checkpoint is at RL step {start_step} and learner.rl_steps={cfg.learner.rl_steps}: "
+                f"nothing left to train; resume with learner.rl_steps greater than {start_step}.")
         _say(f"resumed at RL step {start_step}, policy version {version}, data position "
              f"{extras['orchestrator']['next_index']}")
     else:
@@ -382,7 +408,9 @@ def _run(cfg: Config, job: Job, run: RunDir, hp: GRPOHyperparams, resume: str | 
         "rl_s": time.monotonic() - t_rl,
         "wall_s": time.monotonic() - wall0,
         "engine_busy_fraction": engine_stats.get("busy_fraction"),
-        "orchestrator": ray.get(job.orchestrator.stats.remote())["counters"],
+        "eval_decoding": "greedy",
+        "orchestrator": {**{f"episodes_{s.value}": 0 for s in EpisodeStatus},
+                         **ray.get(job.orchestrator.stats.remote())["counters"]},
     }
     with open(run.summary, "w") as f:
         json.dump(summary, f, indent=2)

@@ -9,8 +9,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest  # noqa: E402
 
-from raytunix.config import load_config  # noqa: E402
-from raytunix.train import train  # noqa: E402
+from raytunix.config import ConfigError, load_config  # noqa: E402
+from raytunix.train import RunError, load_run_config, train  # noqa: E402
 
 TINY = [
     "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
@@ -68,5 +68,19 @@ def test_resume_continues_step_counter_optimizer_and_data_position(ray_session, 
         resumed = json.load(f)
     assert resumed["checkpoint_step"] == 4
     assert resumed["data_position"] >= state["data_position"]
-    # The held-out "before" number is the original run's, carried by the checkpoint.
     assert summary["rl_steps"] == 4
+    # Asking for fewer steps than the checkpoint holds is refused, not silently ignored.
+    with pytest.raises(RunError, match="nothing left to train"):
+        train(cfg, resume=run_dir, resume_overrides=["learner.rl_steps=3"])
+
+
+def test_resume_refuses_overrides_the_checkpoint_depends_on(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(load_config(None).to_yaml())
+    with pytest.raises(ConfigError, match="model.d_model cannot change when resuming"):
+        load_run_config(str(run_dir), ["model.d_model=64"])
+    assert load_run_config(str(run_dir), ["learner.rl_steps=80"]).learner.rl_steps == 80
+    (run_dir / "config.yaml").write_text("run: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_run_config(str(run_dir))
