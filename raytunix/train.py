@@ -408,6 +408,7 @@ def _run(cfg: Config, job: Job, run: RunDir, hp: GRPOHyperparams, resume: str | 
         "rl_s": time.monotonic() - t_rl,
         "wall_s": time.monotonic() - wall0,
         "engine_busy_fraction": engine_stats.get("busy_fraction"),
+        "engine_policy_version": engine_stats.get("policy_version"),
         "eval_decoding": "greedy",
         "orchestrator": {**{f"episodes_{s.value}": 0 for s in EpisodeStatus},
                          **ray.get(job.orchestrator.stats.remote())["counters"]},

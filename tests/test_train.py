@@ -28,10 +28,15 @@ def _rl_records(run_dir):
         return [r for r in map(json.loads, f) if r["phase"] == "rl"]
 
 
-@pytest.mark.parametrize("env_name,max_turns", [("calculator_math", 3), ("math_verifier", 1)])
-def test_short_training_run_on_local_ray(ray_session, tmp_path, env_name, max_turns):
+@pytest.mark.parametrize("env_name,max_turns,placement", [
+    ("calculator_math", 3, "colocated"),
+    ("math_verifier", 1, "colocated"),
+    ("calculator_math", 3, "disaggregated"),  # engine and learner in separate actors
+])
+def test_short_training_run_on_local_ray(ray_session, tmp_path, env_name, max_turns, placement):
     cfg = load_config(None, TINY + [f"run.output_dir={tmp_path}", f"env.name={env_name}",
-                                    f"env.max_turns={max_turns}", "learner.rl_steps=2"])
+                                    f"env.max_turns={max_turns}", "learner.rl_steps=2",
+                                    f"engine.placement={placement}"])
     summary = train(cfg)
     run_dir = summary["run_dir"]
     for name in ("config.yaml", "tokenizer.json", "metrics.jsonl", "summary.json", "state.json"):
@@ -42,6 +47,7 @@ def test_short_training_run_on_local_ray(ray_session, tmp_path, env_name, max_tu
     assert all(r["num_trajectories"] == 4 for r in records)
     assert all(r["staleness_max"] <= cfg.rollout.max_staleness for r in records)
     assert summary["env"] == env_name and summary["heldout_tasks"] == 16
+    assert summary["engine_policy_version"] == 2  # the engine got every update's weights
     assert 0.0 <= summary["heldout_success_after_rl"] <= 1.0
     if env_name == "math_verifier":
         assert all(r["turns_mean"] == 1.0 for r in records)  # single turn, no tool
