@@ -96,6 +96,7 @@ class _Sequence:
     slot: int = -1
     cache_len: int = 0  # positions of this slot's cache row written under current weights
     needs_prefill: bool = True
+    prefill_wait: int = 0  # decode steps this sequence's prefill has been held back
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
@@ -130,6 +131,10 @@ class InferenceEngine:
       prefill_len_buckets: sequence lengths a prefill is padded to (capped at, and
         always including, S).
       policy_version: version of ``params``; stamped on the tokens they generate.
+      prefill_min_batch, max_prefill_delay_steps: while other requests decode, fewer than
+        ``prefill_min_batch`` new arrivals wait up to ``max_prefill_delay_steps`` decode
+        steps to be prefilled together (one fuller prefill instead of several padded
+        ones); 0 steps turns the wait off.
 
     Compiles lazily: one decode shape, and at most one prefill shape per
     (batch bucket, length bucket) pair actually used.
@@ -139,7 +144,8 @@ class InferenceEngine:
                  max_batch_size: int = 128, max_seq_len: int | None = None,
                  prefill_batch_buckets: Sequence[int] = (4, 16, 64),
                  prefill_len_buckets: Sequence[int] = (64, 128, 256),
-                 policy_version: int = 0):
+                 policy_version: int = 0, prefill_min_batch: int = 4,
+                 max_prefill_delay_steps: int = 4):
         if not isinstance(max_batch_size, int) or max_batch_size <= 0:
             raise ValueError(f"InferenceEngine: max_batch_size must be a positive int, got "
                              f"{max_batch_size!r}.")
@@ -155,6 +161,12 @@ class InferenceEngine:
         self._scratch_slot = max_batch_size
         self._batch_buckets = _buckets(prefill_batch_buckets, max_batch_size,
                                        "prefill_batch_buckets", always_cap=False)
+        if prefill_min_batch < 1 or max_prefill_delay_steps < 0:
+            raise ValueError(
+                f"InferenceEngine: prefill_min_batch={prefill_min_batch!r} must be >= 1 and "
+                f"max_prefill_delay_steps={max_prefill_delay_steps!r} >= 0.")
+        self._prefill_min_batch = prefill_min_batch
+        self._max_prefill_delay = max_prefill_delay_steps
         self._len_buckets = _buckets(prefill_len_buckets, seq_len, "prefill_len_buckets",
                                      always_cap=True)
         self._params = jax.device_put(params)
@@ -438,7 +450,7 @@ class InferenceEngine:
                     continue
                 self._drop_cancelled()
                 self._admit()
-                todo = [s for s in self._slots if s is not None and s.needs_prefill]
+                todo = self._prefills_due()
                 for group in self._prefill_groups(todo):
                     await self._prefill(group)
                 if any(s is not None and not s.needs_prefill for s in self._slots):
@@ -451,6 +463,21 @@ class InferenceEngine:
             logger.exception("InferenceEngine loop failed; failing all requests.")
             self._cache = None
             self._fail_all(error)
+
+    def _prefills_due(self) -> list[_Sequence]:
+        """The sequences to prefill now. While others decode, a few lone arrivals wait (at
+        most ``max_prefill_delay_steps`` decode steps) for company, so that prefills run
+        as a few fuller batches instead of many padded ones."""
+        todo = [s for s in self._slots if s is not None and s.needs_prefill]
+        decoding = any(s is not None and not s.needs_prefill for s in self._slots)
+        if (todo and decoding and len(todo) < self._prefill_min_batch
+                and max(s.prefill_wait for s in todo) < self._max_prefill_delay):
+            for seq in todo:
+                seq.prefill_wait += 1
+            return []
+        for seq in todo:
+            seq.prefill_wait = 0
+        return todo
 
     def _drop_cancelled(self) -> None:
         for seq in self._slots:
