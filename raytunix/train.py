@@ -28,7 +28,8 @@ from raytunix.models.llama import ModelConfig
 from raytunix.models.tokenizer import Tokenizer
 from raytunix.types import EpisodeStatus, SamplingParams
 
-_ACTOR_ENV = {"env_vars": {"JAX_PLATFORMS": "cpu"}}
+# Actors that must never take the accelerator (libtpu allows one process per host).
+_CPU_ONLY = {"env_vars": {"JAX_PLATFORMS": "cpu"}}
 
 
 class RunError(RuntimeError):
@@ -174,17 +175,17 @@ class Job:
         self.colocated = cfg.engine.placement == "colocated"
         if self.colocated:
             self.learner = ray.remote(PolicyActor).options(
-                num_cpus=1, max_concurrency=10_000, runtime_env=_ACTOR_ENV).remote(
+                num_cpus=1, max_concurrency=10_000).remote(
                 model_config, cfg.run.seed, tokenizer, cfg.engine.max_batch_size)
             self.engine = self.learner
         else:
             from raytunix.inference.actor import EngineActor
 
             self.learner = ray.remote(LearnerActor).options(
-                num_cpus=1, max_concurrency=100, runtime_env=_ACTOR_ENV).remote(
+                num_cpus=1, max_concurrency=100).remote(
                 model_config, cfg.run.seed, tokenizer.pad_id)
             self.engine = ray.remote(EngineActor).options(
-                num_cpus=0, max_concurrency=10_000, runtime_env=_ACTOR_ENV).remote(
+                num_cpus=0, max_concurrency=10_000).remote(
                 model_config, cfg.run.seed, tokenizer, cfg.engine.max_batch_size)
         self.env_pool = EnvPool(
             cfg.env.name, {"max_tool_errors": cfg.env.max_tool_errors} if cfg.env.name == "calculator_math" else {},
@@ -198,7 +199,7 @@ class Job:
         if self.orchestrator is not None:
             ray.kill(self.orchestrator)
         self.orchestrator = ray.remote(OrchestratorActor).options(
-            num_cpus=0, max_concurrency=10_000, runtime_env=_ACTOR_ENV).remote(
+            num_cpus=0, max_concurrency=10_000, runtime_env=_CPU_ONLY).remote(
             tasks=self.train_tasks, tokenizer=tokenizer, agent_name=_agent_name(cfg),
             env_pool=self.env_pool, engine=self.engine,
             group_size=cfg.rollout.group_size, groups_per_batch=cfg.rollout.groups_per_batch,
@@ -243,8 +244,7 @@ def _ensure_ray(cfg: Config) -> None:
         ray.init(address=address, log_to_driver=True)
     else:
         ray.init(include_dashboard=False, object_store_memory=256 * 1024**2,
-                 num_cpus=max(2, os.cpu_count() or 2), log_to_driver=True,
-                 runtime_env=_ACTOR_ENV)
+                 num_cpus=max(2, os.cpu_count() or 2), log_to_driver=True)
 
 
 def _warm_start(cfg: Config, job: Job, run: RunDir, dev_tasks) -> dict:

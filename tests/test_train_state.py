@@ -5,12 +5,10 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import logging
-import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from raytunix.learner.checkpoint import Checkpointer

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import os
+import jax
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-import jax  # noqa: E402
-
-from raytunix.inference.engine import InferenceEngine  # noqa: E402
-from raytunix.models.llama import ModelConfig, init_model  # noqa: E402
+from raytunix.inference.engine import InferenceEngine
+from raytunix.models.llama import ModelConfig, init_model
 
 
 class EngineActor:

@@ -9,17 +9,12 @@ accepting generation requests while an update is computed.
 from __future__ import annotations
 
 import asyncio
-import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-import jax  # noqa: E402
-
-from raytunix.learner.checkpoint import Checkpointer  # noqa: E402
-from raytunix.learner.learner import GRPOHyperparams, Learner  # noqa: E402
-from raytunix.models.llama import ModelConfig  # noqa: E402
+from raytunix.learner.checkpoint import Checkpointer
+from raytunix.learner.learner import GRPOHyperparams, Learner
+from raytunix.models.llama import ModelConfig
 
 
 class LearnerActor:
