@@ -24,6 +24,9 @@ from raytunix.types import (
 )
 
 
+MAX_TURN_SEEDS = 1 << 16  # seeds reserved per episode, one per turn (max_turns must stay below)
+
+
 class EngineClient(Protocol):
     """Anything that generates: a local ``InferenceEngine`` or a Ray actor handle wrapper."""
 
@@ -63,7 +66,9 @@ async def run_episode(
       agent: a fresh ``ConversationAgentBase`` (holds the episode's tokens).
       sampling: per-turn sampling; ``max_new_tokens`` is cut so the conversation never
         exceeds ``max_context_tokens``.
-      seed: base PRNG seed; turn i uses ``seed + i`` so every sample of a group differs.
+      seed: the episode's PRNG seed; turn i samples with ``seed * MAX_TURN_SEEDS + i``, so
+        no two (episode, turn) pairs share a seed (``seed + i`` would give episode j's
+        second turn the noise of episode j + 1's first).
       timeout_s: wall-clock budget for the whole episode (seconds).
 
     Returns:
@@ -95,7 +100,8 @@ async def run_episode(
                     stop_token_ids=sampling.stop_token_ids,
                     stop_strings=sampling.stop_strings,
                 )
-                request = agent.next_request(f"{group_id}/{seed}/{turn}", turn_sampling, seed + turn)
+                request = agent.next_request(f"{group_id}/{seed}/{turn}", turn_sampling,
+                                             seed * MAX_TURN_SEEDS + turn)
                 t0 = time.monotonic()
                 result = await engine.generate(request)
                 timings["generate_s"] += time.monotonic() - t0
