@@ -246,6 +246,8 @@ def validate(cfg: Config) -> Config:
     if cfg.warmup.min_steps > cfg.warmup.max_steps:
         raise ConfigError(
             f"warmup.min_steps={cfg.warmup.min_steps} exceeds warmup.max_steps={cfg.warmup.max_steps}.")
+    if cfg.env.max_turns >= 1 << 16:
+        raise ConfigError(f"env.max_turns={cfg.env.max_turns} must be below 65536 (one sampling seed per turn).")
     if cfg.rollout.group_size < 2:
         raise ConfigError(
             f"rollout.group_size={cfg.rollout.group_size}: GRPO needs at least 2 samples per task.")
