@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 
 from raytunix.config import ConfigError, load_config, preset_names
@@ -49,9 +48,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from raytunix.train import RunError, main_train
 
-    # `kill`/`timeout` (SIGTERM) stops a run the way Ctrl-C does: actors are shut down,
-    # finished checkpoints stay on disk.
-    signal.signal(signal.SIGTERM, _interrupt)
     try:
         if args.resume:  # the run's own config, with the overrides on top (e.g. more steps)
             return main_train(cfg, resume=args.resume, resume_overrides=args.overrides)
@@ -60,13 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"raytunix: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("raytunix: interrupted; checkpoints written so far are kept (continue with "
-              "`raytunix train --resume RUN_DIR`).", file=sys.stderr)
+        print("raytunix: interrupted; checkpoints written so far are kept (a run that reached "
+              "RL continues with `raytunix train --resume RUN_DIR`).", file=sys.stderr)
         return 130
-
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

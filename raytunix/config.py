@@ -234,7 +234,12 @@ def validate(cfg: Config) -> Config:
     for key in _PROBABILITY:
         if not 0.0 <= flat[key] <= 1.0:
             raise ConfigError(f"{key}={flat[key]!r} must be a probability in [0, 1].")
+    for key in ("learner.clip_eps_low", "learner.clip_eps_high"):
+        if flat[key] >= 1.0:
+            raise ConfigError(f"{key}={flat[key]!r} must be below 1 (a ratio clip range, e.g. 0.2).")
     m = cfg.model
+    if m.max_seq_len < 32:
+        raise ConfigError(f"model.max_seq_len={m.max_seq_len} is too short for a conversation; use at least 32.")
     if m.d_model % m.n_heads:
         raise ConfigError(f"model.d_model={m.d_model} must be divisible by model.n_heads={m.n_heads}.")
     if m.n_heads % m.n_kv_heads:
@@ -299,6 +304,8 @@ def load_config(config: str | None = None, overrides: Sequence[str] = ()) -> Con
     """
     cfg = Config()
     if config:
+        if os.path.isdir(config):
+            raise ConfigError(f"config {config!r} is a directory; pass a YAML file or a preset name.")
         if os.path.exists(config):
             with open(config) as f:
                 _merge(cfg, _read_yaml(f.read(), config), config)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
+import threading
 import time
 from typing import Any, Sequence
 
@@ -146,7 +148,12 @@ def _demonstration_arrays(cfg: Config, tasks, tokenizer) -> tuple[np.ndarray, np
     agent = make_agent(_agent_name(cfg), tokenizer)
     rows = [agent.render_demonstration(task, messages) for task, messages in zip(tasks, demos)]
     limit = cfg.model.max_seq_len
-    rows = [r for r in rows if len(r[0]) <= limit]
+    fitting = [r for r in rows if len(r[0]) <= limit]
+    if not fitting:
+        raise RunError(
+            f"model.max_seq_len={limit} is shorter than every warm-start demonstration "
+            f"(shortest: {min(len(r[0]) for r in rows)} tokens); raise model.max_seq_len.")
+    rows = fitting
     width = max(len(r[0]) for r in rows)
     width = -(-width // 16) * 16
     tokens = np.full((len(rows), width), tokenizer.pad_id, np.int32)
@@ -293,12 +300,18 @@ def train(cfg: Config, resume: str | None = None, resume_overrides: Sequence[str
     if resume:
         cfg = load_run_config(resume, resume_overrides)
         run = RunDir(resume)
-        with open(run.config, "w") as f:
-            f.write(cfg.to_yaml())
-        if "checkpoint_step" not in run.read_state():
+        saved = run.read_state()
+        if "checkpoint_step" not in saved:
             raise FileNotFoundError(
                 f"{resume!r} has no RL checkpoint yet (the run stopped before RL began); start "
                 "a new run instead.")
+        if saved["checkpoint_step"] >= cfg.learner.rl_steps:
+            raise RunError(
+                f"the run's last checkpoint is at RL step {saved['checkpoint_step']} and "
+                f"learner.rl_steps={cfg.learner.rl_steps}: nothing left to train; resume with "
+                f"learner.rl_steps greater than {saved['checkpoint_step']}.")
+        with open(run.config, "w") as f:
+            f.write(cfg.to_yaml())
     else:
         run = _new_run_dir(cfg)
         with open(run.config, "w") as f:
@@ -318,6 +331,10 @@ def train(cfg: Config, resume: str | None = None, resume_overrides: Sequence[str
         tokenizer.save(run.tokenizer)
 
     _ensure_ray(cfg)
+    if threading.current_thread() is threading.main_thread():
+        # After ray.init, which installs its own SIGTERM handler: `kill`/`timeout` stop a
+        # run the way Ctrl-C does (actors shut down, checkpoints kept).
+        signal.signal(signal.SIGTERM, _interrupt)
     hp = GRPOHyperparams(
         learning_rate=cfg.learner.learning_rate, weight_decay=cfg.learner.weight_decay,
         max_grad_norm=cfg.learner.max_grad_norm, clip_eps_low=cfg.learner.clip_eps_low,
@@ -338,8 +355,12 @@ def _run(cfg: Config, job: Job, run: RunDir, hp: GRPOHyperparams, resume: str | 
     ckpt_dir = run.checkpoints
     if resume:
         ray.get(job.learner.start_rl.remote(hp))
-        extras = ray.get(job.learner.restore.remote(
-            ckpt_dir, cfg.learner.max_checkpoints, run.reference))
+        try:
+            extras = ray.get(job.learner.restore.remote(
+                ckpt_dir, cfg.learner.max_checkpoints, run.reference))
+        except ray.exceptions.RayTaskError as e:
+            cause = e.cause if isinstance(e.cause, Exception) else e
+            raise RunError(f"cannot resume {run.path}: {cause}") from None
         job.publish_weights()
         version = int(extras["policy_version"])
         job.start_orchestrator(extras["orchestrator"], version)
@@ -424,6 +445,10 @@ def _checkpoint(job: Job, run: RunDir, ckpt_dir: str, cfg: Config, before: dict,
     extras = {"orchestrator": orch_state, "heldout_before": before, "warm_start": warm}
     step = ray.get(job.learner.save.remote(ckpt_dir, extras, cfg.learner.max_checkpoints))
     run.write_state({"checkpoint_step": step, "data_position": orch_state["next_index"]})
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def main_train(cfg: Config, resume: str | None = None, resume_overrides: Sequence[str] = ()) -> int:

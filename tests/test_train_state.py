@@ -227,6 +227,11 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(trainer, tmp_path, cap
     assert extras == {"policy_version": 1}
     _assert_trees_equal(restored, state1)
     assert "step 2" in caplog.text
+    # The bad checkpoint is moved aside, not deleted, and the resumed run can save step 2.
+    assert ckpt.all_steps() == [1]
+    assert any(p.name.startswith("2-") for p in (tmp_path.parent / f"{tmp_path.name}-corrupt").iterdir())
+    ckpt.save(2, state2, {"policy_version": 2})
+    assert ckpt.restore(None, state1)[1] == {"policy_version": 2}
 
 
 def test_restore_without_checkpoint_names_directory(trainer, tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 import orbax.checkpoint as ocp
@@ -103,8 +104,8 @@ class Checkpointer:
         steps = self.all_steps()
         if not steps:
             raise FileNotFoundError(
-                f"No checkpoint found in {self.directory}; start from a fresh state or "
-                "point the run at the directory it saved to."
+                f"No checkpoint found in {self.directory}; resume a run that has one, or "
+                "start a new run."
             )
         if step is not None:
             if int(step) not in steps:
@@ -115,16 +116,36 @@ class Checkpointer:
         errors = []
         for candidate in reversed(steps):
             try:
-                return self._restore(candidate, abstract_state)
+                restored = self._restore(candidate, abstract_state)
             except Exception as e:  # orbax/tensorstore raise many types for bad files
                 logger.warning(
                     "Checkpoint step %d in %s could not be restored (%s: %s); trying an "
                     "older one.", candidate, self.directory, type(e).__name__, e,
                 )
-                errors.append(f"step {candidate}: {type(e).__name__}: {e}")
+                errors.append(f"step {candidate}: {type(e).__name__}: {str(e)[:300]}")
+                continue
+            self._quarantine([s for s in steps if s > candidate])
+            return restored
         raise RuntimeError(
-            f"None of the checkpoints in {self.directory} could be restored:\n" + "\n".join(errors)
+            f"None of the checkpoints in {self.directory} could be restored (was the run's "
+            "config.yaml changed?):\n" + "\n".join(errors)
         )
+
+    def _quarantine(self, steps: list[int]) -> None:
+        """Moves unrestorable checkpoints newer than the one restored aside (to
+        ``<directory>-corrupt/``), so the resumed run can save those steps again; nothing
+        is deleted."""
+        if not steps or "://" in self.directory:
+            return
+        aside = self.directory.rstrip("/") + "-corrupt"
+        os.makedirs(aside, exist_ok=True)
+        for step in steps:
+            source = os.path.join(self.directory, str(step))
+            if os.path.isdir(source):
+                target = os.path.join(aside, f"{step}-{int(time.time())}")
+                os.replace(source, target)
+                logger.warning("Moved unrestorable checkpoint %s to %s.", source, target)
+        self._manager.reload()
 
     def _restore(
         self, step: int, abstract_state: TrainState
