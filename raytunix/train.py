@@ -28,10 +28,9 @@ from raytunix.envs import ENVS
 from raytunix.learner.learner import GRPOHyperparams
 from raytunix.models.llama import ModelConfig
 from raytunix.models.tokenizer import Tokenizer
+from raytunix.rollout.env_pool import CPU_ONLY_RUNTIME_ENV, EnvPool
 from raytunix.types import EpisodeStatus, SamplingParams
 
-# Actors that must never take the accelerator (libtpu allows one process per host).
-_CPU_ONLY = {"env_vars": {"JAX_PLATFORMS": "cpu"}}
 
 
 class RunError(RuntimeError):
@@ -132,6 +131,14 @@ def _agent_name(cfg: Config) -> str:
     return ENVS[cfg.env.name].default_agent if cfg.env.agent == "auto" else cfg.env.agent
 
 
+def _check_steps_left(checkpoint_step: int, cfg: Config) -> None:
+    if checkpoint_step >= cfg.learner.rl_steps:
+        raise RunError(
+            f"the run's checkpoint is at RL step {checkpoint_step} and learner.rl_steps="
+            f"{cfg.learner.rl_steps}: nothing left to train; resume with learner.rl_steps "
+            f"greater than {checkpoint_step}.")
+
+
 def _uses_tools(cfg: Config) -> bool:
     return cfg.env.name == "calculator_math"
 
@@ -169,7 +176,6 @@ class Job:
 
     def __init__(self, cfg: Config, tokenizer: Tokenizer, train_tasks):
         from raytunix.learner.actor import LearnerActor, PolicyActor
-        from raytunix.rollout.env_pool import EnvPool
 
         self.cfg = cfg
         self.tokenizer = tokenizer
@@ -195,7 +201,7 @@ class Job:
                 num_cpus=0, max_concurrency=10_000).remote(
                 model_config, cfg.run.seed, tokenizer, cfg.engine.max_batch_size)
         self.env_pool = EnvPool(
-            cfg.env.name, {"max_tool_errors": cfg.env.max_tool_errors} if cfg.env.name == "calculator_math" else {},
+            cfg.env.name, {"max_tool_errors": cfg.env.max_tool_errors} if _uses_tools(cfg) else {},
             cfg.env.num_env_actors, max_restarts=cfg.env.env_actor_max_restarts)
 
     def start_orchestrator(self, state: dict[str, Any], policy_version: int) -> None:
@@ -206,7 +212,7 @@ class Job:
         if self.orchestrator is not None:
             ray.kill(self.orchestrator)
         self.orchestrator = ray.remote(OrchestratorActor).options(
-            num_cpus=0, max_concurrency=10_000, runtime_env=_CPU_ONLY).remote(
+            num_cpus=0, max_concurrency=10_000, runtime_env=CPU_ONLY_RUNTIME_ENV).remote(
             tasks=self.train_tasks, tokenizer=tokenizer, agent_name=_agent_name(cfg),
             env_pool=self.env_pool, engine=self.engine,
             group_size=cfg.rollout.group_size, groups_per_batch=cfg.rollout.groups_per_batch,
@@ -305,11 +311,7 @@ def train(cfg: Config, resume: str | None = None, resume_overrides: Sequence[str
             raise FileNotFoundError(
                 f"{resume!r} has no RL checkpoint yet (the run stopped before RL began); start "
                 "a new run instead.")
-        if saved["checkpoint_step"] >= cfg.learner.rl_steps:
-            raise RunError(
-                f"the run's last checkpoint is at RL step {saved['checkpoint_step']} and "
-                f"learner.rl_steps={cfg.learner.rl_steps}: nothing left to train; resume with "
-                f"learner.rl_steps greater than {saved['checkpoint_step']}.")
+        _check_steps_left(saved["checkpoint_step"], cfg)  # before Ray starts: fail fast
         with open(run.config, "w") as f:
             f.write(cfg.to_yaml())
     else:
@@ -367,10 +369,7 @@ def _run(cfg: Config, job: Job, run: RunDir, hp: GRPOHyperparams, resume: str | 
         before = extras["heldout_before"]
         warm = extras.get("warm_start", {})
         start_step = int(extras["rl_step"])
-        if start_step >= cfg.learner.rl_steps:
-            raise RunError(
-                f"the checkpoint is at RL step {start_step} and learner.rl_steps={cfg.learner.rl_steps}: "
-                f"nothing left to train; resume with learner.rl_steps greater than {start_step}.")
+        _check_steps_left(start_step, cfg)  # state.json may lag the newest checkpoint
         _say(f"resumed at RL step {start_step}, policy version {version}, data position "
              f"{extras['orchestrator']['next_index']}")
     else:

@@ -21,6 +21,10 @@ from raytunix.rollout.episode import EnvFailure
 from raytunix.types import Action, StepResult, Task
 
 
+# For actors that must never take the accelerator (libtpu allows one process per host).
+CPU_ONLY_RUNTIME_ENV = {"env_vars": {"JAX_PLATFORMS": "cpu"}}
+
+
 class EnvActor:
     """Hosts environment instances keyed by episode id (run with ``ray.remote``).
 
@@ -135,7 +139,7 @@ class EnvPool:
         cls = ray.remote(EnvActor).options(
             num_cpus=0, max_restarts=max_restarts, max_task_retries=0,
             max_concurrency=10_000, resources=resources or {},
-            runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu"}},
+            runtime_env=CPU_ONLY_RUNTIME_ENV,
         )
         self.actors = [cls.remote(env_name, env_kwargs, threads_per_actor)
                        for _ in range(num_actors)]

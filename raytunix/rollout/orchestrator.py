@@ -170,6 +170,7 @@ class RolloutOrchestrator:
                     seed=(self.seed * 1_000_003 + index * self.group_size + j) % 2**31))
                     for j in range(self.group_size)]
             trajectories = [run.result() for run in runs]
+            self._failures.pop(index, None)
         except Exception as e:  # the engine failed: the task is redone, not lost
             self._failures[index] += 1
             if self._failures[index] > self.max_group_retries:
