@@ -34,14 +34,14 @@ def tokenizer():
     return Tokenizer.byte_level()
 
 
-def generation(tokenizer, text, version=3, logprob=-0.25):
+def generation(tokenizer, text, version=3, logprob=-0.25, finish_reason=FinishReason.STOP):
     ids = tuple(tokenizer.encode(text))
     return GenerationResult(
         request_id="r",
         token_ids=ids,
         logprobs=(logprob,) * len(ids),
         policy_versions=(version,) * len(ids),
-        finish_reason=FinishReason.STOP,
+        finish_reason=finish_reason,
         text=text,
     )
 
@@ -128,7 +128,7 @@ def test_unfinished_generation_appends_nothing_extra(tokenizer):
     agent = ToolAgent(tokenizer)
     agent.reset(TASK, TASK.question)
     before = list(agent.token_ids)
-    cut = generation(tokenizer, '<tool_call>{"name": "calc')
+    cut = generation(tokenizer, '<tool_call>{"name": "calc', finish_reason=FinishReason.LENGTH)
     action = agent.on_generation(cut)
     assert agent.token_ids == before + list(cut.token_ids)
     assert not agent.turn_finished

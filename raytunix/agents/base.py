@@ -13,6 +13,12 @@ piece tokenized once when it arrives::
 The history is never re-rendered or re-tokenized, so the learner trains on exactly the
 tokens the engine saw and produced. This equals tokenizing the rendered chat
 (``render_chat``) because the tokenizer splits special tokens out before anything else.
+
+User and tool message contents (the task, observations, tool output) are encoded as
+plain text: a special-token string inside them (``<|end|><|user|>`` echoed by a tool)
+stays bytes and cannot close the message or forge a turn. Only the headers and
+``<|end|>`` we add, the system prompt (ours, from the config) and the model's own tokens
+hold control tokens.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from raytunix.models.chat_template import MESSAGE_END, message_header
 from raytunix.types import (
     Action,
     EpisodeStatus,
+    FinishReason,
     GenerationRequest,
     GenerationResult,
     SamplingParams,
@@ -68,7 +75,7 @@ class ConversationAgentBase(abc.ABC):
         self._clear()
         self.task = task
         if self.system_prompt is not None:
-            self._append_message("system", self.system_prompt)
+            self._append_message("system", self.system_prompt, special_tokens=True)
         self._append_message("user", observation)
         self._append_context(self._header_ids["assistant"])
 
@@ -94,7 +101,10 @@ class ConversationAgentBase(abc.ABC):
         """Appends the generated tokens verbatim (mask 1, their logprobs and versions) and
         parses their text into an ``Action``.
 
-        A generation that does not end with ``<|end|>`` (max tokens, abort) leaves the
+        A generation the engine stopped on another stop token or a stop string
+        (``FinishReason.STOP`` without ``<|end|>`` last) is a whole reply: the turn is
+        closed with ``<|end|>`` as context (mask 0; the policy did not write it), so the
+        next message starts cleanly. A generation cut short (max tokens, abort) leaves the
         turn unfinished: nothing is added, ``turn_finished`` is False and the episode
         driver should truncate the episode.
 
@@ -113,6 +123,9 @@ class ConversationAgentBase(abc.ABC):
         self._append_generated(result.token_ids, result.logprobs, result.policy_versions)
         self._num_turns += 1
         self._turn_finished = n > 0 and result.token_ids[-1] == self.end_id
+        if not self._turn_finished and result.finish_reason == FinishReason.STOP:
+            self._append_context((self.end_id,))
+            self._turn_finished = True
         text = self.tokenizer.decode(list(result.token_ids), skip_special_tokens=False)
         return self.parse(text)
 
@@ -231,9 +244,9 @@ class ConversationAgentBase(abc.ABC):
                 f"{MESSAGE_END!r}; the episode driver must end (truncate) such an episode."
             )
 
-    def _append_message(self, role: str, content: str) -> None:
+    def _append_message(self, role: str, content: str, special_tokens: bool = False) -> None:
         self._append_context(self._header_ids[role])
-        self._append_context(self.tokenizer.encode(content))
+        self._append_context(self.tokenizer.encode(content, special_tokens=special_tokens))
         self._append_context((self.end_id,))
 
     def _append_context(self, ids: Sequence[int]) -> None:

@@ -7,6 +7,10 @@ text before anything else, so a text made of pieces that meet at a special token
 tokenizes to the concatenation of the pieces' tokenizations: an agent may tokenize each
 message as it arrives and get exactly the ids of the rendered conversation.
 
+Text that did not come from us (observations, tool output, task questions) is encoded
+with ``special_tokens=False``: a special-token string in it stays plain bytes, so nothing
+an environment writes can close a message or open a turn.
+
 This module does not import JAX; environment and agent processes use it.
 """
 
@@ -55,6 +59,13 @@ def _empty_tokenizer(model: models.Model) -> tokenizers.Tokenizer:
     return tok
 
 
+def _plain_text_copy(tok: tokenizers.Tokenizer) -> tokenizers.Tokenizer:
+    """The same vocabulary and merges, but special-token strings are encoded as text."""
+    plain = tokenizers.Tokenizer.from_str(tok.to_str())
+    plain.encode_special_tokens = True
+    return plain
+
+
 class Tokenizer:
     """Wraps ``tokenizers.Tokenizer``; ids are plain Python ints.
 
@@ -77,6 +88,15 @@ class Tokenizer:
                     "tokenizer must hold SPECIAL_TOKENS at ids 0..9. Build it with "
                     "Tokenizer.train or Tokenizer.byte_level.")
         self._tokenizer = tokenizer
+        self._plain = _plain_text_copy(tokenizer)
+
+    def __getstate__(self) -> dict:
+        return {"tokenizer": self._tokenizer}
+
+    def __setstate__(self, state: dict) -> None:
+        # Rebuilt, not pickled: ``encode_special_tokens`` does not survive a pickle.
+        self._tokenizer = state["tokenizer"]
+        self._plain = _plain_text_copy(self._tokenizer)
 
     @classmethod
     def train(cls, corpus: Iterable[str], vocab_size: int = 512) -> Tokenizer:
@@ -119,10 +139,17 @@ class Tokenizer:
         tok.add_special_tokens(list(SPECIAL_TOKENS))
         return cls(tok)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``; special token strings in it map to their ids. No BOS or
-        EOS is added."""
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; no BOS or EOS is added.
+
+        Args:
+          special_tokens: True: special-token strings in ``text`` map to their ids (for
+            text we write: chat headers, demonstrations). False: they are encoded as the
+            plain text they are (for text from an environment, a tool or a dataset), so
+            the ids never contain a special token.
+        """
+        encoder = self._tokenizer if special_tokens else self._plain
+        return encoder.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of ``ids``; bytes that do not form valid UTF-8 become U+FFFD."""
