@@ -28,8 +28,13 @@ from typing import Any
 
 
 class EpisodeStatus(str, enum.Enum):
-    """How an episode ended. Only ``COMPLETED`` and ``TRUNCATED`` episodes carry a reward
-    the environment computed; the others carry reward 0 and are counted in metrics."""
+    """How an episode ended; counted in metrics by value.
+
+    ``COMPLETED``, ``TRUNCATED`` and ``TOOL_ERROR_LIMIT`` are outcomes of the policy: they
+    carry the reward the environment computed and keep their gradient. ``TIMEOUT``,
+    ``ENV_ERROR`` and ``ABORTED`` are infrastructure failures (see
+    ``is_infrastructure_failure``): reward 0, zero loss mask, left out of group statistics.
+    """
 
     COMPLETED = "completed"
     TRUNCATED = "truncated"  # max turns, max tokens or the context length ran out
@@ -37,6 +42,66 @@ class EpisodeStatus(str, enum.Enum):
     ENV_ERROR = "env_error"  # the environment raised or its actor died
     TOOL_ERROR_LIMIT = "tool_error_limit"  # too many malformed or failing tool calls
     ABORTED = "aborted"  # the run stopped while the episode was in flight
+
+
+INFRASTRUCTURE_FAILURES = frozenset({"timeout", "env_error", "aborted"})
+
+
+def is_infrastructure_failure(status: "EpisodeStatus | str") -> bool:
+    """True when an episode ended because the infrastructure failed (env error, timeout,
+    abort), not because of anything the policy did.
+
+    Such a trajectory says nothing about the policy: it is left out of its group's
+    statistics (advantages use the valid members only) and its loss mask is zero. A
+    failure the policy caused (``TOOL_ERROR_LIMIT``) is an outcome with a reward and keeps
+    its gradient. Engine failures never reach a trajectory: the episode's engine calls are
+    retried, then the whole group is.
+    """
+    return EpisodeStatus(status).value in INFRASTRUCTURE_FAILURES
+
+
+class ToolErrorKind(str, enum.Enum):
+    """Why one tool call, or a turn that should hold calls or an answer, failed.
+
+    Every layer counts tool errors under one key, ``TOOL_ERRORS_KEY``: an environment's
+    ``StepResult.info[TOOL_ERRORS_KEY]`` is ``{kind value: count}`` for that step; an
+    episode sums them into ``Trajectory.metrics[TOOL_ERRORS_KEY]`` (the total) and
+    ``Trajectory.metrics[f"{TOOL_ERRORS_KEY}/{kind value}"]``.
+    """
+
+    UNKNOWN_TOOL = "unknown_tool"  # the call names a tool the environment does not offer
+    BAD_JSON = "bad_json"  # the call is not a JSON object {"name": str, "arguments": {...}}, or its tag is unclosed
+    BAD_ARGUMENTS = "bad_arguments"  # the arguments do not fit the tool's parameter schema
+    TOOL_EXCEPTION = "tool_exception"  # the tool ran and failed (input it cannot handle, or a bug in it)
+    TIMEOUT = "timeout"  # the tool did not answer within its deadline
+    FORMAT = "format"  # the turn holds no call and no answer, both, or more than one answer
+
+
+TOOL_ERRORS_KEY = "tool_errors"
+
+
+class EngineFailure(Exception):
+    """The inference engine could not serve a request (actor died or restarting, connection
+    lost). Retried with backoff; never a reason to lose a task."""
+
+
+class EnvFailure(Exception):
+    """The environment, or the actor hosting it, failed; the episode ends as ENV_ERROR.
+
+    Attributes:
+      retryable: the failure was the host's (an actor died or restarted), not the
+        environment's logic, so re-running the episode on a fresh environment may succeed.
+    """
+
+    def __init__(self, message: str, *, retryable: bool = False):
+        super().__init__(message)
+        self.retryable = retryable
+
+
+class RolloutHalted(Exception):
+    """The rollout cannot go on (no environment can run, or too many consecutive episodes
+    failed); raised by the orchestrator's ``next_batch`` once, with the cause. Checkpoints
+    and the data ledger stay; fix the cause and resume."""
 
 
 class FinishReason(str, enum.Enum):
@@ -143,6 +208,7 @@ class Action:
     tool_calls: tuple[ToolCall, ...] = ()
     answer: str | None = None
     parse_error: str | None = None
+    parse_error_kind: ToolErrorKind | None = None  # set with parse_error (default FORMAT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +221,9 @@ class StepResult:
       reward: float reward for this step (the episode reward is the sum).
       done: the episode ended.
       status: set when ``done``: how the episode ended.
-      info: diagnostics (e.g. ``{"tool_error": True}``, tool latency in seconds).
+      info: diagnostics: ``info[TOOL_ERRORS_KEY]`` is ``{ToolErrorKind value: count}``
+        of this step's tool errors (absent or empty when none), ``tool_latency_s``
+        (seconds), and whatever else the environment reports.
     """
 
     observation: str
@@ -180,7 +248,8 @@ class Trajectory:
       reward: episode reward (float).
       status: how the episode ended.
       num_turns: model turns taken.
-      metrics: timings in seconds and counts (``generate_s``, ``env_s``, ``tool_errors``).
+      metrics: timings in seconds and counts (``generate_s``, ``env_s``, ``tool_errors``
+        and ``tool_errors/<kind>``, see ``ToolErrorKind``).
     """
 
     task_id: str

@@ -196,7 +196,7 @@ def test_malformed_tool_calls_give_an_error_not_an_exception(text, fragment):
 
 def test_parse_answer():
     assert parse_answer("so <answer> -1130 </answer><|end|>") == "-1130"
-    assert parse_answer("<answer>1</answer><answer>2</answer>") == "1"
+    assert parse_answer("<answer>1</answer><answer>2</answer>") is None  # two answers: none
     assert parse_answer("<answer>1") is None
     assert parse_answer("74") is None
 

@@ -37,7 +37,7 @@ def test_tool_call_then_correct_answer(tasks):
     assert env.reset(task) == task.question
     step = env.step(parse_action(call(task.metadata["expression"])))
     assert step == StepResult(observation=task.answer, info=step.info)
-    assert not step.done and step.info["tool_errors"] == 0 and step.info["tool_latency_s"] >= 0
+    assert not step.done and step.info["tool_errors"] == {} and step.info["tool_latency_s"] >= 0
     step = env.step(parse_action(f"<answer>{task.answer}</answer>"))
     assert (step.done, step.reward, step.status) == (True, 1.0, EpisodeStatus.COMPLETED)
     assert step.info["correct"]
@@ -63,38 +63,43 @@ def test_several_calls_give_one_line_each():
     env.reset(TASK)
     step = env.step(parse_action(call("95 - 21") + call("1 / 0") + call("2 * 3")))
     assert step.observation == "74\nerror: division by zero in '1 / 0'\n6"
-    assert step.info["tool_errors"] == 1 and not step.done
+    assert step.info["tool_errors"] == {"tool_exception": 1} and not step.done
 
 
 @pytest.mark.parametrize(
-    "text, fragment",
+    "text, fragment, kind",
     [
-        ('<tool_call>{"name": "calculator", "arguments": {"expression": </tool_call>', "not valid JSON"),
-        ('<tool_call>{"arguments": {"expression": "1"}}</tool_call>', '"name"'),
-        ('<tool_call>{"name": "calculator", "arguments": {"expression": "1"}}', "unclosed"),
-        (call("1 + 1", name="python"), "unknown tool 'python'"),
-        ('<tool_call>{"name": "calculator", "arguments": {"expr": "1"}}</tool_call>', "unknown argument"),
-        ("the answer is 74", "no <tool_call> or <answer> found"),
+        ('<tool_call>{"name": "calculator", "arguments": {"expression": </tool_call>', "not valid JSON",
+         "bad_json"),
+        ('<tool_call>{"arguments": {"expression": "1"}}</tool_call>', '"name"', "bad_json"),
+        ('<tool_call>{"name": "calculator", "arguments": {"expression": "1"}}', "unclosed", "bad_json"),
+        (call("1 + 1", name="python"), "unknown tool 'python'", "unknown_tool"),
+        ('<tool_call>{"name": "calculator", "arguments": {"expr": "1"}}</tool_call>', "unknown argument",
+         "bad_arguments"),
+        ("the answer is 74", "no <tool_call> or <answer> found", "format"),
+        ("<answer>74</answer><answer>75</answer>", "give exactly one answer", "format"),
     ],
 )
-def test_malformed_calls_become_error_observations(text, fragment):
+def test_malformed_calls_become_error_observations_counted_by_kind(text, fragment, kind):
     env = CalculatorMathEnv()
     env.reset(TASK)
     step = env.step(parse_action(text))
     assert step.observation.startswith("error: ") and fragment in step.observation
-    assert not step.done and step.info["tool_errors"] == 1
+    assert not step.done and step.info["tool_errors"] == {kind: 1}
 
 
 def test_tool_error_limit_ends_the_episode():
     env = make_env("calculator_math", max_tool_errors=2)
     env.reset(TASK)
-    for expected_errors in (1, 2):
+    for _ in range(2):
         step = env.step(parse_action(call("1 / 0")))
-        assert not step.done and step.info["tool_errors"] == expected_errors
+        assert not step.done and step.info["tool_errors"] == {"tool_exception": 1}
     step = env.step(parse_action("garbage"))
     assert (step.done, step.reward, step.status) == (True, 0.0, EpisodeStatus.TOOL_ERROR_LIMIT)
+    assert step.info["tool_errors"] == {"format": 1}
     env.reset(TASK)  # the count starts over with each episode
-    assert env.step(parse_action(call("1 / 0"))).info["tool_errors"] == 1
+    assert not env.step(parse_action(call("1 / 0"))).done
+    assert not env.step(parse_action(call("1 / 0"))).done
 
 
 class ExplodingEnv(BaseEnv):

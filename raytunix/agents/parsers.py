@@ -4,6 +4,9 @@ The tags are those of the chat contract (``raytunix.models.chat_template``)::
 
     <tool_call>{"name": "calculator", "arguments": {"expression": "95 - 21"}}</tool_call>
     <answer>74</answer>
+
+A reply holds at most one answer: with two, first-tag-wins (or last-tag-wins) would let a
+policy hedge between values and be paid for it, so several answers are a format error.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 
-from raytunix.types import Action, ToolCall
+from raytunix.types import Action, ToolCall, ToolErrorKind
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
@@ -48,9 +51,22 @@ def parse_tool_calls(text: str) -> tuple[list[ToolCall], str | None]:
 
 
 def parse_answer(text: str) -> str | None:
-    """Returns the stripped text inside the first ``<answer>...</answer>``, or None."""
-    match = _ANSWER.search(text)
-    return None if match is None else match.group(1).strip()
+    """Returns the stripped text inside the one ``<answer>...</answer>`` of ``text``; None
+    when there is none or more than one (see ``parse_answer_action`` for the reason)."""
+    answers = _ANSWER.findall(text)
+    return answers[0].strip() if len(answers) == 1 else None
+
+
+def _answer_or_error(text: str) -> tuple[str | None, str | None]:
+    answers = _ANSWER.findall(text)
+    if len(answers) > 1:
+        return None, (
+            f"found {len(answers)} {ANSWER_OPEN} blocks "
+            f"({', '.join(repr(_short(a.strip(), 20)) for a in answers)}); give exactly one answer"
+        )
+    if not answers:
+        return None, None
+    return answers[0].strip(), None
 
 
 def parse_action(text: str) -> Action:
@@ -58,35 +74,36 @@ def parse_action(text: str) -> Action:
 
     Returns:
       ``Action`` with ``tool_calls``, or ``answer``, or ``parse_error`` saying what was
-      wrong (malformed call, unclosed ``<answer>``, neither found, both found).
+      wrong and ``parse_error_kind``: ``BAD_JSON`` for a malformed call; ``FORMAT`` for
+      an unclosed ``<answer>``, neither found, both found, or more than one answer.
     """
     calls, error = parse_tool_calls(text)
     if error is not None:
-        return Action(text=text, parse_error=error)
-    answer = parse_answer(text)
-    if calls and answer is not None:
-        return Action(
-            text=text,
-            parse_error=(
-                f"found both {TOOL_CALL_OPEN} and {ANSWER_OPEN}; write one of them per turn"
-            ),
-        )
+        return Action(text=text, parse_error=error, parse_error_kind=ToolErrorKind.BAD_JSON)
+    answer, error = _answer_or_error(text)
+    if error is None and calls and answer is not None:
+        error = f"found both {TOOL_CALL_OPEN} and {ANSWER_OPEN}; write one of them per turn"
+    if error is None and not calls and answer is None:
+        error = _missing_answer_error(text, with_tool_calls=True)
+    if error is not None:
+        return Action(text=text, parse_error=error, parse_error_kind=ToolErrorKind.FORMAT)
     if calls:
         return Action(text=text, tool_calls=tuple(calls))
-    if answer is not None:
-        return Action(text=text, answer=answer)
-    return Action(text=text, parse_error=_missing_answer_error(text, with_tool_calls=True))
+    return Action(text=text, answer=answer)
 
 
 def parse_answer_action(text: str) -> Action:
     """Parses a single-turn reply that must hold an ``<answer>``; tool calls are ignored.
 
     Returns:
-      ``Action`` with ``answer``, or with ``answer=None`` and ``parse_error`` set.
+      ``Action`` with ``answer``, or with ``answer=None``, ``parse_error`` set and
+      ``parse_error_kind=FORMAT`` (no answer, an unclosed one, or more than one).
     """
-    answer = parse_answer(text)
-    if answer is None:
-        return Action(text=text, parse_error=_missing_answer_error(text, with_tool_calls=False))
+    answer, error = _answer_or_error(text)
+    if error is None and answer is None:
+        error = _missing_answer_error(text, with_tool_calls=False)
+    if error is not None:
+        return Action(text=text, parse_error=error, parse_error_kind=ToolErrorKind.FORMAT)
     return Action(text=text, answer=answer)
 
 

@@ -6,13 +6,26 @@ when the task carries its entry, else numeric comparison): reward 1.0 if correct
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import time
 from typing import Sequence
 
 from raytunix.data.arithmetic import score_answer
 from raytunix.envs.base import BaseEnv
-from raytunix.tools import Calculator, Tool
-from raytunix.types import Action, EpisodeStatus, StepResult, Task
+from raytunix.tools import Calculator, Tool, ToolResult
+from raytunix.types import (
+    TOOL_ERRORS_KEY,
+    Action,
+    EpisodeStatus,
+    StepResult,
+    Task,
+    ToolErrorKind,
+)
+
+# Tool calls with a deadline run here. A call past its deadline cannot be killed (it is a
+# thread); it finishes in the background, so the pool is sized for a few stuck calls.
+_TOOL_THREADS = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="tool")
 
 
 class CalculatorMathEnv(BaseEnv):
@@ -22,28 +35,36 @@ class CalculatorMathEnv(BaseEnv):
     Per step:
       * tool calls: each runs; the observation is one line per call, the output or
         ``error: <message>``; not done.
-      * a parse error, an unknown tool or a failing call counts one tool error (per call)
-        and shows ``error: <message>``; once more than ``max_tool_errors`` are counted the
-        episode ends with status ``TOOL_ERROR_LIMIT`` and reward 0.
+      * a parse error, an unknown tool, bad arguments, a failing call or one past
+        ``tool_timeout_s`` counts one tool error (per call) and shows ``error: <message>``;
+        once more than ``max_tool_errors`` are counted the episode ends with status
+        ``TOOL_ERROR_LIMIT`` and reward 0 (the policy's outcome, trained on).
       * an answer: reward 1.0 if correct else 0.0, done, ``COMPLETED``.
 
-    ``info`` holds ``tool_errors`` (count so far), and ``tool_latency_s`` (seconds spent
-    in tools this step) or ``correct``.
+    ``info[TOOL_ERRORS_KEY]`` is ``{ToolErrorKind value: count}`` for this step; ``info``
+    also holds ``tool_latency_s`` (seconds spent in tools this step) or ``correct``.
 
     Args:
       max_tool_errors: tool errors tolerated per episode (>= 0).
       tools: the tools offered (default: a ``Calculator``).
+      tool_timeout_s: deadline of one tool call, seconds (> 0), or None to call tools
+        inline with no deadline.
 
     Raises:
-      ValueError: ``max_tool_errors`` is negative or two tools share a name.
+      ValueError: ``max_tool_errors`` is negative, ``tool_timeout_s`` is not positive, or
+        two tools share a name.
     """
 
     default_agent = "tool"
 
-    def __init__(self, max_tool_errors: int = 3, tools: Sequence[Tool] | None = None) -> None:
+    def __init__(self, max_tool_errors: int = 3, tools: Sequence[Tool] | None = None,
+                 tool_timeout_s: float | None = 10.0) -> None:
         super().__init__()
         if max_tool_errors < 0:
             raise ValueError(f"max_tool_errors must be >= 0, got {max_tool_errors}")
+        if tool_timeout_s is not None and not tool_timeout_s > 0:
+            raise ValueError(f"tool_timeout_s must be > 0 seconds or None, got {tool_timeout_s!r}")
+        self.tool_timeout_s = tool_timeout_s
         tools = list(tools) if tools is not None else [Calculator()]
         self.tools = {tool.name: tool for tool in tools}
         if len(self.tools) != len(tools):
@@ -63,18 +84,25 @@ class CalculatorMathEnv(BaseEnv):
                 reward=1.0 if correct else 0.0,
                 done=True,
                 status=EpisodeStatus.COMPLETED,
-                info={"correct": correct, "tool_errors": self.tool_errors},
+                info={"correct": correct, TOOL_ERRORS_KEY: {}},
             )
         lines, latency_s = [], 0.0
+        errors: collections.Counter = collections.Counter()
         if action.parse_error is not None or not action.tool_calls:
             lines.append(f"error: {action.parse_error or 'no tool call or answer found'}")
+            errors[(action.parse_error_kind or ToolErrorKind.FORMAT).value] += 1
         else:
             for call in action.tool_calls:
                 start = time.perf_counter()
-                lines.append(self._run_tool(call.name, call.arguments))
+                result = self._run_tool(call.name, call.arguments)
                 latency_s += time.perf_counter() - start
-        self.tool_errors += sum(line.startswith("error: ") for line in lines)
-        info = {"tool_errors": self.tool_errors, "tool_latency_s": latency_s}
+                if result.error is not None:
+                    errors[result.error_kind.value] += 1
+                    lines.append(f"error: {result.error}")
+                else:
+                    lines.append(result.output)
+        self.tool_errors += sum(errors.values())
+        info = {TOOL_ERRORS_KEY: dict(errors), "tool_latency_s": latency_s}
         if self.tool_errors > self.max_tool_errors:
             return StepResult(
                 observation="",
@@ -85,12 +113,22 @@ class CalculatorMathEnv(BaseEnv):
             )
         return StepResult(observation="\n".join(lines), info=info)
 
-    def _run_tool(self, name: str, arguments: dict) -> str:
+    def _run_tool(self, name: str, arguments: dict) -> ToolResult:
         tool = self.tools.get(name)
         if tool is None:
-            return f"error: unknown tool {name!r}; available tools: {sorted(self.tools)}"
-        result = tool(**arguments)
-        return f"error: {result.error}" if result.error is not None else result.output
+            return ToolResult(
+                output="", error=f"unknown tool {name!r}; available tools: {sorted(self.tools)}",
+                error_kind=ToolErrorKind.UNKNOWN_TOOL)
+        if self.tool_timeout_s is None:
+            return tool(**arguments)
+        future = _TOOL_THREADS.submit(lambda: tool(**arguments))
+        try:
+            return future.result(timeout=self.tool_timeout_s)
+        except concurrent.futures.TimeoutError:
+            return ToolResult(
+                output="", error=f"{name} did not answer within {self.tool_timeout_s} s; "
+                "try a simpler call", latency_s=self.tool_timeout_s,
+                error_kind=ToolErrorKind.TIMEOUT)
 
 
 class MathVerifierEnv(BaseEnv):

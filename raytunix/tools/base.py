@@ -6,7 +6,9 @@ A tool call reads::
     text = result.error and f"error: {result.error}" or result.output
 
 Subclasses implement ``run``; the base class checks the arguments against ``parameters``,
-times the call and turns a ``ToolError`` into a ``ToolResult`` with ``error`` set.
+times the call and turns a failure into a ``ToolResult`` with ``error`` and its
+``error_kind`` set. Argument names come from the model, so any name (``self``, ``run``...)
+is just a key: a name the schema does not list is a ``BAD_ARGUMENTS`` error, never a crash.
 """
 
 from __future__ import annotations
@@ -14,8 +16,12 @@ from __future__ import annotations
 import abc
 import dataclasses
 import time
+import logging
 from typing import Any, ClassVar
 
+from raytunix.types import ToolErrorKind
+
+logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class ToolResult:
@@ -25,11 +31,14 @@ class ToolResult:
       output: the tool's text output; empty when ``error`` is set.
       error: why the call failed (names the bad value), or None on success.
       latency_s: wall-clock time of the call, seconds.
+      error_kind: what kind of failure ``error`` is (``BAD_ARGUMENTS``,
+        ``TOOL_EXCEPTION``, ``TIMEOUT``...), None on success.
     """
 
     output: str
     error: str | None = None
     latency_s: float = 0.0
+    error_kind: ToolErrorKind | None = None
 
     @property
     def ok(self) -> bool:
@@ -66,28 +75,41 @@ class Tool(abc.ABC):
     description: ClassVar[str]
     parameters: ClassVar[dict[str, Any]]
 
-    def __call__(self, **arguments: Any) -> ToolResult:
-        """Runs the tool on ``arguments``; bad arguments give a ``ToolResult`` with
-        ``error`` set, never an exception."""
+    def __call__(self, /, **arguments: Any) -> ToolResult:
+        """Runs the tool on ``arguments``; never raises for anything the model wrote.
+
+        Arguments that do not fit ``parameters`` give ``error_kind=BAD_ARGUMENTS``; a
+        ``ToolError`` from ``run`` gives ``TOOL_EXCEPTION`` with its message; any other
+        exception from ``run`` (a bug in the tool) is logged and also gives
+        ``TOOL_EXCEPTION``, naming the exception, so one broken tool call costs the
+        episode a tool error, not the environment.
+        """
         start = time.perf_counter()
         error = self._check_arguments(arguments)
+        kind = ToolErrorKind.BAD_ARGUMENTS
         if error is None:
+            kind = ToolErrorKind.TOOL_EXCEPTION
             try:
                 output = self.run(**arguments)
                 return ToolResult(output=output, latency_s=time.perf_counter() - start)
             except ToolError as e:
                 error = str(e)
-        return ToolResult(output="", error=error, latency_s=time.perf_counter() - start)
+            except Exception as e:  # noqa: BLE001 - a tool bug is reported to the model and logged
+                logger.warning("tool %r raised %r on %r", self.name, e, arguments, exc_info=True)
+                error = f"{self.name} failed with {type(e).__name__}: {_short(str(e))}"
+        return ToolResult(output="", error=error, latency_s=time.perf_counter() - start,
+                          error_kind=kind)
 
     @abc.abstractmethod
-    def run(self, **arguments: Any) -> str:
-        """Does the work on checked arguments and returns the output text.
+    def run(self, /, **arguments: Any) -> str:
+        """Does the work on checked arguments and returns the output text (declare
+        ``self`` positional-only, as here, if the schema lists a parameter named ``self``).
 
         Raises:
           ToolError: the input cannot be handled (the message is shown to the model).
         """
 
-    def _check_arguments(self, arguments: dict[str, Any]) -> str | None:
+    def _check_arguments(self, arguments: dict[str, Any], /) -> str | None:
         properties = self.parameters.get("properties", {})
         expected = f"expected arguments {sorted(properties)}"
         unknown = [key for key in arguments if key not in properties]
