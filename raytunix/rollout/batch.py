@@ -11,7 +11,7 @@ from typing import Sequence
 import numpy as np
 import pyarrow as pa
 
-from raytunix.types import EpisodeStatus, Trajectory
+from raytunix.types import EpisodeStatus, Trajectory, is_infrastructure_failure
 
 TRAJECTORY_SCHEMA = pa.schema(
     [
@@ -94,7 +94,9 @@ def record_batch_to_arrays(
       ``tokens`` int32[B, T] (``pad_id`` past the end), ``loss_mask`` float32[B, T],
       ``logprobs`` float32[B, T], ``policy_versions`` int32[B, T] (-1 past the end),
       ``rewards`` float32[B], ``group_ids`` int32[B] (dense ids in order of first
-      appearance), ``lengths`` int32[B].
+      appearance), ``lengths`` int32[B], ``valid`` float32[B] (0 for trajectories whose
+      episode failed by infrastructure — env error, timeout, abort — which group
+      statistics leave out; see ``grpo_advantages``).
     """
     if isinstance(batch, pa.Table):
         batch = batch.combine_chunks().to_batches()[0]
@@ -112,4 +114,6 @@ def record_batch_to_arrays(
         "rewards": batch.column("reward").to_numpy().astype(np.float32),
         "group_ids": group_ids,
         "lengths": lengths,
+        "valid": np.array([0.0 if is_infrastructure_failure(s) else 1.0
+                           for s in batch.column("status").to_pylist()], np.float32),
     }

@@ -1,0 +1,113 @@
+"""Failed episodes carry the right signal into the update: an infrastructure failure is
+left out of its group's statistics, a failure the policy caused is scored as its outcome,
+groups of equal rewards get exactly zero advantage at any scale, and a non-finite reward
+is rejected before it reaches an update."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import math  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from raytunix.learner.advantages import check_finite_rewards, grpo_advantages  # noqa: E402
+from raytunix.rollout.batch import record_batch_to_arrays, trajectories_to_record_batch  # noqa: E402
+from raytunix.types import EpisodeStatus, Trajectory, is_infrastructure_failure  # noqa: E402
+
+
+@pytest.mark.parametrize("value", [0.1, 0.35, 12.3, 100.1, -7.7, 1e4 + 0.1])
+@pytest.mark.parametrize("normalize_by_std", [True, False])
+def test_all_equal_group_has_zero_advantage_at_any_scale(value, normalize_by_std):
+    adv = np.asarray(grpo_advantages(np.full(8, value, np.float32), np.zeros(8, np.int32), 1,
+                                     normalize_by_std=normalize_by_std))
+    np.testing.assert_array_equal(adv, np.zeros(8))
+
+
+def test_known_values_and_singleton():
+    rewards = np.array([1] + [0] * 7 + [0.5], np.float32)
+    adv = np.asarray(grpo_advantages(rewards, np.array([0] * 8 + [1], np.int32), 2))
+    assert abs(adv[0] - np.sqrt(7)) < 1e-3 and adv[8] == 0.0
+    np.testing.assert_allclose(adv[1:8], -1 / np.sqrt(7), rtol=1e-4)
+
+
+def test_a_large_reward_offset_does_not_change_the_advantages():
+    rewards = np.array([0.0, 1.0, 1.0, 0.0], np.float32)
+    base = np.asarray(grpo_advantages(rewards, np.zeros(4, np.int32), 1))
+    shifted = np.asarray(grpo_advantages(rewards + 1000.0, np.zeros(4, np.int32), 1))
+    np.testing.assert_allclose(base, [-1, 1, 1, -1], rtol=1e-5)
+    np.testing.assert_allclose(shifted, base, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_non_finite_reward_is_rejected_naming_it(bad):
+    rewards = np.array([1.0, 0.0, bad, 1.0], np.float32)
+    with pytest.raises(ValueError, match=r"1 of 4 rewards are not finite \(\[2\]="):
+        grpo_advantages(rewards, np.array([0, 0, 1, 1], np.int32), 2)
+    with pytest.raises(ValueError, match="verifier"):
+        check_finite_rewards(rewards)
+
+
+def test_an_infrastructure_failure_neither_shifts_the_baseline_nor_gets_advantage():
+    # 7 equal successes + 1 env_error placeholder (reward 0): nobody has anything to learn.
+    rewards = np.array([1.0] * 7 + [0.0], np.float32)
+    valid = np.array([1] * 7 + [0], np.float32)
+    adv = np.asarray(grpo_advantages(rewards, np.zeros(8, np.int32), 1, valid=valid))
+    np.testing.assert_array_equal(adv, np.zeros(8))
+    # Without the exclusion the failure would hand each success a fake advantage.
+    assert np.asarray(grpo_advantages(rewards, np.zeros(8, np.int32), 1))[0] > 0.3
+
+
+def test_statistics_use_the_valid_members_only_hand_computed():
+    # Group 0: valid rewards 1, 0, 0 (mean 1/3, std sqrt(2)/3); the invalid member's 5.0
+    # is ignored. Group 1: valid 2, 4 (mean 3, std 1); its invalid member gets 0.
+    rewards = np.array([1.0, 0.0, 5.0, 2.0, 0.0, 4.0, 9.0], np.float32)
+    groups = np.array([0, 0, 0, 1, 0, 1, 1], np.int32)
+    valid = np.array([1, 1, 0, 1, 1, 1, 0], np.float32)
+    adv = np.asarray(grpo_advantages(rewards, groups, 2, valid=valid, eps=0.0))
+    s = math.sqrt(2) / 3
+    np.testing.assert_allclose(adv, [(2 / 3) / s, (-1 / 3) / s, 0.0, -1.0, (-1 / 3) / s, 1.0, 0.0],
+                               rtol=1e-5)
+    dr = np.asarray(grpo_advantages(rewards, groups, 2, valid=valid, normalize_by_std=False))
+    np.testing.assert_allclose(dr, [2 / 3, -1 / 3, 0.0, -1.0, -1 / 3, 1.0, 0.0], rtol=1e-5, atol=1e-6)
+
+
+def test_valid_members_under_jit_match_eager():
+    rewards = np.array([1.0, 0.0, 5.0, 2.0, 0.0, 4.0], np.float32)
+    groups = np.array([0, 0, 0, 1, 0, 1], np.int32)
+    valid = np.array([1, 1, 0, 1, 1, 0], np.float32)
+    jitted = jax.jit(lambda r, g, v: grpo_advantages(r, g, 6, valid=v))
+    np.testing.assert_allclose(jitted(rewards, groups, valid),
+                               grpo_advantages(rewards, groups, 6, valid=valid), rtol=1e-6)
+
+
+def _trajectory(i: int, reward: float, status: EpisodeStatus) -> Trajectory:
+    return Trajectory("t", "g0", [10 + i] * 6, [0, 0, 1, 1, 1, 1], [-1.0] * 6, [0] * 6,
+                      reward, status, 1)
+
+
+def test_the_batch_marks_infrastructure_failures_invalid_and_policy_failures_valid():
+    statuses = list(EpisodeStatus)
+    arrays = record_batch_to_arrays(trajectories_to_record_batch(
+        [_trajectory(i, 0.0, s) for i, s in enumerate(statuses)]))
+    expected = [0.0 if s in (EpisodeStatus.TIMEOUT, EpisodeStatus.ENV_ERROR, EpisodeStatus.ABORTED)
+                else 1.0 for s in statuses]
+    np.testing.assert_array_equal(arrays["valid"], expected)
+    assert [is_infrastructure_failure(s) for s in statuses] == [v == 0.0 for v in expected]
+
+
+def test_a_policy_failure_keeps_its_place_in_the_group_and_gets_a_negative_advantage():
+    trajectories = [_trajectory(0, 1.0, EpisodeStatus.COMPLETED),
+                    _trajectory(1, 1.0, EpisodeStatus.COMPLETED),
+                    _trajectory(2, 0.0, EpisodeStatus.TOOL_ERROR_LIMIT),
+                    _trajectory(3, 0.0, EpisodeStatus.ENV_ERROR)]
+    arrays = record_batch_to_arrays(trajectories_to_record_batch(trajectories))
+    adv = np.asarray(grpo_advantages(arrays["rewards"], arrays["group_ids"], 4,
+                                     valid=arrays["valid"]))
+    # Valid rewards 1, 1, 0: mean 2/3, std sqrt(2)/3.
+    np.testing.assert_allclose(adv[:3], [1 / math.sqrt(2), 1 / math.sqrt(2), -math.sqrt(2)], rtol=1e-4)
+    assert adv[3] == 0.0
