@@ -111,3 +111,55 @@ def test_a_policy_failure_keeps_its_place_in_the_group_and_gets_a_negative_advan
     # Valid rewards 1, 1, 0: mean 2/3, std sqrt(2)/3.
     np.testing.assert_allclose(adv[:3], [1 / math.sqrt(2), 1 / math.sqrt(2), -math.sqrt(2)], rtol=1e-4)
     assert adv[3] == 0.0
+
+
+# -- through the orchestrator ------------------------------------------------------------------
+
+import asyncio  # noqa: E402
+
+from raytunix.agents import ToolAgent  # noqa: E402
+from raytunix.models.tokenizer import Tokenizer  # noqa: E402
+from raytunix.rollout.batch import record_batch_to_trajectories  # noqa: E402
+from raytunix.rollout.env_pool import LocalEnv  # noqa: E402
+from raytunix.rollout.faults import Backoff  # noqa: E402
+from raytunix.rollout.orchestrator import RolloutOrchestrator  # noqa: E402
+from raytunix.types import FinishReason, GenerationResult, SamplingParams, Task  # noqa: E402
+
+TOK = Tokenizer.byte_level()
+
+
+class HalfMalformedEngine:
+    """Sample 0 of every group writes only malformed tool calls; sample 1 answers right."""
+
+    async def generate(self, request):
+        _, seed, _ = request.request_id.split("/")
+        text = '<tool_call>{"name": calculator}</tool_call>' if int(seed) % 2 == 0 else "<answer>2</answer>"
+        ids = TOK.encode(text) + [TOK.end_id]
+        return GenerationResult(request.request_id, tuple(ids), (-0.3,) * len(ids),
+                                (0,) * len(ids), FinishReason.STOP)
+
+
+def test_a_policy_that_emits_only_malformed_calls_stops_at_the_limit_and_gets_a_negative_advantage():
+    async def main():
+        orchestrator = RolloutOrchestrator(
+            tasks=[Task("t", "Calculate 1 + 1.", "2")], agent_factory=lambda: ToolAgent(TOK),
+            engine=HalfMalformedEngine(),
+            env_provider=lambda g: (LocalEnv("calculator_math", {"max_tool_errors": 2}), lambda: None),
+            group_size=2, groups_per_batch=1, max_concurrent_episodes=2, max_staleness=0,
+            max_turns=8, max_context_tokens=2048, sampling=SamplingParams(max_new_tokens=64),
+            retry_backoff=Backoff(0.001, 0.004))
+        [batch], info = await orchestrator.next_batch()
+        await orchestrator.stop()
+        return batch, info, orchestrator.counters
+
+    batch, info, counters = asyncio.run(main())
+    trajectories = record_batch_to_trajectories(batch)
+    bad = next(t for t in trajectories if t.status == EpisodeStatus.TOOL_ERROR_LIMIT)
+    good = next(t for t in trajectories if t.status == EpisodeStatus.COMPLETED)
+    assert bad.num_turns == 3  # 2 tool errors tolerated, the 3rd ends it
+    assert sum(bad.loss_mask) > 0  # its own tokens keep their gradient
+    arrays = record_batch_to_arrays(batch)
+    adv = np.asarray(grpo_advantages(arrays["rewards"], arrays["group_ids"], 2, valid=arrays["valid"]))
+    assert adv[trajectories.index(bad)] < 0 < adv[trajectories.index(good)]
+    assert info["valid_trajectories"] == 2 and info["tool_errors_mean"] == 1.5
+    assert counters["episodes_failed_policy"] == 1 and counters["tool_errors_bad_json"] == 3

@@ -15,14 +15,20 @@ from raytunix.models.tokenizer import Tokenizer
 from raytunix.rollout.batch import record_batch_to_trajectories
 from raytunix.rollout.env_pool import LocalEnv
 from raytunix.rollout.episode import EnvFailure
+from raytunix.rollout.faults import Backoff
 from raytunix.rollout.orchestrator import RolloutOrchestrator
 from raytunix.types import (
+    EngineFailure,
     EpisodeStatus,
     FinishReason,
     GenerationResult,
+    RolloutHalted,
     SamplingParams,
     Task,
 )
+
+# Tests retry on a millisecond scale: the schedule's shape matters, not its seconds.
+FAST = Backoff(initial_delay_s=0.001, max_delay_s=0.004, max_attempts=3)
 
 TOKENIZER = Tokenizer.byte_level()
 TASKS = [Task(f"t{i}", f"Calculate {10 + i} + {20 + 3 * i}.", str(30 + 4 * i)) for i in range(40)]
@@ -59,7 +65,7 @@ class FakeEngine:
             group_id, _, turn = request.request_id.split("/")
             if group_id in self.fail_first_call_of:
                 self.fail_first_call_of.discard(group_id)
-                raise RuntimeError(f"engine crashed on {request.request_id}")
+                raise EngineFailure(f"engine crashed on {request.request_id}")
             await asyncio.sleep(self.delay(request))
             a, b = map(int, _QUESTION.search(TOKENIZER.decode(list(request.prompt_ids))).groups())
             answer = a + b + (1 if self.wrong(a, b) else 0)
@@ -132,7 +138,8 @@ def make_orchestrator(engine, env_provider=None, **kwargs) -> RolloutOrchestrato
     args = dict(group_size=2, groups_per_batch=2, max_concurrent_episodes=8, max_staleness=1,
                 max_turns=4, max_context_tokens=1024,
                 sampling=SamplingParams(max_new_tokens=128, temperature=1.0),
-                episode_timeout_s=60.0, batch_queue_size=2)
+                episode_timeout_s=60.0, batch_queue_size=2, engine_backoff=FAST,
+                retry_backoff=FAST)
     args.update(kwargs)
     return RolloutOrchestrator(tasks=TASKS, agent_factory=lambda: ToolAgent(TOKENIZER),
                                engine=engine, env_provider=env_provider or EnvLeases(), **args)
@@ -430,44 +437,88 @@ class BrokenResetEnv(CalculatorMathEnv):
         raise OSError("dataset file vanished")
 
 
-def test_an_environment_that_raises_in_step_gives_env_error_episodes(monkeypatch):
+def test_an_environment_that_raises_in_step_trips_the_breaker_with_one_clear_error(monkeypatch):
+    """Every episode ends as env_error: no batch of failures is emitted as if it were data;
+    each group is retried a bounded number of times, then the breaker stops the rollout."""
     monkeypatch.setitem(ENVS, "exploding", ExplodingEnv)
 
     async def main():
         orchestrator = make_orchestrator(FakeEngine(), EnvLeases(env_name="exploding"),
-                                         groups_per_batch=1)
-        [batch], info = await orchestrator.next_batch()
+                                         groups_per_batch=1, max_group_retries=1,
+                                         max_consecutive_failures=12)
+        with pytest.raises(RolloutHalted, match="12 episodes in a row failed") as halted:
+            await asyncio.wait_for(orchestrator.next_batch(), 30)
+        with pytest.raises(RolloutHalted):  # it stays halted
+            await asyncio.wait_for(orchestrator.next_batch(), 30)
         await orchestrator.stop()
-        return record_batch_to_trajectories(batch), orchestrator.stats()["counters"]
+        return halted.value, orchestrator.state()
 
-    trajectories, counters = run(main())
-    assert [t.status for t in trajectories] == [EpisodeStatus.ENV_ERROR] * 2
-    assert all(set(t.loss_mask) == {0} and t.reward == 0.0 for t in trajectories)
+    error, state = run(main())
+    assert "env_error" in str(error) and "resume" in str(error)
+    counters = state["counters"]
+    assert counters["episodes_env_error"] >= 12
+    assert counters["groups_retried_env_error"] >= 1
     assert counters.get("groups_retried_engine_error", 0) == 0
+    assert counters.get("groups_trained", 0) == 0
+    _assert_accounted([], state)  # every task handed out is filtered (counted) or pending
 
 
-def test_an_environment_that_raises_in_reset_gives_env_error_not_endless_retries(monkeypatch):
+def test_an_environment_that_raises_in_reset_is_retried_then_filtered_not_retried_forever(monkeypatch):
     monkeypatch.setitem(ENVS, "broken_reset", BrokenResetEnv)
 
     async def main():
         orchestrator = make_orchestrator(FakeEngine(), EnvLeases(env_name="broken_reset"),
-                                         groups_per_batch=1)
-        [batch], info = await asyncio.wait_for(orchestrator.next_batch(), 30)
+                                         groups_per_batch=1, max_group_retries=2,
+                                         max_consecutive_failures=0)  # breaker off
+        next_batch = asyncio.ensure_future(orchestrator.next_batch())
+        for _ in range(2000):
+            await asyncio.sleep(0.001)
+            if orchestrator.counters["groups_filtered_env_error"] >= 3:
+                break
+        assert not next_batch.done()  # nothing to train on was handed out
+        next_batch.cancel()
         await orchestrator.stop()
-        return record_batch_to_trajectories(batch), orchestrator.stats()["counters"]
+        return orchestrator.state()
 
-    trajectories, counters = run(main())
-    assert [t.status for t in trajectories] == [EpisodeStatus.ENV_ERROR] * 2
+    state = run(main())
+    counters = state["counters"]
+    assert counters["groups_filtered_env_error"] >= 3
+    # A filtered task was retried max_group_retries (2) times before it was given up; one
+    # still pending, at most that often.
+    filtered = counters["groups_filtered_env_error"]
+    assert 2 * filtered <= counters["groups_retried_env_error"] <= 2 * (filtered + len(state["pending"]))
     assert counters.get("groups_retried_engine_error", 0) == 0
+    _assert_accounted([], state)
 
 
-def test_an_engine_error_retries_the_group_without_losing_or_orphaning_episodes():
+def test_a_short_engine_outage_is_retried_inside_the_episode_and_costs_no_task():
     async def main():
         engine = FakeEngine(delay=lambda r: 0.005)
         engine.fail_first_call_of = {"g1"}
         leases = EnvLeases()
         orchestrator = make_orchestrator(engine, leases, group_size=3, groups_per_batch=1,
                                          max_concurrent_episodes=3, max_staleness=1)
+        consumed = await learner_loop(orchestrator, engine, 4)
+        await orchestrator.stop()
+        return leases, consumed, orchestrator.state()
+
+    leases, consumed, state = run(main())
+    assert state["counters"]["engine_retries"] == 1
+    assert state["counters"].get("groups_retried_engine_error", 0) == 0
+    trained = _trained_indices(consumed)
+    assert trained == [0, 1, 2, 3]
+    _assert_accounted(trained, state)
+    assert leases.outstanding == 0
+
+
+def test_an_engine_down_past_the_episode_retries_retries_the_group_without_orphans():
+    async def main():
+        engine = FakeEngine(delay=lambda r: 0.005)
+        engine.fail_first_call_of = {"g1"}
+        leases = EnvLeases()
+        orchestrator = make_orchestrator(engine, leases, group_size=3, groups_per_batch=1,
+                                         max_concurrent_episodes=3, max_staleness=1,
+                                         engine_backoff=Backoff(0.001, 0.001, max_attempts=1))
         consumed = await learner_loop(orchestrator, engine, 4)
         await orchestrator.stop()
         return leases, consumed, orchestrator.state()
@@ -488,10 +539,12 @@ class AlwaysFailingFor(FakeEngine):
     def __init__(self, groups, **kwargs):
         super().__init__(**kwargs)
         self.broken = set(groups)
+        self.failed_calls = 0
 
     async def generate(self, request):
         if request.request_id.split("/")[0] in self.broken:
-            raise RuntimeError(f"engine crashed on {request.request_id}")
+            self.failed_calls += 1
+            raise ConnectionError(f"engine unreachable for {request.request_id}")
         return await super().generate(request)
 
 
@@ -502,30 +555,64 @@ def test_a_task_whose_engine_calls_always_fail_is_filtered_after_bounded_retries
                                          max_concurrent_episodes=2, max_group_retries=2)
         consumed = await learner_loop(orchestrator, engine, 3)
         await orchestrator.stop()
-        return consumed, orchestrator.state()
+        return engine, consumed, orchestrator.state()
 
-    consumed, state = run(main())
+    engine, consumed, state = run(main())
     assert state["counters"]["groups_retried_engine_error"] == 2  # then given up
     assert state["counters"]["groups_filtered_engine_error"] == 1
+    # 3 group tries x 2 episodes x FAST.max_attempts calls each: bounded, not a tight loop.
+    assert engine.failed_calls == 3 * 2 * FAST.max_attempts
     trained = _trained_indices(consumed)
     assert 0 not in trained and 0 not in state["pending"]
     _assert_accounted(trained, state)
 
 
-def test_an_episode_over_its_time_budget_ends_as_timeout():
+class BuggyAgent(ToolAgent):
+    def parse(self, text):
+        raise KeyError("a bug in the parser")
+
+
+def test_a_bug_in_agent_code_is_raised_not_retried_as_an_engine_failure():
     async def main():
-        # The answer turn never comes back in time.
-        engine = FakeEngine(delay=lambda r: 3600.0 if r.request_id.endswith("/1") else 0.0)
+        engine = FakeEngine()
+        orchestrator = RolloutOrchestrator(
+            tasks=TASKS, agent_factory=lambda: BuggyAgent(TOKENIZER), engine=engine,
+            env_provider=EnvLeases(), group_size=2, groups_per_batch=1,
+            max_concurrent_episodes=2, max_staleness=0, max_turns=2,
+            max_context_tokens=1024, sampling=SamplingParams(max_new_tokens=128),
+            engine_backoff=FAST, retry_backoff=FAST)
+        with pytest.raises(KeyError, match="a bug in the parser"):
+            await asyncio.wait_for(orchestrator.next_batch(), 30)
+        await orchestrator.stop()
+        return engine, orchestrator.state()
+
+    engine, state = run(main())
+    assert len(engine.requests) == 2  # one call per episode of the first group, no retry
+    assert not any(k.startswith("groups_retried") for k in state["counters"])
+    assert state["pending"] == [0]  # the task is kept for a fixed run to redo
+
+
+def test_an_episode_over_its_time_budget_ends_as_timeout_and_leaves_group_statistics():
+    async def main():
+        # Member 0 of every group (seed = index * 2 + member) never gets its answer turn.
+        def delay(r):
+            _, seed, turn = r.request_id.split("/")
+            return 3600.0 if turn == "1" and int(seed) % 2 == 0 else 0.0
+
+        engine = FakeEngine(delay=delay)
         orchestrator = make_orchestrator(engine, group_size=2, groups_per_batch=1,
                                          episode_timeout_s=0.05)
         [batch], info = await orchestrator.next_batch()
         await orchestrator.stop()
-        return record_batch_to_trajectories(batch), orchestrator.stats()["counters"]
+        return record_batch_to_trajectories(batch), info, orchestrator.stats()["counters"]
 
-    trajectories, counters = run(main())
-    assert [t.status for t in trajectories] == [EpisodeStatus.TIMEOUT] * 2
-    assert all(t.reward == 0.0 and set(t.loss_mask) == {0} for t in trajectories)
-    assert counters["episodes_timeout"] >= 2
+    trajectories, info, counters = run(main())
+    assert sorted(t.status.value for t in trajectories) == ["completed", "timeout"]
+    timed_out = next(t for t in trajectories if t.status == EpisodeStatus.TIMEOUT)
+    assert timed_out.reward == 0.0 and set(timed_out.loss_mask) == {0}
+    assert info["valid_trajectories"] == 1
+    assert counters["episodes_timeout"] >= 1
+    assert counters["episodes_failed_infrastructure"] >= 1
 
 
 # -- evaluation ----------------------------------------------------------------------------------

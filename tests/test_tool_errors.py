@@ -117,3 +117,64 @@ def test_tool_timeout_must_be_positive():
     with pytest.raises(ValueError, match="tool_timeout_s"):
         CalculatorMathEnv(tool_timeout_s=0)
     assert ToolErrorKind("timeout") is ToolErrorKind.TIMEOUT
+
+
+# -- counted per trajectory ----------------------------------------------------------------
+
+import asyncio  # noqa: E402
+
+from raytunix.agents import ToolAgent  # noqa: E402
+from raytunix.models.tokenizer import Tokenizer  # noqa: E402
+from raytunix.rollout.env_pool import LocalEnv  # noqa: E402
+from raytunix.rollout.episode import run_episode  # noqa: E402
+from raytunix.types import FinishReason, GenerationResult, SamplingParams  # noqa: E402
+
+TOK = Tokenizer.byte_level()
+
+
+class ScriptedEngine:
+    """Turn i replies ``replies[i]``."""
+
+    def __init__(self, replies):
+        self.replies = replies
+
+    async def generate(self, req):
+        ids = TOK.encode(self.replies[int(req.request_id.split("/")[-1])]) + [TOK.end_id]
+        return GenerationResult(req.request_id, tuple(ids), (-0.1,) * len(ids),
+                                (0,) * len(ids), FinishReason.STOP)
+
+
+def _episode(replies, max_tool_errors=5):
+    return asyncio.run(run_episode(
+        TASK, "g", ToolAgent(TOK), LocalEnv("calculator_math", {"max_tool_errors": max_tool_errors}),
+        ScriptedEngine(replies), SamplingParams(max_new_tokens=96), max_turns=len(replies),
+        max_context_tokens=2048, seed=0, timeout_s=10))
+
+
+def test_parse_errors_are_counted():
+    traj = _episode(['<tool_call>{"name" "calculator"}</tool_call>',  # missing colon
+                     '<tool_call>{"arguments": {}}</tool_call>',  # no name
+                     "<answer>42</answer>"])
+    assert traj.status.value == "completed" and traj.num_turns == 3
+    assert traj.metrics["tool_errors"] == 2
+    assert traj.metrics["tool_errors/bad_json"] == 2
+
+
+def test_every_kind_is_summed_into_the_trajectory_under_one_key():
+    traj = _episode([call("calculator", '{"self": 1}'),
+                     call("calculator", '{"expression": "1 / 0"}') + call("abacus", "{}"),
+                     "I think it is 42",
+                     call("calculator", '{"expression": "12 + 30"}'),
+                     "<answer>42</answer>"])
+    assert traj.status == EpisodeStatus.COMPLETED and traj.reward == 1.0
+    assert traj.metrics[TOOL_ERRORS_KEY] == 4
+    assert {k: v for k, v in traj.metrics.items() if k.startswith(f"{TOOL_ERRORS_KEY}/")} == {
+        "tool_errors/bad_arguments": 1, "tool_errors/tool_exception": 1,
+        "tool_errors/unknown_tool": 1, "tool_errors/format": 1}
+
+
+def test_a_self_argument_in_an_episode_costs_a_tool_error_not_the_episode():
+    traj = _episode([call("calculator", '{"self": "x", "expression": "12 + 30"}'),
+                     call("calculator", '{"expression": "12 + 30"}'), "<answer>42</answer>"])
+    assert traj.status == EpisodeStatus.COMPLETED and traj.reward == 1.0
+    assert traj.metrics["tool_errors/bad_arguments"] == 1

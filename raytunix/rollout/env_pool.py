@@ -3,22 +3,27 @@
 Each ``EnvActor`` holds many environment instances (one per in-flight episode) and runs
 their steps in threads, so a slow tool on one episode does not stall the others. The pool
 size is configured on its own (``env.num_env_actors``); actors restart on failure, and an
-episode whose actor died ends as ``env_error`` instead of taking the run with it.
+episode whose actor died ends as ``env_error`` (and is re-run by the orchestrator) instead
+of taking the run with it. An actor that is dead for good (its restarts spent) gets no more
+episodes; when none is left, ``lease`` raises ``EnvPoolExhausted`` and the run stops with
+that one error instead of producing failed episodes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import ray
 
 from raytunix.envs import make_env
-from raytunix.rollout.episode import EnvFailure
-from raytunix.types import Action, StepResult, Task
+from raytunix.types import Action, EnvFailure, RolloutHalted, StepResult, Task
+
+logger = logging.getLogger(__name__)
 
 
 # For actors that must never take the accelerator (libtpu allows one process per host).
@@ -69,19 +74,41 @@ class EnvActor:
         return os.getpid()
 
 
-class RemoteEnv:
-    """``EnvClient`` for one episode on one ``EnvActor``; actor failures become EnvFailure."""
+class EnvPoolExhausted(RolloutHalted):
+    """Every env actor of the pool is dead for good; no episode can run."""
 
-    def __init__(self, actor, episode_id: str):
+
+class RemoteEnv:
+    """``EnvClient`` for one episode on one ``EnvActor``; failures become ``EnvFailure``.
+
+    The actor dying or restarting, or the episode's environment being gone (the actor was
+    restarted under it), is ``retryable``: the episode may run again elsewhere. An exception
+    raised by the environment's own code is not.
+
+    Args:
+      on_actor_died: awaited when a call finds the actor dead (``ActorDiedError``), before
+        the failure is raised; the pool uses it to check whether the actor is gone for good.
+    """
+
+    def __init__(self, actor, episode_id: str,
+                 on_actor_died: Callable[[], Awaitable[None]] | None = None):
         self._actor = actor
         self._episode_id = episode_id
+        self._on_actor_died = on_actor_died
 
     async def _call(self, method: str, *args):
         try:
             return await getattr(self._actor, method).remote(self._episode_id, *args)
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
-                ray.exceptions.RayTaskError, KeyError) as e:
-            raise EnvFailure(f"{method} failed on env actor: {e}") from e
+        except ray.exceptions.ActorDiedError as e:
+            if self._on_actor_died is not None:
+                await self._on_actor_died()
+            raise EnvFailure(f"{method} failed: the env actor died ({e})", retryable=True) from e
+        except ray.exceptions.RayActorError as e:  # ActorUnavailableError: restarting
+            raise EnvFailure(f"{method} failed: the env actor is unavailable ({e})",
+                             retryable=True) from e
+        except ray.exceptions.RayTaskError as e:
+            gone = isinstance(e, KeyError)  # the episode's env was lost in a restart
+            raise EnvFailure(f"{method} failed on the env actor: {e}", retryable=gone) from e
 
     async def reset(self, task: Task) -> str:
         return await self._call("reset", task)
@@ -97,8 +124,7 @@ class LocalEnv:
     """``EnvClient`` running an environment in-process (tests, evaluation without Ray).
 
     Like ``RemoteEnv``, an exception from the environment becomes ``EnvFailure`` (the
-    episode ends as ENV_ERROR); anything else would read as an engine failure and the
-    task would be retried forever."""
+    episode ends as ENV_ERROR, not retryable: the same code would fail again)."""
 
     def __init__(self, env_name: str, env_kwargs: dict[str, Any]):
         self._env = make_env(env_name, **env_kwargs)
@@ -116,7 +142,10 @@ class LocalEnv:
             raise EnvFailure(f"step failed: {e!r}") from e
 
     async def close(self) -> None:
-        self._env.close()
+        try:
+            self._env.close()
+        except Exception as e:  # noqa: BLE001
+            raise EnvFailure(f"close failed: {e!r}") from e
 
 
 class EnvPool:
@@ -129,11 +158,17 @@ class EnvPool:
       resources: extra Ray resources each actor needs (e.g. ``{"env_host": 1}``) so that
         env actors land on their own node pool.
       threads_per_actor: environment calls each actor runs at once (see ``EnvActor``).
+      probe_timeout_s: how long a liveness check of an actor that raised
+        ``ActorDiedError`` may take, seconds; an actor restarting takes that long at most
+        to answer, one dead for good fails at once.
+
+    Raises (``lease``):
+      EnvPoolExhausted: every actor is dead for good.
     """
 
     def __init__(self, env_name: str, env_kwargs: dict[str, Any], num_actors: int,
                  max_restarts: int = 3, resources: dict[str, float] | None = None,
-                 threads_per_actor: int = 256):
+                 threads_per_actor: int = 256, probe_timeout_s: float = 60.0):
         if num_actors < 1:
             raise ValueError(f"num_actors={num_actors}: an env pool needs at least one actor.")
         cls = ray.remote(EnvActor).options(
@@ -145,11 +180,50 @@ class EnvPool:
                        for _ in range(num_actors)]
         self._load = [0] * num_actors
         self._ids = itertools.count()
+        self._dead: set[int] = set()
+        self.max_restarts = max_restarts
+        self.probe_timeout_s = probe_timeout_s
 
     def lease(self, group_id: str) -> tuple[RemoteEnv, int]:
-        i = min(range(len(self.actors)), key=self._load.__getitem__)
+        """An environment client for one episode on the least-loaded live actor, and that
+        actor's index (give it back with ``release``).
+
+        Raises:
+          EnvPoolExhausted: no actor is alive.
+        """
+        alive = [i for i in range(len(self.actors)) if i not in self._dead]
+        if not alive:
+            raise EnvPoolExhausted(
+                f"all {len(self.actors)} env actors are dead (each was restarted up to "
+                f"env.env_actor_max_restarts={self.max_restarts} times); no episode can run. "
+                "Check the env actors' logs (`ray logs`), fix the cause, and resume the run.")
+        i = min(alive, key=self._load.__getitem__)
         self._load[i] += 1
-        return RemoteEnv(self.actors[i], f"{group_id}#{next(self._ids)}"), i
+
+        async def on_actor_died() -> None:
+            await self._check_alive(i)
+
+        return RemoteEnv(self.actors[i], f"{group_id}#{next(self._ids)}", on_actor_died), i
+
+    @property
+    def num_alive(self) -> int:
+        """Actors not known to be dead for good."""
+        return len(self.actors) - len(self._dead)
+
+    async def _check_alive(self, index: int) -> None:
+        # A call to an actor that is restarting waits for it; one to an actor that will not
+        # come back fails at once with ActorDiedError.
+        if index in self._dead:
+            return
+        try:
+            async with asyncio.timeout(self.probe_timeout_s):
+                await self.actors[index].num_envs.remote()
+        except ray.exceptions.ActorDiedError as e:
+            self._dead.add(index)
+            logger.error("env actor %d is dead for good (%d of %d left): %s", index,
+                         self.num_alive, len(self.actors), e)
+        except (ray.exceptions.RayActorError, TimeoutError):
+            pass  # restarting or slow: not known dead
 
     def release(self, index: int) -> None:
         self._load[index] -= 1

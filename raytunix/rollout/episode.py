@@ -8,11 +8,18 @@ Every way an episode can go wrong ends this episode with a status, never the run
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
+import random
 import time
 from typing import Protocol
 
+from raytunix.rollout.faults import Backoff, RateLimitedLog, retry_async
 from raytunix.types import (
+    TOOL_ERRORS_KEY,
     Action,
+    EngineFailure,
+    EnvFailure,
     EpisodeStatus,
     FinishReason,
     GenerationRequest,
@@ -21,30 +28,39 @@ from raytunix.types import (
     StepResult,
     Task,
     Trajectory,
+    is_infrastructure_failure,
 )
+
+logger = logging.getLogger(__name__)
+_rate_limited = RateLimitedLog(logger)
+
+# What an engine client may raise for an outage: these are retried with backoff. Anything
+# else from ``generate`` (a ValueError for a bad request...) is a bug and propagates.
+ENGINE_OUTAGE_ERRORS = (EngineFailure, ConnectionError, TimeoutError)
+ENV_CLOSE_TIMEOUT_S = 10.0  # closing an env on a hung actor must not hold the episode forever
 
 
 MAX_TURN_SEEDS = 1 << 16  # seeds reserved per episode, one per turn (max_turns must stay below)
 
 
 class EngineClient(Protocol):
-    """Anything that generates: a local ``InferenceEngine`` or a Ray actor handle wrapper."""
+    """Anything that generates: a local ``InferenceEngine`` or a Ray actor handle wrapper.
+
+    An outage (actor died or restarting, connection lost) is raised as ``EngineFailure``
+    (or ``ConnectionError`` / ``TimeoutError``); it is retried with backoff."""
 
     async def generate(self, request: GenerationRequest) -> GenerationResult: ...
 
 
 class EnvClient(Protocol):
-    """One environment instance for one episode, local or hosted by an env actor."""
+    """One environment instance for one episode, local or hosted by an env actor; any
+    failure of the environment or its host is raised as ``EnvFailure``."""
 
     async def reset(self, task: Task) -> str: ...
 
     async def step(self, action: Action) -> StepResult: ...
 
     async def close(self) -> None: ...
-
-
-class EnvFailure(Exception):
-    """The environment (or the actor hosting it) failed; the episode ends as ENV_ERROR."""
 
 
 async def run_episode(
@@ -59,6 +75,7 @@ async def run_episode(
     max_context_tokens: int,
     seed: int,
     timeout_s: float,
+    engine_backoff: Backoff = Backoff(),
 ) -> Trajectory:
     """Runs one agent–environment episode and returns its trajectory.
 
@@ -69,16 +86,35 @@ async def run_episode(
       seed: the episode's PRNG seed; turn i samples with ``seed * MAX_TURN_SEEDS + i``, so
         no two (episode, turn) pairs share a seed (``seed + i`` would give episode j's
         second turn the noise of episode j + 1's first).
-      timeout_s: wall-clock budget for the whole episode (seconds).
+      timeout_s: wall-clock budget for the whole episode (seconds), retries included.
+      engine_backoff: an engine outage is retried on this schedule; a short one costs
+        time, not the episode.
 
     Returns:
       The trajectory; ``metrics`` holds ``generate_s``, ``env_s`` (seconds),
-      ``tool_calls``, ``tool_errors`` and ``generated_tokens``. Never raises for environment or parsing
-      failures (they set ``status``); cancellation propagates.
+      ``tool_calls``, ``tool_errors`` (total) and ``tool_errors/<kind>`` (see
+      ``ToolErrorKind``), ``engine_retries``, ``generated_tokens``, and
+      ``env_failure_retryable`` (1.0) when its env's host died under it. Environment
+      failures (``EnvFailure``, a non-finite reward) end it as ``ENV_ERROR``, the budget
+      as ``TIMEOUT``; parse errors are the environment's to answer.
+
+    Raises:
+      EngineFailure: the engine stayed down through every retry (the caller retries the
+        group or filters the task).
+      Exception: anything else raised by the agent, the parser or an engine/env client
+        is a bug and propagates unchanged, never counted as an engine failure.
     """
     start = time.monotonic()
-    timings = {"generate_s": 0.0, "env_s": 0.0, "tool_errors": 0.0, "tool_calls": 0.0}
+    timings = {"generate_s": 0.0, "env_s": 0.0, TOOL_ERRORS_KEY: 0.0, "tool_calls": 0.0,
+               "engine_retries": 0.0}
     reward, status = 0.0, EpisodeStatus.TRUNCATED
+    rng = random.Random(seed)
+
+    def on_engine_retry(attempt: int, error: BaseException, delay_s: float) -> None:
+        timings["engine_retries"] += 1
+        _rate_limited.log(logging.WARNING, "engine_retry",
+                          "engine call of %s failed (%r); retry %d in %.2f s",
+                          group_id, error, attempt + 1, delay_s)
 
     async def env_call(coro):
         t0 = time.monotonic()
@@ -103,7 +139,14 @@ async def run_episode(
                 request = agent.next_request(f"{group_id}/{seed}/{turn}", turn_sampling,
                                              seed * MAX_TURN_SEEDS + turn)
                 t0 = time.monotonic()
-                result = await engine.generate(request)
+                try:
+                    result = await retry_async(
+                        lambda: engine.generate(request), engine_backoff,
+                        retry_on=ENGINE_OUTAGE_ERRORS, rng=rng, on_retry=on_engine_retry)
+                except ENGINE_OUTAGE_ERRORS as e:
+                    if isinstance(e, EngineFailure):
+                        raise
+                    raise EngineFailure(f"engine call {request.request_id} failed: {e!r}") from e
                 timings["generate_s"] += time.monotonic() - t0
                 action = agent.on_generation(result)
                 if result.finish_reason == FinishReason.ABORT:
@@ -113,9 +156,15 @@ async def run_episode(
                     break  # the turn did not end (an agent may close a cut reply): TRUNCATED
                 timings["tool_calls"] += len(action.tool_calls)
                 step = await env_call(env.step(action))
+                if not math.isfinite(step.reward):
+                    raise EnvFailure(
+                        f"the environment returned reward {step.reward!r} for task "
+                        f"{task.task_id!r}; rewards must be finite numbers (a bug in its verifier)")
                 reward += step.reward
-                if step.info.get("tool_error"):
-                    timings["tool_errors"] += 1
+                for kind, count in (step.info.get(TOOL_ERRORS_KEY) or {}).items():
+                    timings[TOOL_ERRORS_KEY] += count
+                    key = f"{TOOL_ERRORS_KEY}/{kind}"
+                    timings[key] = timings.get(key, 0.0) + count
                 if step.done:
                     status = step.status or EpisodeStatus.COMPLETED
                     break
@@ -123,14 +172,20 @@ async def run_episode(
                     agent.on_observation(step.observation)
     except TimeoutError:
         status = EpisodeStatus.TIMEOUT
-    except EnvFailure:
+    except EnvFailure as e:
         status = EpisodeStatus.ENV_ERROR
+        if e.retryable:  # the host failed, not the environment: the caller may re-run it
+            timings["env_failure_retryable"] = 1.0
+        _rate_limited.log(logging.WARNING, "env_failure", "episode of %s ended as env_error: %s",
+                          group_id, e)
     finally:
         try:
-            await env.close()
-        except Exception:  # closing a dead env must not hide the episode's outcome
-            pass
-    if status not in (EpisodeStatus.COMPLETED, EpisodeStatus.TRUNCATED):
+            async with asyncio.timeout(ENV_CLOSE_TIMEOUT_S):
+                await env.close()
+        except (EnvFailure, TimeoutError) as e:  # must not hide the episode's outcome
+            _rate_limited.log(logging.WARNING, "env_close", "closing the env of %s failed: %r",
+                              group_id, e)
+    if is_infrastructure_failure(status):
         reward = 0.0
     timings["generated_tokens"] = float(agent.num_generated_tokens)
     timings["wall_s"] = time.monotonic() - start
