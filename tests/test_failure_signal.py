@@ -163,3 +163,71 @@ def test_a_policy_that_emits_only_malformed_calls_stops_at_the_limit_and_gets_a_
     assert adv[trajectories.index(bad)] < 0 < adv[trajectories.index(good)]
     assert info["valid_trajectories"] == 2 and info["tool_errors_mean"] == 1.5
     assert counters["episodes_failed_policy"] == 1 and counters["tool_errors_bad_json"] == 3
+
+
+# -- in the GRPO update ------------------------------------------------------------------------
+
+import inspect  # noqa: E402
+
+from raytunix.learner.train_state import (  # noqa: E402
+    create_train_state,
+    make_grpo_update,
+    make_optimizer,
+)
+from raytunix.models.llama import ModelConfig, init_model  # noqa: E402
+
+CFG = ModelConfig(vocab_size=64, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32,
+                  max_seq_len=32)
+
+
+def _update():
+    # Plain softmax scoring; top_k/top_p only where this make_grpo_update takes them.
+    accepted = inspect.signature(make_grpo_update).parameters
+    sampling = {k: v for k, v in {"temperature": 1.0, "top_k": 0, "top_p": 1.0}.items()
+                if k in accepted}
+    graphdef, params = init_model(CFG, 0)
+    optimizer = make_optimizer(1e-3)
+    return (make_grpo_update(graphdef, optimizer, **sampling),
+            create_train_state(graphdef, params, optimizer, 0))
+
+
+def _member(i, reward, status, masked):
+    toks = [10 + (i * 7 + k) % 50 for k in range(12)]
+    mask = [0] * 4 + [0 if masked else 1] * 8
+    return Trajectory("t", "g0", toks, mask, [-1.0] * 12, [0] * 12, reward, status, 1)
+
+
+def test_failed_member_excluded_from_group_baseline():
+    update, state = _update()
+    trajectories = [_member(i, 1.0, EpisodeStatus.COMPLETED, False) for i in range(7)]
+    trajectories.append(_member(7, 0.0, EpisodeStatus.ENV_ERROR, True))
+    arrays = record_batch_to_arrays(trajectories_to_record_batch(trajectories))
+    _, metrics = update(state, None, arrays)
+    assert float(metrics["grad_norm"]) < 1e-7
+
+
+def test_an_infrastructure_failure_changes_nothing_in_the_update():
+    update, state = _update()
+    valid = [_member(0, 1.0, EpisodeStatus.COMPLETED, False),
+             _member(1, 0.0, EpisodeStatus.COMPLETED, False),
+             _member(2, 0.0, EpisodeStatus.TOOL_ERROR_LIMIT, False)]
+    _, alone = update(state, None, record_batch_to_arrays(trajectories_to_record_batch(valid)))
+    for status in (EpisodeStatus.ENV_ERROR, EpisodeStatus.TIMEOUT, EpisodeStatus.ABORTED):
+        failed = _member(3, 0.0, status, True)
+        _, with_failure = update(state, None, record_batch_to_arrays(
+            trajectories_to_record_batch(valid + [failed])))
+        for key in ("loss", "grad_norm", "advantage_abs_mean"):
+            scale = 3 / 4 if key == "advantage_abs_mean" else 1.0  # a mean over 4, not 3
+            np.testing.assert_allclose(float(with_failure[key]), float(alone[key]) * scale,
+                                       rtol=1e-5, err_msg=f"{status.value}: {key}")
+    assert float(alone["grad_norm"]) > 0  # the valid members do teach something
+
+
+def test_the_update_rejects_a_non_finite_reward():
+    update, state = _update()
+    trajectories = [_member(0, 1.0, EpisodeStatus.COMPLETED, False),
+                    _member(1, 0.0, EpisodeStatus.COMPLETED, False)]
+    arrays = record_batch_to_arrays(trajectories_to_record_batch(trajectories))
+    arrays["rewards"] = np.array([1.0, np.nan], np.float32)
+    with pytest.raises(ValueError, match="not finite"):
+        update(state, None, arrays)
