@@ -29,7 +29,7 @@ from raytunix.learner.learner import GRPOHyperparams
 from raytunix.models.llama import ModelConfig
 from raytunix.models.tokenizer import Tokenizer
 from raytunix.rollout.env_pool import CPU_ONLY_RUNTIME_ENV, EnvPool
-from raytunix.types import EpisodeStatus, SamplingParams
+from raytunix.types import EpisodeStatus, RolloutHalted, SamplingParams
 
 
 
@@ -394,6 +394,11 @@ def _run(cfg: Config, job: Job, run: RunDir, hp: GRPOHyperparams, resume: str | 
                 f"no trajectory batch within rollout.batch_timeout_s={cfg.rollout.batch_timeout_s} s "
                 f"at RL step {step + 1}; orchestrator: {json.dumps(stats)}. Checkpoints up to "
                 f"the last one are in {ckpt_dir}; fix the cause and use --resume.") from None
+        except RolloutHalted as e:  # the breaker: no environment or engine can run
+            cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) else e
+            raise RunError(
+                f"rollout halted at RL step {step + 1}: {cause} Checkpoints up to the last one "
+                f"are in {ckpt_dir}; use --resume once the cause is fixed.") from None
         metrics = ray.get(job.learner.train_step.remote(refs))
         job.publish_weights()
         version = int(metrics["policy_version"])

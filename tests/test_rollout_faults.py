@@ -292,3 +292,34 @@ def test_a_dead_env_pool_stops_the_rollout_with_one_clear_error(ray_session):
     assert pool.num_alive == 0
     assert state["counters"].get("groups_trained", 0) == 0
     assert state["pending"]  # the tasks handed out stay in the ledger for a resumed run
+
+
+def test_the_halt_reaches_the_driver_as_rollout_halted_and_a_dead_engine_as_engine_failure(ray_session):
+    """What train.py relies on: the error crosses the actor boundary with its type (the
+    driver turns it into one RunError and a non-zero exit)."""
+    import sys
+
+    from ray import cloudpickle
+
+    from raytunix.rollout.actor import OrchestratorActor, RayEngineClient
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # tests/ is not on workers' path
+    engine = ray_session.remote(Engine).options(num_cpus=0, max_concurrency=100).remote()
+    pool = EnvPool("calculator_math", {}, num_actors=1, max_restarts=0)
+    pool.wait_ready(timeout_s=120)
+    ray_session.kill(pool.actors[0], no_restart=True)
+    orchestrator = ray_session.remote(OrchestratorActor).options(
+        num_cpus=0, max_concurrency=100).remote(
+        tasks=TASKS[:4], tokenizer=TOK, agent_name="tool", env_pool=pool, engine=engine,
+        group_size=2, groups_per_batch=1, max_concurrent_episodes=4, max_staleness=0,
+        max_turns=2, max_context_tokens=256, sampling=SamplingParams(max_new_tokens=64),
+        retry_backoff=FAST)
+    try:
+        with pytest.raises(RolloutHalted, match="env actors are dead"):
+            ray_session.get(orchestrator.next_batch.remote(), timeout=120)
+        request = type("Request", (), {"request_id": "g0/0/0"})()
+        ray_session.kill(engine, no_restart=True)
+        with pytest.raises(EngineFailure, match="engine actor failed on g0/0/0"):
+            asyncio.run(RayEngineClient(engine).generate(request))
+    finally:
+        ray_session.kill(orchestrator)

@@ -11,17 +11,24 @@ import ray
 from raytunix.agents import make_agent
 from raytunix.rollout.env_pool import EnvPool
 from raytunix.rollout.orchestrator import RolloutOrchestrator
-from raytunix.types import GenerationRequest, GenerationResult, Task
+from raytunix.types import EngineFailure, GenerationRequest, GenerationResult, Task
 
 
 class RayEngineClient:
-    """``EngineClient`` over an actor handle that has an async ``generate`` method."""
+    """``EngineClient`` over an actor handle that has an async ``generate`` method.
+
+    The engine actor dying or restarting raises ``EngineFailure`` (retried with backoff by
+    the episode); an exception raised by the engine's own code (a bad request) propagates
+    as the bug it is."""
 
     def __init__(self, handle):
         self._handle = handle
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
-        return await self._handle.generate.remote(request)
+        try:
+            return await self._handle.generate.remote(request)
+        except ray.exceptions.RayActorError as e:  # died, restarting or unreachable
+            raise EngineFailure(f"engine actor failed on {request.request_id}: {e}") from e
 
 
 class OrchestratorActor:
