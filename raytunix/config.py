@@ -10,6 +10,7 @@ Each section is one dataclass; every field has a default and a comment saying wh
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from importlib import resources
 from typing import Any, Sequence
@@ -68,7 +69,9 @@ class RolloutConfig:
     groups_per_batch: int = 16  # tasks per learner batch
     max_concurrent_episodes: int = 128  # episodes in flight at once
     max_staleness: int = 1  # a group is only started if it will be consumed within this many versions
-    temperature: float = 1.0  # sampling temperature for training rollouts
+    temperature: float = 1.0  # sampling temperature for training rollouts (> 0; eval is always greedy)
+    top_k: int = 0  # sample among the k most likely tokens; 0 = off
+    top_p: float = 1.0  # nucleus sampling: smallest set of tokens with this much mass; 1.0 = off
     max_new_tokens: int = 48  # per model turn
     episode_timeout_s: float = 120.0  # wall-clock budget per episode
     batch_queue_size: int = 2  # finished batches waiting for the learner (backpressure)
@@ -155,7 +158,7 @@ _POSITIVE = {
     "eval.max_new_tokens", "run.log_every",
 }
 _NON_NEGATIVE = {
-    "rollout.max_staleness", "rollout.temperature", "learner.rl_steps", "learner.kl_coef",
+    "rollout.max_staleness", "rollout.top_k", "learner.rl_steps", "learner.kl_coef",
     "learner.weight_decay", "learner.max_grad_norm", "warmup.max_steps", "warmup.min_steps",
     "env.max_tool_errors", "env.env_actor_max_restarts", "learner.clip_eps_low",
     "learner.clip_eps_high", "warmup.warmup_steps",
@@ -253,6 +256,7 @@ def validate(cfg: Config) -> Config:
             f"warmup.min_steps={cfg.warmup.min_steps} exceeds warmup.max_steps={cfg.warmup.max_steps}.")
     if cfg.env.max_turns >= 1 << 16:
         raise ConfigError(f"env.max_turns={cfg.env.max_turns} must be below 65536 (one sampling seed per turn).")
+    _validate_sampling(cfg.rollout)
     if cfg.rollout.group_size < 2:
         raise ConfigError(
             f"rollout.group_size={cfg.rollout.group_size}: GRPO needs at least 2 samples per task.")
@@ -261,6 +265,25 @@ def validate(cfg: Config) -> Config:
             f"eval.heldout_size={cfg.eval.heldout_size} exceeds data.heldout_size="
             f"{cfg.data.heldout_size}; raise data.heldout_size or lower eval.heldout_size.")
     return cfg
+
+
+def _validate_sampling(rollout: RolloutConfig) -> None:
+    """Training rollouts must sample from a distribution the learner can score."""
+    t = rollout.temperature
+    if not (t > 0 and math.isfinite(t)):
+        raise ConfigError(
+            f"rollout.temperature={t!r}: training rollouts must sample, with a finite "
+            "temperature > 0 (e.g. rollout.temperature=1.0). Greedy decoding (0) gives every "
+            "sampled token probability 1, so the policy gradient has nothing to score and "
+            "every sample of a group is the same; held-out evaluation is greedy already.")
+    if rollout.top_k == 1:
+        raise ConfigError(
+            "rollout.top_k=1 is greedy decoding: every sampled token has probability 1 and "
+            "the policy gradient is zero. Use 0 (off) or a value >= 2, e.g. rollout.top_k=50.")
+    if not 0.0 < rollout.top_p <= 1.0:
+        raise ConfigError(
+            f"rollout.top_p={rollout.top_p!r} must be in (0, 1]; 1.0 turns nucleus sampling "
+            "off, 0.95 is a common setting.")
 
 
 def preset_names() -> list[str]:

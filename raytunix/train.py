@@ -221,6 +221,7 @@ class Job:
             max_context_tokens=cfg.model.max_seq_len,
             sampling=SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,
                                     temperature=cfg.rollout.temperature,
+                                    top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
                                     stop_token_ids=(tokenizer.end_id,)),
             episode_timeout_s=cfg.rollout.episode_timeout_s,
             batch_queue_size=cfg.rollout.batch_queue_size,
@@ -337,12 +338,7 @@ def train(cfg: Config, resume: str | None = None, resume_overrides: Sequence[str
         # After ray.init, which installs its own SIGTERM handler: `kill`/`timeout` stop a
         # run the way Ctrl-C does (actors shut down, checkpoints kept).
         signal.signal(signal.SIGTERM, _interrupt)
-    hp = GRPOHyperparams(
-        learning_rate=cfg.learner.learning_rate, weight_decay=cfg.learner.weight_decay,
-        max_grad_norm=cfg.learner.max_grad_norm, clip_eps_low=cfg.learner.clip_eps_low,
-        clip_eps_high=cfg.learner.clip_eps_high, kl_coef=cfg.learner.kl_coef,
-        temperature=max(cfg.rollout.temperature, 1e-6), loss_aggregation=cfg.learner.loss_aggregation,
-        normalize_advantages_by_std=cfg.learner.normalize_advantages_by_std)
+    hp = GRPOHyperparams.from_config(cfg)
 
     job = Job(cfg, tokenizer, train_tasks)
     try:

@@ -136,12 +136,21 @@ class SamplingParams:
     Attributes:
       max_new_tokens: at most this many tokens are generated (tokens).
       temperature: softmax temperature; 0 means greedy (argmax).
+      top_k: sample only among the ``top_k`` most likely tokens (after temperature),
+        renormalised; 0 = off.
+      top_p: nucleus sampling (Holtzman et al. 2019): then sample only among the
+        smallest set of most likely tokens whose renormalised probability mass is
+        >= ``top_p``; in (0, 1], 1.0 = off. The transformation (temperature, top-k,
+        top-p) is ``raytunix.inference.sampling.sampling_logprobs``; the learner scores
+        tokens with the same one.
       stop_token_ids: generation ends after any of these tokens (the token is kept).
       stop_strings: generation ends once the decoded text ends with one of these.
     """
 
     max_new_tokens: int = 64
     temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
 

@@ -44,13 +44,18 @@ def test_grpo_advantages_jit_with_static_num_groups():
     )
 
 
+OFF = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}  # plain softmax of the logits
+
+
 def test_token_logprobs_hand_computed_with_temperature():
     logits = jnp.array([[[0.0, math.log(3.0)]]])  # probs 1/4, 3/4
     targets = jnp.array([[1]])
-    np.testing.assert_allclose(token_logprobs(logits, targets), [[math.log(0.75)]], rtol=1e-6)
+    np.testing.assert_allclose(token_logprobs(logits, targets, **OFF), [[math.log(0.75)]],
+                               rtol=1e-6)
     # Temperature 2 halves the logits: probs 1/(1+sqrt 3), sqrt 3/(1+sqrt 3).
     expected = math.log(math.sqrt(3) / (1 + math.sqrt(3)))
-    np.testing.assert_allclose(token_logprobs(logits, targets, 2.0), [[expected]], rtol=1e-6)
+    got = token_logprobs(logits, targets, temperature=2.0, top_k=0, top_p=1.0)
+    np.testing.assert_allclose(got, [[expected]], rtol=1e-6)
 
 
 # Sequence 0 (A = +1): ratios 1.5 (clipped to 1.2), 0.5 (kept), then a masked token.
@@ -137,7 +142,7 @@ def test_perturbing_masked_logits_changes_neither_loss_nor_grads(aggregation):
     adv = np.array([0.7, -1.3], np.float32)
 
     def loss_fn(lg):
-        lp = token_logprobs(lg, targets)
+        lp = token_logprobs(lg, targets, **OFF)
         return grpo_policy_loss(
             lp, old, adv, mask, ref_logprobs=ref, kl_coef=0.05, aggregation=aggregation
         )[0]

@@ -45,6 +45,13 @@ def test_override_values_are_coerced_to_the_field_type():
     ("rollout.group_size=2.5", "2.5"),  # not a whole number
     ("rollout.group_size=true", "True"),  # a bool is not an integer
     ("rollout.temperature=hot", "'hot'"),  # not a number
+    ("rollout.temperature=-0.5", "rollout.temperature=-0.5"),  # negative
+    ("rollout.temperature=.inf", "rollout.temperature=inf"),  # not finite
+    ("rollout.top_k=-1", "rollout.top_k=-1"),  # negative
+    ("rollout.top_k=1", "rollout.top_k=1"),  # greedy in disguise
+    ("rollout.top_k=2.5", "2.5"),  # not a whole number
+    ("rollout.top_p=0", "rollout.top_p=0.0"),  # empty nucleus
+    ("rollout.top_p=1.5", "rollout.top_p=1.5"),  # not a probability
     ("rollout.drop_failed_groups=maybe", "'maybe'"),  # not a boolean
     ("run.name=null", "None"),  # not a string
     ("rollout.group_size=1", "rollout.group_size=1"),  # GRPO needs two samples
@@ -104,3 +111,25 @@ def test_round_trip_through_yaml_and_dict(tmp_path):
     path.write_text(cfg.to_yaml())
     assert load_config(str(path)) == cfg
     assert config_from_dict(cfg.to_dict()) == cfg
+
+
+def test_greedy_training_rollouts_are_refused_with_what_to_do():
+    """Greedy rollouts (temperature 0) leave the policy gradient nothing to score: the
+    config refuses them, naming the key and a working value."""
+    with pytest.raises(ConfigError) as e:
+        load_config("default", ["rollout.temperature=0"])
+    message = str(e.value)
+    assert "rollout.temperature=0.0" in message and "rollout.temperature=1.0" in message
+    assert "greedy" in message
+
+
+def test_rollout_sampling_settings_reach_the_learner_unchanged():
+    from raytunix.learner.learner import GRPOHyperparams
+
+    cfg = load_config("default", ["rollout.temperature=0.7", "rollout.top_k=40",
+                                  "rollout.top_p=0.9", "learner.kl_coef=0.01"])
+    hp = GRPOHyperparams.from_config(cfg)
+    assert (hp.temperature, hp.top_k, hp.top_p) == (0.7, 40, 0.9)
+    assert hp.kl_coef == 0.01 and hp.clip_eps_high == cfg.learner.clip_eps_high
+    defaults = GRPOHyperparams.from_config(load_config("default"))
+    assert (defaults.temperature, defaults.top_k, defaults.top_p) == (1.0, 0, 1.0)

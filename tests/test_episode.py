@@ -78,3 +78,42 @@ def test_multi_turn_trajectory_is_exactly_engine_inputs_plus_outputs():
     assert all(v == 0 for v, m in zip(trajectory.policy_versions, trajectory.loss_mask) if m)
     assert all(v == -1 for v, m in zip(trajectory.policy_versions, trajectory.loss_mask) if not m)
     assert tokenizer.decode(result2.token_ids) == f"<answer>{task.answer}</answer><|end|>"
+
+
+class AnsweringEngine:
+    """Answers every request with ``<answer>{answer}</answer><|end|>``; keeps the requests."""
+
+    def __init__(self, tokenizer, answer):
+        self.tokenizer, self.answer = tokenizer, answer
+        self.requests = []
+
+    async def generate(self, request):
+        from raytunix.types import FinishReason, GenerationResult
+
+        self.requests.append(request)
+        ids = tuple(self.tokenizer.encode(f"<answer>{self.answer}</answer>")) + (
+            self.tokenizer.end_id,)
+        return GenerationResult(request_id=request.request_id, token_ids=ids,
+                                logprobs=(-0.5,) * len(ids), policy_versions=(0,) * len(ids),
+                                finish_reason=FinishReason.STOP)
+
+
+def test_every_sampling_setting_reaches_the_engine():
+    """The episode only cuts max_new_tokens to the context left; temperature, top-k and
+    top-p arrive as given, so the learner scores tokens as they were sampled."""
+    train, _ = make_arithmetic_splits(4, 2, seed=3)
+    tokenizer = Tokenizer.byte_level()
+    engine = AnsweringEngine(tokenizer, train[0].answer)
+    sampling = SamplingParams(max_new_tokens=4096, temperature=0.7, top_k=40, top_p=0.9,
+                              stop_token_ids=(tokenizer.end_id,), stop_strings=("</answer>",))
+
+    trajectory = asyncio.run(run_episode(
+        train[0], "g0", make_agent("answer", tokenizer), LocalEnv("math_verifier", {}), engine,
+        sampling, max_turns=1, max_context_tokens=256, seed=0, timeout_s=60.0))
+
+    assert trajectory.status == EpisodeStatus.COMPLETED
+    (request,) = engine.requests
+    got = request.sampling
+    assert (got.temperature, got.top_k, got.top_p) == (0.7, 40, 0.9)
+    assert got.stop_strings == ("</answer>",) and tokenizer.end_id in got.stop_token_ids
+    assert got.max_new_tokens == 256 - len(request.prompt_ids) - 1  # cut to the context left

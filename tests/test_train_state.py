@@ -24,6 +24,7 @@ from raytunix.models.llama import ModelConfig, forward, init_model
 from raytunix.rollout.batch import record_batch_to_arrays, trajectories_to_record_batch
 from raytunix.types import EpisodeStatus, Trajectory
 
+SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}  # the rollout's settings
 CONFIG = ModelConfig(
     vocab_size=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=64
 )
@@ -66,7 +67,7 @@ def _sequence_logprob(logprobs, batch, row):
 def test_logprobs_fn_aligns_logprob_t_with_token_t(model):
     graphdef, params = model
     batch = _grpo_batch()
-    got = logprobs_fn(graphdef)(params, batch["tokens"], batch["loss_mask"], 1.0)
+    got = logprobs_fn(graphdef, **SAMPLING)(params, batch["tokens"], batch["loss_mask"])
     tokens = jnp.asarray(batch["tokens"])
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     logits, _ = forward(graphdef, params, tokens, positions)
@@ -81,15 +82,15 @@ def test_grpo_update_raises_probability_of_rewarded_completions(model):
     graphdef, params = model
     optimizer = make_optimizer(3e-3)
     state = create_train_state(graphdef, params, optimizer, seed=0)
-    update = make_grpo_update(graphdef, optimizer)
-    score = logprobs_fn(graphdef)
+    update = make_grpo_update(graphdef, optimizer, **SAMPLING)
+    score = logprobs_fn(graphdef, **SAMPLING)
     batch = _grpo_batch()
 
-    before = score(state.params, batch["tokens"], batch["loss_mask"], 1.0)
+    before = score(state.params, batch["tokens"], batch["loss_mask"])
     for i in range(3):
         # On-policy: behaviour logprobs are the current policy's.
         batch["logprobs"] = np.asarray(
-            score(state.params, batch["tokens"], batch["loss_mask"], 1.0)
+            score(state.params, batch["tokens"], batch["loss_mask"])
         )
         state, metrics = update(state, None, batch)
         if i == 0:
@@ -100,7 +101,7 @@ def test_grpo_update_raises_probability_of_rewarded_completions(model):
             np.testing.assert_allclose(metrics["reward_mean"], 0.5)
             np.testing.assert_allclose(metrics["advantage_abs_mean"], 1.0, rtol=1e-5)
             assert metrics["entropy"] > 0 and metrics["grad_norm"] > 0
-    after = score(state.params, batch["tokens"], batch["loss_mask"], 1.0)
+    after = score(state.params, batch["tokens"], batch["loss_mask"])
 
     assert int(state.step) == 3
     gains = [
@@ -115,7 +116,8 @@ def test_grpo_update_kl_penalty_needs_reference_params(model):
     graphdef, params = model
     optimizer = make_optimizer(1e-3)
     state = create_train_state(graphdef, params, optimizer, seed=0)
-    update = make_grpo_update(graphdef, optimizer, kl_coef=0.1, aggregation="sequence_mean")
+    update = make_grpo_update(graphdef, optimizer, kl_coef=0.1, aggregation="sequence_mean",
+                              **SAMPLING)
     batch = _grpo_batch()
     with pytest.raises(ValueError, match="ref_params"):
         update(state, None, batch)
@@ -124,12 +126,46 @@ def test_grpo_update_kl_penalty_needs_reference_params(model):
     np.testing.assert_allclose(metrics["kl_ref"], 0.0, atol=1e-6)
 
 
+def test_grpo_update_with_truncation_scores_like_the_sampler_and_stays_finite(model):
+    """With top-k on, completion tokens outside the current policy's top-k set have
+    logprob -inf: they get no gradient, are counted, and the loss (with a KL penalty)
+    and every metric stay finite."""
+    graphdef, params = model
+    sampling = {"temperature": 0.7, "top_k": 3, "top_p": 0.95}
+    optimizer = make_optimizer(1e-3)
+    state = create_train_state(graphdef, params, optimizer, seed=0)
+    update = make_grpo_update(graphdef, optimizer, kl_coef=0.1, **sampling)
+    batch = _grpo_batch()
+    scored = np.asarray(logprobs_fn(graphdef, **sampling)(params, batch["tokens"],
+                                                          batch["loss_mask"]))
+    generated = batch["loss_mask"] > 0
+    outside = np.isneginf(scored) & generated
+    assert 0 < outside.sum() < generated.sum()  # some tokens in the set, some out
+    # Behaviour logprobs as the engine reports them for tokens it could sample.
+    batch["logprobs"] = np.where(outside, -1.0, scored).astype(np.float32)
+
+    new_state, metrics = update(state, params, batch)
+
+    assert all(np.isfinite(v) for v in metrics.values())
+    np.testing.assert_allclose(metrics["out_of_support_fraction"],
+                               outside.sum() / generated.sum(), rtol=1e-6)
+    assert metrics["num_tokens"] == generated.sum() - outside.sum()
+    # In-support tokens are on-policy: ratio 1, and KL to an identical reference is 0.
+    np.testing.assert_allclose(metrics["ratio_mean"], 1.0, rtol=1e-5)
+    np.testing.assert_allclose(metrics["kl_ref"], 0.0, atol=1e-6)
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(new_state.params))
+
+
 def test_grpo_update_rejects_bad_arguments(model):
     graphdef, _ = model
     with pytest.raises(ValueError, match="aggregation"):
-        make_grpo_update(graphdef, make_optimizer(1e-3), aggregation="sum")
-    with pytest.raises(ValueError, match="temperature"):
-        make_grpo_update(graphdef, make_optimizer(1e-3), temperature=0.0)
+        make_grpo_update(graphdef, make_optimizer(1e-3), aggregation="sum", **SAMPLING)
+    with pytest.raises(ValueError, match="temperature=0.0"):
+        make_grpo_update(graphdef, make_optimizer(1e-3), temperature=0.0, top_k=0, top_p=1.0)
+    with pytest.raises(ValueError, match="top_p=1.5"):
+        make_grpo_update(graphdef, make_optimizer(1e-3), temperature=1.0, top_k=0, top_p=1.5)
+    with pytest.raises(ValueError, match="top_k=-1"):
+        make_grpo_update(graphdef, make_optimizer(1e-3), temperature=1.0, top_k=-1, top_p=1.0)
 
 
 def test_sft_update_overfits_a_tiny_batch(model):
@@ -170,7 +206,7 @@ def trainer(model):
     """(fresh state, jitted GRPO update, batch), compiled once for the checkpoint tests."""
     graphdef, params = model
     optimizer = make_optimizer(1e-2, weight_decay=0.01, warmup_steps=2)
-    update = make_grpo_update(graphdef, optimizer)
+    update = make_grpo_update(graphdef, optimizer, **SAMPLING)
     return create_train_state(graphdef, params, optimizer, seed=7), update, _grpo_batch()
 
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pyarrow as pa
 
+from raytunix.config import Config
 from raytunix.learner.checkpoint import Checkpointer
 from raytunix.learner.train_state import (
     TrainState,
@@ -32,19 +33,40 @@ from raytunix.rollout.batch import record_batch_to_arrays
 PAD_MULTIPLE = 32  # trajectory lengths are padded to this many tokens: few shapes, few compiles
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class GRPOHyperparams:
-    """The numbers the GRPO update needs (see ``raytunix.config.LearnerConfig``)."""
+    """The numbers the GRPO update needs (see ``raytunix.config.LearnerConfig``).
 
+    ``temperature``, ``top_k`` and ``top_p`` are the rollout's sampling settings
+    (``rollout.temperature``, ``rollout.top_k``, ``rollout.top_p``) and have no default
+    here: tokens are scored under the distribution they were sampled from, so these must
+    come from the same place as the engine's. Build with ``from_config``.
+    """
+
+    temperature: float
+    top_k: int
+    top_p: float
     learning_rate: float = 1e-4
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.28
     kl_coef: float = 0.0
-    temperature: float = 1.0
     loss_aggregation: str = "token_mean"
     normalize_advantages_by_std: bool = True
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> GRPOHyperparams:
+        """The update's numbers from a run config: ``learner.*`` and the sampling
+        settings of ``rollout.*``."""
+        learner, rollout = cfg.learner, cfg.rollout
+        return cls(
+            temperature=rollout.temperature, top_k=rollout.top_k, top_p=rollout.top_p,
+            learning_rate=learner.learning_rate, weight_decay=learner.weight_decay,
+            max_grad_norm=learner.max_grad_norm, clip_eps_low=learner.clip_eps_low,
+            clip_eps_high=learner.clip_eps_high, kl_coef=learner.kl_coef,
+            loss_aggregation=learner.loss_aggregation,
+            normalize_advantages_by_std=learner.normalize_advantages_by_std)
 
 
 class Learner:
@@ -114,7 +136,7 @@ class Learner:
             make_grpo_update(
                 self.graphdef, optimizer, clip_eps_low=hp.clip_eps_low,
                 clip_eps_high=hp.clip_eps_high, kl_coef=hp.kl_coef, temperature=hp.temperature,
-                aggregation=hp.loss_aggregation,
+                top_k=hp.top_k, top_p=hp.top_p, aggregation=hp.loss_aggregation,
                 normalize_adv_by_std=hp.normalize_advantages_by_std))
 
     def train_step(self, batch: pa.RecordBatch) -> dict[str, float]:

@@ -12,28 +12,38 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from raytunix.inference.sampling import sampling_logprobs
+
 Aggregation = Literal["token_mean", "sequence_mean"]
 
 
-def token_logprobs(logits: jax.Array, targets: jax.Array, temperature: float = 1.0) -> jax.Array:
-    """Log-probability of each target token under ``softmax(logits / temperature)``.
+def token_logprobs(logits: jax.Array, targets: jax.Array, *, temperature: float, top_k: int,
+                   top_p: float) -> jax.Array:
+    """Log-probability of each target token under the sampling distribution: the
+    temperature / top-k / top-p transformation the engine sampled the tokens with
+    (``raytunix.inference.sampling.sampling_logprobs``; papers cited there).
 
     Args:
       logits: float[B, T, V], unnormalized.
       targets: int32[B, T], token ids in ``[0, V)``.
-      temperature: the sampling temperature the tokens were drawn with (> 0).
+      temperature: the sampling temperature (> 0).
+      top_k: top-k truncation, 0 = off.
+      top_p: nucleus mass in (0, 1], 1.0 = off.
 
     Returns:
-      float32[B, T] log-probabilities (nats).
+      float32[B, T] log-probabilities (nats); ``-inf`` for a target outside the
+      truncated set (possible only with top-k/top-p on).
     """
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+    logp = sampling_logprobs(logits, temperature, top_k, top_p)
     return jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
 
 
-def token_entropy(logits: jax.Array, temperature: float = 1.0) -> jax.Array:
-    """Entropy (nats) of ``softmax(logits / temperature)``: float[B, T, V] -> float32[B, T]."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
-    return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+def token_entropy(logits: jax.Array, *, temperature: float, top_k: int, top_p: float
+                  ) -> jax.Array:
+    """Entropy (nats) of the sampling distribution (see ``token_logprobs``):
+    float[B, T, V] -> float32[B, T]. Tokens outside the truncated set add nothing."""
+    logp = sampling_logprobs(logits, temperature, top_k, top_p)
+    return -jnp.sum(jnp.where(logp > -jnp.inf, jnp.exp(logp) * logp, 0.0), axis=-1)
 
 
 def masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
@@ -150,7 +160,7 @@ def sft_loss(
       argmax).
     """
     on = loss_mask > 0
-    nll = -token_logprobs(logits, targets)
+    nll = -token_logprobs(logits, targets, temperature=1.0, top_k=0, top_p=1.0)
     correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
     aux = {"num_tokens": jnp.sum(on).astype(jnp.float32), "accuracy": masked_mean(correct, on)}
     return masked_mean(nll, on), jax.tree.map(jax.lax.stop_gradient, aux)

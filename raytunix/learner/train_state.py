@@ -8,7 +8,8 @@ jitted function sees only arrays and compiles once per batch shape::
     graphdef, params = init_model(model_config, seed=0)
     optimizer = make_optimizer(1e-6, warmup_steps=10)
     state = create_train_state(graphdef, params, optimizer, seed=0)
-    update = make_grpo_update(graphdef, optimizer, kl_coef=0.0)
+    update = make_grpo_update(graphdef, optimizer, kl_coef=0.0, temperature=1.0, top_k=0,
+                              top_p=1.0)
     state, metrics = update(state, None, record_batch_to_arrays(batch))
 """
 
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from raytunix.inference.sampling import check_sampling_settings
 from raytunix.learner.advantages import check_finite_rewards, grpo_advantages
 from raytunix.learner.losses import (
     grpo_policy_loss,
@@ -36,6 +38,10 @@ Batch = dict[str, Any]
 Metrics = dict[str, jax.Array]
 
 GRPO_BATCH_KEYS = ("tokens", "loss_mask", "logprobs", "rewards", "group_ids")
+
+# A reference-policy logprob of -inf (the token is outside the reference's top-k/top-p
+# set) is raised to this floor, so the k3 KL term stays a finite penalty.
+REF_LOGPROB_FLOOR = -20.0
 
 
 @flax.struct.dataclass
@@ -135,6 +141,18 @@ def _next_token_logits(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Ar
     return logits.astype(jnp.float32)
 
 
+def _scored_tokens(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, *,
+                   temperature: float, top_k: int, top_p: float) -> tuple[jax.Array, jax.Array]:
+    """How the learner scores sampled tokens, shared by the GRPO update and
+    ``logprobs_fn``: ``(logprobs float32[B, T-1], logits float32[B, T-1, V])``, entry t
+    of the logprobs scoring ``tokens[:, t + 1]`` under the sampling distribution
+    (``token_logprobs``, the transformation the engine samples with)."""
+    logits = _next_token_logits(graphdef, params, tokens)
+    logprobs = token_logprobs(logits, tokens[:, 1:], temperature=temperature, top_k=top_k,
+                              top_p=top_p)
+    return logprobs, logits
+
+
 def _apply_gradients(
     optimizer: optax.GradientTransformation, state: TrainState, grads: nnx.State
 ) -> TrainState:
@@ -153,7 +171,9 @@ def make_grpo_update(
     clip_eps_low: float = 0.2,
     clip_eps_high: float = 0.2,
     kl_coef: float = 0.0,
-    temperature: float = 1.0,
+    temperature: float,
+    top_k: int,
+    top_p: float,
     aggregation: str = "token_mean",
     normalize_adv_by_std: bool = True,
 ) -> Callable[[TrainState, nnx.State | None, Batch], tuple[TrainState, Metrics]]:
@@ -168,34 +188,47 @@ def make_grpo_update(
     (``grpo_advantages``) and the loss is ``grpo_policy_loss``; see those for the
     formulas and papers.
 
+    ``temperature``, ``top_k`` and ``top_p`` are the rollout's sampling settings
+    (``rollout.*`` in the config): tokens are scored under the distribution they were
+    sampled from (``token_logprobs``). With top-k/top-p on, a token the behaviour policy
+    sampled can fall outside the current policy's truncated set (logprob -inf, ratio 0):
+    the clipped objective gives it no gradient, so it is left out of the loss and
+    counted in ``out_of_support_fraction``. A reference logprob of -inf is raised to
+    ``REF_LOGPROB_FLOOR`` so the KL penalty stays finite.
+
     ``ref_params`` are the reference policy's parameters for the KL penalty (same model),
     or None when ``kl_coef == 0`` (then they are ignored anyway).
 
     Metrics (float32 scalars): ``loss``, ``grad_norm`` (before clipping),
     ``clip_fraction``, ``approx_kl`` (to the behaviour policy), ``ratio_mean``,
     ``reward_mean``, ``advantage_abs_mean``, ``num_tokens``, ``entropy`` (masked mean
-    token entropy, nats, at ``temperature``), and ``kl_ref`` when ``kl_coef > 0``.
+    token entropy of the sampling distribution, nats), ``out_of_support_fraction`` (share
+    of loss-mask tokens outside the current policy's top-k/top-p set, 0 with truncation
+    off), and ``kl_ref`` when ``kl_coef > 0``.
 
     Raises:
-      ValueError: here, for an unknown ``aggregation`` or a non-positive ``temperature``;
-        from ``update``, for a batch missing a key, a non-finite reward, or
-        ``kl_coef > 0`` without ``ref_params``.
+      ValueError: here, for an unknown ``aggregation`` or bad sampling settings (a
+        temperature that is not > 0, ``top_k < 0``, ``top_p`` outside (0, 1]); from
+        ``update``, for a batch missing a key, a non-finite reward, or ``kl_coef > 0``
+        without ``ref_params``.
     """
     if aggregation not in ("token_mean", "sequence_mean"):
         raise ValueError(
             f"aggregation={aggregation!r} is not supported; use 'token_mean' or 'sequence_mean'."
         )
-    if not temperature > 0:
+    try:
+        check_sampling_settings(temperature, top_k, top_p, allow_greedy=False)
+    except ValueError as e:
         raise ValueError(
-            f"temperature must be > 0 to score tokens, got {temperature!r}; for greedy "
-            "rollouts the engine reports logprobs of the raw logits, i.e. temperature 1."
-        )
+            f"make_grpo_update: {e} Pass the rollout's sampling settings; greedy (temperature "
+            "0) rollouts cannot be trained on."
+        ) from None
     use_ref = kl_coef > 0
+    sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
 
     @jax.jit
     def _update(state, ref_params, tokens, loss_mask, old_logprobs, rewards, group_ids, valid):
-        targets = tokens[:, 1:]
-        mask = loss_mask[:, 1:]
+        generated = loss_mask[:, 1:]
         old = old_logprobs[:, 1:]
         advantages = grpo_advantages(
             rewards, group_ids, tokens.shape[0], normalize_by_std=normalize_adv_by_std,
@@ -203,12 +236,15 @@ def make_grpo_update(
         )
         ref = None
         if ref_params is not None:
-            ref_logits = _next_token_logits(graphdef, ref_params, tokens)
-            ref = jax.lax.stop_gradient(token_logprobs(ref_logits, targets, temperature))
+            ref, _ = _scored_tokens(graphdef, ref_params, tokens, **sampling)
+            ref = jax.lax.stop_gradient(jnp.maximum(ref, REF_LOGPROB_FLOOR))
 
         def loss_fn(params):
-            logits = _next_token_logits(graphdef, params, tokens)
-            logprobs = token_logprobs(logits, targets, temperature)
+            logprobs, logits = _scored_tokens(graphdef, params, tokens, **sampling)
+            # -inf only where truncation removed the token; NaN still propagates.
+            out_of_support = jnp.isneginf(jax.lax.stop_gradient(logprobs))
+            mask = jnp.where(out_of_support, 0.0, generated)
+            logprobs = jnp.where(out_of_support, 0.0, logprobs)
             loss, aux = grpo_policy_loss(
                 logprobs,
                 old,
@@ -220,8 +256,10 @@ def make_grpo_update(
                 kl_coef=kl_coef,
                 aggregation=aggregation,
             )
-            entropy = token_entropy(jax.lax.stop_gradient(logits), temperature)
+            entropy = token_entropy(jax.lax.stop_gradient(logits), **sampling)
             aux["entropy"] = masked_mean(entropy, mask)
+            aux["out_of_support_fraction"] = masked_mean(
+                out_of_support.astype(jnp.float32), generated)
             return loss, aux
 
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
@@ -292,21 +330,26 @@ def make_sft_update(
 
 
 def logprobs_fn(
-    graphdef: nnx.GraphDef,
-) -> Callable[[nnx.State, jax.Array, jax.Array, float], jax.Array]:
-    """Builds jitted ``fn(params, tokens, loss_mask, temperature) -> float32[B, T]``.
+    graphdef: nnx.GraphDef, *, temperature: float, top_k: int, top_p: float
+) -> Callable[[nnx.State, jax.Array, jax.Array], jax.Array]:
+    """Builds jitted ``fn(params, tokens, loss_mask) -> float32[B, T]``.
 
     Entry ``[b, t]`` is the log-probability (nats) of ``tokens[b, t]`` given the tokens
-    before it under ``softmax(logits / temperature)``, where ``loss_mask[b, t]`` is
-    nonzero, and 0.0 elsewhere (always at position 0) — the layout of behaviour logprobs
-    in a ``Trajectory``. Used for reference-policy logprobs and to recompute behaviour
-    logprobs.
+    before it under the sampling distribution of (``temperature``, ``top_k``, ``top_p``)
+    — scored exactly as the GRPO update scores it — where ``loss_mask[b, t]`` is nonzero,
+    and 0.0 elsewhere (always at position 0): the layout of behaviour logprobs in a
+    ``Trajectory``. -inf marks a masked-in token outside the top-k/top-p set. Used for
+    reference-policy logprobs and to recompute behaviour logprobs.
+
+    Raises:
+      ValueError: bad sampling settings (see ``make_grpo_update``).
     """
+    check_sampling_settings(temperature, top_k, top_p, allow_greedy=False)
+    sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
 
     @jax.jit
-    def fn(params, tokens, loss_mask, temperature):
-        logits = _next_token_logits(graphdef, params, tokens)
-        logprobs = token_logprobs(logits, tokens[:, 1:], temperature)
+    def fn(params, tokens, loss_mask):
+        logprobs, _ = _scored_tokens(graphdef, params, tokens, **sampling)
         logprobs = jnp.where(loss_mask[:, 1:] > 0, logprobs, 0.0)
         return jnp.pad(logprobs, ((0, 0), (1, 0)))
 

@@ -8,6 +8,7 @@ Every way an episode can go wrong ends this episode with a status, never the run
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import random
@@ -130,12 +131,10 @@ async def run_episode(
                 room = max_context_tokens - len(agent.token_ids) - 1
                 if room <= 0:
                     break  # context full: TRUNCATED
-                turn_sampling = SamplingParams(
-                    max_new_tokens=min(sampling.max_new_tokens, room),
-                    temperature=sampling.temperature,
-                    stop_token_ids=sampling.stop_token_ids,
-                    stop_strings=sampling.stop_strings,
-                )
+                # replace, not a new SamplingParams: every other setting (temperature,
+                # top-k, top-p, stops) reaches the engine as the caller gave it.
+                turn_sampling = dataclasses.replace(
+                    sampling, max_new_tokens=min(sampling.max_new_tokens, room))
                 request = agent.next_request(f"{group_id}/{seed}/{turn}", turn_sampling,
                                              seed * MAX_TURN_SEEDS + turn)
                 t0 = time.monotonic()
