@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from raytunix.config import Config
+from raytunix.learner.advantages import check_finite_rewards
 from raytunix.learner.checkpoint import Checkpointer
 from raytunix.learner.train_state import (
     TrainState,
@@ -144,11 +145,12 @@ class Learner:
 
         Raises:
           RuntimeError: before ``start_rl``.
-          ValueError: a batch longer than the model's context.
+          ValueError: a non-finite reward in the batch.
         """
         if self._hp is None:
             raise RuntimeError("call start_rl before train_step")
         arrays = record_batch_to_arrays(batch, pad_to_multiple=PAD_MULTIPLE, pad_id=self.pad_id)
+        check_finite_rewards(arrays["rewards"])  # the jitted update cannot raise on a NaN
         if arrays["tokens"].shape[1] > self.model_config.max_seq_len:
             arrays = _trim(arrays, self.model_config.max_seq_len)
         versions = arrays["policy_versions"][arrays["loss_mask"] > 0]

@@ -284,7 +284,8 @@ def make_grpo_update(
                 f"kl_coef={kl_coef} needs the reference policy's params; pass ref_params "
                 "or set kl_coef=0."
             )
-        check_finite_rewards(batch["rewards"])
+        if not isinstance(batch["rewards"], jax.core.Tracer):  # under an outer jit: the caller checks
+            check_finite_rewards(batch["rewards"])
         # Infrastructure failures (valid 0) are left out of their group's statistics.
         valid = batch.get("valid")
         if valid is None:
