@@ -560,8 +560,9 @@ def test_a_task_whose_engine_calls_always_fail_is_filtered_after_bounded_retries
     engine, consumed, state = run(main())
     assert state["counters"]["groups_retried_engine_error"] == 2  # then given up
     assert state["counters"]["groups_filtered_engine_error"] == 1
-    # 3 group tries x 2 episodes x FAST.max_attempts calls each: bounded, not a tight loop.
-    assert engine.failed_calls == 3 * 2 * FAST.max_attempts
+    # 3 group tries; in each, one episode spends FAST.max_attempts calls and then its
+    # sibling is cancelled (at most as many): bounded, not a tight loop.
+    assert 3 * FAST.max_attempts <= engine.failed_calls <= 3 * 2 * FAST.max_attempts
     trained = _trained_indices(consumed)
     assert 0 not in trained and 0 not in state["pending"]
     _assert_accounted(trained, state)
