@@ -165,12 +165,17 @@ class GenerationRequest:
       sampling: see ``SamplingParams``.
       seed: per-request PRNG seed; two requests of one group must differ, or every
         sample of the group is identical.
+      session_id: the conversation this request continues, or None. The engine keeps a
+        session's KV cache between its requests, so a turn that extends the previous
+        context computes only its new tokens; one request per session at a time. End it
+        with the engine's ``end_session`` when the episode is over.
     """
 
     request_id: str
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams
     seed: int = 0
+    session_id: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,6 +190,11 @@ class GenerationResult:
       policy_versions: the policy version that produced each token, length N.
       finish_reason: see ``FinishReason``.
       text: ``token_ids`` decoded (special tokens kept), for parsing only.
+      num_cached_tokens: prompt tokens whose KV the engine reused (from the request's
+        session or a cached prefix) instead of computing them.
+      stale_kv_tokens: tokens of ``token_ids`` sampled while the context held KV computed
+        under weights older than the token's policy version (only when the engine keeps
+        KV across weight updates).
     """
 
     request_id: str
@@ -193,6 +203,8 @@ class GenerationResult:
     policy_versions: tuple[int, ...]
     finish_reason: FinishReason
     text: str = ""
+    num_cached_tokens: int = 0
+    stale_kv_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

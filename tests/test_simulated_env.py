@@ -123,7 +123,7 @@ def test_text_agent_episode_on_a_real_engine_runs_every_turn():
 
     async def main():
         engine = InferenceEngine(graphdef, params, config, TOKENIZER, max_batch_size=4,
-                                 prefill_len_buckets=(32, 64, 128))
+                                 block_size=16)
         env = LocalEnv("simulated_tool", {"turns": 3, "tool_latency_s": 0.001})
         agent = TextAgent(TOKENIZER)
         # a random model almost never emits <|end|>: without it every turn is cut at 6 tokens

@@ -1,24 +1,49 @@
-"""A continuous-batching inference engine over one KV cache kept on the device.
+"""A continuous-batching inference engine over a paged KV cache kept on the device.
 
-The engine owns ``max_batch_size`` slots. Each slot holds one request's rows of a single
-KV cache ``[n_layers, max_batch_size + 1, n_kv_heads, S, head_dim]``; the extra row is a
-scratch slot that padding rows of a prefill batch write into. A background asyncio task
-runs the scheduler loop::
+Its cost follows live work, not capacity. The KV cache is a pool of fixed-size blocks
+(``KVPages``, PagedAttention as in vLLM, Kwon et al. SOSP 2023); each running request
+holds a block table, and every forward call runs on the smallest *batch bucket* that
+holds its rows and reads only the blocks named in a *block bucket* just above the
+longest row. A background asyncio task runs the scheduler loop::
 
     while running:
-        swap in new weights if any arrived; mark every active slot for re-prefill
-        admit waiting requests into free slots
-        prefill new and re-prefill slots in (batch bucket x length bucket) sub-batches,
-            sampling each one's next token from the logits at its last position
-        one decode step for all slots at once (T = 1; empty slots use position -1)
-        resolve the requests that hit a stop condition; their slots are free again
+        swap in new weights if any arrived (recompute or keep the KV, per config)
+        drop cancelled requests; admit waiting ones while rows and KV blocks allow
+        prefill: reuse cached blocks (session, prefix cache), then feed up to
+            ``prefill_chunk_tokens`` prompt tokens, oldest requests first
+        decode: one token for every request whose prompt is in the cache
+        resolve the requests that hit a stop condition
 
-A request that arrives while others decode is admitted at the next iteration, not after
-the running batch finishes (continuous batching, as in Orca, Yu et al. OSDI 2022, and
-vLLM). Device calls run on one worker thread so the event loop keeps accepting requests
-while the device computes. Every generated token is stamped with the policy version of
-the weights that produced it; a weight swap re-prefills in-flight requests so that no
-token is sampled from KV computed under older weights.
+Prefill and decode are one jitted function, ``_forward_step``: feed ``T`` tokens per row
+at their positions, write their KV into the row's blocks, attend over the row's blocks,
+sample the next token at the row's last fed token. Decode is ``T = 1``.
+
+What the engine keeps, and reuses:
+
+* **Sessions.** A request with a ``session_id`` leaves its KV in the engine when it
+  finishes; the session's next request (the next turn of an episode: the previous
+  context, the environment's reply, the next header) prefills only the tokens that are
+  new. Idle sessions are evicted least recently used when blocks run out; an evicted
+  session's next request is prefilled again, transparently.
+* **Prefix cache.** Every full block computed is indexed by a hash of all tokens up to
+  its end; a request whose prompt starts with indexed blocks adopts them. The G samples
+  of a group therefore prefill their shared prompt once (a sample that would compute a
+  block another sample is computing waits one chunk and adopts it), and a system prompt
+  every episode shares is computed once per weight version.
+* **Chunked prefill.** At most ``prefill_chunk_tokens`` prompt tokens are fed between
+  two decode steps, so a long prompt never stalls the requests that decode.
+
+Every generated token is stamped with the policy version of the weights that sampled it.
+After ``update_weights``, ``kv_on_weight_update="recompute"`` drops all KV computed under
+the old weights (running requests are re-prefilled, sessions and the prefix cache are
+emptied), so no token is sampled from stale KV; ``"keep"`` keeps it and counts, per
+request, the tokens sampled while the context held KV of older weights
+(``GenerationResult.stale_kv_tokens``).
+
+When KV blocks run out, the engine evicts cached prefixes, then idle sessions, then
+preempts the youngest running request (it is re-queued and recomputed later, as vLLM's
+recompute preemption). Device calls run on one worker thread so the event loop keeps
+accepting requests while the device computes.
 
 Plain Python class, no Ray: an actor wraps it.
 """
@@ -39,50 +64,83 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from raytunix.inference.kv_blocks import ROOT_KEY, BlockPool, PrefixCache, block_key
 from raytunix.inference.sampling import sample_tokens, split_seed
-from raytunix.models.llama import KVCache, ModelConfig, forward, init_kv_cache
+from raytunix.models.llama import (
+    KVPages,
+    ModelConfig,
+    forward,
+    init_kv_pages,
+    kv_bytes_per_token,
+)
 from raytunix.types import FinishReason, GenerationRequest, GenerationResult
 
 logger = logging.getLogger(__name__)
 
+KV_ON_WEIGHT_UPDATE = ("recompute", "keep")
+_NO_KV = 1 << 62  # kv_version of a sequence that holds no KV yet
+
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
-def _prefill_step(graphdef, config: ModelConfig, params, cache: KVCache, tokens, positions,
-                  slots, last_index, temperature, seed_lo, seed_hi, token_index):
-    """Runs a sub-batch of sequences on a fresh cache, scatters their KV rows into
-    ``cache[:, slots, :, :T]`` and samples each row's next token at ``last_index``.
+def _forward_step(graphdef, truncate: bool, params, pages: KVPages, tokens, positions,
+                  block_tables, last_index, temperature, top_k, top_p, seed_lo, seed_hi,
+                  token_index):
+    """Feeds ``T`` tokens per row, writes their KV into the rows' blocks and samples each
+    row's next token after its token ``last_index``.
 
-    tokens, positions: ``int32[b, T]`` (right padding has position -1);
-    slots, last_index, token_index: ``int32[b]``; temperature: ``float32[b]``;
-    seed_lo, seed_hi: ``uint32[b]``. Returns ``(cache, tokens int32[b], logprobs f32[b])``.
+    tokens, positions: ``int32[b, T]`` (padding has position -1); block_tables:
+    ``int32[b, NB]``; last_index, top_k, token_index: ``int32[b]``; temperature, top_p:
+    ``float32[b]``; seed_lo, seed_hi: ``uint32[b]``. ``truncate`` False: top-k/top-p are
+    off in every row and are not compiled in (they cost a sort over the vocabulary).
+    Returns ``(pages, tokens int32[b], logprobs float32[b])``.
     """
-    batch, length = tokens.shape
-    fresh = init_kv_cache(config, batch, max_len=length, dtype=cache.k.dtype)
-    logits, fresh = forward(graphdef, params, tokens, positions, fresh)
-    last = logits[jnp.arange(batch), last_index]
-    next_tokens, logprobs = sample_tokens(last, temperature, seed_lo, seed_hi, token_index)
-    cache = KVCache(k=cache.k.at[:, slots, :, :length].set(fresh.k),
-                    v=cache.v.at[:, slots, :, :length].set(fresh.v))
-    return cache, next_tokens, logprobs
-
-
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
-def _decode_step(graphdef, params, cache: KVCache, tokens, positions, temperature, seed_lo,
-                 seed_hi, token_index):
-    """One token for every slot: ``tokens``/``positions`` are ``int32[B]`` (position -1
-    for an empty slot). Returns ``(cache, tokens int32[B], logprobs f32[B])``."""
-    logits, cache = forward(graphdef, params, tokens[:, None], positions[:, None], cache)
+    logits, pages = forward(graphdef, params, tokens, positions, pages, block_tables,
+                            logit_index=last_index)
+    truncation = {"top_k": top_k, "top_p": top_p} if truncate else {}
     next_tokens, logprobs = sample_tokens(logits[:, 0], temperature, seed_lo, seed_hi,
-                                          token_index)
-    return cache, next_tokens, logprobs
+                                          token_index, **truncation)
+    return pages, next_tokens, logprobs
+
+
+def _compiled_programs() -> int:
+    """Programs of ``_forward_step`` compiled in this process so far (all engines)."""
+    size = getattr(_forward_step, "_cache_size", None)
+    return int(size()) if callable(size) else -1
 
 
 def _timed_call(fn, *args):
     """Runs a jitted step on the worker thread and waits for its results on the host."""
     start = time.perf_counter()
-    cache, tokens, logprobs = fn(*args)
+    pages, tokens, logprobs = fn(*args)
     tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
-    return cache, tokens, logprobs, time.perf_counter() - start
+    return pages, tokens, logprobs, time.perf_counter() - start
+
+
+def _powers_of_two(cap: int) -> tuple[int, ...]:
+    values, v = [], 1
+    while v < cap:
+        values.append(v)
+        v *= 2
+    return (*values, cap)
+
+
+def _span_buckets(cap: int) -> tuple[int, ...]:
+    """Block counts an attention span is padded to: 4, 8, then every multiple of 8 up to
+    ``cap``. A long context pays for at most 7 blocks it does not use, and the programs a
+    workload needs depend on its lengths, not on ``max_seq_len``."""
+    return tuple(sorted({v for v in (4,) if v < cap} | set(range(8, cap, 8)) | {cap}))
+
+
+def _powers_of_four(cap: int) -> tuple[int, ...]:
+    values, v = [], 1
+    while v < cap:
+        values.append(v)
+        v *= 4
+    return (*values, cap)
+
+
+def _bucket(buckets: Sequence[int], n: int) -> int:
+    return next(b for b in buckets if b >= n)
 
 
 @dataclasses.dataclass(eq=False)
@@ -93,27 +151,38 @@ class _Sequence:
     future: asyncio.Future
     seed_lo: int
     seed_hi: int
-    slot: int = -1
-    cache_len: int = 0  # positions of this slot's cache row written under current weights
-    needs_prefill: bool = True
-    prefill_wait: int = 0  # decode steps this sequence's prefill has been held back
+    order: int  # arrival order: older requests are scheduled first
+    context: list[int]  # prompt, then the tokens generated so far
+    kv_version: int  # oldest weights version among the KV this sequence attends to
+    blocks: list[int] = dataclasses.field(default_factory=list)
+    keys: list[bytes] = dataclasses.field(default_factory=list)  # of full blocks, in order
+    num_cached: int = 0  # positions of the context whose KV is in ``blocks``
+    computing: list[bytes] = dataclasses.field(default_factory=list)  # keys being written now
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens whose KV came from a session or the prefix cache
+    stale_tokens: int = 0
+    prefill_wait: int = 0
+    attached: bool = False
+    running: bool = False
+    done: bool = False
 
     @property
-    def context(self) -> list[int]:
-        """The tokens whose KV must be in the cache before the next token is sampled."""
-        return [*self.request.prompt_ids, *self.tokens]
+    def remaining(self) -> int:
+        """Tokens of the context still to feed; 1 means "decode the last token"."""
+        return len(self.context) - self.num_cached
 
 
-def _buckets(values: Iterable[int], cap: int, name: str, always_cap: bool
-             ) -> tuple[int, ...]:
-    values = tuple(values)
-    if not values or any(not isinstance(v, int) or v <= 0 for v in values):
-        raise ValueError(f"InferenceEngine: {name} must be positive ints, got {values!r}.")
-    capped = {min(v, cap) for v in values}
-    return tuple(sorted(capped | {cap} if always_cap else capped))
+@dataclasses.dataclass(eq=False)
+class _Session:
+    """KV an idle session keeps between two requests."""
+
+    tokens: list[int]  # the context whose KV is in ``blocks``
+    blocks: list[int]
+    keys: list[bytes]
+    kv_version: int
+    order: int  # arrival order of the session's first request
 
 
 class InferenceEngine:
@@ -123,59 +192,92 @@ class InferenceEngine:
       graphdef, params: the model, as returned by ``raytunix.models.llama.init_model``.
       model_config: its ``ModelConfig``.
       tokenizer: has ``decode(ids) -> str``; used for stop strings and ``result.text``.
-      max_batch_size: number of slots, i.e. requests decoded together.
-      max_seq_len: KV cache length S in tokens (prompt + generated); defaults to
+      max_batch_size: most requests decoded together (rows of a decode step).
+      max_seq_len: longest context (prompt + generated) in tokens; defaults to
         ``model_config.max_seq_len``.
-      prefill_batch_buckets: sub-batch sizes a prefill is padded to (capped at
-        ``max_batch_size``).
-      prefill_len_buckets: sequence lengths a prefill is padded to (capped at, and
-        always including, S).
+      block_size: tokens per KV block.
+      kv_cache_tokens: KV capacity in tokens, shared by running requests, idle sessions
+        and the prefix cache; rounded up to whole blocks. Default: room for
+        ``max_batch_size`` full contexts twice over (running plus as many idle sessions).
+      prefill_chunk_tokens: most prompt tokens fed between two decode steps.
       policy_version: version of ``params``; stamped on the tokens they generate.
+      kv_on_weight_update: ``"recompute"`` (KV computed under older weights is dropped
+        and recomputed) or ``"keep"`` (kept, and counted as stale per token).
+      sessions: keep a session's KV between its requests; False ignores ``session_id``
+        (every turn is prefilled from the prefix cache or computed).
       prefill_min_batch, max_prefill_delay_steps: while other requests decode, fewer than
-        ``prefill_min_batch`` new arrivals wait up to ``max_prefill_delay_steps`` decode
-        steps to be prefilled together (one fuller prefill instead of several padded
-        ones); 0 steps turns the wait off.
+        ``prefill_min_batch`` requests to prefill wait up to ``max_prefill_delay_steps``
+        decode steps for company (one fuller prefill instead of several padded ones);
+        0 steps turns the wait off.
 
-    Compiles lazily: one decode shape, and at most one prefill shape per
-    (batch bucket, length bucket) pair actually used.
+    Raises:
+      ValueError: a setting out of range (named in the message), or a KV capacity below
+        one full context.
+
+    Compiles lazily, one program per (batch bucket, tokens fed per row, block bucket)
+    shape; ``warmup()`` compiles them all up front.
     """
 
     def __init__(self, graphdef, params, model_config: ModelConfig, tokenizer, *,
                  max_batch_size: int = 128, max_seq_len: int | None = None,
-                 prefill_batch_buckets: Sequence[int] = (4, 16, 64),
-                 prefill_len_buckets: Sequence[int] = (64, 128, 256),
-                 policy_version: int = 0, prefill_min_batch: int = 4,
-                 max_prefill_delay_steps: int = 4):
-        if not isinstance(max_batch_size, int) or max_batch_size <= 0:
-            raise ValueError(f"InferenceEngine: max_batch_size must be a positive int, got "
-                             f"{max_batch_size!r}.")
+                 block_size: int = 16, kv_cache_tokens: int | None = None,
+                 prefill_chunk_tokens: int = 256, policy_version: int = 0,
+                 kv_on_weight_update: str = "recompute", sessions: bool = True,
+                 prefill_min_batch: int = 4, max_prefill_delay_steps: int = 4):
         seq_len = model_config.max_seq_len if max_seq_len is None else max_seq_len
-        if not isinstance(seq_len, int) or seq_len < 2:
-            raise ValueError(f"InferenceEngine: max_seq_len must be an int >= 2, got "
-                             f"{seq_len!r}.")
+        for name, value, low in (("max_batch_size", max_batch_size, 1),
+                                 ("max_seq_len", seq_len, 2), ("block_size", block_size, 1),
+                                 ("prefill_chunk_tokens", prefill_chunk_tokens, 2),
+                                 ("prefill_min_batch", prefill_min_batch, 1),
+                                 ("max_prefill_delay_steps", max_prefill_delay_steps, 0)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"InferenceEngine: {name} must be an int >= {low}, got "
+                                 f"{value!r}.")
+        if kv_on_weight_update not in KV_ON_WEIGHT_UPDATE:
+            raise ValueError(f"InferenceEngine: kv_on_weight_update must be one of "
+                             f"{KV_ON_WEIGHT_UPDATE}, got {kv_on_weight_update!r}.")
         self._graphdef = graphdef
         self._config = model_config
         self._tokenizer = tokenizer
         self._max_batch_size = max_batch_size
         self._max_seq_len = seq_len
-        self._scratch_slot = max_batch_size
-        self._batch_buckets = _buckets(prefill_batch_buckets, max_batch_size,
-                                       "prefill_batch_buckets", always_cap=False)
-        if prefill_min_batch < 1 or max_prefill_delay_steps < 0:
+        self._block_size = block_size
+        self._max_blocks = -(-seq_len // block_size)  # blocks of one full context
+        if kv_cache_tokens is None:
+            kv_cache_tokens = 2 * max_batch_size * self._max_blocks * block_size
+        num_blocks = -(-kv_cache_tokens // block_size) if isinstance(kv_cache_tokens, int) else 0
+        if num_blocks < self._max_blocks:
             raise ValueError(
-                f"InferenceEngine: prefill_min_batch={prefill_min_batch!r} must be >= 1 and "
-                f"max_prefill_delay_steps={max_prefill_delay_steps!r} >= 0.")
+                f"InferenceEngine: kv_cache_tokens={kv_cache_tokens!r} holds less than one "
+                f"context of max_seq_len={seq_len} tokens; give at least {seq_len}.")
+        self._num_blocks = num_blocks
+        self._chunk = prefill_chunk_tokens
+        self._kv_mode = kv_on_weight_update
+        self._keep_sessions = bool(sessions)
         self._prefill_min_batch = prefill_min_batch
         self._max_prefill_delay = max_prefill_delay_steps
-        self._len_buckets = _buckets(prefill_len_buckets, seq_len, "prefill_len_buckets",
-                                     always_cap=True)
+        self._batch_buckets = _powers_of_two(max_batch_size)
+        # Prefill calls take coarser row counts: they are few, and each shape compiles.
+        self._prefill_batch_buckets = _powers_of_four(max_batch_size)
+        self._span_buckets = _span_buckets(self._max_blocks)
+        longest_chunk = min(prefill_chunk_tokens, seq_len)
+        self._chunk_buckets = tuple(t for t in _powers_of_two(longest_chunk)
+                                    if t >= min(8, longest_chunk))
         self._params = jax.device_put(params)
         self._version = int(policy_version)
         self._pending_weights: tuple[Any, int] | None = None
 
-        self._slots: list[_Sequence | None] = [None] * max_batch_size
+        self._pool = BlockPool(num_blocks)
+        self._prefix = PrefixCache(self._pool)
+        self._pages: KVPages | None = None  # None: (re)build before the next device call
+        self._running: list[_Sequence] = []
         self._waiting: collections.deque[_Sequence] = collections.deque()
-        self._cache: KVCache | None = None  # None: (re)build before the next device call
+        self._by_id: dict[str, _Sequence] = {}
+        self._sessions: collections.OrderedDict[str, _Session] = collections.OrderedDict()
+        self._busy_sessions: dict[str, _Sequence] = {}
+        self._ended_sessions: set[str] = set()  # running sessions to drop when they finish
+        self._computing: dict[bytes, _Sequence] = {}
+        self._arrivals = 0
 
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="raytunix-engine")
@@ -188,12 +290,9 @@ class InferenceEngine:
         self._epoch = 0  # bumped by pause/close: device results from an older epoch are dropped
 
         self._first_request_t: float | None = None
-        self._busy_s = 0.0
-        self._decode_steps = 0
-        self._prefill_calls = 0
-        self._tokens_generated = 0
-        self._active_slot_steps = 0
-        self._requests_finished = 0
+        self._shapes: set[tuple[int, int, int]] = set()
+        self._counters = collections.Counter()
+        self._last_call_s = 0.0
 
     # ------------------------------------------------------------------ public API
 
@@ -204,22 +303,36 @@ class InferenceEngine:
           ``GenerationResult`` with N generated tokens, their logprobs (nats) and policy
           versions, and why generation stopped: ``STOP`` (stop token, kept, or stop
           string), ``LENGTH`` (``max_new_tokens``, or prompt + generated reached
-          ``max_seq_len``), ``ABORT`` (``pause``/``close``; partial tokens).
+          ``max_seq_len``), ``ABORT`` (``abort``, ``pause`` or ``close``; partial tokens).
+          ``num_cached_tokens`` says how many prompt tokens came from the cache.
 
         Raises:
           ValueError: empty prompt, prompt longer than ``max_seq_len - 1`` tokens, a
-            token id outside ``[0, vocab_size)``, ``max_new_tokens < 1`` or a negative
-            temperature.
+            token id outside ``[0, vocab_size)``, bad sampling settings, a request id
+            already in flight, or a session that already has a request in flight.
           RuntimeError: the engine is closed.
         """
+        if request.session_id is not None and not self._keep_sessions:
+            request = dataclasses.replace(request, session_id=None)
         self._validate(request)
         self._ensure_started()
         if self._first_request_t is None:
             self._first_request_t = time.monotonic()
         lo, hi = split_seed(int(request.seed))
+        session = self._sessions.get(request.session_id) if request.session_id else None
+        # A session's turns keep the place of its first request: older episodes go first,
+        # so groups finish one after another instead of all at the end.
+        order = session.order if session is not None else self._arrivals
         seq = _Sequence(request=request, future=self._loop.create_future(), seed_lo=lo,
-                        seed_hi=hi)
+                        seed_hi=hi, order=order, context=list(request.prompt_ids),
+                        kv_version=_NO_KV)
+        self._arrivals += 1
+        self._by_id[request.request_id] = seq
+        if request.session_id is not None:
+            self._busy_sessions[request.session_id] = seq
+        self._counters["prompt_tokens"] += len(request.prompt_ids)
         self._waiting.append(seq)
+        seq.future.add_done_callback(lambda _: self._notify())
         self._wake.set()
         return await seq.future
 
@@ -228,12 +341,33 @@ class InferenceEngine:
         """Generates all requests concurrently; results are in request order."""
         return list(await asyncio.gather(*(self.generate(r) for r in requests)))
 
+    def abort(self, request_id: str) -> bool:
+        """Stops one request now: it resolves with its partial tokens and ``ABORT`` and
+        its row and KV blocks are free for the next step. False if no such request is in
+        flight (it finished already, or never came)."""
+        seq = self._by_id.get(request_id)
+        if seq is None:
+            return False
+        self._finish(seq, FinishReason.ABORT)
+        self._notify()
+        return True
+
+    def end_session(self, session_id: str) -> None:
+        """Frees the KV a session keeps (call when its episode ends). A request of the
+        session still in flight finishes normally and keeps nothing."""
+        session = self._sessions.pop(session_id, None)
+        if session is not None:
+            self._pool.release(session.blocks)
+        if session_id in self._busy_sessions:
+            self._ended_sessions.add(session_id)
+
     def update_weights(self, params, version: int) -> None:
         """Queues new weights; the loop swaps them in between two device steps.
 
-        Every request in flight at the swap is re-prefilled (prompt + its tokens so far)
-        under the new weights before it decodes on, so tokens carry ``version`` from
-        then on. Safe to call from the event loop or another thread.
+        Tokens sampled after the swap carry ``version``. With
+        ``kv_on_weight_update="recompute"`` every request in flight is re-prefilled
+        (prompt + its tokens so far) under the new weights, and sessions and the prefix
+        cache are emptied. Safe to call from the event loop or another thread.
 
         Raises:
           ValueError: ``version`` is lower than the current or already queued version,
@@ -245,6 +379,7 @@ class InferenceEngine:
         if version < latest:
             raise ValueError(f"update_weights: version {version} is older than the engine's "
                              f"version {latest}; policy versions must not decrease.")
+
         def signature(tree):
             leaves, treedef = jax.tree.flatten(tree)
             return treedef, [(jnp.shape(x), jnp.result_type(x)) for x in leaves]
@@ -280,29 +415,86 @@ class InferenceEngine:
         self._paused = False
         self._notify()
 
+    def warmup(self) -> int:
+        """Compiles every program the scheduler can call, so that serving never waits
+        for the compiler; returns the number of shapes compiled. Call before serving
+        (it runs on the caller's thread)."""
+        pages = self._pages if self._pages is not None else self._new_pages()
+        self._pages = None
+        try:
+            for batch, length, span in self._all_shapes():
+                zeros = np.zeros((batch,), np.int32)
+                pages, _, _ = _forward_step(
+                    self._graphdef, False, self._params, pages, np.zeros((batch, length), np.int32),
+                    np.full((batch, length), -1, np.int32), np.zeros((batch, span), np.int32),
+                    zeros, np.ones((batch,), np.float32), zeros, np.ones((batch,), np.float32),
+                    zeros.astype(np.uint32), zeros.astype(np.uint32), zeros)
+                self._shapes.add((batch, length, span))
+            jax.block_until_ready(pages)
+        finally:
+            self._pages = pages
+        return len(self._shapes)
+
     def stats(self) -> dict:
         """Counters since construction, JSON-able.
 
-        Keys: ``busy_s`` (seconds inside prefill/decode device calls), ``wall_s``
-        (seconds since the first request), ``busy_fraction`` (busy_s / wall_s),
-        ``decode_steps``, ``prefill_calls``, ``tokens_generated``, ``mean_active_slots``
-        (occupied slots per decode step), ``requests_finished``, ``policy_version``,
-        ``active_slots`` and ``waiting`` (now).
+        Keys: ``busy_s`` (seconds inside device calls; ``busy_prefill_s`` and
+        ``busy_decode_s`` split it), ``wall_s`` (seconds since the first request),
+        ``busy_fraction``, ``decode_steps``, ``prefill_calls``,
+        ``tokens_generated``, ``mean_active_slots`` (rows per decode step),
+        ``requests_finished``, ``policy_version`` (of the weights in use) and
+        ``policy_version_received`` (newest weights handed over, swapped in at the next
+        step), ``active_slots`` and ``waiting`` (now);
+        prompt accounting in tokens: ``prompt_tokens`` (requested), ``prompt_tokens_computed``
+        (fed through the model), ``prompt_tokens_from_sessions`` and
+        ``prompt_tokens_from_prefix_cache`` (reused KV), ``generated_tokens_recomputed``
+        (re-fed after a weight update or preemption), ``prefix_cache_hit_rate``
+        (prefix-cache tokens / prompt tokens); memory: ``kv_bytes_in_use``,
+        ``kv_bytes_capacity``, ``kv_blocks_in_use``, ``kv_blocks_total``,
+        ``sessions_held``, ``prefix_cache_blocks``; ``stale_kv_tokens`` (tokens sampled
+        over KV of older weights), ``preemptions``, ``session_evictions``;
+        ``compiled_shapes`` (program shapes this engine used) and ``compiled_programs``
+        (programs compiled in this process, all engines: constant once warm).
         """
+        c = self._counters
         wall = 0.0 if self._first_request_t is None else time.monotonic() - self._first_request_t
+        token_bytes = kv_bytes_per_token(self._config)
+        prompt = c["prompt_tokens"]
         return {
-            "busy_s": self._busy_s,
+            "busy_s": c["busy_s"],
             "wall_s": wall,
-            "busy_fraction": self._busy_s / wall if wall > 0 else 0.0,
-            "decode_steps": self._decode_steps,
-            "prefill_calls": self._prefill_calls,
-            "tokens_generated": self._tokens_generated,
-            "mean_active_slots": (self._active_slot_steps / self._decode_steps
-                                  if self._decode_steps else 0.0),
-            "requests_finished": self._requests_finished,
+            "busy_fraction": c["busy_s"] / wall if wall > 0 else 0.0,
+            "busy_prefill_s": c["busy_prefill_s"],
+            "busy_decode_s": c["busy_decode_s"],
+            "decode_steps": c["decode_steps"],
+            "prefill_calls": c["prefill_calls"],
+            "tokens_generated": c["tokens_generated"],
+            "mean_active_slots": (c["decode_rows"] / c["decode_steps"]
+                                  if c["decode_steps"] else 0.0),
+            "requests_finished": c["requests_finished"],
             "policy_version": self._version,
-            "active_slots": sum(s is not None for s in self._slots),
+            "policy_version_received": (self._version if self._pending_weights is None
+                                        else self._pending_weights[1]),
+            "active_slots": len(self._running),
             "waiting": len(self._waiting),
+            "prompt_tokens": prompt,
+            "prompt_tokens_computed": c["prompt_tokens_computed"],
+            "prompt_tokens_from_sessions": c["prompt_tokens_from_sessions"],
+            "prompt_tokens_from_prefix_cache": c["prompt_tokens_from_prefix_cache"],
+            "generated_tokens_recomputed": c["generated_tokens_recomputed"],
+            "prefix_cache_hit_rate": (c["prompt_tokens_from_prefix_cache"] / prompt
+                                      if prompt else 0.0),
+            "kv_bytes_in_use": self._pool.num_used * self._block_size * token_bytes,
+            "kv_bytes_capacity": self._num_blocks * self._block_size * token_bytes,
+            "kv_blocks_in_use": self._pool.num_used,
+            "kv_blocks_total": self._num_blocks,
+            "sessions_held": len(self._sessions),
+            "prefix_cache_blocks": len(self._prefix),
+            "stale_kv_tokens": c["stale_kv_tokens"],
+            "preemptions": c["preemptions"],
+            "session_evictions": c["session_evictions"],
+            "compiled_shapes": len(self._shapes),
+            "compiled_programs": _compiled_programs(),
         }
 
     async def close(self) -> None:
@@ -319,7 +511,7 @@ class InferenceEngine:
 
     @property
     def max_seq_len(self) -> int:
-        """KV cache length S in tokens."""
+        """Longest context in tokens."""
         return self._max_seq_len
 
     @property
@@ -332,26 +524,38 @@ class InferenceEngine:
     def _validate(self, request: GenerationRequest) -> None:
         if self._closed:
             raise RuntimeError("InferenceEngine is closed; build a new one.")
+        rid = request.request_id
         n = len(request.prompt_ids)
         if n == 0:
-            raise ValueError(f"Request {request.request_id!r} has an empty prompt; give at "
-                             "least one token.")
+            raise ValueError(f"Request {rid!r} has an empty prompt; give at least one token.")
         if n > self._max_seq_len - 1:
-            raise ValueError(f"Request {request.request_id!r}: prompt has {n} tokens but the "
-                             f"engine's limit is max_seq_len - 1 = {self._max_seq_len - 1}; "
-                             "shorten the prompt or raise max_seq_len.")
+            raise ValueError(f"Request {rid!r}: prompt has {n} tokens but the engine's limit "
+                             f"is max_seq_len - 1 = {self._max_seq_len - 1}; shorten the "
+                             "prompt or raise max_seq_len.")
         vocab = self._config.vocab_size
         bad = [t for t in request.prompt_ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"Request {request.request_id!r}: token ids {bad[:5]} are outside "
-                             f"the vocabulary [0, {vocab}).")
+            raise ValueError(f"Request {rid!r}: token ids {bad[:5]} are outside the "
+                             f"vocabulary [0, {vocab}).")
         sampling = request.sampling
         if sampling.max_new_tokens < 1:
-            raise ValueError(f"Request {request.request_id!r}: max_new_tokens must be >= 1, "
-                             f"got {sampling.max_new_tokens}.")
+            raise ValueError(f"Request {rid!r}: max_new_tokens must be >= 1, got "
+                             f"{sampling.max_new_tokens}.")
         if not sampling.temperature >= 0 or math.isinf(sampling.temperature):
-            raise ValueError(f"Request {request.request_id!r}: temperature must be a finite "
-                             f"number >= 0, got {sampling.temperature}.")
+            raise ValueError(f"Request {rid!r}: temperature must be a finite number >= 0, "
+                             f"got {sampling.temperature}.")
+        if not isinstance(sampling.top_k, int) or sampling.top_k < 0:
+            raise ValueError(f"Request {rid!r}: top_k must be an int >= 0 (0 = off), got "
+                             f"{sampling.top_k!r}.")
+        if not 0.0 < sampling.top_p <= 1.0:
+            raise ValueError(f"Request {rid!r}: top_p must be in (0, 1] (1 = off), got "
+                             f"{sampling.top_p!r}.")
+        if rid in self._by_id:
+            raise ValueError(f"Request id {rid!r} is already in flight; request ids must be "
+                             "unique among requests in flight.")
+        if request.session_id is not None and request.session_id in self._busy_sessions:
+            raise ValueError(f"Request {rid!r}: session {request.session_id!r} already has a "
+                             "request in flight; a session's turns must come one at a time.")
 
     def _ensure_started(self) -> None:
         loop = asyncio.get_running_loop()
@@ -361,12 +565,23 @@ class InferenceEngine:
             self._loop = loop
             self._wake, self._idle = asyncio.Event(), asyncio.Event()
             self._idle.set()
-            self._waiting.clear()
-            self._slots = [None] * self._max_batch_size
-            self._cache = None
+            self._reset_state()
             self._task = None
         if self._task is None or self._task.done():
             self._task = loop.create_task(self._run(), name="raytunix-engine-loop")
+
+    def _reset_state(self) -> None:
+        """Forgets every request, session and cached block (the pages are rebuilt)."""
+        self._waiting.clear()
+        self._running.clear()
+        self._by_id.clear()
+        self._sessions.clear()
+        self._busy_sessions.clear()
+        self._ended_sessions.clear()
+        self._computing.clear()
+        self._pool = BlockPool(self._num_blocks)
+        self._prefix = PrefixCache(self._pool)
+        self._pages = None
 
     def _notify(self) -> None:
         if self._loop is None or self._wake is None or self._loop.is_closed():
@@ -381,10 +596,35 @@ class InferenceEngine:
             self._loop.call_soon_threadsafe(self._wake.set)
 
     def _finish(self, seq: _Sequence, reason: FinishReason) -> None:
-        if seq.slot >= 0 and self._slots[seq.slot] is seq:
-            self._slots[seq.slot] = None
-        seq.slot = -1
-        self._requests_finished += 1
+        """Resolves a request and hands its KV blocks to its session or back to the pool."""
+        if seq.done:
+            return
+        seq.done = True
+        self._counters["requests_finished"] += 1
+        self._by_id.pop(seq.request.request_id, None)
+        if seq.running:
+            seq.running = False
+            self._running.remove(seq)
+        else:
+            try:
+                self._waiting.remove(seq)
+            except ValueError:
+                pass
+        self._stop_computing(seq)
+        session_id = seq.request.session_id
+        keep = (session_id is not None and reason != FinishReason.ABORT
+                and not seq.future.done() and session_id not in self._ended_sessions)
+        if session_id is not None:
+            self._busy_sessions.pop(session_id, None)
+            self._ended_sessions.discard(session_id)
+        if keep:
+            self._sessions[session_id] = _Session(
+                tokens=seq.context[:seq.num_cached], blocks=seq.blocks, keys=seq.keys,
+                kv_version=seq.kv_version, order=seq.order)
+            self._sessions.move_to_end(session_id)
+        else:
+            self._pool.release(seq.blocks)
+        seq.blocks = []
         if seq.future.done():  # the caller cancelled
             return
         seq.future.set_result(GenerationResult(
@@ -394,44 +634,192 @@ class InferenceEngine:
             policy_versions=tuple(seq.versions),
             finish_reason=reason,
             text=self._tokenizer.decode(list(seq.tokens)),
+            num_cached_tokens=seq.cached_tokens,
+            stale_kv_tokens=seq.stale_tokens,
         ))
 
     def _abort_all(self) -> None:
         self._epoch += 1
-        for seq in [s for s in self._slots if s is not None] + list(self._waiting):
+        for seq in [*self._running, *self._waiting]:
             self._finish(seq, FinishReason.ABORT)
-        self._waiting.clear()
 
     def _fail_all(self, error: BaseException) -> None:
-        for seq in [s for s in self._slots if s is not None] + list(self._waiting):
+        for seq in [*self._running, *self._waiting]:
             if not seq.future.done():
                 seq.future.set_exception(error)
-        self._slots = [None] * self._max_batch_size
-        self._waiting.clear()
+        self._reset_state()
 
     def _stop_reason(self, seq: _Sequence) -> FinishReason | None:
         sampling = seq.request.sampling
         if seq.tokens[-1] in sampling.stop_token_ids:
             return FinishReason.STOP
         if sampling.stop_strings:
-            text = self._tokenizer.decode(list(seq.tokens))
+            longest = max(len(s) for s in sampling.stop_strings)
+            # A token decodes to at least one character, so the tail holds any stop string.
+            text = self._tokenizer.decode(seq.tokens[-(longest + 1):])
             if any(text.endswith(s) for s in sampling.stop_strings if s):
                 return FinishReason.STOP
         if len(seq.tokens) >= sampling.max_new_tokens:
             return FinishReason.LENGTH
-        # The next decode would write the newest token at position S: the cache is full.
-        if len(seq.request.prompt_ids) + len(seq.tokens) >= self._max_seq_len:
+        # The next token would sit at position max_seq_len: the context is full.
+        if len(seq.context) >= self._max_seq_len:
             return FinishReason.LENGTH
         return None
 
     def _record(self, seq: _Sequence, token: int, logprob: float, version: int) -> None:
         seq.tokens.append(int(token))
+        seq.context.append(int(token))
         seq.logprobs.append(float(logprob))
         seq.versions.append(version)
-        self._tokens_generated += 1
+        self._counters["tokens_generated"] += 1
+        if seq.kv_version < version:
+            seq.stale_tokens += 1
+            self._counters["stale_kv_tokens"] += 1
         reason = self._stop_reason(seq)
         if reason is not None:
             self._finish(seq, reason)
+
+    # ------------------------------------------------------------------ KV bookkeeping
+
+    def _new_pages(self) -> KVPages:
+        return init_kv_pages(self._config, self._num_blocks, self._block_size)
+
+    def _attach(self, seq: _Sequence) -> None:
+        """Gives a newly admitted request the KV its session kept, where it matches."""
+        seq.attached = True
+        session_id = seq.request.session_id
+        session = self._sessions.pop(session_id, None) if session_id is not None else None
+        if session is None:
+            return
+        if self._kv_mode == "recompute" and session.kv_version < self._version:
+            self._pool.release(session.blocks)
+            return
+        prompt = seq.context
+        limit = min(len(session.tokens), len(prompt) - 1)  # at least one token is fed
+        common = 0
+        while common < limit and session.tokens[common] == prompt[common]:
+            common += 1
+        bs = self._block_size
+        keep_blocks = -(-common // bs)
+        if common % bs and self._pool.refs(session.blocks[keep_blocks - 1]) > 1:
+            keep_blocks -= 1  # a shared block is never written: recompute its part
+            common = keep_blocks * bs
+        self._pool.release(session.blocks[keep_blocks:])
+        seq.blocks = session.blocks[:keep_blocks]
+        seq.keys = session.keys[:common // bs]
+        seq.num_cached = common
+        if common:
+            seq.kv_version = min(seq.kv_version, session.kv_version)
+        seq.cached_tokens += common
+        self._counters["prompt_tokens_from_sessions"] += common
+
+    def _adopt_prefix(self, seq: _Sequence) -> None:
+        """Takes the longest run of cached full blocks that continues the sequence."""
+        bs = self._block_size
+        min_version = self._version if self._kv_mode == "recompute" else None
+        while seq.num_cached % bs == 0 and seq.num_cached + bs <= len(seq.context) - 1:
+            i = seq.num_cached // bs
+            key = block_key(seq.keys[-1] if seq.keys else ROOT_KEY, seq.context[i * bs:(i + 1) * bs])
+            entry = self._prefix.get(key, min_version)
+            if entry is None:
+                return
+            self._pool.release(seq.blocks[i:])  # written past num_cached: nothing to keep
+            del seq.blocks[i:]
+            self._pool.share(entry.block)
+            seq.blocks.append(entry.block)
+            seq.keys.append(key)
+            seq.num_cached += bs
+            seq.kv_version = min(seq.kv_version, entry.version)
+            prompt_part = max(0, min(seq.num_cached, len(seq.request.prompt_ids))
+                              - (seq.num_cached - bs))
+            seq.cached_tokens += prompt_part
+            self._counters["prompt_tokens_from_prefix_cache"] += prompt_part
+
+    def _next_key(self, seq: _Sequence) -> bytes | None:
+        """Key of the block the sequence writes next, if it starts a full block."""
+        bs = self._block_size
+        start = seq.num_cached
+        if start % bs or start + bs > len(seq.context):
+            return None
+        return block_key(seq.keys[-1] if seq.keys else ROOT_KEY, seq.context[start:start + bs])
+
+    def _start_computing(self, seq: _Sequence, n: int) -> None:
+        """Announces the full blocks the next ``n`` fed tokens complete."""
+        bs = self._block_size
+        parent = seq.keys[-1] if seq.keys else ROOT_KEY
+        for i in range(len(seq.keys), (seq.num_cached + n) // bs):
+            parent = block_key(parent, seq.context[i * bs:(i + 1) * bs])
+            if parent not in self._computing:
+                self._computing[parent] = seq
+                seq.computing.append(parent)
+
+    def _stop_computing(self, seq: _Sequence) -> None:
+        for key in seq.computing:
+            if self._computing.get(key) is seq:
+                del self._computing[key]
+        seq.computing = []
+
+    def _register_blocks(self, seq: _Sequence, version: int) -> None:
+        """Indexes the full blocks the sequence has finished writing."""
+        bs = self._block_size
+        for i in range(len(seq.keys), seq.num_cached // bs):
+            parent = seq.keys[-1] if seq.keys else ROOT_KEY
+            key = block_key(parent, seq.context[i * bs:(i + 1) * bs])
+            seq.keys.append(key)
+            self._prefix.put(key, seq.blocks[i], min(version, seq.kv_version))
+        self._stop_computing(seq)
+
+    def _evict_one(self) -> bool:
+        """Frees KV nobody is running on: cached prefixes first, then idle sessions."""
+        if self._prefix.evict_one():
+            return True
+        if self._sessions:
+            _, session = self._sessions.popitem(last=False)
+            self._pool.release(session.blocks)
+            self._counters["session_evictions"] += 1
+            return True
+        return False
+
+    def _preempt(self, seq: _Sequence) -> None:
+        """Takes a running request off the device; it is re-queued first in line and its
+        context recomputed when it is admitted again."""
+        self._counters["preemptions"] += 1
+        seq.running = False
+        self._running.remove(seq)
+        self._stop_computing(seq)
+        self._pool.release(seq.blocks)
+        seq.blocks, seq.keys, seq.num_cached = [], [], 0
+        seq.kv_version = _NO_KV
+        self._waiting.appendleft(seq)
+
+    def _allocate(self, seq: _Sequence, n: int, protected: set) -> bool:
+        """Gives the sequence the blocks that ``n`` more fed tokens need, evicting and
+        then preempting younger requests (outside ``protected``) when blocks run out."""
+        need = -(-(seq.num_cached + n) // self._block_size) - len(seq.blocks)
+        while self._pool.num_free < need:
+            if self._evict_one():
+                continue
+            victims = [s for s in self._running if s is not seq and s not in protected
+                       and s.order > seq.order]
+            if not victims:
+                return False
+            self._preempt(max(victims, key=lambda s: s.order))
+        for _ in range(need):
+            seq.blocks.append(self._pool.allocate())
+        return True
+
+    def _drop_weights_kv(self) -> None:
+        """After a weight swap in recompute mode: no KV of older weights survives."""
+        self._prefix.clear()
+        for session in self._sessions.values():
+            self._pool.release(session.blocks)
+        self._sessions.clear()
+        self._computing.clear()
+        for seq in [*self._running, *self._waiting]:
+            seq.computing = []
+            self._pool.release(seq.blocks)
+            seq.blocks, seq.keys, seq.num_cached = [], [], 0
+            seq.kv_version = _NO_KV
 
     # ------------------------------------------------------------------ scheduler loop
 
@@ -442,150 +830,196 @@ class InferenceEngine:
                 if self._pending_weights is not None:
                     self._params, self._version = self._pending_weights
                     self._pending_weights = None
-                    for seq in self._slots:
-                        if seq is not None:
-                            seq.needs_prefill = True
+                    if self._kv_mode == "recompute":
+                        self._drop_weights_kv()
                 if self._paused:
                     await self._wake.wait()
                     continue
                 self._drop_cancelled()
                 self._admit()
-                todo = self._prefills_due()
-                for group in self._prefill_groups(todo):
-                    await self._prefill(group)
-                if any(s is not None and not s.needs_prefill for s in self._slots):
-                    await self._decode()
-                elif not self._waiting:
+                worked = False
+                for group in self._plan_prefill():
+                    await self._call(group, prefill=True)
+                    worked = True
+                decode = self._plan_decode()
+                if decode:
+                    await self._call(decode, prefill=False)
+                elif not worked:
                     await self._wake.wait()
         except asyncio.CancelledError:
             raise
         except Exception as error:  # noqa: BLE001 - every waiting caller must hear of it
             logger.exception("InferenceEngine loop failed; failing all requests.")
-            self._cache = None
             self._fail_all(error)
 
-    def _prefills_due(self) -> list[_Sequence]:
-        """The sequences to prefill now. While others decode, a few lone arrivals wait (at
-        most ``max_prefill_delay_steps`` decode steps) for company, so that prefills run
-        as a few fuller batches instead of many padded ones."""
-        todo = [s for s in self._slots if s is not None and s.needs_prefill]
-        decoding = any(s is not None and not s.needs_prefill for s in self._slots)
-        if (todo and decoding and len(todo) < self._prefill_min_batch
+    def _drop_cancelled(self) -> None:
+        for seq in [*self._running, *self._waiting]:
+            if seq.future.done():
+                self._finish(seq, FinishReason.ABORT)
+
+    def _admit(self) -> None:
+        """Moves waiting requests (oldest first) to the running rows while rows are free
+        and the KV they need first can be had without preempting anyone."""
+        if len(self._waiting) > 1:
+            self._waiting = collections.deque(sorted(self._waiting, key=lambda s: s.order))
+        held = {b for s in self._running for b in s.blocks}
+        while self._waiting and len(self._running) < self._max_batch_size:
+            seq = self._waiting[0]
+            if not seq.attached:
+                self._attach(seq)
+            need = -(-len(seq.context) // self._block_size) - len(seq.blocks)
+            if self._num_blocks - len(held) - len(set(seq.blocks) - held) < need:
+                break  # wait for running requests to finish
+            self._waiting.popleft()
+            seq.running = True
+            seq.prefill_wait = 0
+            self._running.append(seq)
+            held.update(seq.blocks)
+
+    def _plan_prefill(self) -> list[list[tuple[_Sequence, int]]]:
+        """Chooses up to ``prefill_chunk_tokens`` tokens to feed, oldest requests first,
+        and groups the rows into calls of one (rows, tokens) bucket each."""
+        todo = [s for s in self._running if s.remaining > 1]
+        for seq in todo:
+            self._adopt_prefix(seq)
+        todo = [s for s in todo if s.remaining > 1]
+        if not todo:
+            return []
+        decoding = any(s.remaining == 1 for s in self._running)
+        if (decoding and len(todo) < self._prefill_min_batch
                 and max(s.prefill_wait for s in todo) < self._max_prefill_delay):
             for seq in todo:
                 seq.prefill_wait += 1
             return []
-        for seq in todo:
-            seq.prefill_wait = 0
-        return todo
-
-    def _drop_cancelled(self) -> None:
-        for seq in self._slots:
-            if seq is not None and seq.future.done():
-                self._slots[seq.slot] = None
-        self._waiting = collections.deque(s for s in self._waiting if not s.future.done())
-
-    def _admit(self) -> None:
-        free = [i for i, s in enumerate(self._slots) if s is None]
-        for slot in free:
-            if not self._waiting:
+        budget, rows, protected = self._chunk, [], set()
+        for seq in sorted(todo, key=lambda s: s.order):
+            if budget < 2:
                 break
-            seq = self._waiting.popleft()
-            seq.slot, seq.needs_prefill = slot, True
-            self._slots[slot] = seq
+            owner = self._computing.get(self._next_key(seq) or b"")
+            if owner is not None and owner is not seq:
+                continue  # another request is computing this block: adopt it next step
+            n = min(seq.remaining, budget)
+            if n < seq.remaining and n >= self._block_size:
+                n -= (seq.num_cached + n) % self._block_size  # end chunks on a block edge
+            if not seq.running or not self._allocate(seq, n, protected):
+                break
+            protected.add(seq)
+            self._start_computing(seq, n)
+            seq.prefill_wait = 0
+            rows.append((seq, n))
+            budget -= n
+        rows = [(s, n) for s, n in rows if s.running]  # an allocation may have preempted
+        groups: dict[int, list[tuple[_Sequence, int]]] = collections.defaultdict(list)
+        for seq, n in rows:
+            groups[_bucket(self._chunk_buckets, n)].append((seq, n))
+        calls = []
+        for length, members in sorted(groups.items()):
+            width = self._prefill_batch_cap(length)
+            calls += [members[i:i + width] for i in range(0, len(members), width)]
+        return calls
 
-    def _prefill_groups(self, todo: list[_Sequence]) -> list[list[_Sequence]]:
-        """Splits sequences into sub-batches of one length bucket, at most the largest
-        batch bucket each, shortest first."""
-        by_bucket: dict[int, list[_Sequence]] = collections.defaultdict(list)
-        for seq in todo:
-            n = len(seq.request.prompt_ids) + len(seq.tokens)
-            by_bucket[next(b for b in self._len_buckets if b >= n)].append(seq)
-        step = self._batch_buckets[-1]
-        return [group[i:i + step] for _, group in sorted(by_bucket.items())
-                for i in range(0, len(group), step)]
+    def _prefill_batch_cap(self, length: int) -> int:
+        """Most rows of one prefill call feeding ``length`` tokens each."""
+        fits = [b for b in self._prefill_batch_buckets
+                if b * length <= max(self._chunk, length)]
+        return fits[-1]
 
-    def _ensure_cache(self) -> None:
-        if self._cache is None:
-            self._cache = init_kv_cache(self._config, self._max_batch_size + 1,
-                                        max_len=self._max_seq_len)
+    def _plan_decode(self) -> list[tuple[_Sequence, int]]:
+        rows, protected = [], set()
+        for seq in sorted((s for s in self._running if s.remaining == 1),
+                          key=lambda s: s.order):
+            if not seq.running:
+                continue  # preempted to make room for an older row
+            if self._allocate(seq, 1, protected):
+                protected.add(seq)
+                rows.append((seq, 1))
+        return [(s, n) for s, n in rows if s.running]
 
-    async def _device_call(self, fn, *args):
-        """Runs ``fn(params, cache, *args)`` on the worker thread; returns host results,
-        or None when a pause/close happened meanwhile."""
-        self._ensure_cache()
-        epoch = self._epoch
-        cache, self._cache = self._cache, None  # donated: invalid until the call returns
-        self._idle.clear()
-        try:
-            cache, tokens, logprobs, elapsed = await self._loop.run_in_executor(
-                self._executor, _timed_call, fn, self._params, cache, *args)
-        finally:
-            self._idle.set()
-        self._cache = cache
-        self._busy_s += elapsed
-        return None if epoch != self._epoch else (tokens, logprobs)
+    def _all_shapes(self) -> list[tuple[int, int, int]]:
+        shapes = [(b, 1, s) for b in self._batch_buckets for s in self._span_buckets]
+        for length in self._chunk_buckets:
+            min_span = -(-(length // 2 + 1) // self._block_size)  # rows feed > length / 2
+            cap = self._prefill_batch_cap(length)
+            shapes += [(b, length, s) for b in self._prefill_batch_buckets if b <= cap
+                       for s in self._span_buckets if s >= min_span]
+        return shapes
 
-    async def _prefill(self, group: list[_Sequence]) -> None:
-        length = max(len(s.request.prompt_ids) + len(s.tokens) for s in group)
-        seq_bucket = next(b for b in self._len_buckets if b >= length)
-        batch = next(b for b in self._batch_buckets if b >= len(group))
-        tokens = np.zeros((batch, seq_bucket), np.int32)
-        positions = np.full((batch, seq_bucket), -1, np.int32)
-        slots = np.full((batch,), self._scratch_slot, np.int32)
+    async def _call(self, rows: list[tuple[_Sequence, int]], prefill: bool) -> None:
+        """One device call feeding ``n`` tokens for each ``(sequence, n)`` row."""
+        length = _bucket(self._chunk_buckets, max(n for _, n in rows)) if prefill else 1
+        batch = _bucket(self._prefill_batch_buckets if prefill else self._batch_buckets,
+                        len(rows))
+        span = _bucket(self._span_buckets, max(len(s.blocks) for s, _ in rows))
+        tokens = np.zeros((batch, length), np.int32)
+        positions = np.full((batch, length), -1, np.int32)
+        tables = np.zeros((batch, span), np.int32)
         last = np.zeros((batch,), np.int32)
-        temperature = np.zeros((batch,), np.float32)
+        temperature = np.ones((batch,), np.float32)
+        top_k = np.zeros((batch,), np.int32)
+        top_p = np.ones((batch,), np.float32)
         seed_lo = np.zeros((batch,), np.uint32)
         seed_hi = np.zeros((batch,), np.uint32)
         index = np.zeros((batch,), np.int32)
-        for row, seq in enumerate(group):
-            context = seq.context
-            n = len(context)
-            tokens[row, :n] = context
-            positions[row, :n] = np.arange(n)
-            slots[row], last[row] = seq.slot, n - 1
-            temperature[row] = seq.request.sampling.temperature
+        prompt_fed = generated_fed = 0
+        for row, (seq, n) in enumerate(rows):
+            start = seq.num_cached
+            tokens[row, :n] = seq.context[start:start + n]
+            positions[row, :n] = np.arange(start, start + n)
+            tables[row, :len(seq.blocks)] = seq.blocks
+            last[row] = n - 1
+            sampling = seq.request.sampling
+            temperature[row] = sampling.temperature
+            top_k[row], top_p[row] = sampling.top_k, sampling.top_p
             seed_lo[row], seed_hi[row] = seq.seed_lo, seq.seed_hi
             index[row] = len(seq.tokens)
+            prompt_len = len(seq.request.prompt_ids)
+            in_prompt = max(0, min(start + n, prompt_len) - start)
+            prompt_fed += in_prompt
+            if start + n < len(seq.context):  # generated tokens fed again
+                generated_fed += n - in_prompt
+            elif n - in_prompt > 1:
+                generated_fed += n - in_prompt - 1
+        self._shapes.add((batch, length, span))
         version = self._version
-        out = await self._device_call(
-            functools.partial(_prefill_step, self._graphdef, self._config),
-            tokens, positions, slots, last, temperature, seed_lo, seed_hi, index)
-        self._prefill_calls += 1
+        truncate = bool((top_k > 0).any() or (top_p < 1.0).any())
+        out = await self._device_call(truncate, tokens, positions, tables, last, temperature,
+                                      top_k, top_p, seed_lo, seed_hi, index)
+        c = self._counters
+        c["busy_prefill_s" if prefill else "busy_decode_s"] += self._last_call_s
+        c["prompt_tokens_computed"] += prompt_fed
+        c["generated_tokens_recomputed"] += generated_fed
+        if prefill:
+            c["prefill_calls"] += 1
+        else:
+            c["decode_steps"] += 1
+            c["decode_rows"] += len(rows)
         if out is None:
             return
-        for row, seq in enumerate(group):
-            if self._slots[seq.slot] is not seq:
-                continue
-            seq.cache_len = len(seq.request.prompt_ids) + len(seq.tokens)
-            seq.needs_prefill = False
-            self._record(seq, out[0][row], out[1][row], version)
+        for row, (seq, n) in enumerate(rows):
+            if not seq.running:
+                continue  # aborted or preempted while the device computed
+            seq.num_cached += n
+            seq.kv_version = min(seq.kv_version, version)
+            self._register_blocks(seq, version)
+            if seq.num_cached == len(seq.context):
+                self._record(seq, out[0][row], out[1][row], version)
 
-    async def _decode(self) -> None:
-        rows = self._max_batch_size + 1
-        tokens = np.zeros((rows,), np.int32)
-        positions = np.full((rows,), -1, np.int32)
-        temperature = np.zeros((rows,), np.float32)
-        seed_lo = np.zeros((rows,), np.uint32)
-        seed_hi = np.zeros((rows,), np.uint32)
-        index = np.zeros((rows,), np.int32)
-        active = [s for s in self._slots if s is not None and not s.needs_prefill]
-        for seq in active:
-            i = seq.slot
-            tokens[i], positions[i] = seq.tokens[-1], seq.cache_len
-            temperature[i] = seq.request.sampling.temperature
-            seed_lo[i], seed_hi[i] = seq.seed_lo, seq.seed_hi
-            index[i] = len(seq.tokens)
-        version = self._version
-        out = await self._device_call(
-            functools.partial(_decode_step, self._graphdef),
-            tokens, positions, temperature, seed_lo, seed_hi, index)
-        self._decode_steps += 1
-        self._active_slot_steps += len(active)
-        if out is None:
-            return
-        for seq in active:
-            if self._slots[seq.slot] is not seq:
-                continue
-            seq.cache_len += 1
-            self._record(seq, out[0][seq.slot], out[1][seq.slot], version)
+    async def _device_call(self, truncate: bool, *arrays):
+        """Runs ``_forward_step`` on the worker thread; returns host results, or None
+        when a pause/close happened meanwhile."""
+        if self._pages is None:
+            self._pages = self._new_pages()
+        epoch = self._epoch
+        pages, self._pages = self._pages, None  # donated: invalid until the call returns
+        self._idle.clear()
+        try:
+            pages, tokens, logprobs, elapsed = await self._loop.run_in_executor(
+                self._executor, _timed_call,
+                functools.partial(_forward_step, self._graphdef, truncate), self._params,
+                pages, *arrays)
+        finally:
+            self._idle.set()
+        self._pages = pages
+        self._counters["busy_s"] += elapsed
+        self._last_call_s = elapsed
+        return None if epoch != self._epoch else (tokens, logprobs)

@@ -161,11 +161,15 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, seed_lo: jax.Array,
     batch = logits.shape[0]
     greedy = temperature <= 0.0
     safe_t = jnp.where(greedy, 1.0, temperature).astype(jnp.float32)
-    top_k = jnp.zeros((batch,), jnp.int32) if top_k is None else jnp.asarray(top_k, jnp.int32)
-    top_p = jnp.ones((batch,), jnp.float32) if top_p is None else jnp.asarray(top_p, jnp.float32)
-    top_k = jnp.where(greedy, 0, top_k)
-    top_p = jnp.where(greedy, 1.0, top_p)
-    logprobs = sampling_logprobs(logits, safe_t, top_k, top_p)
+    if top_k is None and top_p is None:
+        # Static "off": no sort over the vocabulary is traced (a cheaper program).
+        logprobs = sampling_logprobs(logits, safe_t, 0, 1.0)
+    else:
+        top_k = jnp.zeros((batch,), jnp.int32) if top_k is None else jnp.asarray(top_k, jnp.int32)
+        top_p = jnp.ones((batch,), jnp.float32) if top_p is None else jnp.asarray(top_p, jnp.float32)
+        top_k = jnp.where(greedy, 0, top_k)
+        top_p = jnp.where(greedy, 1.0, top_p)
+        logprobs = sampling_logprobs(logits, safe_t, top_k, top_p)
     keys = row_keys(seed_lo, seed_hi, token_index)
     drawn = jax.vmap(jax.random.categorical)(keys, logprobs)
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)

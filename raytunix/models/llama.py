@@ -7,6 +7,8 @@ One forward pass serves training and inference::
     cache = init_kv_cache(config, batch_size=B)
     logits, cache = forward(graphdef, state, prompt, prompt_pos, cache)   # prefill
     logits, cache = forward(graphdef, state, next_tok, next_pos, cache)   # decode
+    pages = init_kv_pages(config, num_blocks=N, block_size=16)            # paged cache
+    logits, pages = forward(graphdef, state, chunk, chunk_pos, pages, block_tables)
 
 Each block is pre-norm: ``x + attn(rms_norm(x))`` then ``x + mlp(rms_norm(x))``, with
 grouped-query attention, rotary position embeddings and a SwiGLU MLP, as in Llama
@@ -136,6 +138,55 @@ def init_kv_cache(config: ModelConfig, batch_size: int, max_len: int | None = No
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
 
+class KVPages(NamedTuple):
+    """A paged KV cache: fixed-size blocks of positions, shared by all sequences.
+
+    Attributes:
+      k: ``[n_layers, num_blocks, block_size, n_kv_heads, head_dim]``, the cache dtype.
+      v: same shape and dtype as ``k``.
+
+    A sequence owns a list of block ids, its *block table*: position ``p`` of the
+    sequence lives at ``[:, table[p // block_size], p % block_size]``. Blocks can be
+    shared by several sequences (a common prompt prefix) as long as none rewrites them.
+    This is the layout of vLLM's PagedAttention (Kwon et al., SOSP 2023,
+    arXiv:2309.06180); attention gathers only the blocks a batch's tables name, so its
+    cost follows the tokens that exist rather than a fixed cache length.
+    """
+
+    k: jax.Array
+    v: jax.Array
+
+    @property
+    def block_size(self) -> int:
+        """Positions per block."""
+        return self.k.shape[2]
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the pool."""
+        return self.k.shape[1]
+
+
+def init_kv_pages(config: ModelConfig, num_blocks: int, block_size: int,
+                  dtype=jnp.float32) -> KVPages:
+    """Returns an all-zero paged KV cache of ``num_blocks`` blocks of ``block_size``
+    positions (see ``KVPages``); ``num_blocks * block_size`` tokens in all.
+
+    Raises:
+      ValueError: if ``num_blocks`` or ``block_size`` is not positive.
+    """
+    if num_blocks <= 0 or block_size <= 0:
+        raise ValueError(f"init_kv_pages: num_blocks={num_blocks} and block_size={block_size} "
+                         "must both be positive.")
+    shape = (config.n_layers, num_blocks, block_size, config.n_kv_heads, config.head_dim)
+    return KVPages(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype=jnp.float32) -> int:
+    """Bytes of keys and values one token occupies across all layers."""
+    return 2 * config.n_layers * config.n_kv_heads * config.head_dim * jnp.dtype(dtype).itemsize
+
+
 def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     """Rotates feature pairs of ``x`` by angles proportional to the token position.
 
@@ -179,12 +230,18 @@ class Attention(nnx.Module):
         self.v_proj = nnx.Linear(d, kv * hd, use_bias=False, kernel_init=init, rngs=rngs)
         self.o_proj = nnx.Linear(h * hd, d, use_bias=False, kernel_init=out_init, rngs=rngs)
 
-    def __call__(self, x, positions, cache: tuple[jax.Array, jax.Array] | None, layer: int):
+    def __call__(self, x, positions, cache: tuple[jax.Array, jax.Array] | None, layer: int,
+                 block_tables: jax.Array | None = None):
         """``x: float[B, T, d_model]``; ``cache``: the whole ``(k, v)`` of the model, each
         ``[n_layers, B, n_kv_heads, S, head_dim]``, or None; ``layer``: this layer's index.
         Returns the output ``[B, T, d_model]`` and the updated ``(k, v)`` (None without a
         cache). The cache is written in place at ``[layer, b, :, positions[b, t]]`` so that
-        a decode step moves no more than one token per row (no per-layer copies)."""
+        a decode step moves no more than one token per row (no per-layer copies).
+
+        With ``block_tables`` (``int32[B, NB]``), ``cache`` is paged instead (``KVPages``
+        arrays ``[n_layers, num_blocks, block_size, n_kv_heads, head_dim]``): each token's
+        key/value is written at its row's block for its position, and attention reads the
+        ``NB * block_size`` positions the row's table names."""
         cfg = self.config
         batch, length, _ = x.shape
         groups = cfg.n_heads // cfg.n_kv_heads
@@ -195,6 +252,8 @@ class Attention(nnx.Module):
         k = apply_rope(k, positions, cfg.rope_theta).transpose(0, 2, 1, 3)  # [B, KVH, T, D]
         v = v.transpose(0, 2, 1, 3)
 
+        if block_tables is not None:
+            return self._paged(q, k, v, positions, cache, layer, block_tables, x.dtype)
         if cache is None:
             keys, values = k, v
             idx = jnp.arange(length)
@@ -230,6 +289,37 @@ class Attention(nnx.Module):
         out = out.transpose(0, 3, 1, 2, 4).reshape(batch, length, cfg.n_heads * cfg.head_dim)
         return self.o_proj(out.astype(x.dtype)), cache
 
+    def _paged(self, q, k, v, positions, cache, layer, block_tables, dtype):
+        """Attention over a paged cache; q ``[B, T, H, D]``, k/v ``[B, KVH, T, D]``."""
+        cfg = self.config
+        batch, length = positions.shape
+        groups = cfg.n_heads // cfg.n_kv_heads
+        pages_k, pages_v = cache
+        num_blocks, block_size = pages_k.shape[1], pages_k.shape[2]
+        safe = jnp.maximum(positions, 0)
+        block = jnp.take_along_axis(block_tables, safe // block_size, axis=1)  # [B, T]
+        # Padding (negative positions) goes to the out-of-range block id and is dropped.
+        block = jnp.where(positions >= 0, block, num_blocks)
+        offset = safe % block_size
+        k = k.transpose(0, 2, 1, 3)  # [B, T, KVH, D]
+        v = v.transpose(0, 2, 1, 3)
+        pages_k = pages_k.at[layer, block, offset].set(k.astype(pages_k.dtype), mode="drop")
+        pages_v = pages_v.at[layer, block, offset].set(v.astype(pages_v.dtype), mode="drop")
+        span = block_tables.shape[1] * block_size
+        keys = pages_k[layer][block_tables].reshape(batch, span, cfg.n_kv_heads, cfg.head_dim)
+        values = pages_v[layer][block_tables].reshape(batch, span, cfg.n_kv_heads, cfg.head_dim)
+        mask = jnp.arange(span)[None, None, :] <= positions[:, :, None]  # [B, T, span]
+        q = q.reshape(batch, length, cfg.n_kv_heads, groups, cfg.head_dim)
+        scores = jnp.einsum("btkgd,bskd->bkgts", q.astype(jnp.float32),
+                            keys.astype(jnp.float32), precision=_PRECISION)
+        scores = scores / math.sqrt(cfg.head_dim)
+        scores = jnp.where(mask[:, None, None], scores, _MASK_VALUE)
+        probs = jax.nn.softmax(scores, axis=-1)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, values.astype(jnp.float32),
+                         precision=_PRECISION)
+        out = out.reshape(batch, length, cfg.n_heads * cfg.head_dim)
+        return self.o_proj(out.astype(dtype)), (pages_k, pages_v)
+
 
 class MLP(nnx.Module):
     """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` (Shazeer 2020,
@@ -257,8 +347,9 @@ class Block(nnx.Module):
                                                     rngs=rngs)
         self.mlp = MLP(config, rngs=rngs)
 
-    def __call__(self, x, positions, cache, layer: int):
-        attn_out, cache = self.self_attn(self.input_layernorm(x), positions, cache, layer)
+    def __call__(self, x, positions, cache, layer: int, block_tables=None):
+        attn_out, cache = self.self_attn(self.input_layernorm(x), positions, cache, layer,
+                                         block_tables)
         x = x + attn_out
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, cache
@@ -280,8 +371,11 @@ class Transformer(nnx.Module):
                                       kernel_init=_normal(0.02), rngs=rngs)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array,
-                 kv_cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
-        """Computes next-token logits for every input token.
+                 kv_cache: KVCache | KVPages | None = None,
+                 block_tables: jax.Array | None = None,
+                 logit_index: jax.Array | None = None
+                 ) -> tuple[jax.Array, KVCache | KVPages | None]:
+        """Computes next-token logits for every input token (or one per row).
 
         Args:
           tokens: ``int32[B, T]`` token ids.
@@ -293,21 +387,45 @@ class Transformer(nnx.Module):
             padding is harmless). Otherwise each token's key/value is written at
             ``positions[b, t]`` of row b, and the token attends to the entries
             ``j <= positions[b, t]`` of its row: T = prompt length for prefill, T = 1
-            for decode. Positions ``>= S`` are not written either.
+            for decode. Positions ``>= S`` are not written either. A ``KVPages`` cache
+            needs ``block_tables``.
+          block_tables: ``int32[B, NB]``, with a ``KVPages`` cache only: row b's logical
+            block i is physical block ``block_tables[b, i]``; the tokens attend to the
+            positions ``j <= positions[b, t]`` among the ``NB * block_size`` the table
+            covers. Entries past a row's last block may hold any valid block id.
+          logit_index: ``int32[B]`` or None: only compute the logits of token
+            ``logit_index[b]`` of each row (what sampling after a prefill needs; skips
+            the LM head for the other ``T - 1`` tokens).
 
         Returns:
-          ``(logits, new_cache)``: ``float32[B, T, vocab_size]`` logits and the updated
-          ``KVCache`` (None when ``kv_cache`` is None).
+          ``(logits, new_cache)``: ``float32[B, T, vocab_size]`` logits
+          (``[B, 1, vocab_size]`` with ``logit_index``) and the updated cache, of the
+          type passed in (None when ``kv_cache`` is None).
 
         Raises:
-          ValueError: if ``tokens`` and ``positions`` differ in shape, or the cache does
-            not match the model or the batch.
+          ValueError: if ``tokens`` and ``positions`` differ in shape, the cache does not
+            match the model or the batch, or a ``KVPages`` cache comes without
+            ``block_tables`` (or block tables without one).
         """
         if tokens.shape != positions.shape or tokens.ndim != 2:
             raise ValueError(
                 f"tokens {tokens.shape} and positions {positions.shape} must both be [B, T].")
         cfg = self.config
-        if kv_cache is not None:
+        paged = isinstance(kv_cache, KVPages)
+        if paged != (block_tables is not None):
+            raise ValueError("A KVPages cache and block_tables go together: pass both (paged "
+                             "attention) or neither.")
+        if paged:
+            expected = (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
+            got = (kv_cache.k.shape[0], *kv_cache.k.shape[3:])
+            if (kv_cache.k.ndim != 5 or got != expected or kv_cache.v.shape != kv_cache.k.shape
+                    or block_tables.ndim != 2 or block_tables.shape[0] != tokens.shape[0]):
+                raise ValueError(
+                    f"KVPages k {kv_cache.k.shape} / block_tables {block_tables.shape} do not "
+                    f"fit [n_layers={cfg.n_layers}, blocks, block_size, "
+                    f"n_kv_heads={cfg.n_kv_heads}, head_dim={cfg.head_dim}] and "
+                    f"[B={tokens.shape[0]}, NB]; build the cache with init_kv_pages(config, ...).")
+        elif kv_cache is not None:
             expected = (cfg.n_layers, tokens.shape[0], cfg.n_kv_heads, cfg.head_dim)
             got = (*kv_cache.k.shape[:3], kv_cache.k.shape[4])
             if kv_cache.k.ndim != 5 or got != expected or kv_cache.v.shape != kv_cache.k.shape:
@@ -320,13 +438,18 @@ class Transformer(nnx.Module):
         x = self.embed_tokens(tokens)
         cache = None if kv_cache is None else (kv_cache.k, kv_cache.v)
         for i, block in enumerate(self.layers):
-            x, cache = block(x, positions, cache, i)
+            x, cache = block(x, positions, cache, i, block_tables)
+        if logit_index is not None:
+            x = x[jnp.arange(x.shape[0]), logit_index][:, None]
         x = self.norm(x)
         if self.lm_head is None:
             logits = self.embed_tokens.attend(x)
         else:
             logits = self.lm_head(x)
-        new_cache = None if cache is None else KVCache(k=cache[0], v=cache[1])
+        if cache is None:
+            new_cache = None
+        else:
+            new_cache = (KVPages if paged else KVCache)(k=cache[0], v=cache[1])
         return logits.astype(jnp.float32), new_cache
 
 
@@ -341,13 +464,14 @@ def init_model(config: ModelConfig, seed: int) -> tuple[nnx.GraphDef, nnx.State]
 
 
 def forward(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array,
-            positions: jax.Array, kv_cache: KVCache | None = None
-            ) -> tuple[jax.Array, KVCache | None]:
+            positions: jax.Array, kv_cache: KVCache | KVPages | None = None,
+            block_tables: jax.Array | None = None, logit_index: jax.Array | None = None
+            ) -> tuple[jax.Array, KVCache | KVPages | None]:
     """Functional ``Transformer.__call__``: merges ``graphdef`` and ``state`` and runs the
     model. Pure, so it can be wrapped in ``jax.jit`` (with ``graphdef`` static or closed
     over). Arguments and return value are those of ``Transformer.__call__``."""
     model = nnx.merge(graphdef, state)
-    return model(tokens, positions, kv_cache)
+    return model(tokens, positions, kv_cache, block_tables, logit_index)
 
 
 def count_params(state: nnx.State) -> int:
