@@ -261,7 +261,7 @@ def main() -> None:
     model_config = ModelConfig(vocab_size=tokenizer.vocab_size)
     engine = ray.remote(EngineActor).options(
         num_cpus=0, max_concurrency=10_000, runtime_env=_ACTOR_ENV).remote(
-        model_config, args.seed, tokenizer, args.max_batch_size)
+        model_config, args.seed, tokenizer, {"max_batch_size": args.max_batch_size})
     warm_up(engine, args)
 
     calibration = {}

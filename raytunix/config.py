@@ -81,8 +81,21 @@ class RolloutConfig:
 
 @dataclasses.dataclass
 class EngineConfig:
-    max_batch_size: int = 128  # decode slots (continuous batching)
+    max_batch_size: int = 128  # most requests decoded together (continuous batching)
     placement: str = "colocated"  # colocated (engine and learner in one actor) | disaggregated
+    block_size: int = 16  # tokens per KV-cache block (paged attention)
+    kv_cache_tokens: int = 0  # KV capacity in tokens (running requests, sessions, prefix cache); 0 = 2 x max_batch_size x model.max_seq_len
+    prefill_chunk_tokens: int = 256  # most prompt tokens prefilled between two decode steps
+    kv_on_weight_update: str = "recompute"  # recompute | keep (KV of older weights is reused and counted as stale)
+    sessions: bool = True  # keep an episode's KV in the engine between its turns
+    num_replicas: int = 1  # engine actors behind the router (disaggregated placement only)
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``InferenceEngine`` that this section sets."""
+        return {"max_batch_size": self.max_batch_size, "block_size": self.block_size,
+                "kv_cache_tokens": self.kv_cache_tokens or None,
+                "prefill_chunk_tokens": self.prefill_chunk_tokens,
+                "kv_on_weight_update": self.kv_on_weight_update, "sessions": self.sessions}
 
 
 @dataclasses.dataclass
@@ -144,6 +157,7 @@ _CHOICES = {
     "env.name": ("calculator_math", "math_verifier"),
     "env.agent": ("auto", "tool", "answer"),
     "engine.placement": ("colocated", "disaggregated"),
+    "engine.kv_on_weight_update": ("recompute", "keep"),
     "learner.loss_aggregation": ("token_mean", "sequence_mean"),
     "data.dataset": ("basic_arithmetic",),
 }
@@ -152,7 +166,7 @@ _POSITIVE = {
     "model.max_seq_len", "data.train_size", "data.heldout_size", "env.max_turns",
     "env.num_env_actors", "rollout.group_size", "rollout.groups_per_batch",
     "rollout.max_concurrent_episodes", "rollout.max_new_tokens", "rollout.episode_timeout_s",
-    "rollout.batch_queue_size", "rollout.batch_timeout_s", "engine.max_batch_size", "learner.learning_rate",
+    "rollout.batch_queue_size", "rollout.batch_timeout_s", "engine.max_batch_size", "engine.block_size", "engine.num_replicas", "learner.learning_rate",
     "learner.checkpoint_every", "learner.max_checkpoints", "warmup.batch_size",
     "warmup.learning_rate", "warmup.eval_every", "warmup.eval_size", "eval.heldout_size",
     "eval.max_new_tokens", "run.log_every",
@@ -160,7 +174,7 @@ _POSITIVE = {
 _NON_NEGATIVE = {
     "rollout.max_staleness", "rollout.top_k", "learner.rl_steps", "learner.kl_coef",
     "learner.weight_decay", "learner.max_grad_norm", "warmup.max_steps", "warmup.min_steps",
-    "env.max_tool_errors", "env.env_actor_max_restarts", "learner.clip_eps_low",
+    "env.max_tool_errors", "env.env_actor_max_restarts", "engine.kv_cache_tokens", "learner.clip_eps_low",
     "learner.clip_eps_high", "warmup.warmup_steps",
 }
 _PROBABILITY = {"warmup.tool_use_prob_2_terms", "warmup.tool_use_prob_3_terms",
@@ -251,6 +265,17 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(
             f"model.tokenizer_vocab_size={m.tokenizer_vocab_size} must be at least 272 "
             "(256 bytes plus the special tokens).")
+    e = cfg.engine
+    if e.kv_cache_tokens and e.kv_cache_tokens < m.max_seq_len:
+        raise ConfigError(
+            f"engine.kv_cache_tokens={e.kv_cache_tokens} cannot hold one context of "
+            f"model.max_seq_len={m.max_seq_len} tokens; raise it, or use 0 for the default.")
+    if e.num_replicas > 1 and e.placement != "disaggregated":
+        raise ConfigError(
+            f"engine.num_replicas={e.num_replicas} needs engine.placement=disaggregated (a "
+            "colocated engine lives in the learner's process, one per run).")
+    if e.prefill_chunk_tokens < 2:
+        raise ConfigError(f"engine.prefill_chunk_tokens={e.prefill_chunk_tokens} must be >= 2.")
     if cfg.warmup.min_steps > cfg.warmup.max_steps:
         raise ConfigError(
             f"warmup.min_steps={cfg.warmup.min_steps} exceeds warmup.max_steps={cfg.warmup.max_steps}.")

@@ -94,7 +94,9 @@ def _new_run_dir(cfg: Config) -> RunDir:
 RESUME_OVERRIDABLE = frozenset({
     "learner.rl_steps", "learner.checkpoint_every", "learner.max_checkpoints", "run.log_every",
     "rollout.batch_timeout_s", "rollout.max_concurrent_episodes", "env.num_env_actors",
-    "eval.max_new_tokens",
+    "eval.max_new_tokens", "engine.max_batch_size", "engine.block_size",
+    "engine.kv_cache_tokens", "engine.prefill_chunk_tokens", "engine.kv_on_weight_update",
+    "engine.sessions",
 })
 
 
@@ -189,17 +191,20 @@ class Job:
         if self.colocated:
             self.learner = ray.remote(PolicyActor).options(
                 num_cpus=1, max_concurrency=10_000).remote(
-                model_config, cfg.run.seed, tokenizer, cfg.engine.max_batch_size)
+                model_config, cfg.run.seed, tokenizer, cfg.engine.engine_kwargs())
             self.engine = self.learner
+            self.engines = [self.learner]
         else:
             from raytunix.inference.actor import EngineActor
 
             self.learner = ray.remote(LearnerActor).options(
                 num_cpus=1, max_concurrency=100).remote(
                 model_config, cfg.run.seed, tokenizer.pad_id)
-            self.engine = ray.remote(EngineActor).options(
-                num_cpus=0, max_concurrency=10_000).remote(
-                model_config, cfg.run.seed, tokenizer, cfg.engine.max_batch_size)
+            self.engines = [
+                ray.remote(EngineActor).options(num_cpus=0, max_concurrency=10_000).remote(
+                    model_config, cfg.run.seed, tokenizer, cfg.engine.engine_kwargs())
+                for _ in range(cfg.engine.num_replicas)]
+            self.engine = self.engines[0]
         self.env_pool = EnvPool(
             cfg.env.name, {"max_tool_errors": cfg.env.max_tool_errors} if _uses_tools(cfg) else {},
             cfg.env.num_env_actors, max_restarts=cfg.env.env_actor_max_restarts)
@@ -214,7 +219,7 @@ class Job:
         self.orchestrator = ray.remote(OrchestratorActor).options(
             num_cpus=0, max_concurrency=10_000, runtime_env=CPU_ONLY_RUNTIME_ENV).remote(
             tasks=self.train_tasks, tokenizer=tokenizer, agent_name=_agent_name(cfg),
-            env_pool=self.env_pool, engine=self.engine,
+            env_pool=self.env_pool, engine=self.engines,
             group_size=cfg.rollout.group_size, groups_per_batch=cfg.rollout.groups_per_batch,
             max_concurrent_episodes=cfg.rollout.max_concurrent_episodes,
             max_staleness=cfg.rollout.max_staleness, max_turns=cfg.env.max_turns,
@@ -232,19 +237,30 @@ class Job:
     def publish_weights(self) -> None:
         """Disaggregated placement: ship the learner's weights to the engine."""
         if not self.colocated:
-            ray.get(self.engine.update_weights.remote(self.learner.weights.remote()))
+            weights = self.learner.weights.remote()
+            ray.get([engine.update_weights.remote(weights) for engine in self.engines])
 
     def evaluate(self, tasks) -> dict[str, Any]:
         return ray.get(self.orchestrator.evaluate.remote(tasks, self.cfg.eval.max_new_tokens))
 
     def engine_stats(self) -> dict[str, Any]:
-        return ray.get(self.engine.engine_stats.remote())
+        per_replica = ray.get([engine.engine_stats.remote() for engine in self.engines])
+        if len(per_replica) == 1:
+            return per_replica[0]
+        merged = {key: sum(stats[key] for stats in per_replica)
+                  for key, value in per_replica[0].items()
+                  if isinstance(value, (int, float)) and not key.startswith("policy_version")}
+        merged["busy_fraction"] = sum(s["busy_fraction"] for s in per_replica) / len(per_replica)
+        for key in ("policy_version", "policy_version_received"):
+            merged[key] = min(s[key] for s in per_replica)
+        merged["replicas"] = per_replica
+        return merged
 
     def shutdown(self) -> None:
         """Kills the run's actors (checkpoints and the run directory stay)."""
         actors = [self.orchestrator, self.learner, *self.env_pool.actors]
         if not self.colocated:
-            actors.append(self.engine)
+            actors += self.engines
         for actor in actors:
             if actor is not None:
                 ray.kill(actor)
@@ -429,7 +445,7 @@ def _run(cfg: Config, job: Job, run: RunDir, hp: GRPOHyperparams, resume: str | 
         "rl_s": time.monotonic() - t_rl,
         "wall_s": time.monotonic() - wall0,
         "engine_busy_fraction": engine_stats.get("busy_fraction"),
-        "engine_policy_version": engine_stats.get("policy_version"),
+        "engine_policy_version": engine_stats.get("policy_version_received"),
         "eval_decoding": "greedy",
         "orchestrator": {**{f"episodes_{s.value}": 0 for s in EpisodeStatus},
                          **ray.get(job.orchestrator.stats.remote())["counters"]},

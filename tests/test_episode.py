@@ -27,11 +27,18 @@ class RecordingEngine:
     def __init__(self, engine):
         self.engine = engine
         self.calls = []
+        self.sessions = []
+        self.ended = []
 
     async def generate(self, request):
         result = await self.engine.generate(request)
         self.calls.append((list(request.prompt_ids), result))
+        self.sessions.append(request.session_id)
         return result
+
+    def end_session(self, session_id):
+        self.ended.append(session_id)
+        self.engine.end_session(session_id)
 
 
 def _memorized_engine(tokenizer, task):
@@ -78,6 +85,13 @@ def test_multi_turn_trajectory_is_exactly_engine_inputs_plus_outputs():
     assert all(v == 0 for v, m in zip(trajectory.policy_versions, trajectory.loss_mask) if m)
     assert all(v == -1 for v, m in zip(trajectory.policy_versions, trajectory.loss_mask) if not m)
     assert tokenizer.decode(result2.token_ids) == f"<answer>{task.answer}</answer><|end|>"
+    # Both turns ran in one engine session: the second reused all KV of the first (all
+    # but the first turn's last token, which was sampled and never fed), and the episode
+    # freed the session when it ended.
+    assert engine.sessions[0] == engine.sessions[1] == engine.ended[0] is not None
+    assert result1.num_cached_tokens == 0
+    assert result2.num_cached_tokens == len(prompt1) + len(result1.token_ids) - 1
+    assert engine.engine.stats()["sessions_held"] == 0
 
 
 class AnsweringEngine:

@@ -28,15 +28,18 @@ def _rl_records(run_dir):
         return [r for r in map(json.loads, f) if r["phase"] == "rl"]
 
 
-@pytest.mark.parametrize("env_name,max_turns,placement", [
-    ("calculator_math", 3, "colocated"),
-    ("math_verifier", 1, "colocated"),
-    ("calculator_math", 3, "disaggregated"),  # engine and learner in separate actors
+@pytest.mark.parametrize("env_name,max_turns,placement,replicas", [
+    ("calculator_math", 3, "colocated", 1),
+    ("math_verifier", 1, "colocated", 1),
+    # engine and learner in separate actors, two engine replicas behind the router
+    ("calculator_math", 3, "disaggregated", 2),
 ])
-def test_short_training_run_on_local_ray(ray_session, tmp_path, env_name, max_turns, placement):
+def test_short_training_run_on_local_ray(ray_session, tmp_path, env_name, max_turns, placement,
+                                         replicas):
     cfg = load_config(None, TINY + [f"run.output_dir={tmp_path}", f"env.name={env_name}",
                                     f"env.max_turns={max_turns}", "learner.rl_steps=2",
-                                    f"engine.placement={placement}"])
+                                    f"engine.placement={placement}",
+                                    f"engine.num_replicas={replicas}"])
     summary = train(cfg)
     run_dir = summary["run_dir"]
     for name in ("config.yaml", "tokenizer.json", "metrics.jsonl", "summary.json", "state.json"):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 
 from raytunix.inference.engine import InferenceEngine
@@ -11,13 +13,22 @@ from raytunix.models.llama import ModelConfig, init_model
 class EngineActor:
     """Hosts one ``InferenceEngine`` replica (run with ``ray.remote``)."""
 
-    def __init__(self, model_config: ModelConfig, seed: int, tokenizer, max_batch_size: int):
+    def __init__(self, model_config: ModelConfig, seed: int, tokenizer,
+                 engine_kwargs: dict[str, Any]):
         graphdef, params = init_model(model_config, seed)
         self.engine = InferenceEngine(graphdef, params, model_config, tokenizer,
-                                      max_batch_size=max_batch_size)
+                                      **engine_kwargs)
 
     async def generate(self, request):
         return await self.engine.generate(request)
+
+    def abort(self, request_id: str) -> bool:
+        """Stops one request in flight (its caller gave up); False if none."""
+        return self.engine.abort(request_id)
+
+    def end_session(self, session_id: str) -> None:
+        """Frees the KV a finished episode's session kept."""
+        self.engine.end_session(session_id)
 
     def update_weights(self, weights_and_version) -> int:
         """Takes ``(numpy params, version)`` as returned by ``LearnerActor.weights``."""

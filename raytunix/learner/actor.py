@@ -93,19 +93,26 @@ class LearnerActor:
 class PolicyActor(LearnerActor):
     """Learner and inference engine in one process (``engine.placement: colocated``)."""
 
-    def __init__(self, model_config: ModelConfig, seed: int, tokenizer, max_batch_size: int):
+    def __init__(self, model_config: ModelConfig, seed: int, tokenizer,
+                 engine_kwargs: dict[str, Any]):
         super().__init__(model_config, seed, tokenizer.pad_id)
         from raytunix.inference.engine import InferenceEngine
 
         self.engine = InferenceEngine(
             self.learner.graphdef, self.learner.params, model_config, tokenizer,
-            max_batch_size=max_batch_size, policy_version=self.learner.version)
+            policy_version=self.learner.version, **engine_kwargs)
 
     def _publish(self) -> None:
         self.engine.update_weights(self.learner.params, self.learner.version)
 
     async def generate(self, request):
         return await self.engine.generate(request)
+
+    def abort(self, request_id: str) -> bool:
+        return self.engine.abort(request_id)
+
+    def end_session(self, session_id: str) -> None:
+        self.engine.end_session(session_id)
 
     def engine_stats(self) -> dict:
         return self.engine.stats()

@@ -3,32 +3,60 @@ engine actor, an env actor pool and the object store. Runs without JAX."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any, Sequence
 
 import ray
 
 from raytunix.agents import make_agent
+from raytunix.inference.router import EngineRouter
 from raytunix.rollout.env_pool import EnvPool
 from raytunix.rollout.orchestrator import RolloutOrchestrator
 from raytunix.types import EngineFailure, GenerationRequest, GenerationResult, Task
 
 
 class RayEngineClient:
-    """``EngineClient`` over an actor handle that has an async ``generate`` method.
+    """``EngineClient`` over one or more engine actor handles (``generate``, ``abort``,
+    ``end_session``): with several replicas, each request goes to the least loaded one,
+    and a session's turns to the replica that holds its KV (``EngineRouter``).
 
     The engine actor dying or restarting raises ``EngineFailure`` (retried with backoff by
     the episode); an exception raised by the engine's own code (a bad request) propagates
     as the bug it is."""
 
-    def __init__(self, handle):
-        self._handle = handle
+    def __init__(self, handles):
+        self._handles = list(handles) if isinstance(handles, (list, tuple)) else [handles]
+        self._router = EngineRouter(len(self._handles))
+        # An engine actor of the user's own may lack these; it then keeps no state to free.
+        self._can_abort = all(hasattr(h, "abort") for h in self._handles)
+        self._can_end_sessions = all(hasattr(h, "end_session") for h in self._handles)
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
+        handle = self._handles[self._router.acquire(request)]
         try:
-            return await self._handle.generate.remote(request)
+            return await handle.generate.remote(request)
         except ray.exceptions.RayActorError as e:  # died, restarting or unreachable
             raise EngineFailure(f"engine actor failed on {request.request_id}: {e}") from e
+        except asyncio.CancelledError:
+            # The episode gave up (timeout, stop, dropped group): free the engine's row
+            # now instead of letting the request decode to max_new_tokens.
+            if self._can_abort:
+                handle.abort.remote(request.request_id)
+            raise
+        finally:
+            self._router.release(request)
+
+    def end_session(self, session_id: str) -> None:
+        """Frees the KV the engine keeps for a finished episode (fire and forget)."""
+        replica = self._router.end_session(session_id)
+        if replica is not None and self._can_end_sessions:
+            self._handles[replica].end_session.remote(session_id)
+
+    @property
+    def in_flight(self) -> tuple[int, ...]:
+        """Requests in flight per engine replica."""
+        return self._router.in_flight
 
 
 class OrchestratorActor:
@@ -39,7 +67,8 @@ class OrchestratorActor:
       tokenizer: the run's ``Tokenizer``.
       agent_name: ``raytunix.agents.make_agent`` name.
       env_pool: an ``EnvPool`` whose actors host the environments.
-      engine: an actor handle with ``generate`` (``PolicyActor`` or ``EngineActor``).
+      engine: an actor handle with ``generate`` (``PolicyActor`` or ``EngineActor``), or
+        a list of them (engine replicas).
       orchestrator_kwargs: the rest of ``RolloutOrchestrator``'s arguments.
     """
 

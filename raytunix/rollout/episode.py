@@ -48,7 +48,9 @@ class EngineClient(Protocol):
     """Anything that generates: a local ``InferenceEngine`` or a Ray actor handle wrapper.
 
     An outage (actor died or restarting, connection lost) is raised as ``EngineFailure``
-    (or ``ConnectionError`` / ``TimeoutError``); it is retried with backoff."""
+    (or ``ConnectionError`` / ``TimeoutError``); it is retried with backoff. A client may
+    also have ``end_session(session_id) -> None`` (returns at once): the episode calls it
+    when it ends, so the engine frees the KV it kept between the episode's turns."""
 
     async def generate(self, request: GenerationRequest) -> GenerationResult: ...
 
@@ -106,6 +108,8 @@ async def run_episode(
         is a bug and propagates unchanged, never counted as an engine failure.
     """
     start = time.monotonic()
+    # The episode's turns share one engine session: each turn prefills only its new tokens.
+    session_id = f"{group_id}/{seed}"
     timings = {"generate_s": 0.0, "env_s": 0.0, TOOL_ERRORS_KEY: 0.0, "tool_calls": 0.0,
                "engine_retries": 0.0}
     reward, status = 0.0, EpisodeStatus.TRUNCATED
@@ -135,8 +139,10 @@ async def run_episode(
                 # top-k, top-p, stops) reaches the engine as the caller gave it.
                 turn_sampling = dataclasses.replace(
                     sampling, max_new_tokens=min(sampling.max_new_tokens, room))
-                request = agent.next_request(f"{group_id}/{seed}/{turn}", turn_sampling,
-                                             seed * MAX_TURN_SEEDS + turn)
+                request = dataclasses.replace(
+                    agent.next_request(f"{group_id}/{seed}/{turn}", turn_sampling,
+                                       seed * MAX_TURN_SEEDS + turn),
+                    session_id=session_id)
                 t0 = time.monotonic()
                 try:
                     result = await retry_async(
@@ -178,6 +184,9 @@ async def run_episode(
         _rate_limited.log(logging.WARNING, "env_failure", "episode of %s ended as env_error: %s",
                           group_id, e)
     finally:
+        end_session = getattr(engine, "end_session", None)
+        if end_session is not None:
+            end_session(session_id)
         try:
             async with asyncio.timeout(ENV_CLOSE_TIMEOUT_S):
                 await env.close()
