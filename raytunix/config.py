@@ -84,7 +84,7 @@ class EngineConfig:
     max_batch_size: int = 128  # most requests decoded together (continuous batching)
     placement: str = "colocated"  # colocated (engine and learner in one actor) | disaggregated
     block_size: int = 16  # tokens per KV-cache block (paged attention)
-    kv_cache_tokens: int = 0  # KV capacity in tokens (running requests, sessions, prefix cache); 0 = 2 x max_batch_size x model.max_seq_len
+    kv_cache_tokens: int = 0  # KV capacity in tokens (running requests, sessions, prefix cache); 0 = 4 x max_batch_size x model.max_seq_len
     prefill_chunk_tokens: int = 256  # most prompt tokens prefilled between two decode steps
     kv_on_weight_update: str = "recompute"  # recompute | keep (KV of older weights is reused and counted as stale)
     sessions: bool = True  # keep an episode's KV in the engine between its turns

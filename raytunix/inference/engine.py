@@ -131,6 +131,13 @@ def _span_buckets(cap: int) -> tuple[int, ...]:
     return tuple(sorted({v for v in (4,) if v < cap} | set(range(8, cap, 8)) | {cap}))
 
 
+def _row_buckets(cap: int) -> tuple[int, ...]:
+    """Decode batch sizes: 1, 2, 4, 8, then every multiple of 8 up to 64 and of 16 above,
+    up to ``cap``; a step pays for at most 7 (15 past 64) rows that are not live."""
+    values = {1, 2, 4} | set(range(8, 65, 8)) | set(range(80, cap, 16))
+    return tuple(sorted({v for v in values if v < cap} | {cap}))
+
+
 def _powers_of_four(cap: int) -> tuple[int, ...]:
     values, v = [], 1
     while v < cap:
@@ -192,13 +199,14 @@ class InferenceEngine:
       graphdef, params: the model, as returned by ``raytunix.models.llama.init_model``.
       model_config: its ``ModelConfig``.
       tokenizer: has ``decode(ids) -> str``; used for stop strings and ``result.text``.
-      max_batch_size: most requests decoded together (rows of a decode step).
+      max_batch_size: most requests decoded together (rows of a decode step); the oldest
+        ready requests get the rows, and up to half as many more hold their KV meanwhile.
       max_seq_len: longest context (prompt + generated) in tokens; defaults to
         ``model_config.max_seq_len``.
       block_size: tokens per KV block.
       kv_cache_tokens: KV capacity in tokens, shared by running requests, idle sessions
-        and the prefix cache; rounded up to whole blocks. Default: room for
-        ``max_batch_size`` full contexts twice over (running plus as many idle sessions).
+        and the prefix cache; rounded up to whole blocks. Default: ``4 * max_batch_size``
+        full contexts (requests waiting for a row and idle sessions keep their KV too).
       prefill_chunk_tokens: most prompt tokens fed between two decode steps.
       policy_version: version of ``params``; stamped on the tokens they generate.
       kv_on_weight_update: ``"recompute"`` (KV computed under older weights is dropped
@@ -240,11 +248,14 @@ class InferenceEngine:
         self._config = model_config
         self._tokenizer = tokenizer
         self._max_batch_size = max_batch_size
+        # Requests holding KV: the decoded rows plus half as many ready to take a row the
+        # moment one frees. More would prefill young requests early, delaying old ones.
+        self._max_running = max_batch_size + (max_batch_size + 1) // 2
         self._max_seq_len = seq_len
         self._block_size = block_size
         self._max_blocks = -(-seq_len // block_size)  # blocks of one full context
         if kv_cache_tokens is None:
-            kv_cache_tokens = 2 * max_batch_size * self._max_blocks * block_size
+            kv_cache_tokens = 4 * max_batch_size * self._max_blocks * block_size
         num_blocks = -(-kv_cache_tokens // block_size) if isinstance(kv_cache_tokens, int) else 0
         if num_blocks < self._max_blocks:
             raise ValueError(
@@ -256,7 +267,7 @@ class InferenceEngine:
         self._keep_sessions = bool(sessions)
         self._prefill_min_batch = prefill_min_batch
         self._max_prefill_delay = max_prefill_delay_steps
-        self._batch_buckets = _powers_of_two(max_batch_size)
+        self._batch_buckets = _row_buckets(max_batch_size)
         # Prefill calls take coarser row counts: they are few, and each shape compiles.
         self._prefill_batch_buckets = _powers_of_four(max_batch_size)
         self._span_buckets = _span_buckets(self._max_blocks)
@@ -858,12 +869,12 @@ class InferenceEngine:
                 self._finish(seq, FinishReason.ABORT)
 
     def _admit(self) -> None:
-        """Moves waiting requests (oldest first) to the running rows while rows are free
-        and the KV they need first can be had without preempting anyone."""
+        """Moves waiting requests (oldest first) to the running set while it has room and
+        the KV they need can be had without preempting anyone."""
         if len(self._waiting) > 1:
             self._waiting = collections.deque(sorted(self._waiting, key=lambda s: s.order))
         held = {b for s in self._running for b in s.blocks}
-        while self._waiting and len(self._running) < self._max_batch_size:
+        while self._waiting and len(self._running) < self._max_running:
             seq = self._waiting[0]
             if not seq.attached:
                 self._attach(seq)
@@ -925,9 +936,12 @@ class InferenceEngine:
         return fits[-1]
 
     def _plan_decode(self) -> list[tuple[_Sequence, int]]:
+        """The oldest ``max_batch_size`` requests ready to decode; the others keep their
+        KV and wait a step (a row is not a reservation: an episode back from its tool
+        takes a row from a younger one at once)."""
         rows, protected = [], set()
-        for seq in sorted((s for s in self._running if s.remaining == 1),
-                          key=lambda s: s.order):
+        ready = sorted((s for s in self._running if s.remaining == 1), key=lambda s: s.order)
+        for seq in ready[:self._max_batch_size]:
             if not seq.running:
                 continue  # preempted to make room for an older row
             if self._allocate(seq, 1, protected):
@@ -953,27 +967,26 @@ class InferenceEngine:
         tokens = np.zeros((batch, length), np.int32)
         positions = np.full((batch, length), -1, np.int32)
         tables = np.zeros((batch, span), np.int32)
-        last = np.zeros((batch,), np.int32)
-        temperature = np.ones((batch,), np.float32)
-        top_k = np.zeros((batch,), np.int32)
-        top_p = np.ones((batch,), np.float32)
-        seed_lo = np.zeros((batch,), np.uint32)
-        seed_hi = np.zeros((batch,), np.uint32)
-        index = np.zeros((batch,), np.int32)
+        # Per-row scalars as lists first: one array each, not one numpy store per row.
+        pad = batch - len(rows)
+        samplings = [seq.request.sampling for seq, _ in rows]
+        last = np.array([n - 1 for _, n in rows] + [0] * pad, np.int32)
+        temperature = np.array([s.temperature for s in samplings] + [1.0] * pad, np.float32)
+        top_k = np.array([s.top_k for s in samplings] + [0] * pad, np.int32)
+        top_p = np.array([s.top_p for s in samplings] + [1.0] * pad, np.float32)
+        seed_lo = np.array([seq.seed_lo for seq, _ in rows] + [0] * pad, np.uint32)
+        seed_hi = np.array([seq.seed_hi for seq, _ in rows] + [0] * pad, np.uint32)
+        index = np.array([len(seq.tokens) for seq, _ in rows] + [0] * pad, np.int32)
         prompt_fed = generated_fed = 0
         for row, (seq, n) in enumerate(rows):
             start = seq.num_cached
-            tokens[row, :n] = seq.context[start:start + n]
-            positions[row, :n] = np.arange(start, start + n)
+            if n == 1:
+                tokens[row, 0], positions[row, 0] = seq.context[start], start
+            else:
+                tokens[row, :n] = seq.context[start:start + n]
+                positions[row, :n] = np.arange(start, start + n)
             tables[row, :len(seq.blocks)] = seq.blocks
-            last[row] = n - 1
-            sampling = seq.request.sampling
-            temperature[row] = sampling.temperature
-            top_k[row], top_p[row] = sampling.top_k, sampling.top_p
-            seed_lo[row], seed_hi[row] = seq.seed_lo, seq.seed_hi
-            index[row] = len(seq.tokens)
-            prompt_len = len(seq.request.prompt_ids)
-            in_prompt = max(0, min(start + n, prompt_len) - start)
+            in_prompt = max(0, min(start + n, len(seq.request.prompt_ids)) - start)
             prompt_fed += in_prompt
             if start + n < len(seq.context):  # generated tokens fed again
                 generated_fed += n - in_prompt
@@ -981,7 +994,7 @@ class InferenceEngine:
                 generated_fed += n - in_prompt - 1
         self._shapes.add((batch, length, span))
         version = self._version
-        truncate = bool((top_k > 0).any() or (top_p < 1.0).any())
+        truncate = any(s.top_k > 0 or s.top_p < 1.0 for s in samplings)
         out = await self._device_call(truncate, tokens, positions, tables, last, temperature,
                                       top_k, top_p, seed_lo, seed_hi, index)
         c = self._counters

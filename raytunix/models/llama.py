@@ -142,11 +142,13 @@ class KVPages(NamedTuple):
     """A paged KV cache: fixed-size blocks of positions, shared by all sequences.
 
     Attributes:
-      k: ``[n_layers, num_blocks, block_size, n_kv_heads, head_dim]``, the cache dtype.
+      k: ``[n_layers, num_blocks, n_kv_heads, block_size, head_dim]``, the cache dtype
+        (heads before positions, so that a gathered span is a batched matmul operand
+        after one transpose).
       v: same shape and dtype as ``k``.
 
     A sequence owns a list of block ids, its *block table*: position ``p`` of the
-    sequence lives at ``[:, table[p // block_size], p % block_size]``. Blocks can be
+    sequence lives at ``[:, table[p // block_size], :, p % block_size]``. Blocks can be
     shared by several sequences (a common prompt prefix) as long as none rewrites them.
     This is the layout of vLLM's PagedAttention (Kwon et al., SOSP 2023,
     arXiv:2309.06180); attention gathers only the blocks a batch's tables name, so its
@@ -159,7 +161,7 @@ class KVPages(NamedTuple):
     @property
     def block_size(self) -> int:
         """Positions per block."""
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     @property
     def num_blocks(self) -> int:
@@ -178,7 +180,7 @@ def init_kv_pages(config: ModelConfig, num_blocks: int, block_size: int,
     if num_blocks <= 0 or block_size <= 0:
         raise ValueError(f"init_kv_pages: num_blocks={num_blocks} and block_size={block_size} "
                          "must both be positive.")
-    shape = (config.n_layers, num_blocks, block_size, config.n_kv_heads, config.head_dim)
+    shape = (config.n_layers, num_blocks, config.n_kv_heads, block_size, config.head_dim)
     return KVPages(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
 
@@ -239,7 +241,7 @@ class Attention(nnx.Module):
         a decode step moves no more than one token per row (no per-layer copies).
 
         With ``block_tables`` (``int32[B, NB]``), ``cache`` is paged instead (``KVPages``
-        arrays ``[n_layers, num_blocks, block_size, n_kv_heads, head_dim]``): each token's
+        arrays ``[n_layers, num_blocks, n_kv_heads, block_size, head_dim]``): each token's
         key/value is written at its row's block for its position, and attention reads the
         ``NB * block_size`` positions the row's table names."""
         cfg = self.config
@@ -295,29 +297,39 @@ class Attention(nnx.Module):
         batch, length = positions.shape
         groups = cfg.n_heads // cfg.n_kv_heads
         pages_k, pages_v = cache
-        num_blocks, block_size = pages_k.shape[1], pages_k.shape[2]
+        num_blocks, block_size = pages_k.shape[1], pages_k.shape[3]
         safe = jnp.maximum(positions, 0)
         block = jnp.take_along_axis(block_tables, safe // block_size, axis=1)  # [B, T]
         # Padding (negative positions) goes to the out-of-range block id and is dropped.
         block = jnp.where(positions >= 0, block, num_blocks)
         offset = safe % block_size
-        k = k.transpose(0, 2, 1, 3)  # [B, T, KVH, D]
-        v = v.transpose(0, 2, 1, 3)
-        pages_k = pages_k.at[layer, block, offset].set(k.astype(pages_k.dtype), mode="drop")
-        pages_v = pages_v.at[layer, block, offset].set(v.astype(pages_v.dtype), mode="drop")
+        # Indexed [layer, block[b, t], :, offset[b, t]]: the written slice is [B, T, KVH, D].
+        pages_k = pages_k.at[layer, block, :, offset].set(
+            k.transpose(0, 2, 1, 3).astype(pages_k.dtype), mode="drop")
+        pages_v = pages_v.at[layer, block, :, offset].set(
+            v.transpose(0, 2, 1, 3).astype(pages_v.dtype), mode="drop")
         span = block_tables.shape[1] * block_size
-        keys = pages_k[layer][block_tables].reshape(batch, span, cfg.n_kv_heads, cfg.head_dim)
-        values = pages_v[layer][block_tables].reshape(batch, span, cfg.n_kv_heads, cfg.head_dim)
+
+        def gather(pages):  # [B, NB, KVH, BS, D] -> [B, KVH, NB * BS, D]
+            rows = pages[layer][block_tables].transpose(0, 2, 1, 3, 4)
+            return rows.reshape(batch, cfg.n_kv_heads, span, cfg.head_dim)
+
+        keys, values = gather(pages_k), gather(pages_v)
         mask = jnp.arange(span)[None, None, :] <= positions[:, :, None]  # [B, T, span]
+        # The layout of the dense path: query head h uses key/value head h // groups.
         q = q.reshape(batch, length, cfg.n_kv_heads, groups, cfg.head_dim)
-        scores = jnp.einsum("btkgd,bskd->bkgts", q.astype(jnp.float32),
-                            keys.astype(jnp.float32), precision=_PRECISION)
-        scores = scores / math.sqrt(cfg.head_dim)
+        q = q.transpose(0, 2, 3, 1, 4).reshape(batch, cfg.n_kv_heads, groups * length,
+                                               cfg.head_dim)
+        scores = jnp.einsum("bkqd,bksd->bkqs", q.astype(jnp.float32), keys.astype(jnp.float32),
+                            precision=_PRECISION) / math.sqrt(cfg.head_dim)
+        scores = scores.reshape(batch, cfg.n_kv_heads, groups, length, span)
         scores = jnp.where(mask[:, None, None], scores, _MASK_VALUE)
-        probs = jax.nn.softmax(scores, axis=-1)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, values.astype(jnp.float32),
+        probs = jax.nn.softmax(scores, axis=-1).reshape(batch, cfg.n_kv_heads,
+                                                        groups * length, span)
+        out = jnp.einsum("bkqs,bksd->bkqd", probs, values.astype(jnp.float32),
                          precision=_PRECISION)
-        out = out.reshape(batch, length, cfg.n_heads * cfg.head_dim)
+        out = out.reshape(batch, cfg.n_kv_heads, groups, length, cfg.head_dim)
+        out = out.transpose(0, 3, 1, 2, 4).reshape(batch, length, cfg.n_heads * cfg.head_dim)
         return self.o_proj(out.astype(dtype)), (pages_k, pages_v)
 
 
@@ -417,13 +429,13 @@ class Transformer(nnx.Module):
                              "attention) or neither.")
         if paged:
             expected = (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
-            got = (kv_cache.k.shape[0], *kv_cache.k.shape[3:])
+            got = (kv_cache.k.shape[0], kv_cache.k.shape[2], kv_cache.k.shape[4])
             if (kv_cache.k.ndim != 5 or got != expected or kv_cache.v.shape != kv_cache.k.shape
                     or block_tables.ndim != 2 or block_tables.shape[0] != tokens.shape[0]):
                 raise ValueError(
                     f"KVPages k {kv_cache.k.shape} / block_tables {block_tables.shape} do not "
-                    f"fit [n_layers={cfg.n_layers}, blocks, block_size, "
-                    f"n_kv_heads={cfg.n_kv_heads}, head_dim={cfg.head_dim}] and "
+                    f"fit [n_layers={cfg.n_layers}, blocks, n_kv_heads={cfg.n_kv_heads}, "
+                    f"block_size, head_dim={cfg.head_dim}] and "
                     f"[B={tokens.shape[0]}, NB]; build the cache with init_kv_pages(config, ...).")
         elif kv_cache is not None:
             expected = (cfg.n_layers, tokens.shape[0], cfg.n_kv_heads, cfg.head_dim)
