@@ -62,6 +62,8 @@ def _parse_args():
     parser.add_argument("--max-batch-size-bare", type=int, default=64,
                         help="rows of the bare decode loop (the limit)")
     parser.add_argument("--bare-steps", type=int, default=96)
+    parser.add_argument("--max-prefill-delay-steps", type=int, default=None,
+                        help="the engine's setting (default: the engine's default)")
     parser.add_argument("--engine-path", default=None,
                         help="import raytunix from this directory (e.g. an older checkout)")
     parser.add_argument("--model-scale", choices=["default", "0.5b"], default="default",
@@ -104,6 +106,8 @@ def make_engine(graphdef, params, config, max_seq_len):
     kwargs = {"max_batch_size": ARGS.max_batch_size, "max_seq_len": max_seq_len}
     if "prefill_len_buckets" in accepted:  # the engine before paged KV (94fdd8d)
         kwargs["prefill_len_buckets"] = (64, 128, 256, 512, max_seq_len)
+    if ARGS.max_prefill_delay_steps is not None:
+        kwargs["max_prefill_delay_steps"] = ARGS.max_prefill_delay_steps
     return InferenceEngine(graphdef, params, config, IdText(), **kwargs)
 
 

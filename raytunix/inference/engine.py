@@ -116,14 +116,6 @@ def _timed_call(fn, *args):
     return pages, tokens, logprobs, time.perf_counter() - start
 
 
-def _powers_of_two(cap: int) -> tuple[int, ...]:
-    values, v = [], 1
-    while v < cap:
-        values.append(v)
-        v *= 2
-    return (*values, cap)
-
-
 def _span_buckets(cap: int) -> tuple[int, ...]:
     """Block counts an attention span is padded to: 4, 8, then every multiple of 8 up to
     ``cap``. A long context pays for at most 7 blocks it does not use, and the programs a
@@ -132,9 +124,10 @@ def _span_buckets(cap: int) -> tuple[int, ...]:
 
 
 def _row_buckets(cap: int) -> tuple[int, ...]:
-    """Decode batch sizes: 1, 2, 4, 8, then every multiple of 8 up to 64 and of 16 above,
-    up to ``cap``; a step pays for at most 7 (15 past 64) rows that are not live."""
-    values = {1, 2, 4} | set(range(8, 65, 8)) | set(range(80, cap, 16))
+    """Decode batch sizes: 1, 2, 4, 8, 16, 24, 32, then multiples of 32 up to ``cap``.
+    Fine where a step's rows are few and cost the most per row, coarse above: each size
+    is a program to compile (about a second on a CPU)."""
+    values = {1, 2, 4, 8, 16, 24} | set(range(32, cap, 32))
     return tuple(sorted({v for v in values if v < cap} | {cap}))
 
 
@@ -271,9 +264,10 @@ class InferenceEngine:
         # Prefill calls take coarser row counts: they are few, and each shape compiles.
         self._prefill_batch_buckets = _powers_of_four(max_batch_size)
         self._span_buckets = _span_buckets(self._max_blocks)
+        # Tokens fed per prefill row: 8, 32, 128, ... (x4) up to the chunk.
         longest_chunk = min(prefill_chunk_tokens, seq_len)
-        self._chunk_buckets = tuple(t for t in _powers_of_two(longest_chunk)
-                                    if t >= min(8, longest_chunk))
+        self._chunk_buckets = tuple(sorted(
+            {t for t in (8, 32, 128, 512, 2048, 8192) if t < longest_chunk} | {longest_chunk}))
         self._params = jax.device_put(params)
         self._version = int(policy_version)
         self._pending_weights: tuple[Any, int] | None = None
@@ -952,7 +946,7 @@ class InferenceEngine:
     def _all_shapes(self) -> list[tuple[int, int, int]]:
         shapes = [(b, 1, s) for b in self._batch_buckets for s in self._span_buckets]
         for length in self._chunk_buckets:
-            min_span = -(-(length // 2 + 1) // self._block_size)  # rows feed > length / 2
+            min_span = -(-(length // 4 + 1) // self._block_size)  # rows feed > length / 4
             cap = self._prefill_batch_cap(length)
             shapes += [(b, length, s) for b in self._prefill_batch_buckets if b <= cap
                        for s in self._span_buckets if s >= min_span]
