@@ -116,11 +116,15 @@ def _timed_call(fn, *args):
     return pages, tokens, logprobs, time.perf_counter() - start
 
 
-def _span_buckets(cap: int) -> tuple[int, ...]:
-    """Block counts an attention span is padded to: 4, 8, then every multiple of 8 up to
-    ``cap``. A long context pays for at most 7 blocks it does not use, and the programs a
-    workload needs depend on its lengths, not on ``max_seq_len``."""
-    return tuple(sorted({v for v in (4,) if v < cap} | set(range(8, cap, 8)) | {cap}))
+def _span_buckets(cap: int, block_size: int) -> tuple[int, ...]:
+    """Block counts an attention span is padded to: one bucket for everything up to 256
+    tokens (attention over that many is cheap beside the rest of a step, and each bucket
+    is a program to compile), then every multiple of 8 blocks up to ``cap``. A long
+    context pays for at most 7 blocks it does not use, and the programs a workload needs
+    depend on its lengths, not on ``max_seq_len``."""
+    first = max(1, 256 // block_size)
+    values = {first} | {v for v in range(8, cap, 8) if v > first}
+    return tuple(sorted({v for v in values if v < cap} | {cap}))
 
 
 def _row_buckets(cap: int) -> tuple[int, ...]:
@@ -263,7 +267,7 @@ class InferenceEngine:
         self._batch_buckets = _row_buckets(max_batch_size)
         # Prefill calls take coarser row counts: they are few, and each shape compiles.
         self._prefill_batch_buckets = _powers_of_four(max_batch_size)
-        self._span_buckets = _span_buckets(self._max_blocks)
+        self._span_buckets = _span_buckets(self._max_blocks, block_size)
         # Tokens fed per prefill row: 8, 32, 128, ... (x4) up to the chunk.
         longest_chunk = min(prefill_chunk_tokens, seq_len)
         self._chunk_buckets = tuple(sorted(
