@@ -574,3 +574,27 @@ def test_kv_memory_is_reported():
     assert held["kv_bytes_in_use"] == 3 * bytes_per_block
     assert held["kv_bytes_capacity"] == held["kv_blocks_total"] * bytes_per_block
     assert held["sessions_held"] == 1
+
+
+def test_a_session_continues_from_its_kv_after_another_session_was_evicted():
+    kwargs = {"kv_cache_tokens": 96}  # 12 blocks of 8 tokens
+    a_prompt, b_prompt = _prompt(20, start=40), _prompt(20, start=60)
+
+    async def main():
+        engine = _engine(**kwargs)
+        a = await engine.generate(_session_request("a1", a_prompt, "a", max_new_tokens=2))
+        b = await engine.generate(_session_request("b1", b_prompt, "b", max_new_tokens=2))
+        # 7 blocks more than the 12 minus the sessions' 6: the least recent session goes.
+        await engine.generate(_request("big", _prompt(40, start=80), max_new_tokens=10))
+        evicted = engine.stats()["session_evictions"]
+        follow_prompt = b_prompt + list(b.token_ids) + [9, 10]
+        follow = await engine.generate(_session_request("b2", follow_prompt, "b",
+                                                        max_new_tokens=6))
+        await engine.close()
+        return evicted, follow, follow_prompt
+
+    evicted, follow, follow_prompt = asyncio.run(main())
+    reference, = _alone([_request("ref", follow_prompt, max_new_tokens=6)], **kwargs)
+    assert evicted == 1  # session "a"
+    assert follow.num_cached_tokens == len(b_prompt) + 2 - 1  # "b" kept all its KV
+    assert follow.token_ids == reference.token_ids
