@@ -270,6 +270,10 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(
             f"engine.kv_cache_tokens={e.kv_cache_tokens} cannot hold one context of "
             f"model.max_seq_len={m.max_seq_len} tokens; raise it, or use 0 for the default.")
+    if e.block_size > m.max_seq_len:
+        raise ConfigError(
+            f"engine.block_size={e.block_size} exceeds model.max_seq_len={m.max_seq_len}: no "
+            "KV block would ever fill, so nothing could be shared; use a block of 8-32 tokens.")
     if e.num_replicas > 1 and e.placement != "disaggregated":
         raise ConfigError(
             f"engine.num_replicas={e.num_replicas} needs engine.placement=disaggregated (a "

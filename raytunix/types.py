@@ -185,8 +185,9 @@ class GenerationResult:
     Attributes:
       request_id: as in the request.
       token_ids: generated token ids, length N (stop token included when one ended it).
-      logprobs: float log-probabilities of ``token_ids`` under the sampling distribution
-        (logits / temperature; logits themselves when greedy), length N, nats.
+      logprobs: float log-probabilities of ``token_ids`` under the distribution each was
+        sampled from (``sampling_logprobs``: temperature, then top-k and top-p,
+        renormalised; ``log_softmax(logits)`` when greedy), length N, nats.
       policy_versions: the policy version that produced each token, length N.
       finish_reason: see ``FinishReason``.
       text: ``token_ids`` decoded (special tokens kept), for parsing only.

@@ -598,3 +598,48 @@ def test_a_session_continues_from_its_kv_after_another_session_was_evicted():
     assert evicted == 1  # session "a"
     assert follow.num_cached_tokens == len(b_prompt) + 2 - 1  # "b" kept all its KV
     assert follow.token_ids == reference.token_ids
+
+
+def test_a_waiting_session_turn_never_blocks_a_running_request():
+    # One context of KV: a session's next turn that must wait gives its blocks back, so
+    # the running request can still grow (found by a new user: the engine hung).
+    kwargs = {"kv_cache_tokens": 64}
+
+    async def main():
+        engine = _engine(**kwargs)
+        first = await engine.generate(_session_request("s1", _prompt(30), "S",
+                                                       max_new_tokens=2))
+        running = asyncio.create_task(engine.generate(_request("R", _prompt(10, 3),
+                                                               max_new_tokens=50)))
+        await _wait_for_decode_steps(engine, engine.stats()["decode_steps"] + 3)
+        turn = asyncio.create_task(engine.generate(_session_request(
+            "s2", _prompt(30) + list(first.token_ids) + _prompt(25, 5), "S",
+            max_new_tokens=5)))
+        done, _ = await asyncio.wait([running, turn], timeout=60)
+        results = [t.result() for t in done]
+        await engine.close()
+        return results
+
+    results = asyncio.run(main())
+    assert len(results) == 2 and all(r.finish_reason != FinishReason.ABORT for r in results)
+
+
+def test_a_cancelled_request_frees_its_id_and_session_at_once():
+    async def main():
+        engine = _engine()
+        await engine.pause()
+        task = asyncio.create_task(engine.generate(_session_request("c", _prompt(5), "Z")))
+        await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.sleep(0)
+        again = asyncio.create_task(engine.generate(_session_request("c", _prompt(5), "Z",
+                                                                     max_new_tokens=3)))
+        await asyncio.sleep(0)
+        engine.resume()
+        result = await again
+        await engine.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            engine.update_weights(OTHER_PARAMS, version=1)
+        return result
+
+    assert len(asyncio.run(main()).token_ids) == 3

@@ -56,7 +56,6 @@ import concurrent.futures
 import dataclasses
 import functools
 import logging
-import math
 import time
 from typing import Any, Iterable, Sequence
 
@@ -65,7 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from raytunix.inference.kv_blocks import ROOT_KEY, BlockPool, PrefixCache, block_key
-from raytunix.inference.sampling import sample_tokens, split_seed
+from raytunix.inference.sampling import check_sampling_settings, sample_tokens, split_seed
 from raytunix.models.llama import (
     KVPages,
     ModelConfig,
@@ -168,6 +167,7 @@ class _Sequence:
     cached_tokens: int = 0  # prompt tokens whose KV came from a session or the prefix cache
     stale_tokens: int = 0
     prefill_wait: int = 0
+    session_kv_version: int = _NO_KV  # of the KV taken over from the session
     attached: bool = False
     running: bool = False
     done: bool = False
@@ -341,9 +341,16 @@ class InferenceEngine:
             self._busy_sessions[request.session_id] = seq
         self._counters["prompt_tokens"] += len(request.prompt_ids)
         self._waiting.append(seq)
-        seq.future.add_done_callback(lambda _: self._notify())
+        seq.future.add_done_callback(self._on_future_done(seq))
         self._wake.set()
         return await seq.future
+
+    def _on_future_done(self, seq: _Sequence):
+        def done(future: asyncio.Future) -> None:
+            if future.cancelled():  # the caller gave up: free its id, session and KV now
+                self._finish(seq, FinishReason.ABORT)
+            self._notify()
+        return done
 
     async def generate_many(self, requests: Iterable[GenerationRequest]
                             ) -> list[GenerationResult]:
@@ -382,7 +389,10 @@ class InferenceEngine:
           ValueError: ``version`` is lower than the current or already queued version,
             or ``params`` does not have the structure, shapes and dtypes of the
             current weights.
+          RuntimeError: the engine is closed.
         """
+        if self._closed:
+            raise RuntimeError("InferenceEngine is closed; build a new one.")
         version = int(version)
         latest = self._version if self._pending_weights is None else self._pending_weights[1]
         if version < latest:
@@ -550,15 +560,11 @@ class InferenceEngine:
         if sampling.max_new_tokens < 1:
             raise ValueError(f"Request {rid!r}: max_new_tokens must be >= 1, got "
                              f"{sampling.max_new_tokens}.")
-        if not sampling.temperature >= 0 or math.isinf(sampling.temperature):
-            raise ValueError(f"Request {rid!r}: temperature must be a finite number >= 0, "
-                             f"got {sampling.temperature}.")
-        if not isinstance(sampling.top_k, int) or sampling.top_k < 0:
-            raise ValueError(f"Request {rid!r}: top_k must be an int >= 0 (0 = off), got "
-                             f"{sampling.top_k!r}.")
-        if not 0.0 < sampling.top_p <= 1.0:
-            raise ValueError(f"Request {rid!r}: top_p must be in (0, 1] (1 = off), got "
-                             f"{sampling.top_p!r}.")
+        try:
+            check_sampling_settings(sampling.temperature, sampling.top_k, sampling.top_p,
+                                    allow_greedy=True)
+        except ValueError as error:
+            raise ValueError(f"Request {rid!r}: {error}") from None
         if rid in self._by_id:
             raise ValueError(f"Request id {rid!r} is already in flight; request ids must be "
                              "unique among requests in flight.")
@@ -717,10 +723,25 @@ class InferenceEngine:
         seq.blocks = session.blocks[:keep_blocks]
         seq.keys = session.keys[:common // bs]
         seq.num_cached = common
+        seq.session_kv_version = session.kv_version
         if common:
             seq.kv_version = min(seq.kv_version, session.kv_version)
         seq.cached_tokens += common
         self._counters["prompt_tokens_from_sessions"] += common
+
+    def _detach(self, seq: _Sequence) -> None:
+        """Hands the KV of a request that must keep waiting back to its session, where
+        eviction can reach it (a waiting request's blocks could be freed by nobody)."""
+        seq.attached = False
+        if not seq.blocks:
+            return
+        session_id = seq.request.session_id
+        self._sessions[session_id] = _Session(
+            tokens=seq.context[:seq.num_cached], blocks=seq.blocks, keys=seq.keys,
+            kv_version=seq.session_kv_version, order=seq.order)
+        seq.cached_tokens -= seq.num_cached
+        self._counters["prompt_tokens_from_sessions"] -= seq.num_cached
+        seq.blocks, seq.keys, seq.num_cached, seq.kv_version = [], [], 0, _NO_KV
 
     def _adopt_prefix(self, seq: _Sequence) -> None:
         """Takes the longest run of cached full blocks that continues the sequence."""
@@ -878,6 +899,7 @@ class InferenceEngine:
                 self._attach(seq)
             need = -(-len(seq.context) // self._block_size) - len(seq.blocks)
             if self._num_blocks - len(held) - len(set(seq.blocks) - held) < need:
+                self._detach(seq)
                 break  # wait for running requests to finish
             self._waiting.popleft()
             seq.running = True
@@ -958,6 +980,10 @@ class InferenceEngine:
 
     async def _call(self, rows: list[tuple[_Sequence, int]], prefill: bool) -> None:
         """One device call feeding ``n`` tokens for each ``(sequence, n)`` row."""
+        # A row aborted or cancelled during an earlier call of this step has no blocks.
+        rows = [(seq, n) for seq, n in rows if seq.running]
+        if not rows:
+            return
         length = _bucket(self._chunk_buckets, max(n for _, n in rows)) if prefill else 1
         batch = _bucket(self._prefill_batch_buckets if prefill else self._batch_buckets,
                         len(rows))
