@@ -8,10 +8,11 @@ longest row. A background asyncio task runs the scheduler loop::
 
     while running:
         swap in new weights if any arrived (recompute or keep the KV, per config)
-        drop cancelled requests; admit waiting ones while rows and KV blocks allow
+        drop cancelled requests; admit waiting ones (oldest first) while KV allows
         prefill: reuse cached blocks (session, prefix cache), then feed up to
             ``prefill_chunk_tokens`` prompt tokens, oldest requests first
-        decode: one token for every request whose prompt is in the cache
+        decode: one token for each of the oldest ``max_batch_size`` requests whose
+            context is in the cache (the others keep their KV and wait a step)
         resolve the requests that hit a stop condition
 
 Prefill and decode are one jitted function, ``_forward_step``: feed ``T`` tokens per row
