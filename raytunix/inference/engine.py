@@ -891,6 +891,8 @@ class InferenceEngine:
     def _admit(self) -> None:
         """Moves waiting requests (oldest first) to the running set while it has room and
         the KV they need can be had without preempting anyone."""
+        if not self._waiting or len(self._running) >= self._max_running:
+            return  # the common case of a decode step: skip the bookkeeping below
         if len(self._waiting) > 1:
             self._waiting = collections.deque(sorted(self._waiting, key=lambda s: s.order))
         held = {b for s in self._running for b in s.blocks}
