@@ -64,10 +64,6 @@ class EngineRouter:
         if replica is not None:
             self._in_flight[replica] -= 1
 
-    def replica_of(self, request_id: str) -> int | None:
-        """Where a request in flight runs, or None."""
-        return self._requests.get(request_id)
-
     def end_session(self, session_id: str) -> int | None:
         """Forgets a session; returns the replica that holds its KV (to free it), or None."""
         return self._sessions.pop(session_id, None)
