@@ -1,21 +1,31 @@
-"""The few notions raytunix is built from, on one page.
+"""The contract page: the data types raytunix is built from and the protocols the rollout
+orchestrator talks to (``EngineClient``, ``EnvClient``, ``Agent``; the driver joins it to a
+``Learner``), on one page.
 
-One episode (one agent, one environment, one task) reads::
+One episode (one agent, one environment, one task; ``raytunix.rollout.episode.run_episode``)
+reads, inside one wall-clock deadline (``timeout_s``)::
 
-    observation = env.reset(task)                       # str: the task as the user sees it
-    agent.reset(task, observation)                      # tokens of the conversation so far
-    while True:
-        request = agent.next_request(sampling)          # GenerationRequest(prompt_ids=...)
-        result = await engine.generate(request)         # GenerationResult: tokens, logprobs
-        action = agent.on_generation(result)            # Action parsed from the model's text
-        step = env.step(action)                         # StepResult: observation, reward, done
-        if step.done or agent.turns >= max_turns:
-            break
-        agent.on_observation(step.observation)          # env text, tokenized once
-    trajectory = agent.to_trajectory(reward, status)    # exact tokens + loss mask
+    agent.reset(task, await env.reset(task))            # system + user message, tokenized
+    for turn in range(max_turns):
+        if the context is full: break                      # TRUNCATED
+        request = agent.next_request(request_id, sampling, seed)   # prompt_ids = all tokens so far
+        result = await engine.generate(request)            # retried with backoff on EngineFailure
+        action = agent.on_generation(result)               # appends tokens, parses text -> Action
+        if result.finish_reason is ABORT: break            # ABORTED
+        if the reply was cut short: break                  # TRUNCATED
+        step = await env.step(action)                      # StepResult; EnvFailure -> ENV_ERROR
+        reward += step.reward                              # must be finite
+        if step.done: break                                # status = step.status or COMPLETED
+        if turn + 1 < max_turns:
+            agent.on_observation(step.observation)         # env text, tokenized once, as plain text
+    engine.end_session(session_id); await env.close()      # always, whatever happened
+    trajectory = agent.to_trajectory(task_id, group_id, reward, status, metrics)
 
-Many such coroutines run at once in the rollout orchestrator; the G trajectories of one
-task form a group, groups are packed into Arrow record batches for the learner.
+Many such coroutines run at once in the rollout orchestrator
+(``raytunix.rollout.orchestrator``); the G trajectories of one task form a group, whose
+valid members share one baseline; groups are packed into Arrow record batches, which the
+driver hands to ``Learner.train_step`` (one update, one new policy version) before it
+publishes the weights to the engine and tells the orchestrator the batch was trained.
 
 Nothing here imports Ray or JAX.
 """
@@ -24,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 
 class EpisodeStatus(str, enum.Enum):
@@ -294,3 +304,87 @@ class Trajectory:
                     f"{len(getattr(self, name))} entries but token_ids has {n}; every "
                     "per-token list must be as long as token_ids."
                 )
+
+
+# ---------------------------------------------------------------------------- protocols
+# What the orchestrator and the driver call. Each is structural (``typing.Protocol``): the
+# in-process and the Ray-backed implementations satisfy it without inheriting from it.
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """Anything that generates: a local ``InferenceEngine``, ``RayEngineClient`` over engine
+    actors, or a test's scripted engine.
+
+    ``generate`` raises ``EngineFailure`` (or ``ConnectionError`` / ``TimeoutError``) for an
+    outage (actor died or restarting, connection lost); the episode retries it with backoff.
+    Any other exception (a ``ValueError`` for a request that cannot fit...) is a bug and
+    propagates. A client may also have ``end_session(session_id) -> None`` (returns at
+    once; the episode calls it when it ends so the engine frees the KV it kept between
+    turns) and ``abort(request_id) -> bool``.
+    """
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult: ...
+
+
+@runtime_checkable
+class EnvClient(Protocol):
+    """One environment instance for one episode, in-process (``LocalEnv``) or hosted by an
+    env actor (``RemoteEnv``). Any failure of the environment or its host is raised as
+    ``EnvFailure`` (``retryable=True`` when the host died, so a re-run may succeed)."""
+
+    async def reset(self, task: Task) -> str: ...
+
+    async def step(self, action: Action) -> StepResult: ...
+
+    async def close(self) -> None: ...
+
+
+@runtime_checkable
+class Agent(Protocol):
+    """One conversation as exact tokens; ``raytunix.agents.ConversationAgentBase``
+    implements it (subclasses override only ``parse`` and the prompts).
+
+    Attributes (read-only, per token, all of one length T): ``token_ids``, ``loss_mask``,
+    ``logprobs``, ``policy_versions``; see ``Trajectory``.
+    """
+
+    token_ids: list[int]
+
+    def reset(self, task: Task, observation: str) -> None: ...
+
+    def next_request(self, request_id: str, sampling: SamplingParams, seed: int) -> GenerationRequest: ...
+
+    def on_generation(self, result: GenerationResult) -> Action: ...
+
+    def on_observation(self, text: str) -> None: ...
+
+    def to_trajectory(self, task_id: str, group_id: str, reward: float, status: EpisodeStatus,
+                      metrics: dict[str, float] | None = None) -> Trajectory: ...
+
+    @property
+    def num_turns(self) -> int: ...
+
+    @property
+    def turn_finished(self) -> bool: ...
+
+    @property
+    def num_generated_tokens(self) -> int: ...
+
+
+@runtime_checkable
+class Learner(Protocol):
+    """Holds the policy and updates it; ``raytunix.learner.learner.Learner`` implements it
+    (``LearnerActor`` wraps it for Ray, taking object references of the same batches).
+
+    ``train_step`` takes one Arrow record batch of trajectories (the layout of
+    ``raytunix.rollout.batch.trajectories_to_record_batch``), runs one update and returns
+    float metrics; afterwards ``version`` is one higher. Raises ``ValueError`` for a
+    non-finite reward. ``weights_numpy`` gives the parameters to publish to engines.
+    """
+
+    version: int
+
+    def train_step(self, batch: Any) -> dict[str, float]: ...
+
+    def weights_numpy(self) -> Any: ...

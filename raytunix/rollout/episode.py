@@ -1,4 +1,5 @@
-"""One episode, top to bottom: one agent, one environment, one task.
+"""One episode, top to bottom: one agent, one environment, one task (the loop is shown,
+step by step, in ``raytunix.types``, beside the protocols it calls).
 
 The loop never re-tokenizes the conversation: the agent appends the engine's tokens and the
 environment's text (tokenized once) to one token list, which becomes the trajectory.
@@ -13,20 +14,18 @@ import logging
 import math
 import random
 import time
-from typing import Protocol
 
 from raytunix.rollout.faults import Backoff, RateLimitedLog, retry_async
 from raytunix.types import (
     TOOL_ERRORS_KEY,
-    Action,
+    Agent,
+    EngineClient,
     EngineFailure,
+    EnvClient,
     EnvFailure,
     EpisodeStatus,
     FinishReason,
-    GenerationRequest,
-    GenerationResult,
     SamplingParams,
-    StepResult,
     Task,
     Trajectory,
     is_infrastructure_failure,
@@ -44,32 +43,10 @@ ENV_CLOSE_TIMEOUT_S = 10.0  # closing an env on a hung actor must not hold the e
 MAX_TURN_SEEDS = 1 << 16  # seeds reserved per episode, one per turn (max_turns must stay below)
 
 
-class EngineClient(Protocol):
-    """Anything that generates: a local ``InferenceEngine`` or a Ray actor handle wrapper.
-
-    An outage (actor died or restarting, connection lost) is raised as ``EngineFailure``
-    (or ``ConnectionError`` / ``TimeoutError``); it is retried with backoff. A client may
-    also have ``end_session(session_id) -> None`` (returns at once): the episode calls it
-    when it ends, so the engine frees the KV it kept between the episode's turns."""
-
-    async def generate(self, request: GenerationRequest) -> GenerationResult: ...
-
-
-class EnvClient(Protocol):
-    """One environment instance for one episode, local or hosted by an env actor; any
-    failure of the environment or its host is raised as ``EnvFailure``."""
-
-    async def reset(self, task: Task) -> str: ...
-
-    async def step(self, action: Action) -> StepResult: ...
-
-    async def close(self) -> None: ...
-
-
 async def run_episode(
     task: Task,
     group_id: str,
-    agent,
+    agent: Agent,
     env: EnvClient,
     engine: EngineClient,
     sampling: SamplingParams,

@@ -44,11 +44,13 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from raytunix.rollout.batch import trajectories_to_record_batch
-from raytunix.rollout.episode import EngineClient, EnvClient, run_episode
+from raytunix.rollout.episode import run_episode
 from raytunix.rollout.faults import Backoff, FailureBreaker, RateLimitedLog
 from raytunix.types import (
     TOOL_ERRORS_KEY,
+    EngineClient,
     EngineFailure,
+    EnvClient,
     EpisodeStatus,
     RolloutHalted,
     SamplingParams,
