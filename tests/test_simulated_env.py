@@ -5,6 +5,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import asyncio
 import time
 
+import numpy as np
 import pytest
 
 from raytunix.agents import AGENTS, TextAgent, ToolAgent, make_agent
@@ -60,9 +61,53 @@ def test_jitter_stays_in_range_and_is_seeded_per_task():
     assert latencies(0, "b") != first and latencies(1, "a") != first
 
 
-@pytest.mark.parametrize("kwargs", [{"tool_latency_s": -1.0}, {"turns": 0}, {"jitter": 1.5}])
-def test_bad_arguments_are_rejected(kwargs):
-    with pytest.raises(ValueError):
+def _latencies(env, task_id, steps):
+    env.reset(Task(task_id=task_id, question="q", answer=""))
+    return [env.step(Action(text="x")).info["tool_latency_s"] for _ in range(steps)]
+
+
+def test_lognormal_latency_has_the_given_median_and_log_spread():
+    median, sigma = 1e-6, 0.8
+    env = SimulatedToolEnv(tool_latency_s=median, turns=2000, latency_dist="lognormal",
+                           latency_sigma=sigma, seed=3)
+    logs = np.log(np.array(_latencies(env, "t", 2000)) / median)
+    # 2000 draws: the standard error of the mean log is 0.8 / sqrt(2000) = 0.018
+    assert abs(np.median(logs)) < 0.08 and abs(logs.std() - sigma) < 0.06
+    assert logs.max() > 2 * sigma  # a heavy tail: draws beyond e^1.6 = 5x the median occur
+    assert env.mean_latency_s == pytest.approx(median * np.exp(sigma**2 / 2))
+    assert _latencies(env, "t", 50) == _latencies(env, "t", 50)  # seeded per task
+
+
+def test_stragglers_are_a_seeded_fraction_of_episodes_and_factor_times_slower():
+    def episode(task_id, fraction):
+        env = SimulatedToolEnv(tool_latency_s=1e-6, turns=3, jitter=0.5, seed=0,
+                               straggler_fraction=fraction, straggler_factor=20.0)
+        return _latencies(env, task_id, 3), env.straggler
+
+    runs = [episode(f"t{i}", 0.1) for i in range(1000)]
+    stragglers = [i for i, (_, straggler) in enumerate(runs) if straggler]
+    assert 70 <= len(stragglers) <= 130  # binomial(1000, 0.1): sd 9.5
+    for i in stragglers[:20]:
+        plain, straggler = episode(f"t{i}", 0.0)[0], runs[i][0]
+        assert not episode(f"t{i}", 0.0)[1]
+        # the same task draws the same noise; a straggler's calls are 20x as long
+        assert straggler == pytest.approx([20 * s for s in plain])
+    assert [episode(f"t{i}", 0.1)[1] for i in range(100)] == [s for _, s in runs[:100]]
+    env = SimulatedToolEnv(tool_latency_s=0.1, straggler_fraction=0.1, straggler_factor=20.0)
+    assert env.mean_latency_s == pytest.approx(0.1 * (0.9 + 0.1 * 20))
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    ({"tool_latency_s": -1.0}, "tool_latency_s"), ({"turns": 0}, "turns"),
+    ({"jitter": 1.5}, "jitter"), ({"latency_dist": "pareto"}, "latency_dist"),
+    ({"latency_dist": "lognormal", "latency_sigma": -0.1}, "latency_sigma"),
+    ({"latency_dist": "lognormal", "latency_sigma": float("inf")}, "latency_sigma"),
+    ({"latency_dist": "lognormal", "jitter": 0.5}, "jitter=0.5 applies to"),
+    ({"latency_sigma": 1.0}, "latency_sigma=1.0 applies to"),
+    ({"straggler_fraction": 1.5}, "straggler_fraction"),
+    ({"straggler_factor": 0.5}, "straggler_factor")])
+def test_bad_arguments_are_rejected_by_name(kwargs, named):
+    with pytest.raises(ValueError, match=named):
         SimulatedToolEnv(**kwargs)
 
 
