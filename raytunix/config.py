@@ -76,6 +76,8 @@ class RolloutConfig:
     episode_timeout_s: float = 120.0  # wall-clock budget per episode
     batch_queue_size: int = 2  # finished batches waiting for the learner (backpressure)
     drop_failed_groups: bool = False  # drop a group with a failed member instead of masking it
+    stale_token_policy: str = "drop"  # a packed group holding tokens older than max_staleness: drop it | mask those tokens out of the loss | accept them; each counted
+    partial_rollout: bool = True  # an episode goes on across weight updates; false: it restarts from its prompt (bounded), so its tokens share one version
     batch_timeout_s: float = 900.0  # the run stops (checkpoints kept) if no batch arrives in this time
 
 
@@ -109,6 +111,9 @@ class LearnerConfig:
     kl_coef: float = 0.0  # > 0 adds a k3 KL penalty to the warm-start policy
     loss_aggregation: str = "token_mean"  # token_mean | sequence_mean
     normalize_advantages_by_std: bool = True
+    off_policy_correction: str = "none"  # none: clip around the behaviour (engine) policy | decoupled_ppo: clip around the learner's policy at the update's start, behaviour through a truncated importance weight
+    importance_sampling: str = "token_tis"  # decoupled_ppo's weight pi_prox/pi_behav: per token (token_tis), per sequence as the product (sequence_tis) or geometric mean (geometric_tis) of token ratios
+    importance_cap: float = 2.0  # the importance weight is truncated at this (>= 1)
     checkpoint_every: int = 10  # RL steps between checkpoints (and one at the end)
     max_checkpoints: int = 3
 
@@ -159,6 +164,9 @@ _CHOICES = {
     "engine.placement": ("colocated", "disaggregated"),
     "engine.kv_on_weight_update": ("recompute", "keep"),
     "learner.loss_aggregation": ("token_mean", "sequence_mean"),
+    "learner.off_policy_correction": ("none", "decoupled_ppo"),
+    "learner.importance_sampling": ("token_tis", "sequence_tis", "geometric_tis"),
+    "rollout.stale_token_policy": ("drop", "mask", "accept"),
     "data.dataset": ("basic_arithmetic",),
 }
 _POSITIVE = {
@@ -251,6 +259,10 @@ def validate(cfg: Config) -> Config:
     for key in _PROBABILITY:
         if not 0.0 <= flat[key] <= 1.0:
             raise ConfigError(f"{key}={flat[key]!r} must be a probability in [0, 1].")
+    if not (cfg.learner.importance_cap >= 1.0 and math.isfinite(cfg.learner.importance_cap)):
+        raise ConfigError(
+            f"learner.importance_cap={cfg.learner.importance_cap!r} must be a finite number "
+            ">= 1 (e.g. 2.0): a cap below 1 down-weights tokens that are exactly on-policy.")
     for key in ("learner.clip_eps_low", "learner.clip_eps_high"):
         if flat[key] >= 1.0:
             raise ConfigError(f"{key}={flat[key]!r} must be below 1 (a ratio clip range, e.g. 0.2).")

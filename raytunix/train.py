@@ -230,7 +230,9 @@ class Job:
                                     stop_token_ids=(tokenizer.end_id,)),
             episode_timeout_s=cfg.rollout.episode_timeout_s,
             batch_queue_size=cfg.rollout.batch_queue_size,
-            drop_failed_groups=cfg.rollout.drop_failed_groups, seed=cfg.run.seed,
+            drop_failed_groups=cfg.rollout.drop_failed_groups,
+            stale_token_policy=cfg.rollout.stale_token_policy,
+            partial_rollout=cfg.rollout.partial_rollout, seed=cfg.run.seed,
             policy_version=policy_version, state=state)
 
 
@@ -422,7 +424,8 @@ def _run(cfg: Config, job: Job, run: RunDir, hp: GRPOHyperparams, resume: str | 
         if (step + 1) % cfg.run.log_every == 0 or step + 1 == cfg.learner.rl_steps:
             _say(f"RL step {step + 1}/{cfg.learner.rl_steps}: reward {info['reward_mean']:.3f}  "
                  f"tool use {info['tool_use_rate']:.1%}  loss {metrics['loss']:+.4f}  staleness<= "
-                 f"{info['staleness_max']}  ({time.monotonic() - t_rl:.0f} s)")
+                 f"{info['staleness_max']}  |dlogp| {metrics['mismatch_logprob_abs_mean']:.4f}  "
+                 f"({time.monotonic() - t_rl:.0f} s)")
         if (step + 1) % cfg.learner.checkpoint_every == 0 or step + 1 == cfg.learner.rl_steps:
             _checkpoint(job, run, ckpt_dir, cfg, before, warm)
 

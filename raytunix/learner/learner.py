@@ -55,6 +55,9 @@ class GRPOHyperparams:
     kl_coef: float = 0.0
     loss_aggregation: str = "token_mean"
     normalize_advantages_by_std: bool = True
+    off_policy_correction: str = "none"
+    importance_sampling: str = "token_tis"
+    importance_cap: float = 2.0
 
     @classmethod
     def from_config(cls, cfg: Config) -> GRPOHyperparams:
@@ -67,7 +70,10 @@ class GRPOHyperparams:
             max_grad_norm=learner.max_grad_norm, clip_eps_low=learner.clip_eps_low,
             clip_eps_high=learner.clip_eps_high, kl_coef=learner.kl_coef,
             loss_aggregation=learner.loss_aggregation,
-            normalize_advantages_by_std=learner.normalize_advantages_by_std)
+            normalize_advantages_by_std=learner.normalize_advantages_by_std,
+            off_policy_correction=learner.off_policy_correction,
+            importance_sampling=learner.importance_sampling,
+            importance_cap=learner.importance_cap)
 
 
 class Learner:
@@ -138,10 +144,17 @@ class Learner:
                 self.graphdef, optimizer, clip_eps_low=hp.clip_eps_low,
                 clip_eps_high=hp.clip_eps_high, kl_coef=hp.kl_coef, temperature=hp.temperature,
                 top_k=hp.top_k, top_p=hp.top_p, aggregation=hp.loss_aggregation,
-                normalize_adv_by_std=hp.normalize_advantages_by_std))
+                normalize_adv_by_std=hp.normalize_advantages_by_std,
+                off_policy_correction=hp.off_policy_correction,
+                importance_sampling=hp.importance_sampling, importance_cap=hp.importance_cap))
 
     def train_step(self, batch: pa.RecordBatch) -> dict[str, float]:
         """One GRPO update on a trajectory batch; bumps the policy version.
+
+        Returns the update's metrics (see ``make_grpo_update``; among them the
+        engine-learner logprob mismatch ``mismatch_*``) as floats, plus ``update_s``
+        (seconds), ``policy_version``, ``staleness_max`` (versions between the oldest
+        trained token and the update) and ``batch_tokens``.
 
         Raises:
           RuntimeError: before ``start_rl``.

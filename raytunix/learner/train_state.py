@@ -26,11 +26,14 @@ from flax import nnx
 from raytunix.inference.sampling import check_sampling_settings
 from raytunix.learner.advantages import check_finite_rewards, grpo_advantages
 from raytunix.learner.losses import (
+    IMPORTANCE_SAMPLING_LEVELS,
     grpo_policy_loss,
+    logprob_mismatch,
     masked_mean,
     sft_loss,
     token_entropy,
     token_logprobs,
+    truncated_importance_weights,
 )
 from raytunix.models.llama import forward
 
@@ -38,6 +41,7 @@ Batch = dict[str, Any]
 Metrics = dict[str, jax.Array]
 
 GRPO_BATCH_KEYS = ("tokens", "loss_mask", "logprobs", "rewards", "group_ids")
+OFF_POLICY_CORRECTIONS = ("none", "decoupled_ppo")
 
 # A reference-policy logprob of -inf (the token is outside the reference's top-k/top-p
 # set) is raised to this floor, so the k3 KL term stays a finite penalty.
@@ -176,6 +180,9 @@ def make_grpo_update(
     top_p: float,
     aggregation: str = "token_mean",
     normalize_adv_by_std: bool = True,
+    off_policy_correction: str = "none",
+    importance_sampling: str = "token_tis",
+    importance_cap: float = 2.0,
 ) -> Callable[[TrainState, nnx.State | None, Batch], tuple[TrainState, Metrics]]:
     """Builds ``update(state, ref_params, batch) -> (state, metrics)``: one GRPO step.
 
@@ -199,16 +206,36 @@ def make_grpo_update(
     ``ref_params`` are the reference policy's parameters for the KL penalty (same model),
     or None when ``kl_coef == 0`` (then they are ignored anyway).
 
+    Off-policy correction. ``off_policy_correction="none"`` clips the ratio around the
+    behaviour policy (the engine's logprobs in the batch), as PPO and GRPO do.
+    ``"decoupled_ppo"`` is the decoupled objective (Hilton et al. 2021, arXiv:2110.00641;
+    AReaL, arXiv:2505.24298): the ratio is clipped around the proximal policy, the
+    learner's parameters at the start of this update, and the behaviour policy enters
+    only through the weight ``pi_prox / pi_behav``, truncated at ``importance_cap`` per
+    token (``importance_sampling="token_tis"``) or per sequence (``"sequence_tis"``:
+    product of token ratios; ``"geometric_tis"``: their geometric mean); see
+    ``truncated_importance_weights``. The proximal logprobs are the no-grad values of the
+    very forward pass the gradient is taken through: this update takes one gradient step
+    per batch, so those are the parameters at the update's start, and a second forward
+    pass would compute the same numbers. (At that point the ratio to the proximal policy
+    is 1, so the clip does not bind; the update is the truncated-importance-weighted
+    policy gradient.)
+
     Metrics (float32 scalars): ``loss``, ``grad_norm`` (before clipping),
-    ``clip_fraction``, ``approx_kl`` (to the behaviour policy), ``ratio_mean``,
-    ``reward_mean``, ``advantage_abs_mean``, ``num_tokens``, ``entropy`` (masked mean
-    token entropy of the sampling distribution, nats), ``out_of_support_fraction`` (share
-    of loss-mask tokens outside the current policy's top-k/top-p set, 0 with truncation
-    off), and ``kl_ref`` when ``kl_coef > 0``.
+    ``clip_fraction``, ``approx_kl`` (k3, to the policy the clip is anchored at),
+    ``ratio_mean``, ``reward_mean``, ``advantage_abs_mean``, ``num_tokens``, ``entropy``
+    (masked mean token entropy of the sampling distribution, nats),
+    ``out_of_support_fraction`` (share of loss-mask tokens outside the current policy's
+    top-k/top-p set, 0 with truncation off), the engine-learner logprob mismatch on the
+    trained tokens at the update's start (``mismatch_logprob_abs_mean`` in nats,
+    ``mismatch_ratio_max``, ``mismatch_kl``; see ``logprob_mismatch``), ``kl_ref`` when
+    ``kl_coef > 0``, and with ``decoupled_ppo`` ``importance_weight_mean`` and
+    ``importance_truncated_fraction``.
 
     Raises:
-      ValueError: here, for an unknown ``aggregation`` or bad sampling settings (a
-        temperature that is not > 0, ``top_k < 0``, ``top_p`` outside (0, 1]); from
+      ValueError: here, for an unknown ``aggregation``, ``off_policy_correction`` or
+        ``importance_sampling``, an ``importance_cap`` below 1, or bad sampling settings
+        (a temperature that is not > 0, ``top_k < 0``, ``top_p`` outside (0, 1]); from
         ``update``, for a batch missing a key, a non-finite reward, or ``kl_coef > 0``
         without ``ref_params``.
     """
@@ -216,6 +243,19 @@ def make_grpo_update(
         raise ValueError(
             f"aggregation={aggregation!r} is not supported; use 'token_mean' or 'sequence_mean'."
         )
+    if off_policy_correction not in OFF_POLICY_CORRECTIONS:
+        raise ValueError(
+            f"off_policy_correction={off_policy_correction!r} is not supported; use one of "
+            f"{', '.join(OFF_POLICY_CORRECTIONS)}.")
+    if importance_sampling not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(
+            f"importance_sampling={importance_sampling!r} is not supported; use one of "
+            f"{', '.join(IMPORTANCE_SAMPLING_LEVELS)}.")
+    if not importance_cap >= 1.0:
+        raise ValueError(
+            f"importance_cap={importance_cap!r} must be >= 1 (e.g. 2.0); a cap below 1 "
+            "down-weights tokens that are exactly on-policy.")
+    decoupled = off_policy_correction == "decoupled_ppo"
     try:
         check_sampling_settings(temperature, top_k, top_p, allow_greedy=False)
     except ValueError as e:
@@ -245,9 +285,15 @@ def make_grpo_update(
             out_of_support = jnp.isneginf(jax.lax.stop_gradient(logprobs))
             mask = jnp.where(out_of_support, 0.0, generated)
             logprobs = jnp.where(out_of_support, 0.0, logprobs)
+            # The learner's logprobs before this step's change: the proximal policy.
+            prox = jax.lax.stop_gradient(logprobs)
+            weights, weight_aux = None, {}
+            if decoupled:
+                weights, weight_aux = truncated_importance_weights(
+                    prox, old, mask, level=importance_sampling, cap=importance_cap)
             loss, aux = grpo_policy_loss(
                 logprobs,
-                old,
+                prox if decoupled else old,
                 advantages,
                 mask,
                 clip_eps_low=clip_eps_low,
@@ -255,7 +301,9 @@ def make_grpo_update(
                 ref_logprobs=ref,
                 kl_coef=kl_coef,
                 aggregation=aggregation,
+                importance_weights=weights,
             )
+            aux.update(weight_aux, **logprob_mismatch(prox, old, mask))
             entropy = token_entropy(jax.lax.stop_gradient(logits), **sampling)
             aux["entropy"] = masked_mean(entropy, mask)
             aux["out_of_support_fraction"] = masked_mean(
