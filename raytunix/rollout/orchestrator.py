@@ -32,6 +32,15 @@ Failures, by kind:
   cannot make data, so ``next_batch`` raises ``RolloutHalted`` once (the breaker) instead
   of producing batches of failures. A bug (any other exception from agent, parser or
   client code) is raised from ``next_batch`` too, never retried as an engine failure.
+
+Adaptive concurrency (``concurrency``): the episode budget ``max_concurrent_episodes`` is
+not fixed; every ``concurrency_interval_s`` the engine's stats are read and a
+``ConcurrencyController`` (``raytunix.rollout.concurrency``) moves the budget to hold the
+engine's busy fraction near a target. The admission rules above still apply on top.
+
+Dynamic sampling (``dynamic_sampling``, DAPO): a group whose valid members all got the
+same reward is filtered (``groups_filtered_zero_variance``) and another task is started in
+its place, so batches still fill with groups that carry a learning signal.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from raytunix.rollout.batch import trajectories_to_record_batch
+from raytunix.rollout.concurrency import ConcurrencyController, EngineLoadMeter
 from raytunix.rollout.episode import run_episode
 from raytunix.rollout.faults import Backoff, FailureBreaker, RateLimitedLog
 from raytunix.types import (
@@ -139,6 +149,16 @@ class RolloutOrchestrator:
         (``episodes_restarted_weight_update``); after ``max_weight_update_restarts``
         restarts it runs to the end whatever the versions, so a learner faster than an
         episode cannot livelock it (``episodes_accepted_mixed_versions``).
+      concurrency: a controller that moves ``max_concurrent_episodes`` (the start value)
+        during the run from the engine's busy fraction; None keeps it fixed. Needs an
+        engine client with ``async engine_stats() -> list[dict]`` (one
+        ``InferenceEngine.stats()`` per replica), as ``RayEngineClient`` has.
+      concurrency_interval_s: seconds between two engine stats readings of the controller.
+      dynamic_sampling: filter groups whose valid members' rewards are all equal (DAPO).
+      dynamic_sampling_max_filtered: at most this many groups are filtered while one batch
+        fills; past it a zero-variance group is kept (``groups_kept_zero_variance``, a
+        warning), so a run whose every group is degenerate trains on instead of sampling
+        forever. 0 means ``4 * groups_per_batch``.
       seed: base seed; sample j of task index i uses its own seed.
       policy_version: the version the engine holds now.
       state: a dict from ``state()`` to resume from (data position, pending tasks).
@@ -179,6 +199,10 @@ class RolloutOrchestrator:
         stale_token_policy: str = "drop",
         partial_rollout: bool = True,
         max_weight_update_restarts: int = 2,
+        concurrency: ConcurrencyController | None = None,
+        concurrency_interval_s: float = 2.0,
+        dynamic_sampling: bool = False,
+        dynamic_sampling_max_filtered: int = 0,
         seed: int = 0,
         policy_version: int = 0,
         state: dict[str, Any] | None = None,
@@ -213,6 +237,23 @@ class RolloutOrchestrator:
         self.partial_rollout = partial_rollout
         self.max_weight_update_restarts = max_weight_update_restarts
         self.seed = seed
+        if concurrency is not None and concurrency.budget != max_concurrent_episodes:
+            raise ValueError(
+                f"RolloutOrchestrator: the concurrency controller starts at {concurrency.budget} "
+                f"episodes but max_concurrent_episodes={max_concurrent_episodes}; build the "
+                "controller with initial=max_concurrent_episodes.")
+        if not concurrency_interval_s > 0:
+            raise ValueError(f"RolloutOrchestrator: concurrency_interval_s="
+                             f"{concurrency_interval_s!r} must be > 0 seconds.")
+        self._concurrency = concurrency
+        self.concurrency_interval_s = concurrency_interval_s
+        self._budget_binding = False  # the budget alone held a group back since the last reading
+        self._backlogged = False  # the batch queue was full since the last reading
+        self._controller: asyncio.Task | None = None
+        self.dynamic_sampling = dynamic_sampling
+        self.dynamic_sampling_max_filtered = dynamic_sampling_max_filtered or 4 * groups_per_batch
+        self._zero_variance_batch = 0  # the batch being filled when the count below began
+        self._zero_variance_filtered = 0
         self._breaker = FailureBreaker(max_consecutive_failures)
         self._rng = random.Random(seed)  # jitter of group retries
         self._log = RateLimitedLog(logger)
@@ -250,7 +291,14 @@ class RolloutOrchestrator:
             self._in_flight_episodes + self.group_size <= self.max_concurrent_episodes)
         allowed = (self._version - self._version0 + self.max_staleness + 1) * self.groups_per_batch
         backlog = self._queue is not None and self._queue.full()  # the learner is behind
-        return room and not backlog and self._groups_started - self._groups_dropped < allowed
+        fresh = self._groups_started - self._groups_dropped < allowed
+        # For the concurrency controller: raising the budget only helps when it alone holds
+        # a group back; behind a full queue or the staleness rule it would only wind up.
+        if backlog:
+            self._backlogged = True
+        elif not room and fresh:
+            self._budget_binding = True
+        return room and not backlog and fresh
 
     def _take_index(self) -> int:
         if self._retry:
@@ -313,6 +361,8 @@ class RolloutOrchestrator:
                                         f"every episode ended as {infra_failed[0].status.value}")
             return
         self._failures.pop(index, None)
+        if self.dynamic_sampling and self._filter_zero_variance(index, trajectories):
+            return
         if infra_failed and self.drop_failed_groups:
             self._drop(index, "failed_episode")
             return
@@ -320,6 +370,33 @@ class RolloutOrchestrator:
             t.loss_mask = [0] * len(t.loss_mask)
         self._finished.append((index, list(trajectories)))
         await self._pack_ready_batches()
+
+    def _filter_zero_variance(self, index: int, trajectories: list[Trajectory]) -> bool:
+        """Dynamic sampling (DAPO: Yu et al. 2025, arXiv:2503.14476, section 3.2): when the
+        group's valid members all got the same reward, every advantage is 0 and the group
+        teaches nothing; it is filtered (counted ``groups_filtered_zero_variance``) and
+        admission starts another task in its place. Returns whether it was filtered.
+
+        Bounded: past ``dynamic_sampling_max_filtered`` filtered groups while one batch
+        fills, the group is kept and counted ``groups_kept_zero_variance``, with a warning."""
+        rewards = [t.reward for t in trajectories if not is_infrastructure_failure(t.status)]
+        if max(rewards) != min(rewards):
+            return False
+        if self._zero_variance_batch != self._batches_formed:  # a new batch is filling
+            self._zero_variance_batch, self._zero_variance_filtered = self._batches_formed, 0
+        if self._zero_variance_filtered >= self.dynamic_sampling_max_filtered:
+            self.counters["groups_kept_zero_variance"] += 1
+            self._log.log(logging.WARNING, "dynamic_sampling_cap",
+                          "dynamic sampling: %d groups filtered while batch %d fills, all with "
+                          "equal rewards (last: %r); past dynamic_sampling_max_filtered such "
+                          "groups are kept (zero advantage) until the batch forms. Rewards that "
+                          "never differ within a group mean the tasks are too easy or too hard "
+                          "for the policy, or the reward is broken.",
+                          self._zero_variance_filtered, self._batches_formed, rewards[0])
+            return False
+        self._zero_variance_filtered += 1
+        self._drop(index, "zero_variance")
+        return True
 
     def _release_group(self) -> None:
         self._in_flight_episodes -= self.group_size
@@ -415,6 +492,35 @@ class RolloutOrchestrator:
                 self.counters["episodes_accepted_mixed_versions"] += 1
             return trajectory
 
+    async def _control_concurrency(self) -> None:
+        """Every ``concurrency_interval_s``: reads the engine's stats and lets the
+        controller move ``max_concurrent_episodes``. An engine that cannot answer leaves
+        the budget as it is; a bug in the stats path halts the rollout like any bug."""
+        meter = EngineLoadMeter()
+        while True:
+            await asyncio.sleep(self.concurrency_interval_s)
+            try:
+                replicas = await asyncio.wait_for(self._engine.engine_stats(),
+                                                  timeout=10 * self.concurrency_interval_s)
+            except (EngineFailure, ConnectionError, TimeoutError) as error:
+                self._log.log(logging.WARNING, "engine_stats",
+                              "adaptive concurrency: no engine stats (%r); the budget holds",
+                              error)
+                continue
+            except Exception as error:  # noqa: BLE001 - a bug: stop the run, do not hide it
+                self._halt(error)
+                return
+            load = meter.update(replicas)
+            self._can_start_group()  # counts a budget that binds right now, too
+            limit_reached, self._budget_binding = self._budget_binding, False
+            backlog, self._backlogged = self._backlogged, False
+            if load is None:
+                continue
+            self.max_concurrent_episodes = self._concurrency.update(
+                load.busy_fraction, limit_reached=limit_reached,
+                backpressure=load.saturated or backlog)
+            self._wake.set()
+
     def _drop(self, index: int, reason: str) -> None:
         self._pending.discard(index)
         self._groups_dropped += 1
@@ -506,6 +612,13 @@ class RolloutOrchestrator:
             self._halted = asyncio.Event()
             self._pack_lock = asyncio.Lock()
             self._producer = asyncio.create_task(self._produce())
+            if self._concurrency is not None:
+                if not callable(getattr(self._engine, "engine_stats", None)):
+                    raise TypeError(
+                        f"adaptive concurrency reads the engine's load, but the engine client "
+                        f"{type(self._engine).__name__} has no engine_stats(); give it one "
+                        "(see RayEngineClient) or turn it off (rollout.adaptive_concurrency=false).")
+                self._controller = asyncio.create_task(self._control_concurrency())
 
     async def next_batch(self) -> tuple[list[Any], dict]:
         """Waits for the next batch; returns ``([handle], info)``.
@@ -533,7 +646,20 @@ class RolloutOrchestrator:
         self._wake.set()  # the queue has room again
         info["queue_depth"] = self._queue.qsize()
         info["episodes_in_flight"] = self._in_flight_episodes
+        info.update(self._concurrency_info())
+        if self.dynamic_sampling:
+            info["groups_filtered_zero_variance"] = self.counters["groups_filtered_zero_variance"]
+            info["groups_kept_zero_variance"] = self.counters["groups_kept_zero_variance"]
         return [handle], info
+
+    def _concurrency_info(self) -> dict[str, Any]:
+        """The episode budget now and the controller's last engine reading (-1: none yet)."""
+        info: dict[str, Any] = {"max_concurrent_episodes": self.max_concurrent_episodes}
+        if self._concurrency is not None:
+            busy = self._concurrency.last_busy_fraction
+            info["engine_busy_fraction_last_window"] = -1.0 if busy is None else busy
+            info["concurrency_changes"] = self._concurrency.changes
+        return info
 
     def mark_trained(self, batch_id: int, policy_version: int) -> None:
         """The learner finished the update on ``batch_id``; the engine now runs
@@ -563,6 +689,7 @@ class RolloutOrchestrator:
             "groups_dropped": self._groups_dropped,
             "batches_formed": self._batches_formed,
             "queue_depth": self._queue.qsize() if self._queue else 0,
+            **self._concurrency_info(),
             "counters": dict(self.counters),
             "uptime_s": time.monotonic() - self._created,
         }
@@ -571,6 +698,9 @@ class RolloutOrchestrator:
         """Cancels the producer and every in-flight episode (their tasks stay pending)."""
         if self._producer is not None:
             self._producer.cancel()
+        if self._controller is not None:
+            self._controller.cancel()
+            self._controller = None
         for task in list(self._group_tasks):
             task.cancel()
         await asyncio.gather(*self._group_tasks, return_exceptions=True)
