@@ -58,6 +58,24 @@ class RayEngineClient:
         """Requests in flight per engine replica."""
         return self._router.in_flight
 
+    async def engine_stats(self) -> list[dict]:
+        """``InferenceEngine.stats()`` of every replica, in replica order (what the
+        adaptive concurrency controller reads).
+
+        Raises:
+          EngineFailure: a replica died, is restarting or cannot be reached.
+          TypeError: an engine actor of the user's own has no ``engine_stats`` method.
+        """
+        missing = [i for i, h in enumerate(self._handles) if not hasattr(h, "engine_stats")]
+        if missing:
+            raise TypeError(f"engine replicas {missing} have no engine_stats() method, which "
+                            "adaptive concurrency reads; add one returning "
+                            "InferenceEngine.stats(), or set rollout.adaptive_concurrency=false.")
+        try:
+            return list(await asyncio.gather(*(h.engine_stats.remote() for h in self._handles)))
+        except ray.exceptions.RayActorError as e:
+            raise EngineFailure(f"engine stats unavailable: {e}") from e
+
 
 class OrchestratorActor:
     """Owns the trajectory batches it puts into the object store (run with ``ray.remote``).

@@ -1,0 +1,55 @@
+"""``RayEngineClient.engine_stats``: what the adaptive concurrency controller reads from
+engine replicas on Ray (tiny stand-in actors, no JAX)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from raytunix.rollout.actor import RayEngineClient
+from raytunix.types import EngineFailure
+
+
+def stand_in_classes():
+    """Defined in a function so that Ray ships them by value: the workers cannot import
+    this test module."""
+
+    class ReplicaStats:
+        """Stands in for an engine replica: reports fixed counters."""
+
+        def __init__(self, busy_s: float):
+            self.busy_s = busy_s
+
+        def engine_stats(self) -> dict:
+            return {"busy_s": self.busy_s, "wall_s": 10.0, "waiting": 0, "preemptions": 0}
+
+        def generate(self, request):
+            raise NotImplementedError("not called in these tests")
+
+    class NoStats:
+        def generate(self, request):
+            raise NotImplementedError("not called in these tests")
+
+    return ReplicaStats, NoStats
+
+
+def test_stats_of_every_replica_come_back_in_replica_order(ray_session):
+    replica_stats, _ = stand_in_classes()
+    replicas = [ray_session.remote(replica_stats).options(num_cpus=0).remote(b) for b in (1.0, 7.0)]
+    stats = asyncio.run(RayEngineClient(replicas).engine_stats())
+    assert [s["busy_s"] for s in stats] == [1.0, 7.0]
+    ray_session.kill(replicas[1])
+    with pytest.raises(EngineFailure, match="engine stats unavailable"):
+        asyncio.run(RayEngineClient(replicas).engine_stats())
+    ray_session.kill(replicas[0])
+
+
+def test_an_engine_actor_without_stats_is_named(ray_session):
+    replica_stats, no_stats = stand_in_classes()
+    replicas = [ray_session.remote(replica_stats).options(num_cpus=0).remote(0.0),
+                ray_session.remote(no_stats).options(num_cpus=0).remote()]
+    with pytest.raises(TypeError, match=r"replicas \[1\].*adaptive_concurrency=false"):
+        asyncio.run(RayEngineClient(replicas).engine_stats())
+    for r in replicas:
+        ray_session.kill(r)
