@@ -67,7 +67,12 @@ class EnvConfig:
 class RolloutConfig:
     group_size: int = 8  # G trajectories sampled per task (GRPO group)
     groups_per_batch: int = 16  # tasks per learner batch
-    max_concurrent_episodes: int = 128  # episodes in flight at once
+    max_concurrent_episodes: int = 128  # episodes in flight at once (with adaptive_concurrency: the start value)
+    adaptive_concurrency: bool = True  # a controller moves max_concurrent_episodes during the run to hold the engine busy near target_engine_busy
+    target_engine_busy: float = 0.9  # wanted engine busy fraction (device seconds / wall seconds), in (0, 1]
+    adaptive_min_episodes: int = 0  # lowest budget the controller may set; 0 = one group (group_size)
+    adaptive_max_episodes: int = 0  # highest budget; 0 = (max_staleness + 1) x groups_per_batch x group_size, the most admission ever lets in
+    adaptive_interval_s: float = 2.0  # seconds between two readings of the engine's stats
     max_staleness: int = 1  # a group is only started if it will be consumed within this many versions
     temperature: float = 1.0  # sampling temperature for training rollouts (> 0; eval is always greedy)
     top_k: int = 0  # sample among the k most likely tokens; 0 = off
@@ -78,6 +83,8 @@ class RolloutConfig:
     drop_failed_groups: bool = False  # drop a group with a failed member instead of masking it
     stale_token_policy: str = "drop"  # a packed group holding tokens older than max_staleness: drop it | mask those tokens out of the loss | accept them; each counted
     partial_rollout: bool = True  # an episode goes on across weight updates; false: it restarts from its prompt (bounded), so its tokens share one version
+    dynamic_sampling: bool = False  # DAPO: filter groups whose rewards are all equal (zero advantage) and sample others until the batch is full
+    dynamic_sampling_max_filtered: int = 0  # at most this many groups filtered per batch, then such groups are kept (counted, warned); 0 = 4 x groups_per_batch
     batch_timeout_s: float = 900.0  # the run stops (checkpoints kept) if no batch arrives in this time
 
 
@@ -173,14 +180,16 @@ _POSITIVE = {
     "model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.d_ff",
     "model.max_seq_len", "data.train_size", "data.heldout_size", "env.max_turns",
     "env.num_env_actors", "rollout.group_size", "rollout.groups_per_batch",
-    "rollout.max_concurrent_episodes", "rollout.max_new_tokens", "rollout.episode_timeout_s",
+    "rollout.max_concurrent_episodes", "rollout.target_engine_busy",
+    "rollout.adaptive_interval_s", "rollout.max_new_tokens", "rollout.episode_timeout_s",
     "rollout.batch_queue_size", "rollout.batch_timeout_s", "engine.max_batch_size", "engine.block_size", "engine.num_replicas", "learner.learning_rate",
     "learner.checkpoint_every", "learner.max_checkpoints", "warmup.batch_size",
     "warmup.learning_rate", "warmup.eval_every", "warmup.eval_size", "eval.heldout_size",
     "eval.max_new_tokens", "run.log_every",
 }
 _NON_NEGATIVE = {
-    "rollout.max_staleness", "rollout.top_k", "learner.rl_steps", "learner.kl_coef",
+    "rollout.max_staleness", "rollout.adaptive_min_episodes", "rollout.adaptive_max_episodes",
+    "rollout.dynamic_sampling_max_filtered", "rollout.top_k", "learner.rl_steps", "learner.kl_coef",
     "learner.weight_decay", "learner.max_grad_norm", "warmup.max_steps", "warmup.min_steps",
     "env.max_tool_errors", "env.env_actor_max_restarts", "engine.kv_cache_tokens", "learner.clip_eps_low",
     "learner.clip_eps_high", "warmup.warmup_steps",
@@ -298,6 +307,7 @@ def validate(cfg: Config) -> Config:
     if cfg.env.max_turns >= 1 << 16:
         raise ConfigError(f"env.max_turns={cfg.env.max_turns} must be below 65536 (one sampling seed per turn).")
     _validate_sampling(cfg.rollout)
+    _validate_adaptive_concurrency(cfg.rollout)
     if cfg.rollout.group_size < 2:
         raise ConfigError(
             f"rollout.group_size={cfg.rollout.group_size}: GRPO needs at least 2 samples per task.")
@@ -306,6 +316,25 @@ def validate(cfg: Config) -> Config:
             f"eval.heldout_size={cfg.eval.heldout_size} exceeds data.heldout_size="
             f"{cfg.data.heldout_size}; raise data.heldout_size or lower eval.heldout_size.")
     return cfg
+
+
+def _validate_adaptive_concurrency(rollout: RolloutConfig) -> None:
+    """The controller's bounds must hold its start value; checked even when it is off, so
+    that switching it on later cannot fail."""
+    if rollout.target_engine_busy > 1.0:
+        raise ConfigError(
+            f"rollout.target_engine_busy={rollout.target_engine_busy!r} is a fraction of wall "
+            "time and must be in (0, 1], e.g. 0.9.")
+    start = rollout.max_concurrent_episodes
+    low, high = rollout.adaptive_min_episodes, rollout.adaptive_max_episodes
+    if low and low > start:
+        raise ConfigError(
+            f"rollout.adaptive_min_episodes={low} exceeds rollout.max_concurrent_episodes="
+            f"{start}, the controller's start value; lower the first or raise the second.")
+    if high and high < start:
+        raise ConfigError(
+            f"rollout.adaptive_max_episodes={high} is below rollout.max_concurrent_episodes="
+            f"{start}, the controller's start value; raise the first or lower the second.")
 
 
 def _validate_sampling(rollout: RolloutConfig) -> None:

@@ -4,6 +4,7 @@ no Ray, no engine."""
 from __future__ import annotations
 
 import math
+import re
 import random
 
 import pytest
@@ -161,3 +162,35 @@ def test_meter_rejects_stats_without_the_counters_it_needs():
         EngineLoadMeter().update([{"wall_s": 1.0, "waiting": 0, "preemptions": 0}])
     with pytest.raises(ValueError, match="no replica"):
         EngineLoadMeter().update([])
+
+
+# -- from the config -------------------------------------------------------------------------------
+
+
+def test_from_config_starts_at_max_concurrent_episodes_with_bounds_from_the_run():
+    from raytunix.config import load_config
+
+    rollout = load_config(overrides=["rollout.max_concurrent_episodes=16",
+                                     "rollout.group_size=4", "rollout.groups_per_batch=8",
+                                     "rollout.max_staleness=2"]).rollout
+    c = ConcurrencyController.from_config(rollout)
+    assert (c.budget, c.minimum, c.granularity, c.target_busy) == (16, 4, 4, 0.9)
+    assert c.maximum == 3 * 8 * 4  # the most the staleness rule ever admits
+    rollout.adaptive_min_episodes, rollout.adaptive_max_episodes = 8, 40
+    c = ConcurrencyController.from_config(rollout)
+    assert (c.minimum, c.maximum) == (8, 40)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("rollout.target_engine_busy=1.2", "rollout.target_engine_busy=1.2"),
+    ("rollout.target_engine_busy=0", "rollout.target_engine_busy=0"),
+    ("rollout.adaptive_min_episodes=512", "rollout.adaptive_min_episodes=512"),
+    ("rollout.adaptive_max_episodes=64", "rollout.adaptive_max_episodes=64"),
+    ("rollout.adaptive_interval_s=0", "rollout.adaptive_interval_s=0"),
+    ("rollout.dynamic_sampling_max_filtered=-1", "rollout.dynamic_sampling_max_filtered=-1"),
+])
+def test_bad_adaptive_and_dynamic_sampling_keys_are_named(override, message):
+    from raytunix.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(overrides=[override])
