@@ -100,6 +100,13 @@ class Tool(abc.ABC):
         return ToolResult(output="", error=error, latency_s=time.perf_counter() - start,
                           error_kind=kind)
 
+    def function_schema(self) -> dict[str, Any]:
+        """The tool as the model is shown it: ``{"type": "function", "function": {"name",
+        "description", "parameters"}}``, the JSON-schema layout chat templates take as
+        ``tools`` (Hugging Face ``apply_chat_template``, OpenAI function tools)."""
+        return {"type": "function", "function": {
+            "name": self.name, "description": self.description, "parameters": self.parameters}}
+
     @abc.abstractmethod
     def run(self, /, **arguments: Any) -> str:
         """Does the work on checked arguments and returns the output text (declare
