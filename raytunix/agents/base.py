@@ -11,14 +11,20 @@ piece tokenized once when it arrives::
     trajectory = agent.to_trajectory(task_id, group_id, reward, status)
 
 The history is never re-rendered or re-tokenized, so the learner trains on exactly the
-tokens the engine saw and produced. This equals tokenizing the rendered chat
-(``render_chat``) because the tokenizer splits special tokens out before anything else.
+tokens the engine saw and produced. The pieces come from a chat template through
+``raytunix.agents.encoding.ConversationEncoder`` (the raytunix format by default, above;
+ChatML/Qwen, Llama 3, Gemma or a model folder's own template by ``chat_template``); in the
+raytunix format they equal tokenizing the rendered chat (``render_chat``), because the
+tokenizer splits special tokens out before anything else.
 
 User and tool message contents (the task, observations, tool output) are encoded as
 plain text: a special-token string inside them (``<|end|><|user|>`` echoed by a tool)
-stays bytes and cannot close the message or forge a turn. Only the headers and
-``<|end|>`` we add, the system prompt (ours, from the config) and the model's own tokens
-hold control tokens.
+stays bytes and cannot close the message or forge a turn. Only the template's own text,
+the system prompt (ours, from the config) and the model's own tokens hold control tokens.
+
+A new agent overrides only what it needs: ``parse`` (model text -> ``Action``), and if it
+wants, ``system_prompt_for`` (the system message) and ``observation_message`` (how an
+observation is sent back).
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ import abc
 import dataclasses
 from typing import Any, Mapping, Sequence
 
-from raytunix.models.chat_template import MESSAGE_END, message_header
+from raytunix.agents.encoding import ConversationEncoder
+from raytunix.models.chat_template import ChatTemplate
 from raytunix.types import (
     Action,
     EpisodeStatus,
@@ -51,21 +58,49 @@ class ConversationAgentBase(abc.ABC):
 
     Args:
       tokenizer: a ``raytunix.models.tokenizer.Tokenizer`` (``encode``, ``decode``,
-        ``token_to_id``) whose special tokens include the chat headers and ``<|end|>``.
+        ``token_to_id``) whose special tokens include the chat template's end-of-turn
+        token (``<|end|>`` in the raytunix format).
       system_prompt: text of a system message put before the user message, or None.
+      chat_template: a ``ChatTemplate``, a built-in name (``raytunix``, ``chatml``,
+        ``qwen``, ``llama3``, ``gemma``) or a model folder / ``tokenizer_config.json``
+        path; default the raytunix format.
+      tools: JSON schemas given to the chat template as ``tools`` (for templates that
+        show tools to the model), or None.
+      template_kwargs: further chat-template variables (e.g. ``{"enable_thinking": False}``).
 
-    Subclasses implement ``parse``.
+    Raises:
+      ChatTemplateError: the template cannot be used with this tokenizer (its end-of-turn
+        token is not one token, it is not prefix-stable...); the message says which.
+
+    Subclasses implement ``parse``; they may override ``system_prompt_for`` and
+    ``observation_message``.
     """
 
-    def __init__(self, tokenizer: Any, system_prompt: str | None = None) -> None:
+    def __init__(self, tokenizer: Any, system_prompt: str | None = None, *,
+                 chat_template: ChatTemplate | str = "raytunix",
+                 tools: Sequence[Mapping[str, Any]] | None = None,
+                 template_kwargs: Mapping[str, Any] | None = None) -> None:
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt
-        self.end_id: int = tokenizer.token_to_id(MESSAGE_END)
-        self._header_ids = {
-            role: tuple(tokenizer.encode(message_header(role)))
-            for role in ("system", "user", "assistant", "tool")
-        }
+        self.chat_template = chat_template
+        self._template_tools = list(tools) if tools else None
+        self._template_kwargs = dict(template_kwargs or {})
+        self._encoders: dict[str | None, ConversationEncoder] = {}
+        self._encoder = self._encoder_for(system_prompt)
+        self.end_id: int = self._encoder.end_id
         self._clear()
+
+    # -- what a subclass may override ------------------------------------------------------
+
+    def system_prompt_for(self, task: Task) -> str | None:
+        """The system message's text for ``task``, or None for none; by default
+        ``system_prompt``. It is ours, so special-token strings in it stay tokens."""
+        return self.system_prompt
+
+    def observation_message(self, observation: str) -> dict[str, str]:
+        """The message that carries an environment observation back to the model; by
+        default a tool message (a user message for templates without a tool role)."""
+        return {"role": self._encoder.tool_role, "content": observation}
 
     # -- the episode ---------------------------------------------------------------------
 
@@ -74,20 +109,19 @@ class ConversationAgentBase(abc.ABC):
         ``observation``, then the assistant header the model continues from (mask 0)."""
         self._clear()
         self.task = task
-        if self.system_prompt is not None:
-            self._append_message("system", self.system_prompt, special_tokens=True)
-        self._append_message("user", observation)
-        self._append_context(self._header_ids["assistant"])
+        self._encoder = self._encoder_for(self.system_prompt_for(task))
+        self._append_context(self._encoder.prompt({"role": "user", "content": observation}))
 
     def next_request(
         self, request_id: str, sampling: SamplingParams, seed: int
     ) -> GenerationRequest:
         """Returns the request that continues the conversation: ``prompt_ids`` are all
-        tokens so far; ``<|end|>`` is added to ``sampling.stop_token_ids`` if missing.
+        tokens so far; the end-of-turn token is added to ``sampling.stop_token_ids`` if
+        missing.
 
         Raises:
           RuntimeError: called before ``reset`` or while a turn is unfinished (the last
-            generation did not end with ``<|end|>``).
+            generation did not end with the end-of-turn token).
         """
         self._check_turn_open("next_request")
         if self.end_id not in sampling.stop_token_ids:
@@ -101,10 +135,12 @@ class ConversationAgentBase(abc.ABC):
         """Appends the generated tokens verbatim (mask 1, their logprobs and versions) and
         parses their text into an ``Action``.
 
-        A generation the engine stopped on another stop token or a stop string
-        (``FinishReason.STOP`` without ``<|end|>`` last) is a whole reply: the turn is
-        closed with ``<|end|>`` as context (mask 0; the policy did not write it), so the
-        next message starts cleanly. A generation cut short (max tokens, abort) leaves the
+        A generation that ended with the end-of-turn token is followed by whatever the
+        template writes after it (ChatML's newline; nothing in the raytunix format) as
+        context (mask 0). A generation the engine stopped on another stop token or a stop
+        string (``FinishReason.STOP``) is a whole reply too: the turn is closed with the
+        end-of-turn token as context (mask 0; the policy did not write it), so the next
+        message starts cleanly. A generation cut short (max tokens, abort) leaves the
         turn unfinished: nothing is added, ``turn_finished`` is False and the episode
         driver should truncate the episode.
 
@@ -122,23 +158,23 @@ class ConversationAgentBase(abc.ABC):
             )
         self._append_generated(result.token_ids, result.logprobs, result.policy_versions)
         self._num_turns += 1
-        self._turn_finished = n > 0 and result.token_ids[-1] == self.end_id
-        if not self._turn_finished and result.finish_reason == FinishReason.STOP:
-            self._append_context((self.end_id,))
-            self._turn_finished = True
+        closing = self._encoder.close_turn(result.token_ids,
+                                           stopped=result.finish_reason == FinishReason.STOP)
+        self._turn_finished = closing is not None
+        if closing:
+            self._append_context(closing)
         text = self.tokenizer.decode(list(result.token_ids), skip_special_tokens=False)
         return self.parse(text)
 
     def on_observation(self, text: str) -> None:
-        """Appends the environment's reply as a tool message, then the assistant header
-        (mask 0); ``text`` is tokenized once, here.
+        """Appends the environment's reply (``observation_message``), then the assistant
+        header (mask 0); ``text`` is tokenized once, here, as plain text.
 
         Raises:
           RuntimeError: called before ``reset`` or after an unfinished turn.
         """
         self._check_turn_open("on_observation")
-        self._append_message("tool", text)
-        self._append_context(self._header_ids["assistant"])
+        self._append_context(self._encoder.message(self.observation_message(text)))
 
     @abc.abstractmethod
     def parse(self, text: str) -> Action:
@@ -174,7 +210,7 @@ class ConversationAgentBase(abc.ABC):
 
     @property
     def turn_finished(self) -> bool:
-        """False when the last generation did not end with ``<|end|>``; the episode must
+        """False when the last generation was cut short (no end-of-turn); the episode must
         then be truncated, since the conversation cannot be continued."""
         return self._turn_finished
 
@@ -200,7 +236,7 @@ class ConversationAgentBase(abc.ABC):
 
         Returns:
           ``(token_ids, loss_mask)``, both length T; mask 1 on assistant contents and
-          their ``<|end|>``, 0 on headers, system, user and tool messages.
+          their end-of-turn token, 0 on headers, system, user and tool messages.
 
         Raises:
           ValueError: the roles are not user, assistant, then (tool, assistant) pairs.
@@ -217,8 +253,9 @@ class ConversationAgentBase(abc.ABC):
             if message["role"] == "tool":
                 self.on_observation(message["content"])
             else:
-                ids = self.tokenizer.encode(message["content"]) + [self.end_id]
+                ids, closing = self._encoder.assistant(message["content"])
                 self._append_generated(ids, [0.0] * len(ids), [-1] * len(ids))
+                self._append_context(closing)
                 self._num_turns += 1
         return list(self.token_ids), list(self.loss_mask)
 
@@ -241,13 +278,18 @@ class ConversationAgentBase(abc.ABC):
         if not self._turn_finished:
             raise RuntimeError(
                 f"{type(self).__name__}.{method} called after a generation that did not end with "
-                f"{MESSAGE_END!r}; the episode driver must end (truncate) such an episode."
+                f"{self._encoder.end_of_turn!r}; the episode driver must end (truncate) such an "
+                "episode."
             )
 
-    def _append_message(self, role: str, content: str, special_tokens: bool = False) -> None:
-        self._append_context(self._header_ids[role])
-        self._append_context(self.tokenizer.encode(content, special_tokens=special_tokens))
-        self._append_context((self.end_id,))
+    def _encoder_for(self, system_prompt: str | None) -> ConversationEncoder:
+        encoder = self._encoders.get(system_prompt)
+        if encoder is None:
+            encoder = ConversationEncoder(
+                self.tokenizer, self.chat_template, tools=self._template_tools,
+                system_prompt=system_prompt, template_kwargs=self._template_kwargs)
+            self._encoders[system_prompt] = encoder
+        return encoder
 
     def _append_context(self, ids: Sequence[int]) -> None:
         self.token_ids.extend(ids)

@@ -11,15 +11,15 @@ class TextAgent(ConversationAgentBase):
     """Passes the model's text through as ``Action(text=text)``; never a parse error.
 
     Since any text is a whole action, a reply cut at ``max_new_tokens`` still ends the
-    turn: the agent closes it with ``<|end|>`` as context (mask 0, not generated), so the
-    conversation goes on with turns of exactly ``max_new_tokens`` tokens. An aborted
-    generation stays unfinished.
+    turn: the agent closes it with the end-of-turn token (``<|end|>`` in the raytunix
+    format) as context (mask 0, not generated), so the conversation goes on with turns of
+    exactly ``max_new_tokens`` tokens. An aborted generation stays unfinished.
     """
 
     def on_generation(self, result: GenerationResult) -> Action:
         action = super().on_generation(result)
         if not self.turn_finished and result.finish_reason == FinishReason.LENGTH:
-            self._append_context((self.end_id,))
+            self._append_context(self._encoder.close_turn(result.token_ids, stopped=True))
             self._turn_finished = True
         return action
 

@@ -2,18 +2,61 @@
 
 from __future__ import annotations
 
+import datetime
+from typing import Any, Mapping, Sequence
+
 from raytunix.agents.base import ConversationAgentBase
-from raytunix.agents.parsers import parse_action, parse_answer_action
+from raytunix.agents.parsers import ToolCallParser, make_tool_parser, parse_answer_action
+from raytunix.models.chat_template import ChatTemplate, load_chat_template
 from raytunix.types import Action
 
 
 class ToolAgent(ConversationAgentBase):
-    """Multi-turn agent: each turn is either ``<tool_call>{json}</tool_call>`` (one or
-    more) or a final ``<answer>...</answer>``; anything else is a parse error the
-    environment answers with an error observation."""
+    """Multi-turn agent: each turn is one or more tool calls or a final answer, in the
+    format of ``tool_parser``; anything else is a parse error the environment answers with
+    an error observation.
+
+    Args:
+      tokenizer, system_prompt, chat_template, template_kwargs: see
+        ``ConversationAgentBase``.
+      tool_parser: a ``ToolCallParser`` or a name from ``TOOL_PARSERS`` (default
+        ``hermes``: ``<tool_call>{json}</tool_call>`` or ``<answer>...</answer>``).
+      tools: the tools shown to the model, each a ``Tool`` (its ``function_schema()`` is
+        used) or a JSON schema ``{"type": "function", "function": {"name",
+        "description", "parameters"}}``. When the chat template renders tools and the
+        parser's format is the one such templates teach, the schemas go to the template
+        (Qwen's ``<tools>`` block, Llama 3's JSON list); otherwise the parser describes
+        them after the system prompt. None or empty: no tools are shown (the default run's
+        warm start teaches the format instead).
+
+    Raises:
+      ValueError: an unknown parser name, or a tool that is neither a ``Tool`` nor a
+        schema with a function name.
+    """
+
+    def __init__(self, tokenizer: Any, system_prompt: str | None = None, *,
+                 chat_template: ChatTemplate | str = "raytunix",
+                 tool_parser: ToolCallParser | str = "hermes",
+                 tools: Sequence[Any] | None = None,
+                 template_kwargs: Mapping[str, Any] | None = None) -> None:
+        self.tool_parser = (make_tool_parser(tool_parser) if isinstance(tool_parser, str)
+                            else tool_parser)
+        schemas = [_schema(tool) for tool in tools or ()]
+        template = (load_chat_template(chat_template) if isinstance(chat_template, str)
+                    else chat_template)
+        template_tools = None
+        if schemas and self.tool_parser.uses_template_tools and _renders_tools(
+                template, schemas, template_kwargs):
+            template_tools = schemas
+        elif schemas:
+            description = self.tool_parser.describe_tools(schemas)
+            system_prompt = description if system_prompt is None else (
+                f"{system_prompt}\n\n{description}")
+        super().__init__(tokenizer, system_prompt, chat_template=template, tools=template_tools,
+                         template_kwargs=template_kwargs)
 
     def parse(self, text: str) -> Action:
-        return parse_action(text)
+        return self.tool_parser.parse(text)
 
 
 class AnswerAgent(ConversationAgentBase):
@@ -22,3 +65,23 @@ class AnswerAgent(ConversationAgentBase):
 
     def parse(self, text: str) -> Action:
         return parse_answer_action(text)
+
+
+def _schema(tool: Any) -> dict[str, Any]:
+    if hasattr(tool, "function_schema"):
+        return tool.function_schema()
+    function = tool.get("function") if isinstance(tool, Mapping) else None
+    if isinstance(function, Mapping) and isinstance(function.get("name"), str):
+        return dict(tool)
+    raise ValueError(
+        f"tool {tool!r} is neither a raytunix Tool nor a JSON schema "
+        '{"type": "function", "function": {"name": ..., "description": ..., "parameters": ...}}')
+
+
+def _renders_tools(template: ChatTemplate, schemas: list[dict[str, Any]],
+                   template_kwargs: Mapping[str, Any] | None) -> bool:
+    """Whether ``template`` shows tools to the model (its text changes when given them)."""
+    messages = [{"role": "user", "content": "Hello."}]
+    kwargs = {**(template_kwargs or {}), "now": datetime.datetime.now()}
+    plain = template.render(messages, add_generation_prompt=True, **kwargs)
+    return template.render(messages, add_generation_prompt=True, tools=schemas, **kwargs) != plain

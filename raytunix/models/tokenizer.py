@@ -129,14 +129,29 @@ class Tokenizer:
         return cls(tok)
 
     @classmethod
-    def byte_level(cls) -> Tokenizer:
+    def byte_level(cls, extra_special_tokens: Sequence[str] = ()) -> Tokenizer:
         """A tokenizer without merges: the special tokens (ids 0..9) and one token per
-        byte (byte value b has id 10 + b)."""
+        byte (byte value b has id 10 + b).
+
+        Args:
+          extra_special_tokens: more special tokens, with ids 266, 267, ... in this order
+            (e.g. a chat template's ``<|im_start|>`` and ``<|im_end|>``).
+
+        Raises:
+          ValueError: an extra token repeats one of ``SPECIAL_TOKENS`` or another extra.
+        """
+        extra = list(extra_special_tokens)
+        clash = [t for t in extra if t in SPECIAL_TOKENS or extra.count(t) > 1]
+        if clash:
+            raise ValueError(f"extra_special_tokens {clash} repeat a special token; list each "
+                             "new token once.")
         vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
         for char in _byte_chars():
             vocab[char] = len(vocab)
+        for token in extra:
+            vocab[token] = len(vocab)
         tok = _empty_tokenizer(models.BPE(vocab=vocab, merges=[]))
-        tok.add_special_tokens(list(SPECIAL_TOKENS))
+        tok.add_special_tokens([*SPECIAL_TOKENS, *extra])
         return cls(tok)
 
     def encode(self, text: str, special_tokens: bool = True) -> list[int]:
