@@ -96,7 +96,9 @@ RESUME_OVERRIDABLE = frozenset({
     "rollout.batch_timeout_s", "rollout.max_concurrent_episodes", "env.num_env_actors",
     "eval.max_new_tokens", "engine.max_batch_size", "engine.block_size",
     "engine.kv_cache_tokens", "engine.prefill_chunk_tokens", "engine.kv_on_weight_update",
-    "engine.sessions",
+    "engine.sessions", "rollout.adaptive_concurrency", "rollout.target_engine_busy",
+    "rollout.adaptive_min_episodes", "rollout.adaptive_max_episodes",
+    "rollout.adaptive_interval_s",
 })
 
 
@@ -212,6 +214,7 @@ class Job:
     def start_orchestrator(self, state: dict[str, Any], policy_version: int) -> None:
         """(Re)creates the orchestrator at a data position (``state``) and version."""
         from raytunix.rollout.actor import OrchestratorActor
+        from raytunix.rollout.concurrency import ConcurrencyController
 
         cfg, tokenizer = self.cfg, self.tokenizer
         if self.orchestrator is not None:
@@ -232,8 +235,13 @@ class Job:
             batch_queue_size=cfg.rollout.batch_queue_size,
             drop_failed_groups=cfg.rollout.drop_failed_groups,
             stale_token_policy=cfg.rollout.stale_token_policy,
-            partial_rollout=cfg.rollout.partial_rollout, seed=cfg.run.seed,
-            policy_version=policy_version, state=state)
+            partial_rollout=cfg.rollout.partial_rollout,
+            concurrency=(ConcurrencyController.from_config(cfg.rollout)
+                         if cfg.rollout.adaptive_concurrency else None),
+            concurrency_interval_s=cfg.rollout.adaptive_interval_s,
+            dynamic_sampling=cfg.rollout.dynamic_sampling,
+            dynamic_sampling_max_filtered=cfg.rollout.dynamic_sampling_max_filtered,
+            seed=cfg.run.seed, policy_version=policy_version, state=state)
 
 
     def publish_weights(self) -> None:
@@ -425,7 +433,7 @@ def _run(cfg: Config, job: Job, run: RunDir, hp: GRPOHyperparams, resume: str | 
             _say(f"RL step {step + 1}/{cfg.learner.rl_steps}: reward {info['reward_mean']:.3f}  "
                  f"tool use {info['tool_use_rate']:.1%}  loss {metrics['loss']:+.4f}  staleness<= "
                  f"{info['staleness_max']}  |dlogp| {metrics['mismatch_logprob_abs_mean']:.4f}  "
-                 f"({time.monotonic() - t_rl:.0f} s)")
+                 f"episodes<= {info['max_concurrent_episodes']}  ({time.monotonic() - t_rl:.0f} s)")
         if (step + 1) % cfg.learner.checkpoint_every == 0 or step + 1 == cfg.learner.rl_steps:
             _checkpoint(job, run, ckpt_dir, cfg, before, warm)
 

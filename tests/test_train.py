@@ -39,7 +39,8 @@ def test_short_training_run_on_local_ray(ray_session, tmp_path, env_name, max_tu
     cfg = load_config(None, TINY + [f"run.output_dir={tmp_path}", f"env.name={env_name}",
                                     f"env.max_turns={max_turns}", "learner.rl_steps=2",
                                     f"engine.placement={placement}",
-                                    f"engine.num_replicas={replicas}"])
+                                    f"engine.num_replicas={replicas}",
+                                    "rollout.adaptive_interval_s=0.2"])
     summary = train(cfg)
     run_dir = summary["run_dir"]
     for name in ("config.yaml", "tokenizer.json", "metrics.jsonl", "summary.json", "state.json"):
@@ -49,6 +50,10 @@ def test_short_training_run_on_local_ray(ray_session, tmp_path, env_name, max_tu
     assert [r["policy_version"] for r in records] == [1, 2]
     assert all(r["num_trajectories"] == 4 for r in records)
     assert all(r["staleness_max"] <= cfg.rollout.max_staleness for r in records)
+    # Adaptive concurrency reads every replica (or the colocated engine) and stays in its
+    # bounds: one group, and what admission lets in ((1 + 1) x 2 groups x 2).
+    assert all(2 <= r["max_concurrent_episodes"] <= 8 for r in records)
+    assert all(-1.0 <= r["engine_busy_fraction_last_window"] <= 1.0 for r in records)
     assert summary["env"] == env_name and summary["heldout_tasks"] == 16
     assert summary["engine_policy_version"] == 2  # the engine got every update's weights
     assert 0.0 <= summary["heldout_success_after_rl"] <= 1.0
