@@ -19,7 +19,7 @@ import time
 import logging
 from typing import Any, ClassVar
 
-from raytunix.types import ToolErrorKind
+from raytunix.types import EnvFailure, ToolErrorKind
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,17 @@ class ToolResult:
 
 class ToolError(Exception):
     """Raised inside ``Tool.run`` for input the tool cannot handle; the message is shown
-    to the model, so it names the bad value and what to do instead."""
+    to the model, so it names the bad value and what to do instead.
+
+    Args:
+      message: what went wrong, for the model.
+      kind: how it is counted (default ``TOOL_EXCEPTION``; ``TIMEOUT`` for a call that
+        ran out of time).
+    """
+
+    def __init__(self, message: str, kind: ToolErrorKind = ToolErrorKind.TOOL_EXCEPTION):
+        super().__init__(message)
+        self.kind = kind
 
 
 # JSON-schema type name -> Python types accepted for it (bool is not a number here).
@@ -82,7 +92,10 @@ class Tool(abc.ABC):
         ``ToolError`` from ``run`` gives ``TOOL_EXCEPTION`` with its message; any other
         exception from ``run`` (a bug in the tool) is logged and also gives
         ``TOOL_EXCEPTION``, naming the exception, so one broken tool call costs the
-        episode a tool error, not the environment.
+        episode a tool error, not the environment. A ``ToolError`` may name another kind
+        (``TIMEOUT``). An ``EnvFailure`` (the tool's host, such as a sandbox actor, is
+        gone) is not the policy's doing and propagates: the episode ends as
+        ``env_error``.
         """
         start = time.perf_counter()
         error = self._check_arguments(arguments)
@@ -93,12 +106,18 @@ class Tool(abc.ABC):
                 output = self.run(**arguments)
                 return ToolResult(output=output, latency_s=time.perf_counter() - start)
             except ToolError as e:
-                error = str(e)
+                error, kind = str(e), e.kind
+            except EnvFailure:
+                raise
             except Exception as e:  # noqa: BLE001 - a tool bug is reported to the model and logged
                 logger.warning("tool %r raised %r on %r", self.name, e, arguments, exc_info=True)
                 error = f"{self.name} failed with {type(e).__name__}: {_short(str(e))}"
         return ToolResult(output="", error=error, latency_s=time.perf_counter() - start,
                           error_kind=kind)
+
+    def close(self) -> None:
+        """Releases what the tool holds (a sandbox work dir...); nothing by default. The
+        environment that owns the tool calls it when its episode ends."""
 
     def function_schema(self) -> dict[str, Any]:
         """The tool as the model is shown it: ``{"type": "function", "function": {"name",
