@@ -321,7 +321,9 @@ class EngineClient(Protocol):
     Any other exception (a ``ValueError`` for a request that cannot fit...) is a bug and
     propagates. A client may also have ``end_session(session_id) -> None`` (returns at
     once; the episode calls it when it ends so the engine frees the KV it kept between
-    turns) and ``abort(request_id) -> bool``.
+    turns) and ``abort(request_id) -> bool``; and ``async engine_stats() -> list[dict]``
+    (``InferenceEngine.stats()`` per replica), which the orchestrator's adaptive
+    concurrency controller reads.
     """
 
     async def generate(self, request: GenerationRequest) -> GenerationResult: ...
