@@ -243,5 +243,5 @@ def test_make_agent(tokenizer):
     assert isinstance(make_agent("tool", tokenizer), ToolAgent)
     agent = make_agent("answer", tokenizer, system_prompt="hi")
     assert isinstance(agent, AnswerAgent) and agent.system_prompt == "hi"
-    with pytest.raises(ValueError, match="'answer', 'text', 'tool'"):
+    with pytest.raises(ValueError, match="unknown agent 'bash'; registered: answer, text, tool"):
         make_agent("bash", tokenizer)

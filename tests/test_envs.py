@@ -140,7 +140,7 @@ def test_math_verifier_is_single_turn(tasks):
 
 
 def test_registry_names_and_default_agents():
-    assert sorted(ENVS) == ["calculator_math", "math_verifier", "simulated_tool"]
+    assert {"calculator_math", "gymnasium", "math_verifier", "simulated_tool"} <= set(ENVS)
     assert make_env("calculator_math").default_agent == "tool"
     assert make_env("math_verifier").default_agent == "answer"
     assert all(cls.default_agent in AGENTS for cls in ENVS.values())

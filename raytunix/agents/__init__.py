@@ -1,11 +1,20 @@
-"""Agents: conversation state as exact tokens, and parsers from model text to actions."""
+"""Agents: conversation state as exact tokens, chat templates turned into per-turn tokens,
+and parsers from model text to actions (one per tool-call format)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from raytunix.agents.base import ConversationAgentBase
+from raytunix.agents.encoding import ConversationEncoder
 from raytunix.agents.parsers import (
+    TOOL_PARSERS,
+    GemmaParser,
+    HermesParser,
+    Llama3JsonParser,
+    ReActParser,
+    ToolCallParser,
+    make_tool_parser,
     parse_action,
     parse_answer,
     parse_answer_action,
@@ -21,28 +30,35 @@ AGENTS: dict[str, type[ConversationAgentBase]] = {
 }
 
 
-def make_agent(
-    name: str, tokenizer: Any, system_prompt: str | None = None
-) -> ConversationAgentBase:
-    """Builds the agent registered as ``name`` ("tool", "answer" or "text").
+def make_agent(name: str, tokenizer: Any, **kwargs: Any) -> ConversationAgentBase:
+    """Builds the agent ``name`` (a registered name such as "tool", "answer" or "text", a
+    package's entry point in group ``raytunix.agents``, or ``package.module:Class``) for
+    ``tokenizer``, with ``kwargs`` for its constructor (e.g. ``system_prompt``).
 
     Raises:
-      ValueError: ``name`` is not registered (the message lists the valid names).
+      raytunix.plugins.PluginError (a ValueError): ``name`` does not resolve to a
+        ``ConversationAgentBase`` subclass (the message lists the registered names).
     """
-    try:
-        cls = AGENTS[name]
-    except KeyError:
-        raise ValueError(f"unknown agent {name!r}; valid names: {sorted(AGENTS)}") from None
-    return cls(tokenizer, system_prompt=system_prompt)
+    from raytunix.plugins import resolve
+
+    return resolve("agent", name)(tokenizer, **kwargs)
 
 
 __all__ = [
     "AGENTS",
     "AnswerAgent",
     "ConversationAgentBase",
+    "ConversationEncoder",
+    "GemmaParser",
+    "HermesParser",
+    "Llama3JsonParser",
+    "ReActParser",
+    "TOOL_PARSERS",
     "TextAgent",
     "ToolAgent",
+    "ToolCallParser",
     "make_agent",
+    "make_tool_parser",
     "parse_action",
     "parse_answer",
     "parse_answer_action",

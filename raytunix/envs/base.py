@@ -7,8 +7,14 @@ An environment turns actions into observations and rewards::
     env.close()
 
 A new environment subclasses ``BaseEnv`` and implements ``_initial_observation`` and
-``_step_impl``. If ``_step_impl`` raises, ``step`` ends the episode with status
-``ENV_ERROR`` instead: one bad step ends one episode, never the run.
+``_step_impl``; it may bring its own tasks (``tasks``). If ``_step_impl`` raises, ``step``
+ends the episode with status ``ENV_ERROR`` instead: one bad step ends one episode, never
+the run.
+
+Both ways to gymnasium: ``BaseEnv.from_gymnasium(env_or_id)`` runs a text
+``gymnasium.Env`` as a raytunix environment, and ``GymTextEnv`` (registered for every
+raytunix environment as ``raytunix/<name>``) runs a raytunix environment behind the
+gymnasium API.
 """
 
 from __future__ import annotations
@@ -16,12 +22,15 @@ from __future__ import annotations
 import abc
 import string
 import traceback
-from typing import Any, Callable, ClassVar, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Sequence
 
 import gymnasium
 
 from raytunix.agents.parsers import parse_action
 from raytunix.types import Action, EpisodeStatus, StepResult, Task
+
+if TYPE_CHECKING:
+    from raytunix.envs.gymnasium_env import GymnasiumEnv
 
 
 class BaseEnv(abc.ABC):
@@ -74,6 +83,40 @@ class BaseEnv(abc.ABC):
     def close(self) -> None:
         """Releases resources held by the environment (none by default)."""
 
+    def tasks(self, split: str, size: int, seed: int) -> Sequence[Task] | None:
+        """The tasks this environment brings, or None to train on the run's dataset.
+
+        Called once per split in the driver, on an instance built with the run's
+        ``env.kwargs``. Task ids must be unique within a split (the rollout's exactly-once
+        accounting keys on them) and held-out tasks should not appear in train.
+
+        Args:
+          split: "train" or "heldout".
+          size: how many tasks to return (``data.train_size`` / ``data.heldout_size``).
+          seed: ``data.seed``; the same seed must give the same tasks.
+        """
+        return None
+
+    @staticmethod
+    def from_gymnasium(env_or_id: "gymnasium.Env | str",
+                       make_kwargs: dict[str, Any] | None = None) -> "GymnasiumEnv":
+        """A text ``gymnasium.Env`` (``Text`` observation and action spaces) as a raytunix
+        environment; see ``raytunix.envs.gymnasium_env.GymnasiumEnv``.
+
+        Args:
+          env_or_id: an environment instance, a registered gymnasium id (``"module:Id-v0"``
+            imports ``module`` first, as ``gymnasium.make`` does), or an import path
+            ``package.module:EnvClass`` of a ``gymnasium.Env`` subclass.
+          make_kwargs: keyword arguments for ``gymnasium.make`` or the class.
+
+        Raises:
+          TypeError: it is not a gymnasium environment, or a space is not ``Text``.
+          ValueError: the id is not registered or the import path cannot be imported.
+        """
+        from raytunix.envs.gymnasium_env import GymnasiumEnv
+
+        return GymnasiumEnv(env_or_id, make_kwargs)
+
     @abc.abstractmethod
     def _initial_observation(self, task: Task) -> str:
         """Sets up the episode for ``task`` and returns the first observation."""
@@ -90,17 +133,20 @@ class GymTextEnv(gymnasium.Env):
     drawn with ``self.np_random``); ``step(text)`` parses the model text into an
     ``Action`` and returns ``(observation, reward, terminated, truncated, info)``, with
     ``truncated`` for episodes that ran out of turns or time and ``info["status"]`` the
-    ``EpisodeStatus`` value.
+    ``EpisodeStatus`` value. ``gymnasium.make("raytunix/<name>")`` builds one for every
+    registered raytunix environment (``raytunix.envs.make_gym_env``).
 
     Args:
-      env: the environment to wrap.
+      env: the environment instance to wrap.
       tasks: tasks to draw from on reset.
       parse: model text -> Action (default: tool calls or an answer).
-      max_length: longest observation/action text, characters.
+      max_length: longest observation/action text, characters (> 0).
       charset: characters allowed in observations and actions (default printable ASCII).
 
     Raises:
-      ValueError: ``tasks`` is empty.
+      TypeError: ``env`` is not a ``BaseEnv`` instance (a class, a gymnasium env...), a
+        task is not a ``raytunix.types.Task``, or ``parse`` is not callable.
+      ValueError: ``tasks`` is empty or ``max_length`` is not positive.
     """
 
     metadata = {"render_modes": []}
@@ -113,8 +159,25 @@ class GymTextEnv(gymnasium.Env):
         max_length: int = 8192,
         charset: str = string.printable,
     ) -> None:
+        if isinstance(env, type) and issubclass(env, BaseEnv):
+            raise TypeError(f"GymTextEnv needs an environment instance, got the class "
+                            f"{env.__qualname__}; pass {env.__qualname__}(...) instead.")
+        if not isinstance(env, BaseEnv):
+            hint = (" It already is a gymnasium environment; to run it in raytunix use "
+                    "BaseEnv.from_gymnasium(env)." if isinstance(env, gymnasium.Env) else "")
+            raise TypeError(f"GymTextEnv wraps a raytunix BaseEnv instance, got "
+                            f"{type(env).__qualname__}.{hint}")
+        if isinstance(tasks, (str, bytes)) or not isinstance(tasks, Sequence):
+            raise TypeError(f"tasks must be a sequence of raytunix.types.Task, got "
+                            f"{type(tasks).__qualname__}.")
         if not tasks:
             raise ValueError("GymTextEnv needs at least one task to draw from on reset; got none.")
+        for i, task in enumerate(tasks):
+            _check_task(task, f"tasks[{i}]")
+        if not callable(parse):
+            raise TypeError(f"parse must be a callable str -> Action, got {parse!r}.")
+        if not isinstance(max_length, int) or max_length < 1:
+            raise ValueError(f"max_length must be a positive int (characters), got {max_length!r}.")
         self.env = env
         self.tasks = list(tasks)
         self.parse = parse
@@ -128,9 +191,18 @@ class GymTextEnv(gymnasium.Env):
         task = (options or {}).get("task")
         if task is None:
             task = self.tasks[int(self.np_random.integers(len(self.tasks)))]
-        return self.env.reset(task), {"task_id": task.task_id}
+        _check_task(task, 'options["task"]')
+        observation = self.env.reset(task)
+        if not isinstance(observation, str):
+            raise TypeError(f"{type(self.env).__qualname__}.reset returned "
+                            f"{type(observation).__qualname__}, not str; "
+                            "_initial_observation must return the text shown to the agent.")
+        return observation, {"task_id": task.task_id}
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        if not isinstance(action, str):
+            raise TypeError(f"GymTextEnv.step takes the model's text (str), got "
+                            f"{type(action).__qualname__}: {action!r:.80}.")
         result = self.env.step(self.parse(action))
         truncated = result.status in (EpisodeStatus.TRUNCATED, EpisodeStatus.TIMEOUT)
         info = dict(result.info)
@@ -140,3 +212,9 @@ class GymTextEnv(gymnasium.Env):
 
     def close(self) -> None:
         self.env.close()
+
+
+def _check_task(task: Any, where: str) -> None:
+    if not isinstance(task, Task):
+        raise TypeError(f"{where} is {type(task).__qualname__} ({task!r:.80}), not a "
+                        "raytunix.types.Task; build tasks as Task(task_id, question, answer).")

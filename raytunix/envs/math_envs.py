@@ -46,18 +46,20 @@ class CalculatorMathEnv(BaseEnv):
 
     Args:
       max_tool_errors: tool errors tolerated per episode (>= 0).
-      tools: the tools offered (default: a ``Calculator``).
+      tools: the tools offered, each a ``Tool`` or the name of one (a registered tool
+        name such as ``"calculator"``, or ``package.module:ToolClass``; built with no
+        arguments). Default: a ``Calculator``.
       tool_timeout_s: deadline of one tool call, seconds (> 0), or None to call tools
         inline with no deadline.
 
     Raises:
-      ValueError: ``max_tool_errors`` is negative, ``tool_timeout_s`` is not positive, or
-        two tools share a name.
+      ValueError: ``max_tool_errors`` is negative, ``tool_timeout_s`` is not positive, a
+        tool name does not resolve, or two tools share a name.
     """
 
     default_agent = "tool"
 
-    def __init__(self, max_tool_errors: int = 3, tools: Sequence[Tool] | None = None,
+    def __init__(self, max_tool_errors: int = 2, tools: Sequence[Tool | str] | None = None,
                  tool_timeout_s: float | None = 10.0) -> None:
         super().__init__()
         if max_tool_errors < 0:
@@ -65,7 +67,9 @@ class CalculatorMathEnv(BaseEnv):
         if tool_timeout_s is not None and not tool_timeout_s > 0:
             raise ValueError(f"tool_timeout_s must be > 0 seconds or None, got {tool_timeout_s!r}")
         self.tool_timeout_s = tool_timeout_s
-        tools = list(tools) if tools is not None else [Calculator()]
+        if isinstance(tools, (str, Tool)):
+            tools = [tools]
+        tools = [_tool(tool) for tool in tools] if tools is not None else [Calculator()]
         self.tools = {tool.name: tool for tool in tools}
         if len(self.tools) != len(tools):
             raise ValueError(f"tool names must be unique, got {[tool.name for tool in tools]}")
@@ -129,6 +133,17 @@ class CalculatorMathEnv(BaseEnv):
                 output="", error=f"{name} did not answer within {self.tool_timeout_s} s; "
                 "try a simpler call", latency_s=self.tool_timeout_s,
                 error_kind=ToolErrorKind.TIMEOUT)
+
+
+def _tool(tool: Tool | str) -> Tool:
+    if isinstance(tool, Tool):
+        return tool
+    if isinstance(tool, str):
+        from raytunix.plugins import resolve
+
+        return resolve("tool", tool)()
+    raise TypeError(f"a tool must be a Tool or a tool's name, got {type(tool).__qualname__} "
+                    f"({tool!r:.60})")
 
 
 class MathVerifierEnv(BaseEnv):

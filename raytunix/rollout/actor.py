@@ -11,6 +11,7 @@ import ray
 
 from raytunix.agents import make_agent
 from raytunix.inference.router import EngineRouter
+from raytunix.plugins import add_import_paths
 from raytunix.rollout.env_pool import EnvPool
 from raytunix.rollout.orchestrator import RolloutOrchestrator
 from raytunix.types import EngineFailure, GenerationRequest, GenerationResult, Task
@@ -83,7 +84,11 @@ class OrchestratorActor:
     Args:
       tasks: training tasks.
       tokenizer: the run's ``Tokenizer``.
-      agent_name: ``raytunix.agents.make_agent`` name.
+      agent_name: what ``raytunix.agents.make_agent`` builds per episode: a registered
+        name or ``package.module:Class``, resolved here, in the actor.
+      agent_kwargs: the agent's constructor arguments besides the tokenizer.
+      import_paths: directories put first on this process's ``sys.path`` before the agent
+        is resolved (see ``raytunix.plugins``).
       env_pool: an ``EnvPool`` whose actors host the environments.
       engine: an actor handle with ``generate`` (``PolicyActor`` or ``EngineActor``), or
         a list of them (engine replicas).
@@ -91,8 +96,12 @@ class OrchestratorActor:
     """
 
     def __init__(self, *, tasks: Sequence[Task], tokenizer, agent_name: str, env_pool: EnvPool,
-                 engine, **orchestrator_kwargs: Any):
+                 engine, agent_kwargs: dict[str, Any] | None = None,
+                 import_paths: Sequence[str] = (), **orchestrator_kwargs: Any):
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        add_import_paths(import_paths)
+        agent_kwargs = dict(agent_kwargs or {})
+        make_agent(agent_name, tokenizer, **agent_kwargs)  # a bad agent fails here, at start
         self._pool = env_pool
 
         def env_provider(group_id: str):
@@ -101,7 +110,7 @@ class OrchestratorActor:
 
         self.orchestrator = RolloutOrchestrator(
             tasks=tasks,
-            agent_factory=lambda: make_agent(agent_name, tokenizer),
+            agent_factory=lambda: make_agent(agent_name, tokenizer, **agent_kwargs),
             engine=RayEngineClient(engine),
             env_provider=env_provider,
             put=ray.put,

@@ -15,12 +15,14 @@ import asyncio
 import itertools
 import logging
 import os
+import sys
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Sequence
 
 import ray
 
 from raytunix.envs import make_env
+from raytunix.plugins import PluginError, add_import_paths
 from raytunix.types import Action, EnvFailure, RolloutHalted, StepResult, Task
 
 logger = logging.getLogger(__name__)
@@ -30,23 +32,78 @@ logger = logging.getLogger(__name__)
 CPU_ONLY_RUNTIME_ENV = {"env_vars": {"JAX_PLATFORMS": "cpu"}}
 
 
+class EnvBuildError(RuntimeError):
+    """The environment cannot be built (or its module imported) in an env actor; the
+    message names the environment, the cause and what to do."""
+
+
 class EnvActor:
     """Hosts environment instances keyed by episode id (run with ``ray.remote``).
 
     Args:
-      env_name, env_kwargs: what ``raytunix.envs.make_env`` builds per episode.
+      env_name, env_kwargs: what ``raytunix.envs.make_env`` builds per episode (a
+        registered name or an import path, resolved here, in the actor).
       max_threads: environment calls that may block at once (threads are started on
         demand). asyncio's default executor has only ``cpu_count + 4`` threads, so on a
         small host a few slow tools would queue every other episode's step behind them.
+      import_paths: directories put first on this process's ``sys.path`` before the
+        environment is resolved (``raytunix.plugins.import_root`` of an import path the
+        driver resolved).
+
+    Raises:
+      EnvBuildError: the environment cannot be resolved or built here; the actor does not
+        start (Ray does not restart an actor whose constructor raised).
+
+    JAX stays out of this process: tools and sandboxes started from env actors fork, and a
+    fork of a process running JAX's threads can deadlock. If building the environment
+    imports JAX, a warning says which environment did.
     """
 
-    def __init__(self, env_name: str, env_kwargs: dict[str, Any], max_threads: int = 256):
+    def __init__(self, env_name: str, env_kwargs: dict[str, Any], max_threads: int = 256,
+                 import_paths: Sequence[str] = ()):
         os.environ.setdefault("JAX_PLATFORMS", "cpu")  # never grab an accelerator
+        add_import_paths(import_paths)
         self._env_name = env_name
         self._env_kwargs = env_kwargs
         self._envs: dict[str, Any] = {}
         self._executor = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="env")
-        make_env(env_name, **env_kwargs).close()  # fail at start, not mid-run, on a bad config
+        jax_before = "jax" in sys.modules
+        try:  # fail at start, not mid-run, on a bad config
+            make_env(env_name, **env_kwargs).close()
+        except Exception as e:  # noqa: BLE001 - reported whole, with the fix
+            if isinstance(e, PluginError):
+                fix = (f"This actor's sys.path starts with {sys.path[:3]}; on a multi-node "
+                       "cluster install the module on every node or ship it with the job "
+                       "(runtime_env working_dir or py_modules).")
+            else:
+                fix = "Fix env.kwargs or the environment's constructor."
+            raise EnvBuildError(
+                f"environment {env_name!r} with env.kwargs={env_kwargs!r} cannot be built in "
+                f"the env actor (pid {os.getpid()}): {type(e).__name__}: "
+                f"{str(e).rstrip('.')}. {fix}") from e
+        if "jax" in sys.modules and not jax_before:
+            logger.warning(
+                "building environment %r imported JAX into the env actor (pid %d). Tools and "
+                "sandboxes fork from this process, and a fork of a process running JAX can "
+                "deadlock; import JAX lazily in the environment's module, or not at all.",
+                env_name, os.getpid())
+
+    def first_observation(self, task: Task) -> str:
+        """Builds a fresh environment, resets it on ``task`` and closes it; returns the
+        first observation (the driver measures prompts with it before training).
+
+        Raises:
+          Exception: whatever the environment's reset raised.
+        """
+        env = make_env(self._env_name, **self._env_kwargs)
+        try:
+            return env.reset(task)
+        finally:
+            env.close()
+
+    def jax_loaded(self) -> bool:
+        """Whether JAX is imported in this actor's process (it should never be)."""
+        return "jax" in sys.modules
 
     async def reset(self, episode_id: str, task: Task) -> str:
         env = make_env(self._env_name, **self._env_kwargs)
@@ -161,6 +218,8 @@ class EnvPool:
       probe_timeout_s: how long a liveness check of an actor that raised
         ``ActorDiedError`` may take, seconds; an actor restarting takes that long at most
         to answer, one dead for good fails at once.
+      import_paths: directories each actor puts first on its ``sys.path`` (see
+        ``EnvActor``).
 
     Raises (``lease``):
       EnvPoolExhausted: every actor is dead for good.
@@ -168,7 +227,8 @@ class EnvPool:
 
     def __init__(self, env_name: str, env_kwargs: dict[str, Any], num_actors: int,
                  max_restarts: int = 3, resources: dict[str, float] | None = None,
-                 threads_per_actor: int = 256, probe_timeout_s: float = 60.0):
+                 threads_per_actor: int = 256, probe_timeout_s: float = 60.0,
+                 import_paths: Sequence[str] = ()):
         if num_actors < 1:
             raise ValueError(f"num_actors={num_actors}: an env pool needs at least one actor.")
         cls = ray.remote(EnvActor).options(
@@ -176,7 +236,8 @@ class EnvPool:
             max_concurrency=10_000, resources=resources or {},
             runtime_env=CPU_ONLY_RUNTIME_ENV,
         )
-        self.actors = [cls.remote(env_name, env_kwargs, threads_per_actor)
+        self.env_name = env_name
+        self.actors = [cls.remote(env_name, env_kwargs, threads_per_actor, tuple(import_paths))
                        for _ in range(num_actors)]
         self._load = [0] * num_actors
         self._ids = itertools.count()
@@ -229,4 +290,27 @@ class EnvPool:
         self._load[index] -= 1
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
-        ray.get([a.num_envs.remote() for a in self.actors], timeout=timeout_s)
+        """Returns once every actor has built its environment and answers.
+
+        Raises:
+          EnvBuildError: an actor could not build the environment (the cause, as the actor
+            raised it, is in the message).
+          TimeoutError: the actors did not start within ``timeout_s`` (e.g. no node has the
+            resources they ask for).
+        """
+        try:
+            ray.get([a.num_envs.remote() for a in self.actors], timeout=timeout_s)
+        except ray.exceptions.ActorDiedError as e:
+            if not getattr(e, "_actor_init_failed", False):
+                raise
+            lines = [line for line in str(getattr(e, "error_msg", e)).splitlines() if line.strip()]
+            cause = lines[-1] if lines else str(e)
+            prefix = f"{__name__}.EnvBuildError: "
+            raise EnvBuildError(cause[len(prefix):] if cause.startswith(prefix) else
+                                f"environment {self.env_name!r} cannot be built in the env "
+                                f"actors: {cause}") from None
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(
+                f"the {len(self.actors)} env actors of {self.env_name!r} were not ready within "
+                f"{timeout_s} s; check that the cluster has the resources they ask for "
+                "(`ray status`) and the env actors' logs (`ray logs`).") from None

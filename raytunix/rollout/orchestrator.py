@@ -599,6 +599,7 @@ class RolloutOrchestrator:
             "stale_tokens_masked": int(sum(t.metrics.get("stale_tokens_masked", 0) for t in trajectories)),
             "stale_tokens_accepted": int(sum(t.metrics.get("stale_tokens_accepted", 0) for t in trajectories)),
             "valid_trajectories": len(trajectories) - infra_failed,
+            "trainable_tokens": int(sum(sum(t.loss_mask) for t in trajectories)),  # loss mask 1
             "tool_errors_mean": float(np.mean([t.metrics.get(TOOL_ERRORS_KEY, 0.0) for t in trajectories])),
             "statuses": dict(statuses),
         }
