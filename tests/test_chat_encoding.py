@@ -223,3 +223,53 @@ def test_a_lone_surrogate_in_an_observation_does_not_crash_the_tokenizer():
     agent.on_generation(_result(CALL, agent.end_id))
     agent.on_observation("bad \ud800 text")
     assert "bad ? text" in TOK.decode(agent.token_ids)
+
+
+class ScriptedEngine:
+    """Replies with the turns of a script, each ended by the agent's end-of-turn token, and
+    records every prompt it is sent."""
+
+    def __init__(self, replies: list[str], end_id: int):
+        self.replies, self.end_id, self.prompts = replies, end_id, []
+
+    async def generate(self, request):
+        self.prompts.append(list(request.prompt_ids))
+        ids = TOK.encode(self.replies[len(self.prompts) - 1]) + [self.end_id]
+        return GenerationResult(request.request_id, tuple(ids), (-0.1,) * len(ids),
+                                (0,) * len(ids), FinishReason.STOP)
+
+
+@pytest.mark.parametrize("template, parser, call", [
+    ("chatml", "hermes", CALL),
+    ("llama3", "llama3_json", '{"name": "calculator", "parameters": {"expression": "95 - 21 * 3"}}'),
+    ("gemma", "gemma", '[calculator(expression="95 - 21 * 3")]'),
+    ("chatml", "react", 'Thought: use the tool\nAction: calculator\nAction Input: '
+                        '{"expression": "95 - 21 * 3"}'),
+])
+def test_an_episode_runs_in_each_template_and_format_by_name(template, parser, call):
+    import asyncio
+
+    from raytunix.agents import make_agent
+    from raytunix.rollout.env_pool import LocalEnv
+    from raytunix.rollout.episode import run_episode
+    from raytunix.types import EpisodeStatus, SamplingParams
+
+    agent = make_agent("tool", TOK, system_prompt="Solve it.", chat_template=template,
+                       tool_parser=parser, tools=["calculator"])
+    answer = "Final Answer: 32" if parser == "react" else "<answer>32</answer>"
+    engine = ScriptedEngine([call, answer], agent.end_id)
+    trajectory = asyncio.run(run_episode(
+        TASK, "g", agent, LocalEnv("calculator_math", {}), engine, SamplingParams(),
+        max_turns=3, max_context_tokens=4096, seed=0, timeout_s=30))
+    assert trajectory.status == EpisodeStatus.COMPLETED and trajectory.reward == 1.0
+    assert trajectory.num_turns == 2
+    # The second prompt extends the first with the model's turn and the tool's result.
+    first, second = engine.prompts
+    assert second[: len(first)] == first
+    rendered = BUILTIN_TEMPLATES[template].render(
+        [{"role": "system", "content": agent.system_prompt},
+         {"role": "user", "content": TASK.question}, {"role": "assistant", "content": call},
+         {"role": agent._encoder.tool_role, "content": "32"}],
+        add_generation_prompt=True, tools=agent._template_tools)
+    assert TOK.decode(second) == rendered
+    assert trajectory.token_ids[: len(second)] == second

@@ -22,7 +22,8 @@ class ToolAgent(ConversationAgentBase):
       tool_parser: a ``ToolCallParser`` or a name from ``TOOL_PARSERS`` (default
         ``hermes``: ``<tool_call>{json}</tool_call>`` or ``<answer>...</answer>``).
       tools: the tools shown to the model, each a ``Tool`` (its ``function_schema()`` is
-        used) or a JSON schema ``{"type": "function", "function": {"name",
+        used), a tool's registered name or import path (``"calculator"``, as config gives
+        it), or a JSON schema ``{"type": "function", "function": {"name",
         "description", "parameters"}}``. When the chat template renders tools and the
         parser's format is the one such templates teach, the schemas go to the template
         (Qwen's ``<tools>`` block, Llama 3's JSON list); otherwise the parser describes
@@ -30,8 +31,8 @@ class ToolAgent(ConversationAgentBase):
         warm start teaches the format instead).
 
     Raises:
-      ValueError: an unknown parser name, or a tool that is neither a ``Tool`` nor a
-        schema with a function name.
+      ValueError: an unknown parser name, an unknown tool name, or a tool that is
+        neither a ``Tool`` nor a schema with a function name.
     """
 
     def __init__(self, tokenizer: Any, system_prompt: str | None = None, *,
@@ -68,6 +69,12 @@ class AnswerAgent(ConversationAgentBase):
 
 
 def _schema(tool: Any) -> dict[str, Any]:
+    if isinstance(tool, str):  # a registered tool name or package.module:Class, from config
+        from raytunix.plugins import resolve
+
+        cls = resolve("tool", tool)  # its schema is class-level: nothing is started
+        return {"type": "function", "function": {
+            "name": cls.name, "description": cls.description, "parameters": cls.parameters}}
     if hasattr(tool, "function_schema"):
         return tool.function_schema()
     function = tool.get("function") if isinstance(tool, Mapping) else None
