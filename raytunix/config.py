@@ -55,10 +55,11 @@ class DataConfig:
 
 @dataclasses.dataclass
 class EnvConfig:
-    name: str = "calculator_math"  # calculator_math (multi-turn, tool) | math_verifier (single turn)
-    agent: str = "auto"  # auto = the environment's default agent; or tool | answer
+    name: str = "calculator_math"  # a registered environment (calculator_math, math_verifier, gymnasium, simulated_tool, or a package's entry point) or an import path package.module:Class
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # the environment's constructor arguments, checked against its signature (e.g. {max_tool_errors: 2})
+    agent: str = "auto"  # auto = the environment's default agent; or a registered agent (tool, answer, text) or package.module:Class
+    agent_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # the agent's constructor arguments besides the tokenizer (e.g. {system_prompt: "..."})
     max_turns: int = 4  # model turns per episode
-    max_tool_errors: int = 2  # malformed or failing tool calls before the episode ends
     num_env_actors: int = 2  # Ray actors hosting environments (scaled apart from the learner)
     env_actor_max_restarts: int = 3  # a crashed env actor is restarted this often
 
@@ -166,8 +167,6 @@ class Config:
 
 
 _CHOICES = {
-    "env.name": ("calculator_math", "math_verifier"),
-    "env.agent": ("auto", "tool", "answer"),
     "engine.placement": ("colocated", "disaggregated"),
     "engine.kv_on_weight_update": ("recompute", "keep"),
     "learner.loss_aggregation": ("token_mean", "sequence_mean"),
@@ -191,7 +190,7 @@ _NON_NEGATIVE = {
     "rollout.max_staleness", "rollout.adaptive_min_episodes", "rollout.adaptive_max_episodes",
     "rollout.dynamic_sampling_max_filtered", "rollout.top_k", "learner.rl_steps", "learner.kl_coef",
     "learner.weight_decay", "learner.max_grad_norm", "warmup.max_steps", "warmup.min_steps",
-    "env.max_tool_errors", "env.env_actor_max_restarts", "engine.kv_cache_tokens", "learner.clip_eps_low",
+    "env.env_actor_max_restarts", "engine.kv_cache_tokens", "learner.clip_eps_low",
     "learner.clip_eps_high", "warmup.warmup_steps",
 }
 _PROBABILITY = {"warmup.tool_use_prob_2_terms", "warmup.tool_use_prob_3_terms",
@@ -315,7 +314,44 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(
             f"eval.heldout_size={cfg.eval.heldout_size} exceeds data.heldout_size="
             f"{cfg.data.heldout_size}; raise data.heldout_size or lower eval.heldout_size.")
+    _validate_env(cfg.env)
     return cfg
+
+
+# Mapping-valued keys; an override may set one entry: env.kwargs.turns=2.
+_MAPPINGS = frozenset({"env.kwargs", "env.agent_kwargs"})
+
+
+def _validate_env(env: EnvConfig) -> None:
+    """env.name and env.agent resolve to classes (importing a user's module here, in the
+    driver) and env.kwargs / env.agent_kwargs fit their constructors' signatures."""
+    from raytunix.plugins import PluginError, check_kwargs, resolve
+
+    try:
+        env_cls = resolve("env", env.name)
+    except PluginError as e:
+        raise ConfigError(f"env.name={env.name!r}: {e}") from None
+    try:
+        check_kwargs(env_cls, env.kwargs, key="env.kwargs")
+    except PluginError as e:
+        raise ConfigError(str(e)) from None
+    agent = env.agent
+    if agent == "auto":
+        agent = getattr(env_cls, "default_agent", None)
+        if not isinstance(agent, str):
+            raise ConfigError(
+                f"env.agent=auto: {env_cls.__qualname__} has no default_agent; set env.agent "
+                "(e.g. env.agent=text) or give the class default_agent = \"text\".")
+    try:
+        agent_cls = resolve("agent", agent)
+    except PluginError as e:
+        source = f"env.agent={env.agent!r}" + (
+            f" (the default agent of {env_cls.__qualname__})" if env.agent == "auto" else "")
+        raise ConfigError(f"{source}: {e}") from None
+    try:
+        check_kwargs(agent_cls, env.agent_kwargs, key="env.agent_kwargs", provided=("tokenizer",))
+    except PluginError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _validate_adaptive_concurrency(rollout: RolloutConfig) -> None:
@@ -370,13 +406,17 @@ def _read_yaml(text: str, source: str) -> dict[str, Any]:
 
 
 def parse_override(item: str) -> tuple[str, str, Any]:
-    """'section.key=value' -> (section, key, YAML-parsed value)."""
+    """'section.key=value' -> (section, key, YAML-parsed value); for a mapping-valued key,
+    'env.kwargs.turns=2' -> ("env", "kwargs.turns", 2)."""
     if "=" not in item:
         raise ConfigError(f"override {item!r} must look like section.key=value, e.g. learner.rl_steps=20.")
     dotted, raw = item.split("=", 1)
     parts = dotted.strip().split(".")
+    if len(parts) == 3 and ".".join(parts[:2]) in _MAPPINGS and parts[2]:
+        parts = [parts[0], f"{parts[1]}.{parts[2]}"]
     if len(parts) != 2 or not all(parts):
-        raise ConfigError(f"override key {dotted!r} must be section.key, e.g. rollout.group_size.")
+        raise ConfigError(f"override key {dotted!r} must be section.key, e.g. rollout.group_size "
+                          f"(or {' / '.join(sorted(_MAPPINGS))}.name for one entry of a mapping).")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
@@ -413,6 +453,9 @@ def load_config(config: str | None = None, overrides: Sequence[str] = ()) -> Con
                 f"{', '.join(preset_names())}.")
     for item in overrides:
         section, key, value = parse_override(item)
+        if "." in key:  # one entry of a mapping: env.kwargs.turns=2
+            key, name = key.split(".", 1)
+            value = {**getattr(getattr(cfg, section), key), name: value}
         _merge(cfg, {section: {key: value}}, f"override {item!r}")
     return validate(cfg)
 

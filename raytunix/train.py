@@ -23,11 +23,12 @@ import numpy as np
 import ray
 import yaml
 
+from raytunix import plugins
 from raytunix.config import Config, ConfigError, config_from_dict, parse_override
-from raytunix.envs import ENVS
 from raytunix.learner.learner import GRPOHyperparams
 from raytunix.models.llama import ModelConfig
 from raytunix.models.tokenizer import Tokenizer
+from raytunix.rollout import preflight
 from raytunix.rollout.env_pool import CPU_ONLY_RUNTIME_ENV, EnvPool
 from raytunix.types import EpisodeStatus, RolloutHalted, SamplingParams
 
@@ -131,8 +132,24 @@ def load_run_config(run_dir: str, overrides: Sequence[str] = ()) -> Config:
     return config_from_dict(tree)
 
 
+# Env actors may wait for a node of their own resource (an autoscaled pool) before they
+# build the environment; past this, the run stops with the reason.
+ENV_READY_TIMEOUT_S = 600.0
+
+
+def _env_class(cfg: Config) -> type:
+    return plugins.resolve("env", cfg.env.name)
+
+
 def _agent_name(cfg: Config) -> str:
-    return ENVS[cfg.env.name].default_agent if cfg.env.agent == "auto" else cfg.env.agent
+    return _env_class(cfg).default_agent if cfg.env.agent == "auto" else cfg.env.agent
+
+
+def _import_paths(cfg: Config) -> tuple[str, ...]:
+    """Directories the actors put on sys.path to import the run's env and agent classes
+    (given as import paths, resolved here first)."""
+    classes = (_env_class(cfg), plugins.resolve("agent", _agent_name(cfg)))
+    return tuple(dict.fromkeys(root for root in map(plugins.import_root, classes) if root))
 
 
 def _check_steps_left(checkpoint_step: int, cfg: Config) -> None:
@@ -144,7 +161,10 @@ def _check_steps_left(checkpoint_step: int, cfg: Config) -> None:
 
 
 def _uses_tools(cfg: Config) -> bool:
-    return cfg.env.name == "calculator_math"
+    """The warm start's tool demonstrations are for the calculator environment."""
+    from raytunix.envs import CalculatorMathEnv
+
+    return issubclass(_env_class(cfg), CalculatorMathEnv)
 
 
 def _demonstration_arrays(cfg: Config, tasks, tokenizer) -> tuple[np.ndarray, np.ndarray]:
@@ -156,7 +176,7 @@ def _demonstration_arrays(cfg: Config, tasks, tokenizer) -> tuple[np.ndarray, np
     probs = ({2: cfg.warmup.tool_use_prob_2_terms, 3: cfg.warmup.tool_use_prob_3_terms}
              if _uses_tools(cfg) else {n: 0.0 for n in range(1, 10)})
     demos = sample_demonstrations(tasks, rng, probs)
-    agent = make_agent(_agent_name(cfg), tokenizer)
+    agent = make_agent(_agent_name(cfg), tokenizer, **cfg.env.agent_kwargs)
     rows = [agent.render_demonstration(task, messages) for task, messages in zip(tasks, demos)]
     limit = cfg.model.max_seq_len
     fitting = [r for r in rows if len(r[0]) <= limit]
@@ -178,13 +198,14 @@ def _demonstration_arrays(cfg: Config, tasks, tokenizer) -> tuple[np.ndarray, np
 class Job:
     """The actors of one run, built from its config."""
 
-    def __init__(self, cfg: Config, tokenizer: Tokenizer, train_tasks):
+    def __init__(self, cfg: Config, tokenizer: Tokenizer, train_tasks, env_pool: EnvPool):
         from raytunix.learner.actor import LearnerActor, PolicyActor
 
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.train_tasks = train_tasks
         self.orchestrator = None
+        self.env_pool = env_pool
         model_config = ModelConfig(
             vocab_size=tokenizer.vocab_size, d_model=cfg.model.d_model, n_layers=cfg.model.n_layers,
             n_heads=cfg.model.n_heads, n_kv_heads=cfg.model.n_kv_heads, d_ff=cfg.model.d_ff,
@@ -207,9 +228,6 @@ class Job:
                     model_config, cfg.run.seed, tokenizer, cfg.engine.engine_kwargs())
                 for _ in range(cfg.engine.num_replicas)]
             self.engine = self.engines[0]
-        self.env_pool = EnvPool(
-            cfg.env.name, {"max_tool_errors": cfg.env.max_tool_errors} if _uses_tools(cfg) else {},
-            cfg.env.num_env_actors, max_restarts=cfg.env.env_actor_max_restarts)
 
     def start_orchestrator(self, state: dict[str, Any], policy_version: int) -> None:
         """(Re)creates the orchestrator at a data position (``state``) and version."""
@@ -222,6 +240,7 @@ class Job:
         self.orchestrator = ray.remote(OrchestratorActor).options(
             num_cpus=0, max_concurrency=10_000, runtime_env=CPU_ONLY_RUNTIME_ENV).remote(
             tasks=self.train_tasks, tokenizer=tokenizer, agent_name=_agent_name(cfg),
+            agent_kwargs=cfg.env.agent_kwargs, import_paths=_import_paths(cfg),
             env_pool=self.env_pool, engine=self.engines,
             group_size=cfg.rollout.group_size, groups_per_batch=cfg.rollout.groups_per_batch,
             max_concurrent_episodes=cfg.rollout.max_concurrent_episodes,
@@ -326,7 +345,6 @@ def train(cfg: Config, resume: str | None = None, resume_overrides: Sequence[str
     Raises:
       FileNotFoundError: ``resume`` is not a run directory or has no checkpoint.
     """
-    from raytunix.data.arithmetic import make_arithmetic_splits
     from raytunix.data.demonstrations import tokenizer_corpus
 
     wall0 = time.monotonic()
@@ -347,18 +365,6 @@ def train(cfg: Config, resume: str | None = None, resume_overrides: Sequence[str
             f.write(cfg.to_yaml())
     _say(f"run directory: {run.path}")
 
-    d = cfg.data
-    train_tasks, heldout = make_arithmetic_splits(
-        d.train_size, d.heldout_size, d.seed, min_terms=d.min_terms, max_terms=d.max_terms,
-        min_digits=d.min_digits, max_digits=d.max_digits)
-    heldout = heldout[: cfg.eval.heldout_size]
-    dev_tasks = train_tasks[-cfg.warmup.eval_size:]  # warm-start stop condition; not held out
-    if resume:
-        tokenizer = Tokenizer.load(run.tokenizer)
-    else:
-        tokenizer = Tokenizer.train(tokenizer_corpus(train_tasks[:3000]), cfg.model.tokenizer_vocab_size)
-        tokenizer.save(run.tokenizer)
-
     _ensure_ray(cfg)
     if threading.current_thread() is threading.main_thread():
         # After ray.init, which installs its own SIGTERM handler: `kill`/`timeout` stop a
@@ -366,15 +372,86 @@ def train(cfg: Config, resume: str | None = None, resume_overrides: Sequence[str
         signal.signal(signal.SIGTERM, _interrupt)
     hp = GRPOHyperparams.from_config(cfg)
 
-    job = Job(cfg, tokenizer, train_tasks)
+    # Env actors first: an environment that cannot be built stops the run before anything
+    # is trained, and an environment that brings its own tasks builds them there.
+    env_pool = EnvPool(cfg.env.name, dict(cfg.env.kwargs), cfg.env.num_env_actors,
+                       max_restarts=cfg.env.env_actor_max_restarts,
+                       import_paths=_import_paths(cfg))
+    job = None
     try:
-        return _run(cfg, job, run, hp, resume, heldout, dev_tasks, wall0)
+        _preflight(preflight.check_env_actors, env_pool, ENV_READY_TIMEOUT_S)
+        train_tasks, heldout, own_tasks = _task_splits(cfg, env_pool)
+        heldout = heldout[: cfg.eval.heldout_size]
+        dev_tasks = train_tasks[-cfg.warmup.eval_size:]  # warm-start stop condition; not held out
+        if resume:
+            tokenizer = Tokenizer.load(run.tokenizer)
+        else:
+            tokenizer = Tokenizer.train(tokenizer_corpus(train_tasks[:3000]),
+                                        cfg.model.tokenizer_vocab_size)
+            tokenizer.save(run.tokenizer)
+        prompts = _preflight(
+            preflight.measure_prompts, env_pool,
+            preflight.sample_tasks(train_tasks, 24) + preflight.sample_tasks(heldout, 8),
+            lambda: _new_agent(cfg, tokenizer), cfg.model.max_seq_len)
+        source = "the environment's own" if own_tasks else cfg.data.dataset
+        _say(f"env {cfg.env.name!r} ready on {cfg.env.num_env_actors} actors; tasks: {source}; "
+             f"prompts {prompts['prompt_tokens_min']}-{prompts['prompt_tokens_max']} tokens "
+             f"(context {cfg.model.max_seq_len})")
+        if own_tasks and cfg.warmup.enabled and not resume:
+            _say("warm start: skipped; its demonstrations are arithmetic and the environment "
+                 "brings its own tasks")
+        job = Job(cfg, tokenizer, train_tasks, env_pool)
+        return _run(cfg, job, run, hp, resume, heldout, dev_tasks, wall0,
+                    warm_start=cfg.warmup.enabled and not own_tasks)
     finally:
-        job.shutdown()
+        if job is not None:
+            job.shutdown()
+        else:
+            for actor in env_pool.actors:
+                ray.kill(actor)
+
+
+def _preflight(check, *args):
+    """Runs a ``preflight`` check; its failure stops the run as a RunError (exit 2)."""
+    try:
+        return check(*args)
+    except preflight.PreflightError as e:
+        raise RunError(str(e)) from None
+
+
+def _new_agent(cfg: Config, tokenizer: Tokenizer):
+    from raytunix.agents import make_agent
+
+    return make_agent(_agent_name(cfg), tokenizer, **cfg.env.agent_kwargs)
+
+
+def _task_splits(cfg: Config, env_pool: EnvPool):
+    """``(train, heldout, own)``: the environment's own tasks (built in an env actor, as
+    the environment is), or reasoning-gym arithmetic (``data.*``)."""
+    from raytunix.data.arithmetic import make_arithmetic_splits
+
+    d = cfg.data
+    actor = env_pool.actors[0]
+    try:
+        own = ray.get([actor.tasks.remote(split, size, d.seed)
+                       for split, size in (("train", d.train_size), ("heldout", d.heldout_size))])
+    except ray.exceptions.RayTaskError as e:
+        cause = e.cause if isinstance(e.cause, BaseException) else e
+        raise RunError(f"environment {cfg.env.name!r} failed to make its tasks: "
+                       f"{type(cause).__name__}: {cause}") from None
+    if own[0] is not None:
+        if own[1] is None:
+            raise RunError(f"environment {cfg.env.name!r} brings train tasks but none for "
+                           "'heldout'; its tasks() must answer both splits.")
+        return own[0], own[1], True
+    train, heldout = make_arithmetic_splits(
+        d.train_size, d.heldout_size, d.seed, min_terms=d.min_terms, max_terms=d.max_terms,
+        min_digits=d.min_digits, max_digits=d.max_digits)
+    return train, heldout, False
 
 
 def _run(cfg: Config, job: Job, run: RunDir, hp: GRPOHyperparams, resume: str | None, heldout,
-         dev_tasks, wall0: float) -> dict[str, Any]:
+         dev_tasks, wall0: float, warm_start: bool = True) -> dict[str, Any]:
     """Warm start (new runs) or restore (resumed runs), then the RL loop and the summary."""
     ckpt_dir = run.checkpoints
     if resume:
@@ -396,7 +473,7 @@ def _run(cfg: Config, job: Job, run: RunDir, hp: GRPOHyperparams, resume: str | 
              f"{extras['orchestrator']['next_index']}")
     else:
         job.start_orchestrator({}, 0)
-        warm = _warm_start(cfg, job, run, dev_tasks) if cfg.warmup.enabled else {}
+        warm = _warm_start(cfg, job, run, dev_tasks) if warm_start else {}
         before = job.evaluate(heldout)
         run.log({"phase": "eval", "when": "before_rl", **before})
         _say(f"held-out before RL: success {before['success_rate']:.1%} (tool use "
@@ -421,6 +498,7 @@ def _run(cfg: Config, job: Job, run: RunDir, hp: GRPOHyperparams, resume: str | 
             raise RunError(
                 f"rollout halted at RL step {step + 1}: {cause} Checkpoints up to the last one "
                 f"are in {ckpt_dir}; use --resume once the cause is fixed.") from None
+        _preflight(preflight.check_batch, info, step + 1)  # nothing to learn from: stop
         metrics = ray.get(job.learner.train_step.remote(refs))
         job.publish_weights()
         version = int(metrics["policy_version"])

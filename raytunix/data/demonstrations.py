@@ -92,7 +92,12 @@ def sample_demonstrations(
 
 
 def tokenizer_corpus(tasks: Iterable[Task]) -> Iterator[str]:
-    """Yields rendered chat texts (with and without the tool) to train a BPE tokenizer on."""
+    """Yields rendered chat texts to train a BPE tokenizer on: for an arithmetic task (one
+    with a string ``metadata["expression"]``) with and without the tool; for any other
+    task (an environment's own) its question answered with ``<answer>`` and its answer."""
     for task in tasks:
-        for use_tool in (True, False):
-            yield render_chat(make_demonstration(task, use_tool), add_generation_prompt=False)
+        if isinstance(task.metadata.get("expression"), str):
+            for use_tool in (True, False):
+                yield render_chat(make_demonstration(task, use_tool), add_generation_prompt=False)
+        else:
+            yield render_chat(make_demonstration(task, use_tool=False), add_generation_prompt=False)

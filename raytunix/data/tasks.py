@@ -62,23 +62,3 @@ def make_tasks(env: Any, split: str, size: int, seed: int) -> list[Task]:
                                             size if split == "heldout" else 0, seed)
     return train if split == "train" else heldout
 
-
-def make_task_splits(env: Any, train_size: int, heldout_size: int, seed: int,
-                     **arithmetic: Any) -> tuple[list[Task], list[Task], bool]:
-    """The run's ``(train, heldout, from_env)``: the environment's own tasks when it brings
-    them (``from_env`` True), else reasoning-gym arithmetic with ``arithmetic`` settings
-    (``min_terms``, ``max_terms``, ``min_digits``, ``max_digits``) and no held-out question
-    in train.
-
-    Raises:
-      ValueError, TypeError: see ``env_tasks`` and ``make_arithmetic_splits``.
-    """
-    train = env_tasks(env, "train", train_size, seed)
-    if train is None:
-        train, heldout = make_arithmetic_splits(train_size, heldout_size, seed, **arithmetic)
-        return train, heldout, False
-    heldout = env_tasks(env, "heldout", heldout_size, seed)
-    if heldout is None:
-        raise ValueError(f"{type(env).__qualname__}.tasks returned train tasks but None for "
-                         "'heldout'; an environment that brings tasks brings both splits.")
-    return train, heldout, True

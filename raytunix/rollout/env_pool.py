@@ -101,6 +101,17 @@ class EnvActor:
         finally:
             env.close()
 
+    def tasks(self, split: str, size: int, seed: int) -> list[Task] | None:
+        """The environment's own tasks (``BaseEnv.tasks``, checked by
+        ``raytunix.data.tasks.env_tasks``), or None when it brings none."""
+        from raytunix.data.tasks import env_tasks
+
+        env = make_env(self._env_name, **self._env_kwargs)
+        try:
+            return env_tasks(env, split, size, seed)
+        finally:
+            env.close()
+
     def jax_loaded(self) -> bool:
         """Whether JAX is imported in this actor's process (it should never be)."""
         return "jax" in sys.modules
