@@ -1,24 +1,37 @@
-"""Does the async orchestrator keep the engine busy while tools are slow?
+"""Does the async orchestrator keep the engine busy while tools are slow and heavy-tailed?
 
 Episodes of ``--turns`` turns each; every turn generates exactly ``--max-new-tokens``
 tokens from a random-weight model and then calls a tool that sleeps (``simulated_tool``
-env, latency jittered ±50%). The same engine actor, env pool and agent code run the
-episodes two ways:
+env). Tool latency per call is lognormal (``--latency-dist lognormal``, ``--latency-sigma``
+the standard deviation of its log) or uniform (``--latency-dist uniform``, ``--jitter``)
+around a median L, and a ``--straggler-fraction`` of episodes are stragglers whose every
+call takes ``--straggler-factor`` (20) times as long. The same engine actor, env actors
+and agent code run the episodes three ways:
 
-* ``lockstep``: ``max_batch_size`` episodes at a time; each turn, all of them generate
-  together (one ``generate`` per episode, gathered), then all take their env step
-  together (gathered: the batch waits for the slowest tool), turn after turn, batch after
-  batch.
-* ``async``: the ``OrchestratorActor`` with ``--concurrency`` episodes in flight, each a
-  coroutine of its own, so the engine decodes some episodes while others wait for tools.
+* ``lockstep`` (at L): ``max_batch_size`` episodes at a time; each turn, all of them
+  generate together, then all take their env step together (the batch waits for its
+  slowest tool), turn after turn, batch after batch. The synchronous baseline.
+* ``async`` (at L): the ``OrchestratorActor`` with ``--concurrency`` episodes in flight,
+  each a coroutine of its own, so the engine decodes some episodes while others wait.
+* ``async_zero_latency``: the same orchestrator settings with tools taking no time: the
+  throughput the engine allows, measured in the same invocation.
 
 Unless ``--tool-latency-s`` is given, a calibration run (lockstep, tools taking no time)
-first measures the time of one generation turn of a full batch, and the tool latency is
-set to ``--latency-factor`` (5) times that. Each mode then runs for ``--trajectories``
-trajectories, ``--repeats`` times, alternating. Prints one JSON object: the machine, the
-parameters, and per mode trajectories/s, generated tokens/s and the engine busy fraction
-(engine seconds inside prefill/decode calls over wall seconds, from ``engine_stats``
-deltas), plus the async/lockstep speedup.
+first measures one generation turn of a full batch, and L is ``--latency-factor`` (5)
+times that. The default concurrency follows from Little's law: an episode spends one
+generation turn g in the engine per tool call of mean latency T, so keeping every engine
+row busy takes ``max_batch_size * (1 + T / g)`` episodes; the default is 1.5 times that,
+headroom for the spread of T.
+
+An async run first consumes ``--warmup-trajectories`` (default: the concurrency) untimed,
+so the measured window is the steady state rather than the start-up ramp of
+``concurrency`` episodes started at once; then ``--trajectories`` are timed. Engine
+numbers are ``engine_stats`` deltas over the timed window; ``engine_busy_fraction`` is
+the engine's seconds inside prefill and decode device calls over wall seconds.
+
+Prints one JSON object with, at the top: ``engine_busy_fraction`` (async at L),
+``throughput_ratio_vs_zero_latency`` (async trajectories/s at L over async at 0) and
+``speedup_trajectories_per_s`` (async over lockstep at L), then every run.
 
     python benchmarks/rollout_overlap.py
 """
@@ -29,6 +42,7 @@ import argparse
 import asyncio
 import collections
 import json
+import math
 import os
 import platform
 import statistics
@@ -39,46 +53,64 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import ray  # noqa: E402
 
 from raytunix.agents import make_agent  # noqa: E402
+from raytunix.envs import SimulatedToolEnv  # noqa: E402
 from raytunix.inference.actor import EngineActor  # noqa: E402
 from raytunix.models.llama import ModelConfig  # noqa: E402
 from raytunix.models.tokenizer import Tokenizer  # noqa: E402
 from raytunix.rollout.actor import OrchestratorActor, RayEngineClient  # noqa: E402
 from raytunix.rollout.batch import trajectories_to_record_batch  # noqa: E402
 from raytunix.rollout.env_pool import EnvPool  # noqa: E402
-from raytunix.types import (  # noqa: E402
-    EpisodeStatus,
-    FinishReason,
-    GenerationRequest,
-    SamplingParams,
-    Task,
-)
+from raytunix.types import EpisodeStatus, FinishReason, SamplingParams, Task  # noqa: E402
 
 _ACTOR_ENV = {"env_vars": {"JAX_PLATFORMS": "cpu"}}
 AGENT = "text"  # SimulatedToolEnv.default_agent
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--trajectories", type=int, default=192, help="per mode and repeat")
+    p.add_argument("--trajectories", type=int, default=384,
+                   help="timed trajectories per async run (a multiple of --max-batch-size)")
+    p.add_argument("--lockstep-trajectories", type=int, default=None,
+                   help="trajectories per lockstep run (default: a quarter of "
+                        "--trajectories, at least one batch; lockstep is slow)")
+    p.add_argument("--warmup-trajectories", type=int, default=None,
+                   help="untimed trajectories before each async window (default: the "
+                        "concurrency, rounded up to whole batches)")
     p.add_argument("--tool-latency-s", type=float, default=None,
-                   help="mean tool latency (s); default: latency factor x calibrated turn time")
+                   help="median tool latency L (s); default: latency factor x calibrated turn")
     p.add_argument("--latency-factor", type=float, default=5.0)
-    p.add_argument("--jitter", type=float, default=0.5, help="relative tool latency jitter")
+    p.add_argument("--latency-dist", choices=("lognormal", "uniform"), default="lognormal")
+    p.add_argument("--latency-sigma", type=float, default=1.0,
+                   help="lognormal: standard deviation of the log latency")
+    p.add_argument("--jitter", type=float, default=0.5,
+                   help="uniform: relative half-width of the latency")
+    p.add_argument("--straggler-fraction", type=float, default=0.05,
+                   help="share of episodes whose every tool call is --straggler-factor x slower")
+    p.add_argument("--straggler-factor", type=float, default=20.0)
     p.add_argument("--turns", type=int, default=3, help="turns (tool calls) per episode")
     p.add_argument("--max-new-tokens", type=int, default=16, help="generated tokens per turn")
-    p.add_argument("--max-batch-size", type=int, default=16, help="engine slots")
+    p.add_argument("--max-batch-size", type=int, default=16, help="engine decode rows")
+    p.add_argument("--kv-cache-tokens", type=int, default=None,
+                   help="engine KV capacity (default: the engine's)")
     p.add_argument("--concurrency", type=int, default=None,
-                   help="async episodes in flight (default 6 x max batch size: with tools "
-                        "taking 5x a turn's generation, 1 episode in 6 is generating)")
+                   help="async episodes in flight (default: 1.5 x max_batch_size x "
+                        "(1 + mean tool latency / generation turn), Little's law)")
     p.add_argument("--env-actors", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=2, help="measurements per mode")
+    p.add_argument("--repeats", type=int, default=1, help="measurements per mode")
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--n-layers", type=int, default=3)
+    p.add_argument("--max-seq-len", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
-    if args.concurrency is None:
-        args.concurrency = 6 * args.max_batch_size
-    if args.trajectories % args.max_batch_size:
-        p.error(f"--trajectories ({args.trajectories}) must be a multiple of --max-batch-size "
-                f"({args.max_batch_size}): lockstep runs whole batches.")
+    args = p.parse_args(argv)
+    b = args.max_batch_size
+    if args.trajectories < b or args.trajectories % b:
+        p.error(f"--trajectories ({args.trajectories}) must be a positive multiple of "
+                f"--max-batch-size ({b}): trajectories come in batches of that size.")
+    if args.lockstep_trajectories is None:
+        args.lockstep_trajectories = max(b, args.trajectories // 4 // b * b)
+    if args.lockstep_trajectories < b or args.lockstep_trajectories % b:
+        p.error(f"--lockstep-trajectories ({args.lockstep_trajectories}) must be a positive "
+                f"multiple of --max-batch-size ({b}): lockstep runs whole batches.")
     return args
 
 
@@ -89,8 +121,9 @@ def machine() -> dict:
             "python": platform.python_version(), "ray": ray.__version__}
 
 
-def make_tasks(n: int) -> list[Task]:
-    return [Task(task_id=f"t{i}", question=f"Task {i}: look it up.", answer="") for i in range(n)]
+def make_tasks(n: int, prefix: str) -> list[Task]:
+    return [Task(task_id=f"{prefix}{i}", question=f"Task {i}: look it up.", answer="")
+            for i in range(n)]
 
 
 def sampling(args) -> SamplingParams:
@@ -99,26 +132,50 @@ def sampling(args) -> SamplingParams:
     return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, stop_token_ids=())
 
 
+def env_kwargs(args, latency_s: float) -> dict:
+    kwargs = {"tool_latency_s": latency_s, "turns": args.turns, "seed": args.seed,
+              "latency_dist": args.latency_dist,
+              "straggler_fraction": args.straggler_fraction,
+              "straggler_factor": args.straggler_factor}
+    if args.latency_dist == "lognormal":
+        kwargs["latency_sigma"] = args.latency_sigma
+    else:
+        kwargs["jitter"] = args.jitter
+    return kwargs
+
+
 def engine_window(before: dict, after: dict, wall_s: float) -> dict:
-    busy = after["busy_s"] - before["busy_s"]
-    steps = after["decode_steps"] - before["decode_steps"]
-    return {"engine_busy_fraction": busy / wall_s,
-            "engine_busy_s": busy,
+    def delta(key):
+        return after[key] - before[key]
+
+    steps = delta("decode_steps")
+    return {"engine_busy_fraction": delta("busy_s") / wall_s,
+            "engine_busy_s": delta("busy_s"),
+            "engine_prefill_s": delta("busy_prefill_s"),
             "engine_decode_steps": steps,
-            "engine_prefill_calls": after["prefill_calls"] - before["prefill_calls"],
-            "engine_tokens_generated": after["tokens_generated"] - before["tokens_generated"],
-            "engine_mean_active_slots":
+            "engine_prefill_calls": delta("prefill_calls"),
+            "engine_tokens_generated": delta("tokens_generated"),
+            "engine_mean_decode_rows":
                 (after["mean_active_slots"] * after["decode_steps"]
-                 - before["mean_active_slots"] * before["decode_steps"]) / max(steps, 1)}
+                 - before["mean_active_slots"] * before["decode_steps"]) / max(steps, 1),
+            "engine_prompt_tokens_computed": delta("prompt_tokens_computed"),
+            "engine_session_evictions": delta("session_evictions"),
+            "engine_preemptions": delta("preemptions"),
+            "compiled_during_run": delta("compiled_programs")}
+
+
+def run_summary(wall: float, n: int, tokens: float, turns: float, statuses) -> dict:
+    return {"wall_s": wall, "trajectories": n, "trajectories_per_s": n / wall,
+            "generated_tokens_per_s": tokens / wall, "mean_turns": turns / n,
+            "mean_tokens_per_turn": tokens / max(turns, 1), "statuses": dict(statuses)}
 
 
 # ----------------------------------------------------------------------- lockstep baseline
 
-async def lockstep_batch(tasks, tokenizer, engine, pool: EnvPool, args, batch_index: int,
+async def lockstep_batch(tasks, tokenizer, client, pool: EnvPool, args, batch_index: int,
                          turn_times: list[float] | None = None) -> list:
     """One batch of episodes in lockstep; returns their trajectories. Mirrors
     ``run_episode``'s turn logic, but every phase is gathered over the batch."""
-    client = RayEngineClient(engine)
     leases = [pool.lease(f"l{batch_index}") for _ in tasks]
     envs = [env for env, _ in leases]
     agents = [make_agent(AGENT, tokenizer) for _ in tasks]
@@ -163,10 +220,11 @@ async def lockstep_batch(tasks, tokenizer, engine, pool: EnvPool, args, batch_in
 
 
 async def run_lockstep(tasks, tokenizer, engine, pool, args, turn_times=None) -> list:
+    client = RayEngineClient(engine)
     trajectories = []
     b = args.max_batch_size
     for k in range(len(tasks) // b):
-        trajectories += await lockstep_batch(tasks[k * b:(k + 1) * b], tokenizer, engine, pool,
+        trajectories += await lockstep_batch(tasks[k * b:(k + 1) * b], tokenizer, client, pool,
                                              args, k, turn_times)
     return trajectories
 
@@ -180,49 +238,49 @@ def measure_lockstep(tasks, tokenizer, engine, pool, args) -> dict:
     tokens = sum(sum(t.loss_mask) for t in trajectories)
     turns = sum(t.num_turns for t in trajectories)
     statuses = collections.Counter(t.status.value for t in trajectories)
-    return {"wall_s": wall, "trajectories": len(trajectories),
-            "trajectories_per_s": len(trajectories) / wall,
-            "generated_tokens_per_s": tokens / wall, "mean_turns": turns / len(trajectories),
-            "mean_tokens_per_turn": tokens / max(turns, 1), "statuses": dict(statuses),
+    return {**run_summary(wall, len(trajectories), tokens, turns, statuses),
             **engine_window(before, after, wall)}
 
 
 # ----------------------------------------------------------------------- async orchestrator
 
-def measure_async(tasks, tokenizer, engine, pool, args, max_context_tokens: int) -> dict:
+def measure_async(tasks, tokenizer, engine, pool, args, warmup: int) -> dict:
     orchestrator = ray.remote(OrchestratorActor).options(
         num_cpus=0, max_concurrency=10_000, runtime_env=_ACTOR_ENV).remote(
         tasks=tasks, tokenizer=tokenizer, agent_name=AGENT, env_pool=pool, engine=engine,
         group_size=1, groups_per_batch=args.max_batch_size,
         max_concurrent_episodes=args.concurrency,
         max_staleness=10**9,  # no learner runs: admission must never wait for one
-        max_turns=args.turns, max_context_tokens=max_context_tokens,
+        max_turns=args.turns, max_context_tokens=args.max_seq_len,
         sampling=sampling(args), episode_timeout_s=600.0, batch_queue_size=4, seed=args.seed)
-    ray.get(orchestrator.stats.remote())  # constructed and ready before the clock starts
+
+    def consume(count: int):
+        n, tokens, turns, statuses = 0, 0.0, 0.0, collections.Counter()
+        while n < count:
+            _, info = ray.get(orchestrator.next_batch.remote())
+            k = info["num_trajectories"]
+            n += k
+            tokens += info["generated_tokens_mean"] * k
+            turns += info["turns_mean"] * k
+            statuses.update(info["statuses"])
+        return n, tokens, turns, statuses
+
+    consume(warmup)  # the start-up ramp: every episode starts at once
     before = ray.get(engine.engine_stats.remote())
     start = time.perf_counter()
-    n, tokens, turns, statuses = 0, 0.0, 0.0, collections.Counter()
-    while n < args.trajectories:
-        _, info = ray.get(orchestrator.next_batch.remote())
-        k = info["num_trajectories"]
-        n += k
-        tokens += info["generated_tokens_mean"] * k
-        turns += info["turns_mean"] * k
-        statuses.update(info["statuses"])
+    n, tokens, turns, statuses = consume(args.trajectories)
     wall = time.perf_counter() - start
     after = ray.get(engine.engine_stats.remote())
     ray.get(orchestrator.stop.remote())
     ray.kill(orchestrator)
     wait_engine_idle(engine)
-    return {"wall_s": wall, "trajectories": n, "trajectories_per_s": n / wall,
-            "generated_tokens_per_s": tokens / wall, "mean_turns": turns / n,
-            "mean_tokens_per_turn": tokens / max(turns, 1), "statuses": dict(statuses),
-            **engine_window(before, after, wall)}
+    return {**run_summary(wall, n, tokens, turns, statuses),
+            "warmup_trajectories": warmup, **engine_window(before, after, wall)}
 
 
 def wait_engine_idle(engine, timeout_s: float = 60.0) -> None:
-    """Waits out the requests of episodes cancelled at the end of a run, which the engine
-    still finishes, so that they do not run into the next measurement."""
+    """Waits out the requests of episodes cancelled at the end of a run, so that they do
+    not run into the next measurement."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         stats = ray.get(engine.engine_stats.remote())
@@ -234,76 +292,94 @@ def wait_engine_idle(engine, timeout_s: float = 60.0) -> None:
 
 # ----------------------------------------------------------------------- main
 
-def warm_up(engine, args) -> None:
-    """Compiles every prefill shape (batch bucket x length bucket) the runs can hit, and the
-    decode step, so no measurement includes a compilation."""
-    async def main():
-        client = RayEngineClient(engine)
-        for n_prompts in sorted({1, min(4, args.max_batch_size), args.max_batch_size}):
-            for length in (16, 96, 160):
-                await asyncio.gather(*(client.generate(GenerationRequest(
-                    request_id=f"warm{n_prompts}/{length}/{i}", prompt_ids=(11,) * length,
-                    sampling=SamplingParams(max_new_tokens=2))) for i in range(n_prompts)))
-    asyncio.run(main())
-
-
 def summarize(runs: list[dict]) -> dict:
     keys = ("trajectories_per_s", "generated_tokens_per_s", "engine_busy_fraction", "wall_s")
     return {**{k: statistics.median(r[k] for r in runs) for k in keys}, "runs": runs}
 
 
-def main() -> None:
-    args = parse_args()
+def calibrate(tokenizer, engine, args) -> float:
+    """Median seconds of one generation turn of a full lockstep batch, tools taking none."""
+    pool = EnvPool("simulated_tool", {"tool_latency_s": 0.0, "turns": args.turns},
+                   num_actors=1)
+    b = args.max_batch_size
+    tasks = make_tasks(2 * b, "calibrate")
+    turn_times: list[float] = []
+    asyncio.run(run_lockstep(tasks[:b], tokenizer, engine, pool, args))
+    asyncio.run(run_lockstep(tasks[b:], tokenizer, engine, pool, args, turn_times))
+    for actor in pool.actors:
+        ray.kill(actor)
+    return statistics.median(turn_times)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
     ray.init(address="local", include_dashboard=False, num_cpus=os.cpu_count() or 2,
              object_store_memory=128 * 1024**2, log_to_driver=False, runtime_env=_ACTOR_ENV)
     load_before = os.getloadavg()
     tokenizer = Tokenizer.byte_level()
-    model_config = ModelConfig(vocab_size=tokenizer.vocab_size)
+    model_config = ModelConfig(vocab_size=tokenizer.vocab_size, d_model=args.d_model,
+                               n_layers=args.n_layers, max_seq_len=args.max_seq_len)
+    engine_kwargs = {"max_batch_size": args.max_batch_size}
+    if args.kv_cache_tokens is not None:
+        engine_kwargs["kv_cache_tokens"] = args.kv_cache_tokens
     engine = ray.remote(EngineActor).options(
         num_cpus=0, max_concurrency=10_000, runtime_env=_ACTOR_ENV).remote(
-        model_config, args.seed, tokenizer, {"max_batch_size": args.max_batch_size})
-    warm_up(engine, args)
+        model_config, args.seed, tokenizer, engine_kwargs)
+    t0 = time.perf_counter()
+    shapes = ray.get(engine.warmup.remote())  # no compilation inside a measurement
+    warmup_s = time.perf_counter() - t0
 
-    calibration = {}
+    turn_s = calibrate(tokenizer, engine, args)
     latency = args.tool_latency_s
     if latency is None:
-        pool = EnvPool("simulated_tool", {"tool_latency_s": 0.0, "turns": args.turns},
-                       num_actors=1)
-        turn_times: list[float] = []
-        tasks = make_tasks(2 * args.max_batch_size)
-        asyncio.run(run_lockstep(tasks[:args.max_batch_size], tokenizer, engine, pool, args))
-        asyncio.run(run_lockstep(tasks[args.max_batch_size:], tokenizer, engine, pool, args,
-                                 turn_times))
-        for actor in pool.actors:
-            ray.kill(actor)
-        turn_s = statistics.median(turn_times)
         latency = args.latency_factor * turn_s
-        calibration = {"generation_turn_s": turn_s, "turn_samples": len(turn_times)}
+    mean_latency = SimulatedToolEnv(**env_kwargs(args, latency)).mean_latency_s
+    if args.concurrency is None:
+        args.concurrency = math.ceil(1.5 * args.max_batch_size * (1 + mean_latency / turn_s))
+    warmup = args.warmup_trajectories
+    if warmup is None:
+        warmup = -(-args.concurrency // args.max_batch_size) * args.max_batch_size
 
-    pool = EnvPool("simulated_tool", {"tool_latency_s": latency, "turns": args.turns,
-                                      "jitter": args.jitter, "seed": args.seed},
-                   num_actors=args.env_actors)
-    pool.wait_ready()
-    results: dict[str, list[dict]] = {"lockstep": [], "async": []}
-    for _ in range(args.repeats):
-        tasks = make_tasks(args.trajectories)
-        results["lockstep"].append(measure_lockstep(tasks, tokenizer, engine, pool, args))
-        results["async"].append(measure_async(tasks, tokenizer, engine, pool, args,
-                                              model_config.max_seq_len))
+    pools = {"slow": EnvPool("simulated_tool", env_kwargs(args, latency),
+                             num_actors=args.env_actors),
+             "instant": EnvPool("simulated_tool", env_kwargs(args, 0.0),
+                                num_actors=args.env_actors)}
+    for pool in pools.values():
+        pool.wait_ready()
+    results: dict[str, list[dict]] = {"lockstep": [], "async": [], "async_zero_latency": []}
+    for r in range(args.repeats):
+        # Fresh task ids per run: a task's straggler draw is seeded by its id.
+        results["async"].append(measure_async(
+            make_tasks(warmup + 2 * args.trajectories, f"a{r}/"), tokenizer, engine,
+            pools["slow"], args, warmup))
+        results["async_zero_latency"].append(measure_async(
+            make_tasks(warmup + 2 * args.trajectories, f"z{r}/"), tokenizer, engine,
+            pools["instant"], args, warmup))
+        results["lockstep"].append(measure_lockstep(
+            make_tasks(args.lockstep_trajectories, f"l{r}/"), tokenizer, engine,
+            pools["slow"], args))
     summary = {mode: summarize(runs) for mode, runs in results.items()}
-    print(json.dumps({
+    report = {
         "benchmark": "rollout_overlap",
+        "engine_busy_fraction": summary["async"]["engine_busy_fraction"],
+        "throughput_ratio_vs_zero_latency": (summary["async"]["trajectories_per_s"]
+                                             / summary["async_zero_latency"]["trajectories_per_s"]),
+        "speedup_trajectories_per_s": (summary["async"]["trajectories_per_s"]
+                                       / summary["lockstep"]["trajectories_per_s"]),
         "machine": {**machine(), "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
-        "parameters": {**vars(args), "tool_latency_s": latency, "model": {
-            "d_model": model_config.d_model, "n_layers": model_config.n_layers,
-            "vocab_size": model_config.vocab_size}},
-        "calibration": calibration,
+        "parameters": {**vars(args), "tool_latency_s": latency,
+                       "mean_tool_latency_s": mean_latency,
+                       "warmup_trajectories": warmup, "model": {
+                           "d_model": model_config.d_model, "n_layers": model_config.n_layers,
+                           "vocab_size": model_config.vocab_size,
+                           "max_seq_len": model_config.max_seq_len}},
+        "calibration": {"generation_turn_s": turn_s, "compiled_shapes": shapes,
+                        "compile_s": warmup_s},
         **summary,
-        "speedup_trajectories_per_s":
-            summary["async"]["trajectories_per_s"] / summary["lockstep"]["trajectories_per_s"],
-    }, indent=2))
+    }
     ray.shutdown()
+    return report
 
 
 if __name__ == "__main__":
-    main()
+    print(json.dumps(main(), indent=2))

@@ -38,3 +38,7 @@ class EngineActor:
 
     def engine_stats(self) -> dict:
         return self.engine.stats()
+
+    def warmup(self) -> int:
+        """Compiles every program the engine can call; returns how many shapes."""
+        return self.engine.warmup()
