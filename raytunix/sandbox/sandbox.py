@@ -1,0 +1,667 @@
+"""Runs commands in per-episode work dirs under resource limits, in bubblewrap where it
+works and in a plainly weaker subprocess sandbox where it does not.
+
+    sandbox = Sandbox(SandboxLimits(wall_time_s=5))
+    ws = sandbox.open_workspace("episode-17")
+    result = sandbox.run(ws, ["python3", "-I", "-"], stdin="print(6 * 7)")
+    result.stdout, result.backend, result.isolation      # '42\\n', BWRAP, NAMESPACES
+    sandbox.close_workspace(ws)
+
+How a run is built:
+
+* Every run starts as a fresh interpreter running ``_launch.py``, which sets the rlimits
+  (CPU seconds, address space, file size, no core dumps, processes), switches user where
+  that applies and ``exec``s the command, so nothing happens between ``fork`` and ``exec``
+  in this (threaded) process.
+* The host user root gives each work dir a user id of its own (from
+  ``SANDBOX_UID_BASE`` up, one per open work dir on the host, claimed with a lock file).
+  The process limit is only enforced for users other than root, and counts per user, so
+  this is what makes it hold, under bubblewrap too; it also lets the end of every run kill
+  all processes of that user, whatever session they moved to.
+* bubblewrap (``bwrap``) unshares every namespace (no network, own PID namespace), mounts
+  ``/usr``, ``/etc``, the ``/bin``-style links and the Python installation read-only, a
+  fresh ``/dev``, ``/proc`` and a size-limited ``/tmp``, and the work dir read-write at
+  its own path; nothing else of the host is visible. It dies with its parent, and its
+  PID namespace dies with it, so killing its process group kills the whole tree.
+* Whether bubblewrap works is found out once per process by running ``true`` in it; when
+  it does not (not installed, user namespaces forbidden...) ``backend="auto"`` falls back
+  to the subprocess backend, logs one warning with the reason, and says so in every
+  result (``SandboxResult.isolation``).
+* The wall-clock deadline is watched with a pidfd and the output pipes in one ``select``
+  loop; past it, the process group is killed (and, as root, every process of the work
+  dir's user). Output beyond ``max_output_bytes`` is read and dropped, so a command that
+  prints 100 MB neither blocks nor fills this process's memory.
+
+Not covered: disk usage of a work dir (each file is limited, their number is not),
+seccomp filtering, and a memory limit on resident memory (``RLIMIT_AS`` bounds address
+space). Runs of one work dir are serialized.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import logging
+import math
+import os
+import re
+import secrets
+import selectors
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from raytunix.sandbox.types import (
+    IsolationLevel,
+    SandboxBackend,
+    SandboxError,
+    SandboxLimit,
+    SandboxLimits,
+    SandboxResult,
+    WorkspaceLost,
+)
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "bwrap", "subprocess")
+# Work dirs get user ids from here up when the host user is root; far above the ids
+# distributions hand out (and below 2**31, which some tools treat as negative).
+SANDBOX_UID_BASE = 1_900_000_000
+SANDBOX_UID_SLOTS = 100_000
+_LAUNCHER = (Path(__file__).with_name("_launch.py")).read_text()
+_KILL_GRACE_S = 2.0  # after the command ended or was killed: pipes must close by then
+_SYSTEM_RO = ("/usr", "/etc")
+_SYSTEM_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+_MEMORY_ERRORS = ("MemoryError", "Cannot allocate memory", "std::bad_alloc", "out of memory",
+                  "memory exhausted")
+_PROCESS_ERRORS = ("Resource temporarily unavailable", "Cannot fork", "can't fork")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Mode:
+    backend: SandboxBackend
+    own_uid: bool  # each work dir runs as a user id of its own (needs root)
+
+    @property
+    def isolation(self) -> IsolationLevel:
+        if self.backend is SandboxBackend.BWRAP:
+            return IsolationLevel.NAMESPACES
+        return IsolationLevel.USER if self.own_uid else IsolationLevel.PROCESS
+
+
+@dataclasses.dataclass
+class _Workspace:
+    path: str
+    uid: int | None  # the work dir's own user id, or None (runs as the host user)
+    lock_fd: int | None  # holds the uid's claim
+    run_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    running: subprocess.Popen | None = None
+
+
+# Found out once per process: (backend, own_uid) -> None if it works, else why not.
+_PROBES: dict[tuple[SandboxBackend, bool], str | None] = {}
+_PROBE_LOCK = threading.Lock()
+_WARNED: set[tuple[str, IsolationLevel]] = set()
+
+
+class Sandbox:
+    """Per-episode work dirs and limited, isolated command runs; thread-safe.
+
+    Args:
+      limits: default limits of a run (``SandboxLimits()`` if None).
+      backend: ``"auto"`` (bubblewrap if it works here, else the subprocess backend with a
+        warning), ``"bwrap"`` (bubblewrap or ``SandboxError``) or ``"subprocess"``.
+      root_dir: where work dirs are created (default ``<temp dir>/raytunix-sandbox-<uid>``).
+      instance: names this sandbox's subdirectory of ``root_dir``; whatever a previous
+        sandbox of the same name left there is deleted first (a restarted actor passes its
+        actor id). Default: unique to this object.
+      ro_binds: more host paths visible read-only under bubblewrap (e.g. a dataset).
+
+    Raises:
+      ValueError: ``backend`` is not one of ``BACKENDS``, or a ``ro_binds`` path is not
+        an existing absolute path.
+      SandboxError: ``backend="bwrap"`` and bubblewrap does not work here (the message
+        says why), or no backend works at all.
+    """
+
+    def __init__(self, limits: SandboxLimits | None = None, *, backend: str = "auto",
+                 root_dir: str | None = None, instance: str | None = None,
+                 ro_binds: Sequence[str] = ()) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r} is not one of {', '.join(BACKENDS)}.")
+        for path in ro_binds:
+            if not (os.path.isabs(path) and os.path.exists(path)):
+                raise ValueError(f"ro_binds path {path!r} is not an existing absolute path.")
+        self.limits = limits or SandboxLimits()
+        self._ro_binds = tuple(ro_binds)
+        self._root = os.getuid() == 0
+        base = root_dir or os.path.join(tempfile.gettempdir(), f"raytunix-sandbox-{os.getuid()}")
+        instance = instance or f"p{os.getpid()}-{secrets.token_hex(4)}"
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", instance) or instance in (".", ".."):
+            raise ValueError(f"instance={instance!r} must be a plain directory name.")
+        self._dir = os.path.join(os.path.abspath(base), instance)
+        self._make_dirs(os.path.abspath(base))
+        self._workspaces: dict[str, _Workspace] = {}
+        self._lock = threading.Lock()
+        self._finalizer = weakref.finalize(self, _remove_tree, self._dir)
+        self._mode, self.fallback_reason = self._choose_mode(backend)
+
+    # -- public API ------------------------------------------------------------------
+
+    @property
+    def backend(self) -> SandboxBackend:
+        return self._mode.backend
+
+    @property
+    def isolation(self) -> IsolationLevel:
+        return self._mode.isolation
+
+    def open_workspace(self, name: str = "") -> str:
+        """Creates an empty work dir only this sandbox's runs can use; returns its id.
+
+        ``name`` (letters, digits, ``-_.``; others are replaced) prefixes the id to make
+        logs readable. Files written there persist across runs until ``close_workspace``.
+        """
+        return self._open(name, self._mode)
+
+    def run(self, workspace: str, argv: Sequence[str], *, stdin: bytes | str = b"",
+            env: Mapping[str, str] | None = None,
+            limits: SandboxLimits | None = None) -> SandboxResult:
+        """Runs ``argv`` (``argv[0]`` looked up on the sandbox's ``PATH``) in the work dir.
+
+        Args:
+          workspace: an id from ``open_workspace``.
+          argv: the command and its arguments (strings without NUL bytes).
+          stdin: the command's standard input (a str is encoded as UTF-8).
+          env: variables added to the sandbox's minimal environment (``PATH``, ``HOME``
+            = the work dir, ``TMPDIR``, ``LANG=C.UTF-8``, one BLAS/OpenMP thread); the
+            caller's own environment is never passed on.
+          limits: this run's limits (default: the sandbox's).
+
+        Returns:
+          a ``SandboxResult``; a command that fails, hits a limit or cannot be found is a
+          result (exit code 127 for the last), not an exception.
+
+        Raises:
+          WorkspaceLost: ``workspace`` is not open here.
+          ValueError: ``argv``, ``stdin`` or ``env`` is malformed (the message names it).
+        """
+        argv, data, env = _check_call(argv, stdin, env)
+        ws = self._workspace(workspace)
+        with ws.run_lock:
+            return self._execute(ws, argv, data, env, limits or self.limits, self._mode)
+
+    def close_workspace(self, workspace: str) -> None:
+        """Kills whatever still runs in the work dir and deletes it; unknown ids are
+        ignored (closing twice is fine)."""
+        with self._lock:
+            ws = self._workspaces.pop(workspace, None)
+        if ws is not None:
+            self._discard(ws)
+
+    def run_once(self, argv: Sequence[str], **kwargs) -> SandboxResult:
+        """``run`` in a fresh work dir that is deleted afterwards (same keyword arguments)."""
+        workspace = self.open_workspace("once")
+        try:
+            return self.run(workspace, argv, **kwargs)
+        finally:
+            self.close_workspace(workspace)
+
+    def num_workspaces(self) -> int:
+        return len(self._workspaces)
+
+    def workspace_path(self, workspace: str) -> str:
+        """The work dir's path on this host (the same path inside the sandbox)."""
+        return self._workspace(workspace).path
+
+    def close(self) -> None:
+        """Closes every work dir and deletes this sandbox's directory."""
+        with self._lock:
+            workspaces, self._workspaces = list(self._workspaces.values()), {}
+        for ws in workspaces:
+            self._discard(ws)
+        self._finalizer()
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- choosing a backend ------------------------------------------------------------
+
+    def _choose_mode(self, backend: str) -> tuple[_Mode, str | None]:
+        # Root never runs a command as root: the process limit does not hold for root.
+        bwrap = _Mode(SandboxBackend.BWRAP, self._root)
+        plain = _Mode(SandboxBackend.SUBPROCESS, self._root)
+        candidates = {"auto": [bwrap, plain], "bwrap": [bwrap], "subprocess": [plain]}[backend]
+        reasons = []
+        for mode in candidates:
+            reason = self._probe(mode)
+            if reason is None:
+                break
+            reasons.append(f"{mode.backend.value}{' as its own user' if mode.own_uid else ''}: "
+                           f"{reason}")
+        else:
+            raise SandboxError(f"sandbox backend={backend!r} cannot run here: "
+                               + "; ".join(reasons))
+        why = "; ".join(reasons) or None
+        if mode.isolation is not IsolationLevel.NAMESPACES and (backend, mode.isolation) not in _WARNED:
+            _WARNED.add((backend, mode.isolation))
+            logger.warning(
+                "sandbox: running tools with the %s backend, isolation %r: limits hold, but "
+                "commands can reach the network and the host's files%s%s. Install bubblewrap "
+                "(apt-get install bubblewrap) and allow unprivileged user namespaces for "
+                "full isolation.",
+                mode.backend.value, mode.isolation.value,
+                "" if mode.own_uid else ", and episodes share the host user",
+                f" because {why}" if why else "")
+        return mode, why
+
+    def _probe(self, mode: _Mode) -> str | None:
+        key = (mode.backend, mode.own_uid)
+        with _PROBE_LOCK:
+            if key not in _PROBES:
+                _PROBES[key] = self._try(mode)
+            return _PROBES[key]
+
+    def _try(self, mode: _Mode) -> str | None:
+        if mode.backend is SandboxBackend.BWRAP and shutil.which("bwrap") is None:
+            return "bwrap is not installed (no 'bwrap' on PATH)"
+        workspace = self._open("probe", mode)
+        try:
+            ws = self._workspace(workspace)
+            limits = dataclasses.replace(self.limits, wall_time_s=30.0, max_processes=8,
+                                         memory_bytes=max(self.limits.memory_bytes, 256 << 20))
+            result = self._execute(ws, ["true"], b"", {}, limits, mode)
+        except OSError as e:
+            return f"cannot start it: {e}"
+        finally:
+            self.close_workspace(workspace)
+        if result.exit_code != 0:
+            return (f"'true' exited with {result.exit_code}: "
+                    f"{result.stderr.strip()[-300:] or 'no message'}")
+        return None
+
+    # -- work dirs ---------------------------------------------------------------------
+
+    def _make_dirs(self, base: str) -> None:
+        # Traversable, not listable, by the work dirs' users; a previous life's leftovers go.
+        os.makedirs(base, exist_ok=True)
+        _remove_tree(self._dir)
+        os.makedirs(self._dir)
+        mode = 0o711 if self._root else 0o700
+        for path in (base, self._dir):
+            if os.stat(path).st_uid == os.getuid():
+                os.chmod(path, mode)
+
+    def _open(self, name: str, mode: _Mode) -> str:
+        workspace = f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)[:48]}-{secrets.token_hex(6)}"
+        path = os.path.join(self._dir, workspace)
+        uid, lock_fd = _claim_uid() if mode.own_uid else (None, None)
+        try:
+            os.mkdir(path, 0o700)
+            if uid is not None:
+                os.chown(path, uid, uid)
+                _sweep(uid)  # a process a dead sandbox left behind under this id
+        except BaseException:
+            _release_uid(lock_fd)
+            _remove_tree(path)
+            raise
+        with self._lock:
+            self._workspaces[workspace] = _Workspace(path, uid, lock_fd)
+        return workspace
+
+    def _workspace(self, workspace: str) -> _Workspace:
+        try:
+            return self._workspaces[workspace]
+        except KeyError:
+            raise WorkspaceLost(
+                f"work dir {workspace!r} is not open in this sandbox (closed, or lost when "
+                "its sandbox actor restarted); open a new one") from None
+
+    def _discard(self, ws: _Workspace) -> None:
+        proc = ws.running
+        if proc is not None:
+            _kill_group(proc.pid)
+        if ws.uid is not None:
+            _sweep(ws.uid)
+        _remove_tree(ws.path)
+        _release_uid(ws.lock_fd)
+
+    # -- one run -----------------------------------------------------------------------
+
+    def _execute(self, ws: _Workspace, argv: list[str], stdin: bytes, env: dict[str, str],
+                 limits: SandboxLimits, mode: _Mode) -> SandboxResult:
+        command = self._command(ws, argv, limits, mode)
+        environ = self._environment(ws, env, mode)
+        stdin_fd = os.memfd_create("sandbox-stdin", os.MFD_CLOEXEC)
+        try:
+            os.write(stdin_fd, stdin)  # a memfd takes it all at once; no writer thread
+            os.lseek(stdin_fd, 0, os.SEEK_SET)
+            start = time.monotonic()
+            proc = subprocess.Popen(command, stdin=stdin_fd, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, cwd=ws.path, env=environ,
+                                    start_new_session=True, close_fds=True)
+        finally:
+            os.close(stdin_fd)
+        ws.running = proc
+        out, err = _Capture(limits.max_output_bytes), _Capture(limits.max_output_bytes)
+        try:
+            timed_out = self._supervise(proc, ws, mode, out, err, start + limits.wall_time_s)
+        finally:
+            if proc.poll() is None:  # only on an unexpected error in supervise
+                self._kill_tree(proc, ws)
+                proc.wait()
+            ws.running = None
+            proc.stdout.close()
+            proc.stderr.close()
+        return _result(proc.returncode, out, err, timed_out, time.monotonic() - start, mode,
+                       limits)
+
+    def _supervise(self, proc: subprocess.Popen, ws: _Workspace, mode: _Mode,
+                   out: "_Capture", err: "_Capture", deadline: float) -> bool:
+        """Reads both pipes until they close, killing the tree at the deadline and any
+        leftovers once the command exits. Returns whether the deadline passed."""
+        timed_out = exited = False
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ, out)
+        sel.register(proc.stderr, selectors.EVENT_READ, err)
+        open_streams = 2
+        pidfd = _pidfd(proc.pid)
+        if pidfd is not None:
+            sel.register(pidfd, selectors.EVENT_READ, None)
+        try:
+            while open_streams or not exited:
+                wait = deadline - time.monotonic()
+                if wait <= 0:
+                    if exited or timed_out:
+                        break  # something still holds the pipes after the grace period
+                    timed_out = True
+                    self._kill_tree(proc, ws)
+                    deadline = time.monotonic() + _KILL_GRACE_S
+                    continue
+                for key, _ in sel.select(wait if pidfd is not None else min(wait, 0.05)):
+                    if key.data is None:
+                        sel.unregister(pidfd)  # the command exited; poll() reaps it
+                        continue
+                    chunk = os.read(key.fd, 1 << 16)
+                    if chunk:
+                        key.data.feed(chunk)
+                    else:
+                        sel.unregister(key.fileobj)
+                        open_streams -= 1
+                if not exited and proc.poll() is not None:
+                    exited = True
+                    # Background processes end with the command: bubblewrap's PID
+                    # namespace ends with it; the subprocess backend kills them.
+                    if mode.backend is SandboxBackend.SUBPROCESS:
+                        self._kill_tree(proc, ws)
+                    if not timed_out:
+                        deadline = time.monotonic() + _KILL_GRACE_S
+        finally:
+            sel.close()
+            if pidfd is not None:
+                os.close(pidfd)
+        return timed_out
+
+    def _kill_tree(self, proc: subprocess.Popen, ws: _Workspace) -> None:
+        _kill_group(proc.pid)
+        if ws.uid is not None:
+            _sweep(ws.uid)
+
+    def _command(self, ws: _Workspace, argv: list[str], limits: SandboxLimits,
+                 mode: _Mode) -> list[str]:
+        cpu = math.ceil(limits.cpu_time_s)
+        spec = {"rlimits": [["RLIMIT_CPU", cpu, cpu + 1],
+                            ["RLIMIT_AS", limits.memory_bytes, limits.memory_bytes],
+                            ["RLIMIT_FSIZE", limits.max_file_bytes, limits.max_file_bytes],
+                            ["RLIMIT_CORE", 0, 0]]}
+        if ws.uid is not None:
+            spec.update(nproc=limits.max_processes, nproc_on_top=True, uid=ws.uid, gid=ws.uid)
+            if mode.backend is SandboxBackend.BWRAP:
+                # As the launcher would: a command that cannot be found exits with 127.
+                argv = ["/bin/sh", "-c", 'exec "$@"', "sh"] + argv
+        elif mode.backend is SandboxBackend.SUBPROCESS:
+            spec.update(nproc=limits.max_processes, nproc_on_top=True)
+        else:
+            # The host user's own namespace: the limit must be set inside it, where it
+            # counts this run's processes only (set outside, it would also cap the
+            # user's processes outside the sandbox).
+            argv = _launcher({"nproc": limits.max_processes}) + argv
+        if mode.backend is SandboxBackend.BWRAP:
+            argv = self._bwrap_argv(ws, limits) + ["--"] + argv
+        return _launcher(spec) + argv
+
+    def _bwrap_argv(self, ws: _Workspace, limits: SandboxLimits) -> list[str]:
+        args = [shutil.which("bwrap") or "bwrap", "--unshare-all", "--die-with-parent",
+                "--new-session", "--hostname", "sandbox"]
+        for path in _SYSTEM_LINKS:
+            if os.path.islink(path):
+                args += ["--symlink", os.readlink(path), path]
+            elif os.path.isdir(path):
+                args += ["--ro-bind", path, path]
+        for path in (*_SYSTEM_RO, *self._python_dirs(ws), *self._ro_binds):
+            if os.path.exists(path):
+                args += ["--ro-bind", path, path]
+        args += ["--proc", "/proc", "--dev", "/dev"]
+        if _bwrap_has_size():
+            args += ["--size", str(limits.tmp_bytes)]
+        args += ["--tmpfs", "/tmp", "--bind", ws.path, ws.path, "--chdir", ws.path]
+        return args
+
+    def _python_dirs(self, ws: _Workspace) -> list[str]:
+        """This Python's installation when the run's user can reach it (root's own
+        home, for one, is closed to other users); the system one is under /usr anyway."""
+        dirs = []
+        for prefix in dict.fromkeys((sys.prefix, sys.base_prefix)):
+            if prefix.startswith(("/usr/", "/etc/")) or prefix == "/usr":
+                continue
+            if ws.uid is None or _open_to_others(prefix):
+                dirs.append(prefix)
+        return dirs
+
+    def _environment(self, ws: _Workspace, extra: dict[str, str], mode: _Mode) -> dict[str, str]:
+        bins = [os.path.join(p, "bin") for p in self._python_dirs(ws)]
+        env = {
+            "PATH": ":".join([*bins, "/usr/local/bin", "/usr/bin", "/bin"]),
+            "HOME": ws.path,
+            "TMPDIR": "/tmp" if mode.backend is SandboxBackend.BWRAP else ws.path,
+            "LANG": "C.UTF-8",
+            "OMP_NUM_THREADS": "1",
+            "OPENBLAS_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+        }
+        env.update(extra)
+        return env
+
+
+class _Capture:
+    """Keeps the first ``keep`` bytes of a stream and counts the rest."""
+
+    def __init__(self, keep: int):
+        self.keep = keep
+        self.data = bytearray()
+        self.total = 0
+
+    def feed(self, chunk: bytes) -> None:
+        self.total += len(chunk)
+        room = self.keep - len(self.data)
+        if room > 0:
+            self.data += chunk[:room]
+
+    @property
+    def truncated(self) -> bool:
+        return self.total > len(self.data)
+
+    def text(self) -> str:
+        return self.data.decode("utf-8", errors="replace")
+
+
+def _result(returncode: int, out: _Capture, err: _Capture, timed_out: bool, wall_s: float,
+            mode: _Mode, limits: SandboxLimits) -> SandboxResult:
+    exit_code = 128 - returncode if returncode < 0 else returncode
+    sig = exit_code - 128 if 128 < exit_code <= 128 + 64 else None
+    stderr = err.text()
+    hits = set()
+    if timed_out:
+        hits.add(SandboxLimit.WALL_TIME)
+    if sig == signal.SIGXCPU:
+        hits.add(SandboxLimit.CPU_TIME)
+    if any(marker in stderr for marker in _MEMORY_ERRORS):
+        hits.add(SandboxLimit.MEMORY)
+    if any(marker in stderr for marker in _PROCESS_ERRORS):
+        hits.add(SandboxLimit.PROCESSES)
+    if sig == signal.SIGXFSZ or "File too large" in stderr:
+        hits.add(SandboxLimit.FILE_SIZE)
+    if out.truncated or err.truncated:
+        hits.add(SandboxLimit.OUTPUT)
+    killed_by = None
+    if timed_out:
+        killed_by = SandboxLimit.WALL_TIME
+    elif sig == signal.SIGXCPU:
+        killed_by = SandboxLimit.CPU_TIME
+    elif sig == signal.SIGXFSZ:
+        killed_by = SandboxLimit.FILE_SIZE
+    elif exit_code != 0:
+        killed_by = next((limit for limit in (SandboxLimit.MEMORY, SandboxLimit.FILE_SIZE,
+                                              SandboxLimit.PROCESSES) if limit in hits), None)
+    return SandboxResult(
+        exit_code=exit_code, signal=sig, stdout=out.text(), stderr=stderr,
+        stdout_bytes=out.total, stderr_bytes=err.total, stdout_truncated=out.truncated,
+        stderr_truncated=err.truncated, timed_out=timed_out, killed_by_limit=killed_by,
+        limits_hit=tuple(limit for limit in SandboxLimit if limit in hits),
+        wall_time_s=wall_s, backend=mode.backend, isolation=mode.isolation, limits=limits)
+
+
+def _check_call(argv: Sequence[str], stdin: bytes | str,
+                env: Mapping[str, str] | None) -> tuple[list[str], bytes, dict[str, str]]:
+    if isinstance(argv, (str, bytes)) or not isinstance(argv, Sequence) or not argv:
+        raise ValueError(f"argv must be a non-empty list of strings, got {argv!r}.")
+    for arg in argv:
+        if not isinstance(arg, str) or "\0" in arg:
+            raise ValueError(f"argv item {arg!r} must be a string without NUL bytes.")
+    if isinstance(stdin, str):
+        stdin = stdin.encode("utf-8")
+    if not isinstance(stdin, (bytes, bytearray)):
+        raise ValueError(f"stdin must be bytes or str, got {type(stdin).__name__}.")
+    env = dict(env or {})
+    for key, value in env.items():
+        if not (isinstance(key, str) and _ENV_NAME.fullmatch(key)):
+            raise ValueError(f"env name {key!r} is not a valid variable name.")
+        if not isinstance(value, str) or "\0" in value:
+            raise ValueError(f"env[{key!r}]={value!r} must be a string without NUL bytes.")
+    return list(argv), bytes(stdin), env
+
+
+def _launcher(spec: dict) -> list[str]:
+    return [sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(spec)]
+
+
+def _pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):  # kernels before 5.3: poll instead
+        return None
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _sweep(uid: int) -> None:
+    """Kills every process of the sandbox user ``uid`` (as that user: ``kill(-1)``)."""
+    done = subprocess.run(_launcher({"sweep_uid": uid}), stdin=subprocess.DEVNULL,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={},
+                          timeout=30, check=False)
+    if done.returncode != 0:
+        logger.error("sandbox: could not kill the processes of user %d: %s", uid,
+                     done.stderr.decode(errors="replace")[-300:])
+
+
+def _uid_lock_dir() -> str:
+    path = os.path.join(tempfile.gettempdir(), "raytunix-sandbox-uids")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path
+
+
+def _claim_uid() -> tuple[int, int]:
+    """The lowest sandbox user id no work dir on this host holds, and the fd of its lock
+    (held until ``_release_uid``, or until this process dies)."""
+    lock_dir = _uid_lock_dir()
+    for uid in range(SANDBOX_UID_BASE, SANDBOX_UID_BASE + SANDBOX_UID_SLOTS):
+        fd = os.open(os.path.join(lock_dir, str(uid)), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC,
+                     0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return uid, fd
+        except BlockingIOError:
+            os.close(fd)
+    raise SandboxError(f"all {SANDBOX_UID_SLOTS} sandbox user ids are in use on this host; "
+                       "close work dirs that are no longer needed")
+
+
+def _release_uid(lock_fd: int | None) -> None:
+    if lock_fd is not None:
+        os.close(lock_fd)  # drops the flock
+
+
+def _open_to_others(path: str) -> bool:
+    """Whether a user other than the owner may reach ``path`` (x on every ancestor)."""
+    current = os.path.abspath(path)
+    while True:
+        try:
+            if not os.stat(current).st_mode & stat.S_IXOTH:
+                return False
+        except OSError:
+            return False
+        parent = os.path.dirname(current)
+        if parent == current:
+            return True
+        current = parent
+
+
+def _remove_tree(path: str) -> None:
+    def make_writable(func, failed, _exc):
+        # A command may leave a directory without write or search permission.
+        try:
+            os.chmod(os.path.dirname(failed), 0o700)
+            os.chmod(failed, 0o700)
+        except OSError:
+            pass
+        func(failed)
+
+    if os.path.lexists(path):
+        if sys.version_info >= (3, 12):
+            shutil.rmtree(path, onexc=make_writable)
+        else:
+            shutil.rmtree(path, onerror=make_writable)
+
+
+_BWRAP_SIZE: bool | None = None
+
+
+def _bwrap_has_size() -> bool:
+    """bubblewrap >= 0.5 sizes a tmpfs (``--size``); older ones mount it unbounded."""
+    global _BWRAP_SIZE
+    if _BWRAP_SIZE is None:
+        try:
+            help_text = subprocess.run([shutil.which("bwrap") or "bwrap", "--help"],
+                                       capture_output=True, text=True, timeout=10).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            help_text = ""
+        _BWRAP_SIZE = "--size" in help_text
+    return _BWRAP_SIZE

@@ -1,0 +1,192 @@
+"""What a sandbox run is asked (``SandboxLimits``) and what it reports (``SandboxResult``),
+the failures it raises, and the client protocol that tools talk to.
+
+Nothing here imports Ray.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Mapping, Protocol, Sequence, runtime_checkable
+
+from raytunix.types import EnvFailure
+
+
+class SandboxBackend(str, enum.Enum):
+    """What ran the command."""
+
+    BWRAP = "bwrap"  # bubblewrap: Linux namespaces (user, pid, net, mount, ipc, uts)
+    SUBPROCESS = "subprocess"  # a plain child process with rlimits and its own session
+
+
+class IsolationLevel(str, enum.Enum):
+    """How well a run is kept apart from the host and from other episodes.
+
+    Every level has the same resource limits (CPU time, address space, processes, file
+    size, output size, a wall-clock deadline); they differ in what else holds:
+
+    * ``NAMESPACES`` (bubblewrap): no network at all (an empty network namespace), the
+      system mounted read-only, only the episode's own work dir writable (plus a private
+      ``/tmp``), other work dirs not even visible, its own PID namespace (the deadline
+      kills every process it started).
+    * ``USER`` (subprocess, host user root): the command runs as a user id of its own per
+      work dir, so file permissions keep episodes apart and the system read-only, and every
+      process of that user is killed at the end of each run. The network is open, and
+      world-writable places (``/tmp``, ``/dev/shm``) are writable.
+    * ``PROCESS`` (subprocess, any other host user): the command runs as the host user in
+      its own session, killed by process group; it can read and write whatever that user
+      can (other episodes' work dirs included), reach the network, and a process that
+      leaves the session escapes the deadline. The process limit counts on top of the
+      user's processes already running.
+    """
+
+    NAMESPACES = "namespaces"
+    USER = "user"
+    PROCESS = "process"
+
+
+class SandboxLimit(str, enum.Enum):
+    """A limit a run reached (``SandboxResult.killed_by_limit`` / ``limits_hit``)."""
+
+    WALL_TIME = "wall_time"  # the wall-clock deadline passed; the process tree was killed
+    CPU_TIME = "cpu_time"  # a process used up its CPU seconds (SIGXCPU)
+    MEMORY = "memory"  # an allocation failed against the address-space limit
+    PROCESSES = "processes"  # a fork failed against the process limit
+    FILE_SIZE = "file_size"  # a write would have grown a file past the limit
+    OUTPUT = "output"  # stdout or stderr was longer than kept (the rest was discarded)
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxLimits:
+    """Resource limits of one run.
+
+    Attributes:
+      wall_time_s: wall-clock deadline, seconds (> 0); past it the whole process tree is
+        killed with SIGKILL.
+      cpu_time_s: CPU seconds per process (> 0; ``RLIMIT_CPU``, rounded up to whole
+        seconds): SIGXCPU at the limit, SIGKILL one second later.
+      memory_bytes: address space per process, bytes (``RLIMIT_AS``; >= 16 MiB, since an
+        interpreter needs some to start). Virtual, not resident, memory: a program that
+        maps much more than it touches needs a higher value.
+      max_processes: processes (and threads) the run may have at once (>= 1;
+        ``RLIMIT_NPROC``), counting bubblewrap's own two when it is the backend.
+      max_file_bytes: largest file a process may write, bytes (>= 0; ``RLIMIT_FSIZE``).
+      max_output_bytes: bytes of stdout, and separately of stderr, kept (>= 1); the rest
+        is read and discarded, and the run is reported truncated.
+      tmp_bytes: size of the private ``/tmp`` (a tmpfs) under bubblewrap, bytes (>= 1 MiB).
+
+    Raises:
+      ValueError: a value is out of range (the message names the field).
+    """
+
+    wall_time_s: float = 10.0
+    cpu_time_s: float = 10.0
+    memory_bytes: int = 1 << 30
+    max_processes: int = 64
+    max_file_bytes: int = 64 << 20
+    max_output_bytes: int = 64 << 10
+    tmp_bytes: int = 64 << 20
+
+    def __post_init__(self) -> None:
+        checks = (
+            ("wall_time_s", self.wall_time_s > 0 and math.isfinite(self.wall_time_s), "> 0 seconds"),
+            ("cpu_time_s", self.cpu_time_s > 0 and math.isfinite(self.cpu_time_s), "> 0 seconds"),
+            ("memory_bytes", self.memory_bytes >= 16 << 20, ">= 16 MiB (16777216)"),
+            ("max_processes", self.max_processes >= 1, ">= 1"),
+            ("max_file_bytes", self.max_file_bytes >= 0, ">= 0"),
+            ("max_output_bytes", self.max_output_bytes >= 1, ">= 1"),
+            ("tmp_bytes", self.tmp_bytes >= 1 << 20, ">= 1 MiB (1048576)"),
+        )
+        for name, ok, expected in checks:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not ok:
+                raise ValueError(f"SandboxLimits.{name}={value!r} must be {expected}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxResult:
+    """What one sandboxed command did.
+
+    Attributes:
+      exit_code: the command's exit status; a death by signal N reads 128 + N, as in a
+        shell (bubblewrap reports it so, and the subprocess backend follows suit).
+      signal: N when the command died of signal N, else None.
+      stdout, stderr: the first ``max_output_bytes`` of each stream, decoded as UTF-8
+        (undecodable bytes replaced).
+      stdout_bytes, stderr_bytes: bytes the command wrote to each stream in all.
+      stdout_truncated, stderr_truncated: the stream was longer than what is kept.
+      timed_out: the wall-clock deadline passed and the process tree was killed.
+      killed_by_limit: the limit that ended the command, or None if it ended on its own
+        terms (``WALL_TIME``, ``CPU_TIME`` and ``FILE_SIZE`` from how it died; ``MEMORY``
+        and ``PROCESSES`` when it failed with the matching error in its stderr).
+      limits_hit: every limit the run evidently reached, in ``SandboxLimit`` order (a fork
+        bomb stopped by the deadline shows ``PROCESSES`` and ``WALL_TIME``). Memory and
+        process limits are recognised from the error messages they cause in stderr
+        ("MemoryError", "Cannot allocate memory", "Resource temporarily unavailable"...),
+        so a program that hides its errors hides them here too.
+      wall_time_s: seconds from start until the last process was gone.
+      backend: what ran it (``SandboxBackend``).
+      isolation: how it was kept apart (``IsolationLevel``; weaker than ``NAMESPACES``
+        only where bubblewrap cannot run).
+      limits: the limits it ran under.
+    """
+
+    exit_code: int
+    signal: int | None
+    stdout: str
+    stderr: str
+    stdout_bytes: int
+    stderr_bytes: int
+    stdout_truncated: bool
+    stderr_truncated: bool
+    timed_out: bool
+    killed_by_limit: SandboxLimit | None
+    limits_hit: tuple[SandboxLimit, ...]
+    wall_time_s: float
+    backend: SandboxBackend
+    isolation: IsolationLevel
+    limits: SandboxLimits
+
+    @property
+    def ok(self) -> bool:
+        """Exit status 0 and no limit ended it."""
+        return self.exit_code == 0 and self.killed_by_limit is None
+
+
+class SandboxError(RuntimeError):
+    """The sandbox cannot run as configured (e.g. ``backend="bwrap"`` where bubblewrap
+    does not work); raised when the sandbox is built, with the reason."""
+
+
+class SandboxUnavailable(EnvFailure):
+    """A sandbox could not serve a call: its actor died or restarted, or the work dir it
+    held is gone with it. Not the policy's fault; the episode ends as ``env_error``
+    (``retryable``: a new episode on a fresh work dir may succeed)."""
+
+    def __init__(self, message: str, *, retryable: bool = True):
+        super().__init__(message, retryable=retryable)
+
+
+class WorkspaceLost(SandboxUnavailable):
+    """The work dir named in a call is unknown to the sandbox (closed, or lost when its
+    actor restarted)."""
+
+
+@runtime_checkable
+class SandboxClient(Protocol):
+    """Runs commands in per-episode work dirs: a local ``Sandbox`` or a ``RemoteSandbox``
+    reaching a pool of sandbox actors. Methods block; call them from a thread, not from
+    an event loop."""
+
+    def open_workspace(self, name: str = "") -> str:
+        """Creates a private, empty, writable work dir and returns its id."""
+
+    def run(self, workspace: str, argv: Sequence[str], *, stdin: bytes | str = b"",
+            env: Mapping[str, str] | None = None,
+            limits: SandboxLimits | None = None) -> SandboxResult:
+        """Runs ``argv`` in the work dir ``workspace``."""
+
+    def close_workspace(self, workspace: str) -> None:
+        """Kills what still runs there and deletes the work dir (idempotent)."""
