@@ -273,3 +273,22 @@ def test_an_episode_runs_in_each_template_and_format_by_name(template, parser, c
         add_generation_prompt=True, tools=agent._template_tools)
     assert TOK.decode(second) == rendered
     assert trajectory.token_ids[: len(second)] == second
+
+
+@pytest.mark.parametrize("name", list(BUILTIN_TEMPLATES))
+def test_builtin_verbatim_roles_are_really_written_verbatim(name):
+    import dataclasses
+
+    fast = BUILTIN_TEMPLATES[name]
+    checked = dataclasses.replace(fast, verbatim_roles=frozenset())  # renders every message
+    contents = ["32", "  padded \n", "\n", "", '"quoted" \\ {{ x }} {% if %}', HOSTILE, "ü 数学 ✓"]
+    for system_prompt in (None, "Be brief."):
+        a = ConversationEncoder(TOK, fast, system_prompt=system_prompt)
+        b = ConversationEncoder(TOK, checked, system_prompt=system_prompt)
+        for content in contents:
+            for role in fast.verbatim_roles & {"user", "tool"}:
+                message = {"role": role, "content": content}
+                assert a.message(message) == b.message(message), (role, content)
+            if "user" in fast.verbatim_roles:
+                user = {"role": "user", "content": content}
+                assert a.prompt(user) == b.prompt(user), content

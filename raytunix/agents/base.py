@@ -33,7 +33,7 @@ import abc
 import dataclasses
 from typing import Any, Mapping, Sequence
 
-from raytunix.agents.encoding import ConversationEncoder
+from raytunix.agents.encoding import ConversationEncoder, shared_encoder
 from raytunix.models.chat_template import ChatTemplate
 from raytunix.types import (
     Action,
@@ -285,7 +285,7 @@ class ConversationAgentBase(abc.ABC):
     def _encoder_for(self, system_prompt: str | None) -> ConversationEncoder:
         encoder = self._encoders.get(system_prompt)
         if encoder is None:
-            encoder = ConversationEncoder(
+            encoder = shared_encoder(
                 self.tokenizer, self.chat_template, tools=self._template_tools,
                 system_prompt=system_prompt, template_kwargs=self._template_kwargs)
             self._encoders[system_prompt] = encoder

@@ -17,7 +17,9 @@ assistant message. Three facts about chat templates make that work:
    the template wrote it (after ``| trim``, ``| tojson``...). ``head`` and ``tail`` are
    tokenized with special tokens (they are ours), ``C`` as plain text (it came from the
    environment or a dataset, so a ``<|im_end|>`` inside it stays bytes and cannot close
-   the message or forge a turn).
+   the message or forge a turn). ``head`` and ``tail`` are tokenized once per encoder; a
+   template that declares a role's content verbatim (``ChatTemplate.verbatim_roles``, the
+   built-ins do) is not rendered again per message of that role.
 3. **A stub history.** A tool message renders the same after any finished assistant
    message, so deltas are taken after a short stub conversation (system prompt, a user
    message and an assistant message), not after the real one: the cost of a turn does
@@ -42,12 +44,16 @@ differ from tokenizing the whole string; the pieces, not the string, are what th
 sees and is trained on, every turn alike).
 
 A template's time (``strftime_now``) is pinned when the encoder is built, so every render
-of one conversation shows the same date. Nothing here imports JAX.
+of one conversation shows the same date. Agents share encoders (``shared_encoder``): one
+per tokenizer, template, tools, system prompt and day, so an episode costs a few renders,
+not a template analysis. Nothing here imports JAX.
 """
 
 from __future__ import annotations
 
+import collections
 import datetime
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -106,7 +112,7 @@ class ConversationEncoder:
         self.end_id = self._single_token(self.end_of_turn)
         self._trailer_ids = tokenizer.encode(self.trailer, special_tokens=True)
         self.tool_role = self._find_tool_role()
-        self._slots: dict[tuple[str, str], tuple[str, str, str]] = {}
+        self._slots: dict[tuple[str, str], tuple[str, str, str, list[int], list[int]]] = {}
 
     # -- the pieces an agent appends ------------------------------------------------------
 
@@ -161,21 +167,26 @@ class ConversationEncoder:
         # A lone surrogate (from a tool's output) is not text; no tokenizer can encode it.
         content = content.encode("utf-8", "replace").decode("utf-8")
         key = (role, "prompt" if base == "" else "after_turn")
-        if key not in self._slots:
-            self._slots[key] = self._split_slot(history, role, base)
-        start, head, tail = self._slots[key]
-        text = self._render([*history, {"role": role, "content": content}], True)
-        if not (text.startswith(start + head) and text.endswith(tail)
-                and len(text) >= len(start) + len(head) + len(tail)):
-            raise ChatTemplateError(
-                f"chat template {self.template.name!r} renders a {role} message's template "
-                f"text differently for content {content[:40]!r} than for other content, so "
-                "its content cannot be tokenized apart from the template's tokens; use a "
-                "template whose headers do not depend on the content.")
-        rendered = text[len(start) + len(head): len(text) - len(tail)]
-        encode = self.tokenizer.encode
-        return (encode(head, special_tokens=True) + encode(rendered, special_tokens=False)
-                + encode(tail, special_tokens=True))
+        slot = self._slots.get(key)
+        if slot is None:
+            start, head, tail = self._split_slot(history, role, base)
+            encode = self.tokenizer.encode
+            slot = self._slots[key] = (start, head, tail, encode(head, special_tokens=True),
+                                       encode(tail, special_tokens=True))
+        start, head, tail, head_ids, tail_ids = slot
+        if role in self.template.verbatim_roles:
+            rendered = content  # the template writes this role's content as it is
+        else:
+            text = self._render([*history, {"role": role, "content": content}], True)
+            if not (text.startswith(start + head) and text.endswith(tail)
+                    and len(text) >= len(start) + len(head) + len(tail)):
+                raise ChatTemplateError(
+                    f"chat template {self.template.name!r} renders a {role} message's template "
+                    f"text differently for content {content[:40]!r} than for other content, so "
+                    "its content cannot be tokenized apart from the template's tokens; use a "
+                    "template whose headers do not depend on the content.")
+            rendered = text[len(start) + len(head): len(text) - len(tail)]
+        return head_ids + self.tokenizer.encode(rendered, special_tokens=False) + tail_ids
 
     def _split_slot(self, history: list[Message], role: str, base: str | None
                     ) -> tuple[str, str, str]:
@@ -231,3 +242,36 @@ class ConversationEncoder:
             return "tool"
         except ChatTemplateError:
             return "user"
+
+
+_SHARED: collections.OrderedDict[tuple, tuple[Any, ConversationEncoder]] = collections.OrderedDict()
+_SHARED_MAX = 256
+
+
+def shared_encoder(tokenizer: Any, template: ChatTemplate | str, *,
+                   tools: Sequence[Mapping[str, Any]] | None = None,
+                   system_prompt: str | None = None,
+                   template_kwargs: Mapping[str, Any] | None = None) -> ConversationEncoder:
+    """A ``ConversationEncoder`` for these arguments, reused across conversations (the
+    most recent 256 are kept). A new one is built each day, so a template that shows
+    today's date (``strftime_now``) shows it for conversations started that day.
+
+    Raises:
+      ChatTemplateError: as ``ConversationEncoder``.
+      TypeError: ``tools`` or ``template_kwargs`` are not JSON-serializable.
+    """
+    key = (id(tokenizer), template if isinstance(template, str) else id(template),
+           json.dumps(tools, sort_keys=True) if tools else None, system_prompt,
+           json.dumps(template_kwargs, sort_keys=True) if template_kwargs else None,
+           datetime.date.today())
+    hit = _SHARED.get(key)
+    if hit is not None:
+        _SHARED.move_to_end(key)
+        return hit[1]
+    encoder = ConversationEncoder(tokenizer, template, tools=tools, system_prompt=system_prompt,
+                                  template_kwargs=template_kwargs)
+    # The key holds ids: keep the tokenizer and template alive while their encoder is cached.
+    _SHARED[key] = ((tokenizer, template), encoder)
+    if len(_SHARED) > _SHARED_MAX:
+        _SHARED.popitem(last=False)
+    return encoder

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 from typing import Any, Mapping, Sequence
 
 from raytunix.agents.base import ConversationAgentBase
@@ -88,7 +89,15 @@ def _schema(tool: Any) -> dict[str, Any]:
 def _renders_tools(template: ChatTemplate, schemas: list[dict[str, Any]],
                    template_kwargs: Mapping[str, Any] | None) -> bool:
     """Whether ``template`` shows tools to the model (its text changes when given them)."""
-    messages = [{"role": "user", "content": "Hello."}]
-    kwargs = {**(template_kwargs or {}), "now": datetime.datetime.now()}
-    plain = template.render(messages, add_generation_prompt=True, **kwargs)
-    return template.render(messages, add_generation_prompt=True, tools=schemas, **kwargs) != plain
+    key = (template.source, template.tool_use_source, json.dumps(schemas, sort_keys=True),
+           json.dumps(template_kwargs, sort_keys=True) if template_kwargs else None)
+    if key not in _RENDERS_TOOLS:
+        messages = [{"role": "user", "content": "Hello."}]
+        kwargs = {**(template_kwargs or {}), "now": datetime.datetime.now()}
+        plain = template.render(messages, add_generation_prompt=True, **kwargs)
+        _RENDERS_TOOLS[key] = template.render(
+            messages, add_generation_prompt=True, tools=schemas, **kwargs) != plain
+    return _RENDERS_TOOLS[key]
+
+
+_RENDERS_TOOLS: dict[tuple, bool] = {}

@@ -163,6 +163,10 @@ class ChatTemplate:
         or None to let the agent infer it from a rendered assistant message.
       tool_use_source: the template to use instead of ``source`` when tools are given
         (a ``tool_use`` entry of ``tokenizer_config.json``), or None.
+      verbatim_roles: roles whose content the template writes exactly as given, whatever
+        it is (no ``trim``, no content-dependent branch); an agent then need not render
+        each such message to find its content. Empty (check every message) for templates
+        read from files.
     """
 
     source: str
@@ -170,6 +174,7 @@ class ChatTemplate:
     special_tokens: Mapping[str, str] = dataclasses.field(default_factory=dict)
     end_of_turn: str | None = None
     tool_use_source: str | None = None
+    verbatim_roles: frozenset[str] = frozenset()
 
     def render(self, messages: Sequence[Mapping[str, Any]], *,
                add_generation_prompt: bool = False, tools: Sequence[Mapping[str, Any]] | None = None,
@@ -355,13 +360,13 @@ _GEMMA_SOURCE = r"""
 
 _CHATML = ChatTemplate(_CHATML_SOURCE, name="chatml",
                        special_tokens={"bos_token": "", "eos_token": "<|im_end|>"},
-                       end_of_turn="<|im_end|>")
+                       end_of_turn="<|im_end|>", verbatim_roles=frozenset(ROLES))
 
 BUILTIN_TEMPLATES: dict[str, ChatTemplate] = {
     # The raytunix format; the default tiny model's tokenizer has its special tokens.
     "raytunix": ChatTemplate(CHAT_TEMPLATE, name="raytunix",
                              special_tokens={"bos_token": "", "eos_token": MESSAGE_END},
-                             end_of_turn=MESSAGE_END),
+                             end_of_turn=MESSAGE_END, verbatim_roles=frozenset(ROLES)),
     # ChatML (<|im_start|>role ... <|im_end|>), with tools and tool results the way Qwen2.5
     # shows them: signatures in <tools> in the system message, calls in <tool_call>,
     # results in <tool_response> inside a user turn.
@@ -372,7 +377,7 @@ BUILTIN_TEMPLATES: dict[str, ChatTemplate] = {
     "llama3": ChatTemplate(_LLAMA3_SOURCE, name="llama3",
                            special_tokens={"bos_token": "<|begin_of_text|>",
                                            "eos_token": "<|eot_id|>"},
-                           end_of_turn="<|eot_id|>"),
+                           end_of_turn="<|eot_id|>", verbatim_roles=frozenset({"tool"})),
     # Gemma 2/3 turns (user and model only): the system prompt opens the first user turn,
     # tool results come back as user turns; tools are described in the system prompt.
     "gemma": ChatTemplate(_GEMMA_SOURCE, name="gemma",
