@@ -1,11 +1,15 @@
-"""Tools the model can call, and the registry that builds them by name."""
+"""Tools the model can call, and the registry that builds them by name. ``python`` and
+``bash`` run in a sandbox (``raytunix.sandbox``), each in a work dir of its own unless
+given a shared ``SandboxSession``."""
 
 from __future__ import annotations
 
 from raytunix.tools.base import Tool, ToolError, ToolResult
+from raytunix.tools.bash_tool import BashTool
 from raytunix.tools.calculator import Calculator
+from raytunix.tools.python_tool import PythonTool
 
-TOOLS: dict[str, type[Tool]] = {Calculator.name: Calculator}
+TOOLS: dict[str, type[Tool]] = {tool.name: tool for tool in (Calculator, PythonTool, BashTool)}
 
 
 def get_tool(name: str) -> Tool:
@@ -20,4 +24,5 @@ def get_tool(name: str) -> Tool:
         raise ValueError(f"unknown tool {name!r}; valid names: {sorted(TOOLS)}") from None
 
 
-__all__ = ["Calculator", "TOOLS", "Tool", "ToolError", "ToolResult", "get_tool"]
+__all__ = ["BashTool", "Calculator", "PythonTool", "TOOLS", "Tool", "ToolError", "ToolResult",
+           "get_tool"]
