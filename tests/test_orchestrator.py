@@ -16,6 +16,7 @@ from raytunix.rollout.batch import record_batch_to_trajectories
 from raytunix.rollout.env_pool import LocalEnv
 from raytunix.rollout.episode import EnvFailure
 from raytunix.rollout.faults import Backoff
+from raytunix.rollout.ledger import TaskLedger
 from raytunix.rollout.orchestrator import RolloutOrchestrator
 from raytunix.types import (
     EngineFailure,
@@ -332,6 +333,11 @@ def _assert_accounted(trained: list[int], state: dict) -> None:
     filtered = handed_out - set(trained) - pending
     counted = sum(v for k, v in state["counters"].items() if k.startswith("groups_filtered_"))
     assert len(filtered) == counted
+    # The saved ledger says the same, index by index.
+    ledger = TaskLedger.from_json(state["ledger"])
+    ledger.check(state["next_index"], pending)
+    assert list(ledger.trained) == sorted(trained)
+    assert {i for r in ledger.filtered.values() for i in r} == filtered
 
 
 def test_every_task_is_trained_filtered_or_pending_and_resume_redoes_pending_first():

@@ -13,8 +13,11 @@ counted each way. Episodes run on across weight updates (partial rollouts), or, 
 ``partial_rollout=False``, an episode that saw an update restarts from its prompt.
 
 Exactly-once accounting: every task index handed out is either trained on (its batch was
-consumed by an update), filtered with a counted reason, or still pending; ``state()``
-records the pending ones so that a resumed run starts them again.
+consumed by an update), filtered with a counted reason, or still pending. ``state()``
+records the ledger of trained and filtered indices (``raytunix.rollout.ledger``) and the
+pending ones, so that a resumed run starts the pending ones again and never settles a
+task twice. A batch holds its groups in task order, not in the order they finished, so
+the same seed gives the same batches row for row.
 
 Failures, by kind:
 
@@ -58,6 +61,7 @@ from raytunix.rollout.batch import trajectories_to_record_batch
 from raytunix.rollout.concurrency import ConcurrencyController, EngineLoadMeter
 from raytunix.rollout.episode import run_episode
 from raytunix.rollout.faults import Backoff, FailureBreaker, RateLimitedLog
+from raytunix.rollout.ledger import TaskLedger
 from raytunix.types import (
     TOOL_ERRORS_KEY,
     EngineClient,
@@ -161,7 +165,7 @@ class RolloutOrchestrator:
         forever. 0 means ``4 * groups_per_batch``.
       seed: base seed; sample j of task index i uses its own seed.
       policy_version: the version the engine holds now.
-      state: a dict from ``state()`` to resume from (data position, pending tasks).
+      state: a dict from ``state()`` to resume from (data position, ledger, pending tasks).
 
     Admission rule: with ``v0`` the version at start and ``v`` now, a new group starts
     only if ``groups_started - groups_dropped < (v - v0 + max_staleness + 1) *
@@ -267,6 +271,9 @@ class RolloutOrchestrator:
         self._next_index = int(state.get("next_index", 0))
         self._retry = collections.deque(int(i) for i in state.get("pending", []))
         self.counters: collections.Counter = collections.Counter(state.get("counters", {}))
+        self._ledger = TaskLedger.from_json(state.get("ledger"))
+        if "ledger" in state:  # a state saved before the ledger existed has nothing to check
+            self._ledger.check(self._next_index, self._retry)
         self._pending: set[int] = set()  # handed out, not yet trained or filtered
         self._failures: collections.Counter = collections.Counter()  # engine errors per task index
         self._batch_members: dict[int, list[int]] = {}  # batch id -> task indices
@@ -422,7 +429,8 @@ class RolloutOrchestrator:
                 f"{self._breaker.consecutive} episodes in a row failed by infrastructure (last: "
                 f"{failure}); the engine or the environments look down for good. The run stops "
                 "here; checkpoints and the data ledger are kept. Fix the cause and resume, or "
-                "raise the breaker's threshold (max_consecutive_failures)."))
+                "raise the breaker's threshold (rollout.max_consecutive_failures; a resume "
+                "may change it)."))
 
     async def _retry_or_filter(self, index: int, reason: str, cause: Any) -> None:
         """The group made no data: its task goes back in the queue after a backoff, or is
@@ -522,6 +530,7 @@ class RolloutOrchestrator:
             self._wake.set()
 
     def _drop(self, index: int, reason: str) -> None:
+        self._ledger.record_filtered(index, reason)
         self._pending.discard(index)
         self._groups_dropped += 1
         self.counters[f"groups_filtered_{reason}"] += 1
@@ -547,6 +556,7 @@ class RolloutOrchestrator:
             if len(fresh) < self.groups_per_batch:
                 return
             chosen, self._finished = fresh[: self.groups_per_batch], fresh[self.groups_per_batch:]
+            chosen.sort(key=lambda item: item[0])  # task order: timing must not reorder rows
             batch_id = self._batches_formed
             self._batches_formed += 1
             trajectories = [t for _, group in chosen for t in group]
@@ -666,6 +676,7 @@ class RolloutOrchestrator:
         """The learner finished the update on ``batch_id``; the engine now runs
         ``policy_version``. Its tasks leave the pending set; admission opens."""
         for index in self._batch_members.pop(batch_id, []):
+            self._ledger.record_trained(index)
             self._pending.discard(index)
             self.counters["groups_trained"] += 1
         self.set_policy_version(policy_version)
@@ -676,9 +687,11 @@ class RolloutOrchestrator:
             self._wake.set()
 
     def state(self) -> dict[str, Any]:
-        """JSON-able resume state: data position, tasks to redo, counters."""
+        """JSON-able resume state: data position, the ledger of trained and filtered task
+        indices, tasks to redo (pending), counters."""
         return {
             "next_index": self._next_index,
+            "ledger": self._ledger.to_json(),
             "pending": sorted(self._pending | set(self._retry)),
             "counters": dict(self.counters),
         }
