@@ -352,6 +352,14 @@ def _validate_env(env: EnvConfig) -> None:
         check_kwargs(agent_cls, env.agent_kwargs, key="env.agent_kwargs", provided=("tokenizer",))
     except PluginError as e:
         raise ConfigError(str(e)) from None
+    # An agent may check its values too (a chat template that does not load, a tool parser
+    # that does not exist) so a bad one stops the run here, not in an actor.
+    validate_kwargs = getattr(agent_cls, "validate_kwargs", None)
+    if validate_kwargs is not None:
+        try:
+            validate_kwargs(env.agent_kwargs)
+        except ValueError as e:
+            raise ConfigError(f"env.agent_kwargs: {e}") from None
 
 
 def _validate_adaptive_concurrency(rollout: RolloutConfig) -> None:

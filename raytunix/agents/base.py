@@ -34,7 +34,7 @@ import dataclasses
 from typing import Any, Mapping, Sequence
 
 from raytunix.agents.encoding import ConversationEncoder, shared_encoder
-from raytunix.models.chat_template import ChatTemplate
+from raytunix.models.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from raytunix.types import (
     Action,
     EpisodeStatus,
@@ -89,6 +89,28 @@ class ConversationAgentBase(abc.ABC):
         self._encoder = self._encoder_for(system_prompt)
         self.end_id: int = self._encoder.end_id
         self._clear()
+
+    @classmethod
+    def validate_kwargs(cls, kwargs: Mapping[str, Any]) -> None:
+        """Checks constructor arguments from config before anything is built (the
+        tokenizer is not known yet): the chat template must load and ``template_kwargs``
+        must be a mapping. Subclasses extend it for their own arguments.
+
+        Raises:
+          ValueError: naming the argument, its value and what to give instead.
+        """
+        template = kwargs.get("chat_template", "raytunix")
+        if not isinstance(template, (str, ChatTemplate)):
+            raise ValueError(f"chat_template={template!r} must be a built-in name or a path")
+        if isinstance(template, str):
+            try:
+                load_chat_template(template)
+            except ChatTemplateError as e:
+                raise ValueError(f"chat_template: {e}") from None
+        template_kwargs = kwargs.get("template_kwargs")
+        if template_kwargs is not None and not isinstance(template_kwargs, Mapping):
+            raise ValueError(f"template_kwargs={template_kwargs!r} must be a mapping of template "
+                             "variables, e.g. {enable_thinking: false}")
 
     # -- what a subclass may override ------------------------------------------------------
 

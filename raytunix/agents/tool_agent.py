@@ -7,7 +7,12 @@ import json
 from typing import Any, Mapping, Sequence
 
 from raytunix.agents.base import ConversationAgentBase
-from raytunix.agents.parsers import ToolCallParser, make_tool_parser, parse_answer_action
+from raytunix.agents.parsers import (
+    TOOL_PARSERS,
+    ToolCallParser,
+    make_tool_parser,
+    parse_answer_action,
+)
 from raytunix.models.chat_template import ChatTemplate, load_chat_template
 from raytunix.types import Action
 
@@ -56,6 +61,28 @@ class ToolAgent(ConversationAgentBase):
                 f"{system_prompt}\n\n{description}")
         super().__init__(tokenizer, system_prompt, chat_template=template, tools=template_tools,
                          template_kwargs=template_kwargs)
+
+    @classmethod
+    def validate_kwargs(cls, kwargs: Mapping[str, Any]) -> None:
+        """Also checks ``tool_parser`` (a registered format) and ``tools`` (a list of
+        registered tool names, import paths or schemas).
+
+        Raises:
+          ValueError: naming the argument, its value and what to give instead.
+        """
+        super().validate_kwargs(kwargs)
+        parser = kwargs.get("tool_parser", "hermes")
+        if not isinstance(parser, (str, ToolCallParser)) or (
+                isinstance(parser, str) and parser not in TOOL_PARSERS):
+            raise ValueError(f"tool_parser={parser!r} is not one of {', '.join(TOOL_PARSERS)}")
+        tools = kwargs.get("tools") or []
+        if not isinstance(tools, (list, tuple)):
+            raise ValueError(f"tools={tools!r} must be a list of tool names, e.g. [calculator]")
+        for tool in tools:
+            try:
+                _schema(tool)
+            except ValueError as e:
+                raise ValueError(f"tools: {e}") from None
 
     def parse(self, text: str) -> Action:
         return self.tool_parser.parse(text)
