@@ -54,10 +54,20 @@ def test_backoff_grows_exponentially_with_jitter_and_is_capped():
     assert backoff.max_total_delay_s() == pytest.approx(0.1 + 0.2 + 0.4 + 0.8 + 1.0)
 
 
+def test_jitter_sets_the_random_fraction_of_each_delay():
+    rng = random.Random(0)
+    none = Backoff(initial_delay_s=0.2, max_delay_s=1.0, jitter=0.0)
+    assert [none.delay_s(k, rng) for k in range(4)] == [0.2, 0.4, 0.8, 1.0]
+    full = Backoff(initial_delay_s=0.2, max_delay_s=1.0, jitter=1.0)
+    delays = [full.delay_s(3, rng) for _ in range(500)]
+    assert 0.0 <= min(delays) < 0.1 and 0.9 < max(delays) <= 1.0  # "full jitter": [0, cap]
+
+
 @pytest.mark.parametrize("kwargs, name", [({"initial_delay_s": 0}, "initial_delay_s"),
                                           ({"max_delay_s": 0.01}, "max_delay_s"),
                                           ({"multiplier": 0.5}, "multiplier"),
-                                          ({"max_attempts": 0}, "max_attempts")])
+                                          ({"max_attempts": 0}, "max_attempts"),
+                                          ({"jitter": 1.5}, "jitter"), ({"jitter": -0.1}, "jitter")])
 def test_backoff_rejects_bad_settings_naming_them(kwargs, name):
     with pytest.raises(ValueError, match=name):
         Backoff(**kwargs)

@@ -25,17 +25,18 @@ class Backoff:
     """Exponential backoff with jitter, bounded in attempts and in delay.
 
     The delay after failed attempt ``k`` (0-based) is ``u * min(max_delay_s,
-    initial_delay_s * multiplier**k)`` seconds with ``u`` uniform in ``[0.5, 1]`` ("equal
-    jitter", M. Brooker, "Exponential Backoff And Jitter", AWS Architecture Blog, 2015):
-    the delay grows, so an outage of ``D`` seconds costs about ``log2(D / initial)``
-    retries, not ``D / initial``, and the jitter spreads the retries of many episodes that
-    failed at the same moment.
+    initial_delay_s * multiplier**k)`` seconds with ``u`` uniform in ``[1 - jitter, 1]``
+    (M. Brooker, "Exponential Backoff And Jitter", AWS Architecture Blog, 2015: ``jitter``
+    0.5 is its "equal jitter", 1 its "full jitter", 0 no jitter): the delay grows, so an
+    outage of ``D`` seconds costs about ``log2(D / initial)`` retries, not ``D / initial``,
+    and the jitter spreads the retries of many episodes that failed at the same moment.
 
     Attributes:
       initial_delay_s: first delay before jitter, seconds (> 0).
       max_delay_s: cap on one delay before jitter, seconds (>= initial_delay_s).
       multiplier: growth factor per attempt (>= 1).
       max_attempts: attempts in all, the first included (>= 1).
+      jitter: the fraction of each delay that is random, in ``[0, 1]``.
 
     Raises:
       ValueError: a field is out of range.
@@ -45,6 +46,7 @@ class Backoff:
     max_delay_s: float = 5.0
     multiplier: float = 2.0
     max_attempts: int = 8
+    jitter: float = 0.5
 
     def __post_init__(self) -> None:
         if not self.initial_delay_s > 0:
@@ -57,11 +59,13 @@ class Backoff:
             raise ValueError(f"Backoff.multiplier must be >= 1, got {self.multiplier!r}")
         if not (isinstance(self.max_attempts, int) and self.max_attempts >= 1):
             raise ValueError(f"Backoff.max_attempts must be an int >= 1, got {self.max_attempts!r}")
+        if not 0 <= self.jitter <= 1:
+            raise ValueError(f"Backoff.jitter must be in [0, 1], got {self.jitter!r}")
 
     def delay_s(self, attempt: int, rng: random.Random) -> float:
         """Seconds to wait after failed attempt ``attempt`` (0-based)."""
         ceiling = min(self.max_delay_s, self.initial_delay_s * self.multiplier ** min(attempt, 64))
-        return ceiling * rng.uniform(0.5, 1.0)
+        return ceiling * rng.uniform(1.0 - self.jitter, 1.0)
 
     def max_total_delay_s(self) -> float:
         """Longest total wait over all retries (jitter at its maximum), seconds."""
