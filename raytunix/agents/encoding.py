@@ -7,9 +7,9 @@ must stay exactly what the engine saw. But chat templates render whole conversat
 assistant message. Three facts about chat templates make that work:
 
 1. **Prefix stability.** Rendering ``history + [message]`` starts with the rendering of
-   ``history`` (checked on every delta; a template that rewrites earlier messages is
-   refused with an error naming it). So the delta is a suffix of the text, and the
-   history's tokens stay as they are.
+   ``history`` (checked the first time an encoder meets a role; a template that rewrites
+   earlier messages is refused with an error naming it). So the delta is a suffix of the
+   text, and the history's tokens stay as they are.
 2. **Content slots.** The delta of a message whose content is a fixed sentinel
    (``SLOT``) splits into ``head + SLOT + tail``: ``head`` and ``tail`` are the template's
    own text (role headers, ``<|im_end|>``, ``<tool_response>``...), the same for any
@@ -20,10 +20,13 @@ assistant message. Three facts about chat templates make that work:
    the message or forge a turn). ``head`` and ``tail`` are tokenized once per encoder; a
    template that declares a role's content verbatim (``ChatTemplate.verbatim_roles``, the
    built-ins do) is not rendered again per message of that role.
-3. **A stub history.** A tool message renders the same after any finished assistant
-   message, so deltas are taken after a short stub conversation (system prompt, a user
-   message and an assistant message), not after the real one: the cost of a turn does
-   not grow with the conversation, and the model's text is never rendered again.
+3. **A stub history.** In the templates we know, a message renders from its own role
+   and content and at most its neighbours' roles, so a tool message renders the same
+   after any finished assistant message. Deltas are therefore taken after a short stub
+   conversation (system prompt, a user message and an assistant message), not after the
+   real one: the cost of a turn does not grow with the conversation, and the model's
+   text is never rendered again. (A template that looked at earlier contents would break
+   this; the test suite checks the built-ins against whole-conversation renders.)
 
 The model's own turn is not rendered at all: the generated ids go in verbatim. Templates
 write something after the end-of-turn token of an assistant message (ChatML ``"\\n"``
