@@ -1,0 +1,102 @@
+"""Sandboxes in a pool of Ray actors: tool calls reach them (from the driver and from
+another worker, by name), each bomb is contained and the actor serves the next call,
+and a dead sandbox actor ends the episode as an env_error, not as the policy's tool
+error."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from raytunix.envs import CalculatorMathEnv
+from raytunix.sandbox import SandboxLimit, SandboxLimits, SandboxSession, SandboxUnavailable, connect
+from raytunix.sandbox.pool import RemoteSandbox, SandboxPool
+from raytunix.tools import BashTool, PythonTool
+from raytunix.types import Action, EpisodeStatus, Task, ToolCall
+
+BOMB = SandboxLimits(wall_time_s=1.0, cpu_time_s=1.0, memory_bytes=64 << 20, max_processes=16,
+                     max_file_bytes=1 << 20, max_output_bytes=4096)
+BOMBS = {
+    "fork bomb": ["python3", "-I", "-c", "import os\nwhile True:\n    os.fork()"],
+    "memory bomb": ["python3", "-I", "-c", "x = []\nwhile True:\n    x.append(bytearray(8 << 20))"],
+    "infinite loop": ["sh", "-c", "while :; do :; done"],
+    "100 MB of output": ["head", "-c", "100000000", "/dev/zero"],
+}
+
+
+@pytest.fixture(scope="module")
+def pool(ray_session):
+    pool = SandboxPool(num_actors=2, limits=SandboxLimits(wall_time_s=20.0), num_cpus=0.25,
+                       max_concurrent_runs=4, name="test-sandbox")
+    pool.wait_ready(timeout_s=120)
+    yield pool
+    pool.shutdown()
+
+
+def test_connect_finds_the_pool_by_name_and_a_tool_call_runs_on_a_sandbox_actor(pool):
+    client = connect("test-sandbox")
+    assert isinstance(client, RemoteSandbox) and len(client.actors) == 2
+    runs_before = sum(stats["runs"] for stats in pool.stats())
+    with SandboxSession(client) as session:
+        result = PythonTool(session)(code="import os; print(os.getppid() > 0)")
+        assert result.output == "True"
+        assert BashTool(session)(command="echo kept > f.txt").ok
+        assert PythonTool(session)(code="print(open('f.txt').read().strip())").output == "kept"
+    stats = pool.stats()
+    assert sum(s["runs"] for s in stats) == runs_before + 3
+    assert all(s["pid"] != os.getpid() for s in stats)
+    assert all(s["workspaces"] == 0 for s in stats)  # the session closed its work dir
+
+
+def test_another_worker_reaches_the_pool_through_connect(pool, ray_session):
+    @ray_session.remote(num_cpus=0)
+    def tool_call_elsewhere():
+        from raytunix.sandbox import SandboxSession, connect
+        from raytunix.tools import PythonTool
+
+        client = connect("test-sandbox")
+        with SandboxSession(client) as session:
+            return type(client).__name__, PythonTool(session)(code="print(6 * 7)").output
+
+    assert ray_session.get(tool_call_elsewhere.remote(), timeout=120) == ("RemoteSandbox", "42")
+
+
+@pytest.mark.parametrize("bomb", list(BOMBS))
+def test_every_bomb_is_contained_and_the_actor_serves_the_next_call(pool, bomb):
+    client = pool.client(seed=0)
+    workspace = client.open_workspace("bomb")
+    pids_before = [s["pid"] for s in pool.stats()]
+    try:
+        result = client.run(workspace, BOMBS[bomb], limits=BOMB)
+        expected = {"fork bomb": {SandboxLimit.PROCESSES, SandboxLimit.WALL_TIME},
+                    "memory bomb": {SandboxLimit.MEMORY},
+                    "infinite loop": {SandboxLimit.WALL_TIME, SandboxLimit.CPU_TIME},
+                    "100 MB of output": {None}}[bomb]
+        assert result.killed_by_limit in expected, result
+        if bomb == "100 MB of output":
+            assert result.stdout_truncated and result.stdout_bytes == 100_000_000
+        again = client.run(workspace, ["echo", "alive"])
+        assert again.stdout == "alive\n"
+    finally:
+        client.close_workspace(workspace)
+    assert [s["pid"] for s in pool.stats()] == pids_before  # no actor died or restarted
+
+
+def test_a_dead_sandbox_actor_ends_the_episode_as_env_error(ray_session):
+    pool = SandboxPool(num_actors=1, num_cpus=0, max_restarts=0, name="test-sandbox-doomed")
+    pool.wait_ready(timeout_s=120)
+    client = pool.client()
+    session = SandboxSession(client)
+    env = CalculatorMathEnv(tools=[BashTool(session)])
+    env.reset(Task("t", "List the files.", "none"))
+    call = Action(text="", tool_calls=(ToolCall("bash", {"command": "ls"}),))
+    assert env.step(call).observation == "(no output)"
+    ray_session.kill(pool.actors[0], no_restart=True)
+    with pytest.raises(SandboxUnavailable):
+        client.run(session.workspace, ["ls"])
+    env.reset(Task("t", "List the files.", "none"))
+    step = env.step(call)
+    assert step.done and step.status is EpisodeStatus.ENV_ERROR
+    assert "SandboxUnavailable" in step.info["error"]
+    session.close()  # a work dir gone with its actor closes quietly
