@@ -11,6 +11,7 @@ import time
 import pytest
 
 from raytunix.rollout.concurrency import ConcurrencyController
+from raytunix.rollout.ledger import TaskLedger
 from raytunix.types import EngineFailure, FinishReason, GenerationResult
 
 from test_orchestrator import (  # the fakes every orchestrator test shares
@@ -289,8 +290,12 @@ def test_dynamic_sampling_drops_zero_variance_groups_and_still_fills_every_batch
     assert counters["groups_filtered_zero_variance"] == len(filtered)
     assert sum(v for k, v in counters.items() if k.startswith("groups_filtered_")) == len(filtered)
     assert consumed[-1][1]["groups_filtered_zero_variance"] == counters["groups_filtered_zero_variance"]
-    # Filtered tasks are final: a resumed run does not start them again.
+    # Filtered tasks are final, with their reason in the saved ledger: a resumed run does
+    # not start them again.
     assert not filtered & set(state["pending"])
+    saved = TaskLedger.from_json(state["ledger"])
+    assert all(saved.outcome(i) == "filtered:zero_variance" for i in filtered)
+    assert all(saved.outcome(i) == "trained" for i in trained)
 
 
 def test_every_group_degenerate_is_capped_warned_and_trained_not_looped_forever(caplog):
