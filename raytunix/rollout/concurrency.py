@@ -18,6 +18,8 @@ reports, every ``interval_s`` seconds::
 Plain Python, no Ray and no JAX: both classes are fed numbers and return numbers. The
 orchestrator applies the budget on top of its admission rules (staleness, batch queue),
 which stay as they are: the controller can only lower what they allow, never raise it.
+A lower budget cancels nothing: episodes in flight run to their end, and new groups wait
+until the episodes in flight fit under it.
 """
 
 from __future__ import annotations
