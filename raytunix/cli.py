@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from raytunix.config import ConfigError, load_config, preset_names
@@ -38,6 +39,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # `env.name=my_envs:MyEnv` names a module in the working directory, as `python -m`
+    # would find it; the console script's own path does not include it.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         cfg = load_config(args.config, [] if getattr(args, "resume", None) else args.overrides)
     except ConfigError as e:

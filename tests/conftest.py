@@ -10,15 +10,38 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import pytest  # noqa: E402
 
 
+_RAY_INIT = dict(num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024**2,
+                 runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu"}}, log_to_driver=False)
+_started_here = []
+
+
+def _start_ray():
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(**_RAY_INIT)
+        _started_here.append(True)
+    return ray
+
+
+def pytest_collection_finish(session):
+    """Starts Ray before the first test when any collected test asks for it.
+
+    Ray starts its processes with a ``preexec_fn``: Python code that runs in the forked
+    child before exec. Once a test has started JAX's runtime threads in this process, such
+    a fork can deadlock (JAX warns "os.fork() was called"), so Ray must start before any
+    test runs JAX, not when the first Ray test happens to run.
+    """
+    if session.config.option.collectonly:
+        return
+    if any("ray_session" in getattr(item, "fixturenames", ()) for item in session.items):
+        _start_ray()
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """A local Ray cluster (2 CPUs, no dashboard, 200 MB object store) for the session."""
-    import ray
-
-    started_here = not ray.is_initialized()
-    if started_here:
-        ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024**2,
-                 runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu"}}, log_to_driver=False)
+    ray = _start_ray()
     yield ray
-    if started_here:
+    if _started_here:
         ray.shutdown()

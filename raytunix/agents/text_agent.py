@@ -8,7 +8,9 @@ from raytunix.types import Action, FinishReason, GenerationResult
 
 
 class TextAgent(ConversationAgentBase):
-    """Passes the model's text through as ``Action(text=text)``; never a parse error.
+    """Passes the model's text through as ``Action(text=text)``; never a parse error. The
+    end-of-turn token that closes a reply is not part of the action (a text environment,
+    e.g. a gymnasium one, gets what the model said, not the chat format's marker).
 
     Since any text is a whole action, a reply cut at ``max_new_tokens`` still ends the
     turn: the agent closes it with the end-of-turn token (``<|end|>`` in the raytunix
@@ -24,4 +26,5 @@ class TextAgent(ConversationAgentBase):
         return action
 
     def parse(self, text: str) -> Action:
-        return Action(text=text)
+        end = self.tokenizer.decode([self.end_id], skip_special_tokens=False)
+        return Action(text=text[: -len(end)] if end and text.endswith(end) else text)
