@@ -148,6 +148,28 @@ class EvalConfig:
 
 
 @dataclasses.dataclass
+class SandboxConfig:
+    """Where code-running tools (python, bash) execute: ``raytunix.sandbox``. A pool of
+    sandbox actors is started when the environment runs sandboxed tools (its class sets
+    ``uses_sandbox``)."""
+
+    backend: str = "auto"  # auto (bubblewrap where it works, else subprocess with a warning) | bwrap (or stop) | subprocess
+    num_actors: int = 1  # sandbox Ray actors (scaled apart from env actors)
+    num_cpus_per_actor: float = 0.5  # Ray CPUs each sandbox actor reserves (fractions allowed)
+    resource: str = ""  # a custom Ray resource each sandbox actor needs one unit of, e.g. sandbox_host ("" = none)
+    max_concurrent_runs: int = 32  # commands one sandbox actor runs at once
+    actor_max_restarts: int = 3  # a crashed sandbox actor is restarted this often
+    wall_time_s: float = 10.0  # wall-clock limit of one command; its whole process tree is killed then
+    cpu_time_s: float = 10.0  # CPU seconds per process
+    memory_mb: int = 1024  # address space per process, MiB (>= 16)
+    max_processes: int = 64  # processes and threads of one command at once
+    max_file_mb: int = 64  # largest file a command may write, MiB
+    max_output_kb: int = 64  # stdout (and stderr) kept per command, KiB; the rest is dropped and reported
+    tmp_mb: int = 64  # size of the private /tmp under bubblewrap, MiB
+    root_dir: str = ""  # absolute directory for work dirs ("" = <temp dir>/raytunix-sandbox-<uid>)
+
+
+@dataclasses.dataclass
 class Config:
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -158,6 +180,7 @@ class Config:
     learner: LearnerConfig = dataclasses.field(default_factory=LearnerConfig)
     warmup: WarmupConfig = dataclasses.field(default_factory=WarmupConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    sandbox: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -174,6 +197,7 @@ _CHOICES = {
     "learner.importance_sampling": ("token_tis", "sequence_tis", "geometric_tis"),
     "rollout.stale_token_policy": ("drop", "mask", "accept"),
     "data.dataset": ("basic_arithmetic",),
+    "sandbox.backend": ("auto", "bwrap", "subprocess"),
 }
 _POSITIVE = {
     "model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.d_ff",
@@ -184,14 +208,17 @@ _POSITIVE = {
     "rollout.batch_queue_size", "rollout.batch_timeout_s", "engine.max_batch_size", "engine.block_size", "engine.num_replicas", "learner.learning_rate",
     "learner.checkpoint_every", "learner.max_checkpoints", "warmup.batch_size",
     "warmup.learning_rate", "warmup.eval_every", "warmup.eval_size", "eval.heldout_size",
-    "eval.max_new_tokens", "run.log_every",
+    "eval.max_new_tokens", "run.log_every", "sandbox.num_actors", "sandbox.max_concurrent_runs",
+    "sandbox.wall_time_s", "sandbox.cpu_time_s", "sandbox.memory_mb", "sandbox.max_processes",
+    "sandbox.max_output_kb", "sandbox.tmp_mb",
 }
 _NON_NEGATIVE = {
     "rollout.max_staleness", "rollout.adaptive_min_episodes", "rollout.adaptive_max_episodes",
     "rollout.dynamic_sampling_max_filtered", "rollout.top_k", "learner.rl_steps", "learner.kl_coef",
     "learner.weight_decay", "learner.max_grad_norm", "warmup.max_steps", "warmup.min_steps",
     "env.env_actor_max_restarts", "engine.kv_cache_tokens", "learner.clip_eps_low",
-    "learner.clip_eps_high", "warmup.warmup_steps",
+    "learner.clip_eps_high", "warmup.warmup_steps", "sandbox.num_cpus_per_actor",
+    "sandbox.actor_max_restarts", "sandbox.max_file_mb",
 }
 _PROBABILITY = {"warmup.tool_use_prob_2_terms", "warmup.tool_use_prob_3_terms",
                 "warmup.target_tool_accuracy"}
@@ -315,7 +342,21 @@ def validate(cfg: Config) -> Config:
             f"eval.heldout_size={cfg.eval.heldout_size} exceeds data.heldout_size="
             f"{cfg.data.heldout_size}; raise data.heldout_size or lower eval.heldout_size.")
     _validate_env(cfg.env)
+    _validate_sandbox(cfg.sandbox)
     return cfg
+
+
+def _validate_sandbox(sandbox: SandboxConfig) -> None:
+    if sandbox.memory_mb < 16:
+        raise ConfigError(f"sandbox.memory_mb={sandbox.memory_mb} must be >= 16: an interpreter "
+                          "needs that much address space to start.")
+    if sandbox.resource in ("CPU", "GPU", "TPU", "memory", "object_store_memory"):
+        raise ConfigError(
+            f"sandbox.resource={sandbox.resource!r} is a built-in Ray resource; give a custom "
+            "one (e.g. sandbox_host), and sandbox.num_cpus_per_actor for CPUs.")
+    if sandbox.root_dir and not os.path.isabs(sandbox.root_dir):
+        raise ConfigError(f"sandbox.root_dir={sandbox.root_dir!r} must be an absolute path (or "
+                          "empty for the system temp dir).")
 
 
 # Mapping-valued keys; an override may set one entry: env.kwargs.turns=2.

@@ -99,7 +99,8 @@ RESUME_OVERRIDABLE = frozenset({
     "engine.kv_cache_tokens", "engine.prefill_chunk_tokens", "engine.kv_on_weight_update",
     "engine.sessions", "rollout.adaptive_concurrency", "rollout.target_engine_busy",
     "rollout.adaptive_min_episodes", "rollout.adaptive_max_episodes",
-    "rollout.adaptive_interval_s",
+    "rollout.adaptive_interval_s", "sandbox.num_actors", "sandbox.num_cpus_per_actor",
+    "sandbox.resource", "sandbox.max_concurrent_runs", "sandbox.actor_max_restarts",
 })
 
 
@@ -165,6 +166,34 @@ def _uses_tools(cfg: Config) -> bool:
     from raytunix.envs import CalculatorMathEnv
 
     return issubclass(_env_class(cfg), CalculatorMathEnv)
+
+
+def _start_sandbox_pool(cfg: Config):
+    """The run's sandbox actors, when its environment runs sandboxed tools (its class sets
+    ``uses_sandbox``); their tools find them with ``raytunix.sandbox.connect()``. None
+    otherwise."""
+    if not getattr(_env_class(cfg), "uses_sandbox", False):
+        return None
+    from raytunix.sandbox.pool import SandboxPool
+
+    pool = SandboxPool.from_config(cfg.sandbox)
+    try:
+        stats = pool.wait_ready(ENV_READY_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        pool.shutdown()
+        raise RunError(
+            f"the {cfg.sandbox.num_actors} sandbox actors were not placed within "
+            f"{ENV_READY_TIMEOUT_S:.0f} s; does the cluster have sandbox.num_cpus_per_actor="
+            f"{cfg.sandbox.num_cpus_per_actor} CPUs each"
+            + (f" and the resource sandbox.resource={cfg.sandbox.resource!r}" if cfg.sandbox.resource else "")
+            + "?") from None
+    except ray.exceptions.RayActorError as e:
+        pool.shutdown()
+        raise RunError(f"the sandbox actors could not start (sandbox.backend="
+                       f"{cfg.sandbox.backend!r}): {e}") from None
+    _say(f"sandbox: {len(stats)} actors, backend {stats[0]['backend']}, isolation "
+         f"{stats[0]['isolation']}")
+    return pool
 
 
 def _demonstration_arrays(cfg: Config, tasks, tokenizer) -> tuple[np.ndarray, np.ndarray]:
@@ -372,8 +401,9 @@ def train(cfg: Config, resume: str | None = None, resume_overrides: Sequence[str
         signal.signal(signal.SIGTERM, _interrupt)
     hp = GRPOHyperparams.from_config(cfg)
 
-    # Env actors first: an environment that cannot be built stops the run before anything
-    # is trained, and an environment that brings its own tasks builds them there.
+    # Sandboxes, then env actors: an environment that cannot be built stops the run before
+    # anything is trained, and an environment that brings its own tasks builds them there.
+    sandbox_pool = _start_sandbox_pool(cfg)
     env_pool = EnvPool(cfg.env.name, dict(cfg.env.kwargs), cfg.env.num_env_actors,
                        max_restarts=cfg.env.env_actor_max_restarts,
                        import_paths=_import_paths(cfg))
@@ -409,6 +439,8 @@ def train(cfg: Config, resume: str | None = None, resume_overrides: Sequence[str
         else:
             for actor in env_pool.actors:
                 ray.kill(actor)
+        if sandbox_pool is not None:
+            sandbox_pool.shutdown()
 
 
 def _preflight(check, *args):

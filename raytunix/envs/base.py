@@ -39,10 +39,14 @@ class BaseEnv(abc.ABC):
     Attributes:
       default_agent: name of the agent (``raytunix.agents.make_agent``) that speaks this
         environment's action format.
+      uses_sandbox: its tools run code (``raytunix.sandbox``); a run then starts a pool of
+        sandbox actors (config section ``sandbox``) that the tools reach by
+        ``raytunix.sandbox.connect()``.
       task: the current episode's task (None before ``reset``).
     """
 
     default_agent: ClassVar[str]
+    uses_sandbox: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.task: Task | None = None

@@ -179,6 +179,16 @@ class SandboxPool:
                 limits or SandboxLimits(), backend, root_dir, tuple(ro_binds)))
         _CLIENTS.pop(name, None)
 
+    @classmethod
+    def from_config(cls, sandbox, name: str = DEFAULT_POOL_NAME) -> "SandboxPool":
+        """The pool a run's ``sandbox`` config section (``raytunix.config.SandboxConfig``)
+        describes."""
+        return cls(sandbox.num_actors, SandboxLimits.from_config(sandbox),
+                   backend=sandbox.backend, root_dir=sandbox.root_dir or None,
+                   num_cpus=sandbox.num_cpus_per_actor, resource=sandbox.resource or None,
+                   max_concurrent_runs=sandbox.max_concurrent_runs,
+                   max_restarts=sandbox.actor_max_restarts, name=name)
+
     def client(self, seed: int | None = None) -> RemoteSandbox:
         return RemoteSandbox(self.actors, seed)
 

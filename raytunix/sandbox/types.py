@@ -89,6 +89,15 @@ class SandboxLimits:
     max_output_bytes: int = 64 << 10
     tmp_bytes: int = 64 << 20
 
+    @classmethod
+    def from_config(cls, sandbox) -> "SandboxLimits":
+        """The limits a run's ``sandbox`` config section (``raytunix.config.SandboxConfig``,
+        sizes in MiB and KiB) sets."""
+        return cls(wall_time_s=sandbox.wall_time_s, cpu_time_s=sandbox.cpu_time_s,
+                   memory_bytes=sandbox.memory_mb << 20, max_processes=sandbox.max_processes,
+                   max_file_bytes=sandbox.max_file_mb << 20,
+                   max_output_bytes=sandbox.max_output_kb << 10, tmp_bytes=sandbox.tmp_mb << 20)
+
     def __post_init__(self) -> None:
         checks = (
             ("wall_time_s", self.wall_time_s > 0 and math.isfinite(self.wall_time_s), "> 0 seconds"),
