@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import importlib.util
 import inspect
 import os
+import re
 import sys
 import typing
 from typing import Any, Iterable, Mapping
@@ -221,14 +223,53 @@ def check_kwargs(cls: type, kwargs: Mapping[str, Any], *, key: str,
 
 def import_root(obj: Any) -> str | None:
     """The ``sys.path`` entry that ``obj``'s module was imported from, for actors to add;
-    None for built-in modules and objects of raytunix itself (always importable)."""
-    module_name = getattr(obj, "__module__", None)
-    module = sys.modules.get(module_name or "")
-    file = getattr(module, "__file__", None)
-    if module is None or file is None or module_name.split(".")[0] == "raytunix":
+    None for built-in modules and for raytunix's own (importable wherever raytunix is)."""
+    return _module_root(getattr(obj, "__module__", None) or "")
+
+
+# "package.module:anything" — a module named before a colon (gymnasium's "module:Id-v0"
+# too); URLs and plain words do not match.
+_MODULE_REF = re.compile(r"^([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):[^/\s]\S*$")
+
+
+def module_roots(value: Any) -> list[str]:
+    """``sys.path`` entries of the modules that import-path strings inside ``value``
+    (nested mappings, lists and tuples; e.g. ``env.kwargs``) name, found without importing
+    the modules themselves; unknown modules and raytunix's own are skipped."""
+    found: list[str] = []
+
+    def visit(item: Any) -> None:
+        if isinstance(item, str):
+            match = _MODULE_REF.match(item)
+            root = _module_root(match.group(1)) if match else None
+            if root:
+                found.append(root)
+        elif isinstance(item, Mapping):
+            for child in item.values():
+                visit(child)
+        elif isinstance(item, (list, tuple)):
+            for child in item:
+                visit(child)
+
+    visit(value)
+    return list(dict.fromkeys(found))
+
+
+def _module_root(module_name: str) -> str | None:
+    if not module_name or module_name.split(".")[0] == "raytunix":
         return None
-    root = os.path.dirname(os.path.abspath(file))
-    depth = module_name.count(".") + (os.path.basename(file) == "__init__.py")
+    module = sys.modules.get(module_name)
+    spec = getattr(module, "__spec__", None)
+    if spec is None:
+        try:
+            spec = importlib.util.find_spec(module_name)
+        except (ImportError, ValueError):
+            return None
+    origin = getattr(spec, "origin", None)
+    if not origin or not os.path.isabs(origin):  # built-in, frozen, namespace package
+        return None
+    root = os.path.dirname(origin)
+    depth = module_name.count(".") + (os.path.basename(origin) == "__init__.py")
     for _ in range(depth):
         root = os.path.dirname(root)
     return root
