@@ -100,3 +100,46 @@ def test_a_dead_sandbox_actor_ends_the_episode_as_env_error(ray_session):
     assert step.done and step.status is EpisodeStatus.ENV_ERROR
     assert "SandboxUnavailable" in step.info["error"]
     session.close()  # a work dir gone with its actor closes quietly
+
+
+class ShellEnv(CalculatorMathEnv):
+    """An environment whose tools run code: a run starts the sandbox pool for it."""
+
+    uses_sandbox = True
+
+    def __init__(self):
+        super().__init__(tools=[BashTool()])
+
+
+def test_a_run_starts_the_pool_its_config_describes_for_an_env_that_uses_a_sandbox(ray_session):
+    from raytunix import train
+    from raytunix.config import load_config
+
+    cfg = load_config(None, [f"env.name={__name__}:ShellEnv", "sandbox.num_actors=2",
+                             "sandbox.num_cpus_per_actor=0", "sandbox.wall_time_s=3",
+                             "sandbox.memory_mb=128", "sandbox.max_output_kb=1"])
+    pool = train._start_sandbox_pool(cfg)
+    try:
+        assert len(pool.actors) == 2
+        env = ShellEnv()  # as an env actor would build it: its tool connects to the pool
+        env.reset(Task("t", "Print a lot.", "none"))
+        step = env.step(Action(text="", tool_calls=(ToolCall("bash", {"command": "seq 1 5000"}),)))
+        assert step.observation.endswith("[stdout cut: first 1024 of 23893 bytes shown]")
+        assert sum(s["runs"] for s in pool.stats()) == 1
+        assert sum(s["workspaces"] for s in pool.stats()) == 1
+        env.close()  # as at the end of an episode: the tool's work dir goes
+        assert sum(s["workspaces"] for s in pool.stats()) == 0
+    finally:
+        pool.shutdown()
+    assert train._start_sandbox_pool(load_config(None, [])) is None  # calculator: no sandbox
+
+
+def test_the_config_sections_sizes_become_the_sandbox_limits():
+    from raytunix.config import load_config
+
+    cfg = load_config(None, ["sandbox.memory_mb=64", "sandbox.max_file_mb=2",
+                             "sandbox.max_output_kb=8", "sandbox.tmp_mb=16",
+                             "sandbox.wall_time_s=1.5", "sandbox.max_processes=12"])
+    assert SandboxLimits.from_config(cfg.sandbox) == SandboxLimits(
+        wall_time_s=1.5, cpu_time_s=10.0, memory_bytes=64 << 20, max_processes=12,
+        max_file_bytes=2 << 20, max_output_bytes=8 << 10, tmp_bytes=16 << 20)

@@ -80,6 +80,11 @@ class CalculatorMathEnv(BaseEnv):
         self.tool_errors = 0
         return task.question
 
+    def close(self) -> None:
+        """Closes the tools (a sandboxed tool deletes its work dir)."""
+        for tool in self.tools.values():
+            tool.close()
+
     def _step_impl(self, action: Action) -> StepResult:
         if action.parse_error is None and action.answer is not None and not action.tool_calls:
             correct = score_answer(self.task, action.answer) == 1.0
