@@ -87,6 +87,19 @@ class RolloutConfig:
     dynamic_sampling: bool = False  # DAPO: filter groups whose rewards are all equal (zero advantage) and sample others until the batch is full
     dynamic_sampling_max_filtered: int = 0  # at most this many groups filtered per batch, then such groups are kept (counted, warned); 0 = 4 x groups_per_batch
     batch_timeout_s: float = 900.0  # the run stops (checkpoints kept) if no batch arrives in this time
+    # Faults (see raytunix/rollout/orchestrator.py): retries back off exponentially with jitter.
+    max_episode_restarts: int = 2  # an episode whose env actor died is re-run on a live actor this often, then ends as env_error
+    max_group_retries: int = 3  # a group that made no data (engine down, or every member failed by infrastructure) is retried this often, then its task is filtered
+    max_consecutive_failures: int = 256  # the breaker: this many episodes in a row failed by infrastructure stop the run with one error (checkpoints kept); 0 = off
+    engine_retry_max_attempts: int = 8  # attempts of one engine call within an episode, the first included
+    engine_retry_initial_delay_s: float = 0.1  # first wait before an engine call is retried, seconds
+    engine_retry_max_delay_s: float = 5.0  # cap on one wait between engine call attempts, seconds
+    engine_retry_multiplier: float = 2.0  # each wait between engine call attempts grows by this factor (>= 1)
+    engine_retry_jitter: float = 0.5  # random fraction of each such wait, in [0, 1] (0.5: equal jitter, 1: full jitter)
+    retry_initial_delay_s: float = 0.5  # first wait before a group is retried or an episode re-run, seconds
+    retry_max_delay_s: float = 30.0  # cap on one wait between group retries or episode re-runs, seconds
+    retry_multiplier: float = 2.0  # each wait between group retries or episode re-runs grows by this factor (>= 1)
+    retry_jitter: float = 0.5  # random fraction of each such wait, in [0, 1]
 
 
 @dataclasses.dataclass
@@ -205,7 +218,8 @@ _POSITIVE = {
     "env.num_env_actors", "rollout.group_size", "rollout.groups_per_batch",
     "rollout.max_concurrent_episodes", "rollout.target_engine_busy",
     "rollout.adaptive_interval_s", "rollout.max_new_tokens", "rollout.episode_timeout_s",
-    "rollout.batch_queue_size", "rollout.batch_timeout_s", "engine.max_batch_size", "engine.block_size", "engine.num_replicas", "learner.learning_rate",
+    "rollout.batch_queue_size", "rollout.batch_timeout_s", "rollout.engine_retry_max_attempts",
+    "rollout.engine_retry_initial_delay_s", "rollout.retry_initial_delay_s", "engine.max_batch_size", "engine.block_size", "engine.num_replicas", "learner.learning_rate",
     "learner.checkpoint_every", "learner.max_checkpoints", "warmup.batch_size",
     "warmup.learning_rate", "warmup.eval_every", "warmup.eval_size", "eval.heldout_size",
     "eval.max_new_tokens", "run.log_every", "sandbox.num_actors", "sandbox.max_concurrent_runs",
@@ -214,7 +228,8 @@ _POSITIVE = {
 }
 _NON_NEGATIVE = {
     "rollout.max_staleness", "rollout.adaptive_min_episodes", "rollout.adaptive_max_episodes",
-    "rollout.dynamic_sampling_max_filtered", "rollout.top_k", "learner.rl_steps", "learner.kl_coef",
+    "rollout.dynamic_sampling_max_filtered", "rollout.max_episode_restarts",
+    "rollout.max_group_retries", "rollout.max_consecutive_failures", "rollout.top_k", "learner.rl_steps", "learner.kl_coef",
     "learner.weight_decay", "learner.max_grad_norm", "warmup.max_steps", "warmup.min_steps",
     "env.env_actor_max_restarts", "engine.kv_cache_tokens", "learner.clip_eps_low",
     "learner.clip_eps_high", "warmup.warmup_steps", "sandbox.num_cpus_per_actor",
@@ -333,6 +348,7 @@ def validate(cfg: Config) -> Config:
     if cfg.env.max_turns >= 1 << 16:
         raise ConfigError(f"env.max_turns={cfg.env.max_turns} must be below 65536 (one sampling seed per turn).")
     _validate_sampling(cfg.rollout)
+    _validate_backoffs(cfg.rollout)
     _validate_adaptive_concurrency(cfg.rollout)
     if cfg.rollout.group_size < 2:
         raise ConfigError(
@@ -420,6 +436,29 @@ def _validate_adaptive_concurrency(rollout: RolloutConfig) -> None:
         raise ConfigError(
             f"rollout.adaptive_max_episodes={high} is below rollout.max_concurrent_episodes="
             f"{start}, the controller's start value; raise the first or lower the second.")
+
+
+def _validate_backoffs(rollout: RolloutConfig) -> None:
+    """The two retry schedules (engine calls; group retries and episode re-runs) must grow
+    from a finite first wait to a cap no smaller than it."""
+    for prefix in ("engine_retry", "retry"):
+        initial = getattr(rollout, f"{prefix}_initial_delay_s")
+        cap = getattr(rollout, f"{prefix}_max_delay_s")
+        multiplier = getattr(rollout, f"{prefix}_multiplier")
+        jitter = getattr(rollout, f"{prefix}_jitter")
+        if not math.isfinite(initial):
+            raise ConfigError(f"rollout.{prefix}_initial_delay_s={initial!r} must be a finite "
+                              "number of seconds.")
+        if not (cap >= initial and math.isfinite(cap)):
+            raise ConfigError(
+                f"rollout.{prefix}_max_delay_s={cap!r} must be finite and >= "
+                f"rollout.{prefix}_initial_delay_s={initial!r}; it caps each wait.")
+        if not (multiplier >= 1 and math.isfinite(multiplier)):
+            raise ConfigError(f"rollout.{prefix}_multiplier={multiplier!r} must be a finite "
+                              "number >= 1 (1: constant waits, 2: each wait doubles).")
+        if not 0.0 <= jitter <= 1.0:
+            raise ConfigError(f"rollout.{prefix}_jitter={jitter!r} must be in [0, 1] (the "
+                              "random fraction of each wait; 0.5 is a common choice).")
 
 
 def _validate_sampling(rollout: RolloutConfig) -> None:

@@ -24,7 +24,7 @@ import ray
 import yaml
 
 from raytunix import plugins
-from raytunix.config import Config, ConfigError, config_from_dict, parse_override
+from raytunix.config import Config, ConfigError, RolloutConfig, config_from_dict, parse_override
 from raytunix.learner.learner import GRPOHyperparams
 from raytunix.models.llama import ModelConfig
 from raytunix.models.tokenizer import Tokenizer
@@ -101,6 +101,12 @@ RESUME_OVERRIDABLE = frozenset({
     "rollout.adaptive_min_episodes", "rollout.adaptive_max_episodes",
     "rollout.adaptive_interval_s", "sandbox.num_actors", "sandbox.num_cpus_per_actor",
     "sandbox.resource", "sandbox.max_concurrent_runs", "sandbox.actor_max_restarts",
+    "rollout.max_episode_restarts", "rollout.max_group_retries",
+    "rollout.max_consecutive_failures", "rollout.engine_retry_max_attempts",
+    "rollout.engine_retry_initial_delay_s", "rollout.engine_retry_max_delay_s",
+    "rollout.engine_retry_multiplier", "rollout.engine_retry_jitter",
+    "rollout.retry_initial_delay_s", "rollout.retry_max_delay_s", "rollout.retry_multiplier",
+    "rollout.retry_jitter",
 })
 
 
@@ -292,6 +298,7 @@ class Job:
             concurrency_interval_s=cfg.rollout.adaptive_interval_s,
             dynamic_sampling=cfg.rollout.dynamic_sampling,
             dynamic_sampling_max_filtered=cfg.rollout.dynamic_sampling_max_filtered,
+            **_fault_kwargs(cfg.rollout),
             seed=cfg.run.seed, policy_version=policy_version, state=state)
 
 
@@ -327,6 +334,25 @@ class Job:
                 ray.kill(actor)
 
 
+def _fault_kwargs(rollout: RolloutConfig) -> dict[str, Any]:
+    """The orchestrator's fault handling from ``rollout.*`` (``RolloutConfig``)."""
+    from raytunix.rollout.faults import Backoff
+
+    r = rollout
+    return {
+        "max_episode_restarts": r.max_episode_restarts,
+        "max_group_retries": r.max_group_retries,
+        "max_consecutive_failures": r.max_consecutive_failures,
+        "engine_backoff": Backoff(
+            initial_delay_s=r.engine_retry_initial_delay_s, max_delay_s=r.engine_retry_max_delay_s,
+            multiplier=r.engine_retry_multiplier, jitter=r.engine_retry_jitter,
+            max_attempts=r.engine_retry_max_attempts),
+        "retry_backoff": Backoff(
+            initial_delay_s=r.retry_initial_delay_s, max_delay_s=r.retry_max_delay_s,
+            multiplier=r.retry_multiplier, jitter=r.retry_jitter),
+    }
+
+
 def _ensure_ray(cfg: Config) -> None:
     if ray.is_initialized():
         return
@@ -334,8 +360,13 @@ def _ensure_ray(cfg: Config) -> None:
     if address:
         ray.init(address=address, log_to_driver=True)
     else:
-        ray.init(include_dashboard=False, object_store_memory=256 * 1024**2,
-                 num_cpus=max(2, os.cpu_count() or 2), log_to_driver=True)
+        from raytunix.watchdog import start_watchdog
+
+        context = ray.init(include_dashboard=False, object_store_memory=256 * 1024**2,
+                           num_cpus=max(2, os.cpu_count() or 2), log_to_driver=True)
+        # This process started the cluster: if it is killed (kill -9, OOM), the cluster's
+        # processes go with it instead of outliving it for a minute.
+        start_watchdog(context.address_info["session_dir"])
 
 
 def _warm_start(cfg: Config, job: Job, run: RunDir, dev_tasks) -> dict:

@@ -1,3 +1,5 @@
+import random
+
 import pytest
 
 from raytunix.config import Config, ConfigError, config_from_dict, load_config, preset_names
@@ -133,3 +135,51 @@ def test_rollout_sampling_settings_reach_the_learner_unchanged():
     assert hp.kl_coef == 0.01 and hp.clip_eps_high == cfg.learner.clip_eps_high
     defaults = GRPOHyperparams.from_config(load_config("default"))
     assert (defaults.temperature, defaults.top_k, defaults.top_p) == (1.0, 0, 1.0)
+
+
+@pytest.mark.parametrize("override, named", [
+    ("rollout.max_consecutive_failures=-1", "rollout.max_consecutive_failures=-1"),
+    ("rollout.max_episode_restarts=-2", "rollout.max_episode_restarts=-2"),
+    ("rollout.max_group_retries=1.5", "1.5"),
+    ("rollout.engine_retry_max_attempts=0", "rollout.engine_retry_max_attempts=0"),
+    ("rollout.engine_retry_initial_delay_s=0", "rollout.engine_retry_initial_delay_s=0"),
+    ("rollout.engine_retry_max_delay_s=0.01", "rollout.engine_retry_max_delay_s=0.01"),
+    ("rollout.engine_retry_multiplier=0.5", "rollout.engine_retry_multiplier=0.5"),
+    ("rollout.engine_retry_jitter=2", "rollout.engine_retry_jitter=2.0"),
+    ("rollout.retry_initial_delay_s=-1", "rollout.retry_initial_delay_s=-1"),
+    ("rollout.retry_initial_delay_s=.inf", "rollout.retry_initial_delay_s=inf"),
+    ("rollout.retry_max_delay_s=.inf", "rollout.retry_max_delay_s=inf"),
+    ("rollout.retry_multiplier=.nan", "rollout.retry_multiplier=nan"),
+    ("rollout.retry_jitter=-0.1", "rollout.retry_jitter=-0.1"),
+])
+def test_bad_fault_settings_name_the_key_and_value(override, named):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert named in str(e.value)
+
+
+def test_fault_settings_reach_the_orchestrator_as_backoff_schedules():
+    from raytunix.train import RESUME_OVERRIDABLE, _fault_kwargs
+
+    cfg = load_config(None, [
+        "rollout.max_consecutive_failures=0", "rollout.max_episode_restarts=5",
+        "rollout.max_group_retries=1", "rollout.engine_retry_max_attempts=3",
+        "rollout.engine_retry_initial_delay_s=0.2", "rollout.engine_retry_max_delay_s=0.8",
+        "rollout.engine_retry_multiplier=4", "rollout.engine_retry_jitter=0",
+        "rollout.retry_initial_delay_s=1", "rollout.retry_max_delay_s=2",
+        "rollout.retry_multiplier=1.5", "rollout.retry_jitter=1"])
+    kwargs = _fault_kwargs(cfg.rollout)
+    assert (kwargs["max_consecutive_failures"], kwargs["max_episode_restarts"],
+            kwargs["max_group_retries"]) == (0, 5, 1)
+    engine = kwargs["engine_backoff"]
+    assert engine.max_attempts == 3 and engine.jitter == 0.0
+    rng = random.Random(0)
+    assert [engine.delay_s(k, rng) for k in range(3)] == [0.2, 0.8, 0.8]  # x4, capped
+    retry = kwargs["retry_backoff"]
+    assert (retry.initial_delay_s, retry.max_delay_s, retry.multiplier, retry.jitter) == (
+        1.0, 2.0, 1.5, 1.0)
+    # None of them changes what a checkpoint holds: a resume may change each.
+    fault_keys = {f"rollout.{k}" for k in vars(cfg.rollout)
+                  if k.startswith(("max_episode", "max_group", "max_consecutive",
+                                   "engine_retry", "retry_"))}
+    assert len(fault_keys) == 12 and fault_keys <= RESUME_OVERRIDABLE
