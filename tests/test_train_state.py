@@ -229,11 +229,14 @@ def test_checkpoint_round_trip(trainer, tmp_path):
     assert isinstance(restored, TrainState)
     _assert_trees_equal(restored, state)
     assert restored_extras == extras
+    assert ckpt.read_extras() == ckpt.read_extras(2) == extras  # without the model
 
     with pytest.raises(ValueError, match="already exists"):
         ckpt.save(2, state, extras)
     with pytest.raises(FileNotFoundError, match="step 5"):
         ckpt.restore(5, abstract)
+    with pytest.raises(FileNotFoundError, match="step 5"):
+        ckpt.read_extras(5)
 
 
 def test_resume_then_step_equals_uninterrupted(trainer, tmp_path):

@@ -131,6 +131,23 @@ class Checkpointer:
             "config.yaml changed?):\n" + "\n".join(errors)
         )
 
+    def read_extras(self, step: int | None = None) -> dict[str, Any]:
+        """The JSON extras of checkpoint ``step`` (default: the newest), without loading
+        the model: data position, policy version, the orchestrator's state and ledger.
+
+        Raises:
+          FileNotFoundError: no checkpoint, or none for ``step``.
+        """
+        steps = self.all_steps()
+        if step is None and steps:
+            step = steps[-1]
+        if step not in steps:
+            raise FileNotFoundError(
+                f"No checkpoint for step {step} in {self.directory}; available: {steps}.")
+        restored = self._manager.restore(
+            int(step), args=ocp.args.Composite(extras=ocp.args.JsonRestore()))
+        return dict(restored["extras"] or {})
+
     def _quarantine(self, steps: list[int]) -> None:
         """Moves unrestorable checkpoints newer than the one restored aside (to
         ``<directory>-corrupt/``), so the resumed run can save those steps again; nothing
