@@ -67,12 +67,12 @@ def render_output(result: SandboxResult) -> str:
     if result.stdout:
         parts.append(result.stdout.rstrip("\n"))
     if result.stdout_truncated:
-        parts.append(f"[stdout cut: first {len(result.stdout.encode())} of "
+        parts.append(f"[stdout cut: first {result.limits.max_output_bytes} of "
                      f"{result.stdout_bytes} bytes shown]")
     if result.stderr:
         parts.append("[stderr]\n" + result.stderr.rstrip("\n"))
     if result.stderr_truncated:
-        parts.append(f"[stderr cut: first {len(result.stderr.encode())} of "
+        parts.append(f"[stderr cut: first {result.limits.max_output_bytes} of "
                      f"{result.stderr_bytes} bytes shown]")
     return "\n".join(parts)
 
