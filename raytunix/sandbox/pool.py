@@ -71,6 +71,10 @@ class SandboxActor:
     def close_workspace(self, workspace: str) -> None:
         self._sandbox.close_workspace(workspace)
 
+    def close(self) -> None:
+        """Closes every work dir and deletes the sandbox's directory."""
+        self._sandbox.close()
+
     def stats(self) -> dict[str, Any]:
         """``pid``, ``backend``, ``isolation``, ``workspaces`` open, ``runs`` started."""
         return {"pid": os.getpid(), "backend": self._sandbox.backend.value,
@@ -205,9 +209,13 @@ class SandboxPool:
     def stats(self) -> list[dict[str, Any]]:
         return ray.get([actor.stats.remote() for actor in self.actors])
 
-    def shutdown(self) -> None:
-        """Kills the actors; their work dirs are deleted by the next sandbox of the same
-        actor, or stay in the temp dir."""
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Deletes the actors' work dirs (waiting up to ``timeout_s`` seconds; a dead or
+        stuck actor's stay in the temp dir) and kills the actors."""
+        try:
+            ray.get([actor.close.remote() for actor in self.actors], timeout=timeout_s)
+        except (ray.exceptions.RayError, TimeoutError) as e:
+            logger.warning("sandbox: not every actor cleaned up before shutdown: %s", e)
         for actor in self.actors:
             ray.kill(actor)
         _CLIENTS.pop(self.name, None)
