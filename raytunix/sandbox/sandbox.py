@@ -131,7 +131,8 @@ class Sandbox:
       ValueError: ``backend`` is not one of ``BACKENDS``, or a ``ro_binds`` path is not
         an existing absolute path.
       SandboxError: ``backend="bwrap"`` and bubblewrap does not work here (the message
-        says why), or no backend works at all.
+        says why), no backend works at all, or (as root) ``root_dir`` is closed to the
+        sandbox's users.
     """
 
     def __init__(self, limits: SandboxLimits | None = None, *, backend: str = "auto",
@@ -144,7 +145,7 @@ class Sandbox:
                 raise ValueError(f"ro_binds path {path!r} is not an existing absolute path.")
         self.limits = limits or SandboxLimits()
         self._ro_binds = tuple(ro_binds)
-        self._root = os.getuid() == 0
+        self._root = os.geteuid() == 0
         base = root_dir or os.path.join(tempfile.gettempdir(), f"raytunix-sandbox-{os.getuid()}")
         instance = instance or f"p{os.getpid()}-{secrets.token_hex(4)}"
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", instance) or instance in (".", ".."):
@@ -297,13 +298,18 @@ class Sandbox:
 
     def _make_dirs(self, base: str) -> None:
         # Traversable, not listable, by the work dirs' users; a previous life's leftovers go.
-        os.makedirs(base, exist_ok=True)
+        mode = 0o711 if self._root else 0o700
+        if not os.path.isdir(base):
+            os.makedirs(base)
+            os.chmod(base, mode)
         _remove_tree(self._dir)
         os.makedirs(self._dir)
-        mode = 0o711 if self._root else 0o700
-        for path in (base, self._dir):
-            if os.stat(path).st_uid == os.getuid():
-                os.chmod(path, mode)
+        os.chmod(self._dir, mode)
+        if self._root and not _open_to_others(self._dir):
+            raise SandboxError(
+                f"root_dir {base!r} is closed to other users (no x permission on it or a "
+                "parent), and the sandbox runs commands as users of their own; choose a "
+                "directory they can traverse (the default is in the system temp dir)")
 
     def _open(self, name: str, mode: _Mode) -> str:
         workspace = f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)[:48]}-{secrets.token_hex(6)}"
