@@ -321,3 +321,15 @@ def test_gym_text_env_refuses_the_wrong_kinds():
     env.reset(seed=0)
     with pytest.raises(TypeError, match="takes the model's text"):
         env.step(7)
+
+
+def test_the_readme_example_is_the_environment_tested_here():
+    import inspect
+
+    with open(os.path.join(REPO, "README.md")) as f:
+        readme = f.read()
+    section = readme.split("## Bring your own environment", 1)[1].split("\n## ", 1)[0]
+    example = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert inspect.getsource(ParityEnv) in example
+    assert len(inspect.getsource(ParityEnv).splitlines()) < 30
+    assert "raytunix train env.name=my_envs:ParityEnv" in section
