@@ -71,11 +71,16 @@ def measure_prompts(pool: EnvPool, tasks: Sequence[Task], new_agent: Callable[[]
       "prompt_tokens_max"}`` (tokens).
 
     Raises:
-      PreflightError: a reset raised in the env actor (the task id and the environment's
+      PreflightError: the agent cannot be built (e.g. its chat template does not fit the
+        tokenizer), a reset raised in the env actor (the task id and the environment's
         error are named), or a prompt does not fit (counts and lengths given).
     """
     if not tasks:
         return {"num_prompts": 0}
+    try:
+        new_agent()
+    except Exception as e:  # noqa: BLE001 - a template or argument the agent refuses, reported whole
+        raise PreflightError(f"the agent cannot be built: {type(e).__name__}: {e}") from None
     actors = pool.actors
     refs = [actors[i % len(actors)].first_observation.remote(task) for i, task in enumerate(tasks)]
     lengths = []
