@@ -537,6 +537,9 @@ def _run(cfg: Config, job: Job, run: RunDir, hp: GRPOHyperparams, resume: str | 
         _check_steps_left(start_step, cfg)  # state.json may lag the newest checkpoint
         _say(f"resumed at RL step {start_step}, policy version {version}, data position "
              f"{extras['orchestrator']['next_index']}")
+        # Steps past the checkpoint that a crashed run logged are trained again: from here
+        # on, a step's record replaces any earlier one of the same step.
+        run.log({"phase": "resume", "rl_step": start_step, "policy_version": version})
     else:
         job.start_orchestrator({}, 0)
         warm = _warm_start(cfg, job, run, dev_tasks) if warm_start else {}
