@@ -643,3 +643,32 @@ def test_a_cancelled_request_frees_its_id_and_session_at_once():
         return result
 
     assert len(asyncio.run(main()).token_ids) == 3
+
+
+def test_turns_after_a_stop_continue_from_the_right_kv_while_the_engine_runs_ahead():
+    # The engine launches a request's next decode step before it has seen the token the
+    # step before sampled; a request that stopped was therefore decoded once more. That
+    # extra token must not reach the result, and the session's KV (written by the extra
+    # step up to the stop token) must be the KV a fresh computation gives.
+    prompt = _prompt(9)
+
+    async def main():
+        engine = _engine()
+        gen = list((await engine.generate(_request("ref", prompt, max_new_tokens=12))).token_ids)
+        stop = gen[5]
+        others = [engine.generate(_request(f"o{i}", _prompt(4 + i, start=3 + i),
+                                           max_new_tokens=12)) for i in range(3)]
+        first, *_ = await asyncio.gather(engine.generate(_session_request(
+            "t0", prompt, "ep", max_new_tokens=12, stop_token_ids=(stop,))), *others)
+        second_prompt = prompt + list(first.token_ids) + [41, 42, 43]
+        second = await engine.generate(_session_request("t1", second_prompt, "ep",
+                                                        max_new_tokens=8))
+        await engine.close()
+        return gen, stop, first, second_prompt, second
+
+    gen, stop, first, second_prompt, second = asyncio.run(main())
+    assert first.token_ids == tuple(gen[:gen.index(stop) + 1])
+    assert first.finish_reason == FinishReason.STOP
+    reference, = _alone([_request("ref2", second_prompt, max_new_tokens=8)])
+    assert second.token_ids == reference.token_ids
+    assert second.num_cached_tokens >= len(prompt) + len(first.token_ids) - 1

@@ -7,13 +7,23 @@ holds its rows and reads only the blocks named in a *block bucket* just above th
 longest row. A background asyncio task runs the scheduler loop::
 
     while running:
-        swap in new weights if any arrived (recompute or keep the KV, per config)
+        swap in new weights if any arrived (after the step in flight; recompute or keep
+            the KV, per config)
         drop cancelled requests; admit waiting ones (oldest first) while KV allows
-        prefill: reuse cached blocks (session, prefix cache), then feed up to
-            ``prefill_chunk_tokens`` prompt tokens, oldest requests first
-        decode: one token for each of the oldest ``max_batch_size`` requests whose
-            context is in the cache (the others keep their KV and wait a step)
-        resolve the requests that hit a stop condition
+        launch step i, without waiting for the device:
+            prefill: reuse cached blocks (session, prefix cache), then feed up to
+                ``prefill_chunk_tokens`` prompt tokens, oldest requests first
+            decode: one token for each of the oldest ``max_batch_size`` requests whose
+                context is in the cache (the others keep their KV and wait a step)
+        take in the samples of step i - 1; resolve the requests that hit a stop condition
+
+The host works one step ahead of the device, so the device never waits for the
+scheduler: while step i runs, the host takes in step i - 1 and plans step i + 1. A decode
+row of step i feeds the token step i - 1 sampled for it straight from the device (each
+running request has a slot in a small token buffer the steps pass on), before the host
+has seen it. A request that stopped at step i - 1 has therefore been decoded once more
+in step i; that token is dropped (a request known to reach its length limit is not
+decoded further).
 
 Prefill and decode are one jitted function, ``_forward_step``: feed ``T`` tokens per row
 at their positions, write their KV into the row's blocks, attend over the row's blocks,
@@ -43,7 +53,8 @@ request, the tokens sampled while the context held KV of older weights
 
 When KV blocks run out, the engine evicts cached prefixes, then idle sessions, then
 preempts the youngest running request (it is re-queued and recomputed later, as vLLM's
-recompute preemption). Device calls run on one worker thread so the event loop keeps
+recompute preemption). Steps are launched from the event loop (JAX dispatches them
+asynchronously) and one waiter thread takes their samples to the host, so the loop keeps
 accepting requests while the device computes.
 
 Plain Python class, no Ray: an actor wraps it.
@@ -81,39 +92,63 @@ KV_ON_WEIGHT_UPDATE = ("recompute", "keep")
 _NO_KV = 1 << 62  # kv_version of a sequence that holds no KV yet
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
-def _forward_step(graphdef, truncate: bool, params, pages: KVPages, tokens, positions,
-                  block_tables, last_index, temperature, top_k, top_p, seed_lo, seed_hi,
-                  token_index):
+def _forward_step(graphdef, truncate: bool, params, pages: KVPages, last_tokens, tokens,
+                  positions, block_tables, last_index, temperature, top_k, top_p, seed_lo,
+                  seed_hi, token_index, slots, from_slot):
     """Feeds ``T`` tokens per row, writes their KV into the rows' blocks and samples each
     row's next token after its token ``last_index``.
 
     tokens, positions: ``int32[b, T]`` (padding has position -1); block_tables:
-    ``int32[b, NB]``; last_index, top_k, token_index: ``int32[b]``; temperature, top_p:
-    ``float32[b]``; seed_lo, seed_hi: ``uint32[b]``. ``truncate`` False: top-k/top-p are
-    off in every row and are not compiled in (they cost a sort over the vocabulary).
-    Returns ``(pages, tokens int32[b], logprobs float32[b])``.
+    ``int32[b, NB]``; last_index, top_k, token_index, slots: ``int32[b]``; temperature,
+    top_p: ``float32[b]``; seed_lo, seed_hi: ``uint32[b]``; from_slot: ``bool[b]``.
+    ``last_tokens``: ``int32[S]``, the token each sequence slot sampled last; a row with
+    ``from_slot`` feeds ``last_tokens[slot]`` as its first token instead of ``tokens``
+    (a decode step that follows the step sampling it, before the host has seen it), and
+    every row stores its sample at ``last_tokens[slot]``. ``truncate`` False: top-k/top-p
+    are off in every row and are not compiled in (they cost a sort over the vocabulary).
+    Returns ``(pages, last_tokens, tokens int32[b], logprobs float32[b])``.
     """
+    first = jnp.where(from_slot, last_tokens[slots], tokens[:, 0])
+    tokens = tokens.at[:, 0].set(first)
     logits, pages = forward(graphdef, params, tokens, positions, pages, block_tables,
                             logit_index=last_index)
     truncation = {"top_k": top_k, "top_p": top_p} if truncate else {}
     next_tokens, logprobs = sample_tokens(logits[:, 0], temperature, seed_lo, seed_hi,
                                           token_index, **truncation)
-    return pages, next_tokens, logprobs
+    return pages, last_tokens.at[slots].set(next_tokens), next_tokens, logprobs
+
+
+_STEP_FNS: dict[Any, Any] = {}  # model graph -> its jitted step, shared by engines
+
+
+def _step_fn(graphdef):
+    """The jitted ``_forward_step`` of one model graph (``truncate`` stays static).
+
+    The graph is bound here, not passed as a static argument: a static argument is hashed
+    on every call, and hashing a flax ``GraphDef`` costs about as much host time as a
+    decode step of a small model. Engines of equal graphs share one function, so they
+    share compiled programs.
+    """
+    fn = _STEP_FNS.get(graphdef)
+    if fn is None:
+        fn = _STEP_FNS[graphdef] = jax.jit(functools.partial(_forward_step, graphdef),
+                                           static_argnums=(0,), donate_argnums=(2, 3))
+    return fn
 
 
 def _compiled_programs() -> int:
-    """Programs of ``_forward_step`` compiled in this process so far (all engines)."""
-    size = getattr(_forward_step, "_cache_size", None)
-    return int(size()) if callable(size) else -1
+    """Programs of the step functions compiled in this process so far (all engines)."""
+    sizes = [getattr(fn, "_cache_size", None) for fn in _STEP_FNS.values()]
+    if not all(callable(size) for size in sizes):
+        return -1
+    return sum(int(size()) for size in sizes)
 
 
-def _timed_call(fn, *args):
-    """Runs a jitted step on the worker thread and waits for its results on the host."""
-    start = time.perf_counter()
-    pages, tokens, logprobs = fn(*args)
+def _wait_ready(tokens, logprobs):
+    """Blocks (on the waiter thread) until a launched step's samples are on the host;
+    returns them and the ``time.perf_counter()`` at which they were."""
     tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
-    return pages, tokens, logprobs, time.perf_counter() - start
+    return tokens, logprobs, time.perf_counter()
 
 
 def _span_buckets(cap: int, block_size: int) -> tuple[int, ...]:
@@ -172,11 +207,27 @@ class _Sequence:
     attached: bool = False
     running: bool = False
     done: bool = False
+    slot: int = -1  # row of the device token buffer while running
+    pending: int = 0  # tokens sampled by launched steps the host has not taken in yet
+    epoch: int = 0  # bumped by preemption: samples of steps launched before are dropped
 
     @property
     def remaining(self) -> int:
-        """Tokens of the context still to feed; 1 means "decode the last token"."""
-        return len(self.context) - self.num_cached
+        """Tokens of the context (pending samples included) still to feed; 1 means
+        "decode the last token"."""
+        return len(self.context) + self.pending - self.num_cached
+
+
+@dataclasses.dataclass(eq=False)
+class _Launch:
+    """One device call launched and not yet taken in."""
+
+    rows: list[tuple[_Sequence, int, int, bool]]  # (sequence, tokens fed, its epoch, samples)
+    prefill: bool
+    version: int  # weights it runs with
+    epoch: int  # the engine's epoch at launch (pause and close bump it)
+    start: float  # perf_counter at launch
+    result: asyncio.Future  # -> (tokens, logprobs, perf_counter when they were ready)
 
 
 @dataclasses.dataclass(eq=False)
@@ -277,9 +328,15 @@ class InferenceEngine:
         self._version = int(policy_version)
         self._pending_weights: tuple[Any, int] | None = None
 
+        self._step = _step_fn(graphdef)
         self._pool = BlockPool(num_blocks)
         self._prefix = PrefixCache(self._pool)
         self._pages: KVPages | None = None  # None: (re)build before the next device call
+        # Token each running request sampled last, by slot; the last slot is padding's.
+        self._last_tokens: jax.Array | None = None
+        self._free_slots = list(range(self._max_running))
+        self._launched: collections.deque[list[_Launch]] = collections.deque()  # by step
+        self._last_ready = 0.0  # perf_counter when the last step taken in was done
         self._running: list[_Sequence] = []
         self._waiting: collections.deque[_Sequence] = collections.deque()
         self._by_id: dict[str, _Sequence] = {}
@@ -289,6 +346,7 @@ class InferenceEngine:
         self._computing: dict[bytes, _Sequence] = {}
         self._arrivals = 0
 
+        # Waits for launched steps' samples, in launch order.
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="raytunix-engine")
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -302,7 +360,6 @@ class InferenceEngine:
         self._first_request_t: float | None = None
         self._shapes: set[tuple[int, int, int]] = set()
         self._counters = collections.Counter()
-        self._last_call_s = 0.0
 
     # ------------------------------------------------------------------ public API
 
@@ -415,8 +472,8 @@ class InferenceEngine:
         """Aborts every in-flight and waiting request and stops scheduling.
 
         The requests resolve at once with their partial tokens and ``ABORT``. Then waits
-        until the device call in progress (if any) has returned, at most ``timeout_s``
-        seconds. Requests submitted while paused wait until ``resume``.
+        until the device calls in flight (at most two steps) have returned, at most
+        ``timeout_s`` seconds. Requests submitted while paused wait until ``resume``.
         """
         self._paused = True
         self._abort_all()
@@ -439,27 +496,26 @@ class InferenceEngine:
         """Compiles every program the scheduler can call, so that serving never waits
         for the compiler; returns the number of shapes compiled. Call before serving
         (it runs on the caller's thread)."""
-        pages = self._pages if self._pages is not None else self._new_pages()
-        self._pages = None
-        try:
-            for batch, length, span in self._all_shapes():
-                zeros = np.zeros((batch,), np.int32)
-                pages, _, _ = _forward_step(
-                    self._graphdef, False, self._params, pages, np.zeros((batch, length), np.int32),
-                    np.full((batch, length), -1, np.int32), np.zeros((batch, span), np.int32),
-                    zeros, np.ones((batch,), np.float32), zeros, np.ones((batch,), np.float32),
-                    zeros.astype(np.uint32), zeros.astype(np.uint32), zeros)
-                self._shapes.add((batch, length, span))
-            jax.block_until_ready(pages)
-        finally:
-            self._pages = pages
+        self._ensure_buffers()
+        for batch, length, span in self._all_shapes():
+            zeros = np.zeros((batch,), np.int32)
+            self._pages, self._last_tokens, _, _ = self._step(
+                False, self._params, self._pages, self._last_tokens,
+                np.zeros((batch, length), np.int32), np.full((batch, length), -1, np.int32),
+                np.zeros((batch, span), np.int32), zeros, np.ones((batch,), np.float32), zeros,
+                np.ones((batch,), np.float32), zeros.astype(np.uint32), zeros.astype(np.uint32),
+                zeros, np.full((batch,), self._max_running, np.int32), np.zeros((batch,), bool))
+            self._shapes.add((batch, length, span))
+        jax.block_until_ready((self._pages, self._last_tokens))
         return len(self._shapes)
 
     def stats(self) -> dict:
         """Counters since construction, JSON-able.
 
-        Keys: ``busy_s`` (seconds inside device calls; ``busy_prefill_s`` and
-        ``busy_decode_s`` split it), ``wall_s`` (seconds since the first request),
+        Keys: ``busy_s`` (seconds the device had a step to run: from a step's launch,
+        or the end of the step before it if later, to its samples being ready on the
+        host; ``busy_prefill_s`` and ``busy_decode_s`` split it), ``wall_s`` (seconds
+        since the first request),
         ``busy_fraction``, ``decode_steps``, ``prefill_calls``,
         ``tokens_generated``, ``mean_active_slots`` (rows per decode step),
         ``requests_finished``, ``policy_version`` (of the weights in use) and
@@ -598,6 +654,11 @@ class InferenceEngine:
         self._pool = BlockPool(self._num_blocks)
         self._prefix = PrefixCache(self._pool)
         self._pages = None
+        self._last_tokens = None
+        self._free_slots = list(range(self._max_running))
+        self._launched.clear()
+        if self._idle is not None:
+            self._idle.set()
 
     def _notify(self) -> None:
         if self._loop is None or self._wake is None or self._loop.is_closed():
@@ -619,8 +680,7 @@ class InferenceEngine:
         self._counters["requests_finished"] += 1
         self._by_id.pop(seq.request.request_id, None)
         if seq.running:
-            seq.running = False
-            self._running.remove(seq)
+            self._stop_running(seq)
         else:
             try:
                 self._waiting.remove(seq)
@@ -653,6 +713,13 @@ class InferenceEngine:
             num_cached_tokens=seq.cached_tokens,
             stale_kv_tokens=seq.stale_tokens,
         ))
+
+    def _stop_running(self, seq: _Sequence) -> None:
+        seq.running = False
+        self._running.remove(seq)
+        self._free_slots.append(seq.slot)
+        seq.slot, seq.pending = -1, 0
+        seq.epoch += 1  # samples still in flight for it are dropped
 
     def _abort_all(self) -> None:
         self._epoch += 1
@@ -697,8 +764,12 @@ class InferenceEngine:
 
     # ------------------------------------------------------------------ KV bookkeeping
 
-    def _new_pages(self) -> KVPages:
-        return init_kv_pages(self._config, self._num_blocks, self._block_size)
+    def _ensure_buffers(self) -> None:
+        """Builds the KV pages and the token buffer if there are none (first use, reset)."""
+        if self._pages is None:
+            self._pages = init_kv_pages(self._config, self._num_blocks, self._block_size)
+        if self._last_tokens is None:
+            self._last_tokens = jnp.zeros((self._max_running + 1,), jnp.int32)
 
     def _attach(self, seq: _Sequence) -> None:
         """Gives a newly admitted request the KV its session kept, where it matches."""
@@ -793,7 +864,8 @@ class InferenceEngine:
     def _register_blocks(self, seq: _Sequence, version: int) -> None:
         """Indexes the full blocks the sequence has finished writing."""
         bs = self._block_size
-        for i in range(len(seq.keys), seq.num_cached // bs):
+        # Blocks whose tokens the host knows: a pending sample's KV may be launched already.
+        for i in range(len(seq.keys), min(seq.num_cached, len(seq.context)) // bs):
             parent = seq.keys[-1] if seq.keys else ROOT_KEY
             key = block_key(parent, seq.context[i * bs:(i + 1) * bs])
             seq.keys.append(key)
@@ -815,8 +887,7 @@ class InferenceEngine:
         """Takes a running request off the device; it is re-queued first in line and its
         context recomputed when it is admitted again."""
         self._counters["preemptions"] += 1
-        seq.running = False
-        self._running.remove(seq)
+        self._stop_running(seq)  # a sample in flight is dropped; it is drawn again later
         self._stop_computing(seq)
         self._pool.release(seq.blocks)
         seq.blocks, seq.keys, seq.num_cached = [], [], 0
@@ -859,23 +930,29 @@ class InferenceEngine:
             while not self._closed:
                 self._wake.clear()
                 if self._pending_weights is not None:
+                    await self._drain()  # every sample in flight keeps its version
                     self._params, self._version = self._pending_weights
                     self._pending_weights = None
                     if self._kv_mode == "recompute":
                         self._drop_weights_kv()
                 if self._paused:
+                    await self._drain()
                     await self._wake.wait()
                     continue
                 self._drop_cancelled()
                 self._admit()
-                worked = False
-                for group in self._plan_prefill():
-                    await self._call(group, prefill=True)
-                    worked = True
+                step = [self._launch(group, prefill=True) for group in self._plan_prefill()]
                 decode = self._plan_decode()
                 if decode:
-                    await self._call(decode, prefill=False)
-                elif not worked:
+                    step.append(self._launch(decode, prefill=False))
+                step = [launch for launch in step if launch is not None]
+                if step:
+                    self._launched.append(step)
+                # One step ahead: the device runs the step just launched while the host
+                # takes in the one before it.
+                if len(self._launched) > 1 or (self._launched and not step):
+                    await self._take_in_step()
+                elif not step:
                     await self._wake.wait()
         except asyncio.CancelledError:
             raise
@@ -906,6 +983,7 @@ class InferenceEngine:
                 break  # wait for running requests to finish
             self._waiting.popleft()
             seq.running = True
+            seq.slot = self._free_slots.pop()
             seq.prefill_wait = 0
             self._running.append(seq)
             held.update(seq.blocks)
@@ -961,9 +1039,13 @@ class InferenceEngine:
     def _plan_decode(self) -> list[tuple[_Sequence, int]]:
         """The oldest ``max_batch_size`` requests ready to decode; the others keep their
         KV and wait a step (a row is not a reservation: an episode back from its tool
-        takes a row from a younger one at once)."""
+        takes a row from a younger one at once). A request whose pending samples reach
+        its length limit is done already and is not decoded further."""
         rows, protected = [], set()
-        ready = sorted((s for s in self._running if s.remaining == 1), key=lambda s: s.order)
+        ready = sorted((s for s in self._running if s.remaining == 1
+                        and len(s.tokens) + s.pending < s.request.sampling.max_new_tokens
+                        and len(s.context) + s.pending < self._max_seq_len),
+                       key=lambda s: s.order)
         for seq in ready[:self._max_batch_size]:
             if not seq.running:
                 continue  # preempted to make room for an older row
@@ -981,12 +1063,15 @@ class InferenceEngine:
                        for s in self._span_buckets if s >= min_span]
         return shapes
 
-    async def _call(self, rows: list[tuple[_Sequence, int]], prefill: bool) -> None:
-        """One device call feeding ``n`` tokens for each ``(sequence, n)`` row."""
-        # A row aborted or cancelled during an earlier call of this step has no blocks.
+    def _launch(self, rows: list[tuple[_Sequence, int]], prefill: bool) -> _Launch | None:
+        """Launches one device call feeding ``n`` tokens for each ``(sequence, n)`` row,
+        without waiting for it, and counts its tokens as fed: the next step may build on
+        them (JAX orders the calls). A row whose last fed token is a sample not yet on
+        the host takes it from the device's token buffer."""
+        # A row preempted while planning this step has no blocks.
         rows = [(seq, n) for seq, n in rows if seq.running]
         if not rows:
-            return
+            return None
         length = _bucket(self._chunk_buckets, max(n for _, n in rows)) if prefill else 1
         batch = _bucket(self._prefill_batch_buckets if prefill else self._batch_buckets,
                         len(rows))
@@ -1003,29 +1088,50 @@ class InferenceEngine:
         top_p = np.array([s.top_p for s in samplings] + [1.0] * pad, np.float32)
         seed_lo = np.array([seq.seed_lo for seq, _ in rows] + [0] * pad, np.uint32)
         seed_hi = np.array([seq.seed_hi for seq, _ in rows] + [0] * pad, np.uint32)
-        index = np.array([len(seq.tokens) for seq, _ in rows] + [0] * pad, np.int32)
+        index = np.array([len(seq.tokens) + seq.pending for seq, _ in rows] + [0] * pad,
+                         np.int32)
+        slots = np.array([seq.slot for seq, _ in rows] + [self._max_running] * pad, np.int32)
+        from_slot = np.zeros((batch,), bool)
         prompt_fed = generated_fed = 0
+        version = self._version
+        launched_rows = []
         for row, (seq, n) in enumerate(rows):
             start = seq.num_cached
+            end = len(seq.context) + seq.pending  # tokens known or sampled so far
             if n == 1:
-                tokens[row, 0], positions[row, 0] = seq.context[start], start
+                if start < len(seq.context):
+                    tokens[row, 0] = seq.context[start]
+                else:  # the newest sample, still on the device
+                    from_slot[row] = True
+                positions[row, 0] = start
             else:
                 tokens[row, :n] = seq.context[start:start + n]
                 positions[row, :n] = np.arange(start, start + n)
             tables[row, :len(seq.blocks)] = seq.blocks
             in_prompt = max(0, min(start + n, len(seq.request.prompt_ids)) - start)
             prompt_fed += in_prompt
-            if start + n < len(seq.context):  # generated tokens fed again
+            if start + n < end:  # generated tokens fed again
                 generated_fed += n - in_prompt
             elif n - in_prompt > 1:
                 generated_fed += n - in_prompt - 1
+            samples = start + n == end
+            launched_rows.append((seq, n, seq.epoch, samples))
+            seq.num_cached += n
+            seq.kv_version = min(seq.kv_version, version)
+            if samples:
+                seq.pending += 1
+            # Its KV is as good as written for every later call: others may adopt it.
+            self._register_blocks(seq, version)
         self._shapes.add((batch, length, span))
-        version = self._version
         truncate = any(s.top_k > 0 or s.top_p < 1.0 for s in samplings)
-        out = await self._device_call(truncate, tokens, positions, tables, last, temperature,
-                                      top_k, top_p, seed_lo, seed_hi, index)
+        self._ensure_buffers()
+        start_s = time.perf_counter()
+        self._pages, self._last_tokens, sampled, logprobs = self._step(
+            truncate, self._params, self._pages, self._last_tokens, tokens, positions, tables,
+            last, temperature, top_k, top_p, seed_lo, seed_hi, index, slots, from_slot)
+        result = asyncio.wrap_future(self._executor.submit(_wait_ready, sampled, logprobs))
+        self._idle.clear()
         c = self._counters
-        c["busy_prefill_s" if prefill else "busy_decode_s"] += self._last_call_s
         c["prompt_tokens_computed"] += prompt_fed
         c["generated_tokens_recomputed"] += generated_fed
         if prefill:
@@ -1033,33 +1139,36 @@ class InferenceEngine:
         else:
             c["decode_steps"] += 1
             c["decode_rows"] += len(rows)
-        if out is None:
-            return
-        for row, (seq, n) in enumerate(rows):
-            if not seq.running:
-                continue  # aborted or preempted while the device computed
-            seq.num_cached += n
-            seq.kv_version = min(seq.kv_version, version)
-            self._register_blocks(seq, version)
-            if seq.num_cached == len(seq.context):
-                self._record(seq, out[0][row], out[1][row], version)
+        return _Launch(rows=launched_rows, prefill=prefill, version=version, epoch=self._epoch,
+                       start=start_s, result=result)
 
-    async def _device_call(self, truncate: bool, *arrays):
-        """Runs ``_forward_step`` on the worker thread; returns host results, or None
-        when a pause/close happened meanwhile."""
-        if self._pages is None:
-            self._pages = self._new_pages()
-        epoch = self._epoch
-        pages, self._pages = self._pages, None  # donated: invalid until the call returns
-        self._idle.clear()
+    async def _take_in_step(self) -> None:
+        """Waits for the oldest launched step and records its samples."""
+        step = self._launched[0]
         try:
-            pages, tokens, logprobs, elapsed = await self._loop.run_in_executor(
-                self._executor, _timed_call,
-                functools.partial(_forward_step, self._graphdef, truncate), self._params,
-                pages, *arrays)
+            for launch in step:
+                sampled, logprobs, ready = await launch.result
+                # The device ran this call from its launch, or from the end of the call
+                # before it, to its samples being ready.
+                busy = max(0.0, ready - max(launch.start, self._last_ready))
+                self._last_ready = max(self._last_ready, ready)
+                self._counters["busy_s"] += busy
+                self._counters["busy_prefill_s" if launch.prefill else "busy_decode_s"] += busy
+                if launch.epoch != self._epoch:
+                    continue  # a pause or close happened meanwhile
+                for row, (seq, n, epoch, samples) in enumerate(launch.rows):
+                    if not samples or seq.epoch != epoch or not seq.running:
+                        continue  # finished, aborted or preempted since its launch
+                    seq.pending -= 1
+                    self._record(seq, sampled[row], logprobs[row], launch.version)
+                    if seq.running:
+                        self._register_blocks(seq, launch.version)
         finally:
-            self._idle.set()
-        self._pages = pages
-        self._counters["busy_s"] += elapsed
-        self._last_call_s = elapsed
-        return None if epoch != self._epoch else (tokens, logprobs)
+            self._launched.popleft()
+            if not self._launched:
+                self._idle.set()
+
+    async def _drain(self) -> None:
+        """Takes in every launched step."""
+        while self._launched:
+            await self._take_in_step()
