@@ -119,7 +119,8 @@ class SimulatedToolEnv(BaseEnv):
 
     def _step_impl(self, action: Action) -> StepResult:
         latency_s = self._draw_latency_s()
-        time.sleep(latency_s)
+        if latency_s > 0:  # sleep(0) would still give the CPU away
+            time.sleep(latency_s)
         self.steps += 1
         info = {"tool_latency_s": latency_s, "straggler": self.straggler}
         if self.steps >= self.turns:
