@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from raytunix.data.arithmetic import make_arithmetic_splits, score_answer
+from raytunix.data.answers import answers_match, score_answer
+from raytunix.data.arithmetic import make_arithmetic_splits
 from raytunix.data.demonstrations import (
     DEFAULT_TOOL_USE_PROB,
     make_demonstration,
@@ -12,6 +13,7 @@ from raytunix.data.demonstrations import (
 
 __all__ = [
     "DEFAULT_TOOL_USE_PROB",
+    "answers_match",
     "make_arithmetic_splits",
     "make_demonstration",
     "sample_demonstrations",

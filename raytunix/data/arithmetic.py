@@ -1,18 +1,16 @@
-"""Arithmetic tasks from reasoning-gym's ``basic_arithmetic`` generator, and their scorer.
+"""Arithmetic tasks from reasoning-gym's ``basic_arithmetic`` generator.
 
 Source: reasoning-gym (github.com/open-thought/reasoning-gym),
 ``reasoning_gym/arithmetic/basic_arithmetic.py``. Its answers use floor division for
-``/``; its ``score_answer`` gives 1.0 for the exact answer string and partial credit
-``len(answer) / len(reply)`` when the answer is a substring of the reply (so ``"-74"``
-earns 2/3 for ``"74"``). We pay 1.0 only for a full score: a wrong sign is wrong.
+``/``. They are scored like every math answer, by ``raytunix.data.answers.score_answer``
+(exact numbers: ``"-74"`` is wrong for ``"74"``, where reasoning-gym's own scorer gives
+partial credit to a reply containing the answer).
 """
 
 from __future__ import annotations
 
-import functools
 import json
-import math
-from typing import Any, Callable
+from typing import Any
 
 import reasoning_gym
 
@@ -78,33 +76,6 @@ def make_arithmetic_splits(
     return train, heldout
 
 
-def score_answer(task: Task, answer: str | None) -> float:
-    """Reward of ``answer`` for ``task``: 1.0 if correct, else 0.0.
-
-    With ``task.metadata["entry"]`` (a reasoning-gym entry), the entry's dataset scorer
-    decides and only a full score counts; otherwise the answer is compared with
-    ``task.answer`` as numbers (relative/absolute tolerance 1e-9), or as stripped text
-    when either is not a number. Surrounding whitespace is ignored; None scores 0.0.
-    """
-    if answer is None:
-        return 0.0
-    answer = answer.strip()
-    entry = task.metadata.get("entry")
-    if entry is not None:
-        score = _scorer(entry["metadata"]["source_dataset"])(answer, entry)
-        return 1.0 if score >= 1.0 else 0.0
-    expected, given = _as_number(task.answer), _as_number(answer)
-    if expected is None or given is None:
-        return 1.0 if answer == task.answer.strip() else 0.0
-    return 1.0 if math.isclose(given, expected, rel_tol=1e-9, abs_tol=1e-9) else 0.0
-
-
-@functools.cache
-def _scorer(dataset_name: str) -> Callable[[str | None, dict[str, Any]], float]:
-    # Building a dataset object is not free; one per dataset name serves every call.
-    return reasoning_gym.get_score_answer_fn(dataset_name)
-
-
 def _task(task_id: str, entry: dict[str, Any]) -> Task:
     # A JSON round trip turns the generator's tuples into lists, so tasks serialize.
     entry = json.loads(json.dumps({key: entry[key] for key in ("question", "answer", "metadata")}))
@@ -118,11 +89,3 @@ def _task(task_id: str, entry: dict[str, Any]) -> Task:
             "num_terms": entry["metadata"]["num_terms"],
         },
     )
-
-
-def _as_number(text: str) -> float | None:
-    try:
-        value = float(text.strip().replace(",", ""))
-    except ValueError:
-        return None
-    return value if math.isfinite(value) else None

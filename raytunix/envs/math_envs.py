@@ -1,7 +1,8 @@
 """Math environments: a multi-turn one with a calculator tool, a single-turn verifier.
 
-Both score a final answer with ``raytunix.data.score_answer`` (reasoning-gym's scorer
-when the task carries its entry, else numeric comparison): reward 1.0 if correct.
+Both score a final answer with ``raytunix.data.answers.score_answer``, the one rule for
+math answers (exact numbers in the usual formats, ``\\boxed{}``, math-verify for LaTeX
+expressions): reward 1.0 if correct.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import concurrent.futures
 import time
 from typing import Sequence
 
-from raytunix.data.arithmetic import score_answer
+from raytunix.data.answers import score_answer
 from raytunix.envs.base import BaseEnv
 from raytunix.tools import Calculator, Tool, ToolResult
 from raytunix.types import (

@@ -1,0 +1,174 @@
+"""The one rule for comparing a final answer with a task's reference answer.
+
+Every scoring path that judges a math answer (the math environments' training reward, and
+so held-out evaluation, which reads that reward) calls ``answers_match``. The rule, in
+order:
+
+1. **Unwrap** both texts: the content of the last ``\\boxed{...}`` (or ``\\fbox{...}``)
+   if there is one; then surrounding whitespace, one pair of ``$...$``, ``\\(...\\)`` or
+   ``\\[...\\]`` math delimiters and one trailing ``.`` are removed.
+2. **Plain numbers** compare exactly, as rationals (no tolerance). A plain number is an
+   optional sign (``+``, ``-`` or the Unicode minus ``−``), an optional leading currency
+   ``$``, digits with optional ``,`` thousands separators in groups of three, an optional
+   decimal part, an optional exponent ``e``/``E`` (at most 400 in size) and an optional
+   trailing ``%``, which is dropped (a unit mark, as GSM8K writes percent answers: ``12%``
+   matches ``12``, not ``0.12``); or a fraction of two such integers ``a/b`` (b != 0).
+
+   ========================  ==========  ====================================
+   answer                    reference   match
+   ========================  ==========  ====================================
+   ``1,000``                 ``1000``    yes (thousands separators)
+   ``1e3``                   ``1000``    yes (scientific notation)
+   ``0.50``                  ``1/2``     yes (same rational)
+   ``\\boxed{42}``            ``42``      yes (the box is unwrapped)
+   ``$18``                   ``18``      yes (currency sign)
+   ``12%``                   ``12``      yes (percent sign dropped)
+   ``-3``                    ``3``       no  (sign matters)
+   ``0.333``                 ``1/3``     no  (no tolerance)
+   ``1,00``                  ``100``     no  (not a thousands grouping)
+   ========================  ==========  ====================================
+
+3. **Math expressions**: when the reference has no word in it (no run of two letters once
+   LaTeX commands such as ``\\frac`` are removed), both texts are parsed with Hugging
+   Face's ``math-verify`` (LaTeX and plain expressions: ``\\frac{1}{2}``, ``\\sqrt{8}``,
+   ``2\\pi``, ``x+1``, intervals, sets) and compared symbolically (``math_verify.verify``
+   with the reference as gold), so ``\\frac{1}{2}`` matches ``0.5`` and ``2\\sqrt{2}``
+   matches ``\\sqrt{8}``.
+4. **Text** otherwise: equal after case folding and collapsing runs of whitespace
+   (``Paris`` matches ``paris``).
+
+Texts longer than ``MAX_ANSWER_CHARS`` never match: symbolic parsing of adversarial input
+can take unbounded time, and math-verify's own timeout (``signal.alarm``) works only in the
+main thread, so off it (env actors step in threads) the length cap is the guard.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+import threading
+from fractions import Fraction
+
+MAX_ANSWER_CHARS = 256  # longer answers are not compared (score 0)
+MAX_EXPONENT = 400  # |e| of 1e<e> accepted as a plain number (bigger would build huge ints)
+_MATH_VERIFY_TIMEOUT_S = 5  # used in the main thread only (math-verify's signal timeout)
+
+_INTEGER = r"(?:\d{1,3}(?:,\d{3})+|\d+)"
+_NUMBER = re.compile(
+    rf"^(?P<sign>[+\-])?\$?(?P<int>{_INTEGER})?(?P<frac>\.\d+)?(?:[eE](?P<exp>[+\-]?\d+))?%?$")
+_FRACTION = re.compile(rf"^(?P<sign>[+\-])?(?P<num>{_INTEGER})\s*/\s*(?P<den>{_INTEGER})$")
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_DELIMITERS = (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"))
+_LATEX_COMMAND = re.compile(r"\\[A-Za-z]+")
+_WORD = re.compile(r"[A-Za-z]{2,}")
+
+
+def answers_match(answer: str | None, reference: str) -> bool:
+    """Whether ``answer`` states ``reference``, by the module's rule (unwrap, exact plain
+    numbers, math-verify for math expressions, else case-folded text).
+
+    Args:
+      answer: the model's final answer (e.g. the content of ``<answer>``); None never
+        matches.
+      reference: the task's answer.
+
+    Raises:
+      TypeError: ``reference`` is not a string.
+    """
+    if not isinstance(reference, str):
+        raise TypeError(f"reference answer must be a str, got {type(reference).__qualname__} "
+                        f"({reference!r:.60}); store answers as text.")
+    if answer is None or len(answer) > MAX_ANSWER_CHARS or len(reference) > MAX_ANSWER_CHARS:
+        return False
+    given, expected = unwrap(answer), unwrap(reference)
+    given_number, expected_number = parse_number(given), parse_number(expected)
+    if given_number is not None and expected_number is not None:
+        return given_number == expected_number
+    if _text_key(given) == _text_key(expected):
+        return True
+    if not expected or _WORD.search(_LATEX_COMMAND.sub(" ", expected)):
+        return False
+    return _symbolic_match(given, expected)
+
+
+def unwrap(text: str) -> str:
+    """The answer inside ``text``: the last ``\\boxed{...}``'s content if any, without
+    surrounding whitespace, one pair of math delimiters and one trailing period."""
+    boxed = _last_boxed(text)
+    text = (boxed if boxed is not None else text).strip()
+    for left, right in _DELIMITERS:
+        if len(text) > len(left) + len(right) and text.startswith(left) and text.endswith(right):
+            text = text[len(left): -len(right)].strip()
+            break
+    if text.endswith(".") and not text.endswith(".."):
+        text = text[:-1].rstrip()
+    return text
+
+
+def parse_number(text: str) -> Fraction | None:
+    """``text`` as an exact rational if it is a plain number by the module's rule (see the
+    table), else None. ``"1,000"`` -> 1000, ``"0.50"`` -> 1/2, ``"1e3"`` -> 1000,
+    ``"3/4"`` -> 3/4, ``"12%"`` -> 12, ``"1,00"`` -> None."""
+    text = text.strip().replace("\u2212", "-")
+    match = _FRACTION.match(text)
+    if match:
+        den = int(match["den"].replace(",", ""))
+        if den == 0:
+            return None
+        value = Fraction(int(match["num"].replace(",", "")), den)
+        return -value if match["sign"] == "-" else value
+    match = _NUMBER.match(text)
+    if not match or not (match["int"] or match["frac"]):
+        return None
+    exponent = int(match["exp"] or 0)
+    if abs(exponent) > MAX_EXPONENT:
+        return None
+    mantissa = Fraction((match["int"] or "0").replace(",", "") + (match["frac"] or ""))
+    value = mantissa * Fraction(10) ** exponent
+    return -value if match["sign"] == "-" else value
+
+
+def _last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` with balanced braces, or None."""
+    starts = [m.end() for m in _BOXED.finditer(text)]
+    for start in reversed(starts):
+        depth = 1
+        for i in range(start, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            if depth == 0:
+                return text[start:i]
+    return None
+
+
+def _text_key(text: str) -> str:
+    return " ".join(text.split()).casefold()
+
+
+def _symbolic_match(given: str, expected: str) -> bool:
+    parse, verify = _math_verify()
+    in_main = threading.current_thread() is threading.main_thread()
+    timeout = _MATH_VERIFY_TIMEOUT_S if in_main else None
+    gold = parse(f"${expected}$", parsing_timeout=timeout)
+    target = parse(f"${given}$", parsing_timeout=timeout)
+    if not gold or not target:
+        return False
+    return bool(verify(gold, target, timeout_seconds=timeout))
+
+
+@functools.cache
+def _math_verify():
+    # Imported on first use: it loads sympy and an ANTLR parser (~0.5 s), which runs that
+    # only ever compare plain numbers never need. Its notice that the timeout is off (we
+    # turn it off outside the main thread, where it cannot work) is not the user's concern.
+    from math_verify import parse, verify
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    return parse, verify
+
+
+def score_answer(task, answer: str | None) -> float:
+    """Reward of ``answer`` for a math ``task`` (a ``raytunix.types.Task``): 1.0 if
+    ``answers_match(answer, task.answer)``, else 0.0. The math environments' reward, and so
+    the held-out success rate, come from here."""
+    return 1.0 if answers_match(answer, task.answer) else 0.0
