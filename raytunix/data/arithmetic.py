@@ -9,10 +9,7 @@ partial credit to a reply containing the answer).
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
-import reasoning_gym
+import dataclasses
 
 from raytunix.types import Task
 
@@ -48,44 +45,15 @@ def make_arithmetic_splits(
         raise ValueError(
             f"sizes must be >= 0, got train_size={train_size}, heldout_size={heldout_size}"
         )
-    config = dict(
-        min_terms=min_terms, max_terms=max_terms, min_digits=min_digits, max_digits=max_digits
-    )
-    attempts = 10 * heldout_size + 1000
-    train_data = reasoning_gym.create_dataset(DATASET_NAME, size=train_size, seed=seed, **config)
-    heldout_data = reasoning_gym.create_dataset(
-        DATASET_NAME, size=attempts, seed=seed + train_size, **config
-    )
-    train = [_task(f"train-{i:06d}", train_data[i]) for i in range(train_size)]
-    seen = {task.question for task in train}
-    heldout: list[Task] = []
-    for i in range(attempts):
-        if len(heldout) == heldout_size:
-            break
-        entry = heldout_data[i]
-        if entry["question"] in seen:
-            continue
-        seen.add(entry["question"])
-        heldout.append(_task(f"heldout-{len(heldout):06d}", entry))
-    if len(heldout) < heldout_size:
-        raise ValueError(
-            f"found only {len(heldout)} held-out questions not in train after {attempts} draws "
-            f"(wanted {heldout_size}) with {config}; allow more digits or terms, or ask for "
-            "fewer tasks."
-        )
-    return train, heldout
+    from raytunix.data.datasets import reasoning_gym_splits
+
+    train, heldout = reasoning_gym_splits(
+        DATASET_NAME, train_size, heldout_size, seed, min_terms=min_terms,
+        max_terms=max_terms, min_digits=min_digits, max_digits=max_digits)
+    return [_with_expression(t) for t in train], [_with_expression(t) for t in heldout]
 
 
-def _task(task_id: str, entry: dict[str, Any]) -> Task:
-    # A JSON round trip turns the generator's tuples into lists, so tasks serialize.
-    entry = json.loads(json.dumps({key: entry[key] for key in ("question", "answer", "metadata")}))
-    return Task(
-        task_id=task_id,
-        question=entry["question"],
-        answer=entry["answer"],
-        metadata={
-            "entry": entry,
-            "expression": entry["metadata"]["expression"],
-            "num_terms": entry["metadata"]["num_terms"],
-        },
-    )
+def _with_expression(task: Task) -> Task:
+    meta = task.metadata["entry"]["metadata"]
+    return dataclasses.replace(task, metadata={
+        **task.metadata, "expression": meta["expression"], "num_terms": meta["num_terms"]})

@@ -1,0 +1,322 @@
+"""A run's tasks from a dataset on disk (parquet, JSONL, Hugging Face-style folders) or
+from any reasoning-gym generator by name. Nothing is downloaded.
+
+Sources (``data.source``):
+
+* ``parquet``: a ``.parquet`` file, or a folder of parquet shards per split;
+* ``jsonl``: a ``.jsonl`` file (one JSON object a line), or a folder of JSONL shards per
+  split;
+* ``hf``: a folder written by Hugging Face ``datasets``' ``save_to_disk``: a ``Dataset``
+  (``*.arrow`` files beside ``dataset_info.json`` / ``state.json``) or a ``DatasetDict``
+  (``dataset_dict.json`` and one such folder per split);
+* ``reasoning_gym``: ``reasoning_gym.create_dataset(data.dataset, ...)``.
+
+In a folder of shards, a split's files are those named ``<split>.<ext>`` or
+``<split>-*.<ext>`` (the Hub's ``train-00000-of-00001.parquet``) anywhere below the
+folder, or every file in a sub-folder named ``<split>``; shards are read in name order.
+
+Rows become ``Task``\\ s through a column mapping (``data.question_column``,
+``data.answer_column``, ``data.id_column``). An answer holding ``####`` keeps the text
+after the last ``####`` as the answer (GSM8K's layout: worked solution, then
+``#### 72``); the whole text stays in ``metadata["solution"]``. Task ids are stable: the id
+column's value, else ``<split>-<row index in the source>``, so the same file gives the
+same ids whatever the sizes or the seed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import random
+from typing import Any, Sequence
+
+import pyarrow as pa
+
+from raytunix.types import Task
+
+FILE_SOURCES = ("parquet", "jsonl", "hf")
+GSM8K_ANSWER_MARK = "####"
+_EXTENSIONS = {"parquet": (".parquet",), "jsonl": (".jsonl", ".json")}
+
+
+class DatasetError(ValueError):
+    """A dataset cannot be read as configured; the message names the key, the value and
+    what exists instead."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetSpec:
+    """Where a split's rows are and how they map to tasks (the ``data.*`` keys)."""
+
+    source: str  # parquet | jsonl | hf
+    path: str  # file or folder
+    split: str = "train"  # split inside a folder
+    question_column: str = "question"
+    answer_column: str = "answer"
+    id_column: str = ""  # "" = "<split>-<row>"
+    key: str = "data.path"  # config key named in errors
+
+
+def read_table(spec: DatasetSpec) -> pa.Table:
+    """The rows of ``spec``'s split as one Arrow table.
+
+    Raises:
+      DatasetError: the path does not exist, is the wrong kind for ``spec.source``, the
+        split is not in the folder (the splits found are listed), or a file cannot be
+        parsed.
+    """
+    if spec.source not in FILE_SOURCES:
+        raise DatasetError(f"data.source={spec.source!r} is not a file source; use one of "
+                           f"{', '.join(FILE_SOURCES)}.")
+    path = spec.path
+    if not path or not os.path.exists(path):
+        raise DatasetError(f"{spec.key}={path!r} does not exist (working directory "
+                           f"{os.getcwd()}); give the dataset's file or folder.")
+    if spec.source == "hf":
+        return _read_saved_dataset(spec)
+    if os.path.isfile(path):
+        return _read_file(spec.source, path, spec.key)
+    return pa.concat_tables(
+        [_read_file(spec.source, f, spec.key) for f in _shards(spec)], promote_options="default")
+
+
+def load_tasks(spec: DatasetSpec) -> list[Task]:
+    """Every row of ``spec``'s split as a ``Task`` in source order (see the module doc for
+    ids, the GSM8K answer layout and metadata).
+
+    Returns:
+      tasks with ``metadata`` holding ``row`` (index in the source), ``split``,
+      ``solution`` (GSM8K layout only) and ``columns`` (the row's other scalar columns).
+
+    Raises:
+      DatasetError: see ``read_table``; a mapped column is missing (the columns that exist
+        are listed); a question is empty or an answer missing (the row is named); ids of
+        the id column repeat.
+    """
+    table = read_table(spec)
+    names = table.column_names
+    for key, column in (("data.question_column", spec.question_column),
+                        ("data.answer_column", spec.answer_column),
+                        ("data.id_column", spec.id_column)):
+        if column and column not in names:
+            raise DatasetError(
+                f"{key}={column!r} is not a column of {spec.path!r} (split {spec.split!r}); its "
+                f"columns are {names}. Set {key} to the column that holds it.")
+    used = {spec.question_column, spec.answer_column, spec.id_column}
+    tasks, seen = [], {}
+    for row, record in enumerate(table.to_pylist()):
+        question, answer = record[spec.question_column], record[spec.answer_column]
+        where = f"{spec.path!r} (split {spec.split!r}) row {row}"
+        if not isinstance(question, str) or not question.strip():
+            raise DatasetError(f"{where}: question column {spec.question_column!r} is "
+                               f"{question!r}; every row needs a question text.")
+        if answer is None or isinstance(answer, (dict, list)):
+            raise DatasetError(f"{where}: answer column {spec.answer_column!r} is {answer!r}; "
+                               "every row needs a text or number answer.")
+        # A numeric column mixing 4 and 2.5 is read as doubles; 4.0 was written 4.
+        answer = str(int(answer)) if isinstance(answer, float) and answer.is_integer() else str(answer)
+        metadata: dict[str, Any] = {"row": row, "split": spec.split}
+        if GSM8K_ANSWER_MARK in answer:
+            metadata["solution"] = answer
+            answer = answer.rsplit(GSM8K_ANSWER_MARK, 1)[1].strip()
+        metadata["columns"] = {k: v for k, v in record.items()
+                               if k not in used and isinstance(v, (str, int, float, bool))}
+        task_id = str(record[spec.id_column]) if spec.id_column else f"{spec.split}-{row:06d}"
+        if task_id in seen:
+            raise DatasetError(f"{where}: id {task_id!r} of data.id_column={spec.id_column!r} "
+                               f"repeats row {seen[task_id]}; ids must be unique (the rollout "
+                               "ledger counts each task once). Use another column or leave "
+                               "data.id_column empty for row-number ids.")
+        seen[task_id] = row
+        tasks.append(Task(task_id=task_id, question=question, answer=answer, metadata=metadata))
+    return tasks
+
+
+def file_splits(train: DatasetSpec, heldout: DatasetSpec | None, train_size: int,
+                heldout_size: int, seed: int) -> tuple[list[Task], list[Task]]:
+    """Train and held-out tasks of a dataset on disk.
+
+    Args:
+      train: the training split.
+      heldout: the held-out split, or None to hold out ``heldout_size`` rows of the
+        training split drawn with ``seed`` (they are then not trained on).
+      train_size: most training tasks kept (the first ones, in source order).
+      heldout_size: most held-out tasks kept.
+      seed: seed of the held-out draw.
+
+    Returns:
+      ``(train, heldout)``; held-out tasks whose question is also a training question are
+      dropped (see ``drop_leaked``).
+
+    Raises:
+      DatasetError: see ``load_tasks``; the training split has no rows left to train on.
+    """
+    tasks = load_tasks(train)
+    if heldout is not None:
+        held = load_tasks(heldout)[:heldout_size]
+    else:
+        if heldout_size >= len(tasks):
+            raise DatasetError(
+                f"data.heldout_size={heldout_size} leaves no training rows of the "
+                f"{len(tasks)} in {train.path!r}; lower it or give data.heldout_path / "
+                "data.heldout_split.")
+        chosen = set(random.Random(seed).sample(range(len(tasks)), heldout_size))
+        held = [t for i, t in enumerate(tasks) if i in chosen]
+        tasks = [t for i, t in enumerate(tasks) if i not in chosen]
+    tasks = tasks[:train_size]
+    if not tasks:
+        raise DatasetError(f"{train.key}={train.path!r} (split {train.split!r}) has no rows.")
+    return tasks, drop_leaked(tasks, held)
+
+
+def drop_leaked(train: Sequence[Task], heldout: Sequence[Task]) -> list[Task]:
+    """``heldout`` without the tasks whose question (whitespace-normalised) is a training
+    question, so held-out success measures generalisation."""
+    seen = {" ".join(t.question.split()) for t in train}
+    return [t for t in heldout if " ".join(t.question.split()) not in seen]
+
+
+def reasoning_gym_splits(name: str, train_size: int, heldout_size: int, seed: int,
+                         **dataset_kwargs: Any) -> tuple[list[Task], list[Task]]:
+    """Train and held-out tasks from reasoning-gym's generator ``name``.
+
+    reasoning-gym draws entry ``i`` from ``Random(seed + i)``: held-out entries come from
+    seeds after the training range, and questions already seen are skipped and replaced
+    (up to ``10 * heldout_size + 1000`` draws).
+
+    Returns:
+      ``(train, heldout)`` with ids ``train-000000``, ... / ``heldout-000000``, ...;
+      ``metadata["entry"]`` is the generator's entry (question, answer, metadata, as plain
+      JSON data), which ``reasoning_gym.get_score_answer_fn`` scores.
+
+    Raises:
+      DatasetError: ``name`` is not a reasoning-gym dataset (close names listed), its
+        config refuses ``dataset_kwargs``, or too few distinct questions exist.
+    """
+    import reasoning_gym
+    from reasoning_gym.factory import DATASETS
+
+    if name not in DATASETS:
+        import difflib
+
+        close = difflib.get_close_matches(name, list(DATASETS), n=5, cutoff=0.5)
+        raise DatasetError(f"{name!r} is not a reasoning-gym dataset"
+                           + (f"; did you mean {', '.join(close)}?" if close else "")
+                           + f" ({len(DATASETS)} exist: reasoning_gym.factory.DATASETS).")
+    attempts = 10 * heldout_size + 1000
+    try:
+        train_data = reasoning_gym.create_dataset(name, size=max(train_size, 1), seed=seed,
+                                                  **dataset_kwargs)
+        held_data = reasoning_gym.create_dataset(name, size=attempts, seed=seed + train_size,
+                                                 **dataset_kwargs)
+    except (TypeError, ValueError, AssertionError) as e:
+        raise DatasetError(f"reasoning-gym dataset {name!r} refuses its settings "
+                           f"{dataset_kwargs}: {e}") from None
+    train = [entry_task(f"train-{i:06d}", train_data[i]) for i in range(train_size)]
+    seen = {t.question for t in train}
+    heldout: list[Task] = []
+    for i in range(attempts):
+        if len(heldout) == heldout_size:
+            break
+        entry = held_data[i]
+        if entry["question"] not in seen:
+            seen.add(entry["question"])
+            heldout.append(entry_task(f"heldout-{len(heldout):06d}", entry))
+    if len(heldout) < heldout_size:
+        raise DatasetError(
+            f"reasoning-gym {name!r} gave only {len(heldout)} held-out questions not in train "
+            f"after {attempts} draws (wanted {heldout_size}) with {dataset_kwargs}; widen its "
+            "settings or ask for fewer tasks.")
+    return train, heldout
+
+
+def entry_task(task_id: str, entry: dict[str, Any]) -> Task:
+    """A reasoning-gym entry as a ``Task`` (``metadata["entry"]`` keeps it, JSON-safe)."""
+    # A JSON round trip turns the generator's tuples into lists, so tasks serialize.
+    entry = json.loads(json.dumps({k: entry[k] for k in ("question", "answer", "metadata")},
+                                  default=str))
+    return Task(task_id=task_id, question=entry["question"], answer=str(entry["answer"]),
+                metadata={"entry": entry})
+
+
+def _read_file(source: str, path: str, key: str) -> pa.Table:
+    if not path.endswith(_EXTENSIONS[source]):
+        raise DatasetError(f"{key}={path!r} is not a {'/'.join(_EXTENSIONS[source])} file, "
+                           f"which data.source={source!r} reads; set data.source to match "
+                           f"the file ({', '.join(FILE_SOURCES)}).")
+    try:
+        if source == "parquet":
+            import pyarrow.parquet as pq
+
+            return pq.read_table(path)
+        import pyarrow.json as pj
+
+        return pj.read_json(path)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise DatasetError(f"{key}={path!r} cannot be read as {source}: {e}") from None
+
+
+def _shards(spec: DatasetSpec) -> list[str]:
+    """The split's shard files in a folder (see the module doc for the naming)."""
+    exts = _EXTENSIONS[spec.source]
+    files = sorted(f for f in glob.glob(os.path.join(spec.path, "**", "*"), recursive=True)
+                   if f.endswith(exts) and os.path.isfile(f))
+    found = {}
+    for f in files:
+        rel = os.path.relpath(f, spec.path).split(os.sep)
+        stem = rel[-1]
+        for ext in exts:
+            stem = stem.removesuffix(ext)
+        name = stem.split("-", 1)[0] if "-" in stem else stem
+        found.setdefault(name, []).append(f)
+        for folder in rel[:-1]:
+            found.setdefault(folder, []).append(f)
+    chosen = sorted(set(found.get(spec.split, [])))
+    if not chosen:
+        splits = sorted(name for name in found if name)
+        raise DatasetError(
+            f"{spec.key}={spec.path!r} holds no {'/'.join(exts)} shards of split "
+            f"{spec.split!r}; splits found: {splits or 'none'}. Set data.split (or "
+            "data.heldout_split) to one of them.")
+    return chosen
+
+
+def _read_saved_dataset(spec: DatasetSpec) -> pa.Table:
+    """A ``save_to_disk`` folder: a DatasetDict's split sub-folder, or a Dataset."""
+    path = spec.path
+    if os.path.isfile(path):
+        raise DatasetError(f"{spec.key}={path!r} is a file; data.source='hf' reads a folder "
+                           "written by datasets' save_to_disk.")
+    dict_file = os.path.join(path, "dataset_dict.json")
+    if os.path.exists(dict_file):
+        with open(dict_file) as f:
+            splits = json.load(f).get("splits", [])
+        if spec.split not in splits:
+            raise DatasetError(f"{spec.key}={path!r} has no split {spec.split!r}; its splits "
+                               f"are {splits}. Set data.split (or data.heldout_split).")
+        path = os.path.join(path, spec.split)
+    state_file = os.path.join(path, "state.json")
+    files = []
+    if os.path.exists(state_file):
+        with open(state_file) as f:
+            files = [os.path.join(path, d["filename"])
+                     for d in json.load(f).get("_data_files", [])]
+    files = files or sorted(glob.glob(os.path.join(path, "*.arrow")))
+    if not files:
+        raise DatasetError(
+            f"{spec.key}={path!r} holds no .arrow files (nor dataset_dict.json): it is not a "
+            "folder written by save_to_disk. For parquet or JSONL shards use data.source="
+            "parquet or jsonl.")
+    tables = []
+    for file in files:
+        try:
+            with pa.memory_map(file) as source:
+                try:
+                    tables.append(pa.ipc.open_stream(source).read_all())
+                except pa.ArrowInvalid:  # the file (random-access) format
+                    tables.append(pa.ipc.open_file(source).read_all())
+        except (pa.ArrowInvalid, OSError) as e:
+            raise DatasetError(f"{file!r} cannot be read as Arrow: {e}") from None
+    return pa.concat_tables(tables, promote_options="default")
