@@ -66,7 +66,7 @@ def test_registered_names_resolve_to_the_package_registry():
     assert plugins.resolve("tool", "calculator") is Calculator
     assert plugins.resolve("env", "raytunix.envs:MathVerifierEnv") is MathVerifierEnv
     with pytest.raises(plugins.PluginError, match="unknown environment 'chess'; registered: "
-                                                  "calculator_math, gymnasium"):
+                                                  "bash_terminal, calculator_math, gymnasium"):
         plugins.resolve("env", "chess")
     with pytest.raises(plugins.PluginError, match="not a subclass of raytunix.envs.base.BaseEnv"):
         plugins.resolve("env", "raytunix.tools:Calculator")

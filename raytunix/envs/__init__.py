@@ -1,5 +1,6 @@
-"""Environments: the ``BaseEnv`` contract, gymnasium adapters both ways, math environments,
-and a simulated slow-tool environment for benchmarks.
+"""Environments: the ``BaseEnv`` contract, gymnasium adapters both ways, math environments
+(calculator and Python tools, single-turn verifier), a bash terminal, text-to-SQL, a
+web-API shop, repository repair, and a simulated slow-tool environment for benchmarks.
 
 ``make_env`` builds an environment from a registered name, a package's entry point
 (group ``raytunix.envs``) or an import path ``package.module:Class`` (see
@@ -19,16 +20,28 @@ import gymnasium
 
 from raytunix.agents.parsers import parse_action, parse_answer_action
 from raytunix.envs.base import BaseEnv, GymTextEnv
+from raytunix.envs.bash_env import BashTerminalEnv
 from raytunix.envs.gymnasium_env import GymnasiumEnv
 from raytunix.envs.math_envs import CalculatorMathEnv, MathVerifierEnv
+from raytunix.envs.python_math import PythonMathEnv
+from raytunix.envs.reasoning_gym_env import ReasoningGymEnv
+from raytunix.envs.repo_repair import RepoRepairEnv
 from raytunix.envs.simulated_tool import SimulatedToolEnv
+from raytunix.envs.sql_env import TextToSQLEnv
+from raytunix.envs.web_api_env import WebAPIEnv
 from raytunix.types import Action, Task
 
 ENVS: dict[str, type[BaseEnv]] = {
+    "bash_terminal": BashTerminalEnv,
     "calculator_math": CalculatorMathEnv,
     "gymnasium": GymnasiumEnv,
     "math_verifier": MathVerifierEnv,
+    "python_math": PythonMathEnv,
+    "reasoning_gym": ReasoningGymEnv,
+    "repo_repair": RepoRepairEnv,
     "simulated_tool": SimulatedToolEnv,
+    "text_to_sql": TextToSQLEnv,
+    "web_api": WebAPIEnv,
 }
 
 GYMNASIUM_NAMESPACE = "raytunix"
@@ -110,12 +123,18 @@ register_gymnasium_ids()
 
 __all__ = [
     "BaseEnv",
+    "BashTerminalEnv",
     "CalculatorMathEnv",
     "ENVS",
     "GymTextEnv",
     "GymnasiumEnv",
     "MathVerifierEnv",
+    "PythonMathEnv",
+    "ReasoningGymEnv",
+    "RepoRepairEnv",
     "SimulatedToolEnv",
+    "TextToSQLEnv",
+    "WebAPIEnv",
     "make_env",
     "make_gym_env",
     "register_gymnasium_ids",

@@ -1,0 +1,175 @@
+"""An interactive bash terminal: the model runs commands in its episode's sandbox work dir
+and sees their output; when it answers (``<answer>done</answer>``) the work dir's final
+state is checked (files with the right content, directories, files that must be gone).
+
+    <|user|>Create the directories docs/api and docs/guide. ...
+    <|assistant|><tool_call>{"name": "bash", "arguments": {"command": "mkdir -p docs/api docs/guide"}}</tool_call>
+    <|tool|>(no output)
+    <|assistant|><answer>done</answer>           -> check: both directories exist -> reward 1
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any, Callable
+
+from raytunix.envs.tool_task import ToolTaskEnv, run_report, write_files
+from raytunix.sandbox import SandboxSession
+from raytunix.tools import BashTool, PythonTool
+from raytunix.types import Task
+
+WORDS = ("apple", "birch", "cedar", "delta", "ember", "fjord", "grove", "harbor", "iris",
+         "juniper", "kelp", "lotus", "maple", "nectar", "onyx", "pebble", "quartz", "river")
+
+# A task: (question, setup files {path: text}, expected state {"files": {path: text},
+# "dirs": [path], "absent": [path]}). File contents compare without trailing newlines.
+_Spec = tuple[str, dict[str, str], dict[str, Any]]
+
+
+def _write_line(rng: random.Random) -> _Spec:
+    name, word, n = f"{rng.choice(WORDS)}.txt", rng.choice(WORDS), rng.randint(1, 999)
+    return (f"Create a file {name} that contains exactly the line: {word} {n}", {},
+            {"files": {name: f"{word} {n}"}})
+
+
+def _make_dirs(rng: random.Random) -> _Spec:
+    top, a, b = rng.sample(WORDS, 3)
+    return (f"Create the directories {top}/{a} and {top}/{b}.", {},
+            {"dirs": [f"{top}/{a}", f"{top}/{b}"]})
+
+
+def _count_lines(rng: random.Random) -> _Spec:
+    lines = [rng.choice(WORDS) for _ in range(rng.randint(3, 12))]
+    return ("Write the number of lines of data.txt into count.txt.",
+            {"data.txt": "\n".join(lines) + "\n"}, {"files": {"count.txt": str(len(lines))}})
+
+
+def _rename(rng: random.Random) -> _Spec:
+    old, new = rng.sample(WORDS, 2)
+    text = f"{rng.choice(WORDS)} {rng.randint(1, 99)}"
+    return (f"Rename {old}.txt to {new}.txt.", {f"{old}.txt": text + "\n"},
+            {"files": {f"{new}.txt": text}, "absent": [f"{old}.txt"]})
+
+
+def _grep_errors(rng: random.Random) -> _Spec:
+    lines = [f"{rng.choice(('INFO', 'INFO', 'ERROR'))} {rng.choice(WORDS)} {i}"
+             for i in range(rng.randint(4, 10))]
+    errors = [line for line in lines if line.startswith("ERROR")]
+    return ("Copy the lines of log.txt that contain ERROR, in order, into errors.txt.",
+            {"log.txt": "\n".join(lines) + "\n"}, {"files": {"errors.txt": "\n".join(errors)}})
+
+
+def _sort_lines(rng: random.Random) -> _Spec:
+    names = rng.sample(WORDS, rng.randint(3, 7))
+    return ("Write the lines of names.txt, sorted alphabetically, into sorted.txt.",
+            {"names.txt": "\n".join(names) + "\n"}, {"files": {"sorted.txt": "\n".join(sorted(names))}})
+
+
+def _delete_tmp(rng: random.Random) -> _Spec:
+    words = rng.sample(WORDS, rng.randint(3, 6))
+    tmp = words[: max(1, len(words) // 2)]
+    files = {f"{w}.tmp" if w in tmp else f"{w}.txt": f"{w}\n" for w in words}
+    keep = {path: text.rstrip("\n") for path, text in files.items() if path.endswith(".txt")}
+    return ("Delete every .tmp file in the working directory and keep the others.", files,
+            {"files": keep, "absent": [f"{w}.tmp" for w in tmp]})
+
+
+TEMPLATES: dict[str, Callable[[random.Random], _Spec]] = {
+    "write_line": _write_line,
+    "make_dirs": _make_dirs,
+    "count_lines": _count_lines,
+    "rename": _rename,
+    "grep_errors": _grep_errors,
+    "sort_lines": _sort_lines,
+    "delete_tmp": _delete_tmp,
+}
+
+_CHECK = """
+import json, os
+expect = json.loads({expect!r})
+
+def report():
+    failures = []
+    for path, text in expect.get("files", {{}}).items():
+        if not os.path.isfile(path):
+            failures.append(f"{{path}}: no such file")
+            continue
+        with open(path, errors="replace") as f:
+            got = f.read()
+        if got.rstrip("\\n") != text:
+            failures.append(f"{{path}}: content {{got[:80]!r}}, expected {{text[:80]!r}}")
+    for path in expect.get("dirs", []):
+        if not os.path.isdir(path):
+            failures.append(f"{{path}}: no such directory")
+    for path in expect.get("absent", []):
+        if os.path.lexists(path):
+            failures.append(f"{{path}}: still exists")
+    return {{"failures": failures}}
+"""
+
+
+class BashTerminalEnv(ToolTaskEnv):
+    """Shell tasks in a sandbox, rewarded by a check of the work dir's final state.
+
+    Each episode gets a fresh sandbox work dir holding the task's starting files. A
+    ``bash`` call (``{"command": "..."}``) runs there and returns its output with a
+    non-zero exit code noted; files persist between calls (shell variables and ``cd`` do
+    not). With ``python_tool`` a ``python`` tool shares the same work dir. An
+    ``<answer>`` (any text, e.g. ``done``) ends the episode: the expected state is checked
+    in the sandbox and the reward is 1.0 if every check passes, else 0.0, with
+    ``info["check_failures"]`` listing what was wrong. An episode that runs out of turns
+    before answering ends ``truncated`` with reward 0, unchecked.
+
+    Tasks come from ``TEMPLATES`` (write a file, make directories, count lines, rename,
+    filter a log, sort, delete by pattern), seeded by split and seed; the task's
+    metadata holds ``template``, ``setup`` (files written at reset) and ``expect`` (the
+    checked state).
+
+    Args:
+      max_tool_errors: tool errors tolerated per episode (>= 0). A command that exits
+        non-zero is output, not a tool error; a limit (timeout, memory...) is one.
+      tool_timeout_s: deadline of one call as the env waits for it, seconds (the
+        sandbox's ``sandbox.wall_time_s`` bounds the command itself).
+      python_tool: also offer the ``python`` tool in the same work dir.
+
+    Raises:
+      ValueError: see ``CalculatorMathEnv``.
+    """
+
+    default_agent = "tool"
+    uses_sandbox = True
+
+    def __init__(self, max_tool_errors: int = 3, tool_timeout_s: float | None = 30.0,
+                 python_tool: bool = False) -> None:
+        self.session = SandboxSession(name="bash_terminal")
+        tools = [BashTool(self.session)] + ([PythonTool(self.session)] if python_tool else [])
+        super().__init__(tools, max_tool_errors=max_tool_errors, tool_timeout_s=tool_timeout_s)
+
+    def tasks(self, split: str, size: int, seed: int) -> list[Task]:
+        rng = random.Random(f"bash_terminal/{split}/{seed}")
+        names = sorted(TEMPLATES)
+        tasks = []
+        for i in range(size):
+            name = rng.choice(names)
+            question, setup, expect = TEMPLATES[name](rng)
+            tasks.append(Task(f"{split}-{i}", f"{question} Reply <answer>done</answer> when finished.",
+                              json.dumps(expect, sort_keys=True),
+                              {"template": name, "setup": setup, "expect": expect}))
+        return tasks
+
+    def _initial_observation(self, task: Task) -> str:
+        question = super()._initial_observation(task)
+        self.session.close()  # a fresh work dir per episode
+        write_files(self.session, task.metadata.get("setup") or {})
+        return question
+
+    def _score(self, answer: str) -> tuple[float, dict[str, Any]]:
+        expect = self.task.metadata["expect"]
+        failures = run_report(self.session, _CHECK.format(expect=json.dumps(expect)))["failures"]
+        return (0.0 if failures else 1.0), {"correct": not failures, "check_failures": failures}
+
+    def close(self) -> None:
+        """Deletes the episode's work dir."""
+        super().close()
+        self.session.close()

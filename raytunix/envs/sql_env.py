@@ -1,0 +1,320 @@
+"""Text-to-SQL over a real SQLite database: the model may explore it with an ``sql`` tool,
+then answers with one query; the reward compares that query's result set with the gold
+query's.
+
+The database (customers, products, orders) is generated from ``db_seed`` into a file in
+each process that uses it (the same seed gives the same rows everywhere), and every query
+the model writes runs read-only: a ``mode=ro`` connection with ``PRAGMA query_only``, an
+authorizer that allows reading only, no attached databases, and a deadline enforced by a
+progress handler.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import datetime
+import os
+import random
+import shutil
+import sqlite3
+import tempfile
+import threading
+import time
+from typing import Any, Callable
+
+from raytunix.envs.tool_task import ToolTaskEnv
+from raytunix.tools.base import Tool, ToolError
+from raytunix.types import Task, ToolErrorKind
+
+SCHEMA = ("Tables: customers(id, name, city); products(id, name, category, price); "
+          "orders(id, customer_id, product_id, quantity, order_date 'YYYY-MM-DD').")
+
+CITIES = ("Lisbon", "Oslo", "Nairobi", "Lima", "Osaka", "Quebec", "Tunis", "Perth")
+FIRST = ("Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Goran", "Hana", "Ivan", "Jun",
+         "Kofi", "Lea", "Mei", "Nina", "Omar", "Pia", "Raj", "Sara", "Tom", "Uma")
+LAST = ("Silva", "Berg", "Okoro", "Tanaka", "Novak", "Rossi", "Haddad", "Kim", "Moreau", "Diaz")
+CATEGORIES = {
+    "kitchen": ("kettle", "toaster", "blender", "pan", "knife set", "teapot"),
+    "garden": ("rake", "hose", "shovel", "planter", "seed tray", "watering can"),
+    "office": ("stapler", "desk lamp", "notebook", "monitor stand", "pen set", "chair mat"),
+    "outdoor": ("tent", "lantern", "backpack", "sleeping bag", "compass", "water bottle"),
+}
+MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August",
+          "September", "October", "November", "December")
+
+_READ_ACTIONS = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION,
+                 getattr(sqlite3, "SQLITE_RECURSIVE", 33)}
+_DB_LOCK = threading.Lock()
+_DB_PATHS: dict[tuple[int, int, int, int], str] = {}
+
+
+def database_path(db_seed: int, customers: int = 40, products: int = 24,
+                  orders: int = 300) -> str:
+    """Path of this process's SQLite file for ``db_seed`` and the sizes, built on first
+    use (in a temp dir deleted at exit) and shared by every env of the process."""
+    key = (db_seed, customers, products, orders)
+    with _DB_LOCK:
+        if key not in _DB_PATHS:
+            directory = tempfile.mkdtemp(prefix="raytunix-sql-")
+            atexit.register(shutil.rmtree, directory, ignore_errors=True)
+            path = os.path.join(directory, "shop.sqlite")
+            _build_database(path, random.Random(f"sql-db/{key}"), customers, products, orders)
+            _DB_PATHS[key] = path
+        return _DB_PATHS[key]
+
+
+def _build_database(path: str, rng: random.Random, n_customers: int, n_products: int,
+                    n_orders: int) -> None:
+    conn = sqlite3.connect(path)
+    try:
+        conn.executescript(
+            "CREATE TABLE customers (id INTEGER PRIMARY KEY, name TEXT NOT NULL, city TEXT NOT NULL);"
+            "CREATE TABLE products (id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE, "
+            "category TEXT NOT NULL, price REAL NOT NULL);"
+            "CREATE TABLE orders (id INTEGER PRIMARY KEY, customer_id INTEGER NOT NULL "
+            "REFERENCES customers(id), product_id INTEGER NOT NULL REFERENCES products(id), "
+            "quantity INTEGER NOT NULL, order_date TEXT NOT NULL);")
+        names = rng.sample([f"{f} {l}" for f in FIRST for l in LAST], n_customers)
+        conn.executemany("INSERT INTO customers VALUES (?, ?, ?)",
+                         [(i + 1, name, rng.choice(CITIES)) for i, name in enumerate(names)])
+        items = [(name, cat) for cat, names_ in CATEGORIES.items() for name in names_]
+        items = rng.sample(items, min(n_products, len(items)))
+        # Distinct prices: "the k most expensive" has one right order.
+        prices = rng.sample(range(199, 20000), len(items))
+        conn.executemany("INSERT INTO products VALUES (?, ?, ?, ?)",
+                         [(i + 1, name, cat, price / 100)
+                          for i, ((name, cat), price) in enumerate(zip(items, prices))])
+        # The last few customers never order, so "customers without orders" is never empty.
+        buyers = max(1, n_customers - 3)
+        start = datetime.date(2024, 1, 1)
+        conn.executemany("INSERT INTO orders VALUES (?, ?, ?, ?, ?)", [
+            (i + 1, rng.randint(1, buyers), rng.randint(1, len(items)), rng.randint(1, 5),
+             (start + datetime.timedelta(days=rng.randrange(366))).isoformat())
+            for i in range(n_orders)])
+        conn.commit()
+    finally:
+        conn.close()
+
+
+def _authorize(action: int, *args: Any) -> int:
+    return sqlite3.SQLITE_OK if action in _READ_ACTIONS else sqlite3.SQLITE_DENY
+
+
+def run_query(path: str, query: str, *, timeout_s: float = 2.0,
+              max_rows: int = 10_000) -> tuple[list[str], list[tuple]]:
+    """Runs one SQL statement read-only on the database at ``path``.
+
+    Returns:
+      ``(column names, rows)``.
+
+    Raises:
+      ToolError: the statement is not a single read-only query, is malformed, or fails
+        (kind ``TOOL_EXCEPTION``); it ran past ``timeout_s`` seconds (kind ``TIMEOUT``); it
+        returned more than ``max_rows`` rows.
+    """
+    if not query.strip():
+        raise ToolError("sql: the query is empty; write one SELECT statement",
+                        ToolErrorKind.BAD_ARGUMENTS)
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False)
+    deadline = time.monotonic() + timeout_s
+    try:
+        conn.execute("PRAGMA query_only = ON")
+        conn.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
+        conn.set_authorizer(_authorize)
+        # Called every 1000 virtual-machine instructions; non-zero interrupts the query.
+        conn.set_progress_handler(lambda: int(time.monotonic() > deadline), 1000)
+        try:
+            cursor = conn.execute(query)
+            rows = cursor.fetchmany(max_rows + 1)
+        except sqlite3.Error as e:
+            if time.monotonic() > deadline:
+                raise ToolError(f"sql: the query ran past its {timeout_s:g} s deadline and was "
+                                "stopped; simplify it", ToolErrorKind.TIMEOUT) from None
+            message = str(e)
+            if "not authorized" in message or "readonly" in message or "read-only" in message:
+                message += " (the database is read-only: only SELECT queries run)"
+            raise ToolError(f"sql: {message}") from None
+        if len(rows) > max_rows:
+            raise ToolError(f"sql: the query returned more than {max_rows} rows; narrow it")
+        columns = [d[0] for d in cursor.description or ()]
+        return columns, rows
+    finally:
+        conn.close()
+
+
+def result_key(rows: list[tuple], ordered: bool) -> list | collections.Counter:
+    """What two result sets are compared by: rows as tuples with numbers as floats rounded
+    to 6 decimals (so 3 and 3.0 agree), in order if ``ordered``, else as a multiset.
+    Column names are not compared."""
+    def norm(value: Any) -> Any:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return round(float(value), 6)
+        return value
+    normalized = [tuple(norm(v) for v in row) for row in rows]
+    return normalized if ordered else collections.Counter(normalized)
+
+
+class SQLQueryTool(Tool):
+    """Runs a read-only SQL query on the environment's SQLite database and shows the
+    result: a header line of column names, then up to ``show_rows`` rows, ``|``-separated.
+
+    Args:
+      path: the database file.
+      timeout_s: deadline of one query, seconds.
+      show_rows: rows shown (the rest are counted).
+    """
+
+    name = "sql"
+    description = "Run one read-only SQL query (SQLite) on the shop database and see its rows."
+    parameters = {
+        "type": "object",
+        "properties": {"query": {"type": "string",
+                                 "description": "e.g. 'SELECT name, price FROM products LIMIT 5'"}},
+        "required": ["query"],
+    }
+
+    def __init__(self, path: str, timeout_s: float = 2.0, show_rows: int = 20) -> None:
+        self.path, self.timeout_s, self.show_rows = path, timeout_s, show_rows
+
+    def run(self, query: str) -> str:
+        columns, rows = run_query(self.path, query, timeout_s=self.timeout_s)
+        lines = [" | ".join(columns)] + [" | ".join(map(str, row)) for row in rows[: self.show_rows]]
+        if len(rows) > self.show_rows:
+            lines.append(f"... {len(rows) - self.show_rows} more rows")
+        return "\n".join(lines) if rows else " | ".join(columns) + "\n(no rows)"
+
+
+# A question template: (rng, connection) -> (question, gold SQL, ordered).
+_Template = Callable[[random.Random, sqlite3.Connection], tuple[str, str, bool]]
+
+
+def _one(conn: sqlite3.Connection, sql: str, *args: Any) -> list:
+    return [row[0] for row in conn.execute(sql, args)]
+
+
+def _orders_from_city(rng, conn):
+    city = rng.choice(_one(conn, "SELECT DISTINCT city FROM customers ORDER BY city"))
+    return (f"How many orders did customers from {city} place?",
+            "SELECT COUNT(*) FROM orders o JOIN customers c ON o.customer_id = c.id "
+            f"WHERE c.city = '{city}'", False)
+
+
+def _quantity_of_product(rng, conn):
+    product = rng.choice(_one(conn, "SELECT name FROM products ORDER BY id"))
+    return (f"What is the total quantity ordered of the {product}?",
+            "SELECT SUM(o.quantity) FROM orders o JOIN products p ON o.product_id = p.id "
+            f"WHERE p.name = '{product}'", False)
+
+
+def _cheaper_than(rng, conn):
+    category = rng.choice(_one(conn, "SELECT DISTINCT category FROM products ORDER BY category"))
+    price = rng.choice((50, 80, 100, 120, 150))
+    return (f"List the names of {category} products that cost less than {price}.",
+            f"SELECT name FROM products WHERE category = '{category}' AND price < {price}", False)
+
+
+def _most_expensive(rng, conn):
+    k = rng.randint(2, 4)
+    return (f"List the names of the {k} most expensive products, most expensive first.",
+            f"SELECT name FROM products ORDER BY price DESC LIMIT {k}", True)
+
+
+def _average_price(rng, conn):
+    category = rng.choice(_one(conn, "SELECT DISTINCT category FROM products ORDER BY category"))
+    return (f"What is the average price of {category} products, rounded to 2 decimals?",
+            f"SELECT ROUND(AVG(price), 2) FROM products WHERE category = '{category}'", False)
+
+
+def _never_ordered(rng, conn):
+    return ("List the names of customers who never placed an order.",
+            "SELECT name FROM customers WHERE id NOT IN (SELECT customer_id FROM orders)", False)
+
+
+def _orders_in_month(rng, conn):
+    month = rng.randint(1, 12)
+    return (f"How many orders were placed in {MONTHS[month - 1]} 2024?",
+            f"SELECT COUNT(*) FROM orders WHERE order_date LIKE '2024-{month:02d}-%'", False)
+
+
+def _products_per_category(rng, conn):
+    return ("For each product category, how many products are in it? Give category and count.",
+            "SELECT category, COUNT(*) FROM products GROUP BY category", False)
+
+
+TEMPLATES: dict[str, _Template] = {
+    "orders_from_city": _orders_from_city,
+    "quantity_of_product": _quantity_of_product,
+    "cheaper_than": _cheaper_than,
+    "most_expensive": _most_expensive,
+    "average_price": _average_price,
+    "never_ordered": _never_ordered,
+    "orders_in_month": _orders_in_month,
+    "products_per_category": _products_per_category,
+}
+
+
+class TextToSQLEnv(ToolTaskEnv):
+    """Questions about a shop database answered with SQL (SQLite).
+
+    A turn may call ``sql`` (``{"query": "SELECT ..."}``) to see rows, or answer with
+    one query, ``<answer>SELECT ...</answer>``, which ends the episode. The reward is 1.0
+    if the answer's result set equals the gold query's (``result_key``: order ignored
+    unless the question asks for one, numbers compared as floats to 6 decimals, column
+    names ignored), else 0.0. A failing, non-read-only or too slow answer scores 0 with the
+    error in ``info["error"]``; the same from the tool is a tool error (kind
+    ``tool_exception``, ``timeout`` past ``query_timeout_s``, ``bad_arguments`` for an
+    empty query). Single-turn text-to-SQL is ``env.max_turns=1``.
+
+    Tasks: drawn from ``TEMPLATES`` over the database's own values (cities, products,
+    categories), seeded by split and seed; metadata holds ``gold_sql``, ``ordered`` and
+    ``template``; ``answer`` is the gold SQL.
+
+    Args:
+      db_seed: seed of the generated database (every actor builds the same one).
+      max_tool_errors: tool errors tolerated per episode (>= 0).
+      query_timeout_s: deadline of one query (tool call or answer), seconds (> 0).
+      show_schema: put the tables and columns in the question (``SCHEMA``).
+
+    Raises:
+      ValueError: a non-positive ``query_timeout_s``, or see ``CalculatorMathEnv``.
+    """
+
+    default_agent = "tool"
+
+    def __init__(self, db_seed: int = 0, max_tool_errors: int = 2,
+                 query_timeout_s: float = 2.0, show_schema: bool = True) -> None:
+        if not query_timeout_s > 0:
+            raise ValueError(f"query_timeout_s={query_timeout_s!r} must be > 0 seconds")
+        self.db_path = database_path(db_seed)
+        self.query_timeout_s = query_timeout_s
+        self.show_schema = show_schema
+        super().__init__([SQLQueryTool(self.db_path, query_timeout_s)],
+                         max_tool_errors=max_tool_errors, tool_timeout_s=None)
+
+    def tasks(self, split: str, size: int, seed: int) -> list[Task]:
+        rng = random.Random(f"text_to_sql/{split}/{seed}")
+        names = sorted(TEMPLATES)
+        conn = sqlite3.connect(f"file:{self.db_path}?mode=ro", uri=True)
+        try:
+            tasks = []
+            for i in range(size):
+                name = rng.choice(names)
+                question, gold, ordered = TEMPLATES[name](rng, conn)
+                prompt = f"{SCHEMA}\n{question}" if self.show_schema else question
+                tasks.append(Task(f"{split}-{i}", prompt + " Answer with one SQL query.", gold,
+                                  {"gold_sql": gold, "ordered": ordered, "template": name}))
+            return tasks
+        finally:
+            conn.close()
+
+    def _score(self, answer: str) -> tuple[float, dict[str, Any]]:
+        ordered = bool(self.task.metadata.get("ordered"))
+        _, gold = run_query(self.db_path, self.task.metadata["gold_sql"],
+                            timeout_s=max(self.query_timeout_s, 10.0))
+        try:
+            _, rows = run_query(self.db_path, answer, timeout_s=self.query_timeout_s)
+        except ToolError as e:
+            return 0.0, {"correct": False, "error": str(e)}
+        correct = result_key(rows, ordered) == result_key(gold, ordered)
+        return (1.0 if correct else 0.0), {"correct": correct, "rows": len(rows)}
