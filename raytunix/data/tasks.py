@@ -1,8 +1,6 @@
-"""Where a run's tasks come from: the environment's own (``BaseEnv.tasks``), else the
-arithmetic generator (``data.dataset: basic_arithmetic``).
-
-Dataset files (parquet, JSONL, Hugging Face-style folders) are a later source; an
-environment that brings tasks is asked first.
+"""Where a run's tasks come from (``data.source``): the environment's own
+(``BaseEnv.tasks``), a reasoning-gym generator (``data.dataset``, by default the
+arithmetic one), or a dataset on disk (``raytunix.data.datasets``).
 """
 
 from __future__ import annotations
@@ -11,6 +9,7 @@ import collections
 from typing import Any, Sequence
 
 from raytunix.data.arithmetic import make_arithmetic_splits
+from raytunix.data.datasets import FILE_SOURCES, DatasetSpec, file_splits, reasoning_gym_splits
 from raytunix.types import Task
 
 SPLITS = ("train", "heldout")
@@ -62,3 +61,46 @@ def make_tasks(env: Any, split: str, size: int, seed: int) -> list[Task]:
                                             size if split == "heldout" else 0, seed)
     return train if split == "train" else heldout
 
+
+
+def dataset_splits(data: Any) -> tuple[list[Task], list[Task]] | None:
+    """``(train, heldout)`` from the ``data.*`` keys (a ``raytunix.config.DataConfig``)
+    when ``data.source`` names a dataset (a file source or ``reasoning_gym``); None when
+    the environment is asked first (``auto``, ``env``). Held-out tasks whose question is
+    in train are dropped.
+
+    Raises:
+      raytunix.data.datasets.DatasetError: a file, split or column is missing (see
+        ``raytunix.data.datasets``), or the reasoning-gym dataset refuses its settings.
+    """
+    if data.source in FILE_SOURCES:
+        columns = dict(question_column=data.question_column, answer_column=data.answer_column,
+                       id_column=data.id_column)
+        train = DatasetSpec(data.source, data.path, data.split, **columns)
+        heldout = None
+        if data.heldout_path or data.heldout_split:
+            heldout = DatasetSpec(data.source, data.heldout_path or data.path,
+                                  data.heldout_split or "test", **columns,
+                                  key="data.heldout_path" if data.heldout_path else "data.path")
+        return file_splits(train, heldout, data.train_size, data.heldout_size, data.seed)
+    if data.source == "reasoning_gym":
+        return generator_splits(data)
+    return None
+
+
+def generator_splits(data: Any) -> tuple[list[Task], list[Task]]:
+    """reasoning-gym ``data.dataset``: arithmetic with the ``data.min_*``/``max_*`` keys
+    (tasks keep the expression the warm start's tool demonstrations need), any other
+    dataset with ``data.dataset_kwargs``."""
+    if data.dataset == "basic_arithmetic" and not data.dataset_kwargs:
+        return make_arithmetic_splits(
+            data.train_size, data.heldout_size, data.seed, min_terms=data.min_terms,
+            max_terms=data.max_terms, min_digits=data.min_digits, max_digits=data.max_digits)
+    return reasoning_gym_splits(data.dataset, data.train_size, data.heldout_size, data.seed,
+                                **data.dataset_kwargs)
+
+
+def is_arithmetic(tasks: Sequence[Task]) -> bool:
+    """Every task is an arithmetic one (a string ``metadata["expression"]``), the only
+    kind the warm start has demonstrations for."""
+    return bool(tasks) and all(isinstance(t.metadata.get("expression"), str) for t in tasks)
