@@ -408,7 +408,9 @@ def train(cfg: Config, resume: str | None = None, resume_overrides: Sequence[str
     Raises:
       FileNotFoundError: ``resume`` is not a run directory or has no checkpoint.
     """
+    from raytunix.data.datasets import DatasetError
     from raytunix.data.demonstrations import tokenizer_corpus
+    from raytunix.data.tasks import dataset_splits, is_arithmetic
 
     wall0 = time.monotonic()
     if resume:
@@ -427,6 +429,10 @@ def train(cfg: Config, resume: str | None = None, resume_overrides: Sequence[str
         with open(run.config, "w") as f:
             f.write(cfg.to_yaml())
     _say(f"run directory: {run.path}")
+    try:
+        dataset = dataset_splits(cfg.data)  # a file, split or column missing: stop before Ray
+    except DatasetError as e:
+        raise ConfigError(str(e)) from None
 
     _ensure_ray(cfg)
     if threading.current_thread() is threading.main_thread():
@@ -444,7 +450,7 @@ def train(cfg: Config, resume: str | None = None, resume_overrides: Sequence[str
     job = None
     try:
         _preflight(preflight.check_env_actors, env_pool, ENV_READY_TIMEOUT_S)
-        train_tasks, heldout, own_tasks = _task_splits(cfg, env_pool)
+        train_tasks, heldout, source = _task_splits(cfg, env_pool, dataset)
         heldout = heldout[: cfg.eval.heldout_size]
         dev_tasks = train_tasks[-cfg.warmup.eval_size:]  # warm-start stop condition; not held out
         if resume:
@@ -457,16 +463,19 @@ def train(cfg: Config, resume: str | None = None, resume_overrides: Sequence[str
             preflight.measure_prompts, env_pool,
             preflight.sample_tasks(train_tasks, 24) + preflight.sample_tasks(heldout, 8),
             lambda: _new_agent(cfg, tokenizer), cfg.model.max_seq_len)
-        source = "the environment's own" if own_tasks else cfg.data.dataset
-        _say(f"env {cfg.env.name!r} ready on {cfg.env.num_env_actors} actors; tasks: {source}; "
+        _say(f"env {cfg.env.name!r} ready on {cfg.env.num_env_actors} actors; tasks: {source} "
+             f"({len(train_tasks)} train, {len(heldout)} held out); "
              f"prompts {prompts['prompt_tokens_min']}-{prompts['prompt_tokens_max']} tokens "
              f"(context {cfg.model.max_seq_len})")
-        if own_tasks and cfg.warmup.enabled and not resume:
-            _say("warm start: skipped; its demonstrations are arithmetic and the environment "
-                 "brings its own tasks")
+        # The warm start's demonstrations (and its stop check) are arithmetic; for any other
+        # tasks it is off rather than teaching a format on tasks it cannot solve.
+        warm_start = cfg.warmup.enabled and is_arithmetic(train_tasks)
+        if cfg.warmup.enabled and not warm_start and not resume:
+            _say(f"warm start: skipped; its demonstrations are arithmetic and the tasks "
+                 f"({source}) are not")
         job = Job(cfg, tokenizer, train_tasks, env_pool)
         return _run(cfg, job, run, hp, resume, heldout, dev_tasks, wall0,
-                    warm_start=cfg.warmup.enabled and not own_tasks)
+                    warm_start=warm_start)
     finally:
         if job is not None:
             job.shutdown()
@@ -491,12 +500,21 @@ def _new_agent(cfg: Config, tokenizer: Tokenizer):
     return make_agent(_agent_name(cfg), tokenizer, **cfg.env.agent_kwargs)
 
 
-def _task_splits(cfg: Config, env_pool: EnvPool):
-    """``(train, heldout, own)``: the environment's own tasks (built in an env actor, as
-    the environment is), or reasoning-gym arithmetic (``data.*``)."""
-    from raytunix.data.arithmetic import make_arithmetic_splits
+def _task_splits(cfg: Config, env_pool: EnvPool, dataset):
+    """``(train, heldout, source)``: ``dataset`` (read from ``data.*`` already) if given,
+    else the environment's own tasks (built in an env actor, as the environment is), else
+    reasoning-gym ``data.dataset``; ``source`` says which, for the log."""
+    from raytunix.data.tasks import generator_splits
 
     d = cfg.data
+    if dataset is not None:
+        where = d.path if d.source != "reasoning_gym" else d.dataset
+        if not dataset[1]:
+            raise RunError(f"data.source={d.source} {where}: no held-out task is left once "
+                           "those whose question is also in train are dropped; give another "
+                           "held-out split (data.heldout_path / data.heldout_split) or none, "
+                           "to hold out rows of the training split.")
+        return dataset[0], dataset[1], f"{d.source} {where}"
     actor = env_pool.actors[0]
     try:
         own = ray.get([actor.tasks.remote(split, size, d.seed)
@@ -509,11 +527,12 @@ def _task_splits(cfg: Config, env_pool: EnvPool):
         if own[1] is None:
             raise RunError(f"environment {cfg.env.name!r} brings train tasks but none for "
                            "'heldout'; its tasks() must answer both splits.")
-        return own[0], own[1], True
-    train, heldout = make_arithmetic_splits(
-        d.train_size, d.heldout_size, d.seed, min_terms=d.min_terms, max_terms=d.max_terms,
-        min_digits=d.min_digits, max_digits=d.max_digits)
-    return train, heldout, False
+        return own[0], own[1], "the environment's own"
+    if d.source == "env":
+        raise RunError(f"data.source=env but environment {cfg.env.name!r} brings no tasks "
+                       "(its tasks() returns None); set data.source to a dataset.")
+    train, heldout = generator_splits(d)
+    return train, heldout, f"reasoning-gym {d.dataset}"
 
 
 def _run(cfg: Config, job: Job, run: RunDir, hp: GRPOHyperparams, resume: str | None, heldout,
