@@ -170,3 +170,40 @@ def test_reasoning_gym_by_name():
         reasoning_gym_splits("leg_count", 2, 1, 0)
     with pytest.raises(DatasetError, match="refuses its settings"):
         reasoning_gym_splits("leg_counting", 2, 1, 0, bogus=1)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["data.source=jsonl"], "data.source='jsonl' needs data.path"),
+    (["data.path=x.jsonl"], "data.path='x.jsonl' is read only when data.source is one of "
+                            "parquet, jsonl, hf"),
+    (["data.source=csv"], "data.source='csv' is not one of auto, env, reasoning_gym"),
+    (["data.dataset=leg_count"], "data.dataset='leg_count' is not a reasoning-gym dataset; "
+                                 "did you mean leg_counting"),
+    (["data.source=parquet", "data.path=a.parquet", "data.dataset_kwargs.min_animals=2"],
+     "data.dataset_kwargs=.* configures a reasoning-gym dataset"),
+    (["data.source=jsonl", "data.path=a.jsonl", "data.question_column="],
+     "data.question_column is empty"),
+])
+def test_data_keys_are_validated_by_name(overrides, message):
+    from raytunix.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_data_keys_pick_the_source(tmp_path):
+    from raytunix.config import load_config
+    from raytunix.data.tasks import dataset_splits
+
+    path = tmp_path / "gsm8k.jsonl"
+    _write_jsonl(path, GSM8K_ROWS)
+    cfg = load_config(None, ["data.source=jsonl", f"data.path={path}", "data.heldout_size=1",
+                             "eval.heldout_size=1"])
+    train, heldout = dataset_splits(cfg.data)
+    assert (len(train), len(heldout)) == (2, 1)
+    assert dataset_splits(load_config(None).data) is None  # auto: the environment first
+    cfg = load_config(None, ["data.source=reasoning_gym", "data.dataset=leg_counting",
+                             "data.dataset_kwargs.max_animals=3", "data.train_size=4",
+                             "data.heldout_size=2", "eval.heldout_size=2"])
+    train, heldout = dataset_splits(cfg.data)
+    assert len(train) == 4 and train[0].metadata["entry"]["metadata"]["num_animals"] <= 3

@@ -1,4 +1,5 @@
-"""Datasets and task generators: reasoning-gym arithmetic, warm-start demonstrations."""
+"""Datasets and task generators: the math answer rule, datasets on disk and reasoning-gym
+tasks (data.* sources), arithmetic, warm-start demonstrations."""
 
 from __future__ import annotations
 
