@@ -10,6 +10,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import pytest  # noqa: E402
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "benchmark: runs a benchmarks/ script end to end with tiny settings, in "
+        "a subprocess (under 30 s each on a quiet 2-core machine); -m 'not benchmark' skips")
+
+
 _RAY_INIT = dict(num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024**2,
                  runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu"}}, log_to_driver=False)
 _started_here = []
@@ -24,21 +30,29 @@ def _start_ray():
     return ray
 
 
-def pytest_collection_finish(session):
-    """Starts Ray before the first test when any collected test asks for it.
+def pytest_collection(session):
+    """Starts Ray before any test module is imported when a test file to be collected asks
+    for ``ray_session``.
 
     Ray starts its processes with a ``preexec_fn``: Python code that runs in the forked
-    child before exec. Once a test has started JAX's runtime threads in this process, such
-    a fork can deadlock (JAX warns "os.fork() was called"), so Ray must start before any
-    test runs JAX, not when the first Ray test happens to run.
+    child before exec. Once JAX's runtime threads run in this process, such a fork can
+    deadlock (JAX warns "os.fork() was called"), and some test modules start JAX when they
+    are imported; so Ray starts before collection imports them. Files are checked by their
+    text, before import; a file that mentions the fixture but whose tests are deselected
+    costs one idle Ray start (~3 s).
     """
     if session.config.option.collectonly:
         return
-    if any("ray_session" in getattr(item, "fixturenames", ()) for item in session.items):
-        try:
-            _start_ray()
-        except Exception:  # noqa: BLE001 - the fixture tries again and fails the tests that need Ray
-            pass
+    base = session.config.invocation_params.dir
+    for arg in session.config.args:
+        path = base / arg.split("::", 1)[0]
+        files = sorted(path.rglob("test_*.py")) if path.is_dir() else [path]
+        if any(f.is_file() and "ray_session" in f.read_text(errors="ignore") for f in files):
+            try:
+                _start_ray()
+            except Exception:  # noqa: BLE001 - the fixture tries again and fails the tests that need Ray
+                pass
+            return
 
 
 @pytest.fixture(scope="session")
