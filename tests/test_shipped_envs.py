@@ -322,3 +322,81 @@ def test_repo_repair_cannot_be_fooled_by_printing_a_report():
 
 def test_every_shipped_env_is_registered():
     assert {"python_math", "bash_terminal", "text_to_sql", "web_api", "repo_repair"} <= set(ENVS)
+
+
+# --- one `raytunix train`, switched between environments by the env entries only ------------
+
+# The tiny model and run of tests/test_byo_env.py, with room for the longest first prompt
+# (text-to-SQL's schema) and no warm start (its demonstrations are arithmetic).
+TINY_RUN = [
+    "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
+    "model.d_ff=64", "model.max_seq_len=256", "model.tokenizer_vocab_size=300",
+    "data.train_size=32", "data.heldout_size=2", "eval.heldout_size=2", "warmup.enabled=false",
+    "rollout.group_size=2", "rollout.groups_per_batch=2", "rollout.max_concurrent_episodes=8",
+    "rollout.max_new_tokens=16", "engine.max_batch_size=8", "env.num_env_actors=1",
+    "learner.checkpoint_every=2", "learner.rl_steps=2",
+]
+
+# What changes from one environment to the next: the env entries, nothing else.
+ENV_ENTRIES = {
+    "math_verifier": ["env.name=math_verifier", "env.max_turns=1"],
+    "calculator_math": ["env.name=calculator_math", "env.max_turns=2"],
+    "python_math": ["env.name=python_math", "env.max_turns=2"],
+    "bash_terminal": ["env.name=bash_terminal", "env.max_turns=2"],
+    "text_to_sql": ["env.name=text_to_sql", "env.max_turns=2"],
+    "web_api": ["env.name=web_api", "env.max_turns=2", "env.kwargs.failure_rate=0.2"],
+}
+
+
+@pytest.mark.parametrize("env_name", sorted(ENV_ENTRIES))
+def test_the_same_train_command_trains_each_environment(ray_session, tmp_path, env_name):
+    import json
+    import os
+
+    from raytunix.config import load_config
+    from raytunix.train import train
+
+    cfg = load_config(None, TINY_RUN + [f"run.output_dir={tmp_path}"] + ENV_ENTRIES[env_name])
+    summary = train(cfg)
+    with open(os.path.join(summary["run_dir"], "metrics.jsonl")) as f:
+        steps = [r["step"] for r in map(json.loads, f) if r["phase"] == "rl"]
+    assert steps == [1, 2]
+    assert summary["env"] == env_name
+    episodes = summary["orchestrator"]
+    # Every episode ran in the env actors (and, for sandboxed tools, the sandbox pool):
+    # none ended because the environment or its sandbox failed.
+    assert episodes["episodes_env_error"] == 0, episodes
+
+
+PRESETS = {"python_math": "python_math", "bash_terminal": "bash_terminal",
+           "text_to_sql": "text_to_sql", "web_api": "web_api", "repo_repair": "repo_repair",
+           "default": "calculator_math", "single_turn": "math_verifier"}
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_each_preset_names_its_env_and_its_prompts_fit_its_context(preset):
+    from raytunix.agents import make_agent
+    from raytunix.config import load_config, preset_names
+    from raytunix.data.demonstrations import tokenizer_corpus
+    from raytunix.models.tokenizer import Tokenizer
+
+    assert preset in preset_names()
+    cfg = load_config(preset, [])
+    assert cfg.env.name == PRESETS[preset]
+    env = make_env(cfg.env.name, **cfg.env.kwargs)
+    tasks = env.tasks("train", 50, cfg.data.seed)
+    if tasks is None:  # the arithmetic dataset: the default run's own checks cover it
+        return
+    tokenizer = Tokenizer.train(tokenizer_corpus(tasks), cfg.model.tokenizer_vocab_size)
+    agent_name = env.default_agent if cfg.env.agent == "auto" else cfg.env.agent
+    try:
+        for task in tasks[:5]:
+            agent = make_agent(agent_name, tokenizer, **cfg.env.agent_kwargs)
+            agent.reset(task, env.reset(task))
+            # The env's tools are the ones shown, and the prompt leaves room for two turns.
+            prompt = tokenizer.decode(agent.token_ids)
+            for name in getattr(env, "tools", {}):
+                assert f'"name": "{name}"' in prompt, (preset, name)
+            assert len(agent.token_ids) + 2 * cfg.rollout.max_new_tokens < cfg.model.max_seq_len
+    finally:
+        env.close()
