@@ -71,7 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--trajectories", type=int, default=384,
                    help="timed trajectories per async run (a multiple of --max-batch-size)")
     p.add_argument("--lockstep-trajectories", type=int, default=None,
-                   help="trajectories per lockstep run (default: a quarter of "
+                   help="trajectories per lockstep run (default: a sixth of "
                         "--trajectories, at least one batch; lockstep is slow)")
     p.add_argument("--warmup-trajectories", type=int, default=None,
                    help="untimed trajectories before each async window (default: the "
@@ -96,7 +96,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="async episodes in flight (default: 1.5 x max_batch_size x "
                         "(1 + mean tool latency / generation turn), Little's law)")
     p.add_argument("--env-actors", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=1, help="measurements per mode")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="measurements per mode, alternating (medians reported)")
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--n-layers", type=int, default=3)
     p.add_argument("--max-seq-len", type=int, default=256)
@@ -107,7 +108,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--trajectories ({args.trajectories}) must be a positive multiple of "
                 f"--max-batch-size ({b}): trajectories come in batches of that size.")
     if args.lockstep_trajectories is None:
-        args.lockstep_trajectories = max(b, args.trajectories // 4 // b * b)
+        args.lockstep_trajectories = max(b, args.trajectories // 6 // b * b)
     if args.lockstep_trajectories < b or args.lockstep_trajectories % b:
         p.error(f"--lockstep-trajectories ({args.lockstep_trajectories}) must be a positive "
                 f"multiple of --max-batch-size ({b}): lockstep runs whole batches.")

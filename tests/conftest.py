@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "benchmark: runs a benchmarks/ script end to end with tiny settings, in "
-        "a subprocess (under 30 s each on a quiet 2-core machine); -m 'not benchmark' skips")
+        "a subprocess (10 s to a minute each on 2 cores); -m 'not benchmark' skips them")
 
 
 _RAY_INIT = dict(num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024**2,

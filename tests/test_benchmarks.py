@@ -1,0 +1,62 @@
+"""Each benchmark script runs end to end with tiny settings and prints one JSON object
+with the keys its claim is read from. Numbers are not checked against targets (a test
+never asserts on speed); these only keep the scripts from rotting.
+
+Marked ``benchmark``: the orchestrator one takes ~10 s; the rollout one starts its own Ray
+and compiles 4 small programs, ~70 s on a 2-core machine at load 20 (less when quiet)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(script: str, *args: str, timeout_s: float) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]), "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args],
+                          capture_output=True, text=True, timeout=timeout_s, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+@pytest.mark.benchmark
+def test_orchestrator_overhead_runs_and_reports_cpu_per_turn():
+    report = _run("orchestrator_overhead.py", "--concurrency", "32", "--group-size", "4",
+                  "--groups-per-batch", "2", "--turns", "3", "--turns-measured", "300",
+                  "--warmup-turns", "100", "--repeats", "2", timeout_s=120)
+    assert report["benchmark"] == "orchestrator_overhead"
+    assert report["cpu_ms_per_turn"] > 0
+    assert len(report["runs"]) == 2
+    for run in report["runs"]:
+        assert run["turns"] >= 300 and run["trajectories"] > 0
+        assert 0 < run["mean_episodes_in_flight"] <= 32
+    # 700+ turns of 3-turn episodes: every episode ran to the end
+    assert report["counters"]["episodes_completed"] >= 200
+
+
+@pytest.mark.benchmark
+def test_rollout_overlap_runs_and_reports_its_three_keys():
+    # One engine row and a short context: 4 programs to compile, the bulk of the time.
+    report = _run("rollout_overlap.py", "--d-model", "32", "--n-layers", "1",
+                  "--max-seq-len", "96", "--max-batch-size", "1", "--trajectories", "4",
+                  "--lockstep-trajectories", "2", "--warmup-trajectories", "2",
+                  "--turns", "2", "--max-new-tokens", "4", "--tool-latency-s", "0.02",
+                  "--straggler-fraction", "0.5", "--straggler-factor", "3",
+                  "--concurrency", "4", timeout_s=300)
+    for key in ("engine_busy_fraction", "throughput_ratio_vs_zero_latency",
+                "speedup_trajectories_per_s"):
+        assert report[key] > 0, key
+    for mode in ("lockstep", "async", "async_zero_latency"):
+        run, = report[mode]["runs"]
+        assert run["statuses"] == {"completed": run["trajectories"]}
+        assert run["compiled_during_run"] == 0  # warmed up before the clock
+    assert report["async"]["runs"][0]["trajectories"] == 4
+    assert report["lockstep"]["runs"][0]["trajectories"] == 2
