@@ -57,6 +57,23 @@ def test_rule_holds_off_the_main_thread():
     assert results and all(results)
 
 
+def test_a_symbolic_comparison_without_end_is_cut_off():
+    # 9^(9^9) has 370 million digits; sympy would compute it. The helper process is killed
+    # at its deadline, the answer does not match, and the next comparison gets a new one.
+    result = []
+    thread = threading.Thread(target=lambda: result.append(answers_match("9^{9^{9}}", "\\frac{1}{2}")))
+    thread.start()
+    thread.join()
+    assert result == [False]
+    assert answers_match("\\frac{2}{4}", "\\frac{1}{2}")
+
+
+def test_symbolic_comparison_runs_in_a_ray_actor(ray_session):
+    # The helper is spawned from a Ray worker process, as from an env actor.
+    check = ray_session.remote(lambda: answers_match("2\\sqrt{2}", "\\sqrt{8}"))
+    assert ray_session.get(check.remote()) is True
+
+
 def test_parse_number_and_unwrap():
     assert parse_number("1,234.5") == parse_number("2469/2")
     assert parse_number("3 / 4") * 4 == 3

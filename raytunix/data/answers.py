@@ -37,14 +37,15 @@ order:
 4. **Text** otherwise: equal after case folding and collapsing runs of whitespace
    (``Paris`` matches ``paris``).
 
-Texts longer than ``MAX_ANSWER_CHARS`` never match: symbolic parsing of adversarial input
-can take unbounded time, and math-verify's own timeout (``signal.alarm``) works only in the
-main thread, so off it (env actors step in threads) the length cap is the guard.
+Texts longer than ``MAX_ANSWER_CHARS`` never match. Symbolic comparison of adversarial
+input can run without end (``9^{9^{9}}`` is a 370-million-digit integer to sympy) and
+math-verify's own timeout (``signal.alarm``) works only in a main thread, so step 3 runs in
+a helper process (spawned, one per process that needs it) with a deadline of
+``SYMBOLIC_TIMEOUT_S``; past it the helper is killed and the answer does not match.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import re
 import threading
@@ -52,7 +53,7 @@ from fractions import Fraction
 
 MAX_ANSWER_CHARS = 256  # longer answers are not compared (score 0)
 MAX_EXPONENT = 400  # |e| of 1e<e> accepted as a plain number (bigger would build huge ints)
-_MATH_VERIFY_TIMEOUT_S = 5  # used in the main thread only (math-verify's signal timeout)
+SYMBOLIC_TIMEOUT_S = 5.0  # deadline of one symbolic comparison (step 3), seconds
 
 _INTEGER = r"(?:\d{1,3}(?:,\d{3})+|\d+)"
 _NUMBER = re.compile(
@@ -146,9 +147,17 @@ def _text_key(text: str) -> str:
 
 
 def _symbolic_match(given: str, expected: str) -> bool:
-    parse, verify = _math_verify()
+    return _WORKER.compare(given, expected, SYMBOLIC_TIMEOUT_S)
+
+
+def symbolic_equal(given: str, expected: str) -> bool:
+    """math-verify's verdict on ``given`` against the gold ``expected`` (both wrapped in
+    ``$...$`` so LaTeX parses), in the calling thread with no deadline; False when either
+    does not parse. ``answers_match`` runs it in the helper process."""
+    from math_verify import parse, verify
+
     in_main = threading.current_thread() is threading.main_thread()
-    timeout = _MATH_VERIFY_TIMEOUT_S if in_main else None
+    timeout = int(SYMBOLIC_TIMEOUT_S) if in_main else None
     gold = parse(f"${expected}$", parsing_timeout=timeout)
     target = parse(f"${given}$", parsing_timeout=timeout)
     if not gold or not target:
@@ -156,16 +165,62 @@ def _symbolic_match(given: str, expected: str) -> bool:
     return bool(verify(gold, target, timeout_seconds=timeout))
 
 
-@functools.cache
-def _math_verify():
-    # Imported on first use: it loads sympy and an ANTLR parser (~0.5 s), which runs that
-    # only ever compare plain numbers never need. Its notice that the timeout is off (we
-    # turn it off outside the main thread, where it cannot work) is not the user's concern.
-    from math_verify import parse, verify
-
+def _serve(conn) -> None:
+    """The helper process: answers ``(given, expected)`` pairs with ``symbolic_equal``."""
+    # Its notice that the timeout is off is not the user's concern; the parent keeps time.
     logging.getLogger("math_verify").setLevel(logging.ERROR)
-    return parse, verify
+    while True:
+        try:
+            given, expected = conn.recv()
+        except EOFError:  # the parent is gone
+            return
+        try:
+            conn.send(symbolic_equal(given, expected))
+        except Exception:  # noqa: BLE001 - an answer sympy cannot handle does not match
+            conn.send(False)
 
+
+class _SymbolicWorker:
+    """One spawned helper process (spawned, not forked: the caller may run JAX threads),
+    started on first use and replaced after a comparison past its deadline is killed.
+    Comparisons from several threads take turns."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._process = None
+        self._conn = None
+
+    def compare(self, given: str, expected: str, timeout_s: float) -> bool:
+        with self._lock:
+            if self._process is None or not self._process.is_alive():
+                self._start()
+            try:
+                self._conn.send((given, expected))
+                if self._conn.poll(timeout_s):
+                    return bool(self._conn.recv())
+            except (EOFError, OSError):  # the helper died; the next call starts another
+                pass
+            self._stop()
+            return False
+
+    def _start(self) -> None:
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(target=_serve, args=(child,), daemon=True,
+                                        name="raytunix-math-verify")
+        self._process.start()
+        child.close()
+
+    def _stop(self) -> None:
+        self._process.kill()
+        self._process.join()
+        self._conn.close()
+        self._process = self._conn = None
+
+
+_WORKER = _SymbolicWorker()
 
 def score_answer(task, answer: str | None) -> float:
     """Reward of ``answer`` for a math ``task`` (a ``raytunix.types.Task``): 1.0 if
