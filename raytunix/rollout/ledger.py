@@ -183,11 +183,3 @@ class TaskLedger:
                 raise LedgerError(f"task indices [{covered}, {start}) were handed out but are "
                                   "neither trained, filtered nor pending")
             covered = end
-
-    def summary(self, pending: int) -> dict[str, Any]:
-        """Counts for logs: trained, filtered (in all and per reason) and pending."""
-        return {"trained": len(self.trained),
-                "filtered": sum(len(r) for r in self.filtered.values()),
-                "filtered_by_reason": {r: len(i) for r, i in sorted(self.filtered.items())},
-                "pending": pending}
-
