@@ -400,3 +400,15 @@ def test_each_preset_names_its_env_and_its_prompts_fit_its_context(preset):
             assert len(agent.token_ids) + 2 * cfg.rollout.max_new_tokens < cfg.model.max_seq_len
     finally:
         env.close()
+
+
+def test_the_readme_lists_every_preset():
+    import os
+
+    from raytunix.config import preset_names
+
+    with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")) as f:
+        section = f.read().split("## Environments and presets", 1)[1].split("\n## ", 1)[0]
+    listed = {name for row in section.splitlines() if row.startswith("| `")
+              for name in row.split("|")[1].replace("`", "").replace(",", " ").split()}
+    assert set(preset_names()) <= listed
