@@ -46,6 +46,36 @@ def test_tasks_are_seeded_sized_and_unique(name):
         env.close()
 
 
+# The tool each env offers, and a valid argument name for it.
+TOOL_OF = {"python_math": ("python", "code"), "bash_terminal": ("bash", "command"),
+           "text_to_sql": ("sql", "query"), "web_api": ("http_get", "path"),
+           "repo_repair": ("bash", "command")}
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_OF))
+def test_malformed_turns_are_typed_tool_errors_up_to_the_limit(name):
+    tool, argument = TOOL_OF[name]
+    env = make_env(name, max_tool_errors=3)
+    try:
+        env.reset(env.tasks("train", 1, seed=0)[0])
+        steps = [
+            env.step(Action(text="<tool_call>{oops", parse_error="unclosed <tool_call>",
+                            parse_error_kind=ToolErrorKind.BAD_JSON)),
+            env.step(call(tool, **{argument: 42})),
+            env.step(call(tool, wrong_name="x")),
+            env.step(call("no_such_tool", x="1")),
+        ]
+        kinds = [errors(step) for step in steps]
+        assert kinds == [{"bad_json": 1}, {"bad_arguments": 1}, {"bad_arguments": 1},
+                         {"unknown_tool": 1}]
+        assert "must be a string, got 42" in steps[1].observation
+        assert all(not step.done for step in steps[:3])
+        assert (steps[3].done, steps[3].status, steps[3].reward) == (
+            True, EpisodeStatus.TOOL_ERROR_LIMIT, 0.0)
+    finally:
+        env.close()
+
+
 # --- python_math ------------------------------------------------------------------------------
 
 
