@@ -43,10 +43,21 @@ class ModelConfig:
 
 @dataclasses.dataclass
 class DataConfig:
-    dataset: str = "basic_arithmetic"  # reasoning-gym generator
-    train_size: int = 20000  # training tasks (cycled through in order)
+    """Where a run's tasks come from (``raytunix/data/datasets.py``). Nothing is downloaded."""
+
+    source: str = "auto"  # auto: the environment's own tasks, else reasoning-gym data.dataset | env: the environment's own (error if it brings none) | reasoning_gym: data.dataset | parquet | jsonl: a file or a folder of shards per split | hf: a save_to_disk folder
+    dataset: str = "basic_arithmetic"  # reasoning-gym dataset name (any of reasoning_gym.factory.DATASETS) for source auto / reasoning_gym
+    dataset_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # that dataset's config (basic_arithmetic also takes the min/max keys below)
+    path: str = ""  # parquet / jsonl / hf: the dataset's file or folder
+    split: str = "train"  # the training split inside a folder
+    heldout_path: str = ""  # held-out file or folder; "" = data.path when data.heldout_split is set, else data.heldout_size rows of the training split held out (drawn with data.seed)
+    heldout_split: str = ""  # the held-out split inside a folder (e.g. test); "" = "test" when data.heldout_path is a folder
+    question_column: str = "question"  # column holding the question text
+    answer_column: str = "answer"  # column holding the reference answer (GSM8K's "... #### 72" keeps 72)
+    id_column: str = ""  # column of unique task ids; "" = <split>-<row number>
+    train_size: int = 20000  # training tasks (cycled through in order); a dataset on disk gives at most its rows
     heldout_size: int = 200  # held-out tasks, never trained on
-    seed: int = 0  # generator seed of the training split (held-out uses another)
+    seed: int = 0  # generator seed of the training split (held-out uses another); seeds the held-out draw off a file's training split
     min_terms: int = 2
     max_terms: int = 3
     min_digits: int = 2
@@ -209,7 +220,7 @@ _CHOICES = {
     "learner.off_policy_correction": ("none", "decoupled_ppo"),
     "learner.importance_sampling": ("token_tis", "sequence_tis", "geometric_tis"),
     "rollout.stale_token_policy": ("drop", "mask", "accept"),
-    "data.dataset": ("basic_arithmetic",),
+    "data.source": ("auto", "env", "reasoning_gym", "parquet", "jsonl", "hf"),
     "sandbox.backend": ("auto", "bwrap", "subprocess"),
 }
 _POSITIVE = {
@@ -358,8 +369,45 @@ def validate(cfg: Config) -> Config:
             f"eval.heldout_size={cfg.eval.heldout_size} exceeds data.heldout_size="
             f"{cfg.data.heldout_size}; raise data.heldout_size or lower eval.heldout_size.")
     _validate_env(cfg.env)
+    _validate_data(cfg.data)
     _validate_sandbox(cfg.sandbox)
     return cfg
+
+
+def _validate_data(data: DataConfig) -> None:
+    """The keys a source reads are set, and keys it would ignore are not (a path given
+    with source auto would silently train on something else). Files are read, and their
+    columns checked, when the run starts (``raytunix.data.datasets``)."""
+    from raytunix.data.datasets import FILE_SOURCES
+
+    files = data.source in FILE_SOURCES
+    if files and not data.path:
+        raise ConfigError(f"data.source={data.source!r} needs data.path, the dataset's file "
+                          "or folder.")
+    if not files:
+        for key in ("path", "heldout_path", "heldout_split"):
+            if getattr(data, key):
+                raise ConfigError(
+                    f"data.{key}={getattr(data, key)!r} is read only when data.source is one "
+                    f"of {', '.join(FILE_SOURCES)} (it is {data.source!r}); set data.source.")
+    for key in ("question_column", "answer_column", "split"):
+        if not getattr(data, key):
+            raise ConfigError(f"data.{key} is empty; name the column (or split) to read.")
+    if data.dataset_kwargs and data.source not in ("auto", "reasoning_gym"):
+        raise ConfigError(f"data.dataset_kwargs={data.dataset_kwargs} configures a "
+                          "reasoning-gym dataset; data.source is "
+                          f"{data.source!r}. Drop it or use data.source=reasoning_gym.")
+    if data.source in ("auto", "reasoning_gym") and data.dataset != "basic_arithmetic":
+        from reasoning_gym.factory import DATASETS
+
+        if data.dataset not in DATASETS:
+            import difflib
+
+            close = difflib.get_close_matches(data.dataset, list(DATASETS), n=5, cutoff=0.5)
+            raise ConfigError(
+                f"data.dataset={data.dataset!r} is not a reasoning-gym dataset"
+                + (f"; did you mean {', '.join(close)}?" if close else "")
+                + " (all: reasoning_gym.factory.DATASETS).")
 
 
 def _validate_sandbox(sandbox: SandboxConfig) -> None:
@@ -376,7 +424,7 @@ def _validate_sandbox(sandbox: SandboxConfig) -> None:
 
 
 # Mapping-valued keys; an override may set one entry: env.kwargs.turns=2.
-_MAPPINGS = frozenset({"env.kwargs", "env.agent_kwargs"})
+_MAPPINGS = frozenset({"env.kwargs", "env.agent_kwargs", "data.dataset_kwargs"})
 
 
 def _validate_env(env: EnvConfig) -> None:

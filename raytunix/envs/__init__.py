@@ -24,6 +24,7 @@ from raytunix.envs.bash_env import BashTerminalEnv
 from raytunix.envs.gymnasium_env import GymnasiumEnv
 from raytunix.envs.math_envs import CalculatorMathEnv, MathVerifierEnv
 from raytunix.envs.python_math import PythonMathEnv
+from raytunix.envs.reasoning_gym_env import ReasoningGymEnv
 from raytunix.envs.repo_repair import RepoRepairEnv
 from raytunix.envs.simulated_tool import SimulatedToolEnv
 from raytunix.envs.sql_env import TextToSQLEnv
@@ -36,6 +37,7 @@ ENVS: dict[str, type[BaseEnv]] = {
     "gymnasium": GymnasiumEnv,
     "math_verifier": MathVerifierEnv,
     "python_math": PythonMathEnv,
+    "reasoning_gym": ReasoningGymEnv,
     "repo_repair": RepoRepairEnv,
     "simulated_tool": SimulatedToolEnv,
     "text_to_sql": TextToSQLEnv,
@@ -128,6 +130,7 @@ __all__ = [
     "GymnasiumEnv",
     "MathVerifierEnv",
     "PythonMathEnv",
+    "ReasoningGymEnv",
     "RepoRepairEnv",
     "SimulatedToolEnv",
     "TextToSQLEnv",
