@@ -133,9 +133,8 @@ def test_python_math_generated_answers_are_what_a_program_computes():
             assert env.step(answer(printed)).reward == 1.0, (task, printed)
     finally:
         env.close()
-    assert PythonMathEnv(task_source="dataset").tasks("train", 4, 0) is None
-    with pytest.raises(ValueError, match="task_source='web' must be one of"):
-        PythonMathEnv(task_source="web")
+    with pytest.raises(ValueError, match="scale=5 must be an int >= 10"):
+        PythonMathEnv(scale=5)
 
 
 # --- bash_terminal --------------------------------------------------------------------------

@@ -13,8 +13,6 @@ from raytunix.envs.math_envs import CalculatorMathEnv
 from raytunix.tools import PythonTool
 from raytunix.types import Task
 
-TASK_SOURCES = ("generator", "dataset")
-
 
 def _is_prime(n: int) -> bool:
     return n >= 2 and all(n % d for d in range(2, math.isqrt(n) + 1))
@@ -90,39 +88,32 @@ class PythonMathEnv(CalculatorMathEnv):
     in the episode's sandbox work dir (``raytunix.sandbox``), so files it writes are there
     for its next call; the work dir goes when the episode ends.
 
-    Tasks: with ``task_source="generator"`` (default) ``tasks`` draws questions from
-    ``TEMPLATES`` (metadata ``template``), seeded by split and seed; with ``"dataset"`` it
-    brings none and the run's dataset (``data.*``) is used.
+    Tasks: ``tasks`` draws questions from ``TEMPLATES`` (metadata ``template``), seeded by
+    split and seed; a run with ``data.source`` set to a dataset trains on that instead.
 
     Args:
       max_tool_errors: tool errors tolerated per episode (>= 0).
       tool_timeout_s: deadline of one call as the env waits for it, seconds (the sandbox's
         own ``sandbox.wall_time_s`` bounds the program itself).
-      task_source: "generator" or "dataset".
       scale: size of the numbers in generated questions (>= 10; the default keeps answers
         short, larger values make mental arithmetic hopeless).
 
     Raises:
-      ValueError: a bad ``task_source`` or ``scale``, or see ``CalculatorMathEnv``.
+      ValueError: a bad ``scale``, or see ``CalculatorMathEnv``.
     """
 
     default_agent = "tool"
     uses_sandbox = True
 
     def __init__(self, max_tool_errors: int = 2, tool_timeout_s: float | None = 30.0,
-                 task_source: str = "generator", scale: int = 20) -> None:
-        if task_source not in TASK_SOURCES:
-            raise ValueError(f"task_source={task_source!r} must be one of {TASK_SOURCES}")
+                 scale: int = 20) -> None:
         if isinstance(scale, bool) or not isinstance(scale, int) or scale < 10:
             raise ValueError(f"scale={scale!r} must be an int >= 10")
         super().__init__(max_tool_errors=max_tool_errors, tools=[PythonTool()],
                          tool_timeout_s=tool_timeout_s)
-        self.task_source = task_source
         self.scale = scale
 
-    def tasks(self, split: str, size: int, seed: int) -> list[Task] | None:
-        if self.task_source == "dataset":
-            return None
+    def tasks(self, split: str, size: int, seed: int) -> list[Task]:
         rng = random.Random(f"python_math/{split}/{seed}/{self.scale}")
         names = sorted(TEMPLATES)
         tasks = []
