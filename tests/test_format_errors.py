@@ -9,7 +9,7 @@ import pytest
 
 from raytunix.agents import ToolAgent
 from raytunix.agents.parsers import parse_action, parse_answer_action
-from raytunix.data.arithmetic import score_answer
+from raytunix.data.answers import score_answer
 from raytunix.envs import CalculatorMathEnv, MathVerifierEnv
 from raytunix.models.tokenizer import Tokenizer
 from raytunix.rollout.env_pool import LocalEnv
