@@ -374,6 +374,7 @@ ENV_ENTRIES = {
     "bash_terminal": ["env.name=bash_terminal", "env.max_turns=2"],
     "text_to_sql": ["env.name=text_to_sql", "env.max_turns=2"],
     "web_api": ["env.name=web_api", "env.max_turns=2", "env.kwargs.failure_rate=0.2"],
+    "repo_repair": ["env.name=repo_repair", "env.max_turns=2"],
 }
 
 
