@@ -442,3 +442,27 @@ def test_the_readme_lists_every_preset():
     listed = {name for row in section.splitlines() if row.startswith("| `")
               for name in row.split("|")[1].replace("`", "").replace(",", " ").split()}
     assert set(preset_names()) <= listed
+
+
+def test_shipped_envs_run_behind_gymnasium_make():
+    import gymnasium
+
+    sql = gymnasium.make("raytunix/text_to_sql", num_tasks=4, seed=0)
+    observation, info = sql.reset(seed=0)
+    assert "Tables: customers" in observation and info["task_id"].startswith("train-")
+    observation, reward, terminated, truncated, _ = sql.step(
+        '<tool_call>{"name": "sql", "arguments": {"query": "SELECT COUNT(*) FROM products"}}'
+        "</tool_call>")
+    assert observation.splitlines() == ["COUNT(*)", "24"] and not terminated
+    _, reward, terminated, _, info = sql.step("<answer>SELECT 1</answer>")
+    assert terminated and reward == 0.0 and info["status"] == "completed"
+
+    bash = gymnasium.make("raytunix/bash_terminal", num_tasks=2, seed=0)
+    try:
+        bash.reset(seed=0)
+        observation, *_ = bash.step(
+            '<tool_call>{"name": "bash", "arguments": {"command": "echo hi > a.txt; cat a.txt"}}'
+            "</tool_call>")
+        assert observation == "hi"
+    finally:
+        bash.close()

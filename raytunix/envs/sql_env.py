@@ -268,7 +268,8 @@ class TextToSQLEnv(ToolTaskEnv):
 
     Tasks: drawn from ``TEMPLATES`` over the database's own values (cities, products,
     categories), seeded by split and seed; metadata holds ``gold_sql``, ``ordered`` and
-    ``template``; ``answer`` is the gold SQL.
+    ``template``; ``answer`` is the gold SQL. Two templates ask a fixed question
+    (customers without orders, products per category), so those occur in both splits.
 
     Args:
       db_seed: seed of the generated database (every actor builds the same one).
