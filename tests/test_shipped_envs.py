@@ -46,6 +46,20 @@ def test_tasks_are_seeded_sized_and_unique(name):
         env.close()
 
 
+@pytest.mark.parametrize("name", ["python_math", "bash_terminal", "text_to_sql", "web_api"])
+def test_generated_train_and_heldout_tasks_never_meet(name):
+    env = make_env(name)
+    try:
+        def key(task):
+            return task.question, task.answer
+
+        train = {key(t) for t in env.tasks("train", 2000, seed=0)}
+        heldout = {key(t) for t in env.tasks("heldout", 100, seed=0)}
+        assert len(heldout) > 10 and not train & heldout
+    finally:
+        env.close()
+
+
 # The tool each env offers, and a valid argument name for it.
 TOOL_OF = {"python_math": ("python", "code"), "bash_terminal": ("bash", "command"),
            "text_to_sql": ("sql", "query"), "web_api": ("http_get", "path"),

@@ -14,7 +14,7 @@ import json
 import random
 from typing import Any, Callable
 
-from raytunix.envs.tool_task import ToolTaskEnv, run_report, write_files
+from raytunix.envs.tool_task import ToolTaskEnv, draw_tasks, run_report, write_files
 from raytunix.sandbox import SandboxSession
 from raytunix.tools import BashTool, PythonTool
 from raytunix.types import Task
@@ -122,8 +122,8 @@ class BashTerminalEnv(ToolTaskEnv):
     before answering ends ``truncated`` with reward 0, unchecked.
 
     Tasks come from ``TEMPLATES`` (write a file, make directories, count lines, rename,
-    filter a log, sort, delete by pattern), seeded by split and seed; the task's
-    metadata holds ``template``, ``setup`` (files written at reset) and ``expect`` (the
+    filter a log, sort, delete by pattern), seeded by split and seed, train and held-out
+    kept apart (``tool_task.split_of``); the task's metadata holds ``template``, ``setup`` (files written at reset) and ``expect`` (the
     checked state).
 
     Args:
@@ -147,16 +147,17 @@ class BashTerminalEnv(ToolTaskEnv):
         super().__init__(tools, max_tool_errors=max_tool_errors, tool_timeout_s=tool_timeout_s)
 
     def tasks(self, split: str, size: int, seed: int) -> list[Task]:
-        rng = random.Random(f"bash_terminal/{split}/{seed}")
         names = sorted(TEMPLATES)
-        tasks = []
-        for i in range(size):
+
+        def draw(rng: random.Random) -> tuple[str, str, dict]:
             name = rng.choice(names)
             question, setup, expect = TEMPLATES[name](rng)
-            tasks.append(Task(f"{split}-{i}", f"{question} Reply <answer>done</answer> when finished.",
-                              json.dumps(expect, sort_keys=True),
-                              {"template": name, "setup": setup, "expect": expect}))
-        return tasks
+            # The answer (the checked state) and the starting files tell tasks apart.
+            answer = json.dumps({"expect": expect, "setup": setup}, sort_keys=True)
+            return (f"{question} Reply <answer>done</answer> when finished.", answer,
+                    {"template": name, "setup": setup, "expect": expect})
+
+        return draw_tasks(split, size, random.Random(f"bash_terminal/{split}/{seed}"), draw)
 
     def _initial_observation(self, task: Task) -> str:
         question = super()._initial_observation(task)

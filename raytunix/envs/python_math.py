@@ -10,6 +10,7 @@ import random
 from typing import Callable
 
 from raytunix.envs.math_envs import CalculatorMathEnv
+from raytunix.envs.tool_task import draw_tasks
 from raytunix.tools import PythonTool
 from raytunix.types import Task
 
@@ -89,7 +90,8 @@ class PythonMathEnv(CalculatorMathEnv):
     for its next call; the work dir goes when the episode ends.
 
     Tasks: ``tasks`` draws questions from ``TEMPLATES`` (metadata ``template``), seeded by
-    split and seed; a run with ``data.source`` set to a dataset trains on that instead.
+    split and seed, train and held-out kept apart (``tool_task.split_of``); a run with
+    ``data.source`` set to a dataset trains on that instead.
 
     Args:
       max_tool_errors: tool errors tolerated per episode (>= 0).
@@ -114,12 +116,12 @@ class PythonMathEnv(CalculatorMathEnv):
         self.scale = scale
 
     def tasks(self, split: str, size: int, seed: int) -> list[Task]:
-        rng = random.Random(f"python_math/{split}/{seed}/{self.scale}")
         names = sorted(TEMPLATES)
-        tasks = []
-        for i in range(size):
+
+        def draw(rng: random.Random) -> tuple[str, str, dict]:
             name = rng.choice(names)
             question, answer = TEMPLATES[name](rng, self.scale)
-            tasks.append(Task(f"{split}-{i}", f"{question} Use python to compute it.",
-                              str(answer), {"template": name}))
-        return tasks
+            return f"{question} Use python to compute it.", str(answer), {"template": name}
+
+        return draw_tasks(split, size, random.Random(f"python_math/{split}/{seed}/{self.scale}"),
+                          draw)

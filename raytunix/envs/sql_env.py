@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from raytunix.envs.tool_task import ToolTaskEnv
+from raytunix.envs.tool_task import ToolTaskEnv, draw_tasks
 from raytunix.tools.base import Tool, ToolError
 from raytunix.types import Task, ToolErrorKind
 
@@ -209,7 +209,7 @@ def _quantity_of_product(rng, conn):
 
 def _cheaper_than(rng, conn):
     category = rng.choice(_one(conn, "SELECT DISTINCT category FROM products ORDER BY category"))
-    price = rng.choice((50, 80, 100, 120, 150))
+    price = rng.randint(20, 180)
     return (f"List the names of {category} products that cost less than {price}.",
             f"SELECT name FROM products WHERE category = '{category}' AND price < {price}", False)
 
@@ -237,12 +237,32 @@ def _orders_in_month(rng, conn):
             f"SELECT COUNT(*) FROM orders WHERE order_date LIKE '2024-{month:02d}-%'", False)
 
 
+def _big_orders_from_city(rng, conn):
+    city = rng.choice(_one(conn, "SELECT DISTINCT city FROM customers ORDER BY city"))
+    quantity = rng.randint(2, 5)
+    return (f"How many orders of at least {quantity} units did customers from {city} place?",
+            "SELECT COUNT(*) FROM orders o JOIN customers c ON o.customer_id = c.id "
+            f"WHERE c.city = '{city}' AND o.quantity >= {quantity}", False)
+
+
+def _category_revenue_in_month(rng, conn):
+    category = rng.choice(_one(conn, "SELECT DISTINCT category FROM products ORDER BY category"))
+    month = rng.randint(1, 12)
+    return (f"What was the revenue (quantity times price) of {category} products in "
+            f"{MONTHS[month - 1]} 2024, rounded to 2 decimals?",
+            "SELECT ROUND(SUM(o.quantity * p.price), 2) FROM orders o JOIN products p ON "
+            f"o.product_id = p.id WHERE p.category = '{category}' AND o.order_date LIKE "
+            f"'2024-{month:02d}-%'", False)
+
+
 def _products_per_category(rng, conn):
     return ("For each product category, how many products are in it? Give category and count.",
             "SELECT category, COUNT(*) FROM products GROUP BY category", False)
 
 
 TEMPLATES: dict[str, _Template] = {
+    "big_orders_from_city": _big_orders_from_city,
+    "category_revenue_in_month": _category_revenue_in_month,
     "orders_from_city": _orders_from_city,
     "quantity_of_product": _quantity_of_product,
     "cheaper_than": _cheaper_than,
@@ -267,9 +287,9 @@ class TextToSQLEnv(ToolTaskEnv):
     empty query). Single-turn text-to-SQL is ``env.max_turns=1``.
 
     Tasks: drawn from ``TEMPLATES`` over the database's own values (cities, products,
-    categories), seeded by split and seed; metadata holds ``gold_sql``, ``ordered`` and
-    ``template``; ``answer`` is the gold SQL. Two templates ask a fixed question
-    (customers without orders, products per category), so those occur in both splits.
+    categories), seeded by split and seed, train and held-out kept apart
+    (``tool_task.split_of``; a template with a fixed question lands in one split only);
+    metadata holds ``gold_sql``, ``ordered`` and ``template``; ``answer`` is the gold SQL.
 
     Args:
       db_seed: seed of the generated database (every actor builds the same one).
@@ -294,18 +314,18 @@ class TextToSQLEnv(ToolTaskEnv):
                          max_tool_errors=max_tool_errors, tool_timeout_s=None)
 
     def tasks(self, split: str, size: int, seed: int) -> list[Task]:
-        rng = random.Random(f"text_to_sql/{split}/{seed}")
         names = sorted(TEMPLATES)
         conn = sqlite3.connect(f"file:{self.db_path}?mode=ro", uri=True)
+
+        def draw(rng: random.Random) -> tuple[str, str, dict]:
+            name = rng.choice(names)
+            question, gold, ordered = TEMPLATES[name](rng, conn)
+            prompt = f"{SCHEMA}\n{question}" if self.show_schema else question
+            return (prompt + " Answer with one SQL query.", gold,
+                    {"gold_sql": gold, "ordered": ordered, "template": name})
+
         try:
-            tasks = []
-            for i in range(size):
-                name = rng.choice(names)
-                question, gold, ordered = TEMPLATES[name](rng, conn)
-                prompt = f"{SCHEMA}\n{question}" if self.show_schema else question
-                tasks.append(Task(f"{split}-{i}", prompt + " Answer with one SQL query.", gold,
-                                  {"gold_sql": gold, "ordered": ordered, "template": name}))
-            return tasks
+            return draw_tasks(split, size, random.Random(f"text_to_sql/{split}/{seed}"), draw)
         finally:
             conn.close()
 

@@ -11,14 +11,18 @@ episode's work dir) is deleted by ``close``.
 from __future__ import annotations
 
 import abc
+import hashlib
 import json
+import random
 import secrets
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from raytunix.envs.math_envs import CalculatorMathEnv
 from raytunix.sandbox import SandboxSession
 from raytunix.tools import Tool
-from raytunix.types import TOOL_ERRORS_KEY, Action, EpisodeStatus, StepResult
+from raytunix.types import TOOL_ERRORS_KEY, Action, EpisodeStatus, StepResult, Task
+
+HELDOUT_SHARE = 10  # about one generated task in this many belongs to the held-out split
 
 
 class ToolTaskEnv(CalculatorMathEnv):
@@ -103,3 +107,36 @@ def run_report(session: SandboxSession, program: str) -> dict[str, Any]:
     raise RuntimeError(f"the check program printed no report (exit {result.exit_code}, "
                        f"limit {result.killed_by_limit}); stdout: {result.stdout[-1000:]!r}; "
                        f"stderr: {result.stderr[-2000:]!r}")
+
+
+def split_of(question: str, answer: str) -> str:
+    """The split a generated task belongs to, by a stable hash of its question and answer:
+    "heldout" for about one in ``HELDOUT_SHARE``, else "train". So a generator's train and
+    held-out tasks never share a task, whatever the seeds and sizes."""
+    digest = hashlib.sha256(f"{question}\n{answer}".encode()).digest()
+    return "heldout" if digest[0] % HELDOUT_SHARE == 0 else "train"
+
+
+def draw_tasks(split: str, size: int, rng: random.Random,
+               draw: Callable[[random.Random], tuple[str, str, dict[str, Any]]]) -> list[Task]:
+    """``size`` tasks of ``split`` ("train" or "heldout"), ids ``<split>-<i>``: ``draw(rng)``
+    gives ``(question, answer, metadata)`` and only those of the split (``split_of``) are
+    kept.
+
+    Raises:
+      ValueError: ``split`` is neither, or the generator makes too few tasks of the split
+        (a task space too small to split).
+    """
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split={split!r} must be 'train' or 'heldout'")
+    tasks: list[Task] = []
+    for _ in range(100 * HELDOUT_SHARE * (size + 10)):
+        if len(tasks) == size:
+            return tasks
+        question, answer, metadata = draw(rng)
+        if split_of(question, answer) == split:
+            tasks.append(Task(f"{split}-{len(tasks)}", question, answer, metadata))
+    if len(tasks) == size:
+        return tasks
+    raise ValueError(f"drew only {len(tasks)} of {size} {split} tasks; the generator's task "
+                     "space is too small to hold a held-out split apart")

@@ -30,7 +30,7 @@ import urllib.parse
 from typing import Any
 
 from raytunix.data.answers import score_answer
-from raytunix.envs.tool_task import ToolTaskEnv
+from raytunix.envs.tool_task import ToolTaskEnv, draw_tasks
 from raytunix.rollout.faults import Backoff
 from raytunix.tools.base import Tool, ToolError
 from raytunix.types import Task, ToolErrorKind
@@ -252,8 +252,9 @@ class WebAPIEnv(ToolTaskEnv):
     An ``<answer>`` ends the episode: reward 1.0 if it is the total
     (``raytunix.data.answers.score_answer``, as a number: ``104.95``), else 0.0.
 
-    Tasks: seeded by split and seed; ``answer`` is the total with two decimals and the
-    metadata holds the ``items`` ``{name: quantity}``.
+    Tasks: seeded by split and seed, train and held-out kept apart
+    (``tool_task.split_of``); ``answer`` is the total with two decimals and the metadata
+    holds the ``items`` ``{name: quantity}``.
 
     Args:
       catalogue_seed: seed of the prices (every actor serves the same catalogue).
@@ -279,17 +280,15 @@ class WebAPIEnv(ToolTaskEnv):
         super().__init__([self.tool], max_tool_errors=max_tool_errors, tool_timeout_s=None)
 
     def tasks(self, split: str, size: int, seed: int) -> list[Task]:
-        rng = random.Random(f"web_api/{split}/{seed}")
-        tasks = []
-        for i in range(size):
+        def draw(rng: random.Random) -> tuple[str, str, dict]:
             names = rng.sample(ITEMS, rng.randint(2, 3))
             quantities = {name: rng.randint(1, 5) for name in names}
             total = sum(q * self.server.by_name[n]["price_cents"] for n, q in quantities.items())
             listed = ", ".join(f"{q} {n}" for n, q in quantities.items())
-            tasks.append(Task(f"{split}-{i}",
-                              f"What do {listed} cost in total, in dollars? Prices are in the "
-                              "shop API.", f"{total / 100:.2f}", {"items": quantities}))
-        return tasks
+            return (f"What do {listed} cost in total, in dollars? Prices are in the shop API.",
+                    f"{total / 100:.2f}", {"items": quantities})
+
+        return draw_tasks(split, size, random.Random(f"web_api/{split}/{seed}"), draw)
 
     def _score(self, answer: str) -> tuple[float, dict[str, Any]]:
         correct = score_answer(self.task, answer) == 1.0
