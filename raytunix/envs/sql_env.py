@@ -189,26 +189,27 @@ class SQLQueryTool(Tool):
 _Template = Callable[[random.Random, sqlite3.Connection], tuple[str, str, bool]]
 
 
-def _one(conn: sqlite3.Connection, sql: str, *args: Any) -> list:
+def _column(conn: sqlite3.Connection, sql: str, *args: Any) -> list:
+    """The first column of ``sql``'s rows."""
     return [row[0] for row in conn.execute(sql, args)]
 
 
 def _orders_from_city(rng, conn):
-    city = rng.choice(_one(conn, "SELECT DISTINCT city FROM customers ORDER BY city"))
+    city = rng.choice(_column(conn, "SELECT DISTINCT city FROM customers ORDER BY city"))
     return (f"How many orders did customers from {city} place?",
             "SELECT COUNT(*) FROM orders o JOIN customers c ON o.customer_id = c.id "
             f"WHERE c.city = '{city}'", False)
 
 
 def _quantity_of_product(rng, conn):
-    product = rng.choice(_one(conn, "SELECT name FROM products ORDER BY id"))
+    product = rng.choice(_column(conn, "SELECT name FROM products ORDER BY id"))
     return (f"What is the total quantity ordered of the {product}?",
             "SELECT SUM(o.quantity) FROM orders o JOIN products p ON o.product_id = p.id "
             f"WHERE p.name = '{product}'", False)
 
 
 def _cheaper_than(rng, conn):
-    category = rng.choice(_one(conn, "SELECT DISTINCT category FROM products ORDER BY category"))
+    category = rng.choice(_column(conn, "SELECT DISTINCT category FROM products ORDER BY category"))
     price = rng.randint(20, 180)
     return (f"List the names of {category} products that cost less than {price}.",
             f"SELECT name FROM products WHERE category = '{category}' AND price < {price}", False)
@@ -221,7 +222,7 @@ def _most_expensive(rng, conn):
 
 
 def _average_price(rng, conn):
-    category = rng.choice(_one(conn, "SELECT DISTINCT category FROM products ORDER BY category"))
+    category = rng.choice(_column(conn, "SELECT DISTINCT category FROM products ORDER BY category"))
     return (f"What is the average price of {category} products, rounded to 2 decimals?",
             f"SELECT ROUND(AVG(price), 2) FROM products WHERE category = '{category}'", False)
 
@@ -238,7 +239,7 @@ def _orders_in_month(rng, conn):
 
 
 def _big_orders_from_city(rng, conn):
-    city = rng.choice(_one(conn, "SELECT DISTINCT city FROM customers ORDER BY city"))
+    city = rng.choice(_column(conn, "SELECT DISTINCT city FROM customers ORDER BY city"))
     quantity = rng.randint(2, 5)
     return (f"How many orders of at least {quantity} units did customers from {city} place?",
             "SELECT COUNT(*) FROM orders o JOIN customers c ON o.customer_id = c.id "
@@ -246,7 +247,7 @@ def _big_orders_from_city(rng, conn):
 
 
 def _category_revenue_in_month(rng, conn):
-    category = rng.choice(_one(conn, "SELECT DISTINCT category FROM products ORDER BY category"))
+    category = rng.choice(_column(conn, "SELECT DISTINCT category FROM products ORDER BY category"))
     month = rng.randint(1, 12)
     return (f"What was the revenue (quantity times price) of {category} products in "
             f"{MONTHS[month - 1]} 2024, rounded to 2 decimals?",

@@ -61,7 +61,7 @@ def write_files_program(files: dict[str, str]) -> str:
     directory, making parent directories; refuses absolute paths and ``..``."""
     return (
         "import json, os\n"
-        f"files = json.loads({json.dumps(json.dumps(files))})\n"
+        f"files = json.loads({json.dumps(files)!r})\n"
         "for path, text in files.items():\n"
         "    if os.path.isabs(path) or '..' in path.split('/'):\n"
         "        raise SystemExit(f'refusing to write {path!r} outside the work dir')\n"
