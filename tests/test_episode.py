@@ -85,12 +85,14 @@ def test_multi_turn_trajectory_is_exactly_engine_inputs_plus_outputs():
     assert all(v == 0 for v, m in zip(trajectory.policy_versions, trajectory.loss_mask) if m)
     assert all(v == -1 for v, m in zip(trajectory.policy_versions, trajectory.loss_mask) if not m)
     assert tokenizer.decode(result2.token_ids) == f"<answer>{task.answer}</answer><|end|>"
-    # Both turns ran in one engine session: the second reused all KV of the first (all
-    # but the first turn's last token, which was sampled and never fed), and the episode
-    # freed the session when it ended.
+    # Both turns ran in one engine session: the second reused all KV of the first, and
+    # the episode freed the session when it ended. The first turn's last token (its stop
+    # token) has KV only if the engine fed it: the engine runs one step ahead of the
+    # host, so a request that stops is usually decoded once more, and that KV is kept.
     assert engine.sessions[0] == engine.sessions[1] == engine.ended[0] is not None
     assert result1.num_cached_tokens == 0
-    assert result2.num_cached_tokens == len(prompt1) + len(result1.token_ids) - 1
+    first_turn = len(prompt1) + len(result1.token_ids)
+    assert result2.num_cached_tokens in (first_turn - 1, first_turn)
     assert engine.engine.stats()["sessions_held"] == 0
 
 
