@@ -50,7 +50,7 @@ def test_rollout_overlap_runs_and_reports_its_three_keys():
                   "--lockstep-trajectories", "2", "--warmup-trajectories", "2",
                   "--turns", "2", "--max-new-tokens", "4", "--tool-latency-s", "0.02",
                   "--straggler-fraction", "0.5", "--straggler-factor", "3",
-                  "--concurrency", "4", timeout_s=300)
+                  "--concurrency", "4", "--repeats", "1", timeout_s=300)
     for key in ("engine_busy_fraction", "throughput_ratio_vs_zero_latency",
                 "speedup_trajectories_per_s"):
         assert report[key] > 0, key

@@ -228,6 +228,8 @@ class _Launch:
     epoch: int  # the engine's epoch at launch (pause and close bump it)
     start: float  # perf_counter at launch
     result: asyncio.Future  # -> (tokens, logprobs, perf_counter when they were ready)
+    prompt_fed: int  # prompt tokens it feeds
+    generated_fed: int  # generated tokens it feeds again (recomputed)
 
 
 @dataclasses.dataclass(eq=False)
@@ -1131,16 +1133,9 @@ class InferenceEngine:
             last, temperature, top_k, top_p, seed_lo, seed_hi, index, slots, from_slot)
         result = asyncio.wrap_future(self._executor.submit(_wait_ready, sampled, logprobs))
         self._idle.clear()
-        c = self._counters
-        c["prompt_tokens_computed"] += prompt_fed
-        c["generated_tokens_recomputed"] += generated_fed
-        if prefill:
-            c["prefill_calls"] += 1
-        else:
-            c["decode_steps"] += 1
-            c["decode_rows"] += len(rows)
         return _Launch(rows=launched_rows, prefill=prefill, version=version, epoch=self._epoch,
-                       start=start_s, result=result)
+                       start=start_s, result=result, prompt_fed=prompt_fed,
+                       generated_fed=generated_fed)
 
     async def _take_in_step(self) -> None:
         """Waits for the oldest launched step and records its samples."""
@@ -1152,8 +1147,17 @@ class InferenceEngine:
                 # before it, to its samples being ready.
                 busy = max(0.0, ready - max(launch.start, self._last_ready))
                 self._last_ready = max(self._last_ready, ready)
-                self._counters["busy_s"] += busy
-                self._counters["busy_prefill_s" if launch.prefill else "busy_decode_s"] += busy
+                # Counted when done, so stats() describes steps the device has finished.
+                c = self._counters
+                c["busy_s"] += busy
+                c["busy_prefill_s" if launch.prefill else "busy_decode_s"] += busy
+                c["prompt_tokens_computed"] += launch.prompt_fed
+                c["generated_tokens_recomputed"] += launch.generated_fed
+                if launch.prefill:
+                    c["prefill_calls"] += 1
+                else:
+                    c["decode_steps"] += 1
+                    c["decode_rows"] += len(launch.rows)
                 if launch.epoch != self._epoch:
                     continue  # a pause or close happened meanwhile
                 for row, (seq, n, epoch, samples) in enumerate(launch.rows):
