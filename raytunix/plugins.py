@@ -164,7 +164,7 @@ def check_kwargs(cls: type, kwargs: Mapping[str, Any], *, key: str,
     Names must be parameters of the constructor (unless it takes ``**kwargs``), every
     required parameter must be given, and a value for a parameter annotated ``int``,
     ``float``, ``str`` or ``bool`` (or ``X | None`` of those) must have that type (an int
-    passes for a float).
+    passes for a float; a bool passes only for ``bool``, not for ``int`` or ``float``).
 
     Args:
       cls: the class to be built.
@@ -210,7 +210,13 @@ def check_kwargs(cls: type, kwargs: Mapping[str, Any], *, key: str,
     hints = _type_hints(cls)
     for name, value in kwargs.items():
         expected = _scalar_types(hints.get(name))
-        if expected is None or isinstance(value, expected):
+        if expected is None:
+            continue
+        # bool is a subclass of int in Python; `true` for an int or float parameter is a
+        # typo or a wrong key, not a number.
+        if isinstance(value, bool) and bool not in expected:
+            pass
+        elif isinstance(value, expected):
             continue
         if float in expected and isinstance(value, int) and not isinstance(value, bool):
             continue

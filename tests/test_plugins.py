@@ -114,6 +114,10 @@ def test_check_kwargs_against_the_signature():
         check(NeedsSecret, {}, key="env.kwargs")
     with pytest.raises(plugins.PluginError, match=r"env.kwargs.rounds='2' must be int"):
         check(NeedsSecret, {"secret": "s", "rounds": "2"}, key="env.kwargs")
+    with pytest.raises(plugins.PluginError, match=r"env.kwargs.rounds=True must be int"):
+        check(NeedsSecret, {"secret": "s", "rounds": True}, key="env.kwargs")
+    with pytest.raises(plugins.PluginError, match=r"env.kwargs.scale=False must be float"):
+        check(NeedsSecret, {"secret": "s", "scale": False}, key="env.kwargs")
     with pytest.raises(plugins.PluginError, match=r"env.kwargs.scale='big' must be float or NoneType"):
         check(NeedsSecret, {"secret": "s", "scale": "big"}, key="env.kwargs")
     with pytest.raises(plugins.PluginError, match="must be a mapping"):
