@@ -202,6 +202,15 @@ def test_data_keys_pick_the_source(tmp_path):
     train, heldout = dataset_splits(cfg.data)
     assert (len(train), len(heldout)) == (2, 1)
     assert dataset_splits(load_config(None).data) is None  # auto: the environment first
+    # A single file has no "test" split: the error says so, not that every held-out task
+    # was dropped as a training question.
+    cfg = load_config(None, ["data.source=jsonl", f"data.path={path}",
+                             "data.heldout_split=test", "data.heldout_size=1",
+                             "eval.heldout_size=1"])
+    with pytest.raises(DatasetError, match=r"data.heldout_split='test' names a split, but "
+                                           r"data.path=.* is a single file.*data.heldout_path"
+                                           r".*drop data.heldout_split"):
+        dataset_splits(cfg.data)
     cfg = load_config(None, ["data.source=reasoning_gym", "data.dataset=leg_counting",
                              "data.dataset_kwargs.max_animals=3", "data.train_size=4",
                              "data.heldout_size=2", "eval.heldout_size=2"])

@@ -151,8 +151,18 @@ def file_splits(train: DatasetSpec, heldout: DatasetSpec | None, train_size: int
       dropped (see ``drop_leaked``).
 
     Raises:
-      DatasetError: see ``load_tasks``; the training split has no rows left to train on.
+      DatasetError: see ``load_tasks``; the training split has no rows left to train on;
+        ``heldout`` is the training file itself (a single file has no splits).
     """
+    if (heldout is not None and os.path.isfile(heldout.path)
+            and os.path.abspath(heldout.path) == os.path.abspath(train.path)):
+        # A single file has no splits: its rows would be both trained on and held out,
+        # and every held-out task would then be dropped as a training question.
+        raise DatasetError(
+            f"data.heldout_split={heldout.split!r} names a split, but {train.key}="
+            f"{train.path!r} is a single file, which has no splits. Give the held-out "
+            "file as data.heldout_path, or drop data.heldout_split to hold out "
+            "data.heldout_size rows of the file (drawn with data.seed).")
     tasks = load_tasks(train)
     if heldout is not None:
         held = load_tasks(heldout)[:heldout_size]
