@@ -282,6 +282,9 @@ class Trajectory:
       num_turns: model turns taken.
       metrics: timings in seconds and counts (``generate_s``, ``env_s``, ``tool_errors``
         and ``tool_errors/<kind>``, see ``ToolErrorKind``).
+      error: for an ``ENV_ERROR`` episode, what failed (the ``EnvFailure`` message, or
+        ``StepResult.info["error"]`` when ``BaseEnv.step`` caught the exception, e.g.
+        ``"RuntimeError('step always fails')"``; at most 500 characters); "" otherwise.
     """
 
     task_id: str
@@ -294,6 +297,7 @@ class Trajectory:
     status: EpisodeStatus
     num_turns: int
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    error: str = ""
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)

@@ -313,8 +313,9 @@ def test_an_always_failing_environment_stops_raytunix_train_with_one_clear_error
     assert len(errors) == 1, proc.stderr[-3000:]  # one error, not one per failed episode
     message = errors[0]
     assert "rollout halted at RL step 1" in message
-    assert "4 episodes in a row failed by infrastructure" in message
+    assert "4 episodes in a row failed: the environment raised" in message
     assert "env_error" in message  # what failed
+    assert "the tool service refused the connection" in message  # the env's own error
     assert "rollout.max_consecutive_failures" in message and "resume" in message  # what to do
     assert "Traceback" not in proc.stderr
     # The run's checkpoint (taken before RL) and its ledger stay for a resume.

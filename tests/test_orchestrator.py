@@ -452,7 +452,8 @@ def test_an_environment_that_raises_in_step_trips_the_breaker_with_one_clear_err
         orchestrator = make_orchestrator(FakeEngine(), EnvLeases(env_name="exploding"),
                                          groups_per_batch=1, max_group_retries=1,
                                          max_consecutive_failures=12)
-        with pytest.raises(RolloutHalted, match="12 episodes in a row failed") as halted:
+        with pytest.raises(RolloutHalted, match="12 episodes in a row failed: the environment "
+                                                "raised") as halted:
             await asyncio.wait_for(orchestrator.next_batch(), 30)
         with pytest.raises(RolloutHalted):  # it stays halted
             await asyncio.wait_for(orchestrator.next_batch(), 30)
@@ -461,6 +462,8 @@ def test_an_environment_that_raises_in_step_trips_the_breaker_with_one_clear_err
 
     error, state = run(main())
     assert "env_error" in str(error) and "resume" in str(error)
+    assert "verifier bug" in str(error)  # the environment's own error reaches the user
+    assert "infrastructure" not in str(error) and "look down" not in str(error)
     counters = state["counters"]
     assert counters["episodes_env_error"] >= 12
     assert counters["groups_retried_env_error"] >= 1

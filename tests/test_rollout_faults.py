@@ -22,6 +22,7 @@ from raytunix.rollout.faults import Backoff, FailureBreaker, RateLimitedLog, ret
 from raytunix.rollout.orchestrator import RolloutOrchestrator
 from raytunix.types import (
     EngineFailure,
+    EnvFailure,
     EpisodeStatus,
     FinishReason,
     GenerationResult,
@@ -227,6 +228,27 @@ def test_a_non_finite_reward_ends_the_episode_as_env_error_before_the_learner_se
         SamplingParams(max_new_tokens=32), max_turns=2, max_context_tokens=256, seed=0,
         timeout_s=10))
     assert trajectory.status == EpisodeStatus.ENV_ERROR and trajectory.reward == 0.0
+    assert "returned reward nan" in trajectory.error  # the user sees what failed
+
+
+def test_an_env_error_episode_carries_the_environment_s_exception():
+    class Engine:
+        async def generate(self, request):
+            return _answer(request)
+
+    class RaisingStep(LocalEnv):  # raises past BaseEnv.step: EnvFailure
+        async def step(self, action):
+            raise EnvFailure("step failed: RuntimeError('step always fails')")
+
+    for env in (RaisingStep("calculator_math", {}), LocalEnv("calculator_math", {})):
+        if type(env) is LocalEnv:  # BaseEnv.step catches the raise: status ENV_ERROR
+            env._env._step_impl = lambda action: 1 / 0
+        trajectory = asyncio.run(run_episode(
+            TASKS[0], "g", ToolAgent(TOK), env, Engine(), SamplingParams(max_new_tokens=32),
+            max_turns=2, max_context_tokens=256, seed=0, timeout_s=10))
+        assert trajectory.status == EpisodeStatus.ENV_ERROR
+        assert ("step always fails" if type(env) is RaisingStep else "ZeroDivisionError") \
+            in trajectory.error
 
 
 # -- env actors (local Ray) ------------------------------------------------------------------

@@ -176,7 +176,11 @@ class RemoteEnv:
                              retryable=True) from e
         except ray.exceptions.RayTaskError as e:
             gone = isinstance(e, KeyError)  # the episode's env was lost in a restart
-            raise EnvFailure(f"{method} failed on the env actor: {e}", retryable=gone) from e
+            # The environment's own exception, not Ray's text of its whole traceback (which
+            # stays chained on the EnvFailure).
+            cause = getattr(e, "cause", None)
+            what = f"{type(cause).__name__}: {cause}" if isinstance(cause, BaseException) else e
+            raise EnvFailure(f"{method} failed on the env actor: {what}", retryable=gone) from e
 
     async def reset(self, task: Task) -> str:
         return await self._call("reset", task)

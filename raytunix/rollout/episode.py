@@ -40,6 +40,7 @@ ENGINE_OUTAGE_ERRORS = (EngineFailure, ConnectionError, TimeoutError)
 ENV_CLOSE_TIMEOUT_S = 10.0  # closing an env on a hung actor must not hold the episode forever
 
 
+MAX_ERROR_CHARS = 500  # of an env failure's message kept on its trajectory (``error``)
 MAX_TURN_SEEDS = 1 << 16  # seeds reserved per episode, one per turn (max_turns must stay below)
 
 
@@ -75,7 +76,8 @@ async def run_episode(
       ``tool_calls``, ``tool_errors`` (total) and ``tool_errors/<kind>`` (see
       ``ToolErrorKind``), ``engine_retries``, ``generated_tokens``, and
       ``env_failure_retryable`` (1.0) when its env's host died under it. Environment
-      failures (``EnvFailure``, a non-finite reward) end it as ``ENV_ERROR``, the budget
+      failures (``EnvFailure``, a non-finite reward) end it as ``ENV_ERROR`` with the
+      failure's message in ``error``, the budget
       as ``TIMEOUT``; parse errors are the environment's to answer.
 
     Raises:
@@ -90,6 +92,7 @@ async def run_episode(
     timings = {"generate_s": 0.0, "env_s": 0.0, TOOL_ERRORS_KEY: 0.0, "tool_calls": 0.0,
                "engine_retries": 0.0}
     reward, status = 0.0, EpisodeStatus.TRUNCATED
+    error = ""  # an ENV_ERROR's message, kept on the trajectory for the user to see
     rng = random.Random(seed)
 
     def on_engine_retry(attempt: int, error: BaseException, delay_s: float) -> None:
@@ -149,6 +152,9 @@ async def run_episode(
                     timings[key] = timings.get(key, 0.0) + count
                 if step.done:
                     status = step.status or EpisodeStatus.COMPLETED
+                    if status == EpisodeStatus.ENV_ERROR:  # BaseEnv.step caught the raise
+                        error = str(step.info.get("error") or "the environment reported "
+                                    "env_error")[:MAX_ERROR_CHARS]
                     break
                 if turn + 1 < max_turns:
                     agent.on_observation(step.observation)
@@ -156,6 +162,7 @@ async def run_episode(
         status = EpisodeStatus.TIMEOUT
     except EnvFailure as e:
         status = EpisodeStatus.ENV_ERROR
+        error = str(e)[:MAX_ERROR_CHARS]
         if e.retryable:  # the host failed, not the environment: the caller may re-run it
             timings["env_failure_retryable"] = 1.0
         _rate_limited.log(logging.WARNING, "env_failure", "episode of %s ended as env_error: %s",
@@ -174,4 +181,6 @@ async def run_episode(
         reward = 0.0
     timings["generated_tokens"] = float(agent.num_generated_tokens)
     timings["wall_s"] = time.monotonic() - start
-    return agent.to_trajectory(task.task_id, group_id, reward, status, metrics=timings)
+    trajectory = agent.to_trajectory(task.task_id, group_id, reward, status, metrics=timings)
+    trajectory.error = error
+    return trajectory

@@ -421,16 +421,28 @@ class RolloutOrchestrator:
             self.counters["episodes_failed_infrastructure"] += 1
         elif t.status == EpisodeStatus.TOOL_ERROR_LIMIT:
             self.counters["episodes_failed_policy"] += 1
-        self._record_episode(ok=not failed, failure=f"episode ended as {t.status.value}")
+        failure = f"episode ended as {t.status.value}"
+        if t.error:
+            failure += f": {t.error}"
+        # An env_error whose host did not die is the environment's own exception (a bug in
+        # it, or in what it calls), not an outage.
+        env_raised = (t.status == EpisodeStatus.ENV_ERROR
+                      and not t.metrics.get("env_failure_retryable"))
+        self._record_episode(ok=not failed, failure=failure, env_raised=env_raised)
 
-    def _record_episode(self, ok: bool, failure: str) -> None:
+    def _record_episode(self, ok: bool, failure: str, env_raised: bool = False) -> None:
         if self._breaker.record(ok, failure) and self._halt_error is None:
+            if env_raised:
+                what = (f"{self._breaker.consecutive} episodes in a row failed: the environment "
+                        f"raised (last: {failure}). Fix the environment (or what it calls).")
+            else:
+                what = (f"{self._breaker.consecutive} episodes in a row failed by infrastructure "
+                        f"(last: {failure}); the engine or the environments look down for "
+                        "good. Fix the cause.")
             self._halt(RolloutHalted(
-                f"{self._breaker.consecutive} episodes in a row failed by infrastructure (last: "
-                f"{failure}); the engine or the environments look down for good. The run stops "
-                "here; checkpoints and the data ledger are kept. Fix the cause and resume, or "
-                "raise the breaker's threshold (rollout.max_consecutive_failures; a resume "
-                "may change it)."))
+                f"{what} The run stops here; checkpoints and the data ledger are kept. Resume "
+                "once fixed, or raise the breaker's threshold (rollout.max_consecutive_failures;"
+                " a resume may change it)."))
 
     async def _retry_or_filter(self, index: int, reason: str, cause: Any) -> None:
         """The group made no data: its task goes back in the queue after a backoff, or is
