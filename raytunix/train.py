@@ -564,8 +564,9 @@ def _run(cfg: Config, job: Job, run: RunDir, hp: GRPOHyperparams, resume: str | 
         warm = _warm_start(cfg, job, run, dev_tasks) if warm_start else {}
         before = job.evaluate(heldout)
         run.log({"phase": "eval", "when": "before_rl", **before})
-        _say(f"held-out before RL: success {before['success_rate']:.1%} (tool use "
-             f"{before['tool_use_rate']:.1%}) on {before['num_tasks']} tasks")
+        _say(f"held-out before RL: success {before['success_rate']:.1%}"
+             f"{_unfinished_episodes(before)} (tool use {before['tool_use_rate']:.1%}) on "
+             f"{before['num_tasks']} tasks")
         ray.get(job.learner.start_rl.remote(hp))
         ray.get(job.learner.save_reference.remote(run.reference))
         start_step = 0
@@ -631,6 +632,21 @@ def _run(cfg: Config, job: Job, run: RunDir, hp: GRPOHyperparams, resume: str | 
         json.dump(summary, f, indent=2)
     _say("summary:\n" + json.dumps(summary, indent=2))
     return summary
+
+
+def _unfinished_episodes(result: dict[str, Any]) -> str:
+    """For an evaluation's log line: " (8 of 8 episodes ended env_error; first error:
+    <error>)" when some episodes did not complete (``result`` is
+    ``RolloutOrchestrator.evaluate``'s), else "". A 0% success from a broken environment
+    must not read as a policy that cannot solve anything."""
+    statuses = result.get("statuses") or {}
+    total = sum(statuses.values())
+    other = {s: n for s, n in sorted(statuses.items()) if s != EpisodeStatus.COMPLETED.value}
+    if not other:
+        return ""
+    ended = ", ".join(f"{n} of {total} episodes ended {s}" for s, n in other.items())
+    error = result.get("error")
+    return f" ({ended}" + (f"; first error: {error}" if error else "") + ")"
 
 
 def _checkpoint(job: Job, run: RunDir, ckpt_dir: str, cfg: Config, before: dict, warm: dict) -> None:

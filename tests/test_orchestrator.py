@@ -452,6 +452,9 @@ def test_an_environment_that_raises_in_step_trips_the_breaker_with_one_clear_err
         orchestrator = make_orchestrator(FakeEngine(), EnvLeases(env_name="exploding"),
                                          groups_per_batch=1, max_group_retries=1,
                                          max_consecutive_failures=12)
+        evaluation = await orchestrator.evaluate(TASKS[:3], max_new_tokens=64)
+        assert evaluation["statuses"] == {"env_error": 3}
+        assert "verifier bug" in evaluation["error"]
         with pytest.raises(RolloutHalted, match="12 episodes in a row failed: the environment "
                                                 "raised") as halted:
             await asyncio.wait_for(orchestrator.next_batch(), 30)

@@ -10,7 +10,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import pytest  # noqa: E402
 
 from raytunix.config import ConfigError, load_config  # noqa: E402
-from raytunix.train import RunError, load_run_config, train  # noqa: E402
+from raytunix.train import RunError, _unfinished_episodes, load_run_config, train  # noqa: E402
 
 TINY = [
     "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
@@ -98,3 +98,13 @@ def test_resume_refuses_overrides_the_checkpoint_depends_on(tmp_path):
     (run_dir / "config.yaml").write_text("run: [unclosed")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_run_config(str(run_dir))
+
+
+def test_an_evaluation_line_names_the_episodes_that_did_not_complete():
+    broken = {"statuses": {"env_error": 8}, "error": "step failed: RuntimeError('step always fails')"}
+    assert _unfinished_episodes(broken) == (
+        " (8 of 8 episodes ended env_error; first error: step failed: "
+        "RuntimeError('step always fails'))")
+    assert _unfinished_episodes({"statuses": {"completed": 6, "truncated": 2}, "error": ""}) \
+        == " (2 of 8 episodes ended truncated)"
+    assert _unfinished_episodes({"statuses": {"completed": 8}, "error": ""}) == ""

@@ -737,7 +737,9 @@ class RolloutOrchestrator:
                        max_concurrent: int | None = None) -> dict[str, Any]:
         """Greedy episodes on ``tasks`` (one each); returns success and tool-use rates.
 
-        ``tool_path_accuracy`` is the success rate among episodes that called a tool.
+        ``tool_path_accuracy`` is the success rate among episodes that called a tool;
+        ``statuses`` counts episodes by how they ended; ``error`` is the first env_error
+        episode's ``Trajectory.error`` ("" when none failed so).
         """
         sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
                                   stop_token_ids=self.sampling.stop_token_ids,
@@ -758,6 +760,7 @@ class RolloutOrchestrator:
             "tool_path_accuracy": float(success[used_tool].mean()) if used_tool.any() else 0.0,
             "direct_accuracy": float(success[~used_tool].mean()) if (~used_tool).any() else 0.0,
             "statuses": dict(collections.Counter(t.status.value for t in trajectories)),
+            "error": next((t.error for t in trajectories if t.error), ""),
         }
 
 
