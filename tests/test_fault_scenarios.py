@@ -390,6 +390,15 @@ def killed_run(tmp_path_factory):
     while left and time.monotonic() - killed_at < 30.0:
         time.sleep(0.2)
         left = _alive(left)
+    # The driver may have finished a later checkpoint between the poll and the kill; the
+    # resume starts from the newest complete one (state.json can lag it).
+    from raytunix.learner.checkpoint import Checkpointer
+
+    checkpoints = Checkpointer(os.path.join(_run_dir(str(output_dir)), "checkpoints"))
+    try:
+        checkpoint_step = checkpoints.latest_step()
+    finally:
+        checkpoints.close()
     return {"run_dir": _run_dir(str(output_dir)), "checkpoint_step_at_kill": checkpoint_step,
             "tree": names, "left": {p.pid: names[p.pid] for p in left},
             "log": str(root / "driver.log")}
