@@ -11,9 +11,11 @@ progress. ``train(cfg)`` starts local Ray itself when no cluster is connected.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import threading
 import time
@@ -409,8 +411,7 @@ def train(cfg: Config, resume: str | None = None, resume_overrides: Sequence[str
       FileNotFoundError: ``resume`` is not a run directory or has no checkpoint.
     """
     from raytunix.data.datasets import DatasetError
-    from raytunix.data.demonstrations import tokenizer_corpus
-    from raytunix.data.tasks import dataset_splits, is_arithmetic
+    from raytunix.data.tasks import dataset_splits
 
     wall0 = time.monotonic()
     if resume:
@@ -424,15 +425,40 @@ def train(cfg: Config, resume: str | None = None, resume_overrides: Sequence[str
         _check_steps_left(saved["checkpoint_step"], cfg)  # before Ray starts: fail fast
         with open(run.config, "w") as f:
             f.write(cfg.to_yaml())
-    else:
-        run = _new_run_dir(cfg)
-        with open(run.config, "w") as f:
-            f.write(cfg.to_yaml())
-    _say(f"run directory: {run.path}")
     try:
         dataset = dataset_splits(cfg.data)  # a file, split or column missing: stop before Ray
     except DatasetError as e:
         raise ConfigError(str(e)) from None
+    if not resume:  # created once the data is read: a config that cannot run leaves none
+        run = _new_run_dir(cfg)
+        with open(run.config, "w") as f:
+            f.write(cfg.to_yaml())
+    _say(f"run directory: {run.path}")
+    with _removed_if_left_empty(run, new=not resume):
+        return _start_and_run(cfg, run, resume, dataset, wall0)
+
+
+@contextlib.contextmanager
+def _removed_if_left_empty(run: RunDir, new: bool):
+    """When a new run fails before it has written more than its config and tokenizer (an
+    environment that cannot be built, a prompt that does not fit...), its directory goes,
+    so runs/ holds only runs that got somewhere; the error propagates unchanged. A resumed
+    run's directory (``new=False``) always stays."""
+    try:
+        yield
+    except BaseException:
+        leftovers = set(os.listdir(run.path)) if os.path.isdir(run.path) else set()
+        if new and leftovers <= {os.path.basename(run.config), os.path.basename(run.tokenizer)}:
+            shutil.rmtree(run.path, ignore_errors=True)
+            _say(f"run directory {run.path} removed: the run stopped before it trained")
+        raise
+
+
+def _start_and_run(cfg: Config, run: RunDir, resume: str | None, dataset,
+                   wall0: float) -> dict[str, Any]:
+    """``train`` once the run directory exists: Ray, the env actors, the tasks, the job."""
+    from raytunix.data.demonstrations import tokenizer_corpus
+    from raytunix.data.tasks import is_arithmetic
 
     _ensure_ray(cfg)
     if threading.current_thread() is threading.main_thread():
@@ -543,7 +569,8 @@ def _run(cfg: Config, job: Job, run: RunDir, hp: GRPOHyperparams, resume: str | 
         ray.get(job.learner.start_rl.remote(hp))
         try:
             extras = ray.get(job.learner.restore.remote(
-                ckpt_dir, cfg.learner.max_checkpoints, run.reference))
+                ckpt_dir, cfg.learner.max_checkpoints,
+                run.reference if cfg.learner.kl_coef > 0 else None))
         except ray.exceptions.RayTaskError as e:
             cause = e.cause if isinstance(e.cause, Exception) else e
             raise RunError(f"cannot resume {run.path}: {cause}") from None
@@ -568,7 +595,8 @@ def _run(cfg: Config, job: Job, run: RunDir, hp: GRPOHyperparams, resume: str | 
              f"{_unfinished_episodes(before)} (tool use {before['tool_use_rate']:.1%}) on "
              f"{before['num_tasks']} tasks")
         ray.get(job.learner.start_rl.remote(hp))
-        ray.get(job.learner.save_reference.remote(run.reference))
+        if cfg.learner.kl_coef > 0:  # the KL penalty's reference policy; none without one
+            ray.get(job.learner.save_reference.remote(run.reference))
         start_step = 0
         _checkpoint(job, run, ckpt_dir, cfg, before, warm)
 

@@ -10,7 +10,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import pytest  # noqa: E402
 
 from raytunix.config import ConfigError, load_config  # noqa: E402
-from raytunix.train import RunError, _unfinished_episodes, load_run_config, train  # noqa: E402
+from raytunix.train import (  # noqa: E402
+    RunDir,
+    RunError,
+    _removed_if_left_empty,
+    _unfinished_episodes,
+    load_run_config,
+    train,
+)
 
 TINY = [
     "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
@@ -45,6 +52,7 @@ def test_short_training_run_on_local_ray(ray_session, tmp_path, env_name, max_tu
     run_dir = summary["run_dir"]
     for name in ("config.yaml", "tokenizer.json", "metrics.jsonl", "summary.json", "state.json"):
         assert os.path.exists(os.path.join(run_dir, name)), name
+    assert not os.path.exists(os.path.join(run_dir, "reference"))  # kl_coef=0: no KL reference
     records = _rl_records(run_dir)
     assert [r["step"] for r in records] == [1, 2]
     assert [r["policy_version"] for r in records] == [1, 2]
@@ -108,3 +116,29 @@ def test_an_evaluation_line_names_the_episodes_that_did_not_complete():
     assert _unfinished_episodes({"statuses": {"completed": 6, "truncated": 2}, "error": ""}) \
         == " (2 of 8 episodes ended truncated)"
     assert _unfinished_episodes({"statuses": {"completed": 8}, "error": ""}) == ""
+
+
+def test_a_run_that_cannot_start_leaves_no_run_directory(tmp_path):
+    output_dir = tmp_path / "runs"
+    cfg = load_config(None, ["data.source=jsonl", f"data.path={tmp_path / 'nope.jsonl'}",
+                             f"run.output_dir={output_dir}"])
+    with pytest.raises(ConfigError, match="nope.jsonl' does not exist"):
+        train(cfg)
+    assert not output_dir.exists() or not os.listdir(output_dir)
+
+    # A later failure (env actors, prompts...) removes a new run's directory while it holds
+    # only its config and tokenizer; one that got further, or a resumed run's, stays.
+    def fail(run, new, extra=None):
+        with pytest.raises(RuntimeError, match="env cannot be built"):
+            with _removed_if_left_empty(run, new=new):
+                for name in ("config.yaml", "tokenizer.json") + ((extra,) if extra else ()):
+                    (tmp_path / os.path.basename(run.path) / name).write_text("x")
+                raise RuntimeError("env cannot be built")
+        return os.path.exists(run.path)
+
+    assert not fail(RunDir(str(tmp_path / "new")), new=True)
+    assert fail(RunDir(str(tmp_path / "warmed")), new=True, extra="metrics.jsonl")
+    assert fail(RunDir(str(tmp_path / "resumed")), new=False)
+    with _removed_if_left_empty(RunDir(str(tmp_path / "ok")), new=True):
+        pass
+    assert os.path.exists(tmp_path / "ok")
