@@ -106,6 +106,8 @@ class _Workspace:
     lock_fd: int | None  # holds the uid's claim
     run_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     running: subprocess.Popen | None = None
+    closed: bool = False  # set by close_workspace; a run starting after it is killed at once
+    state_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
 # Found out once per process: (backend, own_uid) -> None if it works, else why not.
@@ -337,7 +339,11 @@ class Sandbox:
                 "its sandbox actor restarted); open a new one") from None
 
     def _discard(self, ws: _Workspace) -> None:
-        proc = ws.running
+        # Under the lock, so a run whose process is being started right now either is
+        # seen here or sees ``closed`` itself and kills its process (see ``_execute``).
+        with ws.state_lock:
+            ws.closed = True
+            proc = ws.running
         if proc is not None:
             _kill_group(proc.pid)
         if ws.uid is not None:
@@ -361,7 +367,11 @@ class Sandbox:
                                     start_new_session=True, close_fds=True)
         finally:
             os.close(stdin_fd)
-        ws.running = proc
+        with ws.state_lock:
+            ws.running = proc
+            closed_meanwhile = ws.closed
+        if closed_meanwhile:  # the work dir was closed while this process started
+            self._kill_tree(proc, ws)
         out, err = _Capture(limits.max_output_bytes), _Capture(limits.max_output_bytes)
         try:
             timed_out = self._supervise(proc, ws, mode, out, err, start + limits.wall_time_s)
