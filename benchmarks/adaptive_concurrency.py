@@ -45,9 +45,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import ray  # noqa: E402
 
-from raytunix.inference.actor import EngineActor  # noqa: E402
-from raytunix.models.llama import ModelConfig, init_model  # noqa: E402
-from raytunix.models.tokenizer import Tokenizer  # noqa: E402
+from raytunix.models.llama import init_model  # noqa: E402
 from raytunix.rollout.actor import OrchestratorActor  # noqa: E402
 from raytunix.rollout.concurrency import ConcurrencyController  # noqa: E402
 from raytunix.rollout.env_pool import EnvPool  # noqa: E402
@@ -59,6 +57,7 @@ from rollout_overlap import (  # noqa: E402  (benchmarks/ is on sys.path when ru
     engine_window,
     env_kwargs,
     machine,
+    start_engine,
     make_tasks,
     sampling,
     wait_engine_idle,
@@ -159,18 +158,8 @@ def run_steps(args, tokenizer, engine, pool, params, version: int, steps: int,
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    ray.init(address="local", include_dashboard=False, num_cpus=os.cpu_count() or 2,
-             object_store_memory=128 * 1024**2, log_to_driver=False, runtime_env=_ACTOR_ENV)
     load_before = os.getloadavg()
-    tokenizer = Tokenizer.byte_level()
-    model_config = ModelConfig(vocab_size=tokenizer.vocab_size, d_model=args.d_model,
-                               n_layers=args.n_layers, max_seq_len=args.max_seq_len)
-    engine_kwargs = {"max_batch_size": args.max_batch_size}
-    if args.kv_cache_tokens is not None:
-        engine_kwargs["kv_cache_tokens"] = args.kv_cache_tokens
-    engine = ray.remote(EngineActor).options(
-        num_cpus=0, max_concurrency=10_000, runtime_env=_ACTOR_ENV).remote(
-        model_config, args.seed, tokenizer, engine_kwargs)
+    tokenizer, model_config, engine = start_engine(args)
     # The engine's own initial weights, as numpy: what the stand-in learner publishes.
     params = jax.device_get(init_model(model_config, args.seed)[1])
     t0 = time.perf_counter()

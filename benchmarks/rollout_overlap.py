@@ -312,11 +312,12 @@ def calibrate(tokenizer, engine, args) -> float:
     return statistics.median(turn_times)
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
+def start_engine(args: argparse.Namespace):
+    """Starts local Ray and one ``EngineActor`` of a random-weight model sized by ``args``
+    (``d_model``, ``n_layers``, ``max_seq_len``, ``max_batch_size``, ``kv_cache_tokens``,
+    ``seed``); returns ``(tokenizer, model_config, engine)``."""
     ray.init(address="local", include_dashboard=False, num_cpus=os.cpu_count() or 2,
              object_store_memory=128 * 1024**2, log_to_driver=False, runtime_env=_ACTOR_ENV)
-    load_before = os.getloadavg()
     tokenizer = Tokenizer.byte_level()
     model_config = ModelConfig(vocab_size=tokenizer.vocab_size, d_model=args.d_model,
                                n_layers=args.n_layers, max_seq_len=args.max_seq_len)
@@ -326,6 +327,13 @@ def main(argv=None) -> dict:
     engine = ray.remote(EngineActor).options(
         num_cpus=0, max_concurrency=10_000, runtime_env=_ACTOR_ENV).remote(
         model_config, args.seed, tokenizer, engine_kwargs)
+    return tokenizer, model_config, engine
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    load_before = os.getloadavg()
+    tokenizer, model_config, engine = start_engine(args)
     t0 = time.perf_counter()
     shapes = ray.get(engine.warmup.remote())  # no compilation inside a measurement
     warmup_s = time.perf_counter() - t0
