@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from raytunix.data.answers import score_answer  # noqa: F401  (its home before the shared math answer rule)
 from raytunix.types import Task
 
 DATASET_NAME = "basic_arithmetic"
