@@ -1,0 +1,393 @@
+"""Where a run's metric records go besides ``metrics.jsonl``: TensorBoard, Ray's metrics
+(Prometheus and Grafana on a cluster) and the console.
+
+The driver logs one record per warm-start check, RL step and held-out evaluation to
+``metrics.jsonl`` (``RunDir.log``) and hands the same record to ``MetricSinks.write``::
+
+    sinks = MetricSinks(run.path, total_rl_steps=cfg.learner.rl_steps,
+                        log_every=cfg.run.log_every)
+    for step in ...:
+        record = {"phase": "rl", "step": step + 1, **metrics}
+        run.log(record)
+        sinks.write(record)
+    sinks.close()
+
+A record's numbers are flattened to ``{"key": float}`` (``flatten_metrics``: nested dicts
+joined with "/", so ``{"statuses": {"completed": 3}}`` becomes ``statuses/completed``),
+written to TensorBoard as ``<phase>/<key>`` and set on Ray gauges named
+``raytunix_<phase>_<key>``. No sink can fail a run: a sink that cannot write logs why
+once and turns itself off; ``metrics.jsonl`` keeps every record either way.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+import os
+import re
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any, TextIO
+
+import ray
+from ray.util.metrics import Gauge
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from tensorboardX.event_file_writer import EventsWriter
+from tensorboardX.proto.event_pb2 import Event
+from tensorboardX.proto.summary_pb2 import Summary
+
+logger = logging.getLogger(__name__)
+
+# The x axes of a record, not metrics: TensorBoard keeps them as an event's step and wall
+# time, so they are not written as scalars of their own.
+AXIS_KEYS = ("step", "time")
+MAX_GAUGES = 512  # Ray gauges one RayMetricsSink makes at most; a key explosion stops here
+TENSORBOARD_SUBDIR = "tensorboard"
+
+
+def flatten_metrics(record: Mapping[str, Any]) -> dict[str, float]:
+    """The numbers of one metrics record, flat.
+
+    Args:
+      record: a ``metrics.jsonl`` record; values may be numbers, strings, lists and
+        nested dicts.
+
+    Returns:
+      ``{key: value}`` in the record's order. Nested dict keys are joined with "/"
+      (``statuses/completed``). Ints, floats and numpy scalars become floats; bools
+      become 0.0 / 1.0 (a flag is worth a curve); NaN and infinities are left out (no
+      sink can plot them); strings, lists and None are left out.
+    """
+    flat: dict[str, float] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                walk(f"{prefix}/{k}" if prefix else str(k), v)
+        elif isinstance(value, bool):
+            flat[prefix] = float(value)
+        elif isinstance(value, numbers.Real):
+            v = float(value)
+            if math.isfinite(v):
+                flat[prefix] = v
+
+    walk("", record)
+    return flat
+
+
+def _wall_time(record: Mapping[str, Any]) -> float:
+    """The record's own ``time`` (unix s) when it has one (a record read back from
+    ``metrics.jsonl``), else now."""
+    t = record.get("time")
+    if isinstance(t, numbers.Real) and not isinstance(t, bool) and math.isfinite(t):
+        return float(t)
+    return time.time()
+
+
+class TensorBoardSink:
+    """Scalars in a TensorBoard event file under ``logdir`` (``tensorboard --logdir``).
+
+    The event file is made at the first write (``events.out.tfevents.<unix s>.<host>.<pid>``,
+    so a resumed run adds a file beside the first). Each ``write`` is one event holding
+    every number of the record, flushed to disk, so a live TensorBoard sees each step and a
+    killed run keeps what it wrote. Events are written in the calling thread: an
+    ``OSError`` (disk full, directory gone) is logged once and turns the sink off instead
+    of failing the run.
+    """
+
+    def __init__(self, logdir: str):
+        self.logdir = logdir
+        self.enabled = True
+        self._writer: EventsWriter | None = None
+
+    def write(self, record: Mapping[str, Any], step: int, prefix: str) -> None:
+        """Writes every number of ``record`` as scalar ``<prefix>/<key>`` at ``step``
+        (``step`` and ``time`` are the event's step and wall time, not scalars)."""
+        if not self.enabled:
+            return
+        values = [Summary.Value(tag=_tensorboard_tag(f"{prefix}/{k}"), simple_value=v)
+                  for k, v in flatten_metrics(record).items() if k not in AXIS_KEYS]
+        if not values:
+            return
+        event = Event(wall_time=_wall_time(record), step=int(step), summary=Summary(value=values))
+        try:
+            if self._writer is None:
+                os.makedirs(self.logdir, exist_ok=True)
+                self._writer = EventsWriter(os.path.join(self.logdir, "events"),
+                                            filename_suffix=f".{os.getpid()}")
+            self._writer.write_event(event)
+            self._writer.flush()
+        except OSError as e:
+            self._turn_off(e)
+
+    def flush(self) -> None:
+        if self.enabled and self._writer is not None:
+            try:
+                self._writer.flush()
+            except OSError as e:
+                self._turn_off(e)
+
+    def close(self) -> None:
+        """Flushes and closes the event file; later writes are ignored."""
+        if self.enabled and self._writer is not None:
+            try:
+                self._writer.close()
+            except OSError as e:
+                self._turn_off(e)
+        self._writer = None
+        self.enabled = False
+
+    def _turn_off(self, error: OSError) -> None:
+        logger.warning("TensorBoard metrics stop for this run: writing under %s failed (%s). "
+                       "metrics.jsonl still holds every record.", self.logdir, error)
+        self.enabled = False
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            try:
+                writer.close()
+            except OSError:
+                pass  # already reported; the file is given up either way
+
+
+_TAG_CHARS = re.compile(r"[^-/\w.]")  # what TensorBoard shows as-is in a tag
+
+
+def _tensorboard_tag(tag: str) -> str:
+    return _TAG_CHARS.sub("_", tag)
+
+
+_NOT_METRIC_NAME_CHARS = re.compile(r"[^a-zA-Z0-9_]")
+
+
+def ray_metric_name(key: str) -> str:
+    """``raytunix_`` + ``key`` with every character outside ``[a-zA-Z0-9_]`` made ``_``.
+
+    Prometheus allows ``[a-zA-Z_:][a-zA-Z0-9_:]*``; colons are left out too, as Prometheus
+    reserves them for recording rules and Ray 2.60 warns on them. The prefix keeps the
+    first character a letter. ``rl/tool_latency_s/calculator/p50`` becomes
+    ``raytunix_rl_tool_latency_s_calculator_p50``.
+    """
+    return "raytunix_" + _NOT_METRIC_NAME_CHARS.sub("_", key)
+
+
+class RayMetricsSink:
+    """The record's numbers as Ray gauges, which Ray's metrics agent exports to
+    Prometheus (and so Grafana) on a cluster.
+
+    One ``ray.util.metrics.Gauge`` per key, made at the key's first write, named
+    ``ray_metric_name("<prefix>/<key>")`` and tagged ``run=<run_name>`` so runs sharing a
+    cluster stay apart. Only while ``ray.is_initialized()``; otherwise ``write`` does
+    nothing. At most ``max_gauges`` gauges are made: keys past that, or keys whose name
+    collides with another key's, are dropped (logged once).
+    """
+
+    def __init__(self, run_name: str, max_gauges: int = MAX_GAUGES):
+        if max_gauges < 1:
+            raise ValueError(f"RayMetricsSink needs max_gauges >= 1, got {max_gauges}")
+        self.run_name = str(run_name)
+        self.max_gauges = max_gauges
+        self._gauges: dict[str, Gauge] = {}  # metric name -> gauge
+        self._name_of: dict[str, str | None] = {}  # key -> metric name, None when dropped
+        self._warned = False
+
+    @property
+    def gauges(self) -> dict[str, Gauge]:
+        """The gauges made so far, by metric name (a copy)."""
+        return dict(self._gauges)
+
+    def write(self, record: Mapping[str, Any], step: int, prefix: str) -> None:
+        """Sets gauge ``<prefix>/<key>`` to each number of ``record``, and
+        ``<prefix>/step`` to ``step`` (``time`` is left out: Prometheus stamps samples)."""
+        if not ray.is_initialized():
+            return
+        values = {k: v for k, v in flatten_metrics(record).items() if k not in AXIS_KEYS}
+        values["step"] = float(step)
+        for key, value in values.items():
+            gauge = self._gauge(f"{prefix}/{key}")
+            if gauge is not None:
+                gauge.set(value)
+
+    def _gauge(self, key: str) -> Gauge | None:
+        if key in self._name_of:
+            name = self._name_of[key]
+            return None if name is None else self._gauges[name]
+        name = ray_metric_name(key)
+        if name in self._gauges or len(self._gauges) >= self.max_gauges:
+            why = (f"its name {name} is taken by another key" if name in self._gauges else
+                   f"the sink has made its max_gauges={self.max_gauges} gauges")
+            if not self._warned:
+                logger.warning("Ray metric %r (and any later such key) is not exported: %s. "
+                               "metrics.jsonl and TensorBoard still have it.", key, why)
+                self._warned = True
+            self._name_of[key] = None
+            return None
+        gauge = Gauge(name, description=f"raytunix metric {key}",
+                                       tag_keys=("run",))
+        gauge.set_default_tags({"run": self.run_name})
+        self._gauges[name] = gauge
+        self._name_of[key] = name
+        return gauge
+
+
+def format_headline(record: Mapping[str, Any]) -> str:
+    """The headline numbers of an RL step record, e.g. ``reward 0.512  tool use 98.0%  loss
+    +0.0123  tok/s 5321  engine busy 41%  learner busy 63%  staleness<= 1  episodes 96``;
+    a number the record lacks (or holds as a non-number) is left out."""
+    fields = (("reward_mean", "reward {:.3f}"), ("tool_use_rate", "tool use {:.1%}"),
+              ("loss", "loss {:+.4f}"), ("generated_tokens_per_s", "tok/s {:.0f}"),
+              ("engine_busy_fraction", "engine busy {:.0%}"),
+              ("learner_busy_fraction", "learner busy {:.0%}"),
+              ("staleness_max", "staleness<= {:g}"), ("episodes_in_flight", "episodes {:g}"))
+    flat = flatten_metrics(record)
+    return "  ".join(fmt.format(flat[k]) for k, fmt in fields if k in flat)
+
+
+class ConsoleProgress:
+    """The console view of the RL loop.
+
+    On a terminal: a live progress bar (``rich``) with the step, the headline numbers of
+    the latest ``update`` and the elapsed time. Elsewhere (Ray job logs, a pipe, pytest's
+    capture): no live display, one plain line per ``update``::
+
+        RL step 3/30: reward 0.512  tool use 98.0%  loss +0.0123  tok/s 5321  engine busy 41%
+        learner busy 63%  staleness<= 1  episodes 96  (12 s)
+
+    (one line, broken here to fit).
+
+    Elapsed seconds count from when this object is made.
+
+    Args:
+      total_steps: RL steps of the run.
+      enabled: False prints nothing at all.
+      stream: where to write; None means ``sys.stdout`` as it is when this is made.
+      start_step: where the bar starts (a resumed run's step).
+    """
+
+    def __init__(self, total_steps: int, enabled: bool = True, stream: TextIO | None = None,
+                 start_step: int = 0):
+        self.total_steps = int(total_steps)
+        self.enabled = enabled
+        self.stream = sys.stdout if stream is None else stream
+        self._t0 = time.monotonic()
+        console = Console(file=self.stream)
+        self.live = enabled and console.is_terminal and not console.is_dumb_terminal
+        self._progress = None
+        if self.live:
+            self._progress = Progress(
+                TextColumn("RL step"), MofNCompleteColumn(), BarColumn(),
+                TextColumn("{task.fields[headline]}"), TimeElapsedColumn(),
+                console=console, refresh_per_second=2)
+            self._task = self._progress.add_task("rl", total=self.total_steps,
+                                                 completed=start_step, headline="")
+            self._started = False
+
+    def update(self, step: int, record: Mapping[str, Any]) -> None:
+        """Shows RL step ``step`` (1-based) with the headline numbers of its record."""
+        if not self.enabled:
+            return
+        headline = format_headline(record)
+        if self._progress is not None:
+            if not self._started:  # the bar appears with the first step, not before
+                self._progress.start()
+                self._started = True
+            self._progress.update(self._task, completed=step, headline=headline)
+            return
+        elapsed = time.monotonic() - self._t0
+        print(f"RL step {step}/{self.total_steps}: {headline}  ({elapsed:.0f} s)",
+              file=self.stream, flush=True)
+
+    def close(self) -> None:
+        """Ends the live display (its last state stays on screen)."""
+        if self._progress is not None and self._started:
+            self._progress.stop()
+            self._started = False
+
+
+class MetricSinks:
+    """TensorBoard, Ray gauges and the console behind one ``write(record)`` per record.
+
+    ``metrics.jsonl`` is not written here: the driver's ``RunDir.log`` writes it.
+
+    Records are routed by ``record["phase"]``:
+
+    * ``"rl"``: TensorBoard ``rl/*`` and Ray gauges at ``record["step"]``; the console
+      every ``log_every`` steps and at the last step.
+    * ``"warmup"``: ``warmup/*`` at ``record["step"]`` (warm-start steps count apart
+      from RL steps).
+    * ``"eval"``: ``eval/*`` at step 0 for ``when == "before_rl"`` and at
+      ``total_rl_steps`` for ``"after_rl"``, so the held-out success sits at both ends of
+      the RL step axis.
+    * ``"resume"``: nothing is written; the console bar restarts at ``record["rl_step"]``.
+    * other phases, or a record without its step: ignored.
+
+    The console is made when the RL loop starts (at the ``before_rl`` evaluation, a
+    ``resume`` record, or the first RL record), so its elapsed time is RL time.
+
+    Args:
+      run_dir: the run directory; TensorBoard files go to ``run_dir/tensorboard``.
+      total_rl_steps: ``learner.rl_steps``.
+      log_every: ``run.log_every``: RL steps between console lines.
+      run_name: the ``run`` tag of the Ray gauges; default the run directory's name.
+      tensorboard, ray_metrics, console: turn one sink off.
+      stream: the console's stream (None: ``sys.stdout``).
+    """
+
+    def __init__(self, run_dir: str, total_rl_steps: int, log_every: int = 1,
+                 run_name: str | None = None, tensorboard: bool = True,
+                 ray_metrics: bool = True, console: bool = True, stream: TextIO | None = None):
+        if log_every < 1:
+            raise ValueError(f"log_every must be >= 1 (RL steps between console lines), "
+                             f"got {log_every}")
+        self.total_rl_steps = int(total_rl_steps)
+        self.log_every = int(log_every)
+        self.tensorboard = (TensorBoardSink(os.path.join(run_dir, TENSORBOARD_SUBDIR))
+                            if tensorboard else None)
+        name = run_name or os.path.basename(os.path.normpath(os.path.abspath(run_dir)))
+        self.ray_metrics = RayMetricsSink(name) if ray_metrics else None
+        self._console_on = console
+        self._stream = stream
+        self.console: ConsoleProgress | None = None
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        """Hands one record to every sink (see the class docstring for the routing)."""
+        phase = record.get("phase")
+        if phase == "resume":
+            self._start_console(int(record.get("rl_step", 0)))
+            return
+        if phase == "eval":
+            when = record.get("when")
+            step = 0 if when == "before_rl" else self.total_rl_steps
+            if when == "before_rl":
+                self._start_console(0)
+        elif phase in ("rl", "warmup") and isinstance(record.get("step"), numbers.Integral):
+            step = int(record["step"])
+        else:
+            return
+        for sink in (self.tensorboard, self.ray_metrics):
+            if sink is not None:
+                sink.write(record, step, phase)
+        if phase == "rl":
+            self._start_console(step - 1)
+            if step % self.log_every == 0 or step == self.total_rl_steps:
+                self.console.update(step, record)
+
+    def _start_console(self, start_step: int) -> None:
+        if self.console is None:
+            self.console = ConsoleProgress(self.total_rl_steps, enabled=self._console_on,
+                                           stream=self._stream, start_step=start_step)
+
+    def close(self) -> None:
+        """Ends the console display and closes the TensorBoard file."""
+        if self.console is not None:
+            self.console.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
