@@ -3,6 +3,7 @@
   raytunix train [--config PRESET|FILE] [section.key=value ...]
   raytunix train --resume RUN_DIR [learner.rl_steps=N ...]
   raytunix config [--config PRESET|FILE] [section.key=value ...]
+  raytunix profile RUN_DIR      trace.json, report.txt and profile.png of a run, again
 """
 
 from __future__ import annotations
@@ -34,11 +35,41 @@ def _parser() -> argparse.ArgumentParser:
                       help=f"a preset ({', '.join(preset_names())}) or a YAML file")
     show.add_argument("overrides", nargs="*", metavar="section.key=value",
                       help="config overrides, e.g. learner.rl_steps=20")
+    profile = sub.add_parser(
+        "profile", help="write a run's trace.json, report.txt and profile.png again",
+        description="Makes the Perfetto trace (open it at ui.perfetto.dev), the bottleneck "
+                    "report and the plots of a run from its files, and prints the report. "
+                    "Works on a run that is still going or one that crashed.")
+    profile.add_argument("run_dir", metavar="RUN_DIR", help="a run directory under runs/")
     return parser
+
+
+def _profile(run_dir: str) -> int:
+    from raytunix.profiling import write_artifacts
+
+    if not os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+        print(f"raytunix: {run_dir!r} has no metrics.jsonl; pass a run directory that "
+              "`raytunix train` wrote (it prints it at start).", file=sys.stderr)
+        return 2
+    artifacts = write_artifacts(run_dir)
+    if "report_path" in artifacts:
+        with open(artifacts["report_path"]) as f:
+            print(f.read(), end="")
+    for key in ("trace_path", "plot_path"):
+        if key in artifacts:
+            print(f"wrote {artifacts[key]}")
+    missing = {"report_path", "trace_path", "plot_path"} - set(artifacts)
+    if missing:
+        print(f"raytunix: could not write {', '.join(sorted(missing))} (see the warnings "
+              "above)", file=sys.stderr)
+        return 1
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "profile":
+        return _profile(args.run_dir)
     # `env.name=my_envs:MyEnv` names a module in the working directory, as `python -m`
     # would find it; the console script's own path does not include it.
     if os.getcwd() not in sys.path and "" not in sys.path:

@@ -25,7 +25,7 @@ import numpy as np
 import ray
 import yaml
 
-from raytunix import plugins
+from raytunix import plugins, profiling
 from raytunix.config import Config, ConfigError, RolloutConfig, config_from_dict, parse_override
 from raytunix.learner.learner import GRPOHyperparams
 from raytunix.models.llama import ModelConfig
@@ -54,10 +54,16 @@ class RunDir:
         self.reference = os.path.join(self.path, "reference")  # KL reference policy, if any
         self.summary = os.path.join(self.path, "summary.json")
         self.state = os.path.join(self.path, "state.json")
+        self.sinks = None  # profiling.sinks.MetricSinks once the run starts its actors
 
     def log(self, record: dict[str, Any]) -> None:
+        """Appends ``record`` to metrics.jsonl and hands it to the other metric sinks
+        (TensorBoard, Ray metrics, the console view)."""
+        record = dict(record, time=time.time())
         with open(self.metrics, "a") as f:
-            f.write(json.dumps(dict(record, time=time.time())) + "\n")
+            f.write(json.dumps(record) + "\n")
+        if self.sinks is not None:
+            self.sinks.write(record)
 
     def read_state(self) -> dict[str, Any]:
         if not os.path.exists(self.state):
@@ -246,6 +252,7 @@ class Job:
         self.train_tasks = train_tasks
         self.orchestrator = None
         self.env_pool = env_pool
+        self.sandbox_actors: list = []
         model_config = ModelConfig(
             vocab_size=tokenizer.vocab_size, d_model=cfg.model.d_model, n_layers=cfg.model.n_layers,
             n_heads=cfg.model.n_heads, n_kv_heads=cfg.model.n_kv_heads, d_ff=cfg.model.d_ff,
@@ -326,6 +333,17 @@ class Job:
         merged["replicas"] = per_replica
         return merged
 
+    def profiled_actors(self) -> list[tuple[str, Any]]:
+        """``(name, handle)`` of every actor whose spans the driver drains."""
+        actors = [("policy (learner + engine)" if self.colocated else "learner", self.learner)]
+        if not self.colocated:
+            actors += [(f"engine {i}", engine) for i, engine in enumerate(self.engines)]
+        if self.orchestrator is not None:
+            actors.append(("orchestrator", self.orchestrator))
+        actors += [(f"env actor {i}", actor) for i, actor in enumerate(self.env_pool.actors)]
+        actors += [(f"sandbox {i}", actor) for i, actor in enumerate(self.sandbox_actors)]
+        return actors
+
     def shutdown(self) -> None:
         """Kills the run's actors (checkpoints and the run directory stay)."""
         actors = [self.orchestrator, self.learner, *self.env_pool.actors]
@@ -371,7 +389,7 @@ def _ensure_ray(cfg: Config) -> None:
         start_watchdog(context.address_info["session_dir"])
 
 
-def _warm_start(cfg: Config, job: Job, run: RunDir, dev_tasks) -> dict:
+def _warm_start(cfg: Config, job: Job, run: RunDir, dev_tasks, collector) -> dict:
     """Supervised steps on demonstrations until the dev check passes (or max_steps)."""
     w = cfg.warmup
     tokens, mask = _demonstration_arrays(cfg, job.train_tasks[: max(4000, w.batch_size)], job.tokenizer)
@@ -383,10 +401,13 @@ def _warm_start(cfg: Config, job: Job, run: RunDir, dev_tasks) -> dict:
     steps, t0, result = 0, time.monotonic(), {}
     while steps < w.max_steps:
         n = min(w.eval_every, w.max_steps - steps)
-        metrics = ray.get(job.learner.sft_steps.remote(n, w.batch_size))
+        with profiling.span("sft_steps", "driver", {"steps": n}):
+            metrics = ray.get(job.learner.sft_steps.remote(n, w.batch_size))
         steps += n
         job.publish_weights()
-        dev = job.evaluate(dev_tasks)
+        with profiling.span("eval", "driver", {"tasks": len(dev_tasks)}):
+            dev = job.evaluate(dev_tasks)
+        collector.drain("warmup", steps)
         result = {"phase": "warmup", "step": steps, **metrics, **{f"dev_{k}": v for k, v in dev.items()}}
         run.log(result)
         _say(f"warm start step {steps}: loss {metrics['loss']:.3f}  dev success "
@@ -500,6 +521,8 @@ def _start_and_run(cfg: Config, run: RunDir, resume: str | None, dataset,
             _say(f"warm start: skipped; its demonstrations are arithmetic and the tasks "
                  f"({source}) are not")
         job = Job(cfg, tokenizer, train_tasks, env_pool)
+        if sandbox_pool is not None:
+            job.sandbox_actors = list(sandbox_pool.actors)
         return _run(cfg, job, run, hp, resume, heldout, dev_tasks, wall0,
                     warm_start=warm_start)
     finally:
@@ -564,6 +587,23 @@ def _task_splits(cfg: Config, env_pool: EnvPool, dataset):
 def _run(cfg: Config, job: Job, run: RunDir, hp: GRPOHyperparams, resume: str | None, heldout,
          dev_tasks, wall0: float, warm_start: bool = True) -> dict[str, Any]:
     """Warm start (new runs) or restore (resumed runs), then the RL loop and the summary."""
+    from raytunix.profiling.collect import Collector
+
+    from raytunix.profiling.sinks import MetricSinks
+
+    ckpt_dir = run.checkpoints
+    collector = Collector(run.path, job.profiled_actors, cfg.engine.max_batch_size)
+    run.sinks = MetricSinks(run.path, cfg.learner.rl_steps, log_every=cfg.run.log_every)
+    try:
+        return _run_phases(cfg, job, run, hp, resume, heldout, dev_tasks, wall0, warm_start,
+                           collector)
+    finally:
+        run.sinks.close()
+        run.sinks = None
+
+
+def _run_phases(cfg: Config, job: Job, run: RunDir, hp: GRPOHyperparams, resume: str | None,
+                heldout, dev_tasks, wall0: float, warm_start: bool, collector) -> dict[str, Any]:
     ckpt_dir = run.checkpoints
     if resume:
         ray.get(job.learner.start_rl.remote(hp))
@@ -588,8 +628,10 @@ def _run(cfg: Config, job: Job, run: RunDir, hp: GRPOHyperparams, resume: str | 
         run.log({"phase": "resume", "rl_step": start_step, "policy_version": version})
     else:
         job.start_orchestrator({}, 0)
-        warm = _warm_start(cfg, job, run, dev_tasks) if warm_start else {}
-        before = job.evaluate(heldout)
+        warm = _warm_start(cfg, job, run, dev_tasks, collector) if warm_start else {}
+        with profiling.span("eval", "driver", {"tasks": len(heldout)}):
+            before = job.evaluate(heldout)
+        collector.drain("eval", 0)
         run.log({"phase": "eval", "when": "before_rl", **before})
         _say(f"held-out before RL: success {before['success_rate']:.1%}"
              f"{_unfinished_episodes(before)} (tool use {before['tool_use_rate']:.1%}) on "
@@ -601,9 +643,13 @@ def _run(cfg: Config, job: Job, run: RunDir, hp: GRPOHyperparams, resume: str | 
         _checkpoint(job, run, ckpt_dir, cfg, before, warm)
 
     t_rl = time.monotonic()
+    collector.drain("rl", start_step)  # what came before RL stays out of step 1's window
+    collector.start_window()
     for step in range(start_step, cfg.learner.rl_steps):
         try:
-            refs, info = ray.get(job.orchestrator.next_batch.remote(), timeout=cfg.rollout.batch_timeout_s)
+            with profiling.span("next_batch_wait", "driver", {"step": step + 1}):
+                refs, info = ray.get(job.orchestrator.next_batch.remote(),
+                                     timeout=cfg.rollout.batch_timeout_s)
         except ray.exceptions.GetTimeoutError:
             stats = ray.get(job.orchestrator.stats.remote())
             raise RunError(
@@ -616,26 +662,27 @@ def _run(cfg: Config, job: Job, run: RunDir, hp: GRPOHyperparams, resume: str | 
                 f"rollout halted at RL step {step + 1}: {cause} Checkpoints up to the last one "
                 f"are in {ckpt_dir}; use --resume once the cause is fixed.") from None
         _preflight(preflight.check_batch, info, step + 1)  # nothing to learn from: stop
-        metrics = ray.get(job.learner.train_step.remote(refs))
-        job.publish_weights()
+        with profiling.span("train_step", "driver", {"step": step + 1}):
+            metrics = ray.get(job.learner.train_step.remote(refs))
+        with profiling.span("weight_publish", "driver"):
+            job.publish_weights()
         version = int(metrics["policy_version"])
         ray.get(job.orchestrator.mark_trained.remote(info["batch_id"], version))
         record = {"phase": "rl", "step": step + 1, **metrics,
                   **{k: v for k, v in info.items() if k != "statuses"},
-                  "statuses": info["statuses"]}
-        run.log(record)
-        if (step + 1) % cfg.run.log_every == 0 or step + 1 == cfg.learner.rl_steps:
-            _say(f"RL step {step + 1}/{cfg.learner.rl_steps}: reward {info['reward_mean']:.3f}  "
-                 f"tool use {info['tool_use_rate']:.1%}  loss {metrics['loss']:+.4f}  staleness<= "
-                 f"{info['staleness_max']}  |dlogp| {metrics['mismatch_logprob_abs_mean']:.4f}  "
-                 f"episodes<= {info['max_concurrent_episodes']}  ({time.monotonic() - t_rl:.0f} s)")
+                  "statuses": info["statuses"], **collector.window("rl", step + 1)}
+        run.log(record)  # the console view prints the step's headline numbers
         if (step + 1) % cfg.learner.checkpoint_every == 0 or step + 1 == cfg.learner.rl_steps:
-            _checkpoint(job, run, ckpt_dir, cfg, before, warm)
+            with profiling.span("checkpoint", "driver", {"step": step + 1}):
+                _checkpoint(job, run, ckpt_dir, cfg, before, warm)
 
     ray.get(job.orchestrator.stop.remote())
     engine_stats = job.engine_stats()
-    after = job.evaluate(heldout)
+    with profiling.span("eval", "driver", {"tasks": len(heldout)}):
+        after = job.evaluate(heldout)
+    collector.drain("eval", cfg.learner.rl_steps)
     run.log({"phase": "eval", "when": "after_rl", **after})
+    artifacts = profiling.write_artifacts(run.path)
     summary = {
         "run_dir": run.path,
         "env": cfg.env.name,
@@ -653,6 +700,9 @@ def _run(cfg: Config, job: Job, run: RunDir, hp: GRPOHyperparams, resume: str | 
         "engine_busy_fraction": engine_stats.get("busy_fraction"),
         "engine_policy_version": engine_stats.get("policy_version_received"),
         "eval_decoding": "greedy",
+        "bottleneck": artifacts.get("bottleneck", "unknown"),
+        "bottleneck_summary": artifacts.get("bottleneck_summary", ""),
+        "profile": {k: v for k, v in artifacts.items() if k.endswith("_path")},
         "orchestrator": {**{f"episodes_{s.value}": 0 for s in EpisodeStatus},
                          **ray.get(job.orchestrator.stats.remote())["counters"]},
     }

@@ -6,15 +6,17 @@ from typing import Any
 
 import jax
 
+from raytunix import profiling
 from raytunix.inference.engine import InferenceEngine
 from raytunix.models.llama import ModelConfig, init_model
 
 
-class EngineActor:
+class EngineActor(profiling.ProfiledActor):
     """Hosts one ``InferenceEngine`` replica (run with ``ray.remote``)."""
 
     def __init__(self, model_config: ModelConfig, seed: int, tokenizer,
                  engine_kwargs: dict[str, Any]):
+        profiling.configure("engine", "engine")
         graphdef, params = init_model(model_config, seed)
         self.engine = InferenceEngine(graphdef, params, model_config, tokenizer,
                                       **engine_kwargs)
@@ -33,7 +35,8 @@ class EngineActor:
     def update_weights(self, weights_and_version) -> int:
         """Takes ``(numpy params, version)`` as returned by ``LearnerActor.weights``."""
         params, version = weights_and_version
-        self.engine.update_weights(jax.device_put(params), version)
+        with profiling.span("weight_receive", "weights", {"version": version}):
+            self.engine.update_weights(jax.device_put(params), version)
         return version
 
     def engine_stats(self) -> dict:

@@ -75,6 +75,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from raytunix import profiling
 from raytunix.inference.kv_blocks import ROOT_KEY, BlockPool, PrefixCache, block_key
 from raytunix.inference.sampling import check_sampling_settings, sample_tokens, split_seed
 from raytunix.models.llama import (
@@ -208,6 +209,8 @@ class _Sequence:
     running: bool = False
     done: bool = False
     slot: int = -1  # row of the device token buffer while running
+    arrived_s: float = 0.0  # perf_counter when the request came in
+    admitted_s: float = 0.0  # perf_counter when it last got a slot
     pending: int = 0  # tokens sampled by launched steps the host has not taken in yet
     epoch: int = 0  # bumped by preemption: samples of steps launched before are dropped
 
@@ -394,7 +397,7 @@ class InferenceEngine:
         order = session.order if session is not None else self._arrivals
         seq = _Sequence(request=request, future=self._loop.create_future(), seed_lo=lo,
                         seed_hi=hi, order=order, context=list(request.prompt_ids),
-                        kv_version=_NO_KV)
+                        kv_version=_NO_KV, arrived_s=time.perf_counter())
         self._arrivals += 1
         self._by_id[request.request_id] = seq
         if request.session_id is not None:
@@ -682,6 +685,14 @@ class InferenceEngine:
         self._counters["requests_finished"] += 1
         self._by_id.pop(seq.request.request_id, None)
         if seq.running:
+            # One span per request on the track of the slot it held: who occupied the
+            # batch row, from admission to its end, and how long it queued before.
+            profiling.add("request", seq.admitted_s, time.perf_counter(), f"slot {seq.slot}",
+                          {"request_id": seq.request.request_id, "reason": reason.value,
+                           "prompt_tokens": len(seq.request.prompt_ids),
+                           "cached_tokens": seq.cached_tokens, "generated": len(seq.tokens),
+                           "queued_s": round(seq.admitted_s - seq.arrived_s, 6)},
+                          seq.request.session_id)
             self._stop_running(seq)
         else:
             try:
@@ -932,11 +943,14 @@ class InferenceEngine:
             while not self._closed:
                 self._wake.clear()
                 if self._pending_weights is not None:
+                    swap_start = time.perf_counter()
                     await self._drain()  # every sample in flight keeps its version
                     self._params, self._version = self._pending_weights
                     self._pending_weights = None
                     if self._kv_mode == "recompute":
                         self._drop_weights_kv()
+                    profiling.add("weight_swap", swap_start, time.perf_counter(), "weights",
+                                  {"version": self._version})
                 if self._paused:
                     await self._drain()
                     await self._wake.wait()
@@ -986,6 +1000,7 @@ class InferenceEngine:
             self._waiting.popleft()
             seq.running = True
             seq.slot = self._free_slots.pop()
+            seq.admitted_s = time.perf_counter()
             seq.prefill_wait = 0
             self._running.append(seq)
             held.update(seq.blocks)
@@ -1145,8 +1160,14 @@ class InferenceEngine:
                 sampled, logprobs, ready = await launch.result
                 # The device ran this call from its launch, or from the end of the call
                 # before it, to its samples being ready.
-                busy = max(0.0, ready - max(launch.start, self._last_ready))
+                began = max(launch.start, self._last_ready)
+                busy = max(0.0, ready - began)
                 self._last_ready = max(self._last_ready, ready)
+                profiling.add("prefill" if launch.prefill else "decode", began,
+                              max(began, ready), "steps",
+                              {"rows": len(launch.rows),
+                               "tokens": launch.prompt_fed + launch.generated_fed
+                               if launch.prefill else len(launch.rows)})
                 # Counted when done, so stats() describes steps the device has finished.
                 c = self._counters
                 c["busy_s"] += busy

@@ -12,16 +12,18 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from raytunix import profiling
 from raytunix.learner.checkpoint import Checkpointer
 from raytunix.learner.learner import GRPOHyperparams, Learner
 from raytunix.models.llama import ModelConfig
 
 
-class LearnerActor:
+class LearnerActor(profiling.ProfiledActor):
     """The learner as an actor (run with ``ray.remote``); the only writer of weights and of
     the policy version."""
 
     def __init__(self, model_config: ModelConfig, seed: int, pad_id: int):
+        profiling.configure("learner", "learner")
         self.learner = Learner(model_config, seed=seed, pad_id=pad_id)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="learner")
         self._demos = None
@@ -49,8 +51,10 @@ class LearnerActor:
     async def sft_steps(self, num_steps: int, batch_size: int) -> dict[str, float]:
         if self._demos is None:
             raise RuntimeError("set_demonstrations must come before sft_steps")
-        metrics = await self._in_thread(self.learner.sft_steps, *self._demos, num_steps, batch_size)
-        self._publish()
+        with profiling.span("sft_update", "learner", {"steps": num_steps}):
+            metrics = await self._in_thread(self.learner.sft_steps, *self._demos, num_steps,
+                                            batch_size)
+        self._publish_timed()
         return metrics
 
     # RL ----------------------------------------------------------------------------------
@@ -60,14 +64,22 @@ class LearnerActor:
     async def train_step(self, batch_refs: list) -> dict[str, float]:
         """One GRPO update on the batch behind ``batch_refs[0]`` (an ObjectRef in a list,
         so that Ray hands the reference over instead of the data)."""
-        batch = await batch_refs[0]
-        metrics = await self._in_thread(self.learner.train_step, batch)
-        self._publish()
+        with profiling.span("object_store_get", "learner"):
+            batch = await batch_refs[0]
+        with profiling.span("update", "learner", {"trajectories": batch.num_rows}) as args:
+            metrics = await self._in_thread(self.learner.train_step, batch)
+            args["policy_version"] = metrics.get("policy_version")
+        self._publish_timed()
         return metrics
+
+    def _publish_timed(self) -> None:
+        with profiling.span("weight_publish", "learner", {"version": self.learner.version}):
+            self._publish()
 
     def weights(self) -> tuple[Any, int]:
         """(numpy parameter pytree, policy version) for engines in other processes."""
-        return self.learner.weights_numpy(), self.learner.version
+        with profiling.span("weights_to_host", "learner", {"version": self.learner.version}):
+            return self.learner.weights_numpy(), self.learner.version
 
     def policy_version(self) -> int:
         return self.learner.version
@@ -75,7 +87,8 @@ class LearnerActor:
     # checkpoints ------------------------------------------------------------------------------
     async def save(self, directory: str, extras: dict[str, Any], max_to_keep: int = 3) -> int:
         ckpt = self._checkpointer(directory, max_to_keep)
-        await self._in_thread(self.learner.save, ckpt, extras)
+        with profiling.span("checkpoint", "learner", {"rl_step": self.learner.rl_step}):
+            await self._in_thread(self.learner.save, ckpt, extras)
         return self.learner.rl_step
 
     async def save_reference(self, directory: str) -> None:
@@ -86,7 +99,7 @@ class LearnerActor:
         reference = self._checkpointer(reference_directory, 1) if reference_directory else None
         extras = await self._in_thread(
             self.learner.restore, self._checkpointer(directory, max_to_keep), None, reference)
-        self._publish()
+        self._publish_timed()
         return extras
 
 
@@ -96,6 +109,7 @@ class PolicyActor(LearnerActor):
     def __init__(self, model_config: ModelConfig, seed: int, tokenizer,
                  engine_kwargs: dict[str, Any]):
         super().__init__(model_config, seed, tokenizer.pad_id)
+        profiling.configure("policy (learner + engine)", "policy")
         from raytunix.inference.engine import InferenceEngine
 
         self.engine = InferenceEngine(

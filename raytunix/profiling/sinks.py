@@ -246,7 +246,9 @@ def format_headline(record: Mapping[str, Any]) -> str:
               ("loss", "loss {:+.4f}"), ("generated_tokens_per_s", "tok/s {:.0f}"),
               ("engine_busy_fraction", "engine busy {:.0%}"),
               ("learner_busy_fraction", "learner busy {:.0%}"),
-              ("staleness_max", "staleness<= {:g}"), ("episodes_in_flight", "episodes {:g}"))
+              ("staleness_max", "staleness<= {:g}"),
+              ("mismatch_logprob_abs_mean", "|dlogp| {:.4f}"),
+              ("episodes_in_flight", "episodes {:g}"))
     flat = flatten_metrics(record)
     return "  ".join(fmt.format(flat[k]) for k, fmt in fields if k in flat)
 

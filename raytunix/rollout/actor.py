@@ -9,6 +9,7 @@ from typing import Any, Sequence
 
 import ray
 
+from raytunix import profiling
 from raytunix.agents import make_agent
 from raytunix.inference.router import EngineRouter
 from raytunix.plugins import add_import_paths
@@ -78,7 +79,7 @@ class RayEngineClient:
             raise EngineFailure(f"engine stats unavailable: {e}") from e
 
 
-class OrchestratorActor:
+class OrchestratorActor(profiling.ProfiledActor):
     """Owns the trajectory batches it puts into the object store (run with ``ray.remote``).
 
     Args:
@@ -100,6 +101,7 @@ class OrchestratorActor:
                  import_paths: Sequence[str] = (), **orchestrator_kwargs: Any):
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         add_import_paths(import_paths)
+        profiling.configure("orchestrator", "orchestrator")
         agent_kwargs = dict(agent_kwargs or {})
         make_agent(agent_name, tokenizer, **agent_kwargs)  # a bad agent fails here, at start
         self._pool = env_pool

@@ -21,6 +21,7 @@ from typing import Any, Awaitable, Callable, Sequence
 
 import ray
 
+from raytunix import profiling
 from raytunix.envs import make_env
 from raytunix.plugins import PluginError, add_import_paths
 from raytunix.types import Action, EnvFailure, RolloutHalted, StepResult, Task
@@ -37,7 +38,7 @@ class EnvBuildError(RuntimeError):
     message names the environment, the cause and what to do."""
 
 
-class EnvActor:
+class EnvActor(profiling.ProfiledActor):
     """Hosts environment instances keyed by episode id (run with ``ray.remote``).
 
     Args:
@@ -63,6 +64,7 @@ class EnvActor:
                  import_paths: Sequence[str] = ()):
         os.environ.setdefault("JAX_PLATFORMS", "cpu")  # never grab an accelerator
         add_import_paths(import_paths)
+        profiling.configure("env actor", "env")
         self._env_name = env_name
         self._env_kwargs = env_kwargs
         self._envs: dict[str, Any] = {}
@@ -119,13 +121,13 @@ class EnvActor:
     async def reset(self, episode_id: str, task: Task) -> str:
         env = make_env(self._env_name, **self._env_kwargs)
         self._envs[episode_id] = env
-        return await self._in_thread(env.reset, task)
+        return await self._in_thread(_recorded, "env_reset", episode_id, env.reset, task)
 
     async def step(self, episode_id: str, action: Action) -> StepResult:
         env = self._envs.get(episode_id)
         if env is None:
             raise KeyError(f"episode {episode_id!r} has no environment on this actor (restarted?)")
-        return await self._in_thread(env.step, action)
+        return await self._in_thread(_recorded, "env_step", episode_id, env.step, action)
 
     async def close(self, episode_id: str) -> None:
         env = self._envs.pop(episode_id, None)
@@ -140,6 +142,13 @@ class EnvActor:
 
     def pid(self) -> int:
         return os.getpid()
+
+
+def _recorded(name: str, episode_id: str, fn, *args):
+    """``fn(*args)`` in an env thread, recorded as a span of the episode: the time the
+    environment computed, without the wait for a free thread."""
+    with profiling.span(name, "env", flow=episode_id.rpartition("#")[0] or episode_id):
+        return fn(*args)
 
 
 class EnvPoolExhausted(RolloutHalted):
@@ -279,7 +288,9 @@ class EnvPool:
         async def on_actor_died() -> None:
             await self._check_alive(i)
 
-        return RemoteEnv(self.actors[i], f"{group_id}#{next(self._ids)}", on_actor_died), i
+        # Named after the episode when the orchestrator says which (its trace flow id).
+        key = profiling.current_flow.get() or group_id
+        return RemoteEnv(self.actors[i], f"{key}#{next(self._ids)}", on_actor_died), i
 
     @property
     def num_alive(self) -> int:

@@ -15,6 +15,7 @@ import math
 import random
 import time
 
+from raytunix import profiling
 from raytunix.rollout.faults import Backoff, RateLimitedLog, retry_async
 from raytunix.types import (
     TOOL_ERRORS_KEY,
@@ -86,7 +87,7 @@ async def run_episode(
       Exception: anything else raised by the agent, the parser or an engine/env client
         is a bug and propagates unchanged, never counted as an engine failure.
     """
-    start = time.monotonic()
+    start = time.perf_counter()
     # The episode's turns share one engine session: each turn prefills only its new tokens.
     session_id = f"{group_id}/{seed}"
     timings = {"generate_s": 0.0, "env_s": 0.0, TOOL_ERRORS_KEY: 0.0, "tool_calls": 0.0,
@@ -101,16 +102,18 @@ async def run_episode(
                           "engine call of %s failed (%r); retry %d in %.2f s",
                           group_id, error, attempt + 1, delay_s)
 
-    async def env_call(coro):
-        t0 = time.monotonic()
+    async def env_call(name: str, coro):
+        t0 = time.perf_counter()
         try:
             return await coro
         finally:
-            timings["env_s"] += time.monotonic() - t0
+            t1 = time.perf_counter()
+            timings["env_s"] += t1 - t0
+            profiling.add(name, t0, t1, "episodes", None, session_id)
 
     try:
         async with asyncio.timeout(timeout_s):
-            agent.reset(task, await env_call(env.reset(task)))
+            agent.reset(task, await env_call("env_reset", env.reset(task)))
             for turn in range(max_turns):
                 room = max_context_tokens - len(agent.token_ids) - 1
                 if room <= 0:
@@ -123,7 +126,7 @@ async def run_episode(
                     agent.next_request(f"{group_id}/{seed}/{turn}", turn_sampling,
                                        seed * MAX_TURN_SEEDS + turn),
                     session_id=session_id)
-                t0 = time.monotonic()
+                t0 = time.perf_counter()
                 try:
                     result = await retry_async(
                         lambda: engine.generate(request), engine_backoff,
@@ -132,7 +135,10 @@ async def run_episode(
                     if isinstance(e, EngineFailure):
                         raise
                     raise EngineFailure(f"engine call {request.request_id} failed: {e!r}") from e
-                timings["generate_s"] += time.monotonic() - t0
+                t1 = time.perf_counter()
+                timings["generate_s"] += t1 - t0
+                profiling.add("generate", t0, t1, "episodes",
+                              {"turn": turn, "tokens": len(result.token_ids)}, session_id)
                 action = agent.on_generation(result)
                 if result.finish_reason == FinishReason.ABORT:
                     status = EpisodeStatus.ABORTED
@@ -140,7 +146,7 @@ async def run_episode(
                 if result.finish_reason == FinishReason.LENGTH and not agent.turn_finished:
                     break  # the turn did not end (an agent may close a cut reply): TRUNCATED
                 timings["tool_calls"] += len(action.tool_calls)
-                step = await env_call(env.step(action))
+                step = await env_call("env_step", env.step(action))
                 if not math.isfinite(step.reward):
                     raise EnvFailure(
                         f"the environment returned reward {step.reward!r} for task "
@@ -180,7 +186,11 @@ async def run_episode(
     if is_infrastructure_failure(status):
         reward = 0.0
     timings["generated_tokens"] = float(agent.num_generated_tokens)
-    timings["wall_s"] = time.monotonic() - start
+    end = time.perf_counter()
+    timings["wall_s"] = end - start
     trajectory = agent.to_trajectory(task.task_id, group_id, reward, status, metrics=timings)
+    profiling.add("episode", start, end, "episodes",
+                  {"task_id": task.task_id, "status": status.value, "turns": trajectory.num_turns,
+                   "reward": reward}, session_id)
     trajectory.error = error
     return trajectory

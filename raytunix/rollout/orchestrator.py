@@ -57,6 +57,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from raytunix import profiling
 from raytunix.rollout.batch import trajectories_to_record_batch
 from raytunix.rollout.concurrency import ConcurrencyController, EngineLoadMeter
 from raytunix.rollout.episode import run_episode
@@ -489,6 +490,7 @@ class RolloutOrchestrator:
             restartable = one_version and version_restarts < self.max_weight_update_restarts
             engine = (_OneVersionEngine(self._engine, lambda: self._version) if restartable
                       else self._engine)
+            profiling.current_flow.set(f"{group_id}/{seed}")  # run_episode's session id
             env, release = self._env_provider(group_id)
             try:
                 trajectory = await run_episode(
@@ -577,9 +579,14 @@ class RolloutOrchestrator:
                     t.metrics["stale_tokens_accepted"] = float(_count_stale(t, oldest_allowed))
                     self.counters["stale_tokens_accepted"] += int(t.metrics["stale_tokens_accepted"])
             self._batch_members[batch_id] = [index for index, _ in chosen]
-            record_batch = trajectories_to_record_batch(trajectories)
-            info = self._batch_info(batch_id, consume_version, trajectories)
-            await self._queue.put((self._put(record_batch), info))
+            with profiling.span("batch_pack", "batches", {"batch_id": batch_id,
+                                                          "trajectories": len(trajectories)}):
+                record_batch = trajectories_to_record_batch(trajectories)
+                info = self._batch_info(batch_id, consume_version, trajectories)
+            with profiling.span("object_store_put", "batches",
+                                {"batch_id": batch_id, "bytes": record_batch.nbytes}):
+                handle = self._put(record_batch)
+            await self._queue.put((handle, info))
 
     def _apply_stale_token_policy(self, group: list[Trajectory], oldest_allowed: int) -> bool:
         """False if the group must be dropped as stale; under ``"mask"``, zeroes the loss
@@ -616,6 +623,7 @@ class RolloutOrchestrator:
             "generated_tokens_mean": float(np.mean([t.metrics.get("generated_tokens", 0.0) for t in trajectories])),
             "episode_generate_s_mean": float(np.mean([t.metrics.get("generate_s", 0.0) for t in trajectories])),
             "episode_env_s_mean": float(np.mean([t.metrics.get("env_s", 0.0) for t in trajectories])),
+            "staleness_min": int(min(staleness, default=0)),
             "staleness_max": int(max(staleness, default=0)),
             "staleness_mean": float(np.mean(staleness)) if staleness else 0.0,
             "stale_tokens_masked": int(sum(t.metrics.get("stale_tokens_masked", 0) for t in trajectories)),

@@ -26,6 +26,7 @@ from typing import Any, Mapping, Sequence
 
 import ray
 
+from raytunix import profiling
 from raytunix.sandbox.client import DEFAULT_POOL_NAME
 from raytunix.sandbox.sandbox import Sandbox
 from raytunix.sandbox.types import (
@@ -42,7 +43,7 @@ logger = logging.getLogger(__name__)
 _CPU_ONLY = {"env_vars": {"JAX_PLATFORMS": "cpu"}}  # never take the accelerator
 
 
-class SandboxActor:
+class SandboxActor(profiling.ProfiledActor):
     """Hosts one ``Sandbox`` (run with ``ray.remote``; see ``SandboxPool``).
 
     Args: as ``Sandbox``. The sandbox's directory is named after the actor id, so a
@@ -52,6 +53,7 @@ class SandboxActor:
     def __init__(self, limits: SandboxLimits, backend: str = "auto",
                  root_dir: str | None = None, ro_binds: Sequence[str] = ()) -> None:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        profiling.configure("sandbox", "sandbox")
         actor_id = ray.get_runtime_context().get_actor_id() or f"p{os.getpid()}"
         self._sandbox = Sandbox(limits, backend=backend, root_dir=root_dir,
                                 instance=f"actor-{actor_id}", ro_binds=ro_binds)
@@ -66,7 +68,8 @@ class SandboxActor:
             limits: SandboxLimits | None = None) -> SandboxResult:
         with self._count_lock:
             self._runs += 1
-        return self._sandbox.run(workspace, argv, stdin=stdin, env=env, limits=limits)
+        with profiling.span("sandbox_run", "sandbox", {"argv0": str(argv[0]) if argv else ""}):
+            return self._sandbox.run(workspace, argv, stdin=stdin, env=env, limits=limits)
 
     def close_workspace(self, workspace: str) -> None:
         self._sandbox.close_workspace(workspace)

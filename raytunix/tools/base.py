@@ -19,6 +19,7 @@ import time
 import logging
 from typing import Any, ClassVar
 
+from raytunix import profiling
 from raytunix.types import EnvFailure, ToolErrorKind
 
 logger = logging.getLogger(__name__)
@@ -104,16 +105,29 @@ class Tool(abc.ABC):
             kind = ToolErrorKind.TOOL_EXCEPTION
             try:
                 output = self.run(**arguments)
-                return ToolResult(output=output, latency_s=time.perf_counter() - start)
+                return self._recorded(ToolResult(output=output,
+                                                 latency_s=time.perf_counter() - start), start)
             except ToolError as e:
                 error, kind = str(e), e.kind
             except EnvFailure:
+                profiling.add("tool_call", start, time.perf_counter(), f"tool {self.name}",
+                              {"tool": self.name, "error": "env_failure"})
                 raise
             except Exception as e:  # noqa: BLE001 - a tool bug is reported to the model and logged
                 logger.warning("tool %r raised %r on %r", self.name, e, arguments, exc_info=True)
                 error = f"{self.name} failed with {type(e).__name__}: {_short(str(e))}"
-        return ToolResult(output="", error=error, latency_s=time.perf_counter() - start,
-                          error_kind=kind)
+        return self._recorded(ToolResult(output="", error=error,
+                                         latency_s=time.perf_counter() - start,
+                                         error_kind=kind), start)
+
+    def _recorded(self, result: ToolResult, start: float) -> ToolResult:
+        """Records the call as a ``tool_call`` span on this tool's track (latency per
+        tool, errors by kind), then returns ``result``."""
+        args = {"tool": self.name}
+        if result.error_kind is not None:
+            args["error"] = result.error_kind.value
+        profiling.add("tool_call", start, start + result.latency_s, f"tool {self.name}", args)
+        return result
 
     def close(self) -> None:
         """Releases what the tool holds (a sandbox work dir...); nothing by default. The

@@ -1,0 +1,117 @@
+"""The driver's side of profiling: drain every actor's spans once per window into the run
+directory, and turn them into that window's metrics.
+
+``RUN_DIR/profile/spans.jsonl`` gets one line per process per drain: the
+``Recorder.drain()`` result plus ``phase`` (``warmup``, ``eval``, ``rl``) and ``step``.
+The file only grows by appends, so a run killed mid-write loses at most its last line
+(readers skip a torn line).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any, Callable, Iterable
+
+from raytunix.profiling import spans
+from raytunix.profiling.metrics import WindowMetrics
+
+logger = logging.getLogger(__name__)
+
+DRAIN_TIMEOUT_S = 30.0  # an actor that does not answer in this time is skipped this window
+
+ActorList = Callable[[], Iterable[tuple[str, Any]]]  # -> (name, actor handle) pairs
+
+
+def spans_path(run_dir: str) -> str:
+    return os.path.join(run_dir, "profile", "spans.jsonl")
+
+
+class Collector:
+    """Drains the run's actors (``ProfiledActor.profile_drain``) and this process.
+
+    Args:
+      run_dir: the run directory (``profile/`` is made in it).
+      actors: called at each drain: the actors to drain now, as ``(name, handle)``
+        pairs; the name becomes the process's name in the trace (``engine 0``,
+        ``env actor 1``...). The set may change between drains (an orchestrator
+        re-created, an env actor restarted).
+      max_batch_size: the engine's decode rows, for ``engine_batch_occupancy``.
+      timeout_s: how long one drain waits for the actors; a dead or slow actor is
+        skipped (warned once), never fatal.
+    """
+
+    def __init__(self, run_dir: str, actors: ActorList, max_batch_size: int | None = None,
+                 timeout_s: float = DRAIN_TIMEOUT_S):
+        self.path = spans_path(run_dir)
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        self._actors = actors
+        self._timeout_s = timeout_s
+        self._metrics = WindowMetrics(max_batch_size)
+        self._window_start = time.perf_counter()
+        self._warned: set[str] = set()
+        spans.configure("driver", "driver")
+
+    def start_window(self) -> None:
+        """Starts a new window now (what was recorded before still goes into the next
+        drain; only the window's length, the metrics' denominator, restarts)."""
+        self._window_start = time.perf_counter()
+
+    def drain(self, phase: str, step: int) -> list[dict[str, Any]]:
+        """Drains every process, appends the chunks to ``spans.jsonl``, returns them."""
+        import ray
+
+        named = list(self._actors())
+        refs = []
+        for name, handle in named:
+            try:
+                refs.append((name, handle.profile_drain.remote()))
+            except Exception as e:  # noqa: BLE001 - a handle of a dead actor: skip it
+                self._warn(name, e)
+        chunks = []
+        if refs:
+            ready, _ = ray.wait([ref for _, ref in refs], num_returns=len(refs),
+                                timeout=self._timeout_s)
+            ready = set(ready)
+            for name, ref in refs:
+                if ref not in ready:
+                    self._warn(name, TimeoutError(f"no answer in {self._timeout_s:.0f} s"))
+                    continue
+                try:
+                    chunk = ray.get(ref)
+                except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+                    self._warn(name, e)
+                    continue
+                chunk["process"] = name
+                chunks.append(chunk)
+        chunks.append(spans.recorder().drain())
+        try:
+            with open(self.path, "a") as f:
+                for chunk in chunks:
+                    f.write(json.dumps(dict(chunk, phase=phase, step=step),
+                                       separators=(",", ":"), default=_jsonable) + "\n")
+        except OSError as e:  # a full disk must not stop training
+            self._warn("spans.jsonl", e)
+        return chunks
+
+    def window(self, phase: str, step: int) -> dict[str, float]:
+        """Drains (``drain``) and returns the metrics of the window ending now; the next
+        window starts."""
+        chunks = self.drain(phase, step)
+        now = time.perf_counter()
+        metrics = self._metrics.compute(chunks, max(now - self._window_start, 1e-9))
+        self._window_start = now
+        return metrics
+
+    def _warn(self, name: str, error: BaseException) -> None:
+        if name not in self._warned:
+            self._warned.add(name)
+            logger.warning("profiling: skipped %s (%r); its spans of this window are lost",
+                           name, error)
+
+
+def _jsonable(value: Any) -> Any:
+    """Span args are meant to be plain; anything else is written as its text."""
+    return str(value)

@@ -1,0 +1,317 @@
+"""The bottleneck report: which resource bounded a run's throughput, the evidence, and
+what to change.
+
+Read from the run directory: the RL steps' metrics in ``metrics.jsonl`` (each step's
+window, see ``raytunix.profiling.metrics``), the settings in ``config.yaml``, and the tool
+calls in ``profile/spans.jsonl``. The verdict follows where the waiting is, in this order:
+
+1. **learner**: the learner waits for rollouts less than ``LEARNER_WAIT_LOW`` of the time
+   while updating at least ``LEARNER_BUSY_HIGH`` of it — batches are ready before it asks.
+2. **orchestrator**: the orchestrator's process is CPU-saturated
+   (``ORCHESTRATOR_CPU_HIGH`` of a core), or episodes spend most of their time
+   (``EPISODE_OTHER_HIGH``) neither generating nor in the environment: waiting for the
+   orchestrator's own event loop.
+3. **environment/tools**: episodes wait longer on environment steps (tools, sandboxes)
+   than on generation.
+4. **engine**: episodes wait mostly on generation. With the engine busy at least
+   ``ENGINE_BUSY_HIGH`` it is at capacity (add replicas, or rows if its batches are full);
+   below that its batches run part-empty (raise the number of episodes in flight).
+
+Fractions are means over the RL steps weighted by step length, leaving out the first
+step when there are three or more (it includes compiling).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Iterable
+
+from raytunix.profiling.metrics import percentiles
+
+LEARNER_WAIT_LOW = 0.3
+LEARNER_BUSY_HIGH = 0.4
+ORCHESTRATOR_CPU_HIGH = 0.85
+EPISODE_OTHER_HIGH = 0.5
+ENGINE_BUSY_HIGH = 0.75
+TARGET_ENGINE_BUSY = 0.9
+
+RESOURCES = ("engine", "environment/tools", "learner", "orchestrator")
+
+
+@dataclasses.dataclass
+class Verdict:
+    """What bounded the run.
+
+    Attributes:
+      resource: one of ``RESOURCES``, or ``"unknown"`` when the run has no RL step to
+        judge.
+      summary: one sentence: the resource, the deciding numbers, what to change.
+      evidence: ``{metric: value}`` the decision read (fractions in [0, 1], seconds).
+      advice: what to change, most useful first.
+    """
+
+    resource: str
+    summary: str
+    evidence: dict[str, float]
+    advice: list[str]
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+    """The JSON objects of a JSONL file; a torn or corrupt line (a crash mid-write) is
+    skipped. A missing file gives []."""
+    records = []
+    if not os.path.exists(path):
+        return records
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict):
+                records.append(record)
+    return records
+
+
+def rl_steps(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The RL step records, the last of each step kept (a resumed run logs some twice)."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for record in records:
+        if record.get("phase") == "rl" and "step" in record:
+            by_step[int(record["step"])] = record
+    return [by_step[step] for step in sorted(by_step)]
+
+
+def weighted_means(steps: list[dict[str, Any]]) -> dict[str, float]:
+    """Each numeric metric's mean over ``steps``, weighted by ``window_s`` (1 where a
+    step has none); the first step is left out when there are three or more."""
+    if len(steps) >= 3:
+        steps = steps[1:]
+    sums: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    for step in steps:
+        w = float(step.get("window_s") or 1.0)
+        for key, value in step.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            if not math.isfinite(value):
+                continue
+            sums[key] = sums.get(key, 0.0) + w * value
+            weights[key] = weights.get(key, 0.0) + w
+    return {key: sums[key] / weights[key] for key in sums if weights[key] > 0}
+
+
+def diagnose(means: dict[str, float], settings: dict[str, Any] | None = None) -> Verdict:
+    """The verdict from a run's mean metrics (``weighted_means``).
+
+    Args:
+      means: fractions and latencies as ``WindowMetrics`` names them; missing ones count
+        as unknown, never as zero evidence.
+      settings: the run's config as a nested dict (``config.yaml``), for the advice
+        (current ``rollout.max_concurrent_episodes``, ``env.num_env_actors``...).
+    """
+    settings = settings or {}
+    rollout, env = settings.get("rollout", {}), settings.get("env", {})
+    engine_cfg = settings.get("engine", {})
+    if "episode_generate_fraction" not in means and "learner_busy_fraction" not in means:
+        return Verdict("unknown", "no RL step was profiled, so nothing bounded the run yet.",
+                       {}, [])
+    E = means.get("engine_busy_fraction", float("nan"))
+    L = means.get("learner_busy_fraction", float("nan"))
+    W = means.get("learner_wait_fraction", float("nan"))
+    g = means.get("episode_generate_fraction", 0.0)
+    v = means.get("episode_env_fraction", 0.0)
+    o = means.get("episode_other_fraction", 0.0)
+    O = means.get("orchestrator_cpu_fraction", float("nan"))
+    occupancy = means.get("engine_batch_occupancy", float("nan"))
+    episodes = means.get("max_concurrent_episodes",
+                         float(rollout.get("max_concurrent_episodes", 0) or 0))
+    evidence = {k: means[k] for k in (
+        "engine_busy_fraction", "engine_batch_occupancy", "learner_busy_fraction",
+        "learner_wait_fraction", "episode_generate_fraction", "episode_env_fraction",
+        "episode_other_fraction", "orchestrator_cpu_fraction", "env_cpu_fraction",
+        "trajectories_per_s", "generated_tokens_per_s", "max_concurrent_episodes",
+        "engine_queue_wait_s_mean") if k in means}
+
+    def more_episodes() -> str:
+        if not (episodes > 0 and E > 0):
+            return "raise rollout.max_concurrent_episodes"
+        wanted = int(math.ceil(episodes * TARGET_ENGINE_BUSY / max(E, 0.05)))
+        return (f"raise rollout.max_concurrent_episodes from {episodes:.0f} to "
+                f"~{max(wanted, int(episodes) + 1)} (or rollout.adaptive_max_episodes, with "
+                "adaptive concurrency on)")
+
+    if not math.isnan(W) and W < LEARNER_WAIT_LOW and not math.isnan(L) and L >= LEARNER_BUSY_HIGH:
+        colocated = engine_cfg.get("placement", "colocated") == "colocated"
+        advice = ["make the update cheaper: fewer trajectories per batch "
+                  "(rollout.groups_per_batch) or a smaller model"]
+        if colocated:
+            advice.insert(0, "run the engine on its own device (engine.placement="
+                             "disaggregated): colocated, updates and decoding share one")
+        advice.append("let rollouts run further ahead of the learner (rollout.max_staleness "
+                      f"{rollout.get('max_staleness', '?')} -> more, with off-policy "
+                      "correction) so the engine does not idle during updates")
+        summary = (f"learner: it updated {L:.0%} of the time and waited for rollouts only "
+                   f"{W:.0%}; batches were ready before it asked (engine busy "
+                   f"{_pct(E)}). {advice[0][0].upper() + advice[0][1:]}.")
+        return Verdict("learner", summary, evidence, advice)
+    if (not math.isnan(O) and O >= ORCHESTRATOR_CPU_HIGH) or o >= EPISODE_OTHER_HIGH:
+        advice = ["cut per-turn work in the agent/parser or the orchestrator (profile the "
+                  "orchestrator actor with py-spy)",
+                  "fewer episodes in flight per orchestrator, or shard episodes across "
+                  "orchestrators"]
+        summary = (f"orchestrator: its process used {_pct(O)} of a core and episodes "
+                   f"spent {o:.0%} of their time waiting on it (generation {g:.0%}, "
+                   f"environment {v:.0%}). {advice[0][0].upper() + advice[0][1:]}.")
+        return Verdict("orchestrator", summary, evidence, advice)
+    if v > g:
+        advice = [more_episodes()]
+        env_cpu = means.get("env_cpu_fraction", float("nan"))
+        actors = env.get("num_env_actors")
+        if not math.isnan(env_cpu) and env_cpu >= 0.7 and actors:
+            advice.insert(0, f"add env actors (env.num_env_actors {actors} -> {2 * int(actors)}): "
+                             f"they are CPU-bound ({env_cpu:.0%} of a core each)")
+        elif actors:
+            advice.append(f"or add env actors (env.num_env_actors {actors} -> {2 * int(actors)})")
+        slow = _slowest_tool(means)
+        if slow:
+            advice.append(f"speed up or time-limit the slowest tool: {slow}")
+        summary = (f"environment/tools: engine busy {_pct(E)}; episodes wait on the "
+                   f"environment and its tools {v:.0%} of the time (generation {g:.0%}); "
+                   f"{advice[0]}.")
+        return Verdict("environment/tools", summary, evidence, advice)
+    if not math.isnan(E) and E >= ENGINE_BUSY_HIGH:
+        advice = ["add engine replicas (engine.num_replicas"
+                  f" {engine_cfg.get('num_replicas', 1)} -> more) or a faster device"]
+        if not math.isnan(occupancy) and occupancy >= 0.9:
+            advice.insert(0, f"batches are full ({occupancy:.0%} of engine.max_batch_size="
+                             f"{engine_cfg.get('max_batch_size', '?')}): raise "
+                             "engine.max_batch_size if KV memory allows")
+        advice.append("shorter generations (rollout.max_new_tokens) cost less engine time")
+        summary = (f"engine: busy {E:.0%} of the time and episodes wait on generation "
+                   f"{g:.0%} of theirs (environment {v:.0%}); {advice[0]}.")
+        return Verdict("engine", summary, evidence, advice)
+    advice = [more_episodes()]
+    summary = (f"engine: episodes wait on generation {g:.0%} of their time (environment "
+               f"{v:.0%}), but the engine is busy only {_pct(E)} with batches "
+               f"{_pct(occupancy)} full: too few episodes in flight keep it fed; "
+               f"{advice[0]}.")
+    return Verdict("engine", summary, evidence, advice)
+
+
+def _pct(x: float) -> str:
+    return "n/a" if x is None or math.isnan(x) else f"{x:.0%}"
+
+
+def _slowest_tool(means: dict[str, float]) -> str:
+    p90 = {key.split("/")[1]: value for key, value in means.items()
+           if key.startswith("tool_latency_s/") and key.endswith("/p90")}
+    if not p90:
+        return ""
+    tool = max(p90, key=p90.get)
+    return f"{tool} (p90 {p90[tool] * 1000:.0f} ms)"
+
+
+def tool_latencies(spans_path: str) -> dict[str, dict[str, float]]:
+    """``{tool: {"calls", "p50", "p90", "p99", "errors"}}`` over the whole run, from the
+    ``tool_call`` spans in ``spans.jsonl`` (seconds)."""
+    latencies: dict[str, list[float]] = {}
+    errors: dict[str, int] = {}
+    for chunk in read_jsonl(spans_path):
+        for span in chunk.get("spans", ()):
+            if len(span) < 5 or span[0] != "tool_call":
+                continue
+            args = span[4] or {}
+            tool = args.get("tool") or str(span[1]).removeprefix("tool ")
+            latencies.setdefault(tool, []).append(max(0.0, span[3] - span[2]))
+            errors[tool] = errors.get(tool, 0) + bool(args.get("error"))
+    return {tool: {"calls": float(len(values)), **percentiles(values),
+                   "errors": float(errors.get(tool, 0))}
+            for tool, values in latencies.items()}
+
+
+def write_report(run_dir: str) -> tuple[str, Verdict]:
+    """Writes ``RUN_DIR/report.txt``; returns its path and the verdict.
+
+    Raises:
+      FileNotFoundError: ``run_dir`` has no ``metrics.jsonl`` (not a run directory, or
+        one that stopped before it logged anything).
+    """
+    import yaml
+
+    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(metrics_path):
+        raise FileNotFoundError(
+            f"{run_dir!r} has no metrics.jsonl; pass a run directory that `raytunix train` "
+            "wrote (under runs/).")
+    records = read_jsonl(metrics_path)
+    steps = rl_steps(records)
+    settings: dict[str, Any] = {}
+    config_path = os.path.join(run_dir, "config.yaml")
+    if os.path.exists(config_path):
+        with open(config_path) as f:
+            try:
+                settings = yaml.safe_load(f) or {}
+            except yaml.YAMLError:
+                settings = {}
+    means = weighted_means(steps)
+    verdict = diagnose(means, settings)
+    tools = tool_latencies(os.path.join(run_dir, "profile", "spans.jsonl"))
+    lines = [f"raytunix bottleneck report: {os.path.abspath(run_dir)}",
+             f"RL steps profiled: {len(steps)}"
+             + (" (the first left out of the means: it includes compiling)" if len(steps) >= 3 else ""),
+             "",
+             f"Bounded by: {verdict.resource}",
+             f"  {verdict.summary}",
+             ""]
+    if verdict.advice:
+        lines.append("What to change:")
+        lines += [f"  - {a}" for a in verdict.advice]
+        lines.append("")
+    lines.append("Evidence (means over RL steps, weighted by step time):")
+    for key, value in _evidence_rows(means):
+        lines.append(f"  {key:<34} {value}")
+    if tools:
+        lines += ["", "Tool latency over the run (seconds):",
+                  f"  {'tool':<20} {'calls':>7} {'p50':>9} {'p90':>9} {'p99':>9} {'errors':>7}"]
+        for tool, row in sorted(tools.items()):
+            lines.append(f"  {tool:<20} {row['calls']:>7.0f} {row.get('p50', 0):>9.4f} "
+                         f"{row.get('p90', 0):>9.4f} {row.get('p99', 0):>9.4f} "
+                         f"{row['errors']:>7.0f}")
+    path = os.path.join(run_dir, "report.txt")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return path, verdict
+
+
+_EVIDENCE = (
+    ("engine_busy_fraction", "engine busy", "pct"),
+    ("engine_prefill_fraction", "  of it prefill", "pct"),
+    ("engine_batch_occupancy", "engine batch occupancy", "pct"),
+    ("engine_queue_wait_s_mean", "request wait for a slot (s)", "num"),
+    ("learner_busy_fraction", "learner busy (updates)", "pct"),
+    ("learner_wait_fraction", "learner waiting for rollouts", "pct"),
+    ("episode_generate_fraction", "episode time: generation", "pct"),
+    ("episode_env_fraction", "episode time: environment/tools", "pct"),
+    ("episode_other_fraction", "episode time: other", "pct"),
+    ("orchestrator_cpu_fraction", "orchestrator CPU (cores)", "pct"),
+    ("env_cpu_fraction", "env actor CPU (cores, mean)", "pct"),
+    ("trajectories_per_s", "trajectories/s", "num"),
+    ("generated_tokens_per_s", "generated tokens/s", "num"),
+    ("max_concurrent_episodes", "episodes in flight (budget)", "num"),
+    ("staleness_max", "staleness max (versions)", "num"),
+    ("weight_publish_s", "weight publish per step (s)", "num"),
+    ("spans_dropped", "spans dropped per step", "num"),
+)
+
+
+def _evidence_rows(means: dict[str, float]) -> list[tuple[str, str]]:
+    rows = []
+    for key, label, fmt in _EVIDENCE:
+        if key in means:
+            value = means[key]
+            rows.append((label, f"{value:.1%}" if fmt == "pct" else f"{value:.4g}"))
+    return rows
