@@ -52,6 +52,7 @@ class Collector:
         self._metrics = WindowMetrics(max_batch_size)
         self._window_start = time.perf_counter()
         self._warned: set[str] = set()
+        self.last_chunks: list[dict[str, Any]] = []  # of the last ``window``
         spans.configure("driver", "driver")
 
     def start_window(self) -> None:
@@ -99,7 +100,7 @@ class Collector:
     def window(self, phase: str, step: int) -> dict[str, float]:
         """Drains (``drain``) and returns the metrics of the window ending now; the next
         window starts."""
-        chunks = self.drain(phase, step)
+        chunks = self.last_chunks = self.drain(phase, step)
         now = time.perf_counter()
         metrics = self._metrics.compute(chunks, max(now - self._window_start, 1e-9))
         self._window_start = now

@@ -17,10 +17,11 @@ process for everything). What each metric reads:
                                 learner waiting for rollouts
 ``trajectories_per_s``          ``episode`` spans ended / window
 ``generated_tokens_per_s``      ``tokens`` of ``generate`` spans / window
-``episode_generate_fraction``   of the episodes' seconds, the share spent waiting on the
-``episode_env_fraction``        engine (``generate``), on the environment and its tools
-``episode_other_fraction``      (``env_step``, ``env_reset``), and on neither (the
-                                orchestrator's own work, queueing for its event loop)
+``episode_generate_fraction``   of the seconds of the episodes that ended in the window,
+``episode_env_fraction``        the share spent waiting on the engine, on the environment
+``episode_other_fraction``      and its tools, and on neither (the orchestrator's own
+                                work, queueing for its event loop): ``generate_s`` and
+                                ``env_s`` in the args of each ``episode`` span
 ``tool_latency_s/<tool>/pXX``   percentiles 50/90/99 of ``tool_call`` seconds per tool;
                                 ``tool_calls/<tool>``, ``tool_call_errors/<kind>``
 ``env_step_latency_s/pXX``      percentiles of ``env_step`` seconds in env actors
@@ -44,6 +45,7 @@ import numpy as np
 ENGINE_STEP_SPANS = ("prefill", "decode")
 ENGINE_KINDS = ("engine", "policy")
 EPISODE_ENV_SPANS = ("env_step", "env_reset")
+EPISODE_TRACK = "episodes"  # the orchestrator's spans of an episode (run_episode)
 PERCENTILES = (50, 90, 99)
 
 
@@ -112,6 +114,8 @@ class WindowMetrics:
                     continue
                 if name in ENGINE_STEP_SPANS:
                     engine_processes.add(key)
+                if track == EPISODE_TRACK and name in EPISODE_ENV_SPANS:
+                    continue  # the episode's wait, summed in its ``episode`` span's args
                 by_name[name].append((seconds, args))
 
         def total(name: str) -> float:
@@ -143,8 +147,10 @@ class WindowMetrics:
         out["generated_tokens_per_s"] = tokens / window_s
         episode_s = sum(seconds for seconds, _ in episodes)
         if episode_s > 0:
-            generate_s = total("generate")
-            env_s = sum(total(name) for name in EPISODE_ENV_SPANS)
+            # From the episodes that ended in the window (their span carries its totals),
+            # so an episode's turns never count in one window and its length in another.
+            generate_s = sum(float((a or {}).get("generate_s", 0.0)) for _, a in episodes)
+            env_s = sum(float((a or {}).get("env_s", 0.0)) for _, a in episodes)
             out["episode_generate_fraction"] = min(1.0, generate_s / episode_s)
             out["episode_env_fraction"] = min(1.0, env_s / episode_s)
             out["episode_other_fraction"] = max(0.0, 1.0 - (generate_s + env_s) / episode_s)

@@ -191,6 +191,7 @@ async def run_episode(
     trajectory = agent.to_trajectory(task.task_id, group_id, reward, status, metrics=timings)
     profiling.add("episode", start, end, "episodes",
                   {"task_id": task.task_id, "status": status.value, "turns": trajectory.num_turns,
-                   "reward": reward}, session_id)
+                   "reward": reward, "generate_s": timings["generate_s"],
+                   "env_s": timings["env_s"]}, session_id)
     trajectory.error = error
     return trajectory

@@ -1,0 +1,379 @@
+"""Profiling: the span recorder, the window metrics, the driver's collector, and the
+bottleneck report — the last on three scripted runs (slow tools, a slow engine, a slow
+learner) made of the real orchestrator, engine, env actors and learner."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+
+import pytest
+import yaml
+
+from raytunix import profiling
+from raytunix.profiling.collect import Collector
+from raytunix.profiling.metrics import WindowMetrics, percentiles
+from raytunix.profiling.report import diagnose, read_jsonl, weighted_means, write_report
+from raytunix.profiling.spans import Recorder
+
+
+# ------------------------------------------------------------------------- the recorder
+
+def test_recorder_keeps_spans_in_order_and_drain_empties_it():
+    rec = Recorder("engine 0", "engine")
+    rec.add("decode", 1.0, 1.5, "steps", {"rows": 3})
+    rec.add("request", 0.5, 1.5, "slot 2", None, "g1/7")
+    chunk = rec.drain()
+    assert chunk["process"] == "engine 0" and chunk["kind"] == "engine"
+    assert chunk["pid"] == os.getpid() and chunk["dropped"] == 0
+    assert [list(s) for s in chunk["spans"]] == [
+        ["decode", "steps", 1.0, 1.5, {"rows": 3}, None],
+        ["request", "slot 2", 0.5, 1.5, None, "g1/7"]]
+    assert abs(chunk["clock_offset_s"] + time.perf_counter() - time.time()) < 1.0
+    assert rec.drain()["spans"] == []
+
+
+def test_full_ring_buffer_drops_the_oldest_spans_and_counts_them():
+    rec = Recorder("p", "env", capacity=5)
+    for i in range(8):
+        rec.add("env_step", float(i), i + 0.5)
+    chunk = rec.drain()
+    assert [s[2] for s in chunk["spans"]] == [3.0, 4.0, 5.0, 6.0, 7.0]
+    assert chunk["dropped"] == 3
+    assert rec.drain()["dropped"] == 0
+
+
+def test_span_context_records_a_failure_and_lets_it_propagate():
+    rec = Recorder("p", "env")
+    with pytest.raises(KeyError):
+        with rec.span("env_step", "env", {"turn": 1}, flow="e1"):
+            raise KeyError("boom")
+    (name, track, start, end, args, flow), = rec.drain()["spans"]
+    assert (name, track, flow) == ("env_step", "env", "e1")
+    assert args == {"turn": 1, "error": "KeyError"} and end >= start
+
+
+def test_disabled_recorder_records_nothing():
+    rec = Recorder("p", "env", enabled=False)
+    rec.add("x", 0.0, 1.0)
+    with rec.span("y"):
+        pass
+    assert rec.drain()["spans"] == []
+
+
+def test_threads_recording_while_the_driver_drains_lose_no_span():
+    rec = Recorder("p", "env")
+    per_thread, threads = 20_000, 4
+    drained: list = []
+    done = threading.Event()
+
+    def record(t: int) -> None:
+        for i in range(per_thread):
+            rec.add("tool_call", float(i), float(i), f"tool t{t}")
+
+    def drain() -> None:
+        while not done.is_set():
+            drained.extend(rec.drain()["spans"])
+
+    drainer = threading.Thread(target=drain)
+    drainer.start()
+    workers = [threading.Thread(target=record, args=(t,)) for t in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    done.set()
+    drainer.join()
+    drained.extend(rec.drain()["spans"])
+    assert len(drained) == per_thread * threads
+
+
+# ------------------------------------------------------------------------- window metrics
+
+def _chunk(process, kind, spans, pid=1, cpu_s=None, now_s=None):
+    chunk = {"process": process, "kind": kind, "pid": pid, "host": "h", "dropped": 0,
+             "clock_offset_s": 0.0, "spans": spans}
+    if cpu_s is not None:
+        chunk.update(cpu_s=cpu_s, now_s=now_s)
+    return chunk
+
+
+def test_window_metrics_from_hand_made_spans():
+    engine = _chunk("engine 0", "engine", [
+        ["prefill", "steps", 0.0, 0.5, {"rows": 2, "tokens": 100}, None],
+        ["decode", "steps", 0.5, 1.5, {"rows": 4, "tokens": 4}, None],
+        ["decode", "steps", 1.5, 2.5, {"rows": 2, "tokens": 2}, None],
+        ["request", "slot 0", 0.0, 2.5, {"queued_s": 0.2}, "g/1"],
+        ["request", "slot 1", 0.0, 2.5, {"queued_s": 0.4}, "g/2"]], pid=1)
+    learner = _chunk("learner", "learner", [["update", "learner", 0.0, 2.0, None, None]], pid=2)
+    driver = _chunk("driver", "driver", [
+        ["next_batch_wait", "driver", 0.0, 6.0, None, None]], pid=3)
+    orchestrator = _chunk("orchestrator", "orchestrator", [
+        ["episode", "episodes", 0.0, 4.0, {"generate_s": 1.0, "env_s": 2.0}, "g/1"],
+        ["generate", "episodes", 0.0, 1.0, {"turn": 0, "tokens": 30}, "g/1"],
+        ["env_step", "episodes", 1.0, 3.0, None, "g/1"],
+        ["episode", "episodes", 0.0, 6.0, {"generate_s": 2.0, "env_s": 0.5}, "g/2"],
+        # a turn of an episode still running: counted when that episode ends
+        ["generate", "episodes", 0.0, 9.0, {"turn": 0, "tokens": 0}, "g/3"],
+        ["generate", "episodes", 0.0, 2.0, {"turn": 0, "tokens": 10}, "g/2"],
+        ["env_reset", "episodes", 2.0, 2.5, None, "g/2"]], pid=4)
+    env = _chunk("env actor 0", "env", [
+        ["tool_call", "tool calculator", 0.0, 0.1, {"tool": "calculator"}, None],
+        ["tool_call", "tool calculator", 0.0, 0.3, {"tool": "calculator",
+                                                    "error": "timeout"}, None],
+        ["tool_call", "tool search", 0.0, 0.2, {"tool": "search"}, None],
+        ["env_step", "env", 0.0, 0.4, None, "g/1"]], pid=5)
+    m = WindowMetrics(max_batch_size=8).compute([engine, learner, driver, orchestrator, env],
+                                                window_s=10.0)
+    assert m["window_s"] == 10.0
+    assert m["engine_busy_fraction"] == pytest.approx(2.5 / 10)
+    assert m["engine_prefill_fraction"] == pytest.approx(0.5 / 10)
+    assert m["engine_decode_rows_mean"] == pytest.approx(3.0)
+    assert m["engine_batch_occupancy"] == pytest.approx(3.0 / 8)
+    assert m["engine_queue_wait_s_mean"] == pytest.approx(0.3)
+    assert m["learner_busy_fraction"] == pytest.approx(0.2)
+    assert m["learner_idle_fraction"] == pytest.approx(0.8)
+    assert m["learner_wait_fraction"] == pytest.approx(0.6)
+    assert m["trajectories_per_s"] == pytest.approx(0.2)
+    assert m["generated_tokens_per_s"] == pytest.approx(4.0)
+    assert m["episode_generate_fraction"] == pytest.approx(3.0 / 10)
+    assert m["episode_env_fraction"] == pytest.approx(2.5 / 10)
+    assert m["episode_other_fraction"] == pytest.approx(4.5 / 10)
+    assert m["episode_wall_s_mean"] == pytest.approx(5.0)
+    assert m["tool_calls/calculator"] == 2 and m["tool_calls/search"] == 1
+    assert m["tool_latency_s/calculator/p50"] == pytest.approx(0.2)
+    assert m["tool_latency_s/search/p99"] == pytest.approx(0.2)
+    assert m["tool_call_errors/timeout"] == 1
+    assert m["env_step_latency_s/p50"] == pytest.approx(0.4)
+
+
+def test_two_engine_replicas_share_the_busy_fraction_and_cpu_is_per_drain_interval():
+    metrics = WindowMetrics()
+    first = [_chunk("engine 0", "engine", [], pid=1, cpu_s=1.0, now_s=100.0),
+             _chunk("engine 1", "engine", [], pid=2, cpu_s=5.0, now_s=50.0)]
+    assert "engine_cpu_fraction" not in metrics.compute(first, 1.0)  # no interval yet
+    second = [_chunk("engine 0", "engine", [["decode", "steps", 0, 2.0, {"rows": 1}, None]],
+                     pid=1, cpu_s=2.0, now_s=104.0),
+              _chunk("engine 1", "engine", [], pid=2, cpu_s=8.0, now_s=54.0)]
+    m = metrics.compute(second, 4.0)
+    assert m["engine_busy_fraction"] == pytest.approx(2.0 / (4.0 * 2))  # an idle replica counts
+    assert m["engine_cpu_fraction"] == pytest.approx((0.25 + 0.75) / 2)
+
+
+def test_percentiles_interpolate_and_handle_no_values():
+    assert percentiles([]) == {}
+    p = percentiles([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert p == {"p50": 3.0, "p90": pytest.approx(4.6), "p99": pytest.approx(4.96)}
+
+
+def test_a_window_must_have_a_length():
+    with pytest.raises(ValueError, match="window must last > 0 seconds, got 0"):
+        WindowMetrics().compute([], 0.0)
+
+
+# ------------------------------------------------------------------------- the verdict rules
+
+def test_diagnose_names_each_resource_from_its_evidence():
+    learner = diagnose({"learner_busy_fraction": 0.9, "learner_wait_fraction": 0.05,
+                        "engine_busy_fraction": 0.3, "episode_generate_fraction": 0.9,
+                        "episode_env_fraction": 0.05}, {"engine": {"placement": "colocated"}})
+    assert learner.resource == "learner" and "disaggregated" in learner.advice[0]
+    tools = diagnose({"learner_busy_fraction": 0.1, "learner_wait_fraction": 0.9,
+                      "engine_busy_fraction": 0.41, "episode_generate_fraction": 0.3,
+                      "episode_env_fraction": 0.58, "max_concurrent_episodes": 32,
+                      "tool_latency_s/search/p90": 1.5, "tool_latency_s/calc/p90": 0.01},
+                     {"env": {"num_env_actors": 2}})
+    assert tools.resource == "environment/tools"
+    assert "engine busy 41%" in tools.summary and "58%" in tools.summary
+    # Little's law: 32 episodes keep the engine 41% busy; 0.9 / 0.41 x 32 = 70.2
+    assert "from 32 to ~71" in tools.advice[0]
+    assert any("search (p90 1500 ms)" in a for a in tools.advice)
+    full = diagnose({"learner_busy_fraction": 0.1, "learner_wait_fraction": 0.9,
+                     "engine_busy_fraction": 0.95, "engine_batch_occupancy": 0.97,
+                     "episode_generate_fraction": 0.9, "episode_env_fraction": 0.05},
+                    {"engine": {"max_batch_size": 64}})
+    assert full.resource == "engine" and "engine.max_batch_size" in full.advice[0]
+    underfed = diagnose({"learner_wait_fraction": 0.9, "learner_busy_fraction": 0.1,
+                         "engine_busy_fraction": 0.3, "episode_generate_fraction": 0.9,
+                         "episode_env_fraction": 0.05, "max_concurrent_episodes": 8})
+    assert underfed.resource == "engine" and "max_concurrent_episodes from 8 to ~24" in underfed.summary
+    orchestrator = diagnose({"learner_wait_fraction": 0.9, "learner_busy_fraction": 0.1,
+                             "orchestrator_cpu_fraction": 0.97, "episode_generate_fraction": 0.3,
+                             "episode_env_fraction": 0.2})
+    assert orchestrator.resource == "orchestrator"
+    assert diagnose({}).resource == "unknown"
+
+
+def test_weighted_means_leave_out_the_compiling_step_and_weight_by_window():
+    steps = [{"phase": "rl", "step": 1, "window_s": 100.0, "engine_busy_fraction": 0.0},
+             {"phase": "rl", "step": 2, "window_s": 1.0, "engine_busy_fraction": 1.0},
+             {"phase": "rl", "step": 3, "window_s": 3.0, "engine_busy_fraction": 0.0,
+              "flag": True, "statuses": {"completed": 4}}]
+    means = weighted_means(steps)
+    assert means["engine_busy_fraction"] == pytest.approx(0.25)
+    assert "flag" not in means and "statuses" not in means
+
+
+def test_report_of_a_run_without_rl_steps_says_so(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"phase": "eval", "when": "before_rl"}\n{"torn')
+    path, verdict = write_report(str(tmp_path))
+    assert verdict.resource == "unknown"
+    assert "Bounded by: unknown" in open(path).read()
+    with pytest.raises(FileNotFoundError, match="no metrics.jsonl"):
+        write_report(str(tmp_path / "nowhere"))
+
+
+# ------------------------------------------------------------------------- the collector
+
+def test_collector_drains_actors_names_them_and_skips_a_dead_one(ray_session, tmp_path):
+    import ray
+
+    from raytunix.rollout.env_pool import EnvActor
+    from raytunix.types import Action, Task, ToolCall
+
+    live, dead = (ray.remote(EnvActor).remote("calculator_math", {}) for _ in range(2))
+    task = Task(task_id="t0", question="Calculate 1 + 2.", answer="3")
+    ray.get([live.reset.remote("g0/1#0", task), dead.reset.remote("g0/2#1", task)])
+    calls = (ToolCall("calculator", {"expression": "1 + 2"}),
+             ToolCall("calculator", {"expression": "1 +"}))
+    ray.get(live.step.remote("g0/1#0", Action(text="", tool_calls=calls)))
+    ray.kill(dead)
+    collector = Collector(str(tmp_path), lambda: [("env actor 0", live), ("env actor 1", dead)],
+                          timeout_s=20)
+    metrics = collector.window("rl", 1)
+    assert metrics["tool_calls/calculator"] == 2
+    assert metrics["tool_call_errors/tool_exception"] == 1  # "1 +" does not parse
+    lines = read_jsonl(os.path.join(tmp_path, "profile", "spans.jsonl"))
+    assert [line["process"] for line in lines] == ["env actor 0", "driver"]
+    assert all(line["phase"] == "rl" and line["step"] == 1 for line in lines)
+    names = [(span[0], span[1], span[5]) for span in lines[0]["spans"]]
+    # the env actor's spans carry the episode's flow id (its id before "#")
+    assert ("env_reset", "env", "g0/1") in names and ("env_step", "env", "g0/1") in names
+    assert names.count(("tool_call", "tool calculator", None)) == 2
+    ray.kill(live)
+
+
+# ------------------------------------------------------------------------- scripted runs
+
+@pytest.fixture(scope="module")
+def policy(ray_session):
+    """A tiny learner in this process and an engine actor with the same weights, shared by
+    the scenarios (the engine in its own process, as a run places it)."""
+    import ray
+
+    from raytunix.inference.actor import EngineActor
+    from raytunix.learner.learner import GRPOHyperparams, Learner
+    from raytunix.models.llama import ModelConfig
+    from raytunix.models.tokenizer import Tokenizer
+
+    tok = Tokenizer.byte_level()
+    config = ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_layers=1, n_heads=2,
+                         n_kv_heads=1, d_ff=64, max_seq_len=256)
+    learner = Learner(config, seed=0, pad_id=tok.pad_id)
+    learner.start_rl(GRPOHyperparams(temperature=1.0, top_k=0, top_p=1.0, learning_rate=1e-3))
+    engine = ray.remote(EngineActor).options(max_concurrency=1000).remote(
+        config, 0, tok, {"max_batch_size": 16})
+    ray.get(engine.update_weights.remote((learner.weights_numpy(), learner.version)))
+    ray.get(engine.warmup.remote())  # compiling is nobody's bottleneck in a scenario
+    yield tok, learner, engine
+    ray.kill(engine)
+
+
+async def _scripted_run(run_dir, policy, *, tool_latency_s: float, max_new_tokens: int,
+                        update_delay_s: float, steps: int = 4) -> None:
+    """The driver's RL loop (``raytunix.train``) with the orchestrator, the learner and the
+    environments in this process and the engine in its actor: next batch, update (plus
+    ``update_delay_s`` of learner time), weights to the engine, mark trained, one metrics
+    window per step."""
+    from raytunix.agents import TextAgent
+    from raytunix.envs import SimulatedToolEnv
+    from raytunix.rollout.orchestrator import RolloutOrchestrator
+    from raytunix.types import SamplingParams, Task
+
+    from raytunix.rollout.actor import RayEngineClient
+
+    tok, learner, engine = policy
+
+    def env_provider(group_id):
+        return _ThreadEnv(SimulatedToolEnv(tool_latency_s=tool_latency_s, turns=2)), lambda: None
+
+    tasks = [Task(task_id=f"t{i}", question=f"task {i}", answer="") for i in range(200)]
+    orchestrator = RolloutOrchestrator(
+        tasks=tasks, agent_factory=lambda: TextAgent(tok), engine=RayEngineClient([engine]),
+        env_provider=env_provider, group_size=2, groups_per_batch=4,
+        max_concurrent_episodes=16, max_staleness=1, max_turns=2, max_context_tokens=256,
+        sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0,
+                                stop_token_ids=()),
+        seed=0, policy_version=learner.version)
+    collector = Collector(str(run_dir), lambda: [("engine 0", engine)])
+    collector.drain("warmup", 0)  # what earlier tests and scenarios left
+    with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+        yaml.safe_dump({"rollout": {"max_concurrent_episodes": 16}, "env": {"num_env_actors": 1},
+                        "engine": {"placement": "colocated", "max_batch_size": 16}}, f)
+
+    def update(batch):
+        metrics = learner.train_step(batch)
+        time.sleep(update_delay_s)  # the scripted part: a learner this much slower
+        return metrics
+
+    loop = asyncio.get_running_loop()
+    collector.start_window()
+    try:
+        for step in range(1, steps + 1):
+            with profiling.span("next_batch_wait", "driver"):
+                [batch], info = await orchestrator.next_batch()
+            with profiling.span("update", "learner"):
+                await loop.run_in_executor(None, update, batch)
+            await engine.update_weights.remote((learner.weights_numpy(), learner.version))
+            orchestrator.mark_trained(info["batch_id"], learner.version)
+            record = {"phase": "rl", "step": step, **{k: v for k, v in info.items()
+                                                       if k != "statuses"},
+                      **collector.window("rl", step)}
+            with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(record) + "\n")
+    finally:
+        await orchestrator.stop()
+
+
+class _ThreadEnv:
+    """An env client running the environment's calls in a worker thread, as an env actor
+    does, without the trip to another process."""
+
+    def __init__(self, env):
+        self.env = env
+
+    async def reset(self, task):
+        return await asyncio.to_thread(self.env.reset, task)
+
+    async def step(self, action):
+        return await asyncio.to_thread(self.env.step, action)
+
+    async def close(self):
+        self.env.close()
+
+
+@pytest.mark.parametrize("scenario,expected", [
+    # tools take 0.5 s a call; a turn generates 2 tokens
+    (dict(tool_latency_s=0.5, max_new_tokens=2, update_delay_s=0.0), "environment/tools"),
+    # tools take no time; a turn generates 96 tokens
+    (dict(tool_latency_s=0.0, max_new_tokens=96, update_delay_s=0.0), "engine"),
+    # rollouts are quick; each update takes 1.5 s more
+    (dict(tool_latency_s=0.0, max_new_tokens=4, update_delay_s=1.5), "learner"),
+], ids=["slow-tools", "slow-engine", "slow-learner"])
+def test_bottleneck_report_names_what_was_made_slow(ray_session, tmp_path, policy, scenario,
+                                                    expected):
+    asyncio.run(_scripted_run(tmp_path, policy, **scenario))
+    path, verdict = write_report(str(tmp_path))
+    report = open(path).read()
+    assert verdict.resource == expected, report
+    assert f"Bounded by: {expected}" in report
+    if expected == "environment/tools":
+        assert verdict.evidence["episode_env_fraction"] > verdict.evidence["episode_generate_fraction"]
+        assert "max_concurrent_episodes from 16" in verdict.summary
+    if expected == "learner":
+        assert verdict.evidence["learner_wait_fraction"] < 0.3
+    if expected == "engine":
+        assert verdict.evidence["episode_generate_fraction"] > 0.5
