@@ -141,7 +141,7 @@ class LearnerConfig:
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.28  # asymmetric upper clip (DAPO)
     kl_coef: float = 0.0  # > 0 adds a k3 KL penalty to the warm-start policy
-    loss_aggregation: str = "token_mean"  # token_mean | sequence_mean
+    loss_aggregation: str = "token_mean"  # token_mean | sequence_mean_token_mean | sequence_mean_token_sum_norm (Dr. GRPO: each sequence's token sum / model.max_seq_len)
     normalize_advantages_by_std: bool = True
     off_policy_correction: str = "none"  # none: clip around the behaviour (engine) policy | decoupled_ppo: clip around the learner's policy at the update's start, behaviour through a truncated importance weight
     importance_sampling: str = "token_tis"  # decoupled_ppo's weight pi_prox/pi_behav: per token (token_tis), per sequence as the product (sequence_tis) or geometric mean (geometric_tis) of token ratios
@@ -216,7 +216,8 @@ class Config:
 _CHOICES = {
     "engine.placement": ("colocated", "disaggregated"),
     "engine.kv_on_weight_update": ("recompute", "keep"),
-    "learner.loss_aggregation": ("token_mean", "sequence_mean"),
+    "learner.loss_aggregation": ("token_mean", "sequence_mean_token_mean",
+                                 "sequence_mean_token_sum_norm"),
     "learner.off_policy_correction": ("none", "decoupled_ppo"),
     "learner.importance_sampling": ("token_tis", "sequence_tis", "geometric_tis"),
     "rollout.stale_token_policy": ("drop", "mask", "accept"),

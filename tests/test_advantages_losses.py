@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from raytunix.learner.advantages import grpo_advantages
-from raytunix.learner.losses import grpo_policy_loss, sft_loss, token_logprobs
+from raytunix.learner.losses import AGGREGATIONS, grpo_policy_loss, sft_loss, token_logprobs
 
 
 # Two interleaved groups. Group 0: rewards 1, 2, 3 -> mean 2, population std sqrt(2/3).
@@ -22,25 +22,27 @@ GROUPS = np.array([0, 1, 0, 1, 0], np.int32)
 
 
 def test_grpo_advantages_interleaved_groups_hand_computed():
-    adv = grpo_advantages(REWARDS, GROUPS, num_groups=5, eps=0.0)
+    adv = grpo_advantages(REWARDS, GROUPS, num_groups=5, normalize_advantages_by_std=True, eps=0.0)
     s = math.sqrt(2.0 / 3.0)
     np.testing.assert_allclose(adv, [-1 / s, -1.0, 0.0, 1.0, 1 / s], rtol=1e-6)
 
 
 def test_dr_grpo_advantages_only_subtract_group_mean():
-    adv = grpo_advantages(REWARDS, GROUPS, num_groups=2, normalize_by_std=False)
+    adv = grpo_advantages(REWARDS, GROUPS, num_groups=2, normalize_advantages_by_std=False)
     np.testing.assert_allclose(adv, [-1.0, -2.0, 0.0, 2.0, 1.0], rtol=1e-6)
 
 
 def test_equal_rewards_and_singleton_groups_get_zero_advantage():
-    adv = grpo_advantages(np.array([0.5, 0.5, 7.0]), np.array([1, 1, 0]), num_groups=3)
+    adv = grpo_advantages(np.array([0.5, 0.5, 7.0]), np.array([1, 1, 0]), num_groups=3,
+                          normalize_advantages_by_std=True)
     np.testing.assert_array_equal(adv, [0.0, 0.0, 0.0])
 
 
 def test_grpo_advantages_jit_with_static_num_groups():
-    fn = jax.jit(grpo_advantages, static_argnums=2)
+    fn = jax.jit(grpo_advantages, static_argnums=2, static_argnames="normalize_advantages_by_std")
     np.testing.assert_allclose(
-        fn(REWARDS, GROUPS, 5), grpo_advantages(REWARDS, GROUPS, 5), rtol=1e-6
+        fn(REWARDS, GROUPS, 5, normalize_advantages_by_std=True),
+        grpo_advantages(REWARDS, GROUPS, 5, normalize_advantages_by_std=True), rtol=1e-6
     )
 
 
@@ -65,10 +67,13 @@ MASK = np.array([[1, 1, 0], [1, 1, 1]], np.float32)
 ADV = np.array([1.0, -1.0], np.float32)
 OLD = np.full((2, 3), -1.0, np.float32)
 NEW = OLD + np.log(RATIOS)
+# The update's defaults (learner.* in the config) but a symmetric clip.
+PPO = {"policy_loss": "ppo_clip", "clip_eps_low": 0.2, "clip_eps_high": 0.2, "dual_clip": 0.0,
+       "aggregation": "token_mean", "max_tokens": 3}
 
 
 def test_clipped_surrogate_token_mean_hand_computed():
-    loss, aux = grpo_policy_loss(NEW, OLD, ADV, MASK)
+    loss, aux = grpo_policy_loss(NEW, OLD, ADV, MASK, **PPO)
     # Per-token losses: -1.2, -0.5 | 0.8, 1.5, 1.0 -> sum 1.6 over 5 tokens.
     np.testing.assert_allclose(loss, 0.32, rtol=1e-5)
     np.testing.assert_allclose(aux["clip_fraction"], 0.4, rtol=1e-6)
@@ -80,7 +85,7 @@ def test_clipped_surrogate_token_mean_hand_computed():
 
 
 def test_clipped_surrogate_sequence_mean_hand_computed():
-    loss, _ = grpo_policy_loss(NEW, OLD, ADV, MASK, aggregation="sequence_mean")
+    loss, _ = grpo_policy_loss(NEW, OLD, ADV, MASK, **{**PPO, "aggregation": "sequence_mean_token_mean"})
     # Sequence means: (-1.2 - 0.5) / 2 = -0.85 and (0.8 + 1.5 + 1.0) / 3 = 1.1.
     np.testing.assert_allclose(loss, (-0.85 + 1.1) / 2, rtol=1e-5)
 
@@ -88,13 +93,14 @@ def test_clipped_surrogate_sequence_mean_hand_computed():
 def test_sequence_mean_ignores_sequences_without_tokens():
     mask = MASK.copy()
     mask[1] = 0.0
-    loss, aux = grpo_policy_loss(NEW, OLD, ADV, mask, aggregation="sequence_mean")
+    loss, aux = grpo_policy_loss(NEW, OLD, ADV, mask,
+                                 **{**PPO, "aggregation": "sequence_mean_token_mean"})
     np.testing.assert_allclose(loss, -0.85, rtol=1e-5)
     np.testing.assert_allclose(aux["num_tokens"], 2.0)
 
 
 def test_asymmetric_clip_higher():
-    loss, _ = grpo_policy_loss(NEW, OLD, ADV, MASK, clip_eps_low=0.2, clip_eps_high=0.28)
+    loss, _ = grpo_policy_loss(NEW, OLD, ADV, MASK, **{**PPO, "clip_eps_high": 0.28})
     # Only the upper bound moved: the first token now scores -1.28 instead of -1.2.
     np.testing.assert_allclose(loss, (-1.28 - 0.5 + 0.8 + 1.5 + 1.0) / 5, rtol=1e-5)
 
@@ -103,7 +109,7 @@ def test_kl_penalty_k3_hand_computed():
     logprobs = np.full((1, 2), -1.0, np.float32)
     ref = logprobs + np.array([[math.log(2.0), 0.0]], np.float32)
     loss, aux = grpo_policy_loss(
-        logprobs, logprobs, np.zeros(1), np.ones((1, 2)), ref_logprobs=ref, kl_coef=0.1
+        logprobs, logprobs, np.zeros(1), np.ones((1, 2)), **PPO, ref_logprobs=ref, kl_coef=0.1
     )
     # k3 with pi_ref / pi = 2: 2 - log 2 - 1 = 0.3068528; the other token has 0.
     np.testing.assert_allclose(aux["kl_ref"], 0.3068528 / 2, rtol=1e-5)
@@ -112,7 +118,7 @@ def test_kl_penalty_k3_hand_computed():
 
 def test_unknown_aggregation_raises():
     with pytest.raises(ValueError, match="aggregation"):
-        grpo_policy_loss(NEW, OLD, ADV, MASK, aggregation="sum")
+        grpo_policy_loss(NEW, OLD, ADV, MASK, **{**PPO, "aggregation": "sum"})
 
 
 def test_masked_nan_logprobs_give_finite_loss_and_zero_grads():
@@ -122,7 +128,7 @@ def test_masked_nan_logprobs_give_finite_loss_and_zero_grads():
     ref[0, 2] = np.inf
 
     def loss_fn(lp):
-        return grpo_policy_loss(lp, OLD, ADV, MASK, ref_logprobs=ref, kl_coef=0.1)[0]
+        return grpo_policy_loss(lp, OLD, ADV, MASK, **PPO, ref_logprobs=ref, kl_coef=0.1)[0]
 
     loss, grads = jax.value_and_grad(loss_fn)(jnp.asarray(new))
     assert np.isfinite(loss)
@@ -130,7 +136,7 @@ def test_masked_nan_logprobs_give_finite_loss_and_zero_grads():
     assert grads[0, 2] == 0.0
 
 
-@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean"])
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
 def test_perturbing_masked_logits_changes_neither_loss_nor_grads(aggregation):
     rng = np.random.default_rng(0)
     b, t, v = 2, 5, 7
@@ -144,7 +150,8 @@ def test_perturbing_masked_logits_changes_neither_loss_nor_grads(aggregation):
     def loss_fn(lg):
         lp = token_logprobs(lg, targets, **OFF)
         return grpo_policy_loss(
-            lp, old, adv, mask, ref_logprobs=ref, kl_coef=0.05, aggregation=aggregation
+            lp, old, adv, mask, **{**PPO, "aggregation": aggregation, "max_tokens": t},
+            ref_logprobs=ref, kl_coef=0.05,
         )[0]
 
     noise = 50.0 * rng.normal(size=logits.shape).astype(np.float32)

@@ -19,26 +19,28 @@ from raytunix.learner.advantages import check_finite_rewards, grpo_advantages  #
 from raytunix.rollout.batch import record_batch_to_arrays, trajectories_to_record_batch  # noqa: E402
 from raytunix.types import EpisodeStatus, Trajectory, is_infrastructure_failure  # noqa: E402
 
+STD = {"normalize_advantages_by_std": True}  # GRPO's advantage, the default
+
 
 @pytest.mark.parametrize("value", [0.1, 0.35, 12.3, 100.1, -7.7, 1e4 + 0.1])
-@pytest.mark.parametrize("normalize_by_std", [True, False])
-def test_all_equal_group_has_zero_advantage_at_any_scale(value, normalize_by_std):
+@pytest.mark.parametrize("normalize_advantages_by_std", [True, False])
+def test_all_equal_group_has_zero_advantage_at_any_scale(value, normalize_advantages_by_std):
     adv = np.asarray(grpo_advantages(np.full(8, value, np.float32), np.zeros(8, np.int32), 1,
-                                     normalize_by_std=normalize_by_std))
+                                     normalize_advantages_by_std=normalize_advantages_by_std))
     np.testing.assert_array_equal(adv, np.zeros(8))
 
 
 def test_known_values_and_singleton():
     rewards = np.array([1] + [0] * 7 + [0.5], np.float32)
-    adv = np.asarray(grpo_advantages(rewards, np.array([0] * 8 + [1], np.int32), 2))
+    adv = np.asarray(grpo_advantages(rewards, np.array([0] * 8 + [1], np.int32), 2, **STD))
     assert abs(adv[0] - np.sqrt(7)) < 1e-3 and adv[8] == 0.0
     np.testing.assert_allclose(adv[1:8], -1 / np.sqrt(7), rtol=1e-4)
 
 
 def test_a_large_reward_offset_does_not_change_the_advantages():
     rewards = np.array([0.0, 1.0, 1.0, 0.0], np.float32)
-    base = np.asarray(grpo_advantages(rewards, np.zeros(4, np.int32), 1))
-    shifted = np.asarray(grpo_advantages(rewards + 1000.0, np.zeros(4, np.int32), 1))
+    base = np.asarray(grpo_advantages(rewards, np.zeros(4, np.int32), 1, **STD))
+    shifted = np.asarray(grpo_advantages(rewards + 1000.0, np.zeros(4, np.int32), 1, **STD))
     np.testing.assert_allclose(base, [-1, 1, 1, -1], rtol=1e-5)
     np.testing.assert_allclose(shifted, base, rtol=1e-5)
 
@@ -47,7 +49,7 @@ def test_a_large_reward_offset_does_not_change_the_advantages():
 def test_a_non_finite_reward_is_rejected_naming_it(bad):
     rewards = np.array([1.0, 0.0, bad, 1.0], np.float32)
     with pytest.raises(ValueError, match=r"1 of 4 rewards are not finite \(\[2\]="):
-        grpo_advantages(rewards, np.array([0, 0, 1, 1], np.int32), 2)
+        grpo_advantages(rewards, np.array([0, 0, 1, 1], np.int32), 2, **STD)
     with pytest.raises(ValueError, match="verifier"):
         check_finite_rewards(rewards)
 
@@ -56,10 +58,10 @@ def test_an_infrastructure_failure_neither_shifts_the_baseline_nor_gets_advantag
     # 7 equal successes + 1 env_error placeholder (reward 0): nobody has anything to learn.
     rewards = np.array([1.0] * 7 + [0.0], np.float32)
     valid = np.array([1] * 7 + [0], np.float32)
-    adv = np.asarray(grpo_advantages(rewards, np.zeros(8, np.int32), 1, valid=valid))
+    adv = np.asarray(grpo_advantages(rewards, np.zeros(8, np.int32), 1, **STD, valid=valid))
     np.testing.assert_array_equal(adv, np.zeros(8))
     # Without the exclusion the failure would hand each success a fake advantage.
-    assert np.asarray(grpo_advantages(rewards, np.zeros(8, np.int32), 1))[0] > 0.3
+    assert np.asarray(grpo_advantages(rewards, np.zeros(8, np.int32), 1, **STD))[0] > 0.3
 
 
 def test_statistics_use_the_valid_members_only_hand_computed():
@@ -68,11 +70,11 @@ def test_statistics_use_the_valid_members_only_hand_computed():
     rewards = np.array([1.0, 0.0, 5.0, 2.0, 0.0, 4.0, 9.0], np.float32)
     groups = np.array([0, 0, 0, 1, 0, 1, 1], np.int32)
     valid = np.array([1, 1, 0, 1, 1, 1, 0], np.float32)
-    adv = np.asarray(grpo_advantages(rewards, groups, 2, valid=valid, eps=0.0))
+    adv = np.asarray(grpo_advantages(rewards, groups, 2, **STD, valid=valid, eps=0.0))
     s = math.sqrt(2) / 3
     np.testing.assert_allclose(adv, [(2 / 3) / s, (-1 / 3) / s, 0.0, -1.0, (-1 / 3) / s, 1.0, 0.0],
                                rtol=1e-5)
-    dr = np.asarray(grpo_advantages(rewards, groups, 2, valid=valid, normalize_by_std=False))
+    dr = np.asarray(grpo_advantages(rewards, groups, 2, valid=valid, normalize_advantages_by_std=False))
     np.testing.assert_allclose(dr, [2 / 3, -1 / 3, 0.0, -1.0, -1 / 3, 1.0, 0.0], rtol=1e-5, atol=1e-6)
 
 
@@ -80,9 +82,9 @@ def test_valid_members_under_jit_match_eager():
     rewards = np.array([1.0, 0.0, 5.0, 2.0, 0.0, 4.0], np.float32)
     groups = np.array([0, 0, 0, 1, 0, 1], np.int32)
     valid = np.array([1, 1, 0, 1, 1, 0], np.float32)
-    jitted = jax.jit(lambda r, g, v: grpo_advantages(r, g, 6, valid=v))
+    jitted = jax.jit(lambda r, g, v: grpo_advantages(r, g, 6, **STD, valid=v))
     np.testing.assert_allclose(jitted(rewards, groups, valid),
-                               grpo_advantages(rewards, groups, 6, valid=valid), rtol=1e-6)
+                               grpo_advantages(rewards, groups, 6, **STD, valid=valid), rtol=1e-6)
 
 
 def _trajectory(i: int, reward: float, status: EpisodeStatus) -> Trajectory:
@@ -106,7 +108,7 @@ def test_a_policy_failure_keeps_its_place_in_the_group_and_gets_a_negative_advan
                     _trajectory(2, 0.0, EpisodeStatus.TOOL_ERROR_LIMIT),
                     _trajectory(3, 0.0, EpisodeStatus.ENV_ERROR)]
     arrays = record_batch_to_arrays(trajectories_to_record_batch(trajectories))
-    adv = np.asarray(grpo_advantages(arrays["rewards"], arrays["group_ids"], 4,
+    adv = np.asarray(grpo_advantages(arrays["rewards"], arrays["group_ids"], 4, **STD,
                                      valid=arrays["valid"]))
     # Valid rewards 1, 1, 0: mean 2/3, std sqrt(2)/3.
     np.testing.assert_allclose(adv[:3], [1 / math.sqrt(2), 1 / math.sqrt(2), -math.sqrt(2)], rtol=1e-4)
@@ -159,7 +161,7 @@ def test_a_policy_that_emits_only_malformed_calls_stops_at_the_limit_and_gets_a_
     assert bad.num_turns == 3  # 2 tool errors tolerated, the 3rd ends it
     assert sum(bad.loss_mask) > 0  # its own tokens keep their gradient
     arrays = record_batch_to_arrays(batch)
-    adv = np.asarray(grpo_advantages(arrays["rewards"], arrays["group_ids"], 2, valid=arrays["valid"]))
+    adv = np.asarray(grpo_advantages(arrays["rewards"], arrays["group_ids"], 2, **STD, valid=arrays["valid"]))
     assert adv[trajectories.index(bad)] < 0 < adv[trajectories.index(good)]
     assert info["valid_trajectories"] == 2 and info["tool_errors_mean"] == 1.5
     assert counters["episodes_failed_policy"] == 1 and counters["tool_errors_bad_json"] == 3

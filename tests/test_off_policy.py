@@ -34,6 +34,8 @@ from raytunix.rollout.batch import record_batch_to_arrays, trajectories_to_recor
 from raytunix.types import EpisodeStatus, Trajectory
 
 LEVELS = ("token_tis", "sequence_tis", "geometric_tis")
+PPO = {"policy_loss": "ppo_clip", "clip_eps_low": 0.2, "clip_eps_high": 0.2, "dual_clip": 0.0,
+       "aggregation": "token_mean", "max_tokens": 3}  # a symmetric clip, token mean
 
 # Two sequences of three tokens; token [0, 2] is masked out (its values are junk).
 MASK = np.array([[1, 1, 0], [1, 1, 1]], np.float32)
@@ -116,10 +118,10 @@ def test_decoupled_ppo_is_the_standard_clip_when_prox_equals_behaviour(level):
     weights, _ = truncated_importance_weights(BEHAV, BEHAV, MASK, level=level, cap=2.0)
 
     def decoupled(lp):
-        return grpo_policy_loss(lp, BEHAV, ADV, MASK, importance_weights=weights)[0]
+        return grpo_policy_loss(lp, BEHAV, ADV, MASK, **PPO, importance_weights=weights)[0]
 
     def standard(lp):
-        return grpo_policy_loss(lp, BEHAV, ADV, MASK)[0]
+        return grpo_policy_loss(lp, BEHAV, ADV, MASK, **PPO)[0]
 
     new = jnp.asarray(BEHAV + np.log(NEW_OVER_PROX))
     np.testing.assert_allclose(decoupled(new), standard(new), rtol=1e-6)
@@ -128,7 +130,7 @@ def test_decoupled_ppo_is_the_standard_clip_when_prox_equals_behaviour(level):
 
 def test_decoupled_ppo_loss_hand_computed():
     weights, _ = truncated_importance_weights(PROX, BEHAV, MASK, level="token_tis", cap=2.0)
-    loss, aux = grpo_policy_loss(NEW, PROX, ADV, MASK, importance_weights=weights)
+    loss, aux = grpo_policy_loss(NEW, PROX, ADV, MASK, **PPO, importance_weights=weights)
     # Per token: -2 * 1.2, -0.5 * 0.9 | 1.5 * 0.8, 1.2 * 1.1, 2 * 1.0 -> sum 1.67 over 5.
     np.testing.assert_allclose(loss, (-2.4 - 0.45 + 1.2 + 1.32 + 2.0) / 5, rtol=1e-5)
     np.testing.assert_allclose(
@@ -141,7 +143,7 @@ def test_masked_tokens_contribute_zero_to_the_weighted_loss_and_its_gradient(lev
     weights, _ = truncated_importance_weights(PROX, BEHAV, MASK, level=level, cap=2.0)
 
     def loss_fn(lp):
-        return grpo_policy_loss(lp, PROX, ADV, MASK, importance_weights=weights)[0]
+        return grpo_policy_loss(lp, PROX, ADV, MASK, **PPO, importance_weights=weights)[0]
 
     new = NEW.copy()
     new[0, 2] = np.nan
@@ -259,15 +261,15 @@ def test_decoupled_step_equals_one_computed_with_a_separate_no_grad_proximal_pas
                                                                    batch["loss_mask"]))[:, 1:]
     weights, _ = truncated_importance_weights(prox, behav, mask, level="token_tis", cap=2.0)
     advantages = grpo_advantages(jnp.asarray(batch["rewards"]), jnp.asarray(batch["group_ids"]),
-                                 tokens.shape[0])
+                                 tokens.shape[0], normalize_advantages_by_std=True)
 
     def loss_fn(p):
         inputs = tokens[:, :-1]
         positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
         logits, _ = forward(graphdef, p, inputs, positions)
         lp = token_logprobs(logits.astype(jnp.float32), tokens[:, 1:], **SAMPLING)
-        return grpo_policy_loss(lp, prox, advantages, mask, clip_eps_low=0.2,
-                                clip_eps_high=0.28, importance_weights=weights)[0]
+        return grpo_policy_loss(lp, prox, advantages, mask, **{**PPO, "clip_eps_high": 0.28},
+                                importance_weights=weights)[0]
 
     grads = jax.grad(loss_fn)(params)
     expected = jax.tree.map(lambda p, g: p - g, params, grads)

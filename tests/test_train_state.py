@@ -116,7 +116,7 @@ def test_grpo_update_kl_penalty_needs_reference_params(model):
     graphdef, params = model
     optimizer = make_optimizer(1e-3)
     state = create_train_state(graphdef, params, optimizer, seed=0)
-    update = make_grpo_update(graphdef, optimizer, kl_coef=0.1, aggregation="sequence_mean",
+    update = make_grpo_update(graphdef, optimizer, kl_coef=0.1, aggregation="sequence_mean_token_mean",
                               **SAMPLING)
     batch = _grpo_batch()
     with pytest.raises(ValueError, match="ref_params"):

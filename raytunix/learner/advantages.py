@@ -1,12 +1,23 @@
-"""Group-relative advantages: pure functions of arrays, jit-safe.
+"""Advantage estimators and reward shaping: pure functions of arrays, jit-safe.
 
-GRPO (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300) scores each of the G
-trajectories of one task against the others in its group::
+Shapes: B trajectories of T tokens. Episode-level estimators take ``rewards`` float32[B]
+and ``group_ids`` int32[B] (the G trajectories sampled for one task share a group id;
+groups need not be contiguous) and return one advantage per trajectory, float32[B],
+broadcast over its tokens by the loss. ``valid`` float[B] is 0 for a trajectory whose
+episode failed by infrastructure (env error, timeout, abort): it says nothing about the
+policy, so it is left out of every statistic and gets advantage 0.
 
-    A_i = (r_i - mean(r_group)) / (std(r_group) + eps)
-
-Dr. GRPO (Liu et al. 2025, arXiv:2503.20783) drops the division by the standard
-deviation, which otherwise up-weights groups whose rewards barely differ.
+* ``grpo_advantages``: GRPO (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300),
+  ``(r - mean_group) / (std_group + eps)``; without the std it is the advantage of
+  Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv:2503.20783).
+* ``rloo_advantages``: REINFORCE leave-one-out (Ahmadian et al. 2024, "Back to Basics",
+  arXiv:2402.14740), ``r_i - mean_{j != i} r_j``.
+* ``reinforce_pp_advantages``: the REINFORCE++ baseline (Hu 2025, arXiv:2501.03262):
+  the group mean subtracted, then normalised over the whole batch.
+* ``gae_advantages``: token-level GAE (Schulman et al. 2016, arXiv:1506.02438) from
+  per-token rewards and a value estimate, for PPO with a value head.
+* ``overlong_penalty``: DAPO's soft overlong punishment (Yu et al. 2025,
+  arXiv:2503.14476), a reward term for responses near or past the length limit.
 """
 
 from __future__ import annotations
@@ -15,55 +26,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")
 
-def grpo_advantages(
-    rewards: jax.Array,
-    group_ids: jax.Array,
-    num_groups: int,
-    *,
-    normalize_by_std: bool = True,
-    eps: float = 1e-6,
-    valid: jax.Array | None = None,
-) -> jax.Array:
-    """Per-trajectory advantage relative to the valid members of the trajectory's group.
 
-    Groups need not be contiguous: ``group_ids`` may interleave. Statistics use segment
-    sums, so the function is jit-safe as long as ``num_groups`` is static.
+def _centered_by_group(rewards, group_ids, num_groups, valid):
+    """``(centered, on, counts, equal)``: rewards minus their group's mean over valid
+    members (0 for invalid ones), the valid indicator, each trajectory's count of valid
+    group members, and whether its group's valid rewards are all equal.
 
-    A trajectory whose episode failed by infrastructure (env error, timeout, abort) says
-    nothing about the policy; with ``valid`` 0 it is left out of its group's mean and std
-    (so it neither shifts the baseline nor hands its siblings an advantage) and gets
-    advantage 0. A group whose valid rewards are all equal (any value, any scale, a
-    single member included) gets advantage exactly 0: its std is 0 in exact arithmetic,
-    and dividing float32 rounding noise by ``std + eps`` would otherwise give it
-    advantages of order 1 at large reward values.
-
-    Args:
-      rewards: float32[B], episode rewards; must be finite.
-      group_ids: int32[B], group of each trajectory, each in ``[0, num_groups)``.
-      num_groups: static upper bound on the number of groups (``B`` always works).
-      normalize_by_std: divide by the group's population std plus ``eps`` (GRPO); when
-        False only subtract the group mean (Dr. GRPO).
-      eps: added to the std; keeps groups whose rewards differ by very little finite.
-      valid: float or bool[B], nonzero for trajectories that count; None: all count.
-
-    Returns:
-      float32[B]: ``(r - mean_group) / (std_group + eps)``, or ``r - mean_group``, over
-      valid members; 0 for invalid members and for groups with equal valid rewards.
-
-    Raises:
-      ValueError: a reward is NaN or infinite (checked when ``rewards`` is concrete; under
-        ``jit`` the caller checks, as ``make_grpo_update`` does).
-    """
-    if not isinstance(rewards, jax.core.Tracer):
-        check_finite_rewards(rewards)
+    The statistics use rewards shifted by the group's smallest valid reward: the shift
+    makes an all-equal group exactly 0 (any value, any scale) and keeps large offsets
+    from eating float32 precision."""
     rewards = jnp.asarray(rewards, jnp.float32)
     group_ids = jnp.asarray(group_ids, jnp.int32)
     on = jnp.ones_like(rewards) if valid is None else (jnp.asarray(valid) > 0).astype(jnp.float32)
     counts = jax.ops.segment_sum(on, group_ids, num_segments=num_groups)
     counts = jnp.maximum(counts, 1.0)  # empty groups are never gathered; avoid 0/0
-    # Statistics of rewards shifted by the group's smallest valid reward: the shift makes
-    # an all-equal group exactly 0 and keeps large offsets from eating float32 precision.
     big = jnp.finfo(jnp.float32).max
     low = jax.ops.segment_min(jnp.where(on > 0, rewards, big), group_ids, num_segments=num_groups)
     high = jax.ops.segment_max(jnp.where(on > 0, rewards, -big), group_ids, num_segments=num_groups)
@@ -71,10 +49,236 @@ def grpo_advantages(
     means = jax.ops.segment_sum(shifted, group_ids, num_segments=num_groups) / counts
     centered = jnp.where(on > 0, shifted - means[group_ids], 0.0)
     equal = (high <= low)[group_ids]  # also true for groups with no valid member
-    if normalize_by_std:
-        variances = jax.ops.segment_sum(centered**2, group_ids, num_segments=num_groups) / counts
-        centered = centered / (jnp.sqrt(variances)[group_ids] + eps)
+    return centered, on, counts[group_ids], equal
+
+
+def grpo_advantages(
+    rewards: jax.Array,
+    group_ids: jax.Array,
+    num_groups: int,
+    *,
+    normalize_advantages_by_std: bool,
+    eps: float = 1e-6,
+    valid: jax.Array | None = None,
+) -> jax.Array:
+    """Per-trajectory advantage relative to the valid members of the trajectory's group.
+
+    GRPO (Shao et al. 2024, arXiv:2402.03300)::
+
+        A_i = (r_i - mean(r_group)) / (std(r_group) + eps)
+
+    and, with ``normalize_advantages_by_std=False``, ``A_i = r_i - mean(r_group)``: the
+    advantage of Dr. GRPO (Liu et al. 2025, arXiv:2503.20783), which drops the std
+    because it up-weights groups whose rewards barely differ. (Dr. GRPO's other half,
+    the constant-length loss normalisation, is the loss aggregation
+    ``sequence_mean_token_sum_norm``.)
+
+    A group whose valid rewards are all equal (a single member included) gets advantage
+    exactly 0: its std is 0 in exact arithmetic, and dividing float32 rounding noise by
+    ``std + eps`` would otherwise give it advantages of order 1 at large reward values.
+
+    Args:
+      rewards: float32[B], episode rewards; must be finite.
+      group_ids: int32[B], group of each trajectory, each in ``[0, num_groups)``.
+      num_groups: static upper bound on the number of groups (``B`` always works); the
+        function is jit-safe with it static.
+      normalize_advantages_by_std: divide by the group's population std plus ``eps``.
+      eps: added to the std; keeps groups whose rewards differ by very little finite.
+      valid: float or bool[B], nonzero for trajectories that count; None: all count.
+
+    Returns:
+      float32[B]; 0 for invalid members and for groups with equal valid rewards.
+
+    Raises:
+      ValueError: a reward is NaN or infinite (checked when ``rewards`` is concrete; under
+        ``jit`` the caller checks, as ``make_grpo_update`` does).
+    """
+    if not isinstance(rewards, jax.core.Tracer):
+        check_finite_rewards(rewards)
+    centered, on, counts, equal = _centered_by_group(rewards, group_ids, num_groups, valid)
+    if normalize_advantages_by_std:
+        group_ids = jnp.asarray(group_ids, jnp.int32)
+        variances = jax.ops.segment_sum(centered**2, group_ids, num_segments=num_groups)
+        variances = variances[group_ids] / counts
+        centered = centered / (jnp.sqrt(variances) + eps)
     return jnp.where(equal | (on == 0), 0.0, centered)
+
+
+def rloo_advantages(
+    rewards: jax.Array,
+    group_ids: jax.Array,
+    num_groups: int,
+    *,
+    valid: jax.Array | None = None,
+) -> jax.Array:
+    """REINFORCE leave-one-out (Ahmadian et al. 2024, arXiv:2402.14740; Kool et al.
+    2019): each trajectory's baseline is the mean reward of the *other* valid members
+    of its group::
+
+        A_i = r_i - (sum_{j != i} r_j) / (n - 1) = n / (n - 1) * (r_i - mean(r_group))
+
+    with ``n`` the group's valid members. No std normalisation.
+
+    Args:
+      rewards: float32[B], finite. group_ids: int32[B] in ``[0, num_groups)``.
+      num_groups: static bound on the groups. valid: float or bool[B], None: all count.
+
+    Returns:
+      float32[B]; 0 for invalid members, groups with one valid member and groups whose
+      valid rewards are all equal.
+
+    Raises:
+      ValueError: a non-finite reward (when ``rewards`` is concrete).
+    """
+    if not isinstance(rewards, jax.core.Tracer):
+        check_finite_rewards(rewards)
+    centered, on, counts, equal = _centered_by_group(rewards, group_ids, num_groups, valid)
+    scale = counts / jnp.maximum(counts - 1.0, 1.0)
+    return jnp.where(equal | (on == 0) | (counts < 2), 0.0, centered * scale)
+
+
+def reinforce_pp_advantages(
+    rewards: jax.Array,
+    group_ids: jax.Array,
+    num_groups: int,
+    *,
+    eps: float = 1e-6,
+    valid: jax.Array | None = None,
+) -> jax.Array:
+    """REINFORCE++ with a group baseline (Hu 2025, "REINFORCE++", arXiv:2501.03262):
+    subtract the group mean, then normalise over the batch's valid trajectories::
+
+        a_i = r_i - mean(r_group);   A_i = (a_i - mean_batch(a)) / (std_batch(a) + eps)
+
+    Normalising by the batch's std rather than each group's keeps the scale of a group
+    whose rewards barely differ small (GRPO's per-group std inflates it).
+
+    Args:
+      rewards: float32[B], finite. group_ids: int32[B] in ``[0, num_groups)``.
+      num_groups: static bound on the groups. eps: added to the batch std.
+      valid: float or bool[B], None: all count.
+
+    Returns:
+      float32[B]; 0 for invalid members; all 0 when every group's rewards are equal.
+
+    Raises:
+      ValueError: a non-finite reward (when ``rewards`` is concrete).
+    """
+    if not isinstance(rewards, jax.core.Tracer):
+        check_finite_rewards(rewards)
+    centered, on, _, equal = _centered_by_group(rewards, group_ids, num_groups, valid)
+    centered = jnp.where(equal, 0.0, centered)
+    n = jnp.maximum(jnp.sum(on), 1.0)
+    mean = jnp.sum(centered * on) / n
+    deviation = jnp.where(on > 0, centered - mean, 0.0)
+    std = jnp.sqrt(jnp.sum(deviation**2) / n)
+    return jnp.where(on > 0, deviation / (std + eps), 0.0)
+
+
+def episode_advantages(
+    estimator: str,
+    rewards: jax.Array,
+    group_ids: jax.Array,
+    num_groups: int,
+    *,
+    normalize_advantages_by_std: bool,
+    valid: jax.Array | None = None,
+) -> jax.Array:
+    """The advantage ``estimator`` names (one of ``ADVANTAGE_ESTIMATORS``: ``grpo``,
+    ``rloo``, ``reinforce_pp``) of each trajectory: float32[B]. Arguments as for
+    ``grpo_advantages``; ``normalize_advantages_by_std`` applies to ``grpo`` only.
+
+    Raises:
+      ValueError: an unknown ``estimator``, or a non-finite reward.
+    """
+    if estimator == "grpo":
+        return grpo_advantages(rewards, group_ids, num_groups, valid=valid,
+                               normalize_advantages_by_std=normalize_advantages_by_std)
+    if estimator == "rloo":
+        return rloo_advantages(rewards, group_ids, num_groups, valid=valid)
+    if estimator == "reinforce_pp":
+        return reinforce_pp_advantages(rewards, group_ids, num_groups, valid=valid)
+    raise ValueError(f"advantage_estimator={estimator!r} is not supported; use one of "
+                     f"{', '.join(ADVANTAGE_ESTIMATORS)}.")
+
+
+def gae_advantages(
+    rewards: jax.Array,
+    values: jax.Array,
+    loss_mask: jax.Array,
+    *,
+    gamma: float,
+    lam: float,
+) -> tuple[jax.Array, jax.Array]:
+    """Generalized advantage estimation (Schulman et al. 2016, arXiv:1506.02438) over the
+    policy's tokens, for PPO with a learned value function.
+
+    Each token the policy generated (``loss_mask`` nonzero) is one step; the other tokens
+    (prompt, tool results) are skipped, so a multi-turn episode is one chain of steps.
+    With ``t'`` the next generated token after ``t`` (none after the last one, whose next
+    value is 0: the episode ended)::
+
+        delta_t = r_t + gamma * V_{t'} - V_t
+        A_t     = delta_t + gamma * lam * A_{t'}
+        R_t     = A_t + V_t               (the value head's regression target)
+
+    Args:
+      rewards: float32[B, T], reward of each step (usually the episode reward on the last
+        generated token, 0 elsewhere).
+      values: float32[B, T], the value estimate at each token.
+      loss_mask: float[B, T], nonzero on generated tokens.
+      gamma: discount per step, in [0, 1]. lam: GAE's lambda, in [0, 1].
+
+    Returns:
+      ``(advantages, returns)``, both float32[B, T] and 0 off the mask.
+    """
+    rewards = jnp.asarray(rewards, jnp.float32)
+    values = jnp.asarray(values, jnp.float32)
+    on = jnp.asarray(loss_mask) > 0
+
+    def step(carry, xs):
+        next_value, next_advantage = carry
+        r, v, m = xs
+        advantage = r + gamma * next_value - v + gamma * lam * next_advantage
+        carry = (jnp.where(m, v, next_value), jnp.where(m, advantage, next_advantage))
+        return carry, jnp.where(m, advantage, 0.0)
+
+    zeros = jnp.zeros(rewards.shape[0], jnp.float32)
+    # Scan over time, last token first; arrays are [T, B] inside the scan.
+    _, advantages = jax.lax.scan(step, (zeros, zeros), (rewards.T, values.T, on.T), reverse=True)
+    advantages = advantages.T
+    return advantages, jnp.where(on, advantages + values, 0.0)
+
+
+def overlong_penalty(lengths: jax.Array, *, max_tokens: int, buffer_tokens: int) -> jax.Array:
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476, eq. 13), added
+    to the reward of a response of ``lengths`` tokens::
+
+        0                                       if L <= max_tokens - buffer_tokens
+        (max_tokens - buffer_tokens - L) / buffer_tokens   if in the last buffer_tokens
+        -1                                      if L > max_tokens
+
+    a penalty that grows linearly from 0 to -1 over the last ``buffer_tokens`` tokens
+    before the limit, so a truncated answer is not scored like a finished one.
+
+    Args:
+      lengths: int or float[B], generated tokens per response.
+      max_tokens: the generation limit L_max (> 0).
+      buffer_tokens: the soft zone L_cache, in ``(0, max_tokens]``.
+
+    Returns:
+      float32[B] in [-1, 0].
+
+    Raises:
+      ValueError: ``buffer_tokens`` outside ``(0, max_tokens]``.
+    """
+    if not 0 < buffer_tokens <= max_tokens:
+        raise ValueError(f"overlong buffer_tokens={buffer_tokens!r} must be in (0, max_tokens="
+                         f"{max_tokens!r}]; it is the length of the soft penalty zone.")
+    lengths = jnp.asarray(lengths, jnp.float32)
+    start = max_tokens - buffer_tokens
+    soft = jnp.minimum(0.0, (start - lengths) / buffer_tokens)
+    return jnp.where(lengths > max_tokens, -1.0, soft)
 
 
 def check_finite_rewards(rewards) -> None:
@@ -83,7 +287,7 @@ def check_finite_rewards(rewards) -> None:
     values = np.asarray(rewards, np.float64)
     bad = np.flatnonzero(~np.isfinite(values))
     if bad.size:
-        shown = ", ".join(f"[{i}]={values[i]!r}" for i in bad[:5])
+        shown = ", ".join(f"[{i}]={float(values[i])!r}" for i in bad[:5])
         raise ValueError(
             f"{bad.size} of {values.size} rewards are not finite ({shown}); a reward must be a "
             "finite number. Fix the environment's verifier (episodes with a non-finite "

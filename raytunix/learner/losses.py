@@ -15,7 +15,12 @@ import jax.numpy as jnp
 
 from raytunix.inference.sampling import sampling_logprobs
 
-Aggregation = Literal["token_mean", "sequence_mean"]
+Aggregation = Literal["token_mean", "sequence_mean_token_mean", "sequence_mean_token_sum_norm"]
+AGGREGATIONS = ("token_mean", "sequence_mean_token_mean", "sequence_mean_token_sum_norm")
+PolicyLoss = Literal["ppo_clip", "gspo", "cispo"]
+POLICY_LOSSES = ("ppo_clip", "gspo", "cispo")
+KLEstimator = Literal["k1", "k2", "k3"]
+KL_ESTIMATORS = ("k1", "k2", "k3")
 ImportanceSampling = Literal["token_tis", "sequence_tis", "geometric_tis"]
 IMPORTANCE_SAMPLING_LEVELS = ("token_tis", "sequence_tis", "geometric_tis")
 
@@ -59,18 +64,176 @@ def masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
     return total / jnp.maximum(jnp.sum(on), 1)
 
 
-def _aggregate(per_token: jax.Array, on: jax.Array, aggregation: str) -> jax.Array:
-    per_token = jnp.where(on, per_token, 0.0)
+def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not supported; use one of {', '.join(allowed)}.")
+
+
+def loss_normalizer(loss_mask: jax.Array, *, aggregation: Aggregation, max_tokens: int
+                    ) -> tuple[jax.Array, jax.Array]:
+    """How per-token losses are summed into one number: ``(weights, denominator)`` with
+    ``loss = sum(weights * per_token) / denominator``.
+
+    ``token_mean``: every masked token of the batch counts once, ``weights = mask`` and
+    the denominator is their number. ``sequence_mean_token_mean``: the mean over each
+    sequence's masked tokens, then over the sequences that have any (``weights = mask /
+    tokens_in_sequence``; the denominator is that count of sequences).
+    ``sequence_mean_token_sum_norm``: Dr. GRPO's (Liu et al. 2025, arXiv:2503.20783)
+    constant normalisation, each sequence's token sum divided by ``max_tokens`` rather
+    than by its own length (which favours long wrong answers), then the mean over
+    sequences with tokens.
+
+    The weights depend on the whole batch's mask only, so a batch split into micro-batches
+    along B, each summing ``weights * per_token / denominator`` over its rows, adds up
+    to the same loss as the whole batch.
+
+    Args:
+      loss_mask: float[B, T], nonzero on the tokens the loss is computed on.
+      aggregation: one of ``AGGREGATIONS``.
+      max_tokens: the constant of ``sequence_mean_token_sum_norm`` (> 0), e.g. the
+        model's context length; ignored by the other modes.
+
+    Returns:
+      ``weights`` float32[B, T] (0 off the mask) and a float32 scalar ``denominator``
+      (>= 1, so an empty mask gives a zero loss, not NaN).
+
+    Raises:
+      ValueError: an unknown ``aggregation``.
+    """
+    _check_choice("aggregation", aggregation, AGGREGATIONS)
+    on = (loss_mask > 0).astype(jnp.float32)
     if aggregation == "token_mean":
-        return jnp.sum(per_token) / jnp.maximum(jnp.sum(on), 1)
-    if aggregation == "sequence_mean":
-        tokens_per_seq = jnp.sum(on, axis=-1)
-        seq_means = jnp.sum(per_token, axis=-1) / jnp.maximum(tokens_per_seq, 1)
-        has_tokens = tokens_per_seq > 0
-        return jnp.sum(jnp.where(has_tokens, seq_means, 0.0)) / jnp.maximum(jnp.sum(has_tokens), 1)
-    raise ValueError(
-        f"aggregation={aggregation!r} is not supported; use 'token_mean' or 'sequence_mean'."
-    )
+        return on, jnp.maximum(jnp.sum(on), 1.0)
+    tokens_per_seq = jnp.sum(on, axis=-1, keepdims=True)
+    sequences = jnp.maximum(jnp.sum(tokens_per_seq > 0), 1).astype(jnp.float32)
+    if aggregation == "sequence_mean_token_mean":
+        return on / jnp.maximum(tokens_per_seq, 1.0), sequences
+    return on, sequences * float(max_tokens)
+
+
+def aggregate_loss(per_token: jax.Array, loss_mask: jax.Array, *, aggregation: Aggregation,
+                   max_tokens: int) -> jax.Array:
+    """Per-token losses float[B, T] -> a float32 scalar by ``aggregation`` (see
+    ``loss_normalizer``); masked-out entries are ignored, NaN included."""
+    weights, denominator = loss_normalizer(loss_mask, aggregation=aggregation,
+                                           max_tokens=max_tokens)
+    return jnp.sum(jnp.where(loss_mask > 0, per_token, 0.0) * weights) / denominator
+
+
+def kl_estimate(logprobs: jax.Array, ref_logprobs: jax.Array, loss_mask: jax.Array, *,
+                estimator: KLEstimator) -> jax.Array:
+    """Per-token estimate of KL(pi || pi_ref) from tokens sampled by pi (Schulman 2020,
+    "Approximating KL divergence"). With ``log_r = ref_logprobs - logprobs``::
+
+        k1 = -log_r                 unbiased, high variance, can be negative
+        k2 = log_r ** 2 / 2         biased, low variance, >= 0
+        k3 = exp(log_r) - 1 - log_r unbiased, low variance, >= 0 (GRPO's choice)
+
+    Args:
+      logprobs, ref_logprobs: float32[B, T], the policy's and the reference's (nats).
+      loss_mask: float[B, T]; the estimate is 0 off the mask (NaN/inf there harmless).
+      estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
+
+    Returns:
+      float32[B, T] (nats).
+
+    Raises:
+      ValueError: an unknown ``estimator``.
+    """
+    _check_choice("kl_estimator", estimator, KL_ESTIMATORS)
+    log_r = jnp.where(loss_mask > 0, ref_logprobs - logprobs, 0.0)
+    if estimator == "k1":
+        return -log_r
+    if estimator == "k2":
+        return 0.5 * log_r**2
+    return jnp.exp(log_r) - log_r - 1.0
+
+
+def ppo_clip_loss(log_ratio: jax.Array, advantages: jax.Array, *, clip_eps_low: float,
+                  clip_eps_high: float, dual_clip: float) -> tuple[jax.Array, jax.Array]:
+    """PPO's clipped surrogate (Schulman et al. 2017, arXiv:1707.06347) per token, with
+    separate lower and upper clip ranges ("clip-higher", DAPO: Yu et al. 2025,
+    arXiv:2503.14476) and an optional dual clip (Ye et al. 2020, "Mastering Complex
+    Control in MOBA Games with Deep RL", arXiv:1912.09729). With ``rho = exp(log_ratio)``::
+
+        loss_t = -min(rho * A, clip(rho, 1 - clip_eps_low, 1 + clip_eps_high) * A)
+        dual clip, A < 0:  loss_t = min(loss_t, -dual_clip * A)
+
+    The dual clip bounds the loss of a negative-advantage token whose ratio has grown
+    huge (a token far more likely now than when sampled).
+
+    Args:
+      log_ratio: float32[B, T], ``log pi - log pi_old`` (0 off the mask).
+      advantages: float32[B, 1] or [B, T].
+      clip_eps_low, clip_eps_high: the clip range.
+      dual_clip: the constant ``c > 1`` of the dual clip, or 0 for none.
+
+    Returns:
+      ``(per_token float32[B, T], clipped bool[B, T])``, ``clipped`` where a clip is the
+      active term (the token gets no gradient).
+    """
+    ratio = jnp.exp(log_ratio)
+    unclipped = ratio * advantages
+    clipped = jnp.clip(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high) * advantages
+    per_token = -jnp.minimum(unclipped, clipped)
+    active = clipped < unclipped
+    if dual_clip > 0:
+        floor = -dual_clip * advantages
+        dual = (advantages < 0) & (per_token > floor)
+        per_token = jnp.where(dual, floor, per_token)
+        active = active | dual
+    return per_token, active
+
+
+def gspo_loss(log_ratio: jax.Array, advantages: jax.Array, loss_mask: jax.Array, *,
+              clip_eps_low: float, clip_eps_high: float) -> tuple[jax.Array, jax.Array]:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071):
+    the clipped surrogate on the sequence's length-normalised likelihood ratio::
+
+        s_i    = exp(mean_t log_ratio_{i,t})     (over the sequence's masked tokens)
+        loss_i = -min(s_i * A_i, clip(s_i, 1 - clip_eps_low, 1 + clip_eps_high) * A_i)
+
+    every masked token of sequence i carrying ``loss_i``. With the aggregation
+    ``sequence_mean_token_mean`` the loss is GSPO's mean over sequences; the paper's clip
+    ranges are small (3e-4 and 4e-4), since a sequence ratio moves less than a token's.
+
+    Args:
+      log_ratio: float32[B, T] (0 off the mask). advantages: float32[B, 1].
+      loss_mask: float[B, T]. clip_eps_low, clip_eps_high: the clip range.
+
+    Returns:
+      ``(per_token float32[B, T], clipped bool[B, T])``, both constant along a sequence.
+    """
+    on = loss_mask > 0
+    tokens = jnp.maximum(jnp.sum(on, axis=-1, keepdims=True), 1)
+    seq_log_ratio = jnp.sum(jnp.where(on, log_ratio, 0.0), axis=-1, keepdims=True) / tokens
+    per_seq, clipped = ppo_clip_loss(seq_log_ratio, advantages, clip_eps_low=clip_eps_low,
+                                     clip_eps_high=clip_eps_high, dual_clip=0.0)
+    return jnp.broadcast_to(per_seq, log_ratio.shape), jnp.broadcast_to(clipped, log_ratio.shape)
+
+
+def cispo_loss(logprobs: jax.Array, log_ratio: jax.Array, advantages: jax.Array, *,
+               clip_eps_low: float, clip_eps_high: float) -> tuple[jax.Array, jax.Array]:
+    """CISPO (MiniMax-M1, MiniMax 2025, arXiv:2506.13585): REINFORCE with a clipped,
+    stop-gradient importance weight, so that no token is dropped from the gradient
+    (PPO's clip zeroes the gradient of clipped tokens)::
+
+        loss_t = -sg(clip(rho_t, 1 - clip_eps_low, 1 + clip_eps_high)) * A * logprobs_t
+
+    MiniMax-M1 leaves the lower bound off (a large ``clip_eps_low``) and tunes the upper.
+
+    Args:
+      logprobs: float32[B, T] under the current policy (0 off the mask).
+      log_ratio: float32[B, T], ``log pi - log pi_old`` (0 off the mask).
+      advantages: float32[B, 1] or [B, T]. clip_eps_low, clip_eps_high: the weight's range.
+
+    Returns:
+      ``(per_token float32[B, T], clipped bool[B, T])``, ``clipped`` where the weight hit
+      a bound (those tokens still get a gradient).
+    """
+    ratio = jax.lax.stop_gradient(jnp.exp(log_ratio))
+    weight = jnp.clip(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
+    return -weight * advantages * logprobs, weight != ratio
 
 
 def grpo_policy_loss(
@@ -79,81 +242,105 @@ def grpo_policy_loss(
     advantages: jax.Array,
     loss_mask: jax.Array,
     *,
-    clip_eps_low: float = 0.2,
-    clip_eps_high: float = 0.2,
+    policy_loss: PolicyLoss,
+    clip_eps_low: float,
+    clip_eps_high: float,
+    dual_clip: float,
+    aggregation: Aggregation,
+    max_tokens: int,
     ref_logprobs: jax.Array | None = None,
     kl_coef: float = 0.0,
-    aggregation: Aggregation = "token_mean",
+    kl_estimator: KLEstimator = "k3",
     importance_weights: jax.Array | None = None,
+    entropy: jax.Array | None = None,
+    entropy_coef: float = 0.0,
+    normalizer: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Clipped surrogate policy loss with an optional KL penalty to a reference policy.
+    """The policy-gradient loss of one batch: a surrogate per token, weighted, with an
+    optional KL penalty and entropy bonus, aggregated to a scalar::
 
-    Per masked token, with ratio ``rho = exp(logprobs - old_logprobs)``, the
-    sequence's advantage ``A`` broadcast over its tokens and an importance weight ``w``
-    (1 unless ``importance_weights`` is given)::
+        loss_t = w_t * surrogate_t + kl_coef * KL_t - entropy_coef * H_t
+        loss   = sum_t weights_t * loss_t / denominator          (``loss_normalizer``)
 
-        loss_t = -w * min(rho * A, clip(rho, 1 - clip_eps_low, 1 + clip_eps_high) * A)
-                 + kl_coef * (exp(ref - logprobs) - (ref - logprobs) - 1)
-
-    The clipped surrogate is PPO's (Schulman et al. 2017, arXiv:1707.06347); separate
-    lower and upper clip ranges ("clip-higher") are DAPO's (Yu et al. 2025,
-    arXiv:2503.14476); the KL term is the k3 estimator of KL(pi || pi_ref) (Schulman
-    2020, "Approximating KL divergence"), as used by GRPO (arXiv:2402.03300).
+    ``surrogate_t`` is ``ppo_clip_loss`` (``policy_loss="ppo_clip"``, with
+    ``dual_clip``), ``gspo_loss`` or ``cispo_loss``, with ``old_logprobs`` as the anchor
+    of the ratio; ``w_t`` is ``importance_weights`` (1 if None); ``KL_t`` is
+    ``kl_estimate`` to ``ref_logprobs`` (GRPO, arXiv:2402.03300, uses k3); ``H_t`` is the
+    token entropy (an exploration bonus, Williams & Peng 1991; Mnih et al. 2016).
 
     With ``old_logprobs`` the behaviour policy's and no weights this is PPO/GRPO as
     usual. The decoupled objective (Hilton et al. 2021, arXiv:2110.00641; AReaL,
-    arXiv:2505.24298) passes the proximal policy's logprobs as ``old_logprobs`` (the
-    clip's anchor) and ``truncated_importance_weights(prox, behaviour, ...)`` as
-    ``importance_weights``.
+    arXiv:2505.24298) passes the proximal policy's logprobs as ``old_logprobs`` and
+    ``truncated_importance_weights(prox, behaviour, ...)`` as ``importance_weights``.
 
     Args:
       logprobs: float32[B, T], log-probabilities of the tokens under the current policy.
-      old_logprobs: float32[B, T], under the policy the ratio is clipped around: the
-        behaviour policy that sampled the tokens, or a proximal policy.
-      advantages: float32[B], one per sequence.
+      old_logprobs: float32[B, T], under the policy the ratio is taken to: the behaviour
+        policy that sampled the tokens, or a proximal policy.
+      advantages: float32[B], one per sequence, or float32[B, T], one per token (GAE).
       loss_mask: float[B, T], nonzero on tokens that count. Masked-out tokens contribute
         exactly zero to the loss and its gradients, even if their logprobs are NaN/inf.
-      clip_eps_low, clip_eps_high: the ratio is clipped to
+      policy_loss: one of ``POLICY_LOSSES``.
+      clip_eps_low, clip_eps_high: the ratio (or CISPO's weight) is clipped to
         ``[1 - clip_eps_low, 1 + clip_eps_high]``.
+      dual_clip: ``ppo_clip``'s dual-clip constant (> 1), 0 for none.
+      aggregation: one of ``AGGREGATIONS``; max_tokens: its constant (see
+        ``loss_normalizer``).
       ref_logprobs: float32[B, T] under the reference policy, or None for no KL term.
       kl_coef: weight of the KL penalty; ignored when ``ref_logprobs`` is None.
-      aggregation: ``"token_mean"``: sum over all masked tokens / their number in the
-        batch; ``"sequence_mean"``: mean over each sequence's masked tokens, then mean
-        over the sequences that have any.
-      importance_weights: float32[B, T] >= 0 multiplying each token's clipped surrogate
-        (not the KL term), treated as constants (no gradient); None for all 1.
+      kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (``kl_estimate``).
+      importance_weights: float32[B, T] >= 0 multiplying each token's surrogate (not the
+        KL or entropy terms), treated as constants (no gradient); None for all 1.
+      entropy: float32[B, T], the current policy's token entropy (nats), with its
+        gradient, for the bonus; None for no bonus.
+      entropy_coef: weight of the entropy bonus.
+      normalizer: ``(weights, denominator)`` to aggregate with instead of
+        ``loss_normalizer(loss_mask, ...)``: a micro-batch passes its rows of the whole
+        batch's weights and the whole batch's denominator.
 
     Returns:
       ``(loss, aux)``: a float32 scalar and float32 scalars ``clip_fraction`` (share of
-      masked tokens whose clipped term is the active one, i.e. get no gradient),
-      ``approx_kl`` (k3 estimate of KL(old || current)), ``ratio_mean``,
-      ``num_tokens``, and ``kl_ref`` when ``ref_logprobs`` is given. All token statistics
-      are token means.
+      masked tokens where a clip is active), ``approx_kl`` (k3 estimate of
+      KL(old || current)), ``ratio_mean``, ``num_tokens``, and ``kl_ref`` (the chosen
+      estimator) when ``ref_logprobs`` is given. Token statistics are token means.
 
     Raises:
-      ValueError: for an unknown ``aggregation``.
+      ValueError: an unknown ``policy_loss``, ``aggregation`` or ``kl_estimator``.
     """
+    _check_choice("policy_loss", policy_loss, POLICY_LOSSES)
     on = loss_mask > 0
+    logprobs = jnp.where(on, logprobs, 0.0)
     log_ratio = jnp.where(on, logprobs - old_logprobs, 0.0)
-    ratio = jnp.exp(log_ratio)
-    adv = jnp.asarray(advantages, jnp.float32)[:, None]
-    unclipped = ratio * adv
-    clipped = jnp.clip(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high) * adv
-    per_token = -jnp.minimum(unclipped, clipped)
+    adv = jnp.asarray(advantages, jnp.float32)
+    adv = adv[:, None] if adv.ndim == 1 else adv
+    clip = {"clip_eps_low": clip_eps_low, "clip_eps_high": clip_eps_high}
+    if policy_loss == "ppo_clip":
+        per_token, clipped = ppo_clip_loss(log_ratio, adv, dual_clip=dual_clip, **clip)
+    elif policy_loss == "gspo":
+        per_token, clipped = gspo_loss(log_ratio, adv, loss_mask, **clip)
+    else:
+        per_token, clipped = cispo_loss(logprobs, log_ratio, adv, **clip)
     if importance_weights is not None:
         weights = jax.lax.stop_gradient(jnp.asarray(importance_weights, jnp.float32))
         per_token = jnp.where(on, weights, 0.0) * per_token
 
     aux = {}
     if ref_logprobs is not None:
-        ref_log_ratio = jnp.where(on, ref_logprobs - logprobs, 0.0)
-        kl = jnp.exp(ref_log_ratio) - ref_log_ratio - 1.0
+        kl = kl_estimate(logprobs, ref_logprobs, loss_mask, estimator=kl_estimator)
         per_token = per_token + kl_coef * kl
         aux["kl_ref"] = masked_mean(kl, on)
+    if entropy is not None:
+        per_token = per_token - entropy_coef * entropy
 
-    loss = _aggregate(per_token, on, aggregation)
+    if normalizer is None:
+        normalizer = loss_normalizer(loss_mask, aggregation=aggregation, max_tokens=max_tokens)
+    else:
+        _check_choice("aggregation", aggregation, AGGREGATIONS)
+    token_weights, denominator = normalizer
+    loss = jnp.sum(jnp.where(on, per_token, 0.0) * token_weights) / denominator
+    ratio = jnp.exp(log_ratio)
     aux.update(
-        clip_fraction=masked_mean((clipped < unclipped).astype(jnp.float32), on),
+        clip_fraction=masked_mean(clipped.astype(jnp.float32), on),
         approx_kl=masked_mean(ratio - 1.0 - log_ratio, on),
         ratio_mean=masked_mean(ratio, on),
         num_tokens=jnp.sum(on).astype(jnp.float32),

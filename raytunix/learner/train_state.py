@@ -26,6 +26,7 @@ from flax import nnx
 from raytunix.inference.sampling import check_sampling_settings
 from raytunix.learner.advantages import check_finite_rewards, grpo_advantages
 from raytunix.learner.losses import (
+    AGGREGATIONS,
     IMPORTANCE_SAMPLING_LEVELS,
     grpo_policy_loss,
     logprob_mismatch,
@@ -239,10 +240,9 @@ def make_grpo_update(
         ``update``, for a batch missing a key, a non-finite reward, or ``kl_coef > 0``
         without ``ref_params``.
     """
-    if aggregation not in ("token_mean", "sequence_mean"):
+    if aggregation not in AGGREGATIONS:
         raise ValueError(
-            f"aggregation={aggregation!r} is not supported; use 'token_mean' or 'sequence_mean'."
-        )
+            f"aggregation={aggregation!r} is not supported; use one of {', '.join(AGGREGATIONS)}.")
     if off_policy_correction not in OFF_POLICY_CORRECTIONS:
         raise ValueError(
             f"off_policy_correction={off_policy_correction!r} is not supported; use one of "
@@ -271,7 +271,7 @@ def make_grpo_update(
         generated = loss_mask[:, 1:]
         old = old_logprobs[:, 1:]
         advantages = grpo_advantages(
-            rewards, group_ids, tokens.shape[0], normalize_by_std=normalize_adv_by_std,
+            rewards, group_ids, tokens.shape[0], normalize_advantages_by_std=normalize_adv_by_std,
             valid=valid,
         )
         ref = None
@@ -296,6 +296,9 @@ def make_grpo_update(
                 prox if decoupled else old,
                 advantages,
                 mask,
+                policy_loss="ppo_clip",
+                dual_clip=0.0,
+                max_tokens=tokens.shape[1] - 1,
                 clip_eps_low=clip_eps_low,
                 clip_eps_high=clip_eps_high,
                 ref_logprobs=ref,
