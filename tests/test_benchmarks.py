@@ -60,3 +60,20 @@ def test_rollout_overlap_runs_and_reports_its_three_keys():
         assert run["compiled_during_run"] == 0  # warmed up before the clock
     assert report["async"]["runs"][0]["trajectories"] == 4
     assert report["lockstep"]["runs"][0]["trajectories"] == 2
+
+
+@pytest.mark.benchmark
+def test_profiling_overhead_alternates_profiling_and_reports_its_cost():
+    report = _run("profiling_overhead.py", "--d-model", "32", "--n-layers", "1",
+                  "--max-seq-len", "96", "--max-batch-size", "4", "--pairs", "1",
+                  "--trajectories", "8", "--warmup-trajectories", "4", "--batch", "4",
+                  "--concurrency", "8", "--turns", "2", "--max-new-tokens", "4",
+                  "--tool-latency-s", "0.01", "--env-actors", "1", timeout_s=300)
+    assert report["benchmark"] == "profiling_overhead"
+    assert isinstance(report["overhead_fraction"], float)
+    assert [run["profiled"] for run in report["runs"]] == [False, True]
+    off, on = report["runs"]
+    assert off["spans_recorded"] == {}  # off: nothing drained
+    # on: the engine, the orchestrator, the env actor and the driver all recorded spans
+    assert {"engine 0", "orchestrator", "env actor 0"} <= set(on["spans_recorded"])
+    assert report["span_record_cost_us"] > 0 and report["spans_jsonl_bytes"] > 0

@@ -67,6 +67,34 @@ def test_short_training_run_on_local_ray(ray_session, tmp_path, env_name, max_tu
     assert 0.0 <= summary["heldout_success_after_rl"] <= 1.0
     if env_name == "math_verifier":
         assert all(r["turns_mean"] == 1.0 for r in records)  # single turn, no tool
+    _check_profile(run_dir, summary, records, placement, replicas)
+
+
+def _check_profile(run_dir, summary, records, placement, replicas):
+    """Every run leaves its profile: a trace with a process per actor, the bottleneck
+    report, the plots, TensorBoard scalars and per-step RL metrics."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for r in records:
+        assert 0.0 <= r["engine_busy_fraction"] <= 1.0
+        assert 0.0 <= r["learner_busy_fraction"] <= 1.0 and r["window_s"] > 0
+        assert r["trajectories_per_s"] > 0 and r["spans_dropped"] == 0
+    with open(os.path.join(run_dir, "trace.json")) as f:
+        trace = json.load(f)
+    names = {e["args"]["name"].split(" (host")[0] for e in trace["traceEvents"]
+             if e.get("name") == "process_name"}
+    expected = {"driver", "orchestrator", "env actor 0"}
+    expected |= ({"policy (learner + engine)"} if placement == "colocated"
+                 else {"learner", *(f"engine {i}" for i in range(replicas))})
+    assert expected <= names, names
+    report = open(os.path.join(run_dir, "report.txt")).read()
+    assert summary["bottleneck"] in ("engine", "environment/tools", "learner", "orchestrator")
+    assert f"Bounded by: {summary['bottleneck']}" in report
+    assert os.path.getsize(os.path.join(run_dir, "profile.png")) > 0
+    events = EventAccumulator(os.path.join(run_dir, "tensorboard"))
+    events.Reload()
+    busy = events.Scalars("rl/engine_busy_fraction")
+    assert [e.step for e in busy] == [r["step"] for r in records]
 
 
 def test_resume_continues_step_counter_optimizer_and_data_position(ray_session, tmp_path):

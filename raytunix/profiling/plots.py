@@ -20,7 +20,7 @@ import math
 import numbers
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -186,8 +186,17 @@ def _plot_busy(ax, steps) -> None:
         _note(ax, "no busy fractions recorded" if steps else "no RL steps recorded")
 
 
-def tool_latencies(path: str) -> dict[str, list[float]]:
+EPISODE_PHASES = ("rl", "eval")  # drains holding the episodes' tool calls
+
+
+def tool_latencies(path: str, phases: Sequence[str] | None = EPISODE_PHASES
+                   ) -> dict[str, list[float]]:
     """Tool latencies from a ``profile/spans.jsonl`` file.
+
+    Args:
+      phases: only chunks drained in these phases (default: RL steps and evaluations,
+        leaving out the warm start's demonstrations, which call tools in the driver);
+        None for all.
 
     Returns:
       ``{tool: [seconds, ...]}``: ``end_s - start_s`` of every ``tool_call`` span, by the
@@ -197,6 +206,8 @@ def tool_latencies(path: str) -> dict[str, list[float]]:
     """
     by_tool: dict[str, list[float]] = {}
     for chunk in _read_jsonl(path):
+        if phases is not None and chunk.get("phase") not in phases:
+            continue
         spans = chunk.get("spans")
         if not isinstance(spans, list):
             continue

@@ -215,22 +215,13 @@ def _slowest_tool(means: dict[str, float]) -> str:
     return f"{tool} (p90 {p90[tool] * 1000:.0f} ms)"
 
 
-def tool_latencies(spans_path: str) -> dict[str, dict[str, float]]:
-    """``{tool: {"calls", "p50", "p90", "p99", "errors"}}`` over the whole run, from the
-    ``tool_call`` spans in ``spans.jsonl`` (seconds)."""
-    latencies: dict[str, list[float]] = {}
-    errors: dict[str, int] = {}
-    for chunk in read_jsonl(spans_path):
-        for span in chunk.get("spans", ()):
-            if len(span) < 5 or span[0] != "tool_call":
-                continue
-            args = span[4] or {}
-            tool = args.get("tool") or str(span[1]).removeprefix("tool ")
-            latencies.setdefault(tool, []).append(max(0.0, span[3] - span[2]))
-            errors[tool] = errors.get(tool, 0) + bool(args.get("error"))
-    return {tool: {"calls": float(len(values)), **percentiles(values),
-                   "errors": float(errors.get(tool, 0))}
-            for tool, values in latencies.items()}
+def tool_latency_table(spans_path: str) -> dict[str, dict[str, float]]:
+    """``{tool: {"calls", "p50", "p90", "p99"}}`` (seconds) over the RL steps and
+    evaluations of a run, from the ``tool_call`` spans in ``spans.jsonl``."""
+    from raytunix.profiling.plots import tool_latencies
+
+    return {tool: {"calls": float(len(values)), **percentiles(values)}
+            for tool, values in tool_latencies(spans_path).items()}
 
 
 def write_report(run_dir: str) -> tuple[str, Verdict]:
@@ -259,7 +250,7 @@ def write_report(run_dir: str) -> tuple[str, Verdict]:
                 settings = {}
     means = weighted_means(steps)
     verdict = diagnose(means, settings)
-    tools = tool_latencies(os.path.join(run_dir, "profile", "spans.jsonl"))
+    tools = tool_latency_table(os.path.join(run_dir, "profile", "spans.jsonl"))
     lines = [f"raytunix bottleneck report: {os.path.abspath(run_dir)}",
              f"RL steps profiled: {len(steps)}"
              + (" (the first left out of the means: it includes compiling)" if len(steps) >= 3 else ""),
@@ -275,12 +266,11 @@ def write_report(run_dir: str) -> tuple[str, Verdict]:
     for key, value in _evidence_rows(means):
         lines.append(f"  {key:<34} {value}")
     if tools:
-        lines += ["", "Tool latency over the run (seconds):",
-                  f"  {'tool':<20} {'calls':>7} {'p50':>9} {'p90':>9} {'p99':>9} {'errors':>7}"]
+        lines += ["", "Tool latency in RL steps and evaluations (seconds):",
+                  f"  {'tool':<20} {'calls':>7} {'p50':>9} {'p90':>9} {'p99':>9}"]
         for tool, row in sorted(tools.items()):
             lines.append(f"  {tool:<20} {row['calls']:>7.0f} {row.get('p50', 0):>9.4f} "
-                         f"{row.get('p90', 0):>9.4f} {row.get('p99', 0):>9.4f} "
-                         f"{row['errors']:>7.0f}")
+                         f"{row.get('p90', 0):>9.4f} {row.get('p99', 0):>9.4f}")
     path = os.path.join(run_dir, "report.txt")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
