@@ -13,9 +13,14 @@ One forward pass serves training and inference::
 Each block is pre-norm: ``x + attn(rms_norm(x))`` then ``x + mlp(rms_norm(x))``, with
 grouped-query attention, rotary position embeddings and a SwiGLU MLP, as in Llama
 (Touvron et al. 2023, arXiv:2302.13971) and the Hugging Face ``LlamaForCausalLM``
-reference. There are no biases. Submodules carry the Hugging Face names
-(``embed_tokens``, ``layers.i.self_attn.q_proj``, ``mlp.gate_proj``, ``norm``,
-``lm_head``) so that importing a checkpoint is a renaming plus a kernel transpose.
+reference. ``ModelConfig`` also covers what sets the Qwen2 and Qwen3 families apart:
+biases on the query/key/value projections (Qwen2), an RMSNorm over each query and key
+head before the rotation (Qwen3), a head width that is not ``d_model // n_heads``, and
+RoPE frequency scaling (``RopeScaling``: linear and Llama 3.1). The defaults are the
+small model raytunix trains from scratch. Submodules carry the Hugging Face names
+(``embed_tokens``, ``layers.i.self_attn.q_proj``, ``self_attn.q_norm``,
+``mlp.gate_proj``, ``norm``, ``lm_head``) so that importing a checkpoint is a renaming
+plus a kernel transpose (``raytunix.models.hf``).
 """
 
 from __future__ import annotations
@@ -34,6 +39,49 @@ _MASK_VALUE = -1e30
 _PRECISION = jax.lax.Precision.HIGHEST
 
 
+ROPE_SCALING_KINDS = ("linear", "llama3")
+"""RoPE scaling types ``RopeScaling.kind`` takes (Hugging Face's ``rope_type`` names)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """How the rotary frequencies are stretched for contexts longer than pretraining's.
+
+    Attributes:
+      kind: ``"linear"``: every inverse frequency divided by ``factor`` (position
+        interpolation, Chen et al. 2023, arXiv:2306.15595). ``"llama3"``: the Llama 3.1
+        rule: frequencies whose wavelength exceeds ``original_max_len / low_freq_factor``
+        are divided by ``factor``, those shorter than ``original_max_len /
+        high_freq_factor`` are kept, and those between are interpolated smoothly
+        (Meta's Llama 3.1 reference code; Hugging Face ``rope_type: llama3``).
+      factor: context extension factor, > 0.
+      low_freq_factor, high_freq_factor: ``llama3`` only; ``high_freq_factor >
+        low_freq_factor > 0``.
+      original_max_len: ``llama3`` only: the pretraining context length in tokens
+        (Hugging Face ``original_max_position_embeddings``).
+    """
+
+    kind: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_len: int = 8192
+
+    def __post_init__(self):
+        if self.kind not in ROPE_SCALING_KINDS:
+            raise ValueError(f"RopeScaling.kind={self.kind!r} is not supported; use one of "
+                             f"{ROPE_SCALING_KINDS}.")
+        if not self.factor > 0:
+            raise ValueError(f"RopeScaling.factor must be positive, got {self.factor!r}.")
+        if self.kind == "llama3" and not (
+                self.high_freq_factor > self.low_freq_factor > 0 and self.original_max_len > 0):
+            raise ValueError(
+                f"RopeScaling llama3 needs high_freq_factor > low_freq_factor > 0 and a "
+                f"positive original_max_len, got high_freq_factor={self.high_freq_factor}, "
+                f"low_freq_factor={self.low_freq_factor}, "
+                f"original_max_len={self.original_max_len}.")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shape of a decoder-only transformer.
@@ -42,15 +90,24 @@ class ModelConfig:
       vocab_size: number of token ids the embedding and the LM head cover.
       d_model: width of the residual stream.
       n_layers: number of transformer blocks.
-      n_heads: number of query heads; must divide ``d_model``.
+      n_heads: number of query heads.
       n_kv_heads: number of key/value heads (grouped-query attention, Ainslie et al. 2023,
         arXiv:2305.13245); must divide ``n_heads``. 1 is multi-query attention,
         ``n_heads`` is ordinary multi-head attention.
       d_ff: hidden width of the SwiGLU MLP.
       max_seq_len: longest sequence (in tokens) the default KV cache holds.
       rope_theta: base of the rotary embedding frequencies.
-      norm_eps: epsilon inside the RMSNorm square root.
+      norm_eps: epsilon inside every RMSNorm square root (Hugging Face ``rms_norm_eps``).
       tie_embeddings: whether the LM head reuses the token embedding matrix.
+      head_dim: width of one attention head (even). None: ``d_model // n_heads``, and then
+        ``n_heads`` must divide ``d_model``; after construction it holds the resolved
+        width, so pass ``head_dim=None`` to ``dataclasses.replace`` when changing
+        ``d_model`` or ``n_heads``.
+      qkv_bias: whether the query, key and value projections have biases (Qwen2).
+      o_bias: whether the attention output projection has a bias.
+      qk_norm: whether each query and key head goes through its own RMSNorm (weights
+        shared across heads, over ``head_dim``) before the rotation (Qwen3).
+      rope_scaling: how the rotary frequencies are scaled, or None for plain RoPE.
     """
 
     vocab_size: int
@@ -63,6 +120,11 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
+    head_dim: int | None = None
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
@@ -74,10 +136,17 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"ModelConfig.{name} must be a positive number, got {value!r}.")
-        if self.d_model % self.n_heads:
-            raise ValueError(
-                f"ModelConfig.d_model={self.d_model} is not divisible by "
-                f"n_heads={self.n_heads}; pick n_heads that divides d_model.")
+        if self.head_dim is None:
+            if self.d_model % self.n_heads:
+                raise ValueError(
+                    f"ModelConfig.d_model={self.d_model} is not divisible by "
+                    f"n_heads={self.n_heads}; pick n_heads that divides d_model or give "
+                    "head_dim.")
+            object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
+        elif (not isinstance(self.head_dim, int) or isinstance(self.head_dim, bool)
+              or self.head_dim <= 0):
+            raise ValueError(f"ModelConfig.head_dim must be a positive int or None, got "
+                             f"{self.head_dim!r}.")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"ModelConfig.n_heads={self.n_heads} is not divisible by "
@@ -85,14 +154,12 @@ class ModelConfig:
                 "group of query heads.")
         if self.head_dim % 2:
             raise ValueError(
-                f"ModelConfig.head_dim = d_model // n_heads = {self.head_dim} is odd; rotary "
-                "embeddings rotate pairs of features, so choose d_model and n_heads to "
-                "give an even head_dim.")
-
-    @property
-    def head_dim(self) -> int:
-        """Width of one attention head: ``d_model // n_heads``."""
-        return self.d_model // self.n_heads
+                f"ModelConfig.head_dim={self.head_dim} is odd (d_model={self.d_model}, "
+                f"n_heads={self.n_heads}); rotary embeddings rotate pairs of features, so "
+                "choose an even head_dim.")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ValueError(f"ModelConfig.rope_scaling must be a RopeScaling or None, got "
+                             f"{self.rope_scaling!r}.")
 
 
 class KVCache(NamedTuple):
@@ -189,24 +256,46 @@ def kv_bytes_per_token(config: ModelConfig, dtype=jnp.float32) -> int:
     return 2 * config.n_layers * config.n_kv_heads * config.head_dim * jnp.dtype(dtype).itemsize
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None
+                  ) -> jax.Array:
+    """Inverse frequencies of the rotary embedding: ``float32[head_dim / 2]``, radians per
+    position; ``theta ** (-2i / head_dim)``, then scaled as ``scaling`` says (see
+    ``RopeScaling``; the formulas of Hugging Face ``modeling_rope_utils``)."""
+    inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    if scaling is None:
+        return inv_freq
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    # llama3: keep short wavelengths, divide long ones by the factor, blend in between.
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = scaling.original_max_len / scaling.low_freq_factor
+    high_freq_wavelen = scaling.original_max_len / scaling.high_freq_factor
+    smooth = ((scaling.original_max_len / wavelen - scaling.low_freq_factor)
+              / (scaling.high_freq_factor - scaling.low_freq_factor))
+    blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    return jnp.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor,
+                     jnp.where(wavelen < high_freq_wavelen, inv_freq, blended))
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float,
+               scaling: RopeScaling | None = None) -> jax.Array:
     """Rotates feature pairs of ``x`` by angles proportional to the token position.
 
     Rotary position embedding (Su et al. 2021, arXiv:2104.09864) in the "rotate half"
     layout of the Hugging Face Llama code: feature ``i`` is paired with ``i + D/2`` and
     ``out = x * cos + rotate_half(x) * sin`` with ``rotate_half([x1, x2]) = [-x2, x1]``
-    and angle ``position * theta ** (-2i / D)``.
+    and angle ``position * inv_freq[i]`` (``rope_inv_freq``).
 
     Args:
       x: ``float[B, T, H, D]`` queries or keys, D even.
       positions: ``int[B, T]`` position of each token.
       theta: frequency base (``ModelConfig.rope_theta``).
+      scaling: frequency scaling (``ModelConfig.rope_scaling``) or None.
 
     Returns:
       An array of the shape and dtype of ``x``.
     """
-    head_dim = x.shape[-1]
-    inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    inv_freq = rope_inv_freq(x.shape[-1], theta, scaling)
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, D]
     xf = x.astype(jnp.float32)
@@ -220,17 +309,25 @@ def _normal(std: float):
 
 
 class Attention(nnx.Module):
-    """Grouped-query self-attention with rotary embeddings and an optional KV cache."""
+    """Grouped-query self-attention with rotary embeddings and an optional KV cache;
+    optional projection biases and per-head q/k RMSNorm (see ``ModelConfig``)."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
         d, h, kv, hd = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim
         init = _normal(0.02)
         out_init = _normal(0.02 / math.sqrt(2 * config.n_layers))
-        self.q_proj = nnx.Linear(d, h * hd, use_bias=False, kernel_init=init, rngs=rngs)
-        self.k_proj = nnx.Linear(d, kv * hd, use_bias=False, kernel_init=init, rngs=rngs)
-        self.v_proj = nnx.Linear(d, kv * hd, use_bias=False, kernel_init=init, rngs=rngs)
-        self.o_proj = nnx.Linear(h * hd, d, use_bias=False, kernel_init=out_init, rngs=rngs)
+        qkv_bias = config.qkv_bias
+        self.q_proj = nnx.Linear(d, h * hd, use_bias=qkv_bias, kernel_init=init, rngs=rngs)
+        self.k_proj = nnx.Linear(d, kv * hd, use_bias=qkv_bias, kernel_init=init, rngs=rngs)
+        self.v_proj = nnx.Linear(d, kv * hd, use_bias=qkv_bias, kernel_init=init, rngs=rngs)
+        self.o_proj = nnx.Linear(h * hd, d, use_bias=config.o_bias, kernel_init=out_init,
+                                 rngs=rngs)
+        if config.qk_norm:
+            self.q_norm = nnx.RMSNorm(hd, epsilon=config.norm_eps, rngs=rngs)
+            self.k_norm = nnx.RMSNorm(hd, epsilon=config.norm_eps, rngs=rngs)
+        else:
+            self.q_norm = self.k_norm = None
 
     def __call__(self, x, positions, cache: tuple[jax.Array, jax.Array] | None, layer: int,
                  block_tables: jax.Array | None = None):
@@ -250,8 +347,11 @@ class Attention(nnx.Module):
         q = self.q_proj(x).reshape(batch, length, cfg.n_heads, cfg.head_dim)
         k = self.k_proj(x).reshape(batch, length, cfg.n_kv_heads, cfg.head_dim)
         v = self.v_proj(x).reshape(batch, length, cfg.n_kv_heads, cfg.head_dim)
-        q = apply_rope(q, positions, cfg.rope_theta)
-        k = apply_rope(k, positions, cfg.rope_theta).transpose(0, 2, 1, 3)  # [B, KVH, T, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, positions, cfg.rope_theta, cfg.rope_scaling)
+        k = apply_rope(k, positions, cfg.rope_theta, cfg.rope_scaling)
+        k = k.transpose(0, 2, 1, 3)  # [B, KVH, T, D]
         v = v.transpose(0, 2, 1, 3)
 
         if block_tables is not None:
