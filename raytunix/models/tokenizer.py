@@ -11,13 +11,20 @@ Text that did not come from us (observations, tool output, task questions) is en
 with ``special_tokens=False``: a special-token string in it stays plain bytes, so nothing
 an environment writes can close a message or open a turn.
 
+A model folder's own tokenizer (a Hugging Face ``tokenizer.json`` with its special tokens
+named in ``tokenizer_config.json`` and ``generation_config.json``) is read with
+``Tokenizer.from_folder``; it keeps that model's vocabulary and special tokens instead of
+the ones below.
+
 This module does not import JAX; environment and agent processes use it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -70,33 +77,62 @@ class Tokenizer:
     """Wraps ``tokenizers.Tokenizer``; ids are plain Python ints.
 
     Build one with ``train`` (BPE merges learned from a corpus), ``byte_level`` (no
-    merges) or ``load``.
+    merges), ``load`` (a ``tokenizer.json`` written by ``save``) or ``from_folder`` (a
+    Hugging Face model folder's tokenizer).
     """
 
-    def __init__(self, tokenizer: tokenizers.Tokenizer):
+    def __init__(self, tokenizer: tokenizers.Tokenizer, *, pad_id: int | None = None,
+                 end_id: int | None = None, stop_ids: Sequence[int] = ()):
         """Wraps an existing ``tokenizers.Tokenizer``.
 
+        Args:
+          tokenizer: the tokenizer.
+          pad_id, end_id: the padding id and the end-of-sequence id, for a tokenizer that
+            is not a raytunix one (a model folder's); both or neither. Neither: the
+            tokenizer must hold ``SPECIAL_TOKENS`` at ids 0..9, and ``<|pad|>`` and
+            ``<|end|>`` are the padding and end ids.
+          stop_ids: further ids that end a generation besides ``end_id`` (a model's other
+            end-of-sequence tokens).
+
         Raises:
-          ValueError: if the special tokens are missing or not at ids 0..9 in the order
-            of ``SPECIAL_TOKENS``.
+          ValueError: the special tokens are missing or not at ids 0..9 in the order of
+            ``SPECIAL_TOKENS`` (without ``pad_id``/``end_id``), only one of
+            ``pad_id``/``end_id`` is given, or an id is outside the vocabulary.
         """
-        for expected_id, token in enumerate(SPECIAL_TOKENS):
-            got = tokenizer.token_to_id(token)
-            if got != expected_id:
-                raise ValueError(
-                    f"Special token {token!r} has id {got}, expected {expected_id}; a raytunix "
-                    "tokenizer must hold SPECIAL_TOKENS at ids 0..9. Build it with "
-                    "Tokenizer.train or Tokenizer.byte_level.")
+        if (pad_id is None) != (end_id is None):
+            raise ValueError(f"Tokenizer: pad_id={pad_id} and end_id={end_id} go together; "
+                             "give both (a model's own tokenizer) or neither (a raytunix one).")
+        if pad_id is None:
+            for expected_id, token in enumerate(SPECIAL_TOKENS):
+                got = tokenizer.token_to_id(token)
+                if got != expected_id:
+                    raise ValueError(
+                        f"Special token {token!r} has id {got}, expected {expected_id}; a "
+                        "raytunix tokenizer must hold SPECIAL_TOKENS at ids 0..9. Build it "
+                        "with Tokenizer.train or Tokenizer.byte_level, or read a model's own "
+                        "with Tokenizer.from_folder.")
+            pad_id, end_id = SPECIAL_TOKENS.index("<|pad|>"), SPECIAL_TOKENS.index("<|end|>")
+        size = tokenizer.get_vocab_size(with_added_tokens=True)
+        for name, value in (("pad_id", pad_id), ("end_id", end_id),
+                            *(("stop_ids", i) for i in stop_ids)):
+            if not isinstance(value, int) or not 0 <= value < size:
+                raise ValueError(f"Tokenizer: {name} {value!r} is not an id of this "
+                                 f"{size}-token vocabulary.")
         self._tokenizer = tokenizer
         self._plain = _plain_text_copy(tokenizer)
+        self._pad_id, self._end_id = pad_id, end_id
+        self._stop_ids = tuple(dict.fromkeys([end_id, *stop_ids]))
 
     def __getstate__(self) -> dict:
-        return {"tokenizer": self._tokenizer}
+        return {"tokenizer": self._tokenizer, "pad_id": self._pad_id, "end_id": self._end_id,
+                "stop_ids": self._stop_ids}
 
     def __setstate__(self, state: dict) -> None:
         # Rebuilt, not pickled: ``encode_special_tokens`` does not survive a pickle.
         self._tokenizer = state["tokenizer"]
         self._plain = _plain_text_copy(self._tokenizer)
+        self._pad_id, self._end_id = state["pad_id"], state["end_id"]
+        self._stop_ids = state["stop_ids"]
 
     @classmethod
     def train(cls, corpus: Iterable[str], vocab_size: int = 512) -> Tokenizer:
@@ -190,13 +226,20 @@ class Tokenizer:
 
     @property
     def pad_id(self) -> int:
-        """Id of ``<|pad|>``."""
-        return SPECIAL_TOKENS.index("<|pad|>")
+        """Id that pads batches: ``<|pad|>``, or a model folder's pad token."""
+        return self._pad_id
 
     @property
     def end_id(self) -> int:
-        """Id of ``<|end|>``, which closes every chat message."""
-        return SPECIAL_TOKENS.index("<|end|>")
+        """Id of ``<|end|>``, which closes every chat message, or a model folder's
+        end-of-sequence token."""
+        return self._end_id
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Ids that end a generation: ``end_id`` first, then a model folder's other
+        end-of-sequence tokens (``generation_config.json``'s ``eos_token_id`` list)."""
+        return self._stop_ids
 
     def save(self, path: str) -> None:
         """Writes the tokenizer as a Hugging Face ``tokenizer.json`` file at ``path``."""
@@ -214,3 +257,76 @@ class Tokenizer:
             raise FileNotFoundError(
                 f"No tokenizer file at {path!r}; write one with Tokenizer.save(path).")
         return cls(tokenizers.Tokenizer.from_file(path))
+
+    @classmethod
+    def from_folder(cls, path: str) -> Tokenizer:
+        """Reads a Hugging Face model folder's tokenizer.
+
+        ``tokenizer.json`` holds the vocabulary and special tokens; the end-of-sequence
+        and padding tokens are ``eos_token`` and ``pad_token`` of
+        ``tokenizer_config.json`` (a string or ``{"content": ...}``), else
+        ``eos_token_id`` and ``pad_token_id`` of ``generation_config.json`` (an id or a
+        list of ids; every listed end id stops a generation). Without a pad token, the
+        end-of-sequence token pads (padding is masked out everywhere).
+
+        Args:
+          path: the folder (or its ``tokenizer.json``).
+
+        Raises:
+          FileNotFoundError: the folder has no ``tokenizer.json``.
+          ValueError: a config file is not valid JSON, a named special token is not in
+            ``tokenizer.json``, or no end-of-sequence token is named anywhere.
+        """
+        folder = os.path.dirname(path) if os.path.isfile(path) else path
+        tokenizer_file = os.path.join(folder, "tokenizer.json")
+        if not os.path.isfile(tokenizer_file):
+            raise FileNotFoundError(
+                f"No tokenizer.json in {folder!r}; a model folder needs the tokenizer.json "
+                "its Hugging Face tokenizer saves (tokenizer.save_pretrained(folder)).")
+        tok = tokenizers.Tokenizer.from_file(tokenizer_file)
+        config = _read_json_if_present(os.path.join(folder, "tokenizer_config.json"))
+        generation = _read_json_if_present(os.path.join(folder, "generation_config.json"))
+
+        def token_id(key: str) -> int | None:
+            value = config.get(key)
+            text = value.get("content") if isinstance(value, dict) else value
+            if not isinstance(text, str):
+                return None
+            found = tok.token_to_id(text)
+            if found is None:
+                raise ValueError(f"{key} {text!r} of {folder}/tokenizer_config.json is not a "
+                                 f"token of {tokenizer_file}; fix one of the two files.")
+            return found
+
+        def ids(key: str) -> list[int]:
+            value = generation.get(key)
+            return [value] if isinstance(value, int) else [
+                i for i in value or [] if isinstance(i, int)]
+
+        end_ids = [i for i in [token_id("eos_token"), *ids("eos_token_id")] if i is not None]
+        if not end_ids:
+            raise ValueError(
+                f"{folder!r} names no end-of-sequence token: set eos_token in "
+                "tokenizer_config.json or eos_token_id in generation_config.json.")
+        pad_id = token_id("pad_token")
+        if pad_id is None:
+            pad_id = next(iter(ids("pad_token_id")), end_ids[0])
+        return cls(tok, pad_id=pad_id, end_id=end_ids[0], stop_ids=end_ids[1:])
+
+
+def _read_json_if_present(path: str) -> dict[str, Any]:
+    """The JSON object in ``path``; {} if there is no such file.
+
+    Raises:
+      ValueError: the file is not a JSON object.
+    """
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); fix or remove it.") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}.")
+    return data
