@@ -243,6 +243,7 @@ def test_collector_drains_actors_names_them_and_skips_a_dead_one(ray_session, tm
     ray.kill(dead)
     collector = Collector(str(tmp_path), lambda: [("env actor 0", live), ("env actor 1", dead)],
                           timeout_s=20)
+    profiling.recorder().drain()  # this process's spans of earlier tests
     metrics = collector.window("rl", 1)
     assert metrics["tool_calls/calculator"] == 2
     assert metrics["tool_call_errors/tool_exception"] == 1  # "1 +" does not parse

@@ -51,6 +51,8 @@ import re
 import threading
 from fractions import Fraction
 
+from raytunix import profiling
+
 MAX_ANSWER_CHARS = 256  # longer answers are not compared (score 0)
 MAX_EXPONENT = 400  # |e| of 1e<e> accepted as a plain number (bigger would build huge ints)
 SYMBOLIC_TIMEOUT_S = 5.0  # deadline of one symbolic comparison (step 3), seconds
@@ -225,5 +227,6 @@ _WORKER = _SymbolicWorker()
 def score_answer(task, answer: str | None) -> float:
     """Reward of ``answer`` for a math ``task`` (a ``raytunix.types.Task``): 1.0 if
     ``answers_match(answer, task.answer)``, else 0.0. The math environments' reward, and so
-    the held-out success rate, come from here."""
-    return 1.0 if answers_match(answer, task.answer) else 0.0
+    the held-out success rate, come from here (timed as a ``reward`` span)."""
+    with profiling.span("reward", "env", {"rule": "math"}):
+        return 1.0 if answers_match(answer, task.answer) else 0.0

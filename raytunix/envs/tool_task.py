@@ -17,6 +17,7 @@ import random
 import secrets
 from typing import Any, Callable, Sequence
 
+from raytunix import profiling
 from raytunix.envs.math_envs import CalculatorMathEnv
 from raytunix.sandbox import SandboxSession
 from raytunix.tools import Tool
@@ -44,7 +45,8 @@ class ToolTaskEnv(CalculatorMathEnv):
 
     def _step_impl(self, action: Action) -> StepResult:
         if action.parse_error is None and action.answer is not None and not action.tool_calls:
-            reward, info = self._score(action.answer)
+            with profiling.span("reward", "env", {"rule": type(self).__name__}):
+                reward, info = self._score(action.answer)
             return StepResult(observation="", reward=reward, done=True,
                               status=EpisodeStatus.COMPLETED,
                               info={**info, TOOL_ERRORS_KEY: {}})

@@ -147,6 +147,8 @@ async def run_episode(
                     break  # the turn did not end (an agent may close a cut reply): TRUNCATED
                 timings["tool_calls"] += len(action.tool_calls)
                 step = await env_call("env_step", env.step(action))
+                profiling.add("turn", t0, time.perf_counter(), "episodes", {"turn": turn},
+                              session_id)  # its generation and its env step
                 if not math.isfinite(step.reward):
                     raise EnvFailure(
                         f"the environment returned reward {step.reward!r} for task "
