@@ -32,6 +32,7 @@ class RunConfig:
 
 @dataclasses.dataclass
 class ModelConfig:
+    path: str = ""  # a Hugging Face Llama / Qwen2 / Qwen3 model folder (config.json, *.safetensors, tokenizer.json, tokenizer_config.json) to train: its shape, weights, tokenizer and chat template replace d_model..d_ff and tokenizer_vocab_size (max_seq_len still sets the context), and the trained policy is exported to RUN_DIR/export/ in the same layout; "" = a fresh model of the sizes below
     d_model: int = 128  # residual width
     n_layers: int = 3  # transformer blocks
     n_heads: int = 4  # query heads
@@ -329,6 +330,10 @@ def validate(cfg: Config) -> Config:
         if flat[key] >= 1.0:
             raise ConfigError(f"{key}={flat[key]!r} must be below 1 (a ratio clip range, e.g. 0.2).")
     m = cfg.model
+    if m.path and not os.path.isfile(os.path.join(m.path, "config.json")):
+        raise ConfigError(
+            f"model.path={m.path!r} is not a Hugging Face model folder (no config.json in it); "
+            "pass the folder save_pretrained wrote, or \"\" to train a fresh model.")
     if m.max_seq_len < 32:
         raise ConfigError(f"model.max_seq_len={m.max_seq_len} is too short for a conversation; use at least 32.")
     if m.d_model % m.n_heads:

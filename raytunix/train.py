@@ -52,6 +52,7 @@ class RunDir:
         self.metrics = os.path.join(self.path, "metrics.jsonl")
         self.checkpoints = os.path.join(self.path, "checkpoints")
         self.reference = os.path.join(self.path, "reference")  # KL reference policy, if any
+        self.export = os.path.join(self.path, "export")  # the trained policy in HF layout (model.path runs)
         self.summary = os.path.join(self.path, "summary.json")
         self.state = os.path.join(self.path, "state.json")
         self.sinks = None  # profiling.sinks.MetricSinks once the run starts its actors
@@ -222,7 +223,7 @@ def _demonstration_arrays(cfg: Config, tasks, tokenizer) -> tuple[np.ndarray, np
     probs = ({2: cfg.warmup.tool_use_prob_2_terms, 3: cfg.warmup.tool_use_prob_3_terms}
              if _uses_tools(cfg) else {n: 0.0 for n in range(1, 10)})
     demos = sample_demonstrations(tasks, rng, probs)
-    agent = make_agent(_agent_name(cfg), tokenizer, **cfg.env.agent_kwargs)
+    agent = make_agent(_agent_name(cfg), tokenizer, **_agent_kwargs(cfg))
     rows = [agent.render_demonstration(task, messages) for task, messages in zip(tasks, demos)]
     limit = cfg.model.max_seq_len
     fitting = [r for r in rows if len(r[0]) <= limit]
@@ -253,15 +254,13 @@ class Job:
         self.orchestrator = None
         self.env_pool = env_pool
         self.sandbox_actors: list = []
-        model_config = ModelConfig(
-            vocab_size=tokenizer.vocab_size, d_model=cfg.model.d_model, n_layers=cfg.model.n_layers,
-            n_heads=cfg.model.n_heads, n_kv_heads=cfg.model.n_kv_heads, d_ff=cfg.model.d_ff,
-            max_seq_len=cfg.model.max_seq_len)
+        model_config = _model_config(cfg, tokenizer)
+        path = cfg.model.path
         self.colocated = cfg.engine.placement == "colocated"
         if self.colocated:
             self.learner = ray.remote(PolicyActor).options(
                 num_cpus=1, max_concurrency=10_000).remote(
-                model_config, cfg.run.seed, tokenizer, cfg.engine.engine_kwargs())
+                model_config, cfg.run.seed, tokenizer, cfg.engine.engine_kwargs(), path)
             self.engine = self.learner
             self.engines = [self.learner]
         else:
@@ -269,10 +268,10 @@ class Job:
 
             self.learner = ray.remote(LearnerActor).options(
                 num_cpus=1, max_concurrency=100).remote(
-                model_config, cfg.run.seed, tokenizer.pad_id)
+                model_config, cfg.run.seed, tokenizer.pad_id, path)
             self.engines = [
                 ray.remote(EngineActor).options(num_cpus=0, max_concurrency=10_000).remote(
-                    model_config, cfg.run.seed, tokenizer, cfg.engine.engine_kwargs())
+                    model_config, cfg.run.seed, tokenizer, cfg.engine.engine_kwargs(), path)
                 for _ in range(cfg.engine.num_replicas)]
             self.engine = self.engines[0]
 
@@ -287,7 +286,7 @@ class Job:
         self.orchestrator = ray.remote(OrchestratorActor).options(
             num_cpus=0, max_concurrency=10_000, runtime_env=CPU_ONLY_RUNTIME_ENV).remote(
             tasks=self.train_tasks, tokenizer=tokenizer, agent_name=_agent_name(cfg),
-            agent_kwargs=cfg.env.agent_kwargs, import_paths=_import_paths(cfg),
+            agent_kwargs=_agent_kwargs(cfg), import_paths=_import_paths(cfg),
             env_pool=self.env_pool, engine=self.engines,
             group_size=cfg.rollout.group_size, groups_per_batch=cfg.rollout.groups_per_batch,
             max_concurrent_episodes=cfg.rollout.max_concurrent_episodes,
@@ -296,7 +295,7 @@ class Job:
             sampling=SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,
                                     temperature=cfg.rollout.temperature,
                                     top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
-                                    stop_token_ids=(tokenizer.end_id,)),
+                                    stop_token_ids=tokenizer.stop_ids),
             episode_timeout_s=cfg.rollout.episode_timeout_s,
             batch_queue_size=cfg.rollout.batch_queue_size,
             drop_failed_groups=cfg.rollout.drop_failed_groups,
@@ -500,7 +499,9 @@ def _start_and_run(cfg: Config, run: RunDir, resume: str | None, dataset,
         train_tasks, heldout, source = _task_splits(cfg, env_pool, dataset)
         heldout = heldout[: cfg.eval.heldout_size]
         dev_tasks = train_tasks[-cfg.warmup.eval_size:]  # warm-start stop condition; not held out
-        if resume:
+        if cfg.model.path:  # the model's own tokenizer; nothing to train or save
+            tokenizer = _folder_tokenizer(cfg)
+        elif resume:
             tokenizer = Tokenizer.load(run.tokenizer)
         else:
             tokenizer = Tokenizer.train(tokenizer_corpus(train_tasks[:3000]),
@@ -546,7 +547,64 @@ def _preflight(check, *args):
 def _new_agent(cfg: Config, tokenizer: Tokenizer):
     from raytunix.agents import make_agent
 
-    return make_agent(_agent_name(cfg), tokenizer, **cfg.env.agent_kwargs)
+    return make_agent(_agent_name(cfg), tokenizer, **_agent_kwargs(cfg))
+
+
+def _agent_kwargs(cfg: Config) -> dict[str, Any]:
+    """``env.agent_kwargs``; with ``model.path``, the chat template is the folder's unless
+    the config names one."""
+    kwargs = dict(cfg.env.agent_kwargs)
+    if cfg.model.path:
+        kwargs.setdefault("chat_template", cfg.model.path)
+    return kwargs
+
+
+def _model_config(cfg: Config, tokenizer: Tokenizer) -> ModelConfig:
+    """The run's model: ``model.path``'s config.json at ``model.max_seq_len`` tokens of
+    context, else a fresh model of the ``model.*`` sizes over ``tokenizer``'s ids.
+
+    Raises:
+      RunError: the folder's model cannot be read, or its embedding has fewer ids than
+        its tokenizer.
+    """
+    m = cfg.model
+    if not m.path:
+        return ModelConfig(vocab_size=tokenizer.vocab_size, d_model=m.d_model,
+                           n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
+                           d_ff=m.d_ff, max_seq_len=m.max_seq_len)
+    from raytunix.models.hf import CheckpointError, read_model_config
+
+    try:
+        config = read_model_config(m.path, m.max_seq_len)
+    except CheckpointError as e:
+        raise RunError(f"model.path: {e}") from None
+    if tokenizer.vocab_size > config.vocab_size:
+        raise RunError(f"model.path={m.path!r}: tokenizer.json has {tokenizer.vocab_size} ids but "
+                       f"the model's embedding only {config.vocab_size}; the folder's files do "
+                       "not belong together.")
+    return config
+
+
+def _folder_tokenizer(cfg: Config) -> Tokenizer:
+    """``model.path``'s tokenizer, after checking that a chat template comes with it.
+
+    Raises:
+      RunError: the tokenizer files are missing or bad, or the folder has no chat template
+        and ``env.agent_kwargs`` names none.
+    """
+    from raytunix.models.chat_template import ChatTemplateError, chat_template_from_folder
+
+    path = cfg.model.path
+    try:
+        tokenizer = Tokenizer.from_folder(path)
+        if "chat_template" not in cfg.env.agent_kwargs:
+            chat_template_from_folder(path)
+    except (OSError, ValueError) as e:  # ChatTemplateError is a ValueError
+        hint = (" Set env.agent_kwargs.chat_template to a built-in template whose tokens "
+                "the model's tokenizer has (chatml, llama3, gemma)."
+                if isinstance(e, ChatTemplateError) else "")
+        raise RunError(f"model.path={path!r}: {e}{hint}") from None
+    return tokenizer
 
 
 def _task_splits(cfg: Config, env_pool: EnvPool, dataset):
@@ -682,6 +740,9 @@ def _run_phases(cfg: Config, job: Job, run: RunDir, hp: GRPOHyperparams, resume:
         after = job.evaluate(heldout)
     collector.drain("eval", cfg.learner.rl_steps)
     run.log({"phase": "eval", "when": "after_rl", **after})
+    if cfg.model.path:
+        files = ray.get(job.learner.export.remote(run.export))
+        _say(f"trained policy exported to {run.export} ({len(files)} files, Hugging Face layout)")
     artifacts = profiling.write_artifacts(run.path)
     summary = {
         "run_dir": run.path,
@@ -699,6 +760,7 @@ def _run_phases(cfg: Config, job: Job, run: RunDir, hp: GRPOHyperparams, resume:
         "wall_s": time.monotonic() - wall0,
         "engine_busy_fraction": engine_stats.get("busy_fraction"),
         "engine_policy_version": engine_stats.get("policy_version_received"),
+        "export_dir": run.export if cfg.model.path else None,
         "eval_decoding": "greedy",
         "bottleneck": artifacts.get("bottleneck", "unknown"),
         "bottleneck_summary": artifacts.get("bottleneck_summary", ""),

@@ -356,3 +356,55 @@ def test_folder_without_safetensors_says_to_convert(checkpoints, tmp_path):
     os.rename(target / "model.safetensors", target / "pytorch_model.bin")
     with pytest.raises(CheckpointError, match="found pytorch_model.bin: convert it to safetensors"):
         load_checkpoint(str(target))
+
+
+# -- raytunix train model.path=DIR ------------------------------------------------------
+
+
+def test_train_with_model_path_trains_the_checkpoint_and_exports_it(ray_session, tmp_path):
+    """A Qwen3-style folder is all the config names: the run takes the folder's shape,
+    weights, tokenizer and chat template, trains, and leaves RUN_DIR/export/ that
+    transformers and raytunix load to the same logits."""
+    from raytunix.config import load_config
+    from raytunix.train import train
+
+    folder = tmp_path / "qwen3"
+    _write_checkpoint(folder, "qwen3", seed=5)
+    cfg = load_config(None, [
+        f"model.path={folder}", "model.max_seq_len=128", f"run.output_dir={tmp_path / 'runs'}",
+        "env.name=math_verifier", "env.max_turns=1", "warmup.enabled=false",
+        "data.train_size=64", "data.heldout_size=4", "eval.heldout_size=4", "eval.max_new_tokens=8",
+        "rollout.group_size=2", "rollout.groups_per_batch=2", "rollout.max_concurrent_episodes=4",
+        "rollout.max_new_tokens=8", "rollout.adaptive_concurrency=false",
+        "engine.max_batch_size=4", "env.num_env_actors=1", "learner.rl_steps=2",
+        "learner.checkpoint_every=2",
+        # A random policy seldom earns a reward; weight decay moves the weights anyway, so
+        # the export shows whether it holds the trained policy or the folder's.
+        "learner.weight_decay=0.5"])
+    summary = train(cfg)
+
+    run_dir = summary["run_dir"]
+    assert not os.path.exists(os.path.join(run_dir, "tokenizer.json"))  # none was trained
+    records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    assert [r["policy_version"] for r in records if r["phase"] == "rl"] == [1, 2]
+    export = summary["export_dir"]
+    assert export == os.path.join(run_dir, "export")
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert os.path.isfile(os.path.join(export, name)), name
+    exported = load_checkpoint(export, max_seq_len=64)
+    original = load_checkpoint(str(folder), max_seq_len=64)
+    assert exported.config == original.config and exported.config.qk_norm
+    assert exported.chat_template.source == original.chat_template.source
+    trained, initial = nnx_flat(exported.params), nnx_flat(original.params)
+    q_proj = ("layers", 0, "self_attn", "q_proj", "kernel")
+    assert trained[q_proj].dtype == np.float32
+    assert not np.array_equal(trained[q_proj], initial[q_proj])
+    np.testing.assert_allclose(trained[q_proj], initial[q_proj], rtol=1e-2, atol=1e-3)
+    model = transformers.AutoModelForCausalLM.from_pretrained(export).eval()
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    tokens = _tokens(exported.config.vocab_size, length=8, seed=1)
+    positions = np.broadcast_to(np.arange(8, dtype=np.int32), tokens.shape)
+    ours, _ = forward(exported.graphdef, exported.params, jnp.asarray(tokens),
+                      jnp.asarray(positions))
+    np.testing.assert_allclose(np.asarray(ours), _torch_logits(model, tokens, positions),
+                               rtol=1e-5, atol=2e-5)

@@ -12,12 +12,21 @@ from raytunix.models.llama import ModelConfig, init_model
 
 
 class EngineActor(profiling.ProfiledActor):
-    """Hosts one ``InferenceEngine`` replica (run with ``ray.remote``)."""
+    """Hosts one ``InferenceEngine`` replica (run with ``ray.remote``).
+
+    Its first weights are ``init_model(model_config, seed)``, or the Hugging Face model
+    folder ``model_path`` when given (read where the actor runs).
+    """
 
     def __init__(self, model_config: ModelConfig, seed: int, tokenizer,
-                 engine_kwargs: dict[str, Any]):
+                 engine_kwargs: dict[str, Any], model_path: str = ""):
         profiling.configure("engine", "engine")
-        graphdef, params = init_model(model_config, seed)
+        if model_path:
+            from raytunix.models.hf import load_weights
+
+            graphdef, params = load_weights(model_path, model_config)
+        else:
+            graphdef, params = init_model(model_config, seed)
         self.engine = InferenceEngine(graphdef, params, model_config, tokenizer,
                                       **engine_kwargs)
 

@@ -20,11 +20,17 @@ from raytunix.models.llama import ModelConfig
 
 class LearnerActor(profiling.ProfiledActor):
     """The learner as an actor (run with ``ray.remote``); the only writer of weights and of
-    the policy version."""
+    the policy version.
 
-    def __init__(self, model_config: ModelConfig, seed: int, pad_id: int):
+    ``model_path``: a Hugging Face model folder to start from (read where the actor runs,
+    with ``raytunix.models.hf.load_weights``); "" for a fresh model of ``model_config``.
+    """
+
+    def __init__(self, model_config: ModelConfig, seed: int, pad_id: int, model_path: str = ""):
         profiling.configure("learner", "learner")
-        self.learner = Learner(model_config, seed=seed, pad_id=pad_id)
+        self.model_path = model_path
+        self.learner = Learner(model_config, seed=seed, pad_id=pad_id,
+                               model=_load(model_path, model_config))
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="learner")
         self._demos = None
         self._checkpointers: dict[str, Checkpointer] = {}
@@ -84,6 +90,16 @@ class LearnerActor(profiling.ProfiledActor):
     def policy_version(self) -> int:
         return self.learner.version
 
+    async def export(self, out_dir: str) -> list[str]:
+        """Writes the current policy to ``out_dir`` as a Hugging Face model folder (with
+        the tokenizer files of the folder the model came from, if any); returns the file
+        names (``raytunix.models.hf.export_checkpoint``)."""
+        from raytunix.models.hf import export_checkpoint
+
+        return await self._in_thread(
+            lambda: export_checkpoint(out_dir, self.learner.model_config, self.learner.params,
+                                      source=self.model_path or None))
+
     # checkpoints ------------------------------------------------------------------------------
     async def save(self, directory: str, extras: dict[str, Any], max_to_keep: int = 3) -> int:
         ckpt = self._checkpointer(directory, max_to_keep)
@@ -107,8 +123,8 @@ class PolicyActor(LearnerActor):
     """Learner and inference engine in one process (``engine.placement: colocated``)."""
 
     def __init__(self, model_config: ModelConfig, seed: int, tokenizer,
-                 engine_kwargs: dict[str, Any]):
-        super().__init__(model_config, seed, tokenizer.pad_id)
+                 engine_kwargs: dict[str, Any], model_path: str = ""):
+        super().__init__(model_config, seed, tokenizer.pad_id, model_path)
         profiling.configure("policy (learner + engine)", "policy")
         from raytunix.inference.engine import InferenceEngine
 
@@ -130,3 +146,12 @@ class PolicyActor(LearnerActor):
 
     def engine_stats(self) -> dict:
         return self.engine.stats()
+
+
+def _load(model_path: str, model_config: ModelConfig):
+    """(graphdef, params) of the Hugging Face folder ``model_path``; None for ""."""
+    if not model_path:
+        return None
+    from raytunix.models.hf import load_weights
+
+    return load_weights(model_path, model_config)

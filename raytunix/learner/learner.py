@@ -83,13 +83,17 @@ class Learner:
       model_config: the model to build.
       seed: model init and the learner's PRNG.
       pad_id: token id used to pad batches.
+      model: ``(graphdef, params)`` of ``model_config`` to start from (a Hugging Face
+        checkpoint's, ``raytunix.models.hf.load_weights``); None: ``init_model`` with
+        ``seed``.
     """
 
-    def __init__(self, model_config: ModelConfig, seed: int = 0, pad_id: int = 0):
+    def __init__(self, model_config: ModelConfig, seed: int = 0, pad_id: int = 0,
+                 model: tuple[Any, Any] | None = None):
         self.model_config = model_config
         self.seed = seed
         self.pad_id = pad_id
-        self.graphdef, params = init_model(model_config, seed)
+        self.graphdef, params = model if model is not None else init_model(model_config, seed)
         self.version = 0
         self.rl_step = 0
         self._params = params

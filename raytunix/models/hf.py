@@ -194,6 +194,17 @@ def model_config_from_hf(hf: Mapping[str, Any], max_seq_len: int | None = None,
         raise CheckpointError(f"{where}: {e}") from None
 
 
+def read_model_config(folder: str, max_seq_len: int | None = None) -> ModelConfig:
+    """The ``ModelConfig`` of a model folder's ``config.json`` (see
+    ``model_config_from_hf``).
+
+    Raises:
+      CheckpointError: no readable ``config.json``, or an unsupported model.
+    """
+    path = os.path.join(folder, "config.json")
+    return model_config_from_hf(_read_json(path), max_seq_len, path)
+
+
 def hf_config_from_model(config: ModelConfig, base: Mapping[str, Any] | None = None,
                          dtype: str = "float32") -> dict[str, Any]:
     """A ``config.json`` dict for ``config``.
@@ -372,9 +383,8 @@ def load_checkpoint(path: str, max_seq_len: int | None = None, dtype=jnp.float32
     if not os.path.isdir(path):
         raise CheckpointError(f"model path {path!r} is not a folder; pass the folder that "
                               "holds config.json, the safetensors weights and tokenizer.json.")
-    config_path = os.path.join(path, "config.json")
-    hf_config = _read_json(config_path)
-    config = model_config_from_hf(hf_config, max_seq_len, config_path)
+    hf_config = _read_json(os.path.join(path, "config.json"))
+    config = read_model_config(path, max_seq_len)
     graphdef, params = load_weights(path, config, dtype)
     tokenizer = Tokenizer.from_folder(path)
     try:
