@@ -16,7 +16,8 @@ import yaml
 from raytunix import profiling
 from raytunix.profiling.collect import Collector
 from raytunix.profiling.metrics import WindowMetrics, percentiles
-from raytunix.profiling.report import diagnose, read_jsonl, weighted_means, write_report
+from raytunix.profiling.collect import read_jsonl
+from raytunix.profiling.report import diagnose, weighted_means, write_report
 from raytunix.profiling.spans import Recorder
 
 
@@ -200,6 +201,13 @@ def test_diagnose_names_each_resource_from_its_evidence():
                          "engine_busy_fraction": 0.3, "episode_generate_fraction": 0.9,
                          "episode_env_fraction": 0.05, "max_concurrent_episodes": 8})
     assert underfed.resource == "engine" and "max_concurrent_episodes from 8 to ~24" in underfed.summary
+    capped = diagnose({"learner_wait_fraction": 0.9, "learner_busy_fraction": 0.1,
+                       "engine_busy_fraction": 0.3, "episode_generate_fraction": 0.9,
+                       "max_concurrent_episodes": 8},
+                      {"rollout": {"max_staleness": 1, "groups_per_batch": 2, "group_size": 2,
+                                   "adaptive_concurrency": True}})
+    assert "adaptive_max_episodes" in capped.advice[0]
+    assert "admission lets at most 8 in flight" in capped.advice[0]
     orchestrator = diagnose({"learner_wait_fraction": 0.9, "learner_busy_fraction": 0.1,
                              "orchestrator_cpu_fraction": 0.97, "episode_generate_fraction": 0.3,
                              "episode_env_fraction": 0.2})
@@ -247,7 +255,7 @@ def test_collector_drains_actors_names_them_and_skips_a_dead_one(ray_session, tm
     metrics = collector.window("rl", 1)
     assert metrics["tool_calls/calculator"] == 2
     assert metrics["tool_call_errors/tool_exception"] == 1  # "1 +" does not parse
-    lines = read_jsonl(os.path.join(tmp_path, "profile", "spans.jsonl"))
+    lines = list(read_jsonl(os.path.join(tmp_path, "profile", "spans.jsonl")))
     assert [line["process"] for line in lines] == ["env actor 0", "driver"]
     assert all(line["phase"] == "rl" and line["step"] == 1 for line in lines)
     names = [(span[0], span[1], span[5]) for span in lines[0]["spans"]]

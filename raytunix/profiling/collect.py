@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from raytunix.profiling import spans
 from raytunix.profiling.metrics import WindowMetrics
@@ -27,6 +27,32 @@ ActorList = Callable[[], Iterable[tuple[str, Any]]]  # -> (name, actor handle) p
 
 def spans_path(run_dir: str) -> str:
     return os.path.join(run_dir, "profile", "spans.jsonl")
+
+
+def read_jsonl(path: str) -> Iterator[dict[str, Any]]:
+    """The JSON objects of a JSONL file (``metrics.jsonl``, ``spans.jsonl``); a line that
+    is not one (torn by a crash mid-write) is skipped; a missing file yields nothing."""
+    if not os.path.exists(path):
+        return
+    with open(path, errors="replace") as f:
+        for line in f:
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(obj, dict):
+                yield obj
+
+
+def rl_steps(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The RL step records of ``metrics.jsonl`` sorted by step, the last record of a step
+    winning (a resumed run logs the steps after its checkpoint again)."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for r in records:
+        step = r.get("step")
+        if r.get("phase") == "rl" and isinstance(step, int) and not isinstance(step, bool):
+            by_step[step] = r
+    return [by_step[s] for s in sorted(by_step)]
 
 
 class Collector:

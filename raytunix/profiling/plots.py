@@ -15,14 +15,14 @@ backend and figure list are left alone (callers may use pyplot themselves).
 
 from __future__ import annotations
 
-import json
 import math
 import numbers
 import os
-from collections.abc import Iterator
 from typing import Any, Sequence
 
 import numpy as np
+
+from raytunix.profiling.collect import read_jsonl, rl_steps
 
 PLOT_FILE = "profile.png"
 METRICS_FILE = "metrics.jsonl"
@@ -53,8 +53,8 @@ def write_plots(run_dir: str) -> str:
     if not os.path.isdir(run_dir):
         raise FileNotFoundError(f"no run directory at {run_dir!r}: pass the directory "
                                 f"`raytunix train` made (it holds {METRICS_FILE})")
-    records = list(_read_jsonl(os.path.join(run_dir, METRICS_FILE)))
-    steps = _rl_records(records)
+    records = list(read_jsonl(os.path.join(run_dir, METRICS_FILE)))
+    steps = rl_steps(records)
     evals = {r.get("when"): r for r in records if r.get("phase") == "eval"}
     latencies = tool_latencies(os.path.join(run_dir, SPANS_FILE))
 
@@ -77,37 +77,12 @@ def write_plots(run_dir: str) -> str:
     return path
 
 
-def _read_jsonl(path: str) -> Iterator[dict[str, Any]]:
-    """The JSON objects of a JSONL file, skipping lines that are not one; none if the file
-    does not exist."""
-    if not os.path.exists(path):
-        return
-    with open(path, errors="replace") as f:
-        for line in f:
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(obj, dict):
-                yield obj
-
-
 def _number(value: Any) -> float | None:
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         value = float(value)
         if math.isfinite(value):
             return value
     return None
-
-
-def _rl_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """RL step records sorted by step, the last record of a step winning."""
-    by_step: dict[int, dict[str, Any]] = {}
-    for r in records:
-        step = r.get("step")
-        if r.get("phase") == "rl" and isinstance(step, int) and not isinstance(step, bool):
-            by_step[step] = r
-    return [by_step[s] for s in sorted(by_step)]
 
 
 def _series(steps: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -205,7 +180,7 @@ def tool_latencies(path: str, phases: Sequence[str] | None = EPISODE_PHASES
       skipped.
     """
     by_tool: dict[str, list[float]] = {}
-    for chunk in _read_jsonl(path):
+    for chunk in read_jsonl(path):
         if phases is not None and chunk.get("phase") not in phases:
             continue
         spans = chunk.get("spans")

@@ -24,11 +24,11 @@ step when there are three or more (it includes compiling).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
-from typing import Any, Iterable
+from typing import Any
 
+from raytunix.profiling.collect import read_jsonl, rl_steps
 from raytunix.profiling.metrics import percentiles
 
 LEARNER_WAIT_LOW = 0.3
@@ -57,32 +57,6 @@ class Verdict:
     summary: str
     evidence: dict[str, float]
     advice: list[str]
-
-
-def read_jsonl(path: str) -> list[dict[str, Any]]:
-    """The JSON objects of a JSONL file; a torn or corrupt line (a crash mid-write) is
-    skipped. A missing file gives []."""
-    records = []
-    if not os.path.exists(path):
-        return records
-    with open(path) as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(record, dict):
-                records.append(record)
-    return records
-
-
-def rl_steps(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The RL step records, the last of each step kept (a resumed run logs some twice)."""
-    by_step: dict[int, dict[str, Any]] = {}
-    for record in records:
-        if record.get("phase") == "rl" and "step" in record:
-            by_step[int(record["step"])] = record
-    return [by_step[step] for step in sorted(by_step)]
 
 
 def weighted_means(steps: list[dict[str, Any]]) -> dict[str, float]:
@@ -139,10 +113,23 @@ def diagnose(means: dict[str, float], settings: dict[str, Any] | None = None) ->
     def more_episodes() -> str:
         if not (episodes > 0 and E > 0):
             return "raise rollout.max_concurrent_episodes"
-        wanted = int(math.ceil(episodes * TARGET_ENGINE_BUSY / max(E, 0.05)))
-        return (f"raise rollout.max_concurrent_episodes from {episodes:.0f} to "
-                f"~{max(wanted, int(episodes) + 1)} (or rollout.adaptive_max_episodes, with "
-                "adaptive concurrency on)")
+        wanted = max(int(math.ceil(episodes * TARGET_ENGINE_BUSY / max(E, 0.05))),
+                     int(episodes) + 1)
+        advice = (f"raise rollout.max_concurrent_episodes from {episodes:.0f} to ~{wanted}"
+                  + (" (rollout.adaptive_max_episodes too: adaptive concurrency is on)"
+                     if rollout.get("adaptive_concurrency") else ""))
+        # Admission never lets more groups in than the learner will consume within
+        # max_staleness versions; past that, more budget changes nothing.
+        try:
+            cap = ((int(rollout["max_staleness"]) + 1) * int(rollout["groups_per_batch"])
+                   * int(rollout["group_size"]))
+        except (KeyError, TypeError, ValueError):
+            return advice
+        if wanted > cap:
+            advice += (f"; admission lets at most {cap} in flight ((rollout.max_staleness + 1)"
+                       " x groups_per_batch x group_size), so raise rollout.max_staleness "
+                       "(with off-policy correction) or rollout.groups_per_batch as well")
+        return advice
 
     if not math.isnan(W) and W < LEARNER_WAIT_LOW and not math.isnan(L) and L >= LEARNER_BUSY_HIGH:
         colocated = engine_cfg.get("placement", "colocated") == "colocated"
@@ -238,7 +225,7 @@ def write_report(run_dir: str) -> tuple[str, Verdict]:
         raise FileNotFoundError(
             f"{run_dir!r} has no metrics.jsonl; pass a run directory that `raytunix train` "
             "wrote (under runs/).")
-    records = read_jsonl(metrics_path)
+    records = list(read_jsonl(metrics_path))
     steps = rl_steps(records)
     settings: dict[str, Any] = {}
     config_path = os.path.join(run_dir, "config.yaml")
