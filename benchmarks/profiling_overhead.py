@@ -12,10 +12,12 @@ every process (``profile_set_enabled(False)``) and nothing is drained.
 The two alternate in one invocation (off, on, off, on, ...; ``--pairs`` pairs) on the same
 engine, env actors and compiled programs, so drift of the machine hits both alike.
 ``overhead_fraction`` is the median over pairs of ``wall_on / wall_off - 1`` for the same
-number of trajectories (wall seconds per trajectory). As a cross-check that does not
-depend on timing noise, ``estimated_overhead_fraction`` multiplies the measured cost of
-recording one span (a tight loop here) by the spans the "on" runs recorded per second,
-over the cores the run had.
+number of trajectories (wall seconds per trajectory). Two cross-checks that depend less on
+what else the machine runs: ``cpu_overhead_fraction``, the same ratio of the CPU seconds
+all the run's processes (driver, orchestrator, engine, env actors) spent per trajectory,
+and ``estimated_overhead_fraction``, the measured cost of recording one span (a tight
+loop here) times the spans the "on" runs recorded per second, over the cores the run
+had.
 
     python benchmarks/profiling_overhead.py
 """
@@ -112,15 +114,22 @@ def measure(profiled: bool, tasks, tokenizer, engine, pool: EnvPool, args,
                         spans[chunk["process"]] += len(chunk["spans"])
         return n
 
+    def cpu_seconds() -> float:
+        """CPU seconds so far of every process of the run (a drain reports them, also
+        with recording off), this driver included."""
+        chunks = ray.get([handle.profile_drain.remote() for _, handle in actors])
+        return sum(chunk["cpu_s"] for chunk in chunks) + time.process_time()
+
     consume(args.warmup_trajectories, timed=False)
-    start = time.perf_counter()
+    cpu0, start = cpu_seconds(), time.perf_counter()
     n = consume(args.trajectories, timed=True)
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, cpu_seconds() - cpu0
     ray.get(orchestrator.stop.remote())
     ray.kill(orchestrator)
     wait_engine_idle(engine)
     return {"profiled": profiled, "wall_s": wall, "trajectories": n,
-            "trajectories_per_s": n / wall, "spans_recorded": dict(spans),
+            "trajectories_per_s": n / wall, "cpu_s": cpu, "cpu_ms_per_trajectory": 1e3 * cpu / n,
+            "spans_recorded": dict(spans),
             "spans_per_s": sum(spans.values()) / wall}
 
 
@@ -141,14 +150,19 @@ def main(argv=None) -> dict:
                 runs.append(measure(profiled, make_tasks(per_run, f"{pair}{profiled}/"),
                                     tokenizer, engine, pool, args, run_dir))
         spans_bytes = os.path.getsize(os.path.join(run_dir, "profile", "spans.jsonl"))
+    pairs = list(zip(runs[0::2], runs[1::2]))
     ratios = [on["wall_s"] / on["trajectories"] / (off["wall_s"] / off["trajectories"]) - 1
-              for off, on in zip(runs[0::2], runs[1::2])]
+              for off, on in pairs]
+    cpu_ratios = [on["cpu_ms_per_trajectory"] / off["cpu_ms_per_trajectory"] - 1
+                  for off, on in pairs]
     cost = span_cost_s()
     spans_per_s = statistics.median(r["spans_per_s"] for r in runs if r["profiled"])
     report = {
         "benchmark": "profiling_overhead",
         "overhead_fraction": statistics.median(ratios),
         "overhead_fraction_per_pair": ratios,
+        "cpu_overhead_fraction": statistics.median(cpu_ratios),
+        "cpu_overhead_fraction_per_pair": cpu_ratios,
         "estimated_overhead_fraction": cost * spans_per_s / (os.cpu_count() or 1),
         "span_record_cost_us": cost * 1e6,
         "spans_per_s": spans_per_s,
