@@ -152,6 +152,8 @@ def _tokens(vocab: int, rows: int = 2, length: int = 12, seed: int = 0) -> np.nd
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_logits_equal_transformers(checkpoints, family):
     folder, model = checkpoints[family]
+    sharded = os.path.isfile(os.path.join(folder, "model.safetensors.index.json"))
+    assert sharded == (family == "qwen3")  # both layouts are read
     ckpt = load_checkpoint(folder, max_seq_len=128)
     config = ckpt.config
     assert config.vocab_size == model.config.vocab_size
