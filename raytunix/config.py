@@ -137,13 +137,24 @@ class EngineConfig:
 class LearnerConfig:
     rl_steps: int = 40  # GRPO updates
     learning_rate: float = 1e-4
-    weight_decay: float = 0.0
+    optimizer: str = "adamw"  # adamw | adam | sgd (optax)
+    lr_schedule: str = "constant"  # constant | linear | cosine: decay to 0 at rl_steps x num_iterations optimizer steps
+    lr_warmup_steps: int = 0  # the learning rate rises linearly over this many optimizer steps
+    weight_decay: float = 0.0  # adamw's decoupled weight decay (matrices only)
     max_grad_norm: float = 1.0
+    advantage_estimator: str = "grpo"  # grpo | rloo (leave-one-out baseline) | reinforce_pp (group mean, then batch normalisation)
+    normalize_advantages_by_std: bool = True  # grpo: divide by the group's std; false is Dr. GRPO's advantage
+    policy_loss: str = "ppo_clip"  # ppo_clip | gspo (clipped sequence-level ratio) | cispo (clipped stop-gradient IS weight x logprob)
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.28  # asymmetric upper clip (DAPO)
-    kl_coef: float = 0.0  # > 0 adds a k3 KL penalty to the warm-start policy
+    dual_clip: float = 0.0  # ppo_clip: a negative-advantage token's loss is at most dual_clip x |A| (> 1, e.g. 3); 0 = off
+    kl_coef: float = 0.0  # > 0 adds a KL penalty to the warm-start policy
+    kl_estimator: str = "k3"  # k1 | k2 | k3 (Schulman's estimators of KL(policy || reference))
+    entropy_coef: float = 0.0  # > 0 subtracts this x the token entropy from the loss (exploration bonus)
     loss_aggregation: str = "token_mean"  # token_mean | sequence_mean_token_mean | sequence_mean_token_sum_norm (Dr. GRPO: each sequence's token sum / model.max_seq_len)
-    normalize_advantages_by_std: bool = True
+    overlong_buffer_tokens: int = 0  # DAPO's overlong penalty: the reward drops linearly to -1 over the last this many of env.max_turns x rollout.max_new_tokens generated tokens; 0 = off
+    micro_batch_size: int = 0  # trajectories per forward/backward pass, gradients summed (same update as the whole batch); 0 = whole batch
+    num_iterations: int = 1  # optimizer steps per batch, the clip anchored at the batch's start
     off_policy_correction: str = "none"  # none: clip around the behaviour (engine) policy | decoupled_ppo: clip around the learner's policy at the update's start, behaviour through a truncated importance weight
     importance_sampling: str = "token_tis"  # decoupled_ppo's weight pi_prox/pi_behav: per token (token_tis), per sequence as the product (sequence_tis) or geometric mean (geometric_tis) of token ratios
     importance_cap: float = 2.0  # the importance weight is truncated at this (>= 1)
@@ -221,6 +232,11 @@ _CHOICES = {
                                  "sequence_mean_token_sum_norm"),
     "learner.off_policy_correction": ("none", "decoupled_ppo"),
     "learner.importance_sampling": ("token_tis", "sequence_tis", "geometric_tis"),
+    "learner.optimizer": ("adamw", "adam", "sgd"),
+    "learner.lr_schedule": ("constant", "linear", "cosine"),
+    "learner.advantage_estimator": ("grpo", "rloo", "reinforce_pp"),
+    "learner.policy_loss": ("ppo_clip", "gspo", "cispo"),
+    "learner.kl_estimator": ("k1", "k2", "k3"),
     "rollout.stale_token_policy": ("drop", "mask", "accept"),
     "data.source": ("auto", "env", "reasoning_gym", "parquet", "jsonl", "hf"),
     "sandbox.backend": ("auto", "bwrap", "subprocess"),
@@ -233,7 +249,8 @@ _POSITIVE = {
     "rollout.adaptive_interval_s", "rollout.max_new_tokens", "rollout.episode_timeout_s",
     "rollout.batch_queue_size", "rollout.batch_timeout_s", "rollout.engine_retry_max_attempts",
     "rollout.engine_retry_initial_delay_s", "rollout.retry_initial_delay_s", "engine.max_batch_size", "engine.block_size", "engine.num_replicas", "learner.learning_rate",
-    "learner.checkpoint_every", "learner.max_checkpoints", "warmup.batch_size",
+    "learner.checkpoint_every", "learner.max_checkpoints", "learner.num_iterations",
+    "warmup.batch_size",
     "warmup.learning_rate", "warmup.eval_every", "warmup.eval_size", "eval.heldout_size",
     "eval.max_new_tokens", "run.log_every", "sandbox.num_actors", "sandbox.max_concurrent_runs",
     "sandbox.wall_time_s", "sandbox.cpu_time_s", "sandbox.memory_mb", "sandbox.max_processes",
@@ -246,7 +263,9 @@ _NON_NEGATIVE = {
     "learner.weight_decay", "learner.max_grad_norm", "warmup.max_steps", "warmup.min_steps",
     "env.env_actor_max_restarts", "engine.kv_cache_tokens", "learner.clip_eps_low",
     "learner.clip_eps_high", "warmup.warmup_steps", "sandbox.num_cpus_per_actor",
-    "sandbox.actor_max_restarts", "sandbox.max_file_mb",
+    "sandbox.actor_max_restarts", "sandbox.max_file_mb", "learner.lr_warmup_steps",
+    "learner.dual_clip", "learner.entropy_coef", "learner.overlong_buffer_tokens",
+    "learner.micro_batch_size",
 }
 _PROBABILITY = {"warmup.tool_use_prob_2_terms", "warmup.tool_use_prob_3_terms",
                 "warmup.target_tool_accuracy"}
@@ -329,6 +348,7 @@ def validate(cfg: Config) -> Config:
     for key in ("learner.clip_eps_low", "learner.clip_eps_high"):
         if flat[key] >= 1.0:
             raise ConfigError(f"{key}={flat[key]!r} must be below 1 (a ratio clip range, e.g. 0.2).")
+    _validate_learner(cfg)
     m = cfg.model
     if m.path and not os.path.isfile(os.path.join(m.path, "config.json")):
         raise ConfigError(
@@ -471,6 +491,35 @@ def _validate_env(env: EnvConfig) -> None:
             validate_kwargs(env.agent_kwargs)
         except ValueError as e:
             raise ConfigError(f"env.agent_kwargs: {e}") from None
+
+
+def _validate_learner(cfg: Config) -> None:
+    """Settings of the update that only make sense together."""
+    learner = cfg.learner
+    if learner.dual_clip and not learner.dual_clip > 1.0:
+        raise ConfigError(f"learner.dual_clip={learner.dual_clip!r} must be > 1 (e.g. 3.0), or 0 "
+                          "for no dual clip.")
+    if learner.dual_clip and learner.policy_loss != "ppo_clip":
+        raise ConfigError(f"learner.dual_clip={learner.dual_clip!r} applies to "
+                          f"learner.policy_loss=ppo_clip only (it is {learner.policy_loss!r}).")
+    if not learner.normalize_advantages_by_std and learner.advantage_estimator != "grpo":
+        raise ConfigError(
+            "learner.normalize_advantages_by_std=false applies to learner.advantage_estimator="
+            f"grpo only (it is {learner.advantage_estimator!r}, which sets its own scale).")
+    if learner.weight_decay and learner.optimizer != "adamw":
+        raise ConfigError(f"learner.weight_decay={learner.weight_decay!r} is applied by adamw "
+                          f"only; use learner.optimizer=adamw or learner.weight_decay=0.")
+    steps = learner.rl_steps * learner.num_iterations
+    if learner.lr_schedule != "constant" and steps <= learner.lr_warmup_steps:
+        raise ConfigError(
+            f"learner.lr_schedule={learner.lr_schedule!r} decays over the run's {steps} optimizer "
+            f"steps (rl_steps x num_iterations), which must exceed learner.lr_warmup_steps="
+            f"{learner.lr_warmup_steps}.")
+    longest = cfg.env.max_turns * cfg.rollout.max_new_tokens
+    if learner.overlong_buffer_tokens > longest:
+        raise ConfigError(
+            f"learner.overlong_buffer_tokens={learner.overlong_buffer_tokens} exceeds the most "
+            f"tokens an episode can generate (env.max_turns x rollout.max_new_tokens = {longest}).")
 
 
 def _validate_adaptive_concurrency(rollout: RolloutConfig) -> None:

@@ -385,8 +385,9 @@ class Learner(Protocol):
 
     ``train_step`` takes one Arrow record batch of trajectories (the layout of
     ``raytunix.rollout.batch.trajectories_to_record_batch``), runs one update and returns
-    float metrics; afterwards ``version`` is one higher. Raises ``ValueError`` for a
-    non-finite reward. ``weights_numpy`` gives the parameters to publish to engines.
+    float metrics; afterwards ``version`` is one higher (unchanged for a batch with no
+    trainable token, which is skipped). Raises ``ValueError`` for a non-finite reward.
+    ``weights_numpy`` gives the parameters to publish to engines.
     """
 
     version: int

@@ -169,9 +169,9 @@ def test_a_policy_that_emits_only_malformed_calls_stops_at_the_limit_and_gets_a_
 
 # -- in the GRPO update ------------------------------------------------------------------------
 
-import inspect  # noqa: E402
-
+from raytunix.learner.batch import Batch  # noqa: E402
 from raytunix.learner.train_state import (  # noqa: E402
+    GRPOHyperparams,
     create_train_state,
     make_grpo_update,
     make_optimizer,
@@ -183,13 +183,13 @@ CFG = ModelConfig(vocab_size=64, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1
 
 
 def _update():
-    # Plain softmax scoring; top_k/top_p only where this make_grpo_update takes them.
-    accepted = inspect.signature(make_grpo_update).parameters
-    sampling = {k: v for k, v in {"temperature": 1.0, "top_k": 0, "top_p": 1.0}.items()
-                if k in accepted}
+    """``(update(state, ref_params, arrays), state)``: the default GRPO update, plain
+    softmax scoring, on the arrays of ``record_batch_to_arrays``."""
     graphdef, params = init_model(CFG, 0)
     optimizer = make_optimizer(1e-3)
-    return (make_grpo_update(graphdef, optimizer, **sampling),
+    hp = GRPOHyperparams(temperature=1.0, top_k=0, top_p=1.0)
+    update = make_grpo_update(graphdef, optimizer, hp, max_seq_len=CFG.max_seq_len)
+    return (lambda state, ref, arrays: update(state, ref, Batch.from_arrays(arrays)),
             create_train_state(graphdef, params, optimizer, 0))
 
 

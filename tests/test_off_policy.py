@@ -23,7 +23,9 @@ from raytunix.learner.losses import (
     token_logprobs,
     truncated_importance_weights,
 )
+from raytunix.learner.batch import Batch
 from raytunix.learner.train_state import (
+    GRPOHyperparams,
     create_train_state,
     logprobs_fn,
     make_grpo_update,
@@ -178,6 +180,12 @@ def model():
     return init_model(TINY, seed=0)
 
 
+def _grpo_update(graphdef, optimizer, **settings):
+    """The GRPO update with the config's defaults but ``settings`` and plain sampling."""
+    hp = GRPOHyperparams(**{**SAMPLING, **settings})
+    return make_grpo_update(graphdef, optimizer, hp, max_seq_len=TINY.max_seq_len)
+
+
 def _trajectory(group, prompt, completion, reward):
     return Trajectory(
         task_id=group, group_id=group, token_ids=prompt + completion,
@@ -198,11 +206,13 @@ def _trajectories():
 
 def _off_policy_batch(graphdef, params):
     """A batch whose behaviour logprobs are the learner's, shifted by known amounts."""
-    batch = record_batch_to_arrays(trajectories_to_record_batch(_trajectories()), pad_to_multiple=8)
-    learner = np.asarray(logprobs_fn(graphdef, **SAMPLING)(params, batch["tokens"],
-                                                           batch["loss_mask"]))
-    shift = np.where(np.arange(batch["tokens"].shape[1]) % 2 == 0, 0.3, -1.2).astype(np.float32)
-    batch["logprobs"] = np.where(batch["loss_mask"] > 0, learner + shift, 0.0).astype(np.float32)
+    batch = Batch.from_arrays(record_batch_to_arrays(trajectories_to_record_batch(_trajectories()),
+                                                     pad_to_multiple=8))
+    learner = np.asarray(logprobs_fn(graphdef, **SAMPLING)(params, batch.tokens,
+                                                           batch.loss_mask))
+    shift = np.where(np.arange(batch.tokens.shape[1]) % 2 == 0, 0.3, -1.2).astype(np.float32)
+    batch = batch._replace(
+        logprobs=np.where(batch.loss_mask > 0, learner + shift, 0.0).astype(np.float32))
     return batch, learner, shift
 
 
@@ -213,14 +223,14 @@ def test_a_learner_step_runs_in_every_mode_with_finite_metrics_and_the_mismatch(
     graphdef, params = model
     optimizer = make_optimizer(1e-3)
     state = create_train_state(graphdef, params, optimizer, seed=0)
-    update = make_grpo_update(graphdef, optimizer, off_policy_correction=correction,
-                              importance_sampling=level, importance_cap=2.0, **SAMPLING)
+    update = _grpo_update(graphdef, optimizer, off_policy_correction=correction,
+                          importance_sampling=level, importance_cap=2.0)
     batch, learner, shift = _off_policy_batch(graphdef, params)
     new_state, metrics = update(state, None, batch)
 
     assert all(np.isfinite(float(v)) for v in metrics.values()), metrics
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(new_state.params))
-    on = batch["loss_mask"] > 0
+    on = batch.loss_mask > 0
     # learner - behaviour = -shift on every trained token.
     delta = -np.broadcast_to(shift, on.shape)[on]
     np.testing.assert_allclose(metrics["mismatch_logprob_abs_mean"], np.abs(delta).mean(), rtol=1e-4)
@@ -231,8 +241,8 @@ def test_a_learner_step_runs_in_every_mode_with_finite_metrics_and_the_mismatch(
         np.testing.assert_allclose(metrics["ratio_mean"], 1.0, rtol=1e-5)
         assert metrics["clip_fraction"] == 0.0
         # The weights are those of the learner's logprobs against the engine's.
-        _, want = truncated_importance_weights(learner[:, 1:], batch["logprobs"][:, 1:],
-                                               batch["loss_mask"][:, 1:], level=level, cap=2.0)
+        _, want = truncated_importance_weights(learner[:, 1:], batch.logprobs[:, 1:],
+                                               batch.loss_mask[:, 1:], level=level, cap=2.0)
         for key in ("importance_weight_mean", "importance_truncated_fraction"):
             np.testing.assert_allclose(metrics[key], want[key], rtol=1e-4)
         if level != "geometric_tis":  # e^1.2 per token, or a product of many: some hit 2
@@ -248,19 +258,19 @@ def test_decoupled_step_equals_one_computed_with_a_separate_no_grad_proximal_pas
     graphdef, params = model
     optimizer = optax.sgd(1.0)
     state = create_train_state(graphdef, params, optimizer, seed=0)
-    update = make_grpo_update(graphdef, optimizer, off_policy_correction="decoupled_ppo",
-                              importance_sampling="token_tis", importance_cap=2.0,
-                              clip_eps_low=0.2, clip_eps_high=0.28, **SAMPLING)
+    update = _grpo_update(graphdef, optimizer, off_policy_correction="decoupled_ppo",
+                          importance_sampling="token_tis", importance_cap=2.0,
+                          clip_eps_low=0.2, clip_eps_high=0.28)
     batch, _, _ = _off_policy_batch(graphdef, params)
     new_state, _ = update(state, None, batch)
 
-    tokens = jnp.asarray(batch["tokens"])
-    mask = jnp.asarray(batch["loss_mask"])[:, 1:]
-    behav = jnp.asarray(batch["logprobs"])[:, 1:]
+    tokens = jnp.asarray(batch.tokens)
+    mask = jnp.asarray(batch.loss_mask)[:, 1:]
+    behav = jnp.asarray(batch.logprobs)[:, 1:]
     prox = jax.lax.stop_gradient(logprobs_fn(graphdef, **SAMPLING)(params, tokens,
-                                                                   batch["loss_mask"]))[:, 1:]
+                                                                   batch.loss_mask))[:, 1:]
     weights, _ = truncated_importance_weights(prox, behav, mask, level="token_tis", cap=2.0)
-    advantages = grpo_advantages(jnp.asarray(batch["rewards"]), jnp.asarray(batch["group_ids"]),
+    advantages = grpo_advantages(jnp.asarray(batch.rewards), jnp.asarray(batch.group_ids),
                                  tokens.shape[0], normalize_advantages_by_std=True)
 
     def loss_fn(p):
@@ -282,13 +292,13 @@ def test_on_policy_data_gives_every_mode_the_same_step(model):
     PPO with any weight level takes exactly the standard step, and the mismatch is 0."""
     graphdef, params = model
     batch, learner, _ = _off_policy_batch(graphdef, params)
-    batch["logprobs"] = learner
+    batch = batch._replace(logprobs=learner)
     steps = {}
     for correction, level in [("none", "token_tis")] + [("decoupled_ppo", lv) for lv in LEVELS]:
         optimizer = make_optimizer(1e-3)
         state = create_train_state(graphdef, params, optimizer, seed=0)
-        update = make_grpo_update(graphdef, optimizer, off_policy_correction=correction,
-                                  importance_sampling=level, **SAMPLING)
+        update = _grpo_update(graphdef, optimizer, off_policy_correction=correction,
+                              importance_sampling=level)
         new_state, metrics = update(state, None, batch)
         steps[(correction, level)] = new_state.params
         np.testing.assert_allclose(metrics["mismatch_logprob_abs_mean"], 0.0, atol=1e-6)
@@ -304,11 +314,11 @@ def test_make_grpo_update_rejects_unknown_modes_and_a_cap_below_one(model):
     graphdef, _ = model
     opt = make_optimizer(1e-3)
     with pytest.raises(ValueError, match="off_policy_correction='ppo'"):
-        make_grpo_update(graphdef, opt, off_policy_correction="ppo", **SAMPLING)
+        _grpo_update(graphdef, opt, off_policy_correction="ppo")
     with pytest.raises(ValueError, match="importance_sampling='token'"):
-        make_grpo_update(graphdef, opt, importance_sampling="token", **SAMPLING)
+        _grpo_update(graphdef, opt, importance_sampling="token")
     with pytest.raises(ValueError, match="importance_cap=0.9"):
-        make_grpo_update(graphdef, opt, importance_cap=0.9, **SAMPLING)
+        _grpo_update(graphdef, opt, importance_cap=0.9)
 
 
 # -- config and the Learner --------------------------------------------------------------------

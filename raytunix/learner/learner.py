@@ -9,7 +9,6 @@ with an inference engine. Two phases share one model:
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any
 
@@ -18,62 +17,20 @@ import jax.numpy as jnp
 import numpy as np
 import pyarrow as pa
 
-from raytunix.config import Config
-from raytunix.learner.advantages import check_finite_rewards
+from raytunix.learner.batch import Batch
 from raytunix.learner.checkpoint import Checkpointer
 from raytunix.learner.train_state import (
+    GRPOHyperparams,
     TrainState,
     create_train_state,
     make_grpo_update,
     make_optimizer,
+    make_optimizer_from,
     make_sft_update,
 )
 from raytunix.models.llama import ModelConfig, init_model
-from raytunix.rollout.batch import record_batch_to_arrays
 
-PAD_MULTIPLE = 32  # trajectory lengths are padded to this many tokens: few shapes, few compiles
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class GRPOHyperparams:
-    """The numbers the GRPO update needs (see ``raytunix.config.LearnerConfig``).
-
-    ``temperature``, ``top_k`` and ``top_p`` are the rollout's sampling settings
-    (``rollout.temperature``, ``rollout.top_k``, ``rollout.top_p``) and have no default
-    here: tokens are scored under the distribution they were sampled from, so these must
-    come from the same place as the engine's. Build with ``from_config``.
-    """
-
-    temperature: float
-    top_k: int
-    top_p: float
-    learning_rate: float = 1e-4
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.28
-    kl_coef: float = 0.0
-    loss_aggregation: str = "token_mean"
-    normalize_advantages_by_std: bool = True
-    off_policy_correction: str = "none"
-    importance_sampling: str = "token_tis"
-    importance_cap: float = 2.0
-
-    @classmethod
-    def from_config(cls, cfg: Config) -> GRPOHyperparams:
-        """The update's numbers from a run config: ``learner.*`` and the sampling
-        settings of ``rollout.*``."""
-        learner, rollout = cfg.learner, cfg.rollout
-        return cls(
-            temperature=rollout.temperature, top_k=rollout.top_k, top_p=rollout.top_p,
-            learning_rate=learner.learning_rate, weight_decay=learner.weight_decay,
-            max_grad_norm=learner.max_grad_norm, clip_eps_low=learner.clip_eps_low,
-            clip_eps_high=learner.clip_eps_high, kl_coef=learner.kl_coef,
-            loss_aggregation=learner.loss_aggregation,
-            normalize_advantages_by_std=learner.normalize_advantages_by_std,
-            off_policy_correction=learner.off_policy_correction,
-            importance_sampling=learner.importance_sampling,
-            importance_cap=learner.importance_cap)
+__all__ = ["GRPOHyperparams", "Learner"]
 
 
 class Learner:
@@ -101,6 +58,7 @@ class Learner:
         self._update = None
         self._ref_params = None
         self._hp: GRPOHyperparams | None = None
+        self.updates_skipped = 0
         self._sft_rng = np.random.default_rng(seed)
 
     @property
@@ -138,27 +96,27 @@ class Learner:
     # ------------------------------------------------------------------ RL
     def start_rl(self, hp: GRPOHyperparams) -> None:
         """Fresh optimizer for RL; the current weights become the KL reference if used."""
-        optimizer = make_optimizer(hp.learning_rate, weight_decay=hp.weight_decay,
-                                   max_grad_norm=hp.max_grad_norm)
+        optimizer = make_optimizer_from(hp)
         self._hp = hp
         self._state = create_train_state(self.graphdef, self.params, optimizer, self.seed)
         self._ref_params = jax.tree.map(jnp.copy, self.params) if hp.kl_coef > 0 else None
-        self._update = jax.jit(
-            make_grpo_update(
-                self.graphdef, optimizer, clip_eps_low=hp.clip_eps_low,
-                clip_eps_high=hp.clip_eps_high, kl_coef=hp.kl_coef, temperature=hp.temperature,
-                top_k=hp.top_k, top_p=hp.top_p, aggregation=hp.loss_aggregation,
-                normalize_adv_by_std=hp.normalize_advantages_by_std,
-                off_policy_correction=hp.off_policy_correction,
-                importance_sampling=hp.importance_sampling, importance_cap=hp.importance_cap))
+        # Jitted inside; the host part checks rewards, skips empty batches, pads rows.
+        self._update = make_grpo_update(self.graphdef, optimizer, hp,
+                                        max_seq_len=self.model_config.max_seq_len)
 
     def train_step(self, batch: pa.RecordBatch) -> dict[str, float]:
-        """One GRPO update on a trajectory batch; bumps the policy version.
+        """One update on a trajectory batch (``hp.num_iterations`` optimizer steps); bumps
+        the policy version, unless the batch has no trainable token: then nothing changes
+        but ``rl_step``, and ``updates_skipped`` counts it.
+
+        The batch is padded to one of a few widths (``raytunix.learner.batch.
+        padding_buckets`` of the model's context), so the update compiles a few times.
 
         Returns the update's metrics (see ``make_grpo_update``; among them the
-        engine-learner logprob mismatch ``mismatch_*``) as floats, plus ``update_s``
-        (seconds), ``policy_version``, ``staleness_max`` (versions between the oldest
-        trained token and the update) and ``batch_tokens``.
+        engine-learner logprob mismatch ``mismatch_*`` and ``update_skipped``) as floats,
+        plus ``update_s`` (seconds), ``policy_version``, ``updates_skipped`` (so far),
+        ``staleness_max`` (versions between the oldest trained token and the update) and
+        ``batch_tokens`` (padded).
 
         Raises:
           RuntimeError: before ``start_rl``.
@@ -166,20 +124,21 @@ class Learner:
         """
         if self._hp is None:
             raise RuntimeError("call start_rl before train_step")
-        arrays = record_batch_to_arrays(batch, pad_to_multiple=PAD_MULTIPLE, pad_id=self.pad_id)
-        check_finite_rewards(arrays["rewards"])  # the jitted update cannot raise on a NaN
-        if arrays["tokens"].shape[1] > self.model_config.max_seq_len:
-            arrays = _trim(arrays, self.model_config.max_seq_len)
-        versions = arrays["policy_versions"][arrays["loss_mask"] > 0]
+        arrays = Batch.from_record_batch(batch, pad_id=self.pad_id,
+                                         max_seq_len=self.model_config.max_seq_len)
+        versions = arrays.policy_versions[arrays.loss_mask > 0]
         t0 = time.monotonic()
         self._state, metrics = self._update(self._state, self._ref_params, arrays)
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        self.version += 1
+        skipped = metrics["update_skipped"] > 0
+        self.version += 0 if skipped else 1
+        self.updates_skipped += int(skipped)
         self.rl_step += 1
         metrics["update_s"] = time.monotonic() - t0
         metrics["policy_version"] = self.version
+        metrics["updates_skipped"] = self.updates_skipped
         metrics["staleness_max"] = float(self.version - 1 - versions.min()) if versions.size else 0.0
-        metrics["batch_tokens"] = int(arrays["tokens"].size)
+        metrics["batch_tokens"] = int(arrays.tokens.size)
         return metrics
 
     def weights_numpy(self):
@@ -218,11 +177,4 @@ class Learner:
                     "with learner.kl_coef=0 or start a new run.")
             self._ref_params = reference.restore(0, self._state)[0].params
         return extras
-
-
-def _trim(arrays: dict[str, np.ndarray], max_len: int) -> dict[str, np.ndarray]:
-    out = dict(arrays)
-    for key in ("tokens", "loss_mask", "logprobs", "policy_versions"):
-        out[key] = arrays[key][:, :max_len]
-    return out
 

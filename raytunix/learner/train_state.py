@@ -1,35 +1,47 @@
-"""The learner's state and its jitted updates (GRPO and SFT).
+"""The learner's state and its jitted updates (policy gradient and SFT).
 
 A ``TrainState`` is a plain pytree: model parameters (an ``nnx.State``), the optax
 optimizer state, the step counter and PRNG key data. Updates are built by factories that
-close over the model's graphdef, the optimizer and the loss hyperparameters, so the
-jitted function sees only arrays and compiles once per batch shape::
+close over the model's graphdef, the optimizer and the hyperparameters, so the jitted
+function sees only arrays and compiles once per batch shape::
 
     graphdef, params = init_model(model_config, seed=0)
-    optimizer = make_optimizer(1e-6, warmup_steps=10)
+    hp = GRPOHyperparams.from_config(cfg)
+    optimizer = make_optimizer_from(hp)
     state = create_train_state(graphdef, params, optimizer, seed=0)
-    update = make_grpo_update(graphdef, optimizer, kl_coef=0.0, temperature=1.0, top_k=0,
-                              top_p=1.0)
-    state, metrics = update(state, None, record_batch_to_arrays(batch))
+    update = make_grpo_update(graphdef, optimizer, hp, max_seq_len=model_config.max_seq_len)
+    state, metrics = update(state, None, Batch.from_record_batch(rb, pad_id=0, max_seq_len=128))
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import dataclasses
+from typing import Callable
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
+from raytunix.config import Config, LearnerConfig
 from raytunix.inference.sampling import check_sampling_settings
-from raytunix.learner.advantages import check_finite_rewards, grpo_advantages
+from raytunix.learner.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    check_finite_rewards,
+    episode_advantages,
+    overlong_penalty,
+)
+from raytunix.learner.batch import Batch
 from raytunix.learner.losses import (
     AGGREGATIONS,
     IMPORTANCE_SAMPLING_LEVELS,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
     grpo_policy_loss,
     logprob_mismatch,
+    loss_normalizer,
     masked_mean,
     sft_loss,
     token_entropy,
@@ -38,11 +50,11 @@ from raytunix.learner.losses import (
 )
 from raytunix.models.llama import forward
 
-Batch = dict[str, Any]
 Metrics = dict[str, jax.Array]
 
-GRPO_BATCH_KEYS = ("tokens", "loss_mask", "logprobs", "rewards", "group_ids")
 OFF_POLICY_CORRECTIONS = ("none", "decoupled_ppo")
+OPTIMIZERS = ("adamw", "adam", "sgd")
+LR_SCHEDULES = ("constant", "linear", "cosine")
 
 # A reference-policy logprob of -inf (the token is outside the reference's top-k/top-p
 # set) is raised to this floor, so the k3 KL term stays a finite penalty.
@@ -56,7 +68,7 @@ class TrainState:
     Attributes:
       params: the model parameters, an ``nnx.State`` (the second half of ``nnx.split``).
       opt_state: the optax optimizer state for ``params``.
-      step: int32 scalar, number of updates applied.
+      step: int32 scalar, number of optimizer steps applied.
       rng: uint32 PRNG key data (``jax.random.key_data``), so it checkpoints as a plain
         array; turn it back into a key with ``jax.random.wrap_key_data``. The GRPO and
         SFT updates use no randomness and carry it unchanged.
@@ -68,50 +80,181 @@ class TrainState:
     rng: jax.Array
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GRPOHyperparams:
+    """Every number of the policy-gradient update, with the names of the config's
+    ``learner.*`` keys (``raytunix.config.LearnerConfig`` documents each and holds its
+    one default, which the fields here take). Build with ``from_config``.
+
+    ``temperature``, ``top_k`` and ``top_p`` are the rollout's sampling settings
+    (``rollout.*``) and have no default: tokens are scored under the distribution they
+    were sampled from, so these must come from the same place as the engine's.
+    ``overlong_max_tokens`` is the most tokens an episode can generate
+    (``env.max_turns * rollout.max_new_tokens``), the limit of DAPO's overlong penalty.
+    """
+
+    temperature: float
+    top_k: int
+    top_p: float
+    rl_steps: int = LearnerConfig.rl_steps
+    learning_rate: float = LearnerConfig.learning_rate
+    optimizer: str = LearnerConfig.optimizer
+    lr_schedule: str = LearnerConfig.lr_schedule
+    lr_warmup_steps: int = LearnerConfig.lr_warmup_steps
+    weight_decay: float = LearnerConfig.weight_decay
+    max_grad_norm: float = LearnerConfig.max_grad_norm
+    advantage_estimator: str = LearnerConfig.advantage_estimator
+    normalize_advantages_by_std: bool = LearnerConfig.normalize_advantages_by_std
+    policy_loss: str = LearnerConfig.policy_loss
+    clip_eps_low: float = LearnerConfig.clip_eps_low
+    clip_eps_high: float = LearnerConfig.clip_eps_high
+    dual_clip: float = LearnerConfig.dual_clip
+    loss_aggregation: str = LearnerConfig.loss_aggregation
+    kl_coef: float = LearnerConfig.kl_coef
+    kl_estimator: str = LearnerConfig.kl_estimator
+    entropy_coef: float = LearnerConfig.entropy_coef
+    overlong_buffer_tokens: int = LearnerConfig.overlong_buffer_tokens
+    overlong_max_tokens: int = 0
+    off_policy_correction: str = LearnerConfig.off_policy_correction
+    importance_sampling: str = LearnerConfig.importance_sampling
+    importance_cap: float = LearnerConfig.importance_cap
+    micro_batch_size: int = LearnerConfig.micro_batch_size
+    num_iterations: int = LearnerConfig.num_iterations
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> GRPOHyperparams:
+        """The update's numbers from a run config: every ``learner.*`` key of this class,
+        the sampling settings of ``rollout.*`` and the overlong limit."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        learner = {k: v for k, v in dataclasses.asdict(cfg.learner).items() if k in names}
+        return cls(temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
+                   top_p=cfg.rollout.top_p,
+                   overlong_max_tokens=cfg.env.max_turns * cfg.rollout.max_new_tokens,
+                   **learner)
+
+    def check(self) -> None:
+        """Raises ValueError naming a setting outside its allowed values."""
+        for name, allowed in (("advantage_estimator", ADVANTAGE_ESTIMATORS),
+                              ("policy_loss", POLICY_LOSSES),
+                              ("loss_aggregation", AGGREGATIONS),
+                              ("kl_estimator", KL_ESTIMATORS),
+                              ("off_policy_correction", OFF_POLICY_CORRECTIONS),
+                              ("importance_sampling", IMPORTANCE_SAMPLING_LEVELS),
+                              ("optimizer", OPTIMIZERS), ("lr_schedule", LR_SCHEDULES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not supported; use one "
+                                 f"of {', '.join(allowed)}.")
+        if not self.importance_cap >= 1.0:
+            raise ValueError(
+                f"importance_cap={self.importance_cap!r} must be >= 1 (e.g. 2.0); a cap below 1 "
+                "down-weights tokens that are exactly on-policy.")
+        if self.dual_clip and not self.dual_clip > 1.0:
+            raise ValueError(f"dual_clip={self.dual_clip!r} must be > 1 (e.g. 3.0), or 0 for none.")
+        if self.num_iterations < 1 or self.micro_batch_size < 0:
+            raise ValueError(f"num_iterations={self.num_iterations!r} must be >= 1 and "
+                             f"micro_batch_size={self.micro_batch_size!r} >= 0 (0: whole batch).")
+        if self.overlong_buffer_tokens and not (
+                0 < self.overlong_buffer_tokens <= self.overlong_max_tokens):
+            raise ValueError(
+                f"overlong_buffer_tokens={self.overlong_buffer_tokens!r} must be in (0, "
+                f"overlong_max_tokens={self.overlong_max_tokens!r}], the most tokens an episode "
+                "can generate, or 0 for no overlong penalty.")
+
+
+def lr_schedule(learning_rate: float, *, schedule: str, warmup_steps: int,
+                total_steps: int) -> float | optax.Schedule:
+    """The learning rate at each optimizer step: a linear warmup over ``warmup_steps``
+    (step 0 uses ``learning_rate / warmup_steps``), then ``constant``, or a ``linear`` or
+    ``cosine`` (Loshchilov & Hutter 2017, SGDR) decay to 0 at ``total_steps``.
+
+    Raises:
+      ValueError: an unknown ``schedule``, a negative ``warmup_steps``, or a decaying
+        schedule whose ``total_steps`` does not exceed ``warmup_steps``.
+    """
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"lr_schedule={schedule!r} is not supported; use one of "
+                         f"{', '.join(LR_SCHEDULES)}.")
+    if warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps!r}.")
+
+    def warmup(count):
+        return learning_rate * jnp.minimum(1.0, (count + 1) / warmup_steps)
+
+    if schedule == "constant":
+        # A plain number keeps the optimizer state free of a schedule counter.
+        return warmup if warmup_steps > 0 else learning_rate
+    if total_steps <= warmup_steps:
+        raise ValueError(f"a {schedule} learning-rate decay needs more optimizer steps "
+                         f"({total_steps}) than warmup steps ({warmup_steps}).")
+    decay_steps = total_steps - warmup_steps
+    if schedule == "linear":
+        decay = optax.linear_schedule(learning_rate, 0.0, decay_steps)
+    else:
+        decay = optax.cosine_decay_schedule(learning_rate, decay_steps)
+    if warmup_steps == 0:
+        return decay
+    return optax.join_schedules([warmup, decay], [warmup_steps])
+
+
 def make_optimizer(
     learning_rate: float,
     *,
-    weight_decay: float = 0.0,
-    max_grad_norm: float | None = 1.0,
-    warmup_steps: int = 0,
+    optimizer: str = LearnerConfig.optimizer,
+    schedule: str = LearnerConfig.lr_schedule,
+    warmup_steps: int = LearnerConfig.lr_warmup_steps,
+    total_steps: int = 0,
+    weight_decay: float = LearnerConfig.weight_decay,
+    max_grad_norm: float | None = LearnerConfig.max_grad_norm,
     b1: float = 0.9,
     b2: float = 0.999,
 ) -> optax.GradientTransformation:
-    """AdamW (Loshchilov & Hutter 2019) after global-norm gradient clipping.
+    """An optax optimizer after global-norm gradient clipping: ``adamw`` (Loshchilov &
+    Hutter 2019), ``adam`` (Kingma & Ba 2015) or plain ``sgd``, on the learning-rate
+    schedule of ``lr_schedule``.
 
     Args:
-      learning_rate: peak learning rate.
-      weight_decay: decoupled weight decay; applied to matrices only (parameters with
-        ndim >= 2), never to norm scales or biases.
+      learning_rate: peak learning rate (> 0).
+      optimizer: ``adamw``, ``adam`` or ``sgd``.
+      schedule, warmup_steps, total_steps: see ``lr_schedule``; ``total_steps`` (optimizer
+        steps in the run) matters only for a decaying schedule.
+      weight_decay: AdamW's decoupled weight decay, applied to matrices only (parameters
+        with ndim >= 2), never to norm scales or biases; must be 0 for the others.
       max_grad_norm: clip the global gradient norm to this; None or <= 0 disables it.
-      warmup_steps: the learning rate rises linearly, reaching ``learning_rate`` at
-        update ``warmup_steps`` (first update uses ``learning_rate / warmup_steps``),
-        then stays constant; 0 disables warmup.
       b1, b2: Adam moment decay rates.
 
     Raises:
-      ValueError: for a non-positive learning rate or a negative ``warmup_steps``.
+      ValueError: a non-positive learning rate, an unknown optimizer or schedule, or a
+        weight decay with an optimizer that has none.
     """
     if not learning_rate > 0:
         raise ValueError(f"learning_rate must be > 0, got {learning_rate!r}.")
-    if warmup_steps < 0:
-        raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps!r}.")
-    schedule: float | optax.Schedule = learning_rate
-    if warmup_steps > 0:
-
-        def schedule(count):
-            return learning_rate * jnp.minimum(1.0, (count + 1) / warmup_steps)
-
-    adamw = optax.adamw(
-        schedule,
-        b1=b1,
-        b2=b2,
-        weight_decay=weight_decay,
-        mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
-    )
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r} is not supported; use one of "
+                         f"{', '.join(OPTIMIZERS)}.")
+    if weight_decay and optimizer != "adamw":
+        raise ValueError(f"weight_decay={weight_decay!r} is applied by adamw only; use "
+                         f"optimizer adamw or weight_decay 0 with {optimizer}.")
+    rate = lr_schedule(learning_rate, schedule=schedule, warmup_steps=warmup_steps,
+                       total_steps=total_steps)
+    if optimizer == "adamw":
+        inner = optax.adamw(rate, b1=b1, b2=b2, weight_decay=weight_decay,
+                            mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params))
+    elif optimizer == "adam":
+        inner = optax.adam(rate, b1=b1, b2=b2)
+    else:
+        inner = optax.sgd(rate)
     if max_grad_norm is None or max_grad_norm <= 0:
-        return adamw
-    return optax.chain(optax.clip_by_global_norm(max_grad_norm), adamw)
+        return inner
+    return optax.chain(optax.clip_by_global_norm(max_grad_norm), inner)
+
+
+def make_optimizer_from(hp: GRPOHyperparams) -> optax.GradientTransformation:
+    """The RL optimizer ``hp`` names; a decaying schedule reaches 0 after the run's
+    ``rl_steps * num_iterations`` optimizer steps."""
+    return make_optimizer(hp.learning_rate, optimizer=hp.optimizer, schedule=hp.lr_schedule,
+                          warmup_steps=hp.lr_warmup_steps,
+                          total_steps=hp.rl_steps * hp.num_iterations,
+                          weight_decay=hp.weight_decay, max_grad_norm=hp.max_grad_norm)
 
 
 def create_train_state(
@@ -172,185 +315,225 @@ def _apply_gradients(
 def make_grpo_update(
     graphdef: nnx.GraphDef,
     optimizer: optax.GradientTransformation,
+    hp: GRPOHyperparams,
     *,
-    clip_eps_low: float = 0.2,
-    clip_eps_high: float = 0.2,
-    kl_coef: float = 0.0,
-    temperature: float,
-    top_k: int,
-    top_p: float,
-    aggregation: str = "token_mean",
-    normalize_adv_by_std: bool = True,
-    off_policy_correction: str = "none",
-    importance_sampling: str = "token_tis",
-    importance_cap: float = 2.0,
+    max_seq_len: int,
 ) -> Callable[[TrainState, nnx.State | None, Batch], tuple[TrainState, Metrics]]:
-    """Builds ``update(state, ref_params, batch) -> (state, metrics)``: one GRPO step.
+    """Builds ``update(state, ref_params, batch) -> (state, metrics)``: the policy-gradient
+    update of one ``Batch``, as ``hp`` configures it.
 
-    ``batch`` is the dict of ``record_batch_to_arrays`` (extra keys are ignored):
-    ``tokens`` int32[B, T], ``loss_mask`` float32[B, T] (1 where token t was generated by
-    the policy), ``logprobs`` float32[B, T] (behaviour logprob of token t), ``rewards``
-    float32[B], ``group_ids`` int32[B] (dense, < B), and optionally ``valid`` float32[B]
-    (0 for infrastructure failures, left out of group statistics; default all 1). Logits
-    at position t - 1 score token t. Advantages are group-relative over valid members
-    (``grpo_advantages``) and the loss is ``grpo_policy_loss``; see those for the
-    formulas and papers.
+    Per batch, read top to bottom:
 
-    ``temperature``, ``top_k`` and ``top_p`` are the rollout's sampling settings
-    (``rollout.*`` in the config): tokens are scored under the distribution they were
-    sampled from (``token_logprobs``). With top-k/top-p on, a token the behaviour policy
-    sampled can fall outside the current policy's truncated set (logprob -inf, ratio 0):
-    the clipped objective gives it no gradient, so it is left out of the loss and
-    counted in ``out_of_support_fraction``. A reference logprob of -inf is raised to
-    ``REF_LOGPROB_FLOOR`` so the KL penalty stays finite.
+    1. Rewards, plus DAPO's overlong penalty when ``hp.overlong_buffer_tokens > 0``
+       (``overlong_penalty`` over each trajectory's generated tokens).
+    2. Advantages by ``hp.advantage_estimator`` (``episode_advantages``) over the whole
+       batch, failed members (``valid`` 0) left out of group statistics.
+    3. The loss normaliser of ``hp.loss_aggregation`` over the whole batch
+       (``loss_normalizer``; ``max_seq_len`` is Dr. GRPO's constant).
+    4. ``hp.num_iterations`` optimizer steps; each sums the gradients of the micro-batches
+       (``hp.micro_batch_size`` rows each, 0 = the whole batch) of the loss
+       ``grpo_policy_loss`` (``hp.policy_loss``, clip, KL, entropy bonus), each
+       micro-batch normalised by the whole batch's normaliser, so the summed gradient is
+       the whole batch's.
+
+    Tokens are scored under the rollout's sampling distribution (``hp.temperature``,
+    ``top_k``, ``top_p``; ``token_logprobs``). With top-k/top-p on, a token the behaviour
+    policy sampled can fall outside the current policy's truncated set (logprob -inf):
+    it is left out of the loss (it still counts in the normaliser, which must not depend
+    on the parameters) and counted in ``out_of_support_fraction``. A reference logprob of
+    -inf is raised to ``REF_LOGPROB_FLOOR`` so the KL penalty stays finite.
+
+    The ratio's anchor (``old_logprobs`` of the loss) is fixed at the batch's start for
+    all iterations. ``off_policy_correction="none"``: the behaviour policy's logprobs in
+    the batch, as PPO and GRPO do. ``"decoupled_ppo"`` (Hilton et al. 2021,
+    arXiv:2110.00641; AReaL, arXiv:2505.24298): the proximal policy, the learner's
+    parameters at the batch's start, with the behaviour policy entering through the
+    weight ``pi_prox / pi_behav`` truncated at ``hp.importance_cap``
+    (``truncated_importance_weights``, at ``hp.importance_sampling``'s level). The
+    proximal logprobs are the no-grad values of the first iteration's own forward pass
+    (the parameters at the batch's start), kept for the later iterations.
+
+    A batch with no trainable token (``loss_mask`` all 0 past position 0) is skipped:
+    state returned unchanged (parameters, optimizer state, step), metrics
+    ``update_skipped`` 1, ``num_tokens`` 0 and ``reward_mean``. Checked on the host, so
+    only for a concrete batch.
 
     ``ref_params`` are the reference policy's parameters for the KL penalty (same model),
-    or None when ``kl_coef == 0`` (then they are ignored anyway).
+    or None when ``hp.kl_coef == 0`` (then they are ignored anyway).
 
-    Off-policy correction. ``off_policy_correction="none"`` clips the ratio around the
-    behaviour policy (the engine's logprobs in the batch), as PPO and GRPO do.
-    ``"decoupled_ppo"`` is the decoupled objective (Hilton et al. 2021, arXiv:2110.00641;
-    AReaL, arXiv:2505.24298): the ratio is clipped around the proximal policy, the
-    learner's parameters at the start of this update, and the behaviour policy enters
-    only through the weight ``pi_prox / pi_behav``, truncated at ``importance_cap`` per
-    token (``importance_sampling="token_tis"``) or per sequence (``"sequence_tis"``:
-    product of token ratios; ``"geometric_tis"``: their geometric mean); see
-    ``truncated_importance_weights``. The proximal logprobs are the no-grad values of the
-    very forward pass the gradient is taken through: this update takes one gradient step
-    per batch, so those are the parameters at the update's start, and a second forward
-    pass would compute the same numbers. (At that point the ratio to the proximal policy
-    is 1, so the clip does not bind; the update is the truncated-importance-weighted
-    policy gradient.)
-
-    Metrics (float32 scalars): ``loss``, ``grad_norm`` (before clipping),
-    ``clip_fraction``, ``approx_kl`` (k3, to the policy the clip is anchored at),
-    ``ratio_mean``, ``reward_mean``, ``advantage_abs_mean``, ``num_tokens``, ``entropy``
-    (masked mean token entropy of the sampling distribution, nats),
-    ``out_of_support_fraction`` (share of loss-mask tokens outside the current policy's
-    top-k/top-p set, 0 with truncation off), the engine-learner logprob mismatch on the
-    trained tokens at the update's start (``mismatch_logprob_abs_mean`` in nats,
-    ``mismatch_ratio_max``, ``mismatch_kl``; see ``logprob_mismatch``), ``kl_ref`` when
-    ``kl_coef > 0``, and with ``decoupled_ppo`` ``importance_weight_mean`` and
-    ``importance_truncated_fraction``.
+    Metrics (float32 scalars), of the first iteration: ``loss``, ``grad_norm`` (before
+    clipping), ``clip_fraction``, ``approx_kl`` (k3, to the anchor), ``ratio_mean``,
+    ``reward_mean``, ``advantage_abs_mean``, ``num_tokens``, ``entropy`` (masked mean
+    token entropy, nats), ``out_of_support_fraction``, the engine-learner logprob
+    mismatch on the trained tokens at the batch's start (``mismatch_logprob_abs_mean``
+    in nats, ``mismatch_ratio_max``, ``mismatch_kl``; ``logprob_mismatch``),
+    ``update_skipped`` (0); ``kl_ref`` when ``kl_coef > 0``; ``importance_weight_mean``
+    and ``importance_truncated_fraction`` with ``decoupled_ppo``;
+    ``overlong_penalty_mean`` with the overlong penalty; and with ``num_iterations > 1``
+    ``loss_last``, ``clip_fraction_last`` and ``approx_kl_last`` of the last iteration.
 
     Raises:
-      ValueError: here, for an unknown ``aggregation``, ``off_policy_correction`` or
-        ``importance_sampling``, an ``importance_cap`` below 1, or bad sampling settings
-        (a temperature that is not > 0, ``top_k < 0``, ``top_p`` outside (0, 1]); from
-        ``update``, for a batch missing a key, a non-finite reward, or ``kl_coef > 0``
+      ValueError: here, for a setting of ``hp`` outside its choices (``hp.check``) or bad
+        sampling settings (a temperature that is not > 0, ``top_k < 0``, ``top_p``
+        outside (0, 1]); from ``update``, for a non-finite reward or ``kl_coef > 0``
         without ``ref_params``.
+      TypeError: from ``update``, for a batch that is not a ``Batch``.
     """
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(
-            f"aggregation={aggregation!r} is not supported; use one of {', '.join(AGGREGATIONS)}.")
-    if off_policy_correction not in OFF_POLICY_CORRECTIONS:
-        raise ValueError(
-            f"off_policy_correction={off_policy_correction!r} is not supported; use one of "
-            f"{', '.join(OFF_POLICY_CORRECTIONS)}.")
-    if importance_sampling not in IMPORTANCE_SAMPLING_LEVELS:
-        raise ValueError(
-            f"importance_sampling={importance_sampling!r} is not supported; use one of "
-            f"{', '.join(IMPORTANCE_SAMPLING_LEVELS)}.")
-    if not importance_cap >= 1.0:
-        raise ValueError(
-            f"importance_cap={importance_cap!r} must be >= 1 (e.g. 2.0); a cap below 1 "
-            "down-weights tokens that are exactly on-policy.")
-    decoupled = off_policy_correction == "decoupled_ppo"
+    hp.check()
     try:
-        check_sampling_settings(temperature, top_k, top_p, allow_greedy=False)
+        check_sampling_settings(hp.temperature, hp.top_k, hp.top_p, allow_greedy=False)
     except ValueError as e:
         raise ValueError(
             f"make_grpo_update: {e} Pass the rollout's sampling settings; greedy (temperature "
             "0) rollouts cannot be trained on."
         ) from None
-    use_ref = kl_coef > 0
-    sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+    use_ref = hp.kl_coef > 0
+    decoupled = hp.off_policy_correction == "decoupled_ppo"
+    sampling = {"temperature": hp.temperature, "top_k": hp.top_k, "top_p": hp.top_p}
 
-    @jax.jit
-    def _update(state, ref_params, tokens, loss_mask, old_logprobs, rewards, group_ids, valid):
-        generated = loss_mask[:, 1:]
-        old = old_logprobs[:, 1:]
-        advantages = grpo_advantages(
-            rewards, group_ids, tokens.shape[0], normalize_advantages_by_std=normalize_adv_by_std,
-            valid=valid,
-        )
+    def micro_batch_loss(params, ref_params, mb, denominator, anchor):
+        """The loss of one micro-batch ``mb`` (a dict of its rows) and token *sums* of its
+        statistics; ``anchor`` is None on the first iteration, else the proximal logprobs
+        and support kept from it."""
+        logprobs, logits = _scored_tokens(graphdef, params, mb["tokens"], **sampling)
+        # -inf only where truncation removed the token; NaN still propagates.
+        out_of_support = jnp.isneginf(jax.lax.stop_gradient(logprobs))
+        support = ~out_of_support
+        if anchor is not None:
+            support = support & anchor[1]
+        mask = jnp.where(support, mb["generated"], 0.0)
+        logprobs = jnp.where(support, logprobs, 0.0)
+        # The learner's logprobs at the batch's start: the proximal policy.
+        prox = jax.lax.stop_gradient(logprobs) if anchor is None else anchor[0]
+        weights, weight_aux = None, {}
+        if decoupled:
+            weights, weight_aux = truncated_importance_weights(
+                prox, mb["old"], mask, level=hp.importance_sampling, cap=hp.importance_cap)
         ref = None
         if ref_params is not None:
-            ref, _ = _scored_tokens(graphdef, ref_params, tokens, **sampling)
+            ref, _ = _scored_tokens(graphdef, ref_params, mb["tokens"], **sampling)
             ref = jax.lax.stop_gradient(jnp.maximum(ref, REF_LOGPROB_FLOOR))
+        entropy = token_entropy(logits if hp.entropy_coef > 0 else
+                                jax.lax.stop_gradient(logits), **sampling)
+        loss, aux = grpo_policy_loss(
+            logprobs, prox if decoupled else mb["old"], mb["advantages"], mask,
+            policy_loss=hp.policy_loss, clip_eps_low=hp.clip_eps_low,
+            clip_eps_high=hp.clip_eps_high, dual_clip=hp.dual_clip,
+            aggregation=hp.loss_aggregation, max_tokens=max_seq_len,
+            ref_logprobs=ref, kl_coef=hp.kl_coef, kl_estimator=hp.kl_estimator,
+            importance_weights=weights,
+            entropy=entropy if hp.entropy_coef > 0 else None, entropy_coef=hp.entropy_coef,
+            normalizer=(mb["weights"], denominator))
+        aux.update(weight_aux, **logprob_mismatch(prox, mb["old"], mask),
+                   entropy=masked_mean(jax.lax.stop_gradient(entropy), mask))
+        tokens = aux.pop("num_tokens")
+        sums = {k: v if k == "mismatch_ratio_max" else v * tokens for k, v in aux.items()}
+        sums.update(loss=loss, num_tokens=tokens, generated=jnp.sum(mb["generated"] > 0),
+                    out_of_support=jnp.sum((mb["generated"] > 0) & out_of_support))
+        return loss, (sums, prox, support)
 
-        def loss_fn(params):
-            logprobs, logits = _scored_tokens(graphdef, params, tokens, **sampling)
-            # -inf only where truncation removed the token; NaN still propagates.
-            out_of_support = jnp.isneginf(jax.lax.stop_gradient(logprobs))
-            mask = jnp.where(out_of_support, 0.0, generated)
-            logprobs = jnp.where(out_of_support, 0.0, logprobs)
-            # The learner's logprobs before this step's change: the proximal policy.
-            prox = jax.lax.stop_gradient(logprobs)
-            weights, weight_aux = None, {}
-            if decoupled:
-                weights, weight_aux = truncated_importance_weights(
-                    prox, old, mask, level=importance_sampling, cap=importance_cap)
-            loss, aux = grpo_policy_loss(
-                logprobs,
-                prox if decoupled else old,
-                advantages,
-                mask,
-                policy_loss="ppo_clip",
-                dual_clip=0.0,
-                max_tokens=tokens.shape[1] - 1,
-                clip_eps_low=clip_eps_low,
-                clip_eps_high=clip_eps_high,
-                ref_logprobs=ref,
-                kl_coef=kl_coef,
-                aggregation=aggregation,
-                importance_weights=weights,
-            )
-            aux.update(weight_aux, **logprob_mismatch(prox, old, mask))
-            entropy = token_entropy(jax.lax.stop_gradient(logits), **sampling)
-            aux["entropy"] = masked_mean(entropy, mask)
-            aux["out_of_support_fraction"] = masked_mean(
-                out_of_support.astype(jnp.float32), generated)
-            return loss, aux
+    grad_fn = jax.grad(micro_batch_loss, has_aux=True)
 
-        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-        metrics = {
-            "loss": loss,
-            "grad_norm": optax.tree.norm(grads),
-            "reward_mean": jnp.mean(rewards),
-            "advantage_abs_mean": jnp.mean(jnp.abs(advantages)),
-            **aux,
-        }
-        return _apply_gradients(optimizer, state, grads), metrics
+    def gradients(params, ref_params, mbs, denominator, anchors):
+        """Gradients and statistic sums over the micro-batches (leading axis of ``mbs``)."""
+        if jax.tree.leaves(mbs)[0].shape[0] == 1:
+            first = jax.tree.map(lambda x: x[0], mbs)
+            grads, (sums, prox, support) = grad_fn(
+                params, ref_params, first, denominator,
+                None if anchors is None else jax.tree.map(lambda x: x[0], anchors))
+            return grads, sums, prox[None], support[None]
+
+        def accumulate(carry, xs):
+            grads, sums = carry
+            mb, anchor = xs
+            g, (s, prox, support) = grad_fn(params, ref_params, mb, denominator, anchor)
+            sums = {k: jnp.maximum(sums[k], v) if k == "mismatch_ratio_max" else sums[k] + v
+                    for k, v in s.items()}
+            return (jax.tree.map(jnp.add, grads, g), sums), (prox, support)
+
+        first = jax.tree.map(lambda x: x[0], mbs)
+        shapes = jax.eval_shape(grad_fn, params, ref_params, first, denominator,
+                                None if anchors is None else jax.tree.map(lambda x: x[0], anchors))
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (shapes[0], shapes[1][0]))
+        (grads, sums), (prox, support) = jax.lax.scan(accumulate, zeros, (mbs, anchors))
+        return grads, sums, prox, support
+
+    def optimizer_step(state, ref_params, mbs, denominator, anchors):
+        grads, sums, prox, support = gradients(state.params, ref_params, mbs, denominator,
+                                               anchors)
+        tokens = jnp.maximum(sums["num_tokens"], 1.0)
+        metrics = {k: v / tokens for k, v in sums.items()
+                   if k not in ("loss", "num_tokens", "generated", "out_of_support",
+                                "mismatch_ratio_max")}
+        metrics.update(
+            loss=sums["loss"], num_tokens=sums["num_tokens"],
+            mismatch_ratio_max=sums["mismatch_ratio_max"], grad_norm=optax.tree.norm(grads),
+            out_of_support_fraction=sums["out_of_support"] / jnp.maximum(sums["generated"], 1))
+        return _apply_gradients(optimizer, state, grads), metrics, (prox, support)
+
+    @jax.jit
+    def _update(state, ref_params, batch, num_rows):
+        size = batch.tokens.shape[0]
+        real = (jnp.arange(size) < num_rows).astype(jnp.float32)
+        generated = batch.loss_mask[:, 1:]
+        rewards = batch.rewards
+        extra = {}
+        if hp.overlong_buffer_tokens > 0:
+            penalty = overlong_penalty(jnp.sum(batch.policy_versions >= 0, axis=-1),
+                                       max_tokens=hp.overlong_max_tokens,
+                                       buffer_tokens=hp.overlong_buffer_tokens)
+            rewards = rewards + penalty
+            extra["overlong_penalty_mean"] = jnp.sum(penalty * real) / num_rows
+        advantages = episode_advantages(
+            hp.advantage_estimator, rewards, batch.group_ids, size, valid=batch.valid,
+            normalize_advantages_by_std=hp.normalize_advantages_by_std)
+        weights, denominator = loss_normalizer(generated, aggregation=hp.loss_aggregation,
+                                               max_tokens=max_seq_len)
+        rows = hp.micro_batch_size or size
+        mbs = {"tokens": batch.tokens, "generated": generated, "old": batch.logprobs[:, 1:],
+               "advantages": advantages, "weights": weights}
+        mbs = jax.tree.map(lambda x: x.reshape((size // rows, rows) + x.shape[1:]), mbs)
+
+        state, metrics, anchors = optimizer_step(state, ref_params, mbs, denominator, None)
+        if hp.num_iterations > 1:
+            def iteration(state, _):
+                state, m, _ = optimizer_step(state, ref_params, mbs, denominator, anchors)
+                return state, {k: m[k] for k in ("loss", "clip_fraction", "approx_kl")}
+
+            state, later = jax.lax.scan(iteration, state, None, length=hp.num_iterations - 1)
+            extra.update({f"{k}_last": v[-1] for k, v in later.items()})
+        metrics.update(
+            extra,
+            reward_mean=jnp.sum(batch.rewards * real) / num_rows,
+            advantage_abs_mean=jnp.sum(jnp.abs(advantages) * real) / num_rows,
+            update_skipped=jnp.zeros((), jnp.float32),
+        )
+        return state, metrics
 
     def update(state: TrainState, ref_params: nnx.State | None, batch: Batch):
-        missing = [k for k in GRPO_BATCH_KEYS if k not in batch]
-        if missing:
-            raise ValueError(
-                f"GRPO batch is missing {missing}; build it with record_batch_to_arrays "
-                f"(got keys {sorted(batch)})."
-            )
+        if not isinstance(batch, Batch):
+            raise TypeError(f"the GRPO update takes a Batch, got {type(batch).__name__}; build "
+                            "it with Batch.from_record_batch (or Batch.from_arrays).")
         if use_ref and ref_params is None:
             raise ValueError(
-                f"kl_coef={kl_coef} needs the reference policy's params; pass ref_params "
+                f"kl_coef={hp.kl_coef} needs the reference policy's params; pass ref_params "
                 "or set kl_coef=0."
             )
-        if not isinstance(batch["rewards"], jax.core.Tracer):  # under an outer jit: the caller checks
-            check_finite_rewards(batch["rewards"])
-        # Infrastructure failures (valid 0) are left out of their group's statistics.
-        valid = batch.get("valid")
-        if valid is None:
-            valid = jnp.ones(len(batch["rewards"]), jnp.float32)
-        return _update(
-            state,
-            ref_params if use_ref else None,
-            jnp.asarray(batch["tokens"], jnp.int32),
-            jnp.asarray(batch["loss_mask"], jnp.float32),
-            jnp.asarray(batch["logprobs"], jnp.float32),
-            jnp.asarray(batch["rewards"], jnp.float32),
-            jnp.asarray(batch["group_ids"], jnp.int32),
-            jnp.asarray(valid, jnp.float32),
-        )
+        num_rows = len(batch.rewards)
+        if not isinstance(batch.rewards, jax.core.Tracer):  # under an outer jit: the caller checks
+            check_finite_rewards(batch.rewards)
+            if not np.any(np.asarray(batch.loss_mask)[:, 1:] > 0):
+                return state, {"update_skipped": 1.0, "num_tokens": 0.0,
+                               "reward_mean": float(np.mean(batch.rewards))}
+            if hp.micro_batch_size:
+                batch = batch.pad_rows(hp.micro_batch_size)
+        elif hp.micro_batch_size and num_rows % hp.micro_batch_size:
+            raise ValueError(f"a traced batch of {num_rows} rows must be a multiple of "
+                             f"micro_batch_size={hp.micro_batch_size}; pad it with "
+                             "Batch.pad_rows first.")
+        batch = jax.tree.map(jnp.asarray, batch)
+        return _update(state, ref_params if use_ref else None, batch,
+                       jnp.asarray(num_rows, jnp.float32))
 
     return update
 
