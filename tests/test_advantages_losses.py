@@ -85,7 +85,8 @@ def test_clipped_surrogate_token_mean_hand_computed():
 
 
 def test_clipped_surrogate_sequence_mean_hand_computed():
-    loss, _ = grpo_policy_loss(NEW, OLD, ADV, MASK, **{**PPO, "aggregation": "sequence_mean_token_mean"})
+    loss, _ = grpo_policy_loss(NEW, OLD, ADV, MASK,
+                               **{**PPO, "aggregation": "sequence_mean_token_mean"})
     # Sequence means: (-1.2 - 0.5) / 2 = -0.85 and (0.8 + 1.5 + 1.0) / 3 = 1.1.
     np.testing.assert_allclose(loss, (-0.85 + 1.1) / 2, rtol=1e-5)
 

@@ -289,7 +289,8 @@ def test_kl_estimators_hand_computed():
         got = kl_estimate(logprobs, ref, mask, estimator=estimator)
         np.testing.assert_allclose(got, [[want, 0.0]], rtol=1e-6, atol=1e-7)
         loss, aux = grpo_policy_loss(logprobs, logprobs, np.zeros(1), mask, policy_loss="ppo_clip",
-                                     **COMMON, ref_logprobs=ref, kl_coef=0.1, kl_estimator=estimator)
+                                     **COMMON, ref_logprobs=ref, kl_coef=0.1,
+                                     kl_estimator=estimator)
         np.testing.assert_allclose(aux["kl_ref"], want / 2, rtol=1e-5)
         np.testing.assert_allclose(loss, 0.1 * want / 2, rtol=1e-5)
 

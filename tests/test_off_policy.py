@@ -25,7 +25,6 @@ from raytunix.learner.losses import (
 )
 from raytunix.learner.batch import Batch
 from raytunix.learner.train_state import (
-    GRPOHyperparams,
     create_train_state,
     logprobs_fn,
     make_grpo_update,

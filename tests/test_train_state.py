@@ -354,7 +354,11 @@ def test_iterations_without_correction_anchor_every_step_at_the_behaviour_policy
 
 
 def test_iterations_with_decoupled_ppo_keep_the_proximal_policy_of_the_batch_start(model):
-    from raytunix.learner.losses import grpo_policy_loss, token_logprobs, truncated_importance_weights
+    from raytunix.learner.losses import (
+        grpo_policy_loss,
+        token_logprobs,
+        truncated_importance_weights,
+    )
 
     graphdef, params = model
     optimizer = optax.sgd(0.5)
@@ -421,7 +425,8 @@ def test_learning_rate_schedules_hand_computed():
     np.testing.assert_allclose(rates("linear", 2), [0.5, 1, 1, 0.75, 0.5, 0.25])
     c = [0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(4)]
     np.testing.assert_allclose(rates("cosine", 2), [0.5, 1] + c, rtol=1e-6)
-    np.testing.assert_allclose(rates("linear", 0), [1, 5 / 6, 4 / 6, 3 / 6, 2 / 6, 1 / 6], rtol=1e-6)
+    np.testing.assert_allclose(rates("linear", 0), [1, 5 / 6, 4 / 6, 3 / 6, 2 / 6, 1 / 6],
+                               rtol=1e-6)
     with pytest.raises(ValueError, match="lr_schedule='step'"):
         lr_schedule(1.0, schedule="step", warmup_steps=0, total_steps=6)
     with pytest.raises(ValueError, match="more optimizer steps"):
