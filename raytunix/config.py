@@ -158,8 +158,10 @@ class LearnerConfig:
     off_policy_correction: str = "none"  # none: clip around the behaviour (engine) policy | decoupled_ppo: clip around the learner's policy at the update's start, behaviour through a truncated importance weight
     importance_sampling: str = "token_tis"  # decoupled_ppo's weight pi_prox/pi_behav: per token (token_tis), per sequence as the product (sequence_tis) or geometric mean (geometric_tis) of token ratios
     importance_cap: float = 2.0  # the importance weight is truncated at this (>= 1)
-    checkpoint_every: int = 10  # RL steps between checkpoints (and one at the end)
-    max_checkpoints: int = 3
+    checkpoint_every: int = 10  # RL steps between checkpoints (and one at the end); saved asynchronously, while training goes on
+    max_checkpoints: int = 3  # the newest this many checkpoints stay (plus the best one with keep_best_by)
+    keep_best_by: str = ""  # a number of the RL step's metrics (e.g. reward_mean: the batch's mean reward); the checkpoint with the best value is never deleted; "" = off
+    keep_best_mode: str = "max"  # max | min: whether a higher or a lower keep_best_by is better
 
 
 @dataclasses.dataclass
@@ -238,6 +240,7 @@ _CHOICES = {
     "learner.policy_loss": ("ppo_clip", "gspo", "cispo"),
     "learner.kl_estimator": ("k1", "k2", "k3"),
     "rollout.stale_token_policy": ("drop", "mask", "accept"),
+    "learner.keep_best_mode": ("max", "min"),
     "data.source": ("auto", "env", "reasoning_gym", "parquet", "jsonl", "hf"),
     "sandbox.backend": ("auto", "bwrap", "subprocess"),
 }

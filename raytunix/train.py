@@ -56,6 +56,7 @@ class RunDir:
         self.summary = os.path.join(self.path, "summary.json")
         self.state = os.path.join(self.path, "state.json")
         self.sinks = None  # profiling.sinks.MetricSinks once the run starts its actors
+        self.checkpoint_in_flight: dict[str, Any] | None = None  # state.json once it commits
 
     def log(self, record: dict[str, Any]) -> None:
         """Appends ``record`` to metrics.jsonl and hands it to the other metric sinks
@@ -103,6 +104,7 @@ def _new_run_dir(cfg: Config) -> RunDir:
 # checkpoint holds (model shape, tokenizer, data, algorithm).
 RESUME_OVERRIDABLE = frozenset({
     "learner.rl_steps", "learner.checkpoint_every", "learner.max_checkpoints", "run.log_every",
+    "learner.keep_best_by", "learner.keep_best_mode",
     "rollout.batch_timeout_s", "rollout.max_concurrent_episodes", "env.num_env_actors",
     "eval.max_new_tokens", "engine.max_batch_size", "engine.block_size",
     "engine.kv_cache_tokens", "engine.prefill_chunk_tokens", "engine.kv_on_weight_update",
@@ -151,6 +153,8 @@ def load_run_config(run_dir: str, overrides: Sequence[str] = ()) -> Config:
 # Env actors may wait for a node of their own resource (an autoscaled pool) before they
 # build the environment; past this, the run stops with the reason.
 ENV_READY_TIMEOUT_S = 600.0
+# A run that stops waits this long for the learner's checkpoint in flight to be committed.
+CHECKPOINT_FINISH_TIMEOUT_S = 300.0
 
 
 def _env_class(cfg: Config) -> type:
@@ -344,7 +348,13 @@ class Job:
         return actors
 
     def shutdown(self) -> None:
-        """Kills the run's actors (checkpoints and the run directory stay)."""
+        """Lets the learner finish a checkpoint it is writing, then kills the run's actors
+        (checkpoints and the run directory stay)."""
+        try:
+            ray.get(self.learner.finish_checkpoints.remote(), timeout=CHECKPOINT_FINISH_TIMEOUT_S)
+        except ray.exceptions.RayError as e:  # a dead learner; a timeout: orbax's temporary
+            _say(f"the checkpoint in flight was not finished ({type(e).__name__}); "  # dir
+                 "resuming uses the one before it")  # keeps the previous checkpoint valid
         actors = [self.orchestrator, self.learner, *self.env_pool.actors]
         if not self.colocated:
             actors += self.engines
@@ -668,7 +678,8 @@ def _run_phases(cfg: Config, job: Job, run: RunDir, hp: GRPOHyperparams, resume:
         try:
             extras = ray.get(job.learner.restore.remote(
                 ckpt_dir, cfg.learner.max_checkpoints,
-                run.reference if cfg.learner.kl_coef > 0 else None))
+                run.reference if cfg.learner.kl_coef > 0 else None,
+                cfg.learner.keep_best_by, cfg.learner.keep_best_mode))
         except ray.exceptions.RayTaskError as e:
             cause = e.cause if isinstance(e.cause, Exception) else e
             raise RunError(f"cannot resume {run.path}: {cause}") from None
@@ -699,6 +710,7 @@ def _run_phases(cfg: Config, job: Job, run: RunDir, hp: GRPOHyperparams, resume:
             ray.get(job.learner.save_reference.remote(run.reference))
         start_step = 0
         _checkpoint(job, run, ckpt_dir, cfg, before, warm)
+        _finish_checkpoints(job, run)  # a run that fails in step 1 can still resume
 
     t_rl = time.monotonic()
     collector.drain("rl", start_step)  # what came before RL stays out of step 1's window
@@ -732,8 +744,9 @@ def _run_phases(cfg: Config, job: Job, run: RunDir, hp: GRPOHyperparams, resume:
         run.log(record)  # the console view prints the step's headline numbers
         if (step + 1) % cfg.learner.checkpoint_every == 0 or step + 1 == cfg.learner.rl_steps:
             with profiling.span("checkpoint", "driver", {"step": step + 1}):
-                _checkpoint(job, run, ckpt_dir, cfg, before, warm)
+                _checkpoint(job, run, ckpt_dir, cfg, before, warm, _best_metric(cfg, record))
 
+    _finish_checkpoints(job, run)
     ray.get(job.orchestrator.stop.remote())
     engine_stats = job.engine_stats()
     with profiling.span("eval", "driver", {"tasks": len(heldout)}):
@@ -789,11 +802,47 @@ def _unfinished_episodes(result: dict[str, Any]) -> str:
     return f" ({ended}" + (f"; first error: {error}" if error else "") + ")"
 
 
-def _checkpoint(job: Job, run: RunDir, ckpt_dir: str, cfg: Config, before: dict, warm: dict) -> None:
+def _checkpoint(job: Job, run: RunDir, ckpt_dir: str, cfg: Config, before: dict, warm: dict,
+                metrics: dict[str, float] | None = None) -> None:
+    """Starts the learner's checkpoint of this step, with the orchestrator's state (data
+    position, ledger) of the same step: nothing trains between the two calls. The save is
+    asynchronous and the learner finishes the one before it first, so state.json (read
+    first by a resume) moves on to that one here, and to this one in
+    ``_finish_checkpoints``: it never names a checkpoint that is not committed."""
     orch_state = ray.get(job.orchestrator.state.remote())
     extras = {"orchestrator": orch_state, "heldout_before": before, "warm_start": warm}
-    step = ray.get(job.learner.save.remote(ckpt_dir, extras, cfg.learner.max_checkpoints))
-    run.write_state({"checkpoint_step": step, "data_position": orch_state["next_index"]})
+    learner = cfg.learner
+    step = ray.get(job.learner.save.remote(ckpt_dir, extras, learner.max_checkpoints, metrics,
+                                           learner.keep_best_by, learner.keep_best_mode))
+    if run.checkpoint_in_flight is not None:
+        run.write_state(run.checkpoint_in_flight)
+    run.checkpoint_in_flight = {"checkpoint_step": step, "data_position": orch_state["next_index"]}
+
+
+def _finish_checkpoints(job: Job, run: RunDir) -> None:
+    """Waits for the learner's checkpoint in flight and records it in state.json."""
+    ray.get(job.learner.finish_checkpoints.remote())
+    if run.checkpoint_in_flight is not None:
+        run.write_state(run.checkpoint_in_flight)
+        run.checkpoint_in_flight = None
+
+
+def _best_metric(cfg: Config, record: dict[str, Any]) -> dict[str, float] | None:
+    """``{learner.keep_best_by: value}`` from an RL step's metrics record; None when
+    keep_best_by is off.
+
+    Raises:
+      RunError: the record has no number of that name.
+    """
+    name = cfg.learner.keep_best_by
+    if not name:
+        return None
+    numbers = {k: float(v) for k, v in record.items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    if name not in numbers:
+        raise RunError(f"learner.keep_best_by={name!r} is not a number of the RL step's "
+                       f"metrics; choose one of {sorted(numbers)} (e.g. reward_mean).")
+    return {name: numbers[name]}
 
 
 def _interrupt(signum, frame):

@@ -255,7 +255,9 @@ def test_resume_then_step_equals_uninterrupted(trainer, tmp_path):
     fresh, update, batch = trainer
     uninterrupted = _trained_state(trainer, 4)
 
-    Checkpointer(str(tmp_path)).save(2, _trained_state(trainer, 2), {})
+    saver = Checkpointer(str(tmp_path))
+    saver.save(2, _trained_state(trainer, 2), {})
+    saver.close()  # the save is asynchronous: close waits for it
     resumed, _ = Checkpointer(str(tmp_path)).restore(None, fresh)
     assert int(resumed.step) == 2
     for _ in range(2):
@@ -269,6 +271,7 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(trainer, tmp_path, cap
     ckpt = Checkpointer(str(tmp_path))
     ckpt.save(1, state1, {"policy_version": 1})
     ckpt.save(2, state2, {"policy_version": 2})
+    ckpt.wait_until_finished()
     for path in (tmp_path / "2" / "state").rglob("*"):
         if path.is_file():
             path.write_bytes(b"garbage")

@@ -41,9 +41,12 @@ class LearnerActor(profiling.ProfiledActor):
     def _publish(self) -> None:
         """Hook: colocated actors hand the new weights to their engine."""
 
-    def _checkpointer(self, directory: str, max_to_keep: int = 3) -> Checkpointer:
+    def _checkpointer(self, directory: str, max_to_keep: int = 3, keep_best_by: str = "",
+                      keep_best_mode: str = "max") -> Checkpointer:
         if directory not in self._checkpointers:
-            self._checkpointers[directory] = Checkpointer(directory, max_to_keep=max_to_keep)
+            self._checkpointers[directory] = Checkpointer(
+                directory, max_to_keep=max_to_keep, keep_best_by=keep_best_by,
+                keep_best_mode=keep_best_mode)
         return self._checkpointers[directory]
 
     # warm start -------------------------------------------------------------------------
@@ -101,20 +104,31 @@ class LearnerActor(profiling.ProfiledActor):
                                       source=self.model_path or None))
 
     # checkpoints ------------------------------------------------------------------------------
-    async def save(self, directory: str, extras: dict[str, Any], max_to_keep: int = 3) -> int:
-        ckpt = self._checkpointer(directory, max_to_keep)
+    async def save(self, directory: str, extras: dict[str, Any], max_to_keep: int = 3,
+                   metrics: dict[str, float] | None = None, keep_best_by: str = "",
+                   keep_best_mode: str = "max") -> int:
+        """Starts checkpoint ``rl_step`` (returned) in ``directory`` and returns once its
+        arrays are copied: the files are written while the next updates run. The save
+        before it is committed by then (``Checkpointer.save``)."""
+        ckpt = self._checkpointer(directory, max_to_keep, keep_best_by, keep_best_mode)
         with profiling.span("checkpoint", "learner", {"rl_step": self.learner.rl_step}):
-            await self._in_thread(self.learner.save, ckpt, extras)
+            await self._in_thread(self.learner.save, ckpt, extras, metrics)
         return self.learner.rl_step
+
+    async def finish_checkpoints(self) -> None:
+        """Returns once every checkpoint save in flight is committed on disk."""
+        for ckpt in list(self._checkpointers.values()):
+            await self._in_thread(ckpt.wait_until_finished)
 
     async def save_reference(self, directory: str) -> None:
         await self._in_thread(self.learner.save_reference, self._checkpointer(directory, 1))
 
     async def restore(self, directory: str, max_to_keep: int = 3,
-                      reference_directory: str | None = None) -> dict[str, Any]:
+                      reference_directory: str | None = None, keep_best_by: str = "",
+                      keep_best_mode: str = "max") -> dict[str, Any]:
         reference = self._checkpointer(reference_directory, 1) if reference_directory else None
-        extras = await self._in_thread(
-            self.learner.restore, self._checkpointer(directory, max_to_keep), None, reference)
+        ckpt = self._checkpointer(directory, max_to_keep, keep_best_by, keep_best_mode)
+        extras = await self._in_thread(self.learner.restore, ckpt, None, reference)
         self._publish_timed()
         return extras
 

@@ -2,9 +2,19 @@
 
 Each step directory holds two items: ``state`` (the ``TrainState`` pytree: params,
 optimizer state, step, rng key data) and ``extras`` (JSON: data position, policy
-version, orchestrator state, config). ``save`` returns only once the checkpoint is
-committed, so a crash after it returns never loses it; a corrupt or partial newest
-checkpoint does not make older ones unreachable.
+version, orchestrator state and its task ledger, config), written together, so the data
+position always belongs to the params of the same step.
+
+Saves are asynchronous (orbax's async checkpointing): ``save`` returns once the arrays
+are copied off the device, and a background thread writes the files while training goes
+on. Orbax writes each step into ``<step>.orbax-checkpoint-tmp`` and renames it to
+``<step>`` only when every file is written, so a process killed mid-save leaves the
+previous checkpoints as they were and the partial one is never listed or restored. A save
+still in flight is finished before the next one starts, before any read of the
+directory, and by ``wait_until_finished`` / ``close``.
+
+Which checkpoints stay: the newest ``max_to_keep``, and with ``keep_best_by`` also the
+one whose metric was best, which the newest-N rule never deletes.
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ import time
 from typing import Any
 
 import orbax.checkpoint as ocp
+from orbax.checkpoint import checkpoint_managers
 
 from raytunix.learner.train_state import TrainState
 
@@ -32,52 +43,110 @@ def _as_tree(state: TrainState) -> dict[str, Any]:
 
 class Checkpointer:
     """Saves and restores ``TrainState`` + extras under ``directory``, one subdirectory
-    per step, keeping the newest ``max_to_keep``.
+    per step, keeping the newest ``max_to_keep`` and, with ``keep_best_by``, the best one.
 
     Args:
       directory: local path or any path orbax accepts (e.g. ``gs://...``); created if
         missing.
-      max_to_keep: older checkpoints beyond this many are deleted after a save.
+      max_to_keep: older checkpoints beyond this many are deleted after a save (the best
+        one excepted).
+      keep_best_by: a metric name that every ``save`` then gets in ``metrics``; the
+        checkpoint with the best value is kept even when it is older than the newest
+        ``max_to_keep``. "" keeps only the newest.
+      keep_best_mode: ``max`` (higher is better, e.g. a reward) or ``min`` (e.g. a loss).
+
+    Raises:
+      ValueError: ``max_to_keep`` < 1 or ``keep_best_mode`` neither max nor min.
     """
 
-    def __init__(self, directory: str, max_to_keep: int = 3):
+    def __init__(self, directory: str, max_to_keep: int = 3, keep_best_by: str = "",
+                 keep_best_mode: str = "max"):
         if max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep!r}.")
+        if keep_best_mode not in ("max", "min"):
+            raise ValueError(f"keep_best_mode must be 'max' or 'min', got {keep_best_mode!r}.")
         self.directory = directory if "://" in directory else os.path.abspath(directory)
+        self.keep_best_by = keep_best_by
+        sign = 1.0 if keep_best_mode == "max" else -1.0
+
+        def score(metrics: dict[str, float]) -> float:
+            # Saved under another keep_best_by (changed on resume): never the best.
+            value = metrics.get(keep_best_by)
+            return -float("inf") if value is None else sign * float(value)
+
+        best_fn = score if keep_best_by else None
+        keep = [checkpoint_managers.LatestN(n=max_to_keep)]
+        if best_fn is not None:  # orbax keeps the highest best_fn; checkpoints without metrics
+            keep.append(checkpoint_managers.BestN(  # (the one before RL) only by recency
+                get_metric_fn=best_fn, n=1, keep_checkpoints_without_metrics=False))
         self._manager = ocp.CheckpointManager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
+            options=ocp.CheckpointManagerOptions(
+                # best_fn also makes orbax write each step's metrics, so a resumed run
+                # still knows which checkpoint was best.
+                best_fn=best_fn, create=True, enable_async_checkpointing=True,
+                preservation_policy=checkpoint_managers.AnyPreservationPolicy(keep)),
             item_names=("state", "extras"),
         )
 
-    def save(self, step: int, train_state: TrainState, extras: dict[str, Any]) -> None:
-        """Writes checkpoint ``step`` and blocks until it is committed on disk.
+    def save(self, step: int, train_state: TrainState, extras: dict[str, Any],
+             metrics: dict[str, float] | None = None) -> None:
+        """Starts writing checkpoint ``step``: returns once the arrays are copied off the
+        device; the files are written in the background and committed atomically (see the
+        module docstring). A save still in flight is finished first, so the one before
+        ``step`` is committed when this returns.
 
         Args:
           step: the checkpoint's number (usually ``train_state.step``); must be new.
           train_state: the state to save.
           extras: JSON-serializable dict stored next to it.
+          metrics: numbers describing this checkpoint; with ``keep_best_by`` they must
+            hold that name, or be None (a checkpoint then kept by recency only, like the
+            one before RL); without it they are not stored.
 
         Raises:
-          ValueError: if a checkpoint for ``step`` already exists.
+          ValueError: a checkpoint for ``step`` already exists, or ``keep_best_by`` is set
+            and ``metrics`` lacks it.
         """
         step = int(step)
+        self._manager.wait_until_finished()
         if step in self._manager.all_steps():
             raise ValueError(
                 f"A checkpoint for step {step} already exists in {self.directory}; "
                 "save each step once."
             )
+        if self.keep_best_by and metrics is not None and self.keep_best_by not in metrics:
+            raise ValueError(
+                f"keep_best_by={self.keep_best_by!r} but the metrics of step {step} have no "
+                f"such key (they have {sorted(metrics)}); name one of those.")
         self._manager.save(
             step,
             args=ocp.args.Composite(
                 state=ocp.args.StandardSave(_as_tree(train_state)),
                 extras=ocp.args.JsonSave(extras),
             ),
+            metrics=metrics if self.keep_best_by else None,
         )
+
+    def wait_until_finished(self) -> None:
+        """Blocks until the save in flight, if any, is committed on disk.
+
+        Raises:
+          whatever the background write raised (e.g. ``OSError`` for a full disk).
+        """
         self._manager.wait_until_finished()
 
+    def best_step(self) -> int | None:
+        """The committed step with the best ``keep_best_by`` metric; the newest step
+        without ``keep_best_by``; None when there is no checkpoint (or none has
+        metrics)."""
+        self.all_steps()  # finishes a save in flight and rereads the directory
+        return self._manager.best_step()
+
     def all_steps(self) -> list[int]:
-        """Steps of the committed checkpoints on disk, ascending."""
+        """Steps of the committed checkpoints on disk, ascending (after finishing a save
+        in flight)."""
+        self._manager.wait_until_finished()
         self._manager.reload()
         return sorted(self._manager.all_steps())
 

@@ -146,16 +146,22 @@ class Learner:
         return jax.device_get(self.params)
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, checkpointer: Checkpointer, extras: dict[str, Any]) -> None:
-        """Saves params, optimizer state, step and RNG with ``extras`` (data position...)."""
-        extras = dict(extras, policy_version=self.version, rl_step=self.rl_step)
-        checkpointer.save(self.rl_step, self._state, extras)
+    def save(self, checkpointer: Checkpointer, extras: dict[str, Any],
+             metrics: dict[str, float] | None = None) -> None:
+        """Starts saving params, optimizer state, step and RNG with ``extras`` (data
+        position...) as checkpoint ``rl_step``; asynchronous (``Checkpointer.save``), so
+        the next ``train_step`` may run while it is written. ``metrics``: for
+        ``Checkpointer``'s ``keep_best_by``."""
+        extras = dict(extras, policy_version=self.version, rl_step=self.rl_step,
+                      updates_skipped=self.updates_skipped)
+        checkpointer.save(self.rl_step, self._state, extras, metrics)
 
     def save_reference(self, checkpointer: Checkpointer) -> None:
         """Saves the KL reference policy (the weights at ``start_rl``) once, so that a
         resumed run penalizes KL to the same policy. No-op without a KL penalty."""
         if self._ref_params is not None and checkpointer.latest_step() is None:
             checkpointer.save(0, self._state.replace(params=self._ref_params), {"reference": True})
+            checkpointer.wait_until_finished()
 
     def restore(self, checkpointer: Checkpointer, step: int | None = None,
                 reference: Checkpointer | None = None) -> dict[str, Any]:
@@ -170,6 +176,7 @@ class Learner:
         self._state, extras = checkpointer.restore(step, self._state)
         self.version = int(extras["policy_version"])
         self.rl_step = int(extras["rl_step"])
+        self.updates_skipped = int(extras.get("updates_skipped", 0))
         if self._hp.kl_coef > 0:
             if reference is None or reference.latest_step() is None:
                 raise RuntimeError(

@@ -1,0 +1,135 @@
+"""Checkpoints (issue 9 item 7): asynchronous orbax saves that a crash mid-save cannot
+corrupt, keep-last-N beside keep-best, and a learner that resumes bit-identically to an
+uninterrupted one."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import textwrap  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from raytunix.learner.checkpoint import Checkpointer  # noqa: E402
+from raytunix.learner.train_state import TrainState  # noqa: E402
+
+
+def _state(value: float, size: int = 4) -> TrainState:
+    """A small TrainState whose every number is ``value`` (enough to tell saves apart)."""
+    return TrainState(params={"w": jnp.full((size,), value, jnp.float32)},
+                      opt_state={"count": jnp.asarray(int(value), jnp.int32)},
+                      step=jnp.asarray(int(value), jnp.int32), rng=jax.random.key_data(jax.random.key(0)))
+
+
+def _assert_trees_equal(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+# -- async saves and crashes mid-save ------------------------------------------------------------
+
+CRASH_MID_SAVE = textwrap.dedent('''
+    import os, signal, sys
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax, jax.numpy as jnp
+    from raytunix.learner.checkpoint import Checkpointer
+    from raytunix.learner.train_state import TrainState
+
+    def state(value):
+        return TrainState(params={"w": jnp.full((8_000_000,), value, jnp.float32)},
+                          opt_state={"count": jnp.asarray(int(value), jnp.int32)},
+                          step=jnp.asarray(int(value), jnp.int32),
+                          rng=jax.random.key_data(jax.random.key(0)))
+
+    directory = sys.argv[1]
+    ckpt = Checkpointer(directory)
+    ckpt.save(1, state(1.0), {"step": 1})
+    ckpt.wait_until_finished()
+    ckpt.save(2, state(2.0), {"step": 2})
+    # save returned: the arrays are copied, the files are still being written.
+    in_flight = os.path.exists(os.path.join(directory, "2.orbax-checkpoint-tmp"))
+    committed = os.path.exists(os.path.join(directory, "2"))
+    print(f"in_flight={in_flight} committed={committed}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer or a preemption would
+''')
+
+
+def test_a_process_killed_mid_save_leaves_the_previous_checkpoint_usable(tmp_path):
+    directory = str(tmp_path / "checkpoints")
+    proc = subprocess.run([sys.executable, "-c", CRASH_MID_SAVE, directory],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    # The save had returned while its files were still in orbax's temporary directory:
+    # the learner trains on while a checkpoint is written.
+    assert "in_flight=True committed=False" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert any(name.startswith("2.") for name in os.listdir(directory))  # the partial save
+
+    ckpt = Checkpointer(directory)
+    assert ckpt.all_steps() == [1]  # the partial step is never listed...
+    restored, extras = ckpt.restore(None, _state(0.0, 8_000_000))
+    assert extras == {"step": 1}  # ...nor restored: the previous checkpoint is
+    assert float(restored.params["w"][0]) == 1.0 and int(restored.step) == 1
+    ckpt.save(2, _state(2.0, 8_000_000), {"step": 2})  # and the resumed run saves step 2 again
+    assert ckpt.all_steps() == [1, 2]
+    assert ckpt.read_extras() == {"step": 2}
+    ckpt.close()
+
+
+def test_an_async_save_holds_the_state_of_its_step_while_training_goes_on(tmp_path):
+    ckpt = Checkpointer(str(tmp_path))
+    state = _state(1.0)
+    ckpt.save(1, state, {"data_position": 4})
+    state = state.replace(params={"w": state.params["w"] + 1.0}, step=state.step + 1)  # trains on
+    ckpt.save(2, state, {"data_position": 8})  # finishes step 1 first
+    restored, extras = ckpt.restore(1, _state(0.0))
+    _assert_trees_equal(restored, _state(1.0))
+    assert extras == {"data_position": 4}
+    assert ckpt.read_extras(2) == {"data_position": 8}
+    ckpt.close()
+
+
+# -- which checkpoints stay ----------------------------------------------------------------------
+
+def test_keep_last_n_never_deletes_the_best_checkpoint(tmp_path):
+    ckpt = Checkpointer(str(tmp_path), max_to_keep=2, keep_best_by="reward_mean")
+    ckpt.save(0, _state(0.0), {})  # before RL: no metrics
+    for step, reward in [(1, 0.9), (2, 0.1), (3, 0.4), (4, 0.2)]:
+        ckpt.save(step, _state(float(step)), {}, metrics={"reward_mean": reward, "loss": 1.0})
+    assert ckpt.all_steps() == [1, 3, 4]  # the newest two and the best
+    assert ckpt.best_step() == 1
+    ckpt.close()
+
+    # A resumed run reads the metrics back: the best one still outlives newer ones.
+    ckpt = Checkpointer(str(tmp_path), max_to_keep=2, keep_best_by="reward_mean")
+    assert ckpt.best_step() == 1
+    ckpt.save(5, _state(5.0), {}, metrics={"reward_mean": 0.3})
+    assert ckpt.all_steps() == [1, 4, 5]
+    ckpt.save(6, _state(6.0), {}, metrics={"reward_mean": 1.5})  # a new best replaces it
+    assert ckpt.all_steps() == [5, 6]
+    assert ckpt.best_step() == 6
+    with pytest.raises(ValueError, match="'reward_mean'.*no such key.*'loss'"):
+        ckpt.save(7, _state(7.0), {}, metrics={"loss": 0.5})
+    ckpt.close()
+
+
+def test_keep_best_by_a_metric_to_minimise_and_plain_keep_last_n(tmp_path):
+    ckpt = Checkpointer(str(tmp_path / "min"), max_to_keep=1, keep_best_by="loss",
+                        keep_best_mode="min")
+    for step, loss in [(1, 0.5), (2, 0.2), (3, 0.7), (4, 0.9)]:
+        ckpt.save(step, _state(float(step)), {}, metrics={"loss": loss})
+    assert ckpt.all_steps() == [2, 4] and ckpt.best_step() == 2
+    ckpt.close()
+
+    ckpt = Checkpointer(str(tmp_path / "last"), max_to_keep=2)
+    for step in range(1, 5):
+        ckpt.save(step, _state(float(step)), {}, metrics={"loss": 0.1})  # not kept for
+    assert ckpt.all_steps() == [3, 4]  # anything without keep_best_by
+    ckpt.close()
+    with pytest.raises(ValueError, match="'max' or 'min'.*'lowest'"):
+        Checkpointer(str(tmp_path / "bad"), keep_best_mode="lowest")
