@@ -133,3 +133,61 @@ def test_keep_best_by_a_metric_to_minimise_and_plain_keep_last_n(tmp_path):
     ckpt.close()
     with pytest.raises(ValueError, match="'max' or 'min'.*'lowest'"):
         Checkpointer(str(tmp_path / "bad"), keep_best_mode="lowest")
+
+
+# -- a resumed learner trains on bit-identically -------------------------------------------------
+
+def _record_batch(step: int):
+    """A batch of two groups of two with rewards that differ within each group, so every
+    update moves the weights; tokens differ from step to step."""
+    from raytunix.rollout.batch import trajectories_to_record_batch
+    from raytunix.types import EpisodeStatus, Trajectory
+
+    rows = []
+    for i, (group, reward) in enumerate([("a", 1.0), ("a", 0.0), ("b", 0.0), ("b", 1.0)]):
+        prompt = [1 + (step + i) % 5, 2]
+        completion = [(3 + step * 3 + i * 5 + t) % 14 + 1 for t in range(3 + i % 2)]
+        rows.append(Trajectory(
+            task_id=group, group_id=f"{group}{step}", token_ids=prompt + completion,
+            loss_mask=[0] * len(prompt) + [1] * len(completion),
+            logprobs=[0.0] * len(prompt) + [-1.5] * len(completion),
+            policy_versions=[-1] * len(prompt) + [step] * len(completion),
+            reward=reward, status=EpisodeStatus.COMPLETED, num_turns=1))
+    return trajectories_to_record_batch(rows)
+
+
+def test_a_learner_resumed_from_an_async_checkpoint_trains_on_bit_identically(tmp_path):
+    from raytunix.learner.learner import GRPOHyperparams, Learner
+    from raytunix.models.llama import ModelConfig
+
+    config = ModelConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
+                         d_ff=64, max_seq_len=32)
+    # A decaying schedule, AdamW moments, weight decay and two optimizer steps per batch:
+    # every piece of optimizer state must come back for the updates to match.
+    hp = GRPOHyperparams(temperature=1.0, top_k=0, top_p=1.0, rl_steps=4, learning_rate=1e-2,
+                         lr_schedule="cosine", weight_decay=0.01, num_iterations=2)
+    batches = [_record_batch(step) for step in range(4)]
+
+    uninterrupted = Learner(config, seed=3)
+    uninterrupted.start_rl(hp)
+    expected = [uninterrupted.train_step(batch) for batch in batches]
+
+    ckpt = Checkpointer(str(tmp_path))
+    first = Learner(config, seed=3)
+    first.start_rl(hp)
+    for batch in batches[:2]:
+        first.train_step(batch)
+    first.save(ckpt, {"orchestrator": {"next_index": 4}})
+    first.train_step(batches[2])  # trains on while step 2 is written, then the run dies
+    ckpt.close()
+
+    resumed = Learner(config, seed=11)  # another init: everything must come from the checkpoint
+    resumed.start_rl(hp)
+    extras = resumed.restore(Checkpointer(str(tmp_path)))
+    assert extras["orchestrator"] == {"next_index": 4}
+    assert (resumed.rl_step, resumed.version) == (2, 2)
+    got = [resumed.train_step(batch) for batch in batches[2:]]
+    _assert_trees_equal(resumed._state, uninterrupted._state)  # params, moments, count, rng
+    for step, (a, b) in enumerate(zip(got, expected[2:]), start=3):
+        assert {k: v for k, v in a.items() if k != "update_s"} == \
+            {k: v for k, v in b.items() if k != "update_s"}, f"step {step}"

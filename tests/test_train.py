@@ -124,6 +124,93 @@ def test_resume_continues_step_counter_optimizer_and_data_position(ray_session, 
         train(cfg, resume=run_dir, resume_overrides=["learner.rl_steps=3"])
 
 
+# Rewards every reply by its share of digits: the tiny model never solves a task, but its
+# samples differ in this, so every group has advantages and every update moves the weights.
+DIGITS_ENV = '''
+from raytunix.envs.base import BaseEnv
+from raytunix.types import EpisodeStatus, StepResult
+
+
+class DigitsEnv(BaseEnv):
+    default_agent = "text"
+
+    def _initial_observation(self, task):
+        return task.question
+
+    def _step_impl(self, action):
+        text = action.text
+        reward = sum(c.isdigit() for c in text) / max(len(text), 1)
+        return StepResult("", reward, True, EpisodeStatus.COMPLETED)
+'''
+
+# Rollouts that replay exactly: one group in flight at a time, on-policy (max_staleness=0),
+# one engine that decodes one sequence at a time (a row's float sums then never depend on
+# which other requests share its decode step), single-turn episodes.
+DETERMINISTIC_ROLLOUTS = [
+    "env.name=digits_env:DigitsEnv", "env.max_turns=1", "rollout.max_staleness=0",
+    "rollout.adaptive_concurrency=false", "rollout.max_concurrent_episodes=2",
+    "engine.max_batch_size=1", "engine.placement=colocated",
+]
+
+
+def _checkpoint_extras(run_dir, step):
+    with open(os.path.join(run_dir, "checkpoints", str(step), "extras", "metadata")) as f:
+        return json.load(f)
+
+
+def test_resume_is_bit_identical_to_an_uninterrupted_run(ray_session, tmp_path, monkeypatch):
+    """A run stopped after its step-1 checkpoint and resumed ends with the same params,
+    optimizer state, RNG and data ledger, bit for bit, as the run that went on."""
+    import shutil
+
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    (tmp_path / "digits_env.py").write_text(DIGITS_ENV)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = load_config(None, TINY + DETERMINISTIC_ROLLOUTS + [
+        f"run.output_dir={tmp_path / 'runs'}", "learner.rl_steps=3",
+        "learner.max_checkpoints=4"])
+    uninterrupted = train(cfg)["run_dir"]
+
+    # The run as it was when it stopped after step 1: its files, checkpoints up to step 1.
+    stopped = str(tmp_path / "stopped")
+    shutil.copytree(uninterrupted, stopped, ignore=shutil.ignore_patterns("2", "3"))
+    with open(os.path.join(stopped, "state.json"), "w") as f:
+        json.dump({"checkpoint_step": 1}, f)
+    with open(os.path.join(uninterrupted, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    end = next(i for i, r in enumerate(records) if r["phase"] == "rl" and r["step"] == 1)
+    with open(os.path.join(stopped, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records[: end + 1])
+    train(cfg, resume=stopped)
+
+    def saved(run_dir):
+        path = os.path.join(run_dir, "checkpoints", "3", "state")
+        with ocp.PyTreeCheckpointer() as checkpointer:
+            return checkpointer.restore(path), _checkpoint_extras(run_dir, 3)
+
+    (want, want_extras), (got, got_extras) = saved(uninterrupted), saved(stopped)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for path, a, b in zip(jax.tree_util.tree_flatten_with_path(want)[0],
+                          jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=str(path[0]))
+    got_orch, want_orch = got_extras["orchestrator"], want_extras["orchestrator"]
+    for key in ("next_index", "ledger", "pending"):  # data position, ledger
+        assert got_orch[key] == want_orch[key], key
+    # The group that was in flight at step 1's checkpoint ran again after the resume: the
+    # one count that tells the two runs apart.
+    pending_at_stop = len(_checkpoint_extras(stopped, 1)["orchestrator"]["pending"])
+    want_orch["counters"]["groups_started"] += pending_at_stop
+    assert got_orch["counters"] == want_orch["counters"]
+    steps = {r["step"]: r for r in _rl_records(stopped)}
+    for r in _rl_records(uninterrupted)[1:]:  # steps 2 and 3, trained again after the resume
+        assert r["grad_norm"] > 0  # the weights moved: equal params are not trivially equal
+        for key in ("loss", "grad_norm", "reward_mean", "generated_tokens_mean", "policy_version"):
+            assert steps[r["step"]][key] == r[key], (r["step"], key)
+
+
 def test_resume_refuses_overrides_the_checkpoint_depends_on(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
