@@ -353,8 +353,8 @@ class Job:
         try:
             ray.get(self.learner.finish_checkpoints.remote(), timeout=CHECKPOINT_FINISH_TIMEOUT_S)
         except ray.exceptions.RayError as e:  # a dead learner; a timeout: orbax's temporary
-            _say(f"the checkpoint in flight was not finished ({type(e).__name__}); "  # dir
-                 "resuming uses the one before it")  # keeps the previous checkpoint valid
+            _say(f"the checkpoint in flight was not finished ({type(e).__name__}: "  # dir
+                 f"{str(e)[:300]}); resuming uses the one before it")  # keeps the last valid
         actors = [self.orchestrator, self.learner, *self.env_pool.actors]
         if not self.colocated:
             actors += self.engines

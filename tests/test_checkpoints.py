@@ -191,3 +191,18 @@ def test_a_learner_resumed_from_an_async_checkpoint_trains_on_bit_identically(tm
     for step, (a, b) in enumerate(zip(got, expected[2:]), start=3):
         assert {k: v for k, v in a.items() if k != "update_s"} == \
             {k: v for k, v in b.items() if k != "update_s"}, f"step {step}"
+
+
+def test_keep_best_by_names_a_number_of_the_rl_step_metrics():
+    from raytunix.config import ConfigError, load_config
+    from raytunix.train import RunError, _best_metric
+
+    record = {"phase": "rl", "step": 3, "reward_mean": 0.25, "loss": -0.1, "update_skipped": 0.0,
+              "statuses": {"completed": 4}}
+    assert _best_metric(load_config(None), record) is None  # off by default
+    cfg = load_config(None, ["learner.keep_best_by=reward_mean", "learner.keep_best_mode=max"])
+    assert _best_metric(cfg, record) == {"reward_mean": 0.25}
+    with pytest.raises(RunError, match=r"keep_best_by='reward'.*'loss', 'reward_mean'"):
+        _best_metric(load_config(None, ["learner.keep_best_by=reward"]), record)
+    with pytest.raises(ConfigError, match="keep_best_mode"):
+        load_config(None, ["learner.keep_best_mode=lowest"])
