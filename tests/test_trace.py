@@ -222,3 +222,24 @@ def test_a_spans_file_path_writes_next_to_its_run(tmp_path):
     custom = write_trace(tmp_path, tmp_path / "elsewhere.json")
     with open(custom) as f:
         assert [e["name"] for e in check_trace(json.load(f)) if e["ph"] == "X"] == ["update"]
+
+
+def test_a_session_id_used_again_later_starts_a_new_flow():
+    # An evaluation (or a resumed run) gives a later episode the same session id: one
+    # flow per episode, not one arrow chain through both.
+    orch = chunk("orchestrator", "orchestrator", "h", 1, 0.0, [
+        ["episode", "episodes", 1.0, 2.0, None, "eval0/0"],
+        ["generate", "episodes", 1.1, 1.5, None, "eval0/0"],
+        ["episode", "episodes", 10.0, 11.0, None, "eval0/0"],
+        ["generate", "episodes", 10.1, 10.5, None, "eval0/0"]])
+    engine = chunk("engine 0", "engine", "h", 2, 0.0, [
+        ["request", "slot 0", 1.2, 1.4, None, "eval0/0"],
+        ["request", "slot 0", 10.2, 10.4, None, "eval0/0"]])
+    events = trace_events([orch, engine])["traceEvents"]
+    flows = collections.defaultdict(list)
+    for e in events:
+        if e["ph"] in ("s", "t", "f"):
+            flows[e["id"]].append(e["ts"])
+    assert len(flows) == 2
+    for times in flows.values():  # each chain stays inside its own episode's second
+        assert max(times) - min(times) < 1_000_000

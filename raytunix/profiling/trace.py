@@ -14,7 +14,8 @@ from every actor, see ``spans``) and writes ``RUN_DIR/trace.json`` in the trace-
   (a ``generate`` under its own ``episode``), otherwise it takes the lowest free lane;
 * complete events (``"ph": "X"``) with the span's args plus ``"flow"``;
 * flow arrows (flow v1 events ``s``/``t``/``f``, category and name ``episode``) through all
-  spans sharing one flow id, across processes, in order of start;
+  spans of one episode (its flow id, within its ``episode`` span), across processes, in
+  order of start;
 * counters: ``decode rows`` (rows of the ``decode`` spans in progress) and ``episodes in
   flight`` (``episode`` spans in progress) in the processes that record them;
 * an instant event where a process's ring buffer dropped spans.
@@ -30,6 +31,7 @@ drained in different chunks.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import heapq
 import json
@@ -184,7 +186,7 @@ class _TraceBuilder:
                                  "tid": tid, "ts": ts, "dur": dur}
                         if flow is not None:
                             args = dict(args or (), flow=flow)
-                            flows[flow].append((ts, -dur, pid, tid))
+                            flows[flow].append((ts, -dur, pid, tid, name == "episode"))
                         if args:
                             event["args"] = args
                         yield event
@@ -265,15 +267,37 @@ def _counter(changes: list[tuple[int, float]], name: str, key: str,
                    "args": {key: value}}
 
 
+def _by_episode(points: list[tuple]) -> list[list[tuple]]:
+    """The points of one flow id, split into one list per ``episode`` span: an id names an
+    episode's session, and a later evaluation or a resumed run can use the same one again.
+    A point belongs to the latest episode span that started at or before it and had not
+    ended; points inside none (an attempt restarted before its episode span) go together.
+    Each list is sorted by start."""
+    points.sort()
+    episodes = [p for p in points if p[4]]
+    if len(episodes) <= 1:
+        return [points]
+    starts = [p[0] for p in episodes]
+    groups: list[list[tuple]] = [[] for _ in episodes]
+    loose: list[tuple] = []
+    for point in points:
+        i = bisect.bisect_right(starts, point[0]) - 1
+        if i >= 0 and point[0] <= episodes[i][0] - episodes[i][1]:
+            groups[i].append(point)
+        else:
+            loose.append(point)
+    return groups + ([loose] if loose else [])
+
+
 def _flow_events(flows: dict[str, list[tuple]]) -> Iterator[dict[str, Any]]:
-    """Flow v1 events linking the spans of each flow id in order of start: ``s`` at the
+    """Flow v1 events linking the spans of each episode in order of start: ``s`` at the
     first, ``t`` at the middle ones, ``f`` (bound to the enclosing slice) at the last."""
-    for number, points in enumerate(flows.values(), start=1):
+    groups = (group for points in flows.values() for group in _by_episode(points))
+    for number, points in enumerate(groups, start=1):
         if len(points) < 2:
             continue
-        points.sort()
         last = len(points) - 1
-        for i, (ts, _, pid, tid) in enumerate(points):
+        for i, (ts, _, pid, tid, _) in enumerate(points):
             event = {"ph": "s" if i == 0 else "f" if i == last else "t", "id": number,
                      "cat": FLOW_NAME, "name": FLOW_NAME, "pid": pid, "tid": tid, "ts": ts}
             if i == last:
