@@ -4,6 +4,8 @@
   raytunix train --resume RUN_DIR [learner.rl_steps=N ...]
   raytunix config [--config PRESET|FILE] [section.key=value ...]
   raytunix profile RUN_DIR      trace.json, report.txt and profile.png of a run, again
+  raytunix submit [--address ADDR] [--config PRESET|FILE] [section.key=value ...]
+  raytunix status [--address ADDR] [JOB_ID]
 """
 
 from __future__ import annotations
@@ -41,6 +43,28 @@ def _parser() -> argparse.ArgumentParser:
                     "report and the plots of a run from its files, and prints the report. "
                     "Works on a run that is still going or one that crashed.")
     profile.add_argument("run_dir", metavar="RUN_DIR", help="a run directory under runs/")
+    submit = sub.add_parser(
+        "submit", help="run `raytunix train` as a Ray job on a cluster and follow its logs",
+        description="Validates the config here, ships the working dir to the cluster and runs "
+                    "`raytunix train` there as a Ray job; prints its logs until it ends (Ctrl-C "
+                    "stops the job) and exits with its status. See deploy/README.md.")
+    submit.add_argument("--address", help="the job server, http://HEAD:8265 (default: "
+                                           "RAY_API_SERVER_ADDRESS, else the local head)")
+    submit.add_argument("--config", default="default",
+                        help=f"a preset ({', '.join(preset_names())}) or a YAML file inside "
+                             "the working dir")
+    submit.add_argument("--working-dir", default=".",
+                        help="directory shipped to the cluster, less runs/, .git and caches")
+    submit.add_argument("--no-follow", action="store_true",
+                        help="print the job id and return once it is submitted")
+    submit.add_argument("overrides", nargs="*", metavar="section.key=value",
+                        help="config overrides, e.g. learner.rl_steps=200")
+    status = sub.add_parser("status", help="list the cluster's raytunix jobs, or show one",
+                            description="Lists raytunix jobs on a cluster, or shows one job's "
+                                        "status, times, entrypoint and run directory.")
+    status.add_argument("--address", help="the job server, http://HEAD:8265 (default: "
+                                           "RAY_API_SERVER_ADDRESS, else the local head)")
+    status.add_argument("job_id", nargs="?", metavar="JOB_ID", help="one job to show")
     return parser
 
 
@@ -70,6 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "profile":
         return _profile(args.run_dir)
+    if args.command in ("submit", "status"):
+        from raytunix import jobs
+
+        if args.command == "status":
+            return jobs.status_command(args.address, args.job_id)
+        return jobs.submit_command(args.address, args.config, args.overrides,
+                                   args.working_dir, follow_logs=not args.no_follow)
     # `env.name=my_envs:MyEnv` names a module in the working directory, as `python -m`
     # would find it; the console script's own path does not include it.
     if os.getcwd() not in sys.path and "" not in sys.path:

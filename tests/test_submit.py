@@ -1,0 +1,158 @@
+"""`raytunix submit` and `raytunix status` against a real local Ray head.
+
+The head is started with `ray start --head` on free ports and its own temp dir, and stopped
+by killing only its own processes (other Ray clusters may run on this machine; `ray stop`
+would stop them all). Starting it and running one tiny job takes a minute or two.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+
+import psutil
+import pytest
+
+from raytunix import jobs
+from raytunix.config import ConfigError
+from tests.test_train import TINY
+
+RAYTUNIX = [sys.executable, "-m", "raytunix.cli"]
+
+
+def _free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def _kill_cluster(temp_dir: str) -> None:
+    """Ends the processes of the cluster whose files live in ``temp_dir``, and theirs."""
+    procs = []
+    for proc in psutil.process_iter(["cmdline"]):
+        if proc.pid != os.getpid() and temp_dir in " ".join(proc.info["cmdline"] or []):
+            procs.append(proc)
+            try:
+                procs.extend(proc.children(recursive=True))
+            except psutil.NoSuchProcess:
+                pass
+    for proc in procs:
+        try:
+            proc.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=10)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    """The job server address of a fresh local head: 2 CPUs, dashboard on, token auth on
+    (Ray 2.60's default when ~/.ray/auth_token exists, which `ray start` creates)."""
+    # Short: Ray's socket paths under it must fit the 107-byte Unix socket limit.
+    temp_dir = tempfile.mkdtemp(prefix="rtxsub", dir="/tmp")
+    (gcs, dashboard, agent_http, agent_grpc, metrics, client, node_manager, object_manager,
+     runtime_env_agent) = _free_ports(9)
+    command = [
+        shutil.which("ray") or os.path.join(os.path.dirname(sys.executable), "ray"),
+        "start", "--head", "--port", str(gcs), "--include-dashboard=true",
+        "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard),
+        "--dashboard-agent-listen-port", str(agent_http),
+        "--dashboard-agent-grpc-port", str(agent_grpc), "--metrics-export-port", str(metrics),
+        "--ray-client-server-port", str(client), "--node-manager-port", str(node_manager),
+        "--object-manager-port", str(object_manager),
+        "--runtime-env-agent-port", str(runtime_env_agent),
+        "--temp-dir", temp_dir, "--num-cpus", "2", "--object-store-memory", str(200 * 1024**2),
+        "--disable-usage-stats",
+    ]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("RAY_ADDRESS", None)
+    try:
+        started = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+        assert started.returncode == 0, started.stdout + started.stderr
+        yield f"http://127.0.0.1:{dashboard}"
+    finally:
+        _kill_cluster(temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _raytunix(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+    return subprocess.run([*RAYTUNIX, *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_a_bad_config_key_fails_before_anything_is_submitted(ray_head, tmp_path):
+    client = jobs.connect(ray_head)
+    before = len(client.list_jobs())
+    done = _raytunix("submit", "--address", ray_head, "--working-dir", str(tmp_path),
+                     "learner.rl_stepz=2")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "learner.rl_stepz" in done.stderr and "rl_steps" in done.stderr  # names the fix
+    assert len(client.list_jobs()) == before
+
+
+def test_submit_runs_a_tiny_training_job_and_status_shows_it(ray_head, tmp_path):
+    project = tmp_path / "project"  # the working dir shipped to the cluster
+    project.mkdir()
+    (project / "runs").mkdir()
+    (project / "runs" / "old.bin").write_bytes(b"\0" * 1024)  # excluded from the upload
+    out = tmp_path / "out"
+    done = _raytunix("submit", "--address", ray_head, "--working-dir", str(project),
+                     *TINY, "learner.rl_steps=2", f"run.output_dir={out}")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    job_id = re.search(r"submitted job (\S+)", done.stdout).group(1)
+    assert job_id.startswith("raytunix-")
+    assert f"ray job logs --follow {job_id}" in done.stdout  # how to follow it again
+
+    # The job wrote its run directory where run.output_dir said, with its RL metrics.
+    (run_dir,) = [os.path.join(out, name) for name in os.listdir(out)]
+    assert f"run directory: {run_dir}" in done.stdout  # the followed logs
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rl = [r for r in map(json.loads, f) if r["phase"] == "rl"]
+    assert [r["step"] for r in rl] == [1, 2]
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        assert json.load(f)["run_dir"] == run_dir
+
+    listed = _raytunix("status", "--address", ray_head, timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    (row,) = [line for line in listed.stdout.splitlines() if job_id in line]
+    assert "SUCCEEDED" in row and "raytunix train --config default" in row
+
+    shown = _raytunix("status", "--address", ray_head, job_id, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert re.search(r"status:\s+SUCCEEDED", shown.stdout)
+    assert re.search(rf"run_dir:\s+{re.escape(run_dir)}", shown.stdout)
+
+
+def test_status_names_the_address_it_cannot_reach():
+    (port,) = _free_ports(1)  # nothing listens there
+    done = _raytunix("status", "--address", f"127.0.0.1:{port}", timeout=60)
+    assert done.returncode == 2
+    assert f"http://127.0.0.1:{port}" in done.stderr and "ray start --head" in done.stderr
+
+
+def test_the_entrypoint_runs_train_with_the_same_arguments(tmp_path):
+    (tmp_path / "my.yaml").write_text("learner:\n  rl_steps: 3\n")
+    entry = jobs.train_entrypoint(str(tmp_path / "my.yaml"), ["env.kwargs.note=a b"],
+                                  str(tmp_path))
+    assert entry == "raytunix train --config my.yaml 'env.kwargs.note=a b'"
+    assert jobs.check_config(str(tmp_path / "my.yaml"), [], str(tmp_path)).learner.rl_steps == 3
+    elsewhere = tmp_path / "project"
+    elsewhere.mkdir()
+    with pytest.raises(ConfigError, match="outside the working dir"):
+        jobs.check_config(str(tmp_path / "my.yaml"), [], str(elsewhere))
