@@ -3,7 +3,7 @@
   raytunix train [--config PRESET|FILE] [section.key=value ...]
   raytunix train --resume RUN_DIR [learner.rl_steps=N ...]
   raytunix config [--config PRESET|FILE] [section.key=value ...]
-  raytunix profile RUN_DIR      trace.json, report.txt and profile.png of a run, again
+  raytunix profile RUN_DIR [--out DIR]   report.txt, trace.json and profile.png of a run, again
   raytunix submit [--address ADDR] [--config PRESET|FILE] [section.key=value ...]
   raytunix status [--address ADDR] [JOB_ID]
 """
@@ -43,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
                     "report and the plots of a run from its files, and prints the report. "
                     "Works on a run that is still going or one that crashed.")
     profile.add_argument("run_dir", metavar="RUN_DIR", help="a run directory under runs/")
+    profile.add_argument("--out", metavar="DIR",
+                         help="write the three files here instead of into RUN_DIR (for a "
+                              "run directory you cannot write to)")
     submit = sub.add_parser(
         "submit", help="run `raytunix train` as a Ray job on a cluster and follow its logs",
         description="Validates the config here, ships the working dir to the cluster and runs "
@@ -68,32 +71,49 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _profile(run_dir: str) -> int:
+def _run_dir_problem(run_dir: str) -> str | None:
+    """Why ``run_dir`` is not a run directory, with what to pass instead; None if it is."""
+    if not os.path.exists(run_dir):
+        return f"{run_dir!r} does not exist; pass the run directory `raytunix train` printed at start."
+    if not os.path.isdir(run_dir):
+        return f"{run_dir!r} is a file; pass the run directory that holds it."
+    if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+        return None
+    runs = sorted(name for name in os.listdir(run_dir)
+                  if os.path.exists(os.path.join(run_dir, name, "metrics.jsonl")))
+    if runs:
+        return (f"{run_dir!r} holds run directories, it is not one; pass one of them, e.g. "
+                f"{os.path.join(run_dir, runs[-1])}")
+    return (f"{run_dir!r} has no metrics.jsonl, so it is not a run directory (or its run "
+            "stopped before it logged anything).")
+
+
+def _profile(run_dir: str, out_dir: str | None) -> int:
     from raytunix.profiling import write_artifacts
 
-    if not os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
-        print(f"raytunix: {run_dir!r} has no metrics.jsonl; pass a run directory that "
-              "`raytunix train` wrote (it prints it at start).", file=sys.stderr)
+    problem = _run_dir_problem(run_dir)
+    if problem is None and out_dir is not None and not os.path.isdir(out_dir):
+        problem = f"--out {out_dir!r} is not a directory; make it first."
+    if problem:
+        print(f"raytunix: {problem}", file=sys.stderr)
         return 2
-    artifacts = write_artifacts(run_dir)
-    if "report_path" in artifacts:
-        with open(artifacts["report_path"]) as f:
-            print(f.read(), end="")
-    for key in ("trace_path", "plot_path"):
+    artifacts = write_artifacts(run_dir, out_dir)
+    print(artifacts.get("report_text", ""), end="")
+    for key in ("report_path", "trace_path", "plot_path"):
         if key in artifacts:
             print(f"wrote {artifacts[key]}")
-    missing = {"report_path", "trace_path", "plot_path"} - set(artifacts)
-    if missing:
-        print(f"raytunix: could not write {', '.join(sorted(missing))} (see the warnings "
-              "above)", file=sys.stderr)
-        return 1
-    return 0
+    for name, why in artifacts["errors"].items():
+        print(f"raytunix: {name} not written: {why}", file=sys.stderr)
+    if any("Permission" in why or "Read-only" in why for why in artifacts["errors"].values()):
+        print("raytunix: the run directory is not writable; pass --out DIR to write "
+              "elsewhere.", file=sys.stderr)
+    return 1 if artifacts["errors"] else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "profile":
-        return _profile(args.run_dir)
+        return _profile(args.run_dir, args.out)
     if args.command in ("submit", "status"):
         from raytunix import jobs
 

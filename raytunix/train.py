@@ -30,6 +30,7 @@ from raytunix.config import Config, ConfigError, RolloutConfig, config_from_dict
 from raytunix.learner.learner import GRPOHyperparams
 from raytunix.models.llama import ModelConfig
 from raytunix.models.tokenizer import Tokenizer
+from raytunix.profiling.collect import append_jsonl
 from raytunix.rollout import preflight
 from raytunix.rollout.env_pool import CPU_ONLY_RUNTIME_ENV, EnvPool
 from raytunix.types import EpisodeStatus, RolloutHalted, SamplingParams
@@ -62,8 +63,7 @@ class RunDir:
         """Appends ``record`` to metrics.jsonl and hands it to the other metric sinks
         (TensorBoard, Ray metrics, the console view)."""
         record = dict(record, time=time.time())
-        with open(self.metrics, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_jsonl(self.metrics, [json.dumps(record) + "\n"])
         if self.sinks is not None:
             self.sinks.write(record)
 
@@ -778,6 +778,7 @@ def _run_phases(cfg: Config, job: Job, run: RunDir, hp: GRPOHyperparams, resume:
         "bottleneck": artifacts.get("bottleneck", "unknown"),
         "bottleneck_summary": artifacts.get("bottleneck_summary", ""),
         "profile": {k: v for k, v in artifacts.items() if k.endswith("_path")},
+        "rl_engine_busy_fraction": _rl_mean(run, "engine_busy_fraction"),
         "orchestrator": {**{f"episodes_{s.value}": 0 for s in EpisodeStatus},
                          **ray.get(job.orchestrator.stats.remote())["counters"]},
     }
@@ -785,6 +786,16 @@ def _run_phases(cfg: Config, job: Job, run: RunDir, hp: GRPOHyperparams, resume:
         json.dump(summary, f, indent=2)
     _say("summary:\n" + json.dumps(summary, indent=2))
     return summary
+
+
+def _rl_mean(run: RunDir, key: str) -> float | None:
+    """``key``'s mean over the RL steps as the bottleneck report takes it (weighted by
+    step time, compiling steps left out); None when no step has it."""
+    from raytunix.profiling.collect import read_jsonl, rl_steps
+    from raytunix.profiling.report import compile_steps, weighted_means
+
+    records = list(read_jsonl(run.metrics))
+    return weighted_means(rl_steps(records), compile_steps(records)).get(key)
 
 
 def _unfinished_episodes(result: dict[str, Any]) -> str:

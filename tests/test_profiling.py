@@ -386,3 +386,87 @@ def test_bottleneck_report_names_what_was_made_slow(ray_session, tmp_path, polic
         assert verdict.evidence["learner_wait_fraction"] < 0.3
     if expected == "engine":
         assert verdict.evidence["episode_generate_fraction"] > 0.5
+
+
+# ------------------------------------------------------------------------- odd run dirs
+
+def test_recording_off_gives_no_metrics_and_a_report_that_says_why(tmp_path):
+    off = Recorder("engine 0", "engine", enabled=False).drain()
+    assert WindowMetrics().compute([off], 2.0) == {"profiling_enabled": 0.0}
+    rows = [{"phase": "rl", "step": s, "reward_mean": 0.5, "profiling_enabled": 0.0}
+            for s in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _, verdict = write_report(str(tmp_path))
+    assert verdict.resource == "unknown" and "RAYTUNIX_PROFILING=0" in verdict.summary
+
+
+def test_steps_after_a_resume_compile_again_and_stay_out_of_the_means(tmp_path):
+    from raytunix.profiling.report import compile_steps
+
+    def step(n, window_s, busy):
+        return {"phase": "rl", "step": n, "window_s": window_s, "engine_busy_fraction": busy,
+                "staleness_max": n % 2}
+
+    records = [step(1, 30.0, 0.1), step(2, 1.0, 0.9), step(3, 1.0, 0.9),
+               {"phase": "resume", "rl_step": 3}, step(4, 30.0, 0.1), step(5, 1.0, 0.7)]
+    assert compile_steps(records) == {1, 4}
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in records) + '{"phase": "rl", "step": 6, "wi')
+    text = open(write_report(str(tmp_path))[0]).read()
+    assert "left out of the means, as they include compiling: steps 1, 4" in text
+    assert "engine busy                        83.3%" in text  # (0.9 + 0.9 + 0.7) / 3
+    assert "staleness, largest (versions)      1" in text  # a maximum, not a mean
+    assert "could not be read, skipped: 1 (line 7)" in text
+
+
+def test_append_after_a_torn_line_starts_a_line_of_its_own(tmp_path):
+    from raytunix.profiling.collect import append_jsonl
+
+    path = str(tmp_path / "metrics.jsonl")
+    append_jsonl(path, ['{"a": 1}\n'])
+    with open(path, "a") as f:
+        f.write('{"phase": "rl", "st')  # a crash mid-write
+    append_jsonl(path, ['{"phase": "resume"}\n'])
+    append_jsonl(path, ['{"b": 2}\n'])
+    skipped: list[int] = []
+    assert list(read_jsonl(path, skipped)) == [{"a": 1}, {"phase": "resume"}, {"b": 2}]
+    assert skipped == [2]
+
+
+def test_profile_command_explains_bad_paths_and_writes_elsewhere_with_out(tmp_path, capsys):
+    from raytunix.cli import main
+
+    run = tmp_path / "runs" / "r1"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"phase": "rl", "step": 1, "window_s": 1.0, '
+                                       '"learner_busy_fraction": 0.9, '
+                                       '"learner_wait_fraction": 0.0}\n')
+    assert main(["profile", str(tmp_path / "nowhere")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["profile", str(run / "metrics.jsonl")]) == 2
+    assert "is a file" in capsys.readouterr().err
+    assert main(["profile", str(tmp_path / "runs")]) == 2
+    assert f"pass one of them, e.g. {run}" in capsys.readouterr().err
+    out = tmp_path / "elsewhere"
+    out.mkdir()
+    # no profile/spans.jsonl: the report and the plot are written, the trace is not
+    assert main(["profile", str(run), "--out", str(out)]) == 1
+    captured = capsys.readouterr()
+    assert "Bounded by: learner" in captured.out
+    assert "trace.json not written: FileNotFoundError" in captured.err
+    assert sorted(os.listdir(out)) == ["profile.png", "report.txt"]
+    assert sorted(os.listdir(run)) == ["metrics.jsonl"]
+
+
+def test_a_busy_engine_with_near_empty_batches_is_told_to_fill_them():
+    v = diagnose({"learner_wait_fraction": 0.9, "learner_busy_fraction": 0.1,
+                  "engine_busy_fraction": 0.85, "engine_batch_occupancy": 0.12,
+                  "engine_prefill_fraction": 0.6, "episode_generate_fraction": 0.9,
+                  "max_concurrent_episodes": 16},
+                 {"engine": {"placement": "disaggregated", "num_replicas": 2}})
+    assert v.resource == "engine" and "only 12% full" in v.summary
+    assert v.advice[0].startswith("raise rollout.max_concurrent_episodes from 16")
+    colocated = diagnose({"learner_wait_fraction": 0.9, "learner_busy_fraction": 0.1,
+                          "engine_busy_fraction": 0.95, "engine_batch_occupancy": 0.95,
+                          "episode_generate_fraction": 0.9}, {})
+    assert any("engine.placement=disaggregated" in a for a in colocated.advice)

@@ -210,7 +210,7 @@ def test_malformed_chunks_and_spans_are_counted_not_fatal():
 
 
 def test_a_run_without_spans_says_where_they_come_from(tmp_path):
-    with pytest.raises(FileNotFoundError, match="spans.jsonl.*RL steps run"):
+    with pytest.raises(FileNotFoundError, match="spans.jsonl.*first drain"):
         write_trace(tmp_path)
 
 

@@ -6,6 +6,8 @@ A run directory gets ``profile/spans.jsonl`` (drained spans), RL metrics in
 ``profile.png``; ``raytunix profile RUN_DIR`` makes the last three again from the files.
 """
 
+import os
+
 from raytunix.profiling.spans import (
     ProfiledActor,
     Recorder,
@@ -21,35 +23,50 @@ __all__ = ["ProfiledActor", "Recorder", "add", "configure", "current_flow", "ena
            "write_artifacts"]
 
 
-def write_artifacts(run_dir: str) -> dict:
-    """Makes ``trace.json``, ``report.txt`` and ``profile.png`` in ``run_dir`` from its
-    files. One that cannot be made is logged and left out: profiling never fails a run.
+ARTIFACTS = {"report": "report.txt", "trace": "trace.json", "plot": "profile.png"}
+
+
+def write_artifacts(run_dir: str, out_dir: str | None = None) -> dict:
+    """Makes ``report.txt``, ``trace.json`` and ``profile.png`` from the files of
+    ``run_dir``, in ``out_dir`` (default: the run directory). One that cannot be made is
+    reported and left out: profiling never fails a run.
 
     Returns:
-      ``{"trace_path", "report_path", "plot_path"}`` for those written, plus
-      ``"bottleneck"`` (the verdict's resource) and ``"bottleneck_summary"``.
+      ``{"report_path", "trace_path", "plot_path"}`` for those written; ``"report_text"``,
+      ``"bottleneck"`` (the verdict's resource) and ``"bottleneck_summary"`` when the
+      report could be made (also if it could not be written); ``"errors"``: ``{file
+      name: why it was not written}``.
     """
     import logging
 
+    from raytunix.profiling.plots import write_plots
+    from raytunix.profiling.report import render_report
+    from raytunix.profiling.trace import write_trace
+
     log = logging.getLogger(__name__)
-    out: dict = {}
-    try:
-        from raytunix.profiling.report import write_report
+    out_dir = out_dir or run_dir
+    out: dict = {"errors": {}}
 
-        out["report_path"], verdict = write_report(run_dir)
-        out["bottleneck"], out["bottleneck_summary"] = verdict.resource, verdict.summary
-    except Exception as e:  # noqa: BLE001 - a report bug must not cost the run its summary
-        log.warning("profiling: report.txt not written: %r", e, exc_info=True)
-    try:
-        from raytunix.profiling.trace import write_trace
+    def attempt(kind: str, make) -> None:
+        name = ARTIFACTS[kind]
+        try:
+            out[f"{kind}_path"] = make(os.path.join(out_dir, name))
+        except OSError as e:  # a missing input, a full or read-only disk: say it in a line
+            out["errors"][name] = f"{type(e).__name__}: {e}"
+            log.warning("profiling: %s not written: %s", name, out["errors"][name])
+        except Exception as e:  # noqa: BLE001 - a bug here must not cost the run its summary
+            out["errors"][name] = f"{type(e).__name__}: {e}"
+            log.warning("profiling: %s not written", name, exc_info=True)
 
-        out["trace_path"] = write_trace(run_dir)
-    except Exception as e:  # noqa: BLE001
-        log.warning("profiling: trace.json not written: %r", e, exc_info=True)
-    try:
-        from raytunix.profiling.plots import write_plots
+    def report(path: str) -> str:
+        text, verdict = render_report(run_dir)
+        out.update(report_text=text, bottleneck=verdict.resource,
+                   bottleneck_summary=verdict.summary)
+        with open(path, "w") as f:
+            f.write(text)
+        return path
 
-        out["plot_path"] = write_plots(run_dir)
-    except Exception as e:  # noqa: BLE001
-        log.warning("profiling: profile.png not written: %r", e, exc_info=True)
+    attempt("report", report)
+    attempt("trace", lambda path: write_trace(run_dir, path))
+    attempt("plot", lambda path: write_plots(run_dir, path))
     return out

@@ -29,19 +29,37 @@ def spans_path(run_dir: str) -> str:
     return os.path.join(run_dir, "profile", "spans.jsonl")
 
 
-def read_jsonl(path: str) -> Iterator[dict[str, Any]]:
+def read_jsonl(path: str, skipped: list[int] | None = None) -> Iterator[dict[str, Any]]:
     """The JSON objects of a JSONL file (``metrics.jsonl``, ``spans.jsonl``); a line that
-    is not one (torn by a crash mid-write) is skipped; a missing file yields nothing."""
+    is not one (torn by a crash mid-write) is skipped, and its number appended to
+    ``skipped`` when given; a missing file yields nothing."""
     if not os.path.exists(path):
         return
     with open(path, errors="replace") as f:
-        for line in f:
+        for number, line in enumerate(f, start=1):
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError:
-                continue
+                obj = None
             if isinstance(obj, dict):
                 yield obj
+            elif skipped is not None and line.strip():
+                skipped.append(number)
+
+
+def append_jsonl(path: str, lines: Iterable[str]) -> None:
+    """Appends JSON lines to ``path``; if a crash left its last line torn (no newline),
+    the new lines start on a line of their own, so only the torn one is lost.
+
+    Raises:
+      OSError: the file cannot be written.
+    """
+    with open(path, "a+b") as f:
+        torn = False
+        if f.seek(0, os.SEEK_END) > 0:
+            f.seek(-1, os.SEEK_END)
+            torn = f.read(1) != b"\n"
+        f.write(("\n" if torn else "").encode() + "".join(lines).encode())
 
 
 def rl_steps(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -115,10 +133,9 @@ class Collector:
                 chunks.append(chunk)
         chunks.append(spans.recorder().drain())
         try:
-            with open(self.path, "a") as f:
-                for chunk in chunks:
-                    f.write(json.dumps(dict(chunk, phase=phase, step=step),
-                                       separators=(",", ":"), default=_jsonable) + "\n")
+            append_jsonl(self.path, (json.dumps(dict(chunk, phase=phase, step=step),
+                                                separators=(",", ":"), default=_jsonable)
+                                     + "\n" for chunk in chunks))
         except OSError as e:  # a full disk must not stop training
             self._warn("spans.jsonl", e)
         return chunks

@@ -31,6 +31,8 @@ process for everything). What each metric reads:
                                 running several threads can pass 1)
 ``spans_dropped``               spans lost to full ring buffers
 ``window_s``                    the window's length, seconds
+``profiling_enabled``           0.0, alone, when no process recorded spans (the rest is
+                                then absent, not zero)
 ==============================  ==========================================================
 """
 
@@ -92,6 +94,10 @@ class WindowMetrics:
         """
         if not window_s > 0:
             raise ValueError(f"a metrics window must last > 0 seconds, got {window_s!r}")
+        if chunks and not any(chunk.get("enabled", True) for chunk in chunks):
+            # Recording is off everywhere (RAYTUNIX_PROFILING=0): no span is evidence of
+            # nothing, so no metric rather than zeros.
+            return {"profiling_enabled": 0.0}
         by_name: dict[str, list[tuple[float, Any]]] = collections.defaultdict(list)
         tool_latency: dict[str, list[float]] = collections.defaultdict(list)
         tool_errors: collections.Counter = collections.Counter()

@@ -30,8 +30,9 @@ SPANS_FILE = os.path.join("profile", "spans.jsonl")
 _LOG_X_RATIO = 100.0  # latencies wider than this max/min ratio get a log axis
 
 
-def write_plots(run_dir: str) -> str:
-    """Draws ``run_dir/profile.png`` from ``metrics.jsonl`` and ``profile/spans.jsonl``.
+def write_plots(run_dir: str, out_path: str | None = None) -> str:
+    """Draws ``run_dir/profile.png`` (or ``out_path``) from ``metrics.jsonl`` and
+    ``profile/spans.jsonl``.
 
     Whatever exists is drawn; a missing file, key or panel's data gives a note in that
     panel instead (a run with no RL step still gets a PNG that says so). Lines that are
@@ -70,7 +71,7 @@ def write_plots(run_dir: str) -> str:
     name = os.path.basename(os.path.normpath(os.path.abspath(run_dir)))
     fig.suptitle(f"{name}: {len(steps)} RL step{'s' if len(steps) != 1 else ''}")
 
-    path = os.path.join(run_dir, PLOT_FILE)
+    path = out_path or os.path.join(run_dir, PLOT_FILE)
     tmp = path + ".tmp"
     fig.savefig(tmp, format="png")
     os.replace(tmp, path)

@@ -59,23 +59,61 @@ class Verdict:
     advice: list[str]
 
 
-def weighted_means(steps: list[dict[str, Any]]) -> dict[str, float]:
+def compile_steps(records: list[dict[str, Any]]) -> set[int]:
+    """The RL steps whose window includes compiling: the run's first, and the first after
+    each resume (a resumed process compiles its programs again)."""
+    steps = [r["step"] for r in rl_steps(records)]
+    if not steps:
+        return set()
+    out = {steps[0]}
+    for record in records:
+        if record.get("phase") == "resume" and isinstance(record.get("rl_step"), int):
+            later = [step for step in steps if step > record["rl_step"]]
+            if later:
+                out.add(later[0])
+    return out
+
+
+# Metrics summarised by their largest value over the steps, not their mean.
+MAX_OVER_STEPS = ("staleness_max", "spans_dropped")
+
+
+def weighted_means(steps: list[dict[str, Any]], leave_out: set[int] | None = None
+                   ) -> dict[str, float]:
     """Each numeric metric's mean over ``steps``, weighted by ``window_s`` (1 where a
-    step has none); the first step is left out when there are three or more."""
-    if len(steps) >= 3:
-        steps = steps[1:]
+    step has no valid one); ``MAX_OVER_STEPS`` metrics take their largest value instead.
+
+    Args:
+      leave_out: steps not to count (``compile_steps``), unless that would leave fewer
+        than two; default: the first step when there are three or more.
+    """
+    if leave_out is None:
+        leave_out = {steps[0].get("step")} if len(steps) >= 3 else set()
+    kept = [step for step in steps if step.get("step") not in leave_out]
+    if len(kept) >= 2:
+        steps = kept
     sums: dict[str, float] = {}
     weights: dict[str, float] = {}
+    peaks: dict[str, float] = {}
     for step in steps:
-        w = float(step.get("window_s") or 1.0)
+        w = _number(step.get("window_s"))
+        w = w if w is not None and w > 0 else 1.0
         for key, value in step.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            value = _number(value)
+            if value is None:
                 continue
-            if not math.isfinite(value):
+            if key in MAX_OVER_STEPS:
+                peaks[key] = max(peaks.get(key, value), value)
                 continue
             sums[key] = sums.get(key, 0.0) + w * value
             weights[key] = weights.get(key, 0.0) + w
-    return {key: sums[key] / weights[key] for key in sums if weights[key] > 0}
+    return {**{key: sums[key] / weights[key] for key in sums if weights[key] > 0}, **peaks}
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
 
 
 def diagnose(means: dict[str, float], settings: dict[str, Any] | None = None) -> Verdict:
@@ -91,8 +129,12 @@ def diagnose(means: dict[str, float], settings: dict[str, Any] | None = None) ->
     rollout, env = settings.get("rollout", {}), settings.get("env", {})
     engine_cfg = settings.get("engine", {})
     if "episode_generate_fraction" not in means and "learner_busy_fraction" not in means:
-        return Verdict("unknown", "no RL step was profiled, so nothing bounded the run yet.",
-                       {}, [])
+        if means.get("profiling_enabled", 1.0) == 0.0:
+            return Verdict("unknown", "span recording was off in this run "
+                           "(RAYTUNIX_PROFILING=0), so there is no evidence to judge; run "
+                           "without it to get a verdict.", {}, [])
+        return Verdict("unknown", "no RL step has been profiled (the run stopped or is "
+                       "still before RL), so nothing is known to bound it.", {}, [])
     E = means.get("engine_busy_fraction", float("nan"))
     L = means.get("learner_busy_fraction", float("nan"))
     W = means.get("learner_wait_fraction", float("nan"))
@@ -131,8 +173,8 @@ def diagnose(means: dict[str, float], settings: dict[str, Any] | None = None) ->
                        "(with off-policy correction) or rollout.groups_per_batch as well")
         return advice
 
+    colocated = engine_cfg.get("placement", "colocated") == "colocated"
     if not math.isnan(W) and W < LEARNER_WAIT_LOW and not math.isnan(L) and L >= LEARNER_BUSY_HIGH:
-        colocated = engine_cfg.get("placement", "colocated") == "colocated"
         advice = ["make the update cheaper: fewer trajectories per batch "
                   "(rollout.groups_per_batch) or a smaller model"]
         if colocated:
@@ -170,9 +212,22 @@ def diagnose(means: dict[str, float], settings: dict[str, Any] | None = None) ->
                    f"environment and its tools {v:.0%} of the time (generation {g:.0%}); "
                    f"{advice[0]}.")
         return Verdict("environment/tools", summary, evidence, advice)
+    replicas = ("add engine replicas (engine.placement=disaggregated with engine.num_replicas "
+                "2 or more, one device each)" if colocated else
+                f"add engine replicas (engine.num_replicas {engine_cfg.get('num_replicas', 1)}"
+                " -> more, one device each)")
+    if not math.isnan(E) and E >= ENGINE_BUSY_HIGH and not math.isnan(occupancy) \
+            and occupancy < 0.5:
+        prefill = means.get("engine_prefill_fraction", float("nan"))
+        advice = [more_episodes() + ": a decode step costs about the same with more rows",
+                  "cut prefill (engine.sessions on, shared prompts for the prefix cache)",
+                  replicas + " once batches are full"]
+        summary = (f"engine: busy {E:.0%} of the time, but its batches are only "
+                   f"{occupancy:.0%} full (prefill {_pct(prefill)} of the wall time): it "
+                   f"spends its time on few rows at a time; {advice[0]}.")
+        return Verdict("engine", summary, evidence, advice)
     if not math.isnan(E) and E >= ENGINE_BUSY_HIGH:
-        advice = ["add engine replicas (engine.num_replicas"
-                  f" {engine_cfg.get('num_replicas', 1)} -> more) or a faster device"]
+        advice = [replicas + " or a faster device"]
         if not math.isnan(occupancy) and occupancy >= 0.9:
             advice.insert(0, f"batches are full ({occupancy:.0%} of engine.max_batch_size="
                              f"{engine_cfg.get('max_batch_size', '?')}): raise "
@@ -211,8 +266,8 @@ def tool_latency_table(spans_path: str) -> dict[str, dict[str, float]]:
             for tool, values in tool_latencies(spans_path).items()}
 
 
-def write_report(run_dir: str) -> tuple[str, Verdict]:
-    """Writes ``RUN_DIR/report.txt``; returns its path and the verdict.
+def render_report(run_dir: str) -> tuple[str, Verdict]:
+    """The text of ``RUN_DIR/report.txt`` and the verdict, from the run's files.
 
     Raises:
       FileNotFoundError: ``run_dir`` has no ``metrics.jsonl`` (not a run directory, or
@@ -225,7 +280,8 @@ def write_report(run_dir: str) -> tuple[str, Verdict]:
         raise FileNotFoundError(
             f"{run_dir!r} has no metrics.jsonl; pass a run directory that `raytunix train` "
             "wrote (under runs/).")
-    records = list(read_jsonl(metrics_path))
+    skipped: list[int] = []
+    records = list(read_jsonl(metrics_path, skipped))
     steps = rl_steps(records)
     settings: dict[str, Any] = {}
     config_path = os.path.join(run_dir, "config.yaml")
@@ -235,32 +291,50 @@ def write_report(run_dir: str) -> tuple[str, Verdict]:
                 settings = yaml.safe_load(f) or {}
             except yaml.YAMLError:
                 settings = {}
-    means = weighted_means(steps)
-    verdict = diagnose(means, settings)
+    compiling = compile_steps(records)
+    means = weighted_means(steps, compiling)
+    verdict = diagnose(means, settings if isinstance(settings, dict) else {})
     tools = tool_latency_table(os.path.join(run_dir, "profile", "spans.jsonl"))
+    left_out = sorted(compiling) if len(steps) - len(compiling) >= 2 else []
     lines = [f"raytunix bottleneck report: {os.path.abspath(run_dir)}",
              f"RL steps profiled: {len(steps)}"
-             + (" (the first left out of the means: it includes compiling)" if len(steps) >= 3 else ""),
-             "",
-             f"Bounded by: {verdict.resource}",
-             f"  {verdict.summary}",
-             ""]
+             + (f" (left out of the means, as they include compiling: step"
+                f"{'s' if len(left_out) > 1 else ''} {', '.join(map(str, left_out))})"
+                if left_out else "")]
+    if skipped:
+        lines.append(f"metrics.jsonl lines that could not be read, skipped: {len(skipped)} "
+                     f"(line {', '.join(map(str, skipped[:5]))}{', ...' if len(skipped) > 5 else ''})")
+    lines += ["", f"Bounded by: {verdict.resource}", f"  {verdict.summary}", ""]
     if verdict.advice:
         lines.append("What to change:")
         lines += [f"  - {a}" for a in verdict.advice]
         lines.append("")
-    lines.append("Evidence (means over RL steps, weighted by step time):")
-    for key, value in _evidence_rows(means):
-        lines.append(f"  {key:<34} {value}")
+    rows = _evidence_rows(means)
+    if rows:
+        lines.append("Evidence (means over RL steps, weighted by step time; maxima for "
+                     "staleness and dropped spans):")
+        lines += [f"  {key:<34} {value}" for key, value in rows]
     if tools:
         lines += ["", "Tool latency in RL steps and evaluations (seconds):",
                   f"  {'tool':<20} {'calls':>7} {'p50':>9} {'p90':>9} {'p99':>9}"]
         for tool, row in sorted(tools.items()):
             lines.append(f"  {tool:<20} {row['calls']:>7.0f} {row.get('p50', 0):>9.4f} "
                          f"{row.get('p90', 0):>9.4f} {row.get('p99', 0):>9.4f}")
-    path = os.path.join(run_dir, "report.txt")
+    return "\n".join(lines) + "\n", verdict
+
+
+def write_report(run_dir: str, out_dir: str | None = None) -> tuple[str, Verdict]:
+    """Writes ``report.txt`` (``render_report``) into ``out_dir`` (default: the run
+    directory); returns its path and the verdict.
+
+    Raises:
+      FileNotFoundError: as ``render_report``.
+      OSError: the report cannot be written there.
+    """
+    text, verdict = render_report(run_dir)
+    path = os.path.join(out_dir or run_dir, "report.txt")
     with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write(text)
     return path, verdict
 
 
@@ -279,9 +353,9 @@ _EVIDENCE = (
     ("trajectories_per_s", "trajectories/s", "num"),
     ("generated_tokens_per_s", "generated tokens/s", "num"),
     ("max_concurrent_episodes", "episodes in flight (budget)", "num"),
-    ("staleness_max", "staleness max (versions)", "num"),
+    ("staleness_max", "staleness, largest (versions)", "num"),
     ("weight_publish_s", "weight publish per step (s)", "num"),
-    ("spans_dropped", "spans dropped per step", "num"),
+    ("spans_dropped", "spans dropped, most in one step", "num"),
 )
 
 

@@ -103,7 +103,7 @@ class Recorder:
 
         Returns:
           ``{"process", "kind", "pid", "host", "clock_offset_s", "cpu_s", "now_s",
-          "dropped", "spans"}``: ``spans`` is a list of ``SPAN_FIELDS`` lists in
+          "enabled", "dropped", "spans"}`` (``enabled``: whether it records now): ``spans`` is a list of ``SPAN_FIELDS`` lists in
           recording order, ``dropped`` how many were lost to the ring buffer since the
           last drain (approximate under threads), ``cpu_s`` the process's CPU seconds so
           far (``time.process_time``: its busy fraction between two drains is the
@@ -122,7 +122,7 @@ class Recorder:
         return {"process": self.process, "kind": self.kind, "pid": os.getpid(),
                 "host": socket.gethostname(), "clock_offset_s": time.time() - time.perf_counter(),
                 "cpu_s": time.process_time(), "now_s": time.perf_counter(),
-                "dropped": dropped, "spans": spans}
+                "enabled": self.enabled, "dropped": dropped, "spans": spans}
 
 
 # The episode the running asyncio task works for (its flow id), set by the orchestrator

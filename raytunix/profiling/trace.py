@@ -370,9 +370,9 @@ def write_trace(run_dir_or_spans_path: str | os.PathLike,
     spans_path, run_dir = _spans_path(run_dir_or_spans_path)
     if not spans_path.is_file():
         raise FileNotFoundError(
-            f"no span file at {spans_path}: a run writes it once RL steps run, with "
-            "profiling on (RAYTUNIX_PROFILING unset or 1); point at a run directory that "
-            "ran at least one step")
+            f"no span file at {spans_path}: a run writes it from its first drain (the "
+            "warm start's first check, or RL step 1); point at a run directory that got "
+            "that far")
     out = Path(out_path) if out_path is not None else run_dir / TRACE_FILE
     bad_lines = [0]
     builder = _build(_read_chunks(spans_path, bad_lines))
