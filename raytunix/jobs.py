@@ -31,7 +31,8 @@ import sys
 import time
 import urllib.parse
 import uuid
-from typing import Any, Sequence, TextIO
+from collections.abc import Sequence
+from typing import Any, TextIO
 
 from raytunix.config import ConfigError, load_config
 
@@ -275,7 +276,7 @@ def describe(client, job_id: str) -> dict[str, Any]:
 def _when(ms: int | None) -> str:
     if not ms:
         return "-"
-    return datetime.datetime.fromtimestamp(ms / 1000, datetime.timezone.utc).strftime(
+    return datetime.datetime.fromtimestamp(ms / 1000, datetime.UTC).strftime(
         "%Y-%m-%d %H:%M:%S UTC")
 
 
@@ -309,7 +310,9 @@ def submit_command(address: str | None, config: str, overrides: Sequence[str],
         status = follow(client, job_id)
     except KeyboardInterrupt:
         status = stop(client, job_id)
-    print(f"raytunix: job {job_id} {status}", file=sys.stderr)
+    message = client.get_job_info(job_id).message if status == "FAILED" else ""
+    print(f"raytunix: job {job_id} {status}" + (f": {message}" if message else ""),
+          file=sys.stderr)
     return exit_code(status)
 
 
@@ -332,6 +335,6 @@ def status_command(address: str | None, job_id: str | None = None,
         return 0
     print(f"{'JOB ID':<44}{'STATUS':<11}{'START':<25}{'END':<25}ENTRYPOINT", file=out)
     for job in jobs:
-        print(f"{job.submission_id or job.job_id:<44}{str(job.status):<11}"
+        print(f"{job.submission_id or job.job_id:<44}{job.status!s:<11}"
               f"{_when(job.start_time):<25}{_when(job.end_time):<25}{job.entrypoint}", file=out)
     return 0

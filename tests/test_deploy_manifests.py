@@ -209,7 +209,7 @@ def test_rendering_leaves_no_placeholder_but_the_image():
 
 def test_image_and_manifests_use_the_ray_version_of_the_client():
     with open(os.path.join(DEPLOY, "Dockerfile")) as f:
-        (version,) = re.findall(r"^ARG RAY_VERSION=(\S+)$", f.read(), re.M)
+        (version,) = re.findall(r"^ARG RAY_VERSION=(\S+)$", f.read(), re.MULTILINE)
     assert version == ray.__version__
     assert {cluster_spec(obj)["rayVersion"] for obj in RAY_OBJECTS.values()} == {version}
 

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -82,7 +83,8 @@ def ray_head():
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("RAY_ADDRESS", None)
     try:
-        started = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+        started = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180,
+                                 check=False)
         assert started.returncode == 0, started.stdout + started.stderr
         yield f"http://127.0.0.1:{dashboard}"
     finally:
@@ -92,7 +94,7 @@ def ray_head():
 
 def _raytunix(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
-    return subprocess.run([*RAYTUNIX, *args], env=env, capture_output=True, text=True,
+    return subprocess.run([*RAYTUNIX, *args], env=env, capture_output=True, text=True, check=False,
                           timeout=timeout)
 
 
@@ -137,6 +139,26 @@ def test_submit_runs_a_tiny_training_job_and_status_shows_it(ray_head, tmp_path)
     assert shown.returncode == 0, shown.stderr
     assert re.search(r"status:\s+SUCCEEDED", shown.stdout)
     assert re.search(rf"run_dir:\s+{re.escape(run_dir)}", shown.stdout)
+
+
+def test_ctrl_c_stops_the_job(ray_head, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+    submitter = subprocess.Popen(
+        [*RAYTUNIX, "submit", "--address", ray_head, "--working-dir", str(tmp_path), *TINY,
+         "learner.rl_steps=500", f"run.output_dir={tmp_path / 'out'}"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    job_id = None
+    for line in submitter.stdout:  # the followed logs, until the run has started
+        submitted = re.search(r"submitted job (\S+)", line)
+        job_id = submitted.group(1) if submitted else job_id
+        if "run directory:" in line:
+            break
+    assert job_id, "submit printed no job id"
+    submitter.send_signal(signal.SIGINT)
+    _, err = submitter.communicate(timeout=120)
+    assert submitter.returncode == 130, err[-3000:]
+    assert f"stopping job {job_id}" in err
+    assert str(jobs.connect(ray_head).get_job_status(job_id)) == "STOPPED"
 
 
 def test_status_names_the_address_it_cannot_reach():
