@@ -19,10 +19,10 @@ import tempfile
 
 import psutil
 import pytest
+from test_train import TINY  # the tiny model and run of the main job's tests
 
 from raytunix import jobs
 from raytunix.config import ConfigError
-from tests.test_train import TINY
 
 RAYTUNIX = [sys.executable, "-m", "raytunix.cli"]
 
