@@ -27,7 +27,7 @@ import yaml
 
 from raytunix import plugins, profiling
 from raytunix.config import Config, ConfigError, RolloutConfig, config_from_dict, parse_override
-from raytunix.learner.learner import GRPOHyperparams
+from raytunix.learner.learner import GRPOHyperparams, SFTHyperparams
 from raytunix.models.llama import ModelConfig
 from raytunix.models.tokenizer import Tokenizer
 from raytunix.profiling.collect import append_jsonl
@@ -403,7 +403,7 @@ def _warm_start(cfg: Config, job: Job, run: RunDir, dev_tasks, collector) -> dic
     w = cfg.warmup
     tokens, mask = _demonstration_arrays(cfg, job.train_tasks[: max(4000, w.batch_size)], job.tokenizer)
     ray.get(job.learner.set_demonstrations.remote(tokens, mask))
-    ray.get(job.learner.start_warmup.remote(w.learning_rate, w.warmup_steps, cfg.learner.max_grad_norm))
+    ray.get(job.learner.start_warmup.remote(SFTHyperparams.from_config(cfg)))
     measure = "tool-path accuracy" if _uses_tools(cfg) else "success"
     _say(f"warm start: {len(tokens)} demonstrations of <= {tokens.shape[1]} tokens, "
          f"up to {w.max_steps} steps (stop at dev {measure} >= {w.target_tool_accuracy:.0%})")

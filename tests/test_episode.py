@@ -13,7 +13,7 @@ from raytunix.agents import make_agent  # noqa: E402
 from raytunix.data.arithmetic import make_arithmetic_splits  # noqa: E402
 from raytunix.data.demonstrations import make_demonstration  # noqa: E402
 from raytunix.inference.engine import InferenceEngine  # noqa: E402
-from raytunix.learner.learner import Learner  # noqa: E402
+from raytunix.learner.learner import Learner, SFTHyperparams  # noqa: E402
 from raytunix.models.llama import ModelConfig  # noqa: E402
 from raytunix.models.tokenizer import Tokenizer  # noqa: E402
 from raytunix.rollout.env_pool import LocalEnv  # noqa: E402
@@ -48,7 +48,7 @@ def _memorized_engine(tokenizer, task):
     config = ModelConfig(vocab_size=tokenizer.vocab_size, d_model=64, n_layers=2, n_heads=4,
                          n_kv_heads=2, d_ff=128, max_seq_len=128)
     learner = Learner(config, seed=0, pad_id=tokenizer.pad_id)
-    learner.start_warmup(3e-3)
+    learner.start_warmup(SFTHyperparams(learning_rate=3e-3, warmup_steps=0))
     tokens = np.array([ids], np.int32)
     loss_mask = np.array([mask], np.float32)
     learner.sft_steps(tokens, loss_mask, num_steps=150, batch_size=1)

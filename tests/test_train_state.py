@@ -18,6 +18,7 @@ from raytunix.learner.checkpoint import Checkpointer
 from raytunix.learner.batch import Batch
 from raytunix.learner.train_state import (
     GRPOHyperparams,
+    SFTHyperparams,
     TrainState,
     create_train_state,
     logprobs_fn,
@@ -473,6 +474,10 @@ def test_config_keys_reach_the_update_and_bad_values_are_named():
             default.micro_batch_size) == ("grpo", True, "ppo_clip", "token_mean", 0.2, 0.28,
                                           0.0, 1, 0)
     assert GRPOHyperparams(**SAMPLING).clip_eps_high == default.clip_eps_high  # one default
+    sft = SFTHyperparams.from_config(load_config(None, [
+        "warmup.learning_rate=0.01", "warmup.warmup_steps=7", "learner.max_grad_norm=0.5"]))
+    assert (sft.learning_rate, sft.warmup_steps, sft.max_grad_norm) == (0.01, 7, 0.5)
+    assert SFTHyperparams() == SFTHyperparams.from_config(load_config(None))
     for override, named in [
         ("learner.policy_loss=ppo", "learner.policy_loss='ppo' is not one of ppo_clip, gspo"),
         ("learner.advantage_estimator=gae", "learner.advantage_estimator='gae'"),

@@ -14,7 +14,7 @@ from typing import Any
 
 from raytunix import profiling
 from raytunix.learner.checkpoint import Checkpointer
-from raytunix.learner.learner import GRPOHyperparams, Learner
+from raytunix.learner.learner import GRPOHyperparams, Learner, SFTHyperparams
 from raytunix.models.llama import ModelConfig
 
 
@@ -54,8 +54,8 @@ class LearnerActor(profiling.ProfiledActor):
         self._demos = (tokens, loss_mask)
         return len(tokens)
 
-    def start_warmup(self, learning_rate: float, warmup_steps: int, max_grad_norm: float) -> None:
-        self.learner.start_warmup(learning_rate, warmup_steps=warmup_steps, max_grad_norm=max_grad_norm)
+    def start_warmup(self, hp: SFTHyperparams) -> None:
+        self.learner.start_warmup(hp)
 
     async def sft_steps(self, num_steps: int, batch_size: int) -> dict[str, float]:
         if self._demos is None:

@@ -24,13 +24,13 @@ from raytunix.learner.train_state import (
     TrainState,
     create_train_state,
     make_grpo_update,
-    make_optimizer,
+    SFTHyperparams,
     make_optimizer_from,
     make_sft_update,
 )
 from raytunix.models.llama import ModelConfig, init_model
 
-__all__ = ["GRPOHyperparams", "Learner"]
+__all__ = ["GRPOHyperparams", "Learner", "SFTHyperparams"]
 
 
 class Learner:
@@ -67,8 +67,9 @@ class Learner:
         return self._state.params if self._state is not None else self._params
 
     # ------------------------------------------------------------------ warm start
-    def start_warmup(self, learning_rate: float, warmup_steps: int = 0, max_grad_norm: float = 1.0) -> None:
-        optimizer = make_optimizer(learning_rate, max_grad_norm=max_grad_norm, warmup_steps=warmup_steps)
+    def start_warmup(self, hp: SFTHyperparams) -> None:
+        """A fresh optimizer for supervised steps (``sft_steps``), as ``hp`` says."""
+        optimizer = hp.optimizer()
         self._state = create_train_state(self.graphdef, self.params, optimizer, self.seed)
         # No buffer donation: a colocated engine may still hold the previous params.
         self._update = jax.jit(make_sft_update(self.graphdef, optimizer))

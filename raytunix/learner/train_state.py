@@ -25,7 +25,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from raytunix.config import Config, LearnerConfig
+from raytunix.config import Config, LearnerConfig, WarmupConfig
 from raytunix.inference.sampling import check_sampling_settings
 from raytunix.learner.advantages import (
     ADVANTAGE_ESTIMATORS,
@@ -159,6 +159,27 @@ class GRPOHyperparams:
                 f"overlong_buffer_tokens={self.overlong_buffer_tokens!r} must be in (0, "
                 f"overlong_max_tokens={self.overlong_max_tokens!r}], the most tokens an episode "
                 "can generate, or 0 for no overlong penalty.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SFTHyperparams:
+    """The numbers of the supervised warm start: ``warmup.learning_rate`` and
+    ``warmup.warmup_steps`` (the learning rate's linear warmup), and the RL phase's
+    ``learner.max_grad_norm``; the config holds each default. Build with ``from_config``."""
+
+    learning_rate: float = WarmupConfig.learning_rate
+    warmup_steps: int = WarmupConfig.warmup_steps
+    max_grad_norm: float = LearnerConfig.max_grad_norm
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> SFTHyperparams:
+        return cls(learning_rate=cfg.warmup.learning_rate, warmup_steps=cfg.warmup.warmup_steps,
+                   max_grad_norm=cfg.learner.max_grad_norm)
+
+    def optimizer(self) -> optax.GradientTransformation:
+        """AdamW at ``learning_rate`` after ``warmup_steps`` of linear warmup."""
+        return make_optimizer(self.learning_rate, warmup_steps=self.warmup_steps,
+                              max_grad_norm=self.max_grad_norm)
 
 
 def lr_schedule(learning_rate: float, *, schedule: str, warmup_steps: int,
