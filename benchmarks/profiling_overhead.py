@@ -11,13 +11,18 @@ every process (``profile_set_enabled(False)``) and nothing is drained.
 
 The two alternate in one invocation (off, on, off, on, ...; ``--pairs`` pairs) on the same
 engine, env actors and compiled programs, so drift of the machine hits both alike.
-``overhead_fraction`` is the median over pairs of ``wall_on / wall_off - 1`` for the same
-number of trajectories (wall seconds per trajectory). Two cross-checks that depend less on
-what else the machine runs: ``cpu_overhead_fraction``, the same ratio of the CPU seconds
-all the run's processes (driver, orchestrator, engine, env actors) spent per trajectory,
-and ``estimated_overhead_fraction``, the measured cost of recording one span (a tight
-loop here) times the spans the "on" runs recorded per second, over the cores the run
-had.
+``overhead_fraction`` is wall seconds per trajectory with profiling on over off, minus 1,
+pooled over the pairs (each pair runs the same tasks, so the same tool latencies), with a
+95% interval from the spread of the pairs (``overhead_fraction_ci95``): run-to-run noise
+of a few percent on a 2-core machine is larger than the effect, so the interval says what
+the measurement can tell. Two cross-checks that depend less on noise:
+``cpu_overhead_fraction``, the same ratio of the CPU seconds all the run's processes
+(driver, orchestrator, engine, env actors) spent per trajectory, and
+``estimated_overhead_fraction``, profiling's own work over the cores' time: recording
+(the measured cost of one span, a tight loop here, times the spans recorded per second)
+plus draining and collecting (the ``profile_drain`` spans the processes record of
+themselves and the driver's CPU seconds in its ``profile_collect`` spans). Ray's
+serialisation of a drained chunk in the actor is not in it.
 
     python benchmarks/profiling_overhead.py
 """
@@ -49,12 +54,13 @@ from rollout_overlap import (  # noqa: E402  (benchmarks/ is on sys.path when ru
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pairs", type=int, default=4, help="(off, on) pairs of runs")
-    p.add_argument("--trajectories", type=int, default=256, help="timed trajectories per run")
-    p.add_argument("--warmup-trajectories", type=int, default=64,
+    p.add_argument("--trajectories", type=int, default=1024, help="timed trajectories per run")
+    p.add_argument("--warmup-trajectories", type=int, default=128,
                    help="untimed trajectories before each run's clock starts")
     p.add_argument("--concurrency", type=int, default=64, help="episodes in flight")
-    p.add_argument("--batch", type=int, default=32,
-                   help="trajectories per batch: the driver drains the actors once per batch")
+    p.add_argument("--batch", type=int, default=128,
+                   help="trajectories per batch (the default run's 16 groups x 8): the driver "
+                        "drains the actors once per batch, as `raytunix train` does per step")
     p.add_argument("--tool-latency-s", type=float, default=0.05, help="median tool latency (s)")
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=16)
@@ -101,6 +107,7 @@ def measure(profiled: bool, tasks, tokenizer, engine, pool: EnvPool, args,
     ray.get([handle.profile_set_enabled.remote(profiled) for _, handle in actors])
     collector = Collector(run_dir, lambda: actors) if profiled else None
     spans = collections.Counter()
+    own = [0.0]  # seconds of draining (actors) and CPU seconds of collecting (driver)
 
     def consume(count: int, timed: bool) -> int:
         n = 0
@@ -112,6 +119,10 @@ def measure(profiled: bool, tasks, tokenizer, engine, pool: EnvPool, args,
                 if timed:
                     for chunk in collector.last_chunks:
                         spans[chunk["process"]] += len(chunk["spans"])
+                        own[0] += sum(s[3] - s[2] for s in chunk["spans"]
+                                      if s[0] == "profile_drain")
+                        own[0] += sum((s[4] or {}).get("cpu_s", 0.0) for s in chunk["spans"]
+                                      if s[0] == "profile_collect")
         return n
 
     def cpu_seconds() -> float:
@@ -129,7 +140,7 @@ def measure(profiled: bool, tasks, tokenizer, engine, pool: EnvPool, args,
     wait_engine_idle(engine)
     return {"profiled": profiled, "wall_s": wall, "trajectories": n,
             "trajectories_per_s": n / wall, "cpu_s": cpu, "cpu_ms_per_trajectory": 1e3 * cpu / n,
-            "spans_recorded": dict(spans),
+            "spans_recorded": dict(spans), "drain_and_collect_s": own[0],
             "spans_per_s": sum(spans.values()) / wall}
 
 
@@ -146,24 +157,42 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory() as run_dir:
         measure(True, make_tasks(per_run, "w/"), tokenizer, engine, pool, args, run_dir)
         for pair in range(args.pairs):
+            # The same tasks for both runs of a pair: the same tool latencies (seeded by
+            # task id), so the pair differs in profiling alone.
+            tasks = make_tasks(per_run, f"{pair}/")
             for profiled in (False, True):
-                runs.append(measure(profiled, make_tasks(per_run, f"{pair}{profiled}/"),
-                                    tokenizer, engine, pool, args, run_dir))
+                runs.append(measure(profiled, tasks, tokenizer, engine, pool, args, run_dir))
         spans_bytes = os.path.getsize(os.path.join(run_dir, "profile", "spans.jsonl"))
     pairs = list(zip(runs[0::2], runs[1::2]))
     ratios = [on["wall_s"] / on["trajectories"] / (off["wall_s"] / off["trajectories"]) - 1
               for off, on in pairs]
+    on_runs = [r for r in runs if r["profiled"]]
+    off_runs = [r for r in runs if not r["profiled"]]
+
+    def per_trajectory(rs):
+        return sum(r["wall_s"] for r in rs) / sum(r["trajectories"] for r in rs)
+
+    # Pooled over pairs: wall seconds per trajectory, on over off; and a 95% interval
+    # from the spread of the pairs (normal approximation).
+    pooled = per_trajectory(on_runs) / per_trajectory(off_runs) - 1
+    half_width = (1.96 * statistics.stdev(ratios) / len(ratios) ** 0.5
+                  if len(ratios) > 1 else float("nan"))
     cpu_ratios = [on["cpu_ms_per_trajectory"] / off["cpu_ms_per_trajectory"] - 1
                   for off, on in pairs]
     cost = span_cost_s()
-    spans_per_s = statistics.median(r["spans_per_s"] for r in runs if r["profiled"])
+    spans_per_s = statistics.median(r["spans_per_s"] for r in on_runs)
+    own_per_s = statistics.median(r["drain_and_collect_s"] / r["wall_s"] for r in on_runs)
+    cores = os.cpu_count() or 1
     report = {
         "benchmark": "profiling_overhead",
-        "overhead_fraction": statistics.median(ratios),
+        "overhead_fraction": pooled,
+        "overhead_fraction_ci95": [pooled - half_width, pooled + half_width],
         "overhead_fraction_per_pair": ratios,
+        "estimated_overhead_fraction": (cost * spans_per_s + own_per_s) / cores,
+        "recording_cpu_fraction": cost * spans_per_s / cores,
+        "drain_and_collect_cpu_fraction": own_per_s / cores,
         "cpu_overhead_fraction": statistics.median(cpu_ratios),
         "cpu_overhead_fraction_per_pair": cpu_ratios,
-        "estimated_overhead_fraction": cost * spans_per_s / (os.cpu_count() or 1),
         "span_record_cost_us": cost * 1e6,
         "spans_per_s": spans_per_s,
         "spans_jsonl_bytes": spans_bytes,

@@ -30,6 +30,10 @@ process for everything). What each metric reads:
                                 mean over processes of that kind; in cores, so a process
                                 running several threads can pass 1)
 ``spans_dropped``               spans lost to full ring buffers
+``profiling_cpu_s``             seconds the processes spent draining their spans
+                                (``profile_drain`` spans) and the driver's CPU seconds
+                                collecting them (``cpu_s`` of ``profile_collect``):
+                                profiling's own cost
 ``window_s``                    the window's length, seconds
 ``profiling_enabled``           0.0, alone, when no process recorded spans (the rest is
                                 then absent, not zero)
@@ -173,6 +177,10 @@ class WindowMetrics:
             out[f"env_step_latency_s/{q}"] = value
         for kind, fractions in cpu.items():
             out[f"{kind}_cpu_fraction"] = float(np.mean(fractions))
+        own = total("profile_drain") + sum(float((a or {}).get("cpu_s", 0.0))
+                                            for _, a in by_name.get("profile_collect", ()))
+        if own:
+            out["profiling_cpu_s"] = own
         for name in ("weight_publish", "checkpoint", "object_store_get", "object_store_put",
                      "batch_pack"):
             if name in by_name:
