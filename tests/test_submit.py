@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 import psutil
 import pytest
@@ -148,12 +149,17 @@ def test_ctrl_c_stops_the_job(ray_head, tmp_path):
          "learner.rl_steps=500", f"run.output_dir={tmp_path / 'out'}"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     job_id = None
-    for line in submitter.stdout:  # the followed logs, until the run has started
+    for line in submitter.stdout:  # until submit has printed the job id
         submitted = re.search(r"submitted job (\S+)", line)
-        job_id = submitted.group(1) if submitted else job_id
-        if "run directory:" in line:
+        if submitted:
+            job_id = submitted.group(1)
             break
     assert job_id, "submit printed no job id"
+    client = jobs.connect(ray_head)
+    deadline = time.monotonic() + 120
+    while str(client.get_job_status(job_id)) != "RUNNING":  # the run has started
+        assert time.monotonic() < deadline, client.get_job_status(job_id)
+        time.sleep(0.2)
     submitter.send_signal(signal.SIGINT)
     _, err = submitter.communicate(timeout=120)
     assert submitter.returncode == 130, err[-3000:]
