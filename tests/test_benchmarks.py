@@ -77,3 +77,15 @@ def test_profiling_overhead_alternates_profiling_and_reports_its_cost():
     # on: the engine, the orchestrator, the env actor and the driver all recorded spans
     assert {"engine 0", "orchestrator", "env actor 0"} <= set(on["spans_recorded"])
     assert report["span_record_cost_us"] > 0 and report["spans_jsonl_bytes"] > 0
+
+
+@pytest.mark.benchmark
+def test_learner_step_compares_the_update_with_a_bare_train_step():
+    report = _run("learner_step.py", "--config", "tiny", "--steps", "2", "--batch-size", "8",
+                  "--seq-len", "32", timeout_s=300)
+    assert report["benchmark"] == "learner_step"
+    tiny = report["configs"]["tiny"]
+    assert report["ratio_vs_bare"] == tiny["ratio_vs_bare"] > 0
+    assert tiny["batch"]["padded_tokens"] == 8 * 32  # the longest trajectory fills the width
+    assert 0 < tiny["batch"]["trainable_tokens"] < 8 * 32  # prompts are not trained on
+    assert len(tiny["step_s"]["learner"]) == len(tiny["step_s"]["bare"]) == 2

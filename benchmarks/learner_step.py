@@ -1,0 +1,253 @@
+"""How close is the learner's update to a bare jitted JAX train step of the same model?
+
+Claim (issue 9): the learner's GRPO update processes at least 0.85x the tokens/s of a
+bare jitted train step on the same model and the same batch (``ratio_vs_bare``).
+
+Two configs, each measured in one invocation:
+
+* ``tiny``: the default run's model (d_model 128, 3 layers, 4 heads, 2 KV heads, d_ff
+  384, vocabulary 384, context 128) on 128 trajectories of 128 tokens (16 groups x 8).
+* ``100m``: a Llama-style model of ~100M parameters (d_model 768, 12 layers, 12 heads,
+  4 KV heads, d_ff 2048, vocabulary 32,000, tied embeddings, context 256) on 4
+  trajectories of 256 tokens, so a step takes seconds on 2 CPU cores.
+
+The batch: random token ids; each trajectory a prompt (loss mask 0) followed by generated
+tokens (loss mask 1, behaviour logprobs drawn around -log V, policy version 0), lengths
+spread over the upper half of the context with the longest filling it, rewards 0 or 1,
+groups of 8 (or the whole batch when smaller). It is packed into an Arrow record batch
+(``TRAJECTORY_SCHEMA``) and turned into a ``Batch`` by ``Batch.from_record_batch``, as
+``Learner.train_step`` does; that host step is timed apart (``batch_build_s``).
+
+What is timed, each after one compiling call and one warm call, then ``--steps`` steps
+alternating learner, bare, learner, bare... (so drift of a shared machine hits both), the
+median step reported:
+
+* **learner**: ``make_grpo_update`` with ``GRPOHyperparams`` defaults (rollout sampling
+  at temperature 1, no top-k/top-p), ``make_optimizer_from`` and ``create_train_state``,
+  called on the ``Batch`` with the metrics fetched to the host (as ``train_step`` does)
+  and the new state ready.
+* **bare**: one ``jax.jit`` of: ``forward`` of the same model, ``log_softmax`` and the
+  target tokens' logprobs, a PPO-clip loss (clip 0.2 / 0.28) over the masked tokens with
+  advantages computed once beforehand, ``jax.value_and_grad``, ``optax.adamw`` at the
+  same learning rate. No metrics, no gradient clipping, no entropy or mismatch statistics.
+
+Tokens/s counts every token of the padded batch (B x T, prompt and padding included: the
+tokens the forward pass runs over); ``trainable_tokens`` gives the loss-masked count. The
+ratio is the same either way. Prints one JSON object; top-level ``ratio_vs_bare`` is the
+``100m`` config's when it ran, else ``tiny``'s.
+
+    python benchmarks/learner_step.py                 # both configs
+    python benchmarks/learner_step.py --config tiny --steps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import pyarrow as pa  # noqa: E402
+
+from raytunix.config import RolloutConfig  # noqa: E402
+from raytunix.learner.batch import Batch  # noqa: E402
+from raytunix.learner.train_state import (  # noqa: E402
+    GRPOHyperparams, create_train_state, make_grpo_update, make_optimizer_from)
+from raytunix.models.llama import ModelConfig, count_params, forward, init_model  # noqa: E402
+from raytunix.rollout.batch import TRAJECTORY_SCHEMA  # noqa: E402
+
+from rollout_overlap import machine  # noqa: E402  (benchmarks/ is on sys.path as a script)
+
+# name -> (model, default trajectories per batch)
+CONFIGS = {
+    "tiny": (ModelConfig(vocab_size=384, d_model=128, n_layers=3, n_heads=4, n_kv_heads=2,
+                         d_ff=384, max_seq_len=128), 128),
+    "100m": (ModelConfig(vocab_size=32000, d_model=768, n_layers=12, n_heads=12, n_kv_heads=4,
+                         d_ff=2048, max_seq_len=256), 4),
+}
+GROUP_SIZE = 8
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", choices=("tiny", "100m", "both"), default="both")
+    p.add_argument("--steps", type=int, default=5,
+                   help="timed steps of each (learner and bare alternate), after 2 untimed")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="trajectories per batch (default: 128 for tiny, 4 for 100m)")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="padded tokens per trajectory and the model's context (default: 128 "
+                        "for tiny, 256 for 100m)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.steps < 1:
+        p.error(f"--steps must be >= 1, got {args.steps}")
+    if args.seq_len is not None and args.seq_len < 8:
+        p.error(f"--seq-len must be >= 8 tokens, got {args.seq_len}")
+    if args.batch_size is not None and args.batch_size < 1:
+        p.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    return args
+
+
+def synthetic_record_batch(batch_size: int, seq_len: int, vocab: int, seed: int
+                           ) -> pa.RecordBatch:
+    """``batch_size`` trajectories of at most ``seq_len`` tokens in ``TRAJECTORY_SCHEMA``
+    (see the module docstring); the first is exactly ``seq_len`` long, so the learner pads
+    the batch to ``seq_len``."""
+    rng = np.random.default_rng(seed)
+    prompt = max(1, seq_len // 4)
+    lengths = rng.integers(seq_len // 2, seq_len + 1, size=batch_size)
+    lengths[0] = seq_len
+    group = min(GROUP_SIZE, batch_size)
+    columns = {name: [] for name in TRAJECTORY_SCHEMA.names}
+    for i, length in enumerate(lengths):
+        generated = int(length) - prompt
+        columns["task_id"].append(f"task{i // group}")
+        columns["group_id"].append(f"group{i // group}")
+        columns["token_ids"].append(rng.integers(0, vocab, size=length).tolist())
+        columns["loss_mask"].append([0] * prompt + [1] * generated)
+        logprobs = -np.log(vocab) + rng.normal(0.0, 0.5, size=generated)
+        columns["logprobs"].append([0.0] * prompt + logprobs.astype(np.float32).tolist())
+        columns["policy_versions"].append([-1] * prompt + [0] * generated)
+        columns["reward"].append(float(rng.integers(0, 2)))
+        columns["status"].append("completed")
+        columns["num_turns"].append(1)
+    return pa.RecordBatch.from_pydict(columns, schema=TRAJECTORY_SCHEMA)
+
+
+def make_bare_step(graphdef, learning_rate: float, clip_low: float, clip_high: float):
+    """``(optimizer, step)``: ``step(params, opt_state, tokens, mask, old, adv) -> (params,
+    opt_state, loss)``, one jitted PPO-clip train step with nothing but the math.
+
+    ``tokens`` int32[B, T]; ``mask`` and ``old`` float32[B, T-1] (the targets
+    ``tokens[:, 1:]``); ``adv`` float32[B, 1]."""
+    optimizer = optax.adamw(learning_rate, weight_decay=0.0)
+
+    def loss_fn(params, tokens, mask, old, adv):
+        inputs = tokens[:, :-1]
+        positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
+        logits, _ = forward(graphdef, params, inputs, positions)
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        logp = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+        ratio = jnp.exp(logp - old)
+        per_token = -jnp.minimum(ratio * adv, jnp.clip(ratio, 1 - clip_low, 1 + clip_high) * adv)
+        return jnp.sum(per_token * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+    @jax.jit
+    def step(params, opt_state, tokens, mask, old, adv):
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, mask, old, adv)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return optimizer, step
+
+
+def group_advantages(batch: Batch) -> np.ndarray:
+    """GRPO advantages float32[B, 1] on the host: (reward - group mean) / (group std + 1e-6)."""
+    adv = np.zeros(len(batch.rewards), np.float32)
+    for g in np.unique(batch.group_ids):
+        rows = batch.group_ids == g
+        r = batch.rewards[rows]
+        adv[rows] = (r - r.mean()) / (r.std() + 1e-6)
+    return adv[:, None]
+
+
+def measure(name: str, args) -> dict:
+    model_config, default_batch = CONFIGS[name]
+    seq_len = args.seq_len or model_config.max_seq_len
+    batch_size = args.batch_size or default_batch
+    model_config = dataclasses.replace(model_config, max_seq_len=seq_len)
+    graphdef, params = init_model(model_config, seed=args.seed)
+    record_batch = synthetic_record_batch(batch_size, seq_len, model_config.vocab_size, args.seed)
+
+    t0 = time.perf_counter()
+    batch = Batch.from_record_batch(record_batch, pad_id=0, max_seq_len=seq_len)
+    batch_build_s = time.perf_counter() - t0
+    tokens = int(batch.tokens.size)
+    trainable = int(batch.loss_mask[:, 1:].sum())
+
+    hp = GRPOHyperparams(temperature=RolloutConfig.temperature, top_k=RolloutConfig.top_k,
+                         top_p=RolloutConfig.top_p)
+    optimizer = make_optimizer_from(hp)
+    update = make_grpo_update(graphdef, optimizer, hp, max_seq_len=seq_len)
+    learner = {"state": create_train_state(graphdef, params, optimizer, args.seed)}
+
+    def learner_step() -> float:
+        t0 = time.perf_counter()
+        learner["state"], metrics = update(learner["state"], None, batch)
+        jax.device_get(metrics)
+        jax.block_until_ready(learner["state"])
+        return time.perf_counter() - t0
+
+    bare_optimizer, bare_fn = make_bare_step(graphdef, hp.learning_rate, hp.clip_eps_low,
+                                             hp.clip_eps_high)
+    bare = {"params": params, "opt_state": bare_optimizer.init(params)}
+    # Host arrays, as the learner's update gets them: each call copies them in.
+    bare_inputs = (batch.tokens, np.ascontiguousarray(batch.loss_mask[:, 1:]),
+                   np.ascontiguousarray(batch.logprobs[:, 1:]), group_advantages(batch))
+
+    def bare_step() -> float:
+        t0 = time.perf_counter()
+        bare["params"], bare["opt_state"], loss = bare_fn(bare["params"], bare["opt_state"],
+                                                          *bare_inputs)
+        jax.block_until_ready((bare["params"], bare["opt_state"], loss))
+        return time.perf_counter() - t0
+
+    compile_s = {"learner": learner_step(), "bare": bare_step()}  # compiles
+    learner_step(), bare_step()  # warm
+    times = {"learner": [], "bare": []}
+    for _ in range(args.steps):
+        times["learner"].append(learner_step())
+        times["bare"].append(bare_step())
+    median = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "model": {k: getattr(model_config, k) for k in (
+            "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
+            "max_seq_len", "tie_embeddings")},
+        "params": count_params(params),
+        "batch": {"trajectories": batch_size, "padded_tokens": tokens,
+                  "trainable_tokens": trainable},
+        "batch_build_s": round(batch_build_s, 4),
+        "first_call_s": {k: round(v, 2) for k, v in compile_s.items()},
+        "step_s": {k: [round(x, 4) for x in v] for k, v in times.items()},
+        "learner_step_s": round(median["learner"], 4),
+        "bare_step_s": round(median["bare"], 4),
+        "learner_tokens_per_s": round(tokens / median["learner"], 1),
+        "bare_tokens_per_s": round(tokens / median["bare"], 1),
+        "learner_trainable_tokens_per_s": round(trainable / median["learner"], 1),
+        "ratio_vs_bare": round(median["bare"] / median["learner"], 3),
+        # Learner.train_step also builds the Batch from Arrow on the host each step.
+        "ratio_vs_bare_with_batch_build": round(
+            median["bare"] / (median["learner"] + batch_build_s), 3),
+    }
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    load_before = os.getloadavg()
+    names = ["tiny", "100m"] if args.config == "both" else [args.config]
+    t0 = time.monotonic()
+    results = {name: measure(name, args) for name in names}
+    headline = results.get("100m", results.get("tiny"))
+    return {
+        "benchmark": "learner_step",
+        "ratio_vs_bare": headline["ratio_vs_bare"],
+        "tokens_counted": "padded batch tokens (B x T); trainable_tokens per config",
+        "configs": results,
+        "steps": args.steps,
+        "wall_s": round(time.monotonic() - t0, 1),
+        "machine": {**machine(), "jax": jax.__version__, "backend": jax.default_backend(),
+                    "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(), indent=2))
