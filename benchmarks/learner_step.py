@@ -51,20 +51,23 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-import pyarrow as pa  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pyarrow as pa
+from rollout_overlap import machine  # benchmarks/ is on sys.path when run as a script
 
-from raytunix.config import RolloutConfig  # noqa: E402
-from raytunix.learner.batch import Batch  # noqa: E402
-from raytunix.learner.train_state import (  # noqa: E402
-    GRPOHyperparams, create_train_state, make_grpo_update, make_optimizer_from)
-from raytunix.models.llama import ModelConfig, count_params, forward, init_model  # noqa: E402
-from raytunix.rollout.batch import TRAJECTORY_SCHEMA  # noqa: E402
-
-from rollout_overlap import machine  # noqa: E402  (benchmarks/ is on sys.path as a script)
+from raytunix.config import RolloutConfig
+from raytunix.learner.batch import Batch
+from raytunix.learner.train_state import (
+    GRPOHyperparams,
+    create_train_state,
+    make_grpo_update,
+    make_optimizer_from,
+)
+from raytunix.models.llama import ModelConfig, count_params, forward, init_model
+from raytunix.rollout.batch import TRAJECTORY_SCHEMA
 
 # name -> (model, default trajectories per batch)
 CONFIGS = {
