@@ -147,7 +147,10 @@ def test_ctrl_c_stops_the_job(ray_head, tmp_path):
     submitter = subprocess.Popen(
         [*RAYTUNIX, "submit", "--address", ray_head, "--working-dir", str(tmp_path), *TINY,
          "learner.rl_steps=500", f"run.output_dir={tmp_path / 'out'}"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # A shell without job control starts background commands with SIGINT ignored,
+        # and Python then installs no Ctrl-C handler: restore it, as a terminal has it.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     job_id = None
     for line in submitter.stdout:  # until submit has printed the job id
         submitted = re.search(r"submitted job (\S+)", line)
