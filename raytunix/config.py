@@ -74,6 +74,7 @@ class EnvConfig:
     max_turns: int = 4  # model turns per episode
     num_env_actors: int = 2  # Ray actors hosting environments (scaled apart from the learner)
     env_actor_max_restarts: int = 3  # a crashed env actor is restarted this often
+    actor_resources: dict[str, float] = dataclasses.field(default_factory=dict)  # Ray resources each env actor asks for, e.g. {raytunix_env: 1}: a custom resource only the CPU node pool offers, so env actors scale there and never on TPU hosts (TPU/GPU refused; they run with JAX_PLATFORMS=cpu); {} = anywhere
 
 
 @dataclasses.dataclass
@@ -162,6 +163,11 @@ class LearnerConfig:
     max_checkpoints: int = 3  # the newest this many checkpoints stay (plus the best one with keep_best_by)
     keep_best_by: str = ""  # a number of the RL step's metrics (e.g. reward_mean: the batch's mean reward); the checkpoint with the best value is never deleted; "" = off
     keep_best_mode: str = "max"  # max | min: whether a higher or a lower keep_best_by is better
+    num_hosts: int = 1  # learner actors, one per host, running one JAX program (jax.distributed; raytunix.learner.group); 1 = one learner actor; > 1 needs engine.placement=disaggregated
+    resources: dict[str, float] = dataclasses.field(default_factory=dict)  # Ray resources of each learner host, e.g. {TPU: 4} (all of a TPU VM's chips); {} = one CPU; used with learner.num_hosts > 1
+    placement_strategy: str = "STRICT_SPREAD"  # how the learner hosts' placement group spreads: STRICT_SPREAD (one per node) | SPREAD | PACK | STRICT_PACK
+    tpu_topology: str = ""  # the learner slice's TPU topology (e.g. 4x4); with tpu_version the hosts are reserved as one slice (ray.util.tpu) and ranked by TPU worker id; "" = a plain placement group
+    tpu_version: str = ""  # the learner slice's TPU generation (e.g. v6e, v5p, v4); set with tpu_topology
 
 
 @dataclasses.dataclass
@@ -241,6 +247,7 @@ _CHOICES = {
     "learner.kl_estimator": ("k1", "k2", "k3"),
     "rollout.stale_token_policy": ("drop", "mask", "accept"),
     "learner.keep_best_mode": ("max", "min"),
+    "learner.placement_strategy": ("STRICT_SPREAD", "SPREAD", "PACK", "STRICT_PACK"),
     "data.source": ("auto", "env", "reasoning_gym", "parquet", "jsonl", "hf"),
     "sandbox.backend": ("auto", "bwrap", "subprocess"),
 }
@@ -253,6 +260,7 @@ _POSITIVE = {
     "rollout.batch_queue_size", "rollout.batch_timeout_s", "rollout.engine_retry_max_attempts",
     "rollout.engine_retry_initial_delay_s", "rollout.retry_initial_delay_s", "engine.max_batch_size", "engine.block_size", "engine.num_replicas", "learner.learning_rate",
     "learner.checkpoint_every", "learner.max_checkpoints", "learner.num_iterations",
+    "learner.num_hosts",
     "warmup.batch_size",
     "warmup.learning_rate", "warmup.eval_every", "warmup.eval_size", "eval.heldout_size",
     "eval.max_new_tokens", "run.log_every", "sandbox.num_actors", "sandbox.max_concurrent_runs",
@@ -352,6 +360,7 @@ def validate(cfg: Config) -> Config:
         if flat[key] >= 1.0:
             raise ConfigError(f"{key}={flat[key]!r} must be below 1 (a ratio clip range, e.g. 0.2).")
     _validate_learner(cfg)
+    _validate_placement(cfg)
     m = cfg.model
     if m.path and not os.path.isfile(os.path.join(m.path, "config.json")):
         raise ConfigError(
@@ -453,7 +462,8 @@ def _validate_sandbox(sandbox: SandboxConfig) -> None:
 
 
 # Mapping-valued keys; an override may set one entry: env.kwargs.turns=2.
-_MAPPINGS = frozenset({"env.kwargs", "env.agent_kwargs", "data.dataset_kwargs"})
+_MAPPINGS = frozenset({"env.kwargs", "env.agent_kwargs", "data.dataset_kwargs",
+                       "env.actor_resources", "learner.resources"})
 
 
 def _validate_env(env: EnvConfig) -> None:
@@ -523,6 +533,52 @@ def _validate_learner(cfg: Config) -> None:
         raise ConfigError(
             f"learner.overlong_buffer_tokens={learner.overlong_buffer_tokens} exceeds the most "
             f"tokens an episode can generate (env.max_turns x rollout.max_new_tokens = {longest}).")
+
+
+def _validate_placement(cfg: Config) -> None:
+    """Resources of learner hosts and env actors (``raytunix.placement``)."""
+    from raytunix.placement import check_resources
+
+    learner = cfg.learner
+    for key, wanted, accelerators in (("learner.resources", learner.resources, True),
+                                      ("env.actor_resources", cfg.env.actor_resources, False)):
+        try:
+            check_resources(key, wanted, allow_accelerators=accelerators)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(str(e)) from None
+    if learner.num_hosts > 1 and cfg.engine.placement == "colocated":
+        raise ConfigError(
+            f"learner.num_hosts={learner.num_hosts} needs engine.placement=disaggregated: a "
+            "colocated engine lives in the one learner process.")
+    if bool(learner.tpu_topology) != bool(learner.tpu_version):
+        raise ConfigError(
+            f"learner.tpu_topology={learner.tpu_topology!r} and learner.tpu_version="
+            f"{learner.tpu_version!r}: set both (e.g. 4x4 and v6e) to reserve the learner's TPU "
+            "slice, or neither.")
+    if learner.tpu_topology:
+        from ray._private.accelerators import TPUAcceleratorManager
+        from ray.util.tpu import get_tpu_version_from_type, get_tpu_worker_resources
+
+        try:
+            version = get_tpu_version_from_type(learner.tpu_version)
+        except ValueError as e:
+            raise ConfigError(f"learner.tpu_version={learner.tpu_version!r}: {e}") from None
+        if not TPUAcceleratorManager.is_valid_tpu_accelerator_topology(
+                tpu_accelerator_version=version, tpu_topology=learner.tpu_topology):
+            raise ConfigError(f"learner.tpu_topology={learner.tpu_topology!r} is not a topology "
+                              f"of TPU {version} (e.g. 2x4, 4x4, 4x8 for v6e).")
+        try:
+            hosts, bundle = get_tpu_worker_resources(
+                learner.tpu_topology, learner.tpu_version,
+                resources_per_worker=dict(learner.resources) or None)
+        except ValueError as e:
+            raise ConfigError(f"learner.tpu_topology={learner.tpu_topology!r}, "
+                              f"learner.tpu_version={learner.tpu_version!r}: {e}") from None
+        if hosts != learner.num_hosts:
+            raise ConfigError(
+                f"a {learner.tpu_version} slice of topology {learner.tpu_topology} makes {hosts} "
+                f"learner hosts of {bundle}, but learner.num_hosts={learner.num_hosts}; set "
+                f"learner.num_hosts={hosts}.")
 
 
 def _validate_adaptive_concurrency(rollout: RolloutConfig) -> None:

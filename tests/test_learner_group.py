@@ -1,0 +1,102 @@
+"""A multi-host learner group (issue 9 item 6) on the session's local Ray: two learner
+actors, one JAX program over both (``jax.distributed``, CPU collectives through gloo),
+the batch's rows split over the two processes' devices. Its updates must equal one
+process's ``Learner.train_step``, and a group that lost a host is rebuilt from its last
+checkpoint and trains on."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+CONFIG_KW = dict(vocab_size=16, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64,
+                 max_seq_len=32)
+
+
+def _record_batch(step: int):
+    """Two groups of two, rewards differing within each group (so every update moves the
+    weights), different tokens and lengths per row and per step."""
+    from raytunix.rollout.batch import trajectories_to_record_batch
+    from raytunix.types import EpisodeStatus, Trajectory
+
+    rows = []
+    for i, (group, reward) in enumerate([("a", 1.0), ("a", 0.0), ("b", 0.0), ("b", 1.0)]):
+        prompt = [1 + (step + i) % 5, 2]
+        completion = [(3 + step * 3 + i * 5 + t) % 14 + 1 for t in range(3 + i % 2)]
+        rows.append(Trajectory(
+            task_id=group, group_id=f"{group}{step}", token_ids=prompt + completion,
+            loss_mask=[0] * len(prompt) + [1] * len(completion),
+            logprobs=[0.0] * len(prompt) + [-1.5] * len(completion),
+            policy_versions=[-1] * len(prompt) + [step] * len(completion),
+            reward=reward, status=EpisodeStatus.COMPLETED, num_turns=1))
+    return trajectories_to_record_batch(rows)
+
+
+def _assert_params_close(got, want):
+    import jax
+
+    got, want = jax.tree.leaves(got), jax.tree.leaves(want)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
+
+
+def _assert_metrics_close(got, want):
+    for key in ("loss", "grad_norm", "reward_mean", "num_tokens", "clip_fraction",
+                "policy_version"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
+
+
+def test_a_two_host_group_matches_one_process_and_is_rebuilt_after_a_host_dies(
+        ray_session, tmp_path):
+    import ray
+
+    from raytunix.learner.group import LearnerGroup, LearnerHostFailure
+    from raytunix.learner.learner import GRPOHyperparams, Learner
+    from raytunix.models.llama import ModelConfig
+    from raytunix.placement import LearnerHostsSpec
+
+    config = ModelConfig(**CONFIG_KW)
+    hp = GRPOHyperparams(temperature=1.0, top_k=0, top_p=1.0, rl_steps=4, learning_rate=1e-2,
+                         weight_decay=0.01)
+    batches = [_record_batch(step) for step in range(3)]
+
+    single = Learner(config, seed=3, pad_id=0)
+    single.start_rl(hp)
+    expected = [single.train_step(batch) for batch in batches]
+    expected_params = single.weights_numpy()
+
+    # Both hosts on this one node: no TPU worker ids, so ranks follow the bundles.
+    group = LearnerGroup(LearnerHostsSpec(num_hosts=2, resources={"CPU": 0.1}, strategy="PACK"),
+                         config, seed=3, pad_id=0, call_timeout_s=300)
+    try:
+        assert [info["rank"] for info in group.host_infos] == [0, 1]
+        assert group.device_count == 2  # one JAX program over both processes' devices
+        assert len({info["pid"] for info in group.host_infos}) == 2
+        first_coordinator = group.coordinator
+        group.start_rl(hp)
+        refs = [ray.put(batch) for batch in batches]
+        _assert_metrics_close(group.train_step([refs[0]]), expected[0])
+        assert group.save(str(tmp_path / "ckpt"), {"data_position": 4}) == 1
+        _assert_metrics_close(group.train_step([refs[1]]), expected[1])
+        group.finish_checkpoints()  # step 1 is committed: the last checkpoint
+
+        ray.kill(group.hosts[1])  # a host dies
+        with pytest.raises(LearnerHostFailure, match="learner host 1 .*died"):
+            group.train_step([refs[2]])
+        with pytest.raises(LearnerHostFailure, match="group is down"):
+            group.policy_version()
+
+        extras = group.rebuild()  # new actors, a new coordinator, the step-1 checkpoint
+        assert extras["data_position"] == 4 and extras["policy_version"] == 1
+        assert group.coordinator != first_coordinator
+        assert group.policy_version() == 1
+        for step in (1, 2):  # the lost update again, then on
+            _assert_metrics_close(group.train_step([refs[step]]), expected[step])
+        weights, version = group.weights()
+        assert version == 3
+        _assert_params_close(weights, expected_params)
+    finally:
+        group.shutdown()
