@@ -6,6 +6,7 @@
   raytunix profile RUN_DIR [--out DIR]   report.txt, trace.json and profile.png of a run, again
   raytunix submit [--address ADDR] [--config PRESET|FILE] [section.key=value ...]
   raytunix status [--address ADDR] [JOB_ID]
+  raytunix scale RUN_DIR --env-actors N [--sandbox-actors M]   resize a running run's pools
 """
 
 from __future__ import annotations
@@ -68,6 +69,13 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--address", help="the job server, http://HEAD:8265 (default: "
                                            "RAY_API_SERVER_ADDRESS, else the local head)")
     status.add_argument("job_id", nargs="?", metavar="JOB_ID", help="one job to show")
+    scale = sub.add_parser(
+        "scale", help="grow or shrink a running run's env (and sandbox) actor pools",
+        description="Writes RUN_DIR/scale.json; the run applies it before its next RL step: "
+                    "new actors take episodes once ready, removed ones finish theirs first.")
+    scale.add_argument("run_dir", metavar="RUN_DIR", help="the run directory of a running run")
+    scale.add_argument("--env-actors", metavar="N", help="env actors wanted (>= 1)")
+    scale.add_argument("--sandbox-actors", metavar="M", help="sandbox actors wanted (>= 1)")
     return parser
 
 
@@ -110,10 +118,41 @@ def _profile(run_dir: str, out_dir: str | None) -> int:
     return 1 if artifacts["errors"] else 0
 
 
+def _scale(run_dir: str, env_actors: str | None, sandbox_actors: str | None) -> int:
+    from raytunix.scaling import ScaleRequestError, write_scale_request
+
+    try:
+        counts = [_whole_number(flag, value) for flag, value in
+                  (("--env-actors", env_actors), ("--sandbox-actors", sandbox_actors))]
+        request = write_scale_request(run_dir, *counts)
+    except (ScaleRequestError, OSError) as e:
+        print(f"raytunix: {e}", file=sys.stderr)
+        return 2
+    wanted = ", ".join(f"{n} {what} actors" for what, n in
+                       (("env", request.env_actors), ("sandbox", request.sandbox_actors))
+                       if n is not None)
+    print(f"asked {run_dir} for {wanted} (request {request.request_id}); the run applies it "
+          "before its next RL step and logs it in metrics.jsonl (phase scale).")
+    return 0
+
+
+def _whole_number(flag: str, value: str | None) -> int | None:
+    from raytunix.scaling import ScaleRequestError
+
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ScaleRequestError(f"{flag} {value!r} is not a whole number; pass an int >= 1.") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "profile":
         return _profile(args.run_dir, args.out)
+    if args.command == "scale":
+        return _scale(args.run_dir, args.env_actors, args.sandbox_actors)
     if args.command in ("submit", "status"):
         from raytunix import jobs
 

@@ -105,6 +105,7 @@ class OrchestratorActor(profiling.ProfiledActor):
         agent_kwargs = dict(agent_kwargs or {})
         make_agent(agent_name, tokenizer, **agent_kwargs)  # a bad agent fails here, at start
         self._pool = env_pool
+        env_pool.finish_retiring()  # retired by an orchestrator before this one
 
         def env_provider(group_id: str):
             env, index = env_pool.lease(group_id)
@@ -133,6 +134,23 @@ class OrchestratorActor(profiling.ProfiledActor):
 
     def state(self) -> dict:
         return self.orchestrator.state()
+
+    def resize_env_pool(self, num_actors: int) -> dict:
+        """Grows or shrinks the env actor pool to ``num_actors`` serving actors while
+        episodes run (``EnvPool.resize``: new actors take episodes once ready; removed ones
+        finish theirs, then are killed); returns ``EnvPool.membership()``, which the driver
+        ``adopt``-s into its copy of the pool.
+
+        Raises:
+          ValueError: ``num_actors`` is not an int >= 1.
+        """
+        membership = self._pool.resize(num_actors)
+        self.orchestrator.counters["env_pool_resizes"] += 1
+        return membership
+
+    def env_pool_membership(self) -> dict:
+        """``EnvPool.membership()`` of the pool this orchestrator leases from."""
+        return self._pool.membership()
 
     def stats(self) -> dict:
         return self.orchestrator.stats()

@@ -7,6 +7,11 @@ episode whose actor died ends as ``env_error`` (and is re-run by the orchestrato
 of taking the run with it. An actor that is dead for good (its restarts spent) gets no more
 episodes; when none is left, ``lease`` raises ``EnvPoolExhausted`` and the run stops with
 that one error instead of producing failed episodes.
+
+The pool resizes during a run (``EnvPool.resize``, reached from the driver through
+``OrchestratorActor.resize_env_pool``): new actors take episodes once they are ready, and
+an actor removed from the pool first finishes the episodes it runs (it gets no new one),
+then is killed.
 """
 
 from __future__ import annotations
@@ -143,6 +148,10 @@ class EnvActor(profiling.ProfiledActor):
     def pid(self) -> int:
         return os.getpid()
 
+    def node_id(self) -> str:
+        """The Ray node this actor runs on (hex id)."""
+        return ray.get_runtime_context().get_node_id()
+
 
 def _recorded(name: str, episode_id: str, fn, *args):
     """``fn(*args)`` in an env thread, recorded as a span of the episode: the time the
@@ -230,14 +239,22 @@ class LocalEnv:
 
 
 class EnvPool:
-    """Spreads episodes over ``num_actors`` env actors, least-loaded first.
+    """Spreads episodes over env actors, least-loaded first; resizable during a run.
+
+    Each actor has a stable index (its place in ``actors``, which only grows) and a state:
+    *active* (takes leases), *starting* (started by ``resize``; takes leases once it has
+    built its environment and answered, so episodes do not queue behind a node the
+    autoscaler is still adding), *retiring* (``resize`` shrank the pool: no new lease; it
+    is killed when its last episode releases it), *retired* (killed) or *dead* (dead for
+    good, its restarts spent).
 
     Args:
       env_name, env_kwargs: what ``raytunix.envs.make_env`` builds in each actor.
-      num_actors: actors in the pool (>= 1).
+      num_actors: actors the pool starts with (>= 1).
       max_restarts: Ray restarts of a crashed actor.
-      resources: extra Ray resources each actor needs (e.g. ``{"env_host": 1}``) so that
-        env actors land on their own node pool.
+      resources: extra Ray resources each actor needs (e.g. ``{"raytunix_env": 1}``) so
+        that env actors land on their own node pool (and the autoscaler adds nodes offering
+        it when the pool grows).
       threads_per_actor: environment calls each actor runs at once (see ``EnvActor``).
       probe_timeout_s: how long a liveness check of an actor that raised
         ``ActorDiedError`` may take, seconds; an actor restarting takes that long at most
@@ -247,43 +264,83 @@ class EnvPool:
 
     Raises (``lease``):
       EnvPoolExhausted: every actor is dead for good.
+
+    The pool is a plain object: the orchestrator holds the copy that leases and resizes
+    (``OrchestratorActor.resize_env_pool``), and the driver keeps its copy in step with
+    ``membership`` / ``adopt`` (for profiling drains and shutdown).
     """
 
     def __init__(self, env_name: str, env_kwargs: dict[str, Any], num_actors: int,
                  max_restarts: int = 3, resources: dict[str, float] | None = None,
                  threads_per_actor: int = 256, probe_timeout_s: float = 60.0,
                  import_paths: Sequence[str] = ()):
-        if num_actors < 1:
-            raise ValueError(f"num_actors={num_actors}: an env pool needs at least one actor.")
-        cls = ray.remote(EnvActor).options(
-            num_cpus=0, max_restarts=max_restarts, max_task_retries=0,
-            max_concurrency=10_000, resources=resources or {},
-            runtime_env=CPU_ONLY_RUNTIME_ENV,
-        )
+        _check_size("num_actors", num_actors)
         self.env_name = env_name
-        self.actors = [cls.remote(env_name, env_kwargs, threads_per_actor, tuple(import_paths))
-                       for _ in range(num_actors)]
-        self._load = [0] * num_actors
-        self._ids = itertools.count()
-        self._dead: set[int] = set()
         self.max_restarts = max_restarts
         self.probe_timeout_s = probe_timeout_s
+        self._options = {"num_cpus": 0, "max_restarts": max_restarts, "max_task_retries": 0,
+                         "max_concurrency": 10_000, "resources": dict(resources or {}),
+                         "runtime_env": CPU_ONLY_RUNTIME_ENV}
+        self._args = (env_name, env_kwargs, threads_per_actor, tuple(import_paths))
+        self.actors: list[Any] = []  # every actor this pool started, by index
+        self._load: list[int] = []  # episodes leased per actor now
+        self._leases: list[int] = []  # episodes leased per actor since it started
+        self._ids = itertools.count()
+        self._dead: set[int] = set()
+        self._retiring: set[int] = set()
+        self._retired: set[int] = set()
+        self._starting: dict[int, Any] = {}  # index -> ObjectRef of its readiness probe
+        self._probes: dict[int, Any] = {}  # index -> its future (not pickled)
+        for _ in range(num_actors):
+            self._start_actor()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_probes"] = {}  # futures stay in the process that made them
+        return state
+
+    def _start_actor(self) -> int:
+        index = len(self.actors)
+        self.actors.append(_remote_env_actor().options(**self._options).remote(*self._args))
+        self._load.append(0)
+        self._leases.append(0)
+        return index
+
+    def _serving(self) -> list[int]:
+        """Indices of the actors that count towards the pool's size: active or starting."""
+        gone = self._dead | self._retiring | self._retired
+        return [i for i in range(len(self.actors)) if i not in gone]
+
+    @property
+    def size(self) -> int:
+        """Actors serving now or about to (active and starting); what ``resize`` sets."""
+        return len(self._serving())
 
     def lease(self, group_id: str) -> tuple[RemoteEnv, int]:
-        """An environment client for one episode on the least-loaded live actor, and that
-        actor's index (give it back with ``release``).
+        """An environment client for one episode on the least-loaded active actor (a
+        starting one if none is active yet), and that actor's index (give it back with
+        ``release``).
 
         Raises:
           EnvPoolExhausted: no actor is alive.
         """
-        alive = [i for i in range(len(self.actors)) if i not in self._dead]
+        self._promote_started()
+        serving = self._serving()
+        alive = [i for i in serving if i not in self._starting] or serving
+        if not alive and self._retiring:  # the active ones died: take retiring ones back
+            alive = sorted(self._retiring - self._dead)
+            self._retiring.difference_update(alive)
+            logger.warning("env pool: no active env actor left; retiring actors %s serve "
+                           "again", alive)
         if not alive:
+            total = len(self.actors) - len(self._retired)
             raise EnvPoolExhausted(
-                f"all {len(self.actors)} env actors are dead (each was restarted up to "
+                f"all {total} env actors are dead (each was restarted up to "
                 f"env.env_actor_max_restarts={self.max_restarts} times); no episode can run. "
                 "Check the env actors' logs (`ray logs`), fix the cause, and resume the run.")
         i = min(alive, key=self._load.__getitem__)
         self._load[i] += 1
+        self._leases[i] += 1
 
         async def on_actor_died() -> None:
             await self._check_alive(i)
@@ -294,29 +351,143 @@ class EnvPool:
 
     @property
     def num_alive(self) -> int:
-        """Actors not known to be dead for good."""
-        return len(self.actors) - len(self._dead)
+        """Actors not known to be dead for good nor retired."""
+        return len(self.actors) - len(self._dead | self._retired)
 
     async def _check_alive(self, index: int) -> None:
         # A call to an actor that is restarting waits for it; one to an actor that will not
         # come back fails at once with ActorDiedError.
-        if index in self._dead:
+        if index in self._dead or index in self._retired:
             return
         try:
             async with asyncio.timeout(self.probe_timeout_s):
                 await self.actors[index].num_envs.remote()
         except ray.exceptions.ActorDiedError as e:
             self._dead.add(index)
+            self._starting.pop(index, None)
             logger.error("env actor %d is dead for good (%d of %d left): %s", index,
-                         self.num_alive, len(self.actors), e)
+                         self.size, len(self.actors) - len(self._retired), e)
         except (ray.exceptions.RayActorError, TimeoutError):
             pass  # restarting or slow: not known dead
 
     def release(self, index: int) -> None:
+        """Gives back a lease of ``lease``; a retiring actor whose last episode this was
+        is killed."""
         self._load[index] -= 1
+        if index in self._retiring and self._load[index] == 0:
+            self._retire_now(index)
+
+    def resize(self, num_actors: int) -> dict[str, Any]:
+        """Sets the number of serving actors to ``num_actors``; returns ``membership()``.
+
+        Growing takes retiring actors back first (they are warm), then starts new ones
+        with the same resources and runtime env as the others; a new actor takes leases
+        once it has built its environment (an actor that cannot build it is counted dead,
+        with an error in the log). Shrinking retires starting actors first, then the
+        least-loaded active ones (the newest on a tie): they get no new lease, the
+        episodes on them run to the end, and each is killed when its last one releases it
+        (at once when it has none). No episode fails because of a resize.
+
+        Raises:
+          ValueError: ``num_actors`` is not an int >= 1.
+        """
+        _check_size("num_actors", num_actors)
+        self._promote_started()
+        serving = self._serving()
+        if len(serving) < num_actors:
+            back = sorted(self._retiring - self._dead, key=lambda i: -self._load[i])
+            back = back[: num_actors - len(serving)]
+            self._retiring.difference_update(back)
+            started = [self._start_actor() for _ in range(num_actors - len(serving) - len(back))]
+            for i in started:
+                self._starting[i] = self.actors[i].num_envs.remote()
+            logger.info("env pool: %d -> %d actors (%d taken back from retiring, %d started)",
+                        len(serving), num_actors, len(back), len(started))
+        elif len(serving) > num_actors:
+            order = sorted(serving, key=lambda i: (i not in self._starting, self._load[i], -i))
+            retire = order[: len(serving) - num_actors]
+            for i in retire:
+                self._starting.pop(i, None)
+                self._probes.pop(i, None)
+                self._retiring.add(i)
+                if self._load[i] == 0:
+                    self._retire_now(i)
+            logger.info("env pool: %d -> %d actors (retiring %s once their episodes end)",
+                        len(serving), num_actors, retire)
+        return self.membership()
+
+    def _retire_now(self, index: int) -> None:
+        self._retiring.discard(index)
+        self._retired.add(index)
+        ray.kill(self.actors[index], no_restart=True)
+        logger.info("env pool: env actor %d retired after %d episodes", index,
+                    self._leases[index])
+
+    def _promote_started(self) -> None:
+        """Starting actors that answered their probe become active; one whose environment
+        could not be built is counted dead."""
+        for index, ref in list(self._starting.items()):
+            probe = self._probes.get(index)
+            if probe is None:
+                probe = self._probes[index] = ref.future()
+            if not probe.done():
+                continue
+            del self._starting[index], self._probes[index]
+            error = probe.exception()
+            if error is None:
+                logger.info("env pool: env actor %d is ready and takes episodes", index)
+            else:
+                self._dead.add(index)
+                logger.error("env pool: env actor %d could not start and is left out: %s",
+                             index, error)
+
+    def membership(self) -> dict[str, Any]:
+        """The pool's actors as the orchestrator's copy knows them (JSON-able but for the
+        handles): ``actors`` (handles, by index), ``active``, ``starting``, ``retiring``,
+        ``retired``, ``dead`` (sorted index lists), ``load`` (episodes on each actor now)
+        and ``leases`` (episodes leased to each since it started)."""
+        self._promote_started()
+        serving = self._serving()
+        return {"actors": list(self.actors),
+                "active": [i for i in serving if i not in self._starting],
+                "starting": sorted(self._starting), "retiring": sorted(self._retiring),
+                "retired": sorted(self._retired), "dead": sorted(self._dead),
+                "load": list(self._load), "leases": list(self._leases)}
+
+    def adopt(self, membership: dict[str, Any]) -> None:
+        """Takes the membership of another copy of this pool (the orchestrator's, after a
+        resize), so this copy's ``actors`` and ``members`` match it; loads stay this
+        copy's (a copy that leases nothing keeps zeros)."""
+        actors = list(membership["actors"])
+        added = len(actors) - len(self.actors)
+        self.actors = actors
+        self._load += [0] * added
+        self._leases = list(membership.get("leases", self._leases + [0] * added))
+        self._dead = set(membership["dead"])
+        self._retired = set(membership["retired"])
+        self._retiring = set(membership["retiring"])
+        # A retiring actor of the other copy has its episodes there; this copy never
+        # leases to it and leaves its killing to that copy (or to shutdown).
+        self._starting = {i: self.actors[i].num_envs.remote() for i in membership["starting"]}
+        self._probes = {}
+
+    def finish_retiring(self) -> list[int]:
+        """Kills the retiring actors with no episode leased from this copy (a copy that
+        ``adopt``-ed them from another, now gone); returns their indices."""
+        idle = sorted(i for i in self._retiring if self._load[i] == 0)
+        for i in idle:
+            self._retire_now(i)
+        return idle
+
+    def members(self) -> list[tuple[int, Any]]:
+        """``(index, handle)`` of every actor not retired and not dead for good (active,
+        starting, retiring): the ones whose spans the driver drains."""
+        gone = self._dead | self._retired
+        return [(i, a) for i, a in enumerate(self.actors) if i not in gone]
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
-        """Returns once every actor has built its environment and answers.
+        """Returns once every serving actor (active or starting) has built its environment
+        and answers; the starting ones then take leases.
 
         Raises:
           EnvBuildError: an actor could not build the environment (the cause, as the actor
@@ -325,7 +496,8 @@ class EnvPool:
             resources they ask for).
         """
         try:
-            ray.get([a.num_envs.remote() for a in self.actors], timeout=timeout_s)
+            serving = [self.actors[i] for i in self._serving()]
+            ray.get([a.num_envs.remote() for a in serving], timeout=timeout_s)
         except ray.exceptions.ActorDiedError as e:
             if not getattr(e, "_actor_init_failed", False):
                 raise
@@ -337,6 +509,25 @@ class EnvPool:
                                 f"actors: {cause}") from None
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(
-                f"the {len(self.actors)} env actors of {self.env_name!r} were not ready within "
+                f"the {len(serving)} env actors of {self.env_name!r} were not ready within "
                 f"{timeout_s} s; check that the cluster has the resources they ask for "
                 "(`ray status`) and the env actors' logs (`ray logs`).") from None
+        self._promote_started()
+
+
+def _check_size(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r}: an env pool needs a whole number of actors, at "
+                         "least 1.")
+
+
+_REMOTE_ENV_ACTOR = None
+
+
+def _remote_env_actor():
+    """``ray.remote(EnvActor)``, made once per process (each call would export the class
+    again)."""
+    global _REMOTE_ENV_ACTOR
+    if _REMOTE_ENV_ACTOR is None:
+        _REMOTE_ENV_ACTOR = ray.remote(EnvActor)
+    return _REMOTE_ENV_ACTOR

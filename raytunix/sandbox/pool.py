@@ -14,6 +14,11 @@ job's namespace; ``connect`` finds them from any actor of the job (an env actor'
 for one). A work dir lives on the actor that opened it; a call that finds the actor
 dead or restarted raises ``SandboxUnavailable`` (the episode ends as ``env_error``, not
 as a tool error of the policy).
+
+The pool resizes during a run (``SandboxPool.resize``): clients look the actors up again
+every few seconds, so new ones get work dirs; an actor removed from the pool refuses new
+work dirs at once (a client then opens the work dir on another actor), serves the ones it
+holds until they are closed, and is killed by ``SandboxPool.reap`` once it holds none.
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ from __future__ import annotations
 import logging
 import os
 import random
+import re
 import threading
+import time
 from typing import Any, Mapping, Sequence
 
 import ray
@@ -36,11 +43,21 @@ from raytunix.sandbox.types import (
     WorkspaceLost,
 )
 
-__all__ = ["DEFAULT_POOL_NAME", "RemoteSandbox", "SandboxActor", "SandboxPool", "find_pool"]
+__all__ = ["DEFAULT_POOL_NAME", "RemoteSandbox", "SandboxActor", "SandboxPool",
+           "SandboxRetiring", "find_pool"]
 
 logger = logging.getLogger(__name__)
 
 _CPU_ONLY = {"env_vars": {"JAX_PLATFORMS": "cpu"}}  # never take the accelerator
+
+# How often a client looks the pool's actors up again (seconds): a grown pool's new actors
+# get work dirs within this time.
+REFRESH_S = 5.0
+
+
+class SandboxRetiring(SandboxUnavailable):
+    """The sandbox actor is leaving the pool and opens no new work dir; the client opens
+    it on another actor."""
 
 
 class SandboxActor(profiling.ProfiledActor):
@@ -59,9 +76,26 @@ class SandboxActor(profiling.ProfiledActor):
                                 instance=f"actor-{actor_id}", ro_binds=ro_binds)
         self._runs = 0
         self._count_lock = threading.Lock()
+        self._retiring = False
 
     def open_workspace(self, name: str = "") -> str:
-        return self._sandbox.open_workspace(name)
+        """A new work dir's id.
+
+        Raises:
+          SandboxRetiring: ``retire`` was called; open it on another actor.
+        """
+        with self._count_lock:  # after retire() returns, no work dir is opened here
+            if self._retiring:
+                raise SandboxRetiring("this sandbox actor is leaving the pool; open the work "
+                                      "dir on another one.")
+            return self._sandbox.open_workspace(name)
+
+    def retire(self) -> int:
+        """Refuses new work dirs from now on; returns how many this actor still holds (it
+        serves them until they are closed)."""
+        with self._count_lock:
+            self._retiring = True
+            return self._sandbox.num_workspaces()
 
     def run(self, workspace: str, argv: Sequence[str], stdin: bytes | str = b"",
             env: Mapping[str, str] | None = None,
@@ -82,31 +116,91 @@ class SandboxActor(profiling.ProfiledActor):
         """``pid``, ``backend``, ``isolation``, ``workspaces`` open, ``runs`` started."""
         return {"pid": os.getpid(), "backend": self._sandbox.backend.value,
                 "isolation": self._sandbox.isolation.value,
-                "workspaces": self._sandbox.num_workspaces(), "runs": self._runs}
+                "workspaces": self._sandbox.num_workspaces(), "runs": self._runs,
+                "retiring": self._retiring}
 
 
 class RemoteSandbox:
     """``SandboxClient`` over sandbox actors: each work dir is opened on a random actor
-    (of those not known dead) and its calls go there. Blocking; call from a thread.
+    (of those not known dead or retiring) and its calls go there. Blocking; call from a
+    thread.
+
+    Args:
+      actors: the pool's actors, a list (indexed from 0) or ``{index: handle}``.
+      seed: seeds the choice of actor.
+      pool_name: the pool's name; when given, the actors named ``<pool_name>-<index>`` are
+        looked up again every ``refresh_s`` seconds and whenever none is left to open a
+        work dir on, so a resized pool's new actors are used and its removed ones are not.
+      refresh_s: seconds between two look-ups.
 
     Raises (every method):
       SandboxUnavailable: the actor is dead or restarting, or lost the work dir
         (``WorkspaceLost``) when it restarted.
     """
 
-    def __init__(self, actors: Sequence[Any], seed: int | None = None) -> None:
-        if not actors:
+    def __init__(self, actors: Sequence[Any] | Mapping[int, Any], seed: int | None = None,
+                 pool_name: str | None = None, refresh_s: float = REFRESH_S) -> None:
+        self.actors: dict[int, Any] = dict(actors if isinstance(actors, Mapping)
+                                           else enumerate(actors))
+        if not self.actors and pool_name is None:
             raise ValueError("RemoteSandbox needs at least one sandbox actor.")
-        self.actors = list(actors)
         self._rng = random.Random(seed)
         self._dead: set[int] = set()
+        self._retiring: set[int] = set()  # refused a work dir: leaving the pool
+        self._pool_name = pool_name
+        self._refresh_s = refresh_s
+        self._refreshed = time.monotonic()
+        self._lock = threading.Lock()
+
+    def _candidates(self) -> list[int]:
+        return [i for i in self.actors if i not in self._dead and i not in self._retiring]
+
+    def refresh(self) -> None:
+        """Looks the pool's actors up by name again (a no-op without ``pool_name``):
+        actors new to this client are added; handles of those gone are kept, so calls on
+        their work dirs fail as a dead actor's do."""
+        if self._pool_name is None:
+            return
+        found = _named_actors(self._pool_name, self.actors)
+        with self._lock:
+            self._refreshed = time.monotonic()
+            for index, handle in found.items():
+                if index not in self.actors:
+                    self.actors[index] = handle
+            self._dead.update(set(self.actors) - set(found))
 
     def open_workspace(self, name: str = "") -> str:
-        alive = [i for i in range(len(self.actors)) if i not in self._dead] or \
-            list(range(len(self.actors)))
-        index = self._rng.choice(alive)
-        workspace = self._call(index, "open_workspace", name)
-        return f"{index}:{workspace}"
+        """Opens a work dir on a random actor; one that is leaving the pool, dead or
+        unavailable is skipped for another.
+
+        Raises:
+          SandboxUnavailable: no actor could open it (the last actor's error).
+        """
+        if time.monotonic() - self._refreshed > self._refresh_s:
+            self.refresh()
+        tried: set[int] = set()
+        error: SandboxUnavailable | None = None
+        while True:
+            alive = [i for i in self._candidates() if i not in tried]
+            if not alive and not tried:
+                self.refresh()
+                alive = self._candidates()
+            if not alive and not tried:  # every one known dead: try one (it may be back)
+                alive = [i for i in self.actors if i not in self._retiring]
+            if not alive:
+                raise error or SandboxUnavailable(
+                    f"no sandbox actor of pool {self._pool_name!r} takes a new work dir "
+                    "(every one is leaving the pool).")
+            index = self._rng.choice(alive)
+            tried.add(index)
+            try:
+                return f"{index}:{self._call(index, 'open_workspace', name)}"
+            except SandboxRetiring as e:
+                with self._lock:
+                    self._retiring.add(index)
+                error = e
+            except SandboxUnavailable as e:  # dead (marked by _call) or restarting
+                error = e
 
     def run(self, workspace: str, argv: Sequence[str], *, stdin: bytes | str = b"",
             env: Mapping[str, str] | None = None,
@@ -123,7 +217,7 @@ class RemoteSandbox:
 
     def _split(self, workspace: str) -> tuple[int, str]:
         index, _, name = workspace.partition(":")
-        if not (index.isdigit() and int(index) < len(self.actors) and name):
+        if not (index.isdigit() and int(index) in self.actors and name):
             raise WorkspaceLost(f"work dir {workspace!r} was not opened by this client.")
         return int(index), name
 
@@ -132,7 +226,8 @@ class RemoteSandbox:
         try:
             return ray.get(getattr(actor, method).remote(*args))
         except ray.exceptions.ActorDiedError as e:
-            self._dead.add(index)
+            with self._lock:
+                self._dead.add(index)
             raise SandboxUnavailable(f"sandbox actor {index} died during {method}: {e}") from e
         except ray.exceptions.RayActorError as e:  # restarting, or unreachable
             raise SandboxUnavailable(
@@ -145,7 +240,8 @@ class RemoteSandbox:
 
 
 class SandboxPool:
-    """Starts ``num_actors`` named ``SandboxActor``s.
+    """Starts ``num_actors`` named ``SandboxActor``s; ``resize`` grows or shrinks the pool
+    while tools use it.
 
     Args:
       num_actors: actors in the pool (>= 1).
@@ -155,8 +251,9 @@ class SandboxPool:
         ``"sandbox_host"``, declared on the nodes meant for sandboxes), or None.
       max_concurrent_runs: commands one actor runs at once (>= 1).
       max_restarts: Ray restarts of a crashed actor.
-      name: the actors are named ``<name>-0``, ``<name>-1``, ... in the job's namespace;
-        actors left with those names (a previous pool not shut down) are killed first.
+      name: the actors are named ``<name>-0``, ``<name>-1``, ... in the job's namespace
+        (an actor added by ``resize`` takes the next number never used); actors left with
+        those names (a previous pool not shut down) are killed first.
 
     Raises:
       ValueError: a count is out of range.
@@ -167,24 +264,42 @@ class SandboxPool:
                  ro_binds: Sequence[str] = (), num_cpus: float = 0.5,
                  resource: str | None = None, max_concurrent_runs: int = 32,
                  max_restarts: int = 3, name: str = DEFAULT_POOL_NAME) -> None:
-        if num_actors < 1:
-            raise ValueError(f"num_actors={num_actors}: a sandbox pool needs at least one actor.")
+        _check_size(num_actors)
         if num_cpus < 0:
             raise ValueError(f"num_cpus={num_cpus} must be >= 0.")
         if max_concurrent_runs < 1:
             raise ValueError(f"max_concurrent_runs={max_concurrent_runs} must be >= 1.")
         self.name = name
-        options = dict(num_cpus=num_cpus, max_concurrency=max_concurrent_runs,
-                       max_restarts=max_restarts, max_task_retries=0,
-                       resources={resource: 1} if resource else {}, runtime_env=_CPU_ONLY)
-        cls = ray.remote(SandboxActor)
-        self.actors = []
-        for i in range(num_actors):
-            actor_name = f"{name}-{i}"
-            _kill_named(actor_name)
-            self.actors.append(cls.options(name=actor_name, **options).remote(
-                limits or SandboxLimits(), backend, root_dir, tuple(ro_binds)))
+        self._options = {"num_cpus": num_cpus, "max_concurrency": max_concurrent_runs,
+                         "max_restarts": max_restarts, "max_task_retries": 0,
+                         "resources": {resource: 1} if resource else {},
+                         "runtime_env": _CPU_ONLY}
+        self._args = (limits or SandboxLimits(), backend, root_dir, tuple(ro_binds))
+        self._slots: dict[int, Any] = {}  # index -> handle, of every actor not yet killed
+        self._retiring: set[int] = set()
+        self.retired: list[int] = []  # indices of the actors killed by reap, in order
+        self._next = 0
+        for _ in range(num_actors):
+            self._start_actor()
         _CLIENTS.pop(name, None)
+
+    def _start_actor(self) -> int:
+        index, self._next = self._next, self._next + 1
+        actor_name = f"{self.name}-{index}"
+        _kill_named(actor_name)
+        self._slots[index] = ray.remote(SandboxActor).options(
+            name=actor_name, **self._options).remote(*self._args)
+        return index
+
+    @property
+    def actors(self) -> list[Any]:
+        """Handles of the actors not yet killed (serving and retiring), by index."""
+        return [self._slots[i] for i in sorted(self._slots)]
+
+    @property
+    def size(self) -> int:
+        """Actors that take new work dirs (what ``resize`` sets)."""
+        return len(self._slots) - len(self._retiring)
 
     @classmethod
     def from_config(cls, sandbox, name: str = DEFAULT_POOL_NAME) -> "SandboxPool":
@@ -197,7 +312,89 @@ class SandboxPool:
                    max_restarts=sandbox.actor_max_restarts, name=name)
 
     def client(self, seed: int | None = None) -> RemoteSandbox:
-        return RemoteSandbox(self.actors, seed)
+        active = {i: a for i, a in self._slots.items() if i not in self._retiring}
+        return RemoteSandbox(active, seed, pool_name=self.name)
+
+    def resize(self, num_actors: int, timeout_s: float = 30.0) -> dict[str, list[int]]:
+        """Sets the number of actors taking new work dirs to ``num_actors``.
+
+        Growing starts actors with the same options as the others (clients find them
+        within ``REFRESH_S`` seconds). Shrinking retires the actors holding the fewest
+        work dirs (the newest on a tie): each refuses new work dirs at once, serves the
+        ones it holds until they are closed, and is killed by ``reap`` (called here and
+        by the driver once per RL step) when it holds none, so no tool call fails
+        because of a resize.
+
+        Returns:
+          ``membership()`` after the change.
+
+        Raises:
+          ValueError: ``num_actors`` is not an int >= 1.
+        """
+        _check_size(num_actors)
+        serving = [i for i in sorted(self._slots) if i not in self._retiring]
+        if len(serving) < num_actors:
+            started = [self._start_actor() for _ in range(num_actors - len(serving))]
+            logger.info("sandbox pool %r: %d -> %d actors (started %s)", self.name,
+                        len(serving), num_actors, started)
+        elif len(serving) > num_actors:
+            held = self._workspaces(serving, timeout_s)
+            order = sorted(serving, key=lambda i: (held.get(i, 0), -i))
+            retire = order[: len(serving) - num_actors]
+            refs = [self._slots[i].retire.remote() for i in retire]
+            try:  # once retire() returned, the actor opens no new work dir
+                ray.get(refs, timeout=timeout_s)
+            except (ray.exceptions.RayError, TimeoutError) as e:
+                logger.warning("sandbox pool %r: not every retiring actor answered: %s",
+                               self.name, e)
+            self._retiring.update(retire)
+            logger.info("sandbox pool %r: %d -> %d actors (retiring %s once their work dirs "
+                        "are closed)", self.name, len(serving), num_actors, retire)
+        _CLIENTS.pop(self.name, None)
+        self.reap(timeout_s)
+        return self.membership()
+
+    def reap(self, timeout_s: float = 10.0) -> list[int]:
+        """Kills the retiring actors that hold no work dir (or are dead); returns their
+        indices."""
+        if not self._retiring:
+            return []
+        retiring = sorted(self._retiring)
+        held = self._workspaces(retiring, timeout_s)
+        done = [i for i in retiring if held.get(i, 1) == 0]
+        for i in done:
+            actor = self._slots.pop(i)
+            self._retiring.discard(i)
+            try:
+                ray.get(actor.close.remote(), timeout=timeout_s)
+            except (ray.exceptions.RayError, TimeoutError):
+                pass  # dead already, or stuck: its work dirs stay in the temp dir
+            ray.kill(actor, no_restart=True)
+            self.retired.append(i)
+            logger.info("sandbox pool %r: actor %d retired", self.name, i)
+        return done
+
+    def _workspaces(self, indices: Sequence[int], timeout_s: float) -> dict[int, int]:
+        """Work dirs each actor holds; a dead actor holds 0, one that does not answer in
+        ``timeout_s`` is left out."""
+        refs = {i: self._slots[i].stats.remote() for i in indices}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+        held = {}
+        for i, ref in refs.items():
+            if ref not in ready:
+                continue
+            try:
+                held[i] = ray.get(ref)["workspaces"]
+            except ray.exceptions.ActorDiedError:
+                held[i] = 0
+            except ray.exceptions.RayError:
+                pass  # restarting: not known
+        return held
+
+    def membership(self) -> dict[str, list[int]]:
+        """``active`` and ``retiring`` actor indices now, and those ``retired`` so far."""
+        return {"active": sorted(set(self._slots) - self._retiring),
+                "retiring": sorted(self._retiring), "retired": list(self.retired)}
 
     def wait_ready(self, timeout_s: float = 60.0) -> list[dict[str, Any]]:
         """Blocks until every actor has built its sandbox; returns their ``stats``.
@@ -224,6 +421,12 @@ class SandboxPool:
         _CLIENTS.pop(self.name, None)
 
 
+def _check_size(num_actors: Any) -> None:
+    if isinstance(num_actors, bool) or not isinstance(num_actors, int) or num_actors < 1:
+        raise ValueError(f"num_actors={num_actors!r}: a sandbox pool needs a whole number of "
+                         "actors, at least 1.")
+
+
 def _kill_named(actor_name: str) -> None:
     try:
         stale = ray.get_actor(actor_name)
@@ -233,26 +436,43 @@ def _kill_named(actor_name: str) -> None:
     ray.kill(stale)
 
 
+def _named_actors(name: str, known: Mapping[int, Any] | None = None) -> dict[int, Any]:
+    """``{index: handle}`` of the live actors named ``<name>-<index>`` in this job's
+    namespace; handles in ``known`` are reused instead of looked up again."""
+    known = known or {}
+    pattern = re.compile(re.escape(name) + r"-(\d+)")
+    found = {}
+    for actor_name in ray.util.list_named_actors():
+        match = pattern.fullmatch(actor_name)
+        if match is None:
+            continue
+        index = int(match.group(1))
+        if index in known:
+            found[index] = known[index]
+            continue
+        try:
+            found[index] = ray.get_actor(actor_name)
+        except ValueError:
+            pass  # killed since it was listed
+    return found
+
+
 _CLIENTS: dict[str, RemoteSandbox] = {}
 _CLIENTS_LOCK = threading.Lock()
 
 
 def find_pool(name: str = DEFAULT_POOL_NAME) -> RemoteSandbox | None:
     """A client for the pool started as ``name`` in this Ray job, or None when Ray is not
-    running or no such pool exists. Cached per process."""
+    running or no such pool exists. Cached per process; the client follows the pool's
+    resizes (``RemoteSandbox.refresh``)."""
     if not ray.is_initialized():
         return None
     with _CLIENTS_LOCK:
         client = _CLIENTS.get(name)
         if client is not None and len(client._dead) < len(client.actors):
             return client
-        actors = []
-        while True:
-            try:
-                actors.append(ray.get_actor(f"{name}-{len(actors)}"))
-            except ValueError:
-                break
+        actors = _named_actors(name)
         if not actors:
             return None
-        _CLIENTS[name] = client = RemoteSandbox(actors)
+        _CLIENTS[name] = client = RemoteSandbox(actors, pool_name=name)
         return client
