@@ -386,7 +386,9 @@ class EnvPool:
         with an error in the log). Shrinking retires starting actors first, then the
         least-loaded active ones (the newest on a tie): they get no new lease, the
         episodes on them run to the end, and each is killed when its last one releases it
-        (at once when it has none). No episode fails because of a resize.
+        (at once when it has none). No episode fails because of a resize. Actors started
+        here are owned by the calling process (the orchestrator actor in a run) and end
+        with it, as the run does.
 
         Raises:
           ValueError: ``num_actors`` is not an int >= 1.

@@ -296,6 +296,11 @@ class SandboxPool:
         """Handles of the actors not yet killed (serving and retiring), by index."""
         return [self._slots[i] for i in sorted(self._slots)]
 
+    def members(self) -> list[tuple[int, Any]]:
+        """``(index, handle)`` of the actors not yet killed (serving and retiring), by
+        index: the ones whose spans the driver drains, named by their stable index."""
+        return sorted(self._slots.items())
+
     @property
     def size(self) -> int:
         """Actors that take new work dirs (what ``resize`` sets)."""
