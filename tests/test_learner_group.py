@@ -8,11 +8,11 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import numpy as np
+import pytest
 
-CONFIG_KW = dict(vocab_size=16, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64,
-                 max_seq_len=32)
+CONFIG_KW = {"vocab_size": 16, "d_model": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1,
+             "d_ff": 64, "max_seq_len": 32}
 
 
 def _record_batch(step: int):
@@ -77,6 +77,7 @@ def test_a_two_host_group_matches_one_process_and_is_rebuilt_after_a_host_dies(
         assert len({info["pid"] for info in group.host_infos}) == 2
         first_coordinator = group.coordinator
         group.start_rl(hp)
+        assert group.mesh_shape() == {"data": 2, "fsdp": 1, "tensor": 1}  # rows split in two
         refs = [ray.put(batch) for batch in batches]
         _assert_metrics_close(group.train_step([refs[0]]), expected[0])
         assert group.save(str(tmp_path / "ckpt"), {"data_position": 4}) == 1
@@ -98,5 +99,7 @@ def test_a_two_host_group_matches_one_process_and_is_rebuilt_after_a_host_dies(
         weights, version = group.weights()
         assert version == 3
         _assert_params_close(weights, expected_params)
+        # Every host gathers the weights, rank 0 alone writes them.
+        assert "model.safetensors" in group.export(str(tmp_path / "export"))
     finally:
         group.shutdown()

@@ -77,7 +77,7 @@ SCENARIO = textwrap.dedent('''
 @pytest.fixture(scope="module")
 def scenario():
     done = subprocess.run([sys.executable, "-c", SCENARIO], capture_output=True, text=True,
-                          timeout=240)
+                          timeout=240, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -123,3 +123,33 @@ def test_env_actors_may_not_ask_for_an_accelerator():
     assert cpu_actor_options({"raytunix_env": 1}) == {
         "num_cpus": 0, "resources": {"raytunix_env": 1},
         "runtime_env": {"env_vars": {"JAX_PLATFORMS": "cpu"}}}
+
+
+def test_placement_config_keys_are_validated_with_the_fix_in_the_message():
+    from raytunix.config import ConfigError, load_config
+    from raytunix.placement import LearnerHostsSpec
+
+    slice_keys = ["learner.num_hosts=4", "learner.resources.TPU=4", "learner.tpu_topology=4x4",
+                  "learner.tpu_version=v6e", "engine.placement=disaggregated"]
+    cfg = load_config(None, [*slice_keys, "env.actor_resources.raytunix_env=1"])
+    spec = LearnerHostsSpec.from_config(cfg.learner)
+    assert (spec.num_hosts, spec.resources, spec.strategy) == (4, {"TPU": 4}, "STRICT_SPREAD")
+    assert cfg.env.actor_resources == {"raytunix_env": 1}
+    assert load_config(None).learner.num_hosts == 1  # one learner actor, as before
+
+    bad = {
+        "learner.num_hosts=2": "needs engine.placement=disaggregated",
+        "learner.num_hosts=0": "learner.num_hosts=0 must be > 0",
+        "env.actor_resources.TPU=1": "env.actor_resources asks for TPU",
+        "learner.resources.TPU=0": "learner.resources: TPU=0 must be a positive number",
+        "learner.resources=3": "learner.resources=3 must be a mapping",
+        "learner.tpu_topology=4x4": "set both",
+        "learner.placement_strategy=spread": "not one of STRICT_SPREAD",
+    }
+    for override, message in bad.items():
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, [override])
+    with pytest.raises(ConfigError, match="makes 4 learner hosts.*set learner.num_hosts=4"):
+        load_config(None, [*slice_keys, "learner.num_hosts=2"])
+    with pytest.raises(ConfigError, match="'4x5' is not a topology of TPU v6e"):
+        load_config(None, [*slice_keys, "learner.tpu_topology=4x5"])

@@ -119,6 +119,12 @@ class LearnerHost(LearnerActor):
                 "device_count": jax.device_count(),
                 "local_device_count": jax.local_device_count()}
 
+    def mesh_shape(self) -> dict[str, int]:
+        """The learner's device mesh, axis name -> size (``Learner.mesh``, built when a
+        phase starts); {} before."""
+        mesh = getattr(self.learner, "mesh", None)
+        return {} if mesh is None else {k: int(v) for k, v in mesh.shape.items()}
+
     def weights(self) -> tuple[Any, int]:
         """(numpy parameter pytree, policy version) on rank 0, (None, version) on the
         others; every host must call it (gathering split parameters is a collective)."""
@@ -138,10 +144,12 @@ class LearnerHost(LearnerActor):
                                       source=self.model_path or None))
 
 
-def place_learner_hosts(spec: LearnerHostsSpec, timeout_s: float = 600.0
+def place_learner_hosts(spec: LearnerHostsSpec, timeout_s: float = 600.0,
+                        runtime_env: dict[str, Any] | None = None
                         ) -> tuple[LearnerHosts, list, list[dict[str, Any]]]:
     """Reserves the hosts (``reserve_learner_hosts``), starts one ``LearnerHost`` in each
-    bundle and ranks them by their TPU worker ids (``assign_ranks``).
+    bundle (with ``runtime_env``, e.g. XLA flags; None: the job's) and ranks them by
+    their TPU worker ids (``assign_ranks``).
 
     Returns ``(reservation, hosts, infos)``: the hosts' actor handles in rank order and
     their ``host_info()`` with ``bundle_index`` and ``rank`` added, in the same order.
@@ -156,7 +164,8 @@ def place_learner_hosts(spec: LearnerHostsSpec, timeout_s: float = 600.0
     reservation = reserve_learner_hosts(spec, timeout_s=timeout_s)
     cls = ray.remote(LearnerHost)
     # A host that restarted alone could not rejoin the JAX program: no Ray restarts.
-    hosts = [cls.options(max_restarts=0, max_concurrency=100,
+    options = {} if runtime_env is None else {"runtime_env": runtime_env}
+    hosts = [cls.options(max_restarts=0, max_concurrency=100, **options,
                          **reservation.actor_options(b)).remote()
              for b in range(reservation.num_hosts)]
     try:
@@ -191,6 +200,9 @@ class LearnerGroup:
         joining ``jax.distributed``.
       call_timeout_s: seconds a call may take on every host before the group counts as
         hung (torn down, ``LearnerHostFailure``); None waits for ever.
+      runtime_env: the hosts' Ray runtime env (e.g. ``{"env_vars": {...}}`` for XLA or
+        libtpu flags, or ``JAX_COMPILATION_CACHE_DIR`` so that a rebuilt group reuses the
+        compiled update); None: the job's.
 
     Raises:
       TimeoutError: the hosts could not be reserved in time (``reserve_learner_hosts``).
@@ -200,8 +212,9 @@ class LearnerGroup:
 
     def __init__(self, spec: LearnerHostsSpec, model_config: ModelConfig, seed: int,
                  pad_id: int, model_path: str = "", *, start_timeout_s: float = 600.0,
-                 call_timeout_s: float | None = None):
+                 call_timeout_s: float | None = None, runtime_env: dict[str, Any] | None = None):
         self.spec = spec
+        self.runtime_env = runtime_env
         self._learner_args = (model_config, seed, pad_id, model_path)
         self.start_timeout_s = start_timeout_s
         self.call_timeout_s = call_timeout_s
@@ -221,19 +234,22 @@ class LearnerGroup:
     def _start(self) -> None:
         deadline = time.monotonic() + self.start_timeout_s
         self._reservation, self.hosts, self.host_infos = place_learner_hosts(
-            self.spec, timeout_s=self.start_timeout_s)
-        coordinator = ray.get(self.hosts[0].coordinator_address.remote())
-        n = len(self.hosts)
-        remaining = max(1, int(deadline - time.monotonic()))
-        joined = self._on_all_ranked(
-            lambda rank, host: host.initialize.remote(coordinator, n, rank, *self._learner_args,
-                                                      timeout_s=remaining),
-            timeout_s=remaining + 60)
-        for rank, info in enumerate(joined):
-            if info["process_index"] != rank or info["process_count"] != n:
-                self.shutdown()
-                raise RuntimeError(f"learner host {rank} joined JAX as {info}; expected "
-                                   f"process {rank} of {n}.")
+            self.spec, timeout_s=self.start_timeout_s, runtime_env=self.runtime_env)
+        try:
+            coordinator = ray.get(self.hosts[0].coordinator_address.remote())
+            n = len(self.hosts)
+            remaining = max(1, int(deadline - time.monotonic()))
+            joined = self._on_all_ranked(
+                lambda rank, host: host.initialize.remote(
+                    coordinator, n, rank, *self._learner_args, timeout_s=remaining),
+                timeout_s=remaining + 60)
+            for rank, info in enumerate(joined):
+                if info["process_index"] != rank or info["process_count"] != n:
+                    raise RuntimeError(f"learner host {rank} joined JAX as {info}; expected "
+                                       f"process {rank} of {n}.")
+        except BaseException:  # a half-started group holds its hosts for nothing
+            self.shutdown()
+            raise
         self.coordinator = coordinator
         self.device_count = joined[0]["device_count"]
         logger.info("learner group: %d hosts, %d devices, coordinator %s, ranks by %s", n,
@@ -370,6 +386,10 @@ class LearnerGroup:
 
     def policy_version(self) -> int:
         return self._on_all("policy_version")[0]
+
+    def mesh_shape(self) -> dict[str, int]:
+        """The learner's device mesh over every host's devices (axis -> size)."""
+        return self._on_all("mesh_shape")[0]
 
     def export(self, out_dir: str) -> list[str]:
         return self._on_all("export", out_dir)[0]
