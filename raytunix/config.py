@@ -125,6 +125,7 @@ class EngineConfig:
     kv_on_weight_update: str = "recompute"  # recompute | keep (KV of older weights is reused and counted as stale)
     sessions: bool = True  # keep an episode's KV in the engine between its turns
     num_replicas: int = 1  # engine actors behind the router (disaggregated placement only)
+    actor_resources: dict[str, float] = dataclasses.field(default_factory=dict)  # Ray resources each engine actor asks for (disaggregated placement), e.g. {TPU: 4} for one TPU host of an inference slice; {} = no CPU reserved, anywhere
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``InferenceEngine`` that this section sets."""
@@ -164,7 +165,7 @@ class LearnerConfig:
     keep_best_by: str = ""  # a number of the RL step's metrics (e.g. reward_mean: the batch's mean reward); the checkpoint with the best value is never deleted; "" = off
     keep_best_mode: str = "max"  # max | min: whether a higher or a lower keep_best_by is better
     num_hosts: int = 1  # learner actors, one per host, running one JAX program (jax.distributed; raytunix.learner.group); 1 = one learner actor; > 1 needs engine.placement=disaggregated
-    resources: dict[str, float] = dataclasses.field(default_factory=dict)  # Ray resources of each learner host, e.g. {TPU: 4} (all of a TPU VM's chips); {} = one CPU; used with learner.num_hosts > 1
+    resources: dict[str, float] = dataclasses.field(default_factory=dict)  # Ray resources of each learner host (also of the single learner actor, or the colocated learner + engine), e.g. {TPU: 4}: all of a TPU VM's chips; {} = one CPU
     placement_strategy: str = "STRICT_SPREAD"  # how the learner hosts' placement group spreads: STRICT_SPREAD (one per node) | SPREAD | PACK | STRICT_PACK
     tpu_topology: str = ""  # the learner slice's TPU topology (e.g. 4x4); with tpu_version the hosts are reserved as one slice (ray.util.tpu) and ranked by TPU worker id; "" = a plain placement group
     tpu_version: str = ""  # the learner slice's TPU generation (e.g. v6e, v5p, v4); set with tpu_topology
@@ -463,7 +464,7 @@ def _validate_sandbox(sandbox: SandboxConfig) -> None:
 
 # Mapping-valued keys; an override may set one entry: env.kwargs.turns=2.
 _MAPPINGS = frozenset({"env.kwargs", "env.agent_kwargs", "data.dataset_kwargs",
-                       "env.actor_resources", "learner.resources"})
+                       "env.actor_resources", "learner.resources", "engine.actor_resources"})
 
 
 def _validate_env(env: EnvConfig) -> None:
@@ -541,11 +542,17 @@ def _validate_placement(cfg: Config) -> None:
 
     learner = cfg.learner
     for key, wanted, accelerators in (("learner.resources", learner.resources, True),
+                                      ("engine.actor_resources", cfg.engine.actor_resources, True),
                                       ("env.actor_resources", cfg.env.actor_resources, False)):
         try:
             check_resources(key, wanted, allow_accelerators=accelerators)
         except (TypeError, ValueError) as e:
             raise ConfigError(str(e)) from None
+    if cfg.engine.actor_resources and cfg.engine.placement == "colocated":
+        raise ConfigError(
+            f"engine.actor_resources={cfg.engine.actor_resources} places engine actors of "
+            "engine.placement=disaggregated; a colocated engine runs in the learner's process "
+            "(placed by learner.resources).")
     if learner.num_hosts > 1 and cfg.engine.placement == "colocated":
         raise ConfigError(
             f"learner.num_hosts={learner.num_hosts} needs engine.placement=disaggregated: a "

@@ -99,6 +99,22 @@ class LearnerHostsSpec:
         """The resources of one host's bundle: ``resources``, or one CPU when empty."""
         return dict(self.resources) or {"CPU": 1.0}
 
+    def actor_options(self) -> dict[str, Any]:
+        """``.options()`` of a single learner actor (``num_hosts == 1``: no placement
+        group) asking for one host's ``bundle``."""
+        return resource_options(self.bundle)
+
+
+def resource_options(bundle: dict[str, float]) -> dict[str, Any]:
+    """``bundle`` (Ray resource name -> amount) as ``.options()`` keywords: ``num_cpus``
+    and ``num_gpus`` (0 when absent), ``memory`` (bytes, when given), the rest as custom
+    ``resources``."""
+    options: dict[str, Any] = {"num_cpus": bundle.get("CPU", 0), "num_gpus": bundle.get("GPU", 0)}
+    if "memory" in bundle:
+        options["memory"] = bundle["memory"]
+    options["resources"] = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU", "memory")}
+    return options
+
 
 def check_resources(key: str, resources: Any, *, allow_accelerators: bool = True) -> None:
     """Raises ``ValueError`` naming ``key`` unless ``resources`` maps resource names to
@@ -206,9 +222,7 @@ class LearnerHosts:
         """``.options()`` placing an actor in bundle ``bundle_index``, holding all of its
         resources (its CPUs, TPU chips...)."""
         bundle = self.spec.bundle if self._slice is None else dict(self._slice.bundle_resources)
-        custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU", "memory")}
-        return {"num_cpus": bundle.get("CPU", 0), "num_gpus": bundle.get("GPU", 0),
-                "resources": custom,
+        return {**resource_options(bundle),
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(
                     placement_group=self.placement_group,
                     placement_group_bundle_index=bundle_index)}

@@ -89,10 +89,13 @@ def test_learner_hosts_land_one_per_tpu_host_ranked_by_worker_id(scenario):
     assert sorted(h["node_id"] for h in hosts) == sorted(tpu_nodes)  # one per TPU host
     for h in hosts:  # the rank is the host's worker id, read where the actor runs
         assert h["worker_id"] == tpu_nodes[h["node_id"]] == h["rank"]
-    # The nodes joined out of order, so bundle order is not rank order here; the ranks
-    # above hold regardless.
+    # The nodes joined out of worker-id order, so bundle b is not on worker b: ranking by
+    # bundle index would have been wrong here.
     bundles = [tpu_nodes[node] for node in scenario["bundle_nodes"]]
     assert sorted(bundles) == [0, 1, 2, 3]
+    assert bundles != [0, 1, 2, 3], (
+        "Ray placed bundle b on worker b: the scenario no longer tells a bundle index from a "
+        "worker id; change the order in which its TPU nodes join")
     assert [hosts[r]["bundle_index"] for r in range(4)] == [bundles.index(r) for r in range(4)]
 
 
@@ -153,3 +156,17 @@ def test_placement_config_keys_are_validated_with_the_fix_in_the_message():
         load_config(None, [*slice_keys, "learner.num_hosts=2"])
     with pytest.raises(ConfigError, match="'4x5' is not a topology of TPU v6e"):
         load_config(None, [*slice_keys, "learner.tpu_topology=4x5"])
+
+
+def test_engine_and_single_learner_resources():
+    from raytunix.config import ConfigError, load_config
+    from raytunix.placement import LearnerHostsSpec
+
+    cfg = load_config(None, ["engine.placement=disaggregated", "engine.actor_resources.TPU=4",
+                             "learner.resources.TPU=8", "learner.resources.CPU=4"])
+    assert cfg.engine.actor_resources == {"TPU": 4}
+    assert LearnerHostsSpec.from_config(cfg.learner).actor_options() == {
+        "num_cpus": 4, "num_gpus": 0, "resources": {"TPU": 8}}
+    assert LearnerHostsSpec().actor_options() == {"num_cpus": 1.0, "num_gpus": 0, "resources": {}}
+    with pytest.raises(ConfigError, match="engine.actor_resources=.*disaggregated"):
+        load_config(None, ["engine.actor_resources.TPU=4"])
