@@ -25,11 +25,12 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser(
         "train", help="warm start, then asynchronous GRPO on Ray; prints a summary",
         description="Runs the main job on local Ray (or the cluster in RAY_ADDRESS).")
-    train.add_argument("--config", default="default",
-                       help=f"a preset ({', '.join(preset_names())}) or a YAML file")
+    train.add_argument("--config", help=f"a preset ({', '.join(preset_names())}) or a YAML "
+                                        "file (default: default); not with --resume")
     train.add_argument("--resume", metavar="RUN_DIR",
-                       help="continue a run from its latest checkpoint, with the run's own config "
-                            "(overrides apply on top, e.g. learner.rl_steps=80)")
+                       help="continue a stopped run (from its newest checkpoint, or its warm "
+                            "start's) with the run's own config (overrides apply on top, e.g. "
+                            "learner.rl_steps=80)")
     train.add_argument("overrides", nargs="*", metavar="section.key=value",
                        help="config overrides, e.g. rollout.max_concurrent_episodes=64")
     show = sub.add_parser("config", help="print the resolved config as YAML",
@@ -164,8 +165,15 @@ def main(argv: list[str] | None = None) -> int:
     # would find it; the console script's own path does not include it.
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
+    if getattr(args, "resume", None) and args.config is not None:
+        print(f"raytunix: --config {args.config} cannot be combined with --resume: a resumed run "
+              f"keeps its own config ({os.path.join(args.resume, 'config.yaml')}); pass the "
+              "settings a resume may change as overrides (e.g. learner.rl_steps=80), or start "
+              "a new run with --config.", file=sys.stderr)
+        return 2
     try:
-        cfg = load_config(args.config, [] if getattr(args, "resume", None) else args.overrides)
+        cfg = (None if getattr(args, "resume", None)
+               else load_config(args.config or "default", args.overrides))
     except ConfigError as e:
         print(f"raytunix: config error: {e}", file=sys.stderr)
         return 2

@@ -195,7 +195,8 @@ def test_a_learner_resumed_from_an_async_checkpoint_trains_on_bit_identically(tm
 
 def test_keep_best_by_names_a_number_of_the_rl_step_metrics():
     from raytunix.config import ConfigError, load_config
-    from raytunix.train import RunError, _best_metric
+    from raytunix.driver.steps import best_metric as _best_metric
+    from raytunix.train import RunError
 
     record = {"phase": "rl", "step": 3, "reward_mean": 0.25, "loss": -0.1, "update_skipped": 0.0,
               "statuses": {"completed": 4}}

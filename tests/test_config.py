@@ -159,7 +159,8 @@ def test_bad_fault_settings_name_the_key_and_value(override, named):
 
 
 def test_fault_settings_reach_the_orchestrator_as_backoff_schedules():
-    from raytunix.train import RESUME_OVERRIDABLE, _fault_kwargs
+    from raytunix.driver.job import fault_kwargs as _fault_kwargs
+    from raytunix.train import RESUME_OVERRIDABLE
 
     cfg = load_config(None, [
         "rollout.max_consecutive_failures=0", "rollout.max_episode_restarts=5",

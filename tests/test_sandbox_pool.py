@@ -114,13 +114,13 @@ class ShellEnv(CalculatorMathEnv):
 
 
 def test_a_run_starts_the_pool_its_config_describes_for_an_env_that_uses_a_sandbox(ray_session):
-    from raytunix import train
     from raytunix.config import load_config
+    from raytunix.driver import prepare
 
     cfg = load_config(None, [f"env.name={__name__}:ShellEnv", "sandbox.num_actors=2",
                              "sandbox.num_cpus_per_actor=0", "sandbox.wall_time_s=3",
                              "sandbox.memory_mb=128", "sandbox.max_output_kb=1"])
-    pool = train._start_sandbox_pool(cfg)
+    pool = prepare.start_sandbox_pool(cfg)
     try:
         assert len(pool.actors) == 2
         env = ShellEnv()  # as an env actor would build it: its tool connects to the pool
@@ -133,7 +133,7 @@ def test_a_run_starts_the_pool_its_config_describes_for_an_env_that_uses_a_sandb
         assert sum(s["workspaces"] for s in pool.stats()) == 0
     finally:
         pool.shutdown()
-    assert train._start_sandbox_pool(load_config(None, [])) is None  # calculator: no sandbox
+    assert prepare.start_sandbox_pool(load_config(None, [])) is None  # calculator: no sandbox
 
 
 def test_the_config_sections_sizes_become_the_sandbox_limits():

@@ -10,14 +10,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import pytest  # noqa: E402
 
 from raytunix.config import ConfigError, load_config  # noqa: E402
-from raytunix.train import (  # noqa: E402
-    RunDir,
-    RunError,
-    _removed_if_left_empty,
-    _unfinished_episodes,
-    load_run_config,
-    train,
-)
+from raytunix.driver.run_dir import removed_if_left_empty as _removed_if_left_empty  # noqa: E402
+from raytunix.driver.steps import unfinished_episodes as _unfinished_episodes  # noqa: E402
+from raytunix.train import RunDir, RunError, load_run_config, train  # noqa: E402
 
 TINY = [
     "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",

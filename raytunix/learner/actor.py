@@ -120,6 +120,22 @@ class LearnerActor(profiling.ProfiledActor):
         for ckpt in list(self._checkpointers.values()):
             await self._in_thread(ckpt.wait_until_finished)
 
+    async def save_warmup(self, directory: str, steps: int, extras: dict[str, Any]) -> None:
+        """Starts the warm start's checkpoint after ``steps`` steps in ``directory`` (the
+        newest one kept); ``Learner.save_warmup``."""
+        ckpt = self._checkpointer(directory, 1)
+        with profiling.span("checkpoint", "learner", {"warmup_step": steps}):
+            await self._in_thread(self.learner.save_warmup, ckpt, steps, extras)
+
+    async def restore_warmup(self, directory: str) -> dict[str, Any] | None:
+        """The newest warm-start checkpoint in ``directory`` restored (and published to a
+        colocated engine); its extras, or None when there is none
+        (``Learner.restore_warmup``)."""
+        extras = await self._in_thread(self.learner.restore_warmup, self._checkpointer(directory, 1))
+        if extras is not None:
+            self._publish_timed()
+        return extras
+
     async def save_reference(self, directory: str) -> None:
         await self._in_thread(self.learner.save_reference, self._checkpointer(directory, 1))
 

@@ -1,0 +1,197 @@
+"""The actors of one run (``Job``), and ``started_job``, which brings them up from a
+config and takes them down however the run ends."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import ray
+
+from raytunix.config import Config, RolloutConfig
+from raytunix.driver import prepare
+from raytunix.driver.prepare import Tasks
+from raytunix.driver.run_dir import RunDir, say
+from raytunix.models.tokenizer import Tokenizer
+from raytunix.rollout.env_pool import CPU_ONLY_RUNTIME_ENV, EnvPool
+from raytunix.types import SamplingParams
+
+# A run that stops waits this long for the learner's checkpoint in flight to be committed.
+CHECKPOINT_FINISH_TIMEOUT_S = 300.0
+
+
+class Job:
+    """The actors of one run, built from its config: the learner (with the engine in one
+    process when ``engine.placement=colocated``, else beside ``engine.num_replicas``
+    engine actors), the env pool, the sandbox pool (or None) and, once started, the
+    orchestrator."""
+
+    def __init__(self, cfg: Config, tokenizer: Tokenizer, train_tasks, env_pool: EnvPool,
+                 sandbox_pool=None):
+        from raytunix.learner.actor import LearnerActor, PolicyActor
+
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.train_tasks = train_tasks
+        self.orchestrator = None
+        self.env_pool = env_pool
+        self.sandbox_pool = sandbox_pool
+        self.sandbox_actors: list = list(sandbox_pool.actors) if sandbox_pool is not None else []
+        model_config = prepare.model_config(cfg, tokenizer)
+        path = cfg.model.path
+        self.colocated = cfg.engine.placement == "colocated"
+        if self.colocated:
+            self.learner = ray.remote(PolicyActor).options(
+                num_cpus=1, max_concurrency=10_000).remote(
+                model_config, cfg.run.seed, tokenizer, cfg.engine.engine_kwargs(), path)
+            self.engine = self.learner
+            self.engines = [self.learner]
+        else:
+            from raytunix.inference.actor import EngineActor
+
+            self.learner = ray.remote(LearnerActor).options(
+                num_cpus=1, max_concurrency=100).remote(
+                model_config, cfg.run.seed, tokenizer.pad_id, path)
+            self.engines = [
+                ray.remote(EngineActor).options(num_cpus=0, max_concurrency=10_000).remote(
+                    model_config, cfg.run.seed, tokenizer, cfg.engine.engine_kwargs(), path)
+                for _ in range(cfg.engine.num_replicas)]
+            self.engine = self.engines[0]
+
+    def start_orchestrator(self, state: dict[str, Any], policy_version: int) -> None:
+        """(Re)creates the orchestrator at a data position (``state``) and version."""
+        from raytunix.rollout.actor import OrchestratorActor
+        from raytunix.rollout.concurrency import ConcurrencyController
+
+        cfg, tokenizer = self.cfg, self.tokenizer
+        if self.orchestrator is not None:
+            ray.kill(self.orchestrator)
+        self.orchestrator = ray.remote(OrchestratorActor).options(
+            num_cpus=0, max_concurrency=10_000, runtime_env=CPU_ONLY_RUNTIME_ENV).remote(
+            tasks=self.train_tasks, tokenizer=tokenizer, agent_name=prepare.agent_name(cfg),
+            agent_kwargs=prepare.agent_kwargs(cfg), import_paths=prepare.import_paths(cfg),
+            env_pool=self.env_pool, engine=self.engines,
+            group_size=cfg.rollout.group_size, groups_per_batch=cfg.rollout.groups_per_batch,
+            max_concurrent_episodes=cfg.rollout.max_concurrent_episodes,
+            max_staleness=cfg.rollout.max_staleness, max_turns=cfg.env.max_turns,
+            max_context_tokens=cfg.model.max_seq_len,
+            sampling=SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,
+                                    temperature=cfg.rollout.temperature,
+                                    top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
+                                    stop_token_ids=tokenizer.stop_ids),
+            episode_timeout_s=cfg.rollout.episode_timeout_s,
+            batch_queue_size=cfg.rollout.batch_queue_size,
+            drop_failed_groups=cfg.rollout.drop_failed_groups,
+            stale_token_policy=cfg.rollout.stale_token_policy,
+            partial_rollout=cfg.rollout.partial_rollout,
+            concurrency=(ConcurrencyController.from_config(cfg.rollout)
+                         if cfg.rollout.adaptive_concurrency else None),
+            concurrency_interval_s=cfg.rollout.adaptive_interval_s,
+            dynamic_sampling=cfg.rollout.dynamic_sampling,
+            dynamic_sampling_max_filtered=cfg.rollout.dynamic_sampling_max_filtered,
+            **fault_kwargs(cfg.rollout),
+            seed=cfg.run.seed, policy_version=policy_version, state=state)
+
+    def publish_weights(self) -> None:
+        """Disaggregated placement: ship the learner's weights to the engines."""
+        if not self.colocated:
+            weights = self.learner.weights.remote()
+            ray.get([engine.update_weights.remote(weights) for engine in self.engines])
+
+    def evaluate(self, tasks) -> dict[str, Any]:
+        """Greedy episodes on ``tasks`` (``RolloutOrchestrator.evaluate``'s result)."""
+        return ray.get(self.orchestrator.evaluate.remote(tasks, self.cfg.eval.max_new_tokens))
+
+    def engine_stats(self) -> dict[str, Any]:
+        """The engine's counters; across replicas, sums, the mean busy fraction and the
+        lowest policy version, with each replica's under ``replicas``."""
+        per_replica = ray.get([engine.engine_stats.remote() for engine in self.engines])
+        if len(per_replica) == 1:
+            return per_replica[0]
+        merged = {key: sum(stats[key] for stats in per_replica)
+                  for key, value in per_replica[0].items()
+                  if isinstance(value, (int, float)) and not key.startswith("policy_version")}
+        merged["busy_fraction"] = sum(s["busy_fraction"] for s in per_replica) / len(per_replica)
+        for key in ("policy_version", "policy_version_received"):
+            merged[key] = min(s[key] for s in per_replica)
+        merged["replicas"] = per_replica
+        return merged
+
+    def profiled_actors(self) -> list[tuple[str, Any]]:
+        """``(name, handle)`` of every actor whose spans the driver drains."""
+        actors = [("policy (learner + engine)" if self.colocated else "learner", self.learner)]
+        if not self.colocated:
+            actors += [(f"engine {i}", engine) for i, engine in enumerate(self.engines)]
+        if self.orchestrator is not None:
+            actors.append(("orchestrator", self.orchestrator))
+        actors += [(f"env actor {i}", actor) for i, actor in enumerate(self.env_pool.actors)]
+        actors += [(f"sandbox {i}", actor) for i, actor in enumerate(self.sandbox_actors)]
+        return actors
+
+    def shutdown(self) -> None:
+        """Lets the learner finish a checkpoint it is writing, then kills the run's actors
+        (checkpoints and the run directory stay)."""
+        try:
+            ray.get(self.learner.finish_checkpoints.remote(), timeout=CHECKPOINT_FINISH_TIMEOUT_S)
+        except ray.exceptions.RayError as e:  # a dead learner; a timeout: orbax's temporary
+            say(f"the checkpoint in flight was not finished ({type(e).__name__}: "  # dir
+                f"{str(e)[:300]}); resuming uses the one before it")  # keeps the last valid
+        actors = [self.orchestrator, self.learner, *self.env_pool.actors]
+        if not self.colocated:
+            actors += self.engines
+        for actor in actors:
+            if actor is not None:
+                ray.kill(actor)
+        if self.sandbox_pool is not None:
+            self.sandbox_pool.shutdown()
+
+
+def fault_kwargs(rollout: RolloutConfig) -> dict[str, Any]:
+    """The orchestrator's fault handling from ``rollout.*`` (``RolloutConfig``)."""
+    from raytunix.rollout.faults import Backoff
+
+    r = rollout
+    return {
+        "max_episode_restarts": r.max_episode_restarts,
+        "max_group_retries": r.max_group_retries,
+        "max_consecutive_failures": r.max_consecutive_failures,
+        "engine_backoff": Backoff(
+            initial_delay_s=r.engine_retry_initial_delay_s, max_delay_s=r.engine_retry_max_delay_s,
+            multiplier=r.engine_retry_multiplier, jitter=r.engine_retry_jitter,
+            max_attempts=r.engine_retry_max_attempts),
+        "retry_backoff": Backoff(
+            initial_delay_s=r.retry_initial_delay_s, max_delay_s=r.retry_max_delay_s,
+            multiplier=r.retry_multiplier, jitter=r.retry_jitter),
+    }
+
+
+@contextlib.contextmanager
+def started_job(cfg: Config, run: RunDir, dataset) -> Iterator[tuple[Job, Tasks]]:
+    """Brings a run's actors up, in the order that stops a run that cannot work before
+    anything trains: sandboxes, env actors (an environment that brings its own tasks
+    builds them there), the tasks, the tokenizer, the prompt check, then the learner and
+    engines. Yields ``(job, tasks)``; on the way out, however the run ends, lets the
+    learner finish its checkpoint in flight and kills every actor.
+
+    Args:
+      dataset: ``(train, heldout)`` read from ``data.*`` (``dataset_splits``) or None.
+
+    Raises:
+      RunError: a step above fails (see ``raytunix.driver.prepare``).
+    """
+    with contextlib.ExitStack() as stack:
+        sandbox_pool = prepare.start_sandbox_pool(cfg)
+        if sandbox_pool is not None:
+            stack.callback(sandbox_pool.shutdown)
+        env_pool = prepare.start_env_pool(cfg)
+        stack.callback(lambda: [ray.kill(actor) for actor in env_pool.actors])
+        tasks = prepare.task_splits(cfg, env_pool, dataset)
+        tokenizer = prepare.run_tokenizer(cfg, run, tasks.train)
+        prepare.check_prompts(cfg, env_pool, tasks, tokenizer)
+        job = Job(cfg, tokenizer, tasks.train, env_pool, sandbox_pool)
+        stack.pop_all()  # the job's shutdown takes them all down now
+        try:
+            yield job, tasks
+        finally:
+            job.shutdown()

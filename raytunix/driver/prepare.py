@@ -1,0 +1,343 @@
+"""What a run needs before its actors train: Ray, the names its config resolves to, the
+sandbox pool, the tasks, the tokenizer, the prompt check and the warm start's
+demonstrations. Each step raises ``RunError`` (or ``ConfigError``) with what to do."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import signal
+import threading
+from typing import Any
+
+import numpy as np
+import ray
+
+from raytunix import plugins
+from raytunix.config import Config
+from raytunix.driver.run_dir import RunDir, RunError, say
+from raytunix.models.llama import ModelConfig
+from raytunix.models.tokenizer import Tokenizer
+from raytunix.rollout import preflight
+from raytunix.rollout.env_pool import EnvPool
+
+# Env actors may wait for a node of their own resource (an autoscaled pool) before they
+# build the environment; past this, the run stops with the reason.
+ENV_READY_TIMEOUT_S = 600.0
+
+
+# -- Ray and signals -------------------------------------------------------------------------
+
+def connect_ray() -> None:
+    """Joins the cluster in ``RAY_ADDRESS``, or starts a local one (watched, so that a
+    killed driver takes it down); nothing when Ray is already up. Then SIGTERM stops the
+    run as Ctrl-C does (actors shut down, checkpoints kept)."""
+    if not ray.is_initialized():
+        address = os.environ.get("RAY_ADDRESS")
+        if address:
+            ray.init(address=address, log_to_driver=True)
+        else:
+            from raytunix.watchdog import start_watchdog
+
+            context = ray.init(include_dashboard=False, object_store_memory=256 * 1024**2,
+                               num_cpus=max(2, os.cpu_count() or 2), log_to_driver=True)
+            # This process started the cluster: if it is killed (kill -9, OOM), the
+            # cluster's processes go with it instead of outliving it for a minute.
+            start_watchdog(context.address_info["session_dir"])
+    if threading.current_thread() is threading.main_thread():
+        # After ray.init, which installs its own SIGTERM handler.
+        signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+# -- what the config names -------------------------------------------------------------------
+
+def env_class(cfg: Config) -> type:
+    return plugins.resolve("env", cfg.env.name)
+
+
+def agent_name(cfg: Config) -> str:
+    return env_class(cfg).default_agent if cfg.env.agent == "auto" else cfg.env.agent
+
+
+def agent_kwargs(cfg: Config) -> dict[str, Any]:
+    """``env.agent_kwargs``; with ``model.path``, the chat template is the folder's unless
+    the config names one."""
+    kwargs = dict(cfg.env.agent_kwargs)
+    if cfg.model.path:
+        kwargs.setdefault("chat_template", cfg.model.path)
+    return kwargs
+
+
+def new_agent(cfg: Config, tokenizer: Tokenizer):
+    from raytunix.agents import make_agent
+
+    return make_agent(agent_name(cfg), tokenizer, **agent_kwargs(cfg))
+
+
+def import_paths(cfg: Config) -> tuple[str, ...]:
+    """Directories the actors put on sys.path to import what the config names by import
+    path: the env and agent classes (resolved here first) and modules named inside
+    env.kwargs / env.agent_kwargs (a tool class, a gymnasium env)."""
+    classes = (env_class(cfg), plugins.resolve("agent", agent_name(cfg)))
+    roots = [plugins.import_root(cls) for cls in classes]
+    roots += plugins.module_roots(cfg.env.kwargs) + plugins.module_roots(cfg.env.agent_kwargs)
+    return tuple(dict.fromkeys(root for root in roots if root))
+
+
+def uses_tools(cfg: Config) -> bool:
+    """The warm start's tool demonstrations are for the calculator environment."""
+    from raytunix.envs import CalculatorMathEnv
+
+    return issubclass(env_class(cfg), CalculatorMathEnv)
+
+
+def model_config(cfg: Config, tokenizer: Tokenizer) -> ModelConfig:
+    """The run's model: ``model.path``'s config.json at ``model.max_seq_len`` tokens of
+    context, else a fresh model of the ``model.*`` sizes over ``tokenizer``'s ids.
+
+    Raises:
+      RunError: the folder's model cannot be read, or its embedding has fewer ids than
+        its tokenizer.
+    """
+    m = cfg.model
+    if not m.path:
+        return ModelConfig(vocab_size=tokenizer.vocab_size, d_model=m.d_model,
+                           n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
+                           d_ff=m.d_ff, max_seq_len=m.max_seq_len)
+    from raytunix.models.hf import CheckpointError, read_model_config
+
+    try:
+        config = read_model_config(m.path, m.max_seq_len)
+    except CheckpointError as e:
+        raise RunError(f"model.path: {e}") from None
+    if tokenizer.vocab_size > config.vocab_size:
+        raise RunError(f"model.path={m.path!r}: tokenizer.json has {tokenizer.vocab_size} ids but "
+                       f"the model's embedding only {config.vocab_size}; the folder's files do "
+                       "not belong together.")
+    return config
+
+
+# -- actors before the learner ---------------------------------------------------------------
+
+def start_sandbox_pool(cfg: Config):
+    """The run's sandbox actors, when its environment runs sandboxed tools (its class sets
+    ``uses_sandbox``); their tools find them with ``raytunix.sandbox.connect()``. None
+    otherwise.
+
+    Raises:
+      RunError: the actors are not placed within ``ENV_READY_TIMEOUT_S`` or cannot start.
+    """
+    if not getattr(env_class(cfg), "uses_sandbox", False):
+        return None
+    from raytunix.sandbox.pool import SandboxPool
+
+    pool = SandboxPool.from_config(cfg.sandbox)
+    try:
+        stats = pool.wait_ready(ENV_READY_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        pool.shutdown()
+        raise RunError(
+            f"the {cfg.sandbox.num_actors} sandbox actors were not placed within "
+            f"{ENV_READY_TIMEOUT_S:.0f} s; does the cluster have sandbox.num_cpus_per_actor="
+            f"{cfg.sandbox.num_cpus_per_actor} CPUs each"
+            + (f" and the resource sandbox.resource={cfg.sandbox.resource!r}" if cfg.sandbox.resource else "")
+            + "?") from None
+    except ray.exceptions.RayActorError as e:
+        pool.shutdown()
+        raise RunError(f"the sandbox actors could not start (sandbox.backend="
+                       f"{cfg.sandbox.backend!r}): {e}") from None
+    say(f"sandbox: {len(stats)} actors, backend {stats[0]['backend']}, isolation "
+        f"{stats[0]['isolation']}")
+    return pool
+
+
+def start_env_pool(cfg: Config) -> EnvPool:
+    """The env actors, each with its environment built (``preflight.check_env_actors``).
+
+    Raises:
+      RunError: an environment cannot be built, or the actors are not placed in time.
+    """
+    env_pool = EnvPool(cfg.env.name, dict(cfg.env.kwargs), cfg.env.num_env_actors,
+                       max_restarts=cfg.env.env_actor_max_restarts,
+                       import_paths=import_paths(cfg))
+    try:
+        run_preflight(preflight.check_env_actors, env_pool, ENV_READY_TIMEOUT_S)
+    except BaseException:
+        for actor in env_pool.actors:
+            ray.kill(actor)
+        raise
+    return env_pool
+
+
+def run_preflight(check, *args):
+    """Runs a ``preflight`` check; its failure stops the run as a RunError (exit 2)."""
+    try:
+        return check(*args)
+    except preflight.PreflightError as e:
+        raise RunError(str(e)) from None
+
+
+# -- tasks, tokenizer, prompts -------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Tasks:
+    """The run's tasks: ``train`` (RL and the warm start's demonstrations), ``heldout``
+    (evaluated before and after RL, ``eval.heldout_size`` of them), ``dev`` (the warm
+    start's stop check: the last ``warmup.eval_size`` train tasks, not held out) and
+    ``source`` (where they came from, for the log)."""
+
+    train: list
+    heldout: list
+    dev: list
+    source: str
+
+
+def task_splits(cfg: Config, env_pool: EnvPool, dataset) -> Tasks:
+    """``dataset`` (``(train, heldout)`` read from ``data.*`` already) if given, else the
+    environment's own tasks (built in an env actor, as the environment is), else
+    reasoning-gym ``data.dataset``.
+
+    Raises:
+      RunError: no held-out task is left, or the environment's tasks() fails or answers
+        only one split, or ``data.source=env`` and the environment brings none.
+    """
+    from raytunix.data.tasks import generator_splits
+
+    d = cfg.data
+    if dataset is not None:
+        where = d.path if d.source != "reasoning_gym" else d.dataset
+        if not dataset[1]:
+            raise RunError(f"data.source={d.source} {where}: no held-out task is left once "
+                           "those whose question is also in train are dropped; give another "
+                           "held-out split (data.heldout_path / data.heldout_split) or none, "
+                           "to hold out rows of the training split.")
+        return _tasks(cfg, dataset[0], dataset[1], f"{d.source} {where}")
+    actor = env_pool.actors[0]
+    try:
+        own = ray.get([actor.tasks.remote(split, size, d.seed)
+                       for split, size in (("train", d.train_size), ("heldout", d.heldout_size))])
+    except ray.exceptions.RayTaskError as e:
+        cause = e.cause if isinstance(e.cause, BaseException) else e
+        raise RunError(f"environment {cfg.env.name!r} failed to make its tasks: "
+                       f"{type(cause).__name__}: {cause}") from None
+    if own[0] is not None:
+        if own[1] is None:
+            raise RunError(f"environment {cfg.env.name!r} brings train tasks but none for "
+                           "'heldout'; its tasks() must answer both splits.")
+        return _tasks(cfg, own[0], own[1], "the environment's own")
+    if d.source == "env":
+        raise RunError(f"data.source=env but environment {cfg.env.name!r} brings no tasks "
+                       "(its tasks() returns None); set data.source to a dataset.")
+    train, heldout = generator_splits(d)
+    return _tasks(cfg, train, heldout, f"reasoning-gym {d.dataset}")
+
+
+def _tasks(cfg: Config, train, heldout, source: str) -> Tasks:
+    return Tasks(train=train, heldout=heldout[: cfg.eval.heldout_size],
+                 dev=train[-cfg.warmup.eval_size:], source=source)
+
+
+def run_tokenizer(cfg: Config, run: RunDir, train_tasks) -> Tokenizer:
+    """``model.path``'s tokenizer; else the run's ``tokenizer.json`` if it has one (a
+    resumed run); else one trained on the train tasks and saved there.
+
+    Raises:
+      RunError: ``model.path``'s tokenizer is missing or bad, or the folder has no chat
+        template and ``env.agent_kwargs`` names none; or the run has a checkpoint but
+        lost its tokenizer.json.
+    """
+    if cfg.model.path:  # the model's own tokenizer; nothing to train or save
+        return _folder_tokenizer(cfg)
+    if os.path.exists(run.tokenizer):
+        return Tokenizer.load(run.tokenizer)
+    if run.has_rl_checkpoint() or os.path.isdir(run.warmup):
+        raise RunError(f"{run.tokenizer} is missing but the run has checkpoints made with it; "
+                       "restore the file or start a new run.")
+    from raytunix.data.demonstrations import tokenizer_corpus
+
+    tokenizer = Tokenizer.train(tokenizer_corpus(train_tasks[:3000]), cfg.model.tokenizer_vocab_size)
+    tokenizer.save(run.tokenizer)
+    return tokenizer
+
+
+def _folder_tokenizer(cfg: Config) -> Tokenizer:
+    from raytunix.models.chat_template import (
+        ChatTemplateError,
+        chat_template_from_folder,
+    )
+
+    path = cfg.model.path
+    try:
+        tokenizer = Tokenizer.from_folder(path)
+        if "chat_template" not in cfg.env.agent_kwargs:
+            chat_template_from_folder(path)
+    except (OSError, ValueError) as e:  # ChatTemplateError is a ValueError
+        hint = (" Set env.agent_kwargs.chat_template to a built-in template whose tokens "
+                "the model's tokenizer has (chatml, llama3, gemma)."
+                if isinstance(e, ChatTemplateError) else "")
+        raise RunError(f"model.path={path!r}: {e}{hint}") from None
+    return tokenizer
+
+
+def check_prompts(cfg: Config, env_pool: EnvPool, tasks: Tasks, tokenizer: Tokenizer) -> None:
+    """Renders a sample of train and held-out prompts through the agent and logs their
+    token lengths.
+
+    Raises:
+      RunError: a prompt does not fit ``model.max_seq_len`` (``preflight.measure_prompts``).
+    """
+    prompts = run_preflight(
+        preflight.measure_prompts, env_pool,
+        preflight.sample_tasks(tasks.train, 24) + preflight.sample_tasks(tasks.heldout, 8),
+        lambda: new_agent(cfg, tokenizer), cfg.model.max_seq_len)
+    say(f"env {cfg.env.name!r} ready on {cfg.env.num_env_actors} actors; tasks: {tasks.source} "
+        f"({len(tasks.train)} train, {len(tasks.heldout)} held out); "
+        f"prompts {prompts['prompt_tokens_min']}-{prompts['prompt_tokens_max']} tokens "
+        f"(context {cfg.model.max_seq_len})")
+
+
+def warm_start_applies(cfg: Config, tasks: Tasks) -> bool:
+    """The warm start's demonstrations (and its stop check) are arithmetic; for any other
+    tasks it is off rather than teaching a format on tasks it cannot solve."""
+    from raytunix.data.tasks import is_arithmetic
+
+    return cfg.warmup.enabled and is_arithmetic(tasks.train)
+
+
+def demonstration_arrays(cfg: Config, tasks, tokenizer: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
+    """The warm start's demonstrations of ``tasks``, rendered through the agent's own token
+    path: ``(tokens int32[N, T], loss_mask float32[N, T])``, right-padded with the pad id,
+    T a multiple of 16; rows longer than ``model.max_seq_len`` are left out. Deterministic
+    in ``run.seed``, so a resumed warm start trains on the same rows.
+
+    Raises:
+      RunError: no demonstration fits ``model.max_seq_len``.
+    """
+    from raytunix.data.demonstrations import sample_demonstrations
+
+    rng = random.Random(cfg.run.seed)
+    probs = ({2: cfg.warmup.tool_use_prob_2_terms, 3: cfg.warmup.tool_use_prob_3_terms}
+             if uses_tools(cfg) else {n: 0.0 for n in range(1, 10)})
+    demos = sample_demonstrations(tasks, rng, probs)
+    agent = new_agent(cfg, tokenizer)
+    rows = [agent.render_demonstration(task, messages) for task, messages in zip(tasks, demos)]
+    limit = cfg.model.max_seq_len
+    fitting = [r for r in rows if len(r[0]) <= limit]
+    if not fitting:
+        raise RunError(
+            f"model.max_seq_len={limit} is shorter than every warm-start demonstration "
+            f"(shortest: {min(len(r[0]) for r in rows)} tokens); raise model.max_seq_len.")
+    rows = fitting
+    width = max(len(r[0]) for r in rows)
+    width = -(-width // 16) * 16
+    tokens = np.full((len(rows), width), tokenizer.pad_id, np.int32)
+    mask = np.zeros((len(rows), width), np.float32)
+    for i, (ids, m) in enumerate(rows):
+        tokens[i, : len(ids)] = ids
+        mask[i, : len(m)] = m
+    return tokens, mask

@@ -1,0 +1,185 @@
+"""The run directory: its files, a new one per run, the config a resumed run keeps, and
+what a stopped run left to resume from.
+
+    RUN_DIR/config.yaml       the run's config (a resume may change only RESUME_OVERRIDABLE)
+    RUN_DIR/tokenizer.json    the trained tokenizer (runs without model.path)
+    RUN_DIR/metrics.jsonl     one JSON record per warm-start check, RL step and evaluation
+    RUN_DIR/warmup/           the warm start's latest checkpoint (orbax; SFT state + steps)
+    RUN_DIR/checkpoints/      the RL checkpoints (orbax; learner state + orchestrator state)
+    RUN_DIR/state.json        the newest committed RL checkpoint's step and data position
+    RUN_DIR/summary.json      written once the run ends
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import yaml
+
+from raytunix.config import (
+    Config,
+    ConfigError,
+    apply_override,
+    config_from_dict,
+    validate,
+)
+from raytunix.profiling.collect import append_jsonl
+
+
+class RunError(RuntimeError):
+    """The run cannot go on; the message says why and what to do (checkpoints are kept)."""
+
+
+def say(msg: str) -> None:
+    """Prints a progress line of the driver, time-stamped."""
+    print(f"[raytunix {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+class RunDir:
+    """The files of one run (see the module docstring); creates ``path`` if missing."""
+
+    def __init__(self, path: str):
+        self.path = os.path.abspath(path)
+        os.makedirs(self.path, exist_ok=True)
+        self.config = os.path.join(self.path, "config.yaml")
+        self.tokenizer = os.path.join(self.path, "tokenizer.json")
+        self.metrics = os.path.join(self.path, "metrics.jsonl")
+        self.warmup = os.path.join(self.path, "warmup")  # the warm start's progress
+        self.checkpoints = os.path.join(self.path, "checkpoints")
+        self.reference = os.path.join(self.path, "reference")  # KL reference policy, if any
+        self.export = os.path.join(self.path, "export")  # the trained policy in HF layout (model.path runs)
+        self.summary = os.path.join(self.path, "summary.json")
+        self.state = os.path.join(self.path, "state.json")
+        self.sinks = None  # profiling.sinks.MetricSinks once the run starts its actors
+        self.checkpoint_in_flight: dict[str, Any] | None = None  # state.json once it commits
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Appends ``record`` to metrics.jsonl and hands it to the other metric sinks
+        (TensorBoard, Ray metrics, the console view)."""
+        record = dict(record, time=time.time())
+        append_jsonl(self.metrics, [json.dumps(record) + "\n"])
+        if self.sinks is not None:
+            self.sinks.write(record)
+
+    def read_state(self) -> dict[str, Any]:
+        """state.json: ``{"checkpoint_step", "data_position"}`` of the newest committed RL
+        checkpoint; {} before the first."""
+        if not os.path.exists(self.state):
+            return {}
+        with open(self.state) as f:
+            return json.load(f)
+
+    def write_state(self, state: dict[str, Any]) -> None:
+        tmp = self.state + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(state, f, indent=2)
+        os.replace(tmp, self.state)
+
+    def write_config(self, cfg: Config) -> None:
+        with open(self.config, "w") as f:
+            f.write(cfg.to_yaml())
+
+    def has_rl_checkpoint(self) -> bool:
+        """Whether an RL checkpoint was committed: state.json names one, or checkpoints/
+        holds a step directory (orbax renames ``<step>.orbax-checkpoint-tmp-*`` to
+        ``<step>`` only once every file is written; a run killed between that and
+        state.json still resumes from it)."""
+        if "checkpoint_step" in self.read_state():
+            return True
+        return os.path.isdir(self.checkpoints) and any(
+            name.isdigit() for name in os.listdir(self.checkpoints))
+
+
+def new_run_dir(cfg: Config) -> RunDir:
+    """``run.output_dir/<run.name>-<date-time>[-n]``, created.
+
+    Raises:
+      ConfigError: ``run.output_dir`` cannot be created.
+    """
+    try:
+        os.makedirs(cfg.run.output_dir, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(
+            f"run.output_dir={cfg.run.output_dir!r} cannot be created ({e.strerror}); pass a "
+            "writable directory.") from None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = os.path.join(cfg.run.output_dir, f"{cfg.run.name}-{stamp}")
+    suffix = 1
+    while os.path.exists(path):
+        path = os.path.join(cfg.run.output_dir, f"{cfg.run.name}-{stamp}-{suffix}")
+        suffix += 1
+    return RunDir(path)
+
+
+# What a resumed run may change: how long it trains and how it is run, never what the
+# checkpoint holds (model shape, tokenizer, data, algorithm).
+RESUME_OVERRIDABLE = frozenset({
+    "learner.rl_steps", "learner.checkpoint_every", "learner.max_checkpoints", "run.log_every",
+    "learner.keep_best_by", "learner.keep_best_mode",
+    "rollout.batch_timeout_s", "rollout.max_concurrent_episodes", "env.num_env_actors",
+    "eval.max_new_tokens", "engine.max_batch_size", "engine.block_size",
+    "engine.kv_cache_tokens", "engine.prefill_chunk_tokens", "engine.kv_on_weight_update",
+    "engine.sessions", "rollout.adaptive_concurrency", "rollout.target_engine_busy",
+    "rollout.adaptive_min_episodes", "rollout.adaptive_max_episodes",
+    "rollout.adaptive_interval_s", "sandbox.num_actors", "sandbox.num_cpus_per_actor",
+    "sandbox.resource", "sandbox.max_concurrent_runs", "sandbox.actor_max_restarts",
+    "rollout.max_episode_restarts", "rollout.max_group_retries",
+    "rollout.max_consecutive_failures", "rollout.engine_retry_max_attempts",
+    "rollout.engine_retry_initial_delay_s", "rollout.engine_retry_max_delay_s",
+    "rollout.engine_retry_multiplier", "rollout.engine_retry_jitter",
+    "rollout.retry_initial_delay_s", "rollout.retry_max_delay_s", "rollout.retry_multiplier",
+    "rollout.retry_jitter",
+})
+
+
+def load_run_config(run_dir: str, overrides: Sequence[str] = ()) -> Config:
+    """The config a run was started with (``RUN_DIR/config.yaml``), plus ``overrides``.
+
+    Raises:
+      FileNotFoundError: ``run_dir`` is not a raytunix run directory.
+      ConfigError: the saved config is corrupt, or an override is bad: malformed, an
+        unknown key (named with the valid ones, as for a new run), a bad value, or a key
+        the checkpoint depends on (not in ``RESUME_OVERRIDABLE``).
+    """
+    path = os.path.join(run_dir, "config.yaml")
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"{run_dir!r} has no config.yaml, so it is not a raytunix run directory; pass the "
+            "directory `raytunix train` printed at start (under runs/).")
+    with open(path) as f:
+        try:
+            tree = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path} is not valid YAML ({e}); restore it from a copy or start a new run.") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path} does not hold a config mapping; restore it or start a new run.")
+    cfg = config_from_dict(tree)
+    for item in overrides:
+        key = apply_override(cfg, item)  # an unknown key is reported as unknown
+        if key not in RESUME_OVERRIDABLE:
+            raise ConfigError(
+                f"{key} cannot change when resuming (the checkpoint depends on it); "
+                f"keys a resume may change: {', '.join(sorted(RESUME_OVERRIDABLE))}.")
+    return validate(cfg)
+
+
+@contextlib.contextmanager
+def removed_if_left_empty(run: RunDir, new: bool):
+    """When a new run fails before it has written more than its config and tokenizer (an
+    environment that cannot be built, a prompt that does not fit...), its directory goes,
+    so runs/ holds only runs that got somewhere; the error propagates unchanged. A resumed
+    run's directory (``new=False``) always stays."""
+    try:
+        yield
+    except BaseException:
+        leftovers = set(os.listdir(run.path)) if os.path.isdir(run.path) else set()
+        if new and leftovers <= {os.path.basename(run.config), os.path.basename(run.tokenizer)}:
+            shutil.rmtree(run.path, ignore_errors=True)
+            say(f"run directory {run.path} removed: the run stopped before it trained")
+        raise

@@ -1,0 +1,434 @@
+"""The steps of the main job, in the order ``raytunix.train.train`` runs them:
+
+    open_run          a new run directory, or a stopped run's own (its config, what it left)
+    warm_start        supervised steps on demonstrations until the dev check passes
+    evaluate          greedy episodes on the held-out tasks (before RL and after)
+    begin_rl          the RL optimizer, the KL reference, checkpoint 0
+    restore_rl        ...or the newest RL checkpoint of a stopped run
+    rl_loop           next batch -> update -> weights to the engines -> checkpoint
+    export_policy     the trained policy as a Hugging Face folder (model.path runs)
+    summarise         summary.json and the bottleneck report
+
+Each takes the config, the ``Job`` (the run's actors) and the ``RunDir``, and logs what it
+did to metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import ray
+
+from raytunix import profiling
+from raytunix.config import Config, ConfigError
+from raytunix.driver import prepare
+from raytunix.driver.job import Job
+from raytunix.driver.prepare import Tasks
+from raytunix.driver.run_dir import RunDir, RunError, load_run_config, new_run_dir, say
+from raytunix.learner.learner import GRPOHyperparams, SFTHyperparams
+from raytunix.rollout import preflight
+from raytunix.types import EpisodeStatus, RolloutHalted
+
+
+@dataclasses.dataclass(frozen=True)
+class RLStart:
+    """Where the RL loop starts: its first step is ``step + 1``, at ``policy_version``;
+    ``before`` is the held-out evaluation before RL and ``warm`` the warm start's
+    ``{"warmup_steps", "warmup_s"}`` ({} without one), both kept in every checkpoint for
+    the summary of a resumed run."""
+
+    step: int
+    policy_version: int
+    before: dict[str, Any]
+    warm: dict[str, Any]
+
+
+# -- start or restore ------------------------------------------------------------------------
+
+def open_run(cfg: Config | None, resume: str | None, overrides: Sequence[str] = ()
+             ) -> tuple[Config, RunDir, Any]:
+    """The run's config, directory and dataset, before Ray starts (so a config that cannot
+    run fails fast and leaves no directory).
+
+    A new run (``resume`` None): ``cfg``'s dataset is read, then a new directory made
+    under ``run.output_dir`` with its config.yaml. A resumed run: ``resume``'s own
+    config.yaml with ``overrides`` (saved back), its directory and its dataset; it goes on
+    from its newest RL checkpoint, else from its warm start's (``warm_start``), else from
+    the beginning.
+
+    Returns:
+      ``(cfg, run, dataset)``; dataset is ``(train, heldout)`` task lists or None (the
+      environment's own tasks or reasoning-gym, made later).
+
+    Raises:
+      FileNotFoundError: ``resume`` is not a run directory.
+      ValueError: neither ``cfg`` nor ``resume``.
+      ConfigError: a bad override, or the dataset cannot be read.
+      RunError: the checkpoint already holds ``learner.rl_steps`` steps.
+    """
+    from raytunix.data.datasets import DatasetError
+    from raytunix.data.tasks import dataset_splits
+
+    if cfg is None and not resume:
+        raise ValueError("a new run needs a config: pass cfg (load_config(...)) or resume=RUN_DIR")
+    if resume:
+        cfg = load_run_config(resume, overrides)
+        run = RunDir(resume)
+        saved = run.read_state()
+        if "checkpoint_step" in saved:  # before Ray starts: fail fast
+            check_steps_left(saved["checkpoint_step"], cfg)
+        run.write_config(cfg)
+    try:
+        dataset = dataset_splits(cfg.data)  # a file, split or column missing: stop before Ray
+    except DatasetError as e:
+        raise ConfigError(str(e)) from None
+    if not resume:  # created once the data is read: a config that cannot run leaves none
+        run = new_run_dir(cfg)
+        run.write_config(cfg)
+    say(f"run directory: {run.path}")
+    return cfg, run, dataset
+
+
+def check_steps_left(checkpoint_step: int, cfg: Config) -> None:
+    """Raises RunError when a checkpoint at RL step ``checkpoint_step`` leaves no step of
+    ``learner.rl_steps`` to train."""
+    if checkpoint_step >= cfg.learner.rl_steps:
+        raise RunError(
+            f"the run's checkpoint is at RL step {checkpoint_step} and learner.rl_steps="
+            f"{cfg.learner.rl_steps}: nothing left to train; resume with learner.rl_steps "
+            f"greater than {checkpoint_step}.")
+
+
+@contextlib.contextmanager
+def profiled(cfg: Config, job: Job, run: RunDir) -> Iterator[Any]:
+    """The run's profile collector (spans of every actor, drained per step) and metric
+    sinks (TensorBoard, Ray metrics, the console view), closed on the way out."""
+    from raytunix.profiling.collect import Collector
+    from raytunix.profiling.sinks import MetricSinks
+
+    collector = Collector(run.path, job.profiled_actors, cfg.engine.max_batch_size)
+    run.sinks = MetricSinks(run.path, cfg.learner.rl_steps, log_every=cfg.run.log_every)
+    try:
+        yield collector
+    finally:
+        run.sinks.close()
+        run.sinks = None
+
+
+# -- warm start ------------------------------------------------------------------------------
+
+def warm_start(cfg: Config, job: Job, run: RunDir, tasks: Tasks, collector) -> dict[str, Any]:
+    """Supervised steps on demonstrations, ``warmup.eval_every`` at a time, until the dev
+    check passes (after ``warmup.min_steps``) or ``warmup.max_steps``; the engines get the
+    weights after each chunk. Skipped (returns {}) when ``warmup.enabled`` is off or the
+    tasks are not arithmetic.
+
+    After each chunk its progress is checkpointed in ``RUN_DIR/warmup`` (the learner's SFT
+    state, the step count, whether it is done), so a run stopped during the warm start, or
+    after it but before RL's first checkpoint, continues from there instead of redoing it.
+
+    Returns:
+      ``{"warmup_steps": int, "warmup_s": float seconds}`` (seconds across resumes).
+    """
+    w = cfg.warmup
+    if not prepare.warm_start_applies(cfg, tasks):
+        if w.enabled:
+            say(f"warm start: skipped; its demonstrations are arithmetic and the tasks "
+                f"({tasks.source}) are not")
+        return {}
+    tokens, mask = prepare.demonstration_arrays(
+        cfg, job.train_tasks[: max(4000, w.batch_size)], job.tokenizer)
+    ray.get(job.learner.set_demonstrations.remote(tokens, mask))
+    ray.get(job.learner.start_warmup.remote(SFTHyperparams.from_config(cfg)))
+    progress = restore_warm_start(job, run) or {"warmup_steps": 0, "warmup_s": 0.0, "done": False}
+    steps = progress["warmup_steps"]
+    if progress["done"]:
+        return {"warmup_steps": steps, "warmup_s": progress["warmup_s"]}
+    done = steps >= w.max_steps
+    uses_tools = prepare.uses_tools(cfg)
+    measure = "tool-path accuracy" if uses_tools else "success"
+    say(f"warm start: {len(tokens)} demonstrations of <= {tokens.shape[1]} tokens, "
+        f"up to {w.max_steps} steps (stop at dev {measure} >= {w.target_tool_accuracy:.0%})")
+    t0 = time.monotonic() - progress["warmup_s"]
+    while not done:
+        n = min(w.eval_every, w.max_steps - steps)
+        with profiling.span("sft_steps", "driver", {"steps": n}):
+            metrics = ray.get(job.learner.sft_steps.remote(n, w.batch_size))
+        steps += n
+        job.publish_weights()
+        with profiling.span("eval", "driver", {"tasks": len(tasks.dev)}):
+            dev = job.evaluate(tasks.dev)
+        score = dev["tool_path_accuracy"] if uses_tools else dev["success_rate"]
+        done = steps >= w.max_steps or (steps >= w.min_steps and score >= w.target_tool_accuracy)
+        ray.get(job.learner.save_warmup.remote(run.warmup, steps, {
+            "warmup_steps": steps, "warmup_s": time.monotonic() - t0, "done": done}))
+        collector.drain("warmup", steps)
+        run.log({"phase": "warmup", "step": steps, **metrics,
+                 **{f"dev_{k}": v for k, v in dev.items()}})
+        say(f"warm start step {steps}: loss {metrics['loss']:.3f}  dev success "
+            f"{dev['success_rate']:.1%}  tool use {dev['tool_use_rate']:.1%}  tool-path accuracy "
+            f"{dev['tool_path_accuracy']:.1%}  ({time.monotonic() - t0:.0f} s)")
+    ray.get(job.learner.finish_checkpoints.remote())  # committed before RL's checkpoint 0
+    return {"warmup_steps": steps, "warmup_s": time.monotonic() - t0}
+
+
+def restore_warm_start(job: Job, run: RunDir) -> dict[str, Any] | None:
+    """A stopped run's warm-start progress, restored into the learner (after its
+    ``start_warmup``) and published to the engines: ``{"warmup_steps", "warmup_s",
+    "done"}``; None when the run has none (a new run, or one stopped before its first
+    warm-start check)."""
+    if not os.path.isdir(run.warmup):
+        return None
+    progress = ray.get(job.learner.restore_warmup.remote(run.warmup))
+    if progress is None:
+        return None
+    job.publish_weights()
+    steps = int(progress["warmup_steps"])
+    say(f"warm start resumed after step {steps}"
+        + (" (it was done; on to the evaluation before RL)" if progress["done"] else ""))
+    run.log({"phase": "warmup_resume", "step": steps, "done": bool(progress["done"])})
+    return progress
+
+
+# -- evaluate --------------------------------------------------------------------------------
+
+def evaluate(job: Job, run: RunDir, heldout, collector, when: str, step: int) -> dict[str, Any]:
+    """Greedy episodes on the held-out tasks, logged as ``{"phase": "eval", "when": when}``
+    (``before_rl`` / ``after_rl``) with the spans up to here under RL step ``step``.
+
+    Returns:
+      ``RolloutOrchestrator.evaluate``'s result: ``success_rate``, ``tool_use_rate``,
+      ``num_tasks``, ``statuses``...
+    """
+    with profiling.span("eval", "driver", {"tasks": len(heldout)}):
+        result = job.evaluate(heldout)
+    collector.drain("eval", step)
+    run.log({"phase": "eval", "when": when, **result})
+    say(f"held-out {when.replace('_rl', ' RL')}: success {result['success_rate']:.1%}"
+        f"{unfinished_episodes(result)} (tool use {result['tool_use_rate']:.1%}) on "
+        f"{result['num_tasks']} tasks")
+    return result
+
+
+def unfinished_episodes(result: dict[str, Any]) -> str:
+    """For an evaluation's log line: " (8 of 8 episodes ended env_error; first error:
+    <error>)" when some episodes did not complete (``result`` is
+    ``RolloutOrchestrator.evaluate``'s), else "". A 0% success from a broken environment
+    must not read as a policy that cannot solve anything."""
+    statuses = result.get("statuses") or {}
+    total = sum(statuses.values())
+    other = {s: n for s, n in sorted(statuses.items()) if s != EpisodeStatus.COMPLETED.value}
+    if not other:
+        return ""
+    ended = ", ".join(f"{n} of {total} episodes ended {s}" for s, n in other.items())
+    error = result.get("error")
+    return f" ({ended}" + (f"; first error: {error}" if error else "") + ")"
+
+
+# -- into RL: fresh or restored ------------------------------------------------------------
+
+def begin_rl(cfg: Config, job: Job, run: RunDir, before: dict[str, Any],
+             warm: dict[str, Any]) -> RLStart:
+    """A fresh RL optimizer on the current weights, the KL reference policy saved (with
+    ``learner.kl_coef`` > 0), and checkpoint 0 committed: a run that fails in RL step 1
+    can resume."""
+    ray.get(job.learner.start_rl.remote(GRPOHyperparams.from_config(cfg)))
+    if cfg.learner.kl_coef > 0:
+        ray.get(job.learner.save_reference.remote(run.reference))
+    checkpoint(job, run, cfg, before, warm)
+    finish_checkpoints(job, run)
+    return RLStart(step=0, policy_version=0, before=before, warm=warm)
+
+
+def restore_rl(cfg: Config, job: Job, run: RunDir) -> RLStart:
+    """The newest RL checkpoint that restores: learner state, policy version, the
+    orchestrator at its data position and ledger; the engines get the weights.
+
+    Raises:
+      RunError: no checkpoint restores, or it already holds ``learner.rl_steps`` steps.
+    """
+    ray.get(job.learner.start_rl.remote(GRPOHyperparams.from_config(cfg)))
+    try:
+        extras = ray.get(job.learner.restore.remote(
+            run.checkpoints, cfg.learner.max_checkpoints,
+            run.reference if cfg.learner.kl_coef > 0 else None,
+            cfg.learner.keep_best_by, cfg.learner.keep_best_mode))
+    except ray.exceptions.RayTaskError as e:
+        cause = e.cause if isinstance(e.cause, Exception) else e
+        raise RunError(f"cannot resume {run.path}: {cause}") from None
+    job.publish_weights()
+    version = int(extras["policy_version"])
+    job.start_orchestrator(extras["orchestrator"], version)
+    step = int(extras["rl_step"])
+    check_steps_left(step, cfg)  # state.json may lag the newest checkpoint
+    say(f"resumed at RL step {step}, policy version {version}, data position "
+        f"{extras['orchestrator']['next_index']}")
+    # Steps past the checkpoint that a crashed run logged are trained again: from here on,
+    # a step's record replaces any earlier one of the same step.
+    run.log({"phase": "resume", "rl_step": step, "policy_version": version})
+    return RLStart(step=step, policy_version=version, before=extras["heldout_before"],
+                   warm=extras.get("warm_start", {}))
+
+
+# -- the RL loop -------------------------------------------------------------------------
+
+def rl_loop(cfg: Config, job: Job, run: RunDir, start: RLStart, collector) -> float:
+    """RL steps ``start.step + 1`` .. ``learner.rl_steps``: the orchestrator's next batch
+    (by reference), one learner update, the new weights to the engines, the batch marked
+    trained, a metrics record, and a checkpoint every ``learner.checkpoint_every`` steps
+    and at the last. Ends with every checkpoint committed and the orchestrator stopped.
+
+    Returns:
+      the loop's wall time, seconds.
+
+    Raises:
+      RunError: no batch within ``rollout.batch_timeout_s``, the rollout halted (no env or
+        engine can run), or a batch with nothing to learn from (``preflight.check_batch``).
+    """
+    t0 = time.monotonic()
+    collector.drain("rl", start.step)  # what came before RL stays out of step 1's window
+    collector.start_window()
+    for step in range(start.step + 1, cfg.learner.rl_steps + 1):
+        refs, info = _next_batch(cfg, job, run, step)
+        prepare.run_preflight(preflight.check_batch, info, step)  # nothing to learn from: stop
+        with profiling.span("train_step", "driver", {"step": step}):
+            metrics = ray.get(job.learner.train_step.remote(refs))
+        with profiling.span("weight_publish", "driver"):
+            job.publish_weights()
+        version = int(metrics["policy_version"])
+        ray.get(job.orchestrator.mark_trained.remote(info["batch_id"], version))
+        record = {"phase": "rl", "step": step, **metrics,
+                  **{k: v for k, v in info.items() if k != "statuses"},
+                  "statuses": info["statuses"], **collector.window("rl", step)}
+        run.log(record)  # the console view prints the step's headline numbers
+        if step % cfg.learner.checkpoint_every == 0 or step == cfg.learner.rl_steps:
+            with profiling.span("checkpoint", "driver", {"step": step}):
+                checkpoint(job, run, cfg, start.before, start.warm, best_metric(cfg, record))
+    finish_checkpoints(job, run)
+    ray.get(job.orchestrator.stop.remote())
+    return time.monotonic() - t0
+
+
+def _next_batch(cfg: Config, job: Job, run: RunDir, step: int) -> tuple[list, dict[str, Any]]:
+    """``(refs, info)`` of the orchestrator's next batch for RL step ``step``."""
+    try:
+        with profiling.span("next_batch_wait", "driver", {"step": step}):
+            return ray.get(job.orchestrator.next_batch.remote(), timeout=cfg.rollout.batch_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        stats = ray.get(job.orchestrator.stats.remote())
+        raise RunError(
+            f"no trajectory batch within rollout.batch_timeout_s={cfg.rollout.batch_timeout_s} s "
+            f"at RL step {step}; orchestrator: {json.dumps(stats)}. Checkpoints up to the last "
+            f"one are in {run.checkpoints}; fix the cause and use --resume.") from None
+    except RolloutHalted as e:  # the breaker: no environment or engine can run
+        cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) else e
+        raise RunError(
+            f"rollout halted at RL step {step}: {cause} Checkpoints up to the last one are in "
+            f"{run.checkpoints}; use --resume once the cause is fixed.") from None
+
+
+def checkpoint(job: Job, run: RunDir, cfg: Config, before: dict, warm: dict,
+               metrics: dict[str, float] | None = None) -> None:
+    """Starts the learner's checkpoint of this step, with the orchestrator's state (data
+    position, ledger) of the same step: nothing trains between the two calls. The save is
+    asynchronous and the learner finishes the one before it first, so state.json (read
+    first by a resume) moves on to that one here, and to this one in
+    ``finish_checkpoints``: it never names a checkpoint that is not committed."""
+    orch_state = ray.get(job.orchestrator.state.remote())
+    extras = {"orchestrator": orch_state, "heldout_before": before, "warm_start": warm}
+    learner = cfg.learner
+    step = ray.get(job.learner.save.remote(run.checkpoints, extras, learner.max_checkpoints,
+                                           metrics, learner.keep_best_by, learner.keep_best_mode))
+    if run.checkpoint_in_flight is not None:
+        run.write_state(run.checkpoint_in_flight)
+    run.checkpoint_in_flight = {"checkpoint_step": step, "data_position": orch_state["next_index"]}
+
+
+def finish_checkpoints(job: Job, run: RunDir) -> None:
+    """Waits for the learner's checkpoint in flight and records it in state.json."""
+    ray.get(job.learner.finish_checkpoints.remote())
+    if run.checkpoint_in_flight is not None:
+        run.write_state(run.checkpoint_in_flight)
+        run.checkpoint_in_flight = None
+
+
+def best_metric(cfg: Config, record: dict[str, Any]) -> dict[str, float] | None:
+    """``{learner.keep_best_by: value}`` from an RL step's metrics record; None when
+    keep_best_by is off.
+
+    Raises:
+      RunError: the record has no number of that name.
+    """
+    name = cfg.learner.keep_best_by
+    if not name:
+        return None
+    numbers = {k: float(v) for k, v in record.items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    if name not in numbers:
+        raise RunError(f"learner.keep_best_by={name!r} is not a number of the RL step's "
+                       f"metrics; choose one of {sorted(numbers)} (e.g. reward_mean).")
+    return {name: numbers[name]}
+
+
+# -- after RL ------------------------------------------------------------------------------
+
+def export_policy(cfg: Config, job: Job, run: RunDir) -> None:
+    """With ``model.path``: the trained policy to ``RUN_DIR/export`` in the Hugging Face
+    layout, beside the source folder's tokenizer files."""
+    if cfg.model.path:
+        files = ray.get(job.learner.export.remote(run.export))
+        say(f"trained policy exported to {run.export} ({len(files)} files, Hugging Face layout)")
+
+
+def summarise(cfg: Config, job: Job, run: RunDir, start: RLStart, after: dict[str, Any],
+              engine_stats: dict[str, Any], rl_s: float, wall0: float) -> dict[str, Any]:
+    """Writes the profile (trace, bottleneck report, plots) and summary.json, prints the
+    summary and returns it. ``rl_s`` and ``wall_s`` (from ``wall0``, ``time.monotonic``)
+    cover this process's part of the run only."""
+    artifacts = profiling.write_artifacts(run.path)
+    before, warm = start.before, start.warm
+    summary = {
+        "run_dir": run.path,
+        "env": cfg.env.name,
+        "heldout_tasks": before["num_tasks"],
+        "heldout_success_before_rl": before["success_rate"],
+        "heldout_success_after_rl": after["success_rate"],
+        "improvement_points": 100 * (after["success_rate"] - before["success_rate"]),
+        "tool_use_before_rl": before["tool_use_rate"],
+        "tool_use_after_rl": after["tool_use_rate"],
+        "rl_steps": cfg.learner.rl_steps,
+        "warm_start_steps": warm.get("warmup_steps", 0),
+        "warm_start_s": warm.get("warmup_s", 0.0),
+        "rl_s": rl_s,
+        "wall_s": time.monotonic() - wall0,
+        "engine_busy_fraction": engine_stats.get("busy_fraction"),
+        "engine_policy_version": engine_stats.get("policy_version_received"),
+        "export_dir": run.export if cfg.model.path else None,
+        "eval_decoding": "greedy",
+        "bottleneck": artifacts.get("bottleneck", "unknown"),
+        "bottleneck_summary": artifacts.get("bottleneck_summary", ""),
+        "profile": {k: v for k, v in artifacts.items() if k.endswith("_path")},
+        "rl_engine_busy_fraction": rl_mean(run, "engine_busy_fraction"),
+        "orchestrator": {**{f"episodes_{s.value}": 0 for s in EpisodeStatus},
+                         **ray.get(job.orchestrator.stats.remote())["counters"]},
+    }
+    with open(run.summary, "w") as f:
+        json.dump(summary, f, indent=2)
+    say("summary:\n" + json.dumps(summary, indent=2))
+    return summary
+
+
+def rl_mean(run: RunDir, key: str) -> float | None:
+    """``key``'s mean over the RL steps as the bottleneck report takes it (weighted by
+    step time, compiling steps left out); None when no step has it."""
+    from raytunix.profiling.collect import read_jsonl, rl_steps
+    from raytunix.profiling.report import compile_steps, weighted_means
+
+    records = list(read_jsonl(run.metrics))
+    return weighted_means(rl_steps(records), compile_steps(records)).get(key)
