@@ -164,6 +164,9 @@ class LearnerConfig:
     max_checkpoints: int = 3  # the newest this many checkpoints stay (plus the best one with keep_best_by)
     keep_best_by: str = ""  # a number of the RL step's metrics (e.g. reward_mean: the batch's mean reward); the checkpoint with the best value is never deleted; "" = off
     keep_best_mode: str = "max"  # max | min: whether a higher or a lower keep_best_by is better
+    mesh_data: int = -1  # devices of the learner's mesh for data parallelism; -1 = the devices mesh_fsdp x mesh_tensor leave (raytunix.learner.sharding)
+    mesh_fsdp: int = 1  # devices each param and optimizer moment is split over (FSDP/ZeRO-3); the batch is split over data x fsdp; -1 = the rest
+    mesh_tensor: int = 1  # Megatron tensor parallelism (attention heads, MLP width, vocabulary); -1 = the rest
     num_hosts: int = 1  # learner actors, one per host, running one JAX program (jax.distributed; raytunix.learner.group); 1 = one learner actor; > 1 needs engine.placement=disaggregated
     resources: dict[str, float] = dataclasses.field(default_factory=dict)  # Ray resources of each learner host (also of the single learner actor, or the colocated learner + engine), e.g. {TPU: 4}: all of a TPU VM's chips; {} = one CPU
     placement_strategy: str = "STRICT_SPREAD"  # how the learner hosts' placement group spreads: STRICT_SPREAD (one per node) | SPREAD | PACK | STRICT_PACK
@@ -529,6 +532,21 @@ def _validate_learner(cfg: Config) -> None:
             f"learner.lr_schedule={learner.lr_schedule!r} decays over the run's {steps} optimizer "
             f"steps (rl_steps x num_iterations), which must exceed learner.lr_warmup_steps="
             f"{learner.lr_warmup_steps}.")
+    mesh = {k: getattr(learner, f"mesh_{k}") for k in ("data", "fsdp", "tensor")}
+    for name, size in mesh.items():
+        if size < 1 and size != -1:
+            raise ConfigError(f"learner.mesh_{name}={size!r} must be a number of devices >= 1, "
+                              "or -1 for the devices the other mesh axes leave.")
+    if sum(size == -1 for size in mesh.values()) > 1:
+        raise ConfigError(
+            "learner.mesh_data, mesh_fsdp, mesh_tensor: at most one may be -1 (the rest of the "
+            f"devices), got {mesh}.")
+    batch_split = math.prod(s for k, s in mesh.items() if k != "tensor" and s > 0)
+    if learner.micro_batch_size % batch_split:
+        raise ConfigError(
+            f"learner.micro_batch_size={learner.micro_batch_size} cannot be split over "
+            f"learner.mesh_data x mesh_fsdp = {batch_split} devices; use a multiple of "
+            f"{batch_split} (or 0, the whole batch).")
     longest = cfg.env.max_turns * cfg.rollout.max_new_tokens
     if learner.overlong_buffer_tokens > longest:
         raise ConfigError(

@@ -5,6 +5,11 @@ with an inference engine. Two phases share one model:
 
 * warm start: supervised steps on demonstration tokens (``sft_steps``);
 * RL: GRPO updates on trajectory batches (``train_step``), each bumping the version.
+
+Each phase runs on the device mesh its hyperparameters name (``hp.mesh``, a
+``raytunix.learner.sharding.MeshConfig``; the config's ``learner.mesh_*``): params and
+optimizer state split by the partition rules, batches split by rows. The default, data
+parallel over every device, is the plain single-device update on one device.
 """
 
 from __future__ import annotations
@@ -19,12 +24,18 @@ import pyarrow as pa
 
 from raytunix.learner.batch import Batch
 from raytunix.learner.checkpoint import Checkpointer
+from raytunix.learner.sharding import (
+    batch_shards,
+    gather_to_host,
+    place_rows,
+    shard_tree,
+)
 from raytunix.learner.train_state import (
     GRPOHyperparams,
+    SFTHyperparams,
     TrainState,
     create_train_state,
     make_grpo_update,
-    SFTHyperparams,
     make_optimizer_from,
     make_sft_update,
 )
@@ -60,19 +71,29 @@ class Learner:
         self._hp: GRPOHyperparams | None = None
         self.updates_skipped = 0
         self._sft_rng = np.random.default_rng(seed)
+        self.mesh: jax.sharding.Mesh | None = None
 
     @property
     def params(self):
-        """The current model parameters (an ``nnx.State`` of jax arrays)."""
+        """The current model parameters (an ``nnx.State`` of jax arrays; split over
+        ``mesh`` once a phase has started)."""
         return self._state.params if self._state is not None else self._params
+
+    def _fresh_state(self, optimizer, mesh_config) -> TrainState:
+        """A new ``TrainState`` for the current params on the mesh of ``mesh_config``
+        (``self.mesh``), params placed before the optimizer state is made from them."""
+        self.mesh = mesh_config.build()
+        params = shard_tree(self.params, self.mesh)
+        return shard_tree(create_train_state(self.graphdef, params, optimizer, self.seed),
+                          self.mesh)
 
     # ------------------------------------------------------------------ warm start
     def start_warmup(self, hp: SFTHyperparams) -> None:
         """A fresh optimizer for supervised steps (``sft_steps``), as ``hp`` says."""
         optimizer = hp.optimizer()
-        self._state = create_train_state(self.graphdef, self.params, optimizer, self.seed)
+        self._state = self._fresh_state(optimizer, hp.mesh)
         # No buffer donation: a colocated engine may still hold the previous params.
-        self._update = jax.jit(make_sft_update(self.graphdef, optimizer))
+        self._update = jax.jit(make_sft_update(self.graphdef, optimizer, mesh=self.mesh))
 
     def sft_steps(self, tokens: np.ndarray, loss_mask: np.ndarray, num_steps: int, batch_size: int) -> dict[str, float]:
         """Runs ``num_steps`` supervised steps on random rows of the demonstrations.
@@ -80,15 +101,23 @@ class Learner:
         Args:
           tokens: int32[N, T] demonstration tokens (right-padded).
           loss_mask: float32[N, T], 1 on the tokens to learn (the assistant's).
+          batch_size: rows per step; padded with rows of zero mask (which change nothing)
+            to a multiple of the mesh's data x fsdp devices.
         Returns: mean ``loss`` over the steps and ``steps_per_s``.
         """
         if self._update is None:
             raise RuntimeError("call start_warmup before sft_steps")
         t0 = time.monotonic()
         losses = []
+        pad = -batch_size % batch_shards(self.mesh)
         for _ in range(num_steps):
             rows = self._sft_rng.integers(0, len(tokens), size=batch_size)
-            self._state, metrics = self._update(self._state, tokens[rows], loss_mask[rows])
+            step_tokens, step_mask = tokens[rows], loss_mask[rows]
+            if pad:
+                step_tokens = np.pad(step_tokens, ((0, pad), (0, 0)))
+                step_mask = np.pad(step_mask, ((0, pad), (0, 0)))
+            self._state, metrics = self._update(self._state, place_rows(step_tokens, self.mesh),
+                                                place_rows(step_mask, self.mesh))
             losses.append(metrics["loss"])
         losses = [float(x) for x in jax.device_get(losses)]
         return {"loss": float(np.mean(losses)), "loss_last": losses[-1],
@@ -99,11 +128,13 @@ class Learner:
         """Fresh optimizer for RL; the current weights become the KL reference if used."""
         optimizer = make_optimizer_from(hp)
         self._hp = hp
-        self._state = create_train_state(self.graphdef, self.params, optimizer, self.seed)
-        self._ref_params = jax.tree.map(jnp.copy, self.params) if hp.kl_coef > 0 else None
+        self._state = self._fresh_state(optimizer, hp.mesh)
+        self._ref_params = (shard_tree(jax.tree.map(jnp.copy, self.params), self.mesh)
+                            if hp.kl_coef > 0 else None)
         # Jitted inside; the host part checks rewards, skips empty batches, pads rows.
         self._update = make_grpo_update(self.graphdef, optimizer, hp,
-                                        max_seq_len=self.model_config.max_seq_len)
+                                        max_seq_len=self.model_config.max_seq_len,
+                                        mesh=self.mesh)
 
     def train_step(self, batch: pa.RecordBatch) -> dict[str, float]:
         """One update on a trajectory batch (``hp.num_iterations`` optimizer steps); bumps
@@ -143,8 +174,10 @@ class Learner:
         return metrics
 
     def weights_numpy(self):
-        """The parameters as a pytree of numpy arrays (for shipping to engine actors)."""
-        return jax.device_get(self.params)
+        """The parameters as a pytree of full numpy arrays (for shipping to engine
+        actors). With a mesh over several processes, every process must call it
+        (``sharding.gather_to_host``)."""
+        return gather_to_host(self.params)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, checkpointer: Checkpointer, extras: dict[str, Any],

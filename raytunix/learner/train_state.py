@@ -48,6 +48,13 @@ from raytunix.learner.losses import (
     token_logprobs,
     truncated_importance_weights,
 )
+from raytunix.learner.sharding import (
+    MeshConfig,
+    batch_shards,
+    constrain,
+    place_batch,
+    row_sharding,
+)
 from raytunix.models.llama import forward
 
 Metrics = dict[str, jax.Array]
@@ -91,6 +98,8 @@ class GRPOHyperparams:
     were sampled from, so these must come from the same place as the engine's.
     ``overlong_max_tokens`` is the most tokens an episode can generate
     (``env.max_turns * rollout.max_new_tokens``), the limit of DAPO's overlong penalty.
+    ``mesh`` is the learner's device mesh (``learner.mesh_*``; ``Learner`` builds it and
+    passes it to ``make_grpo_update``); it does not change the numbers.
     """
 
     temperature: float
@@ -120,6 +129,7 @@ class GRPOHyperparams:
     importance_cap: float = LearnerConfig.importance_cap
     micro_batch_size: int = LearnerConfig.micro_batch_size
     num_iterations: int = LearnerConfig.num_iterations
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
     @classmethod
     def from_config(cls, cfg: Config) -> GRPOHyperparams:
@@ -130,7 +140,7 @@ class GRPOHyperparams:
         return cls(temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
                    top_p=cfg.rollout.top_p,
                    overlong_max_tokens=cfg.env.max_turns * cfg.rollout.max_new_tokens,
-                   **learner)
+                   mesh=MeshConfig.from_config(cfg), **learner)
 
     def check(self) -> None:
         """Raises ValueError naming a setting outside its allowed values."""
@@ -165,16 +175,18 @@ class GRPOHyperparams:
 class SFTHyperparams:
     """The numbers of the supervised warm start: ``warmup.learning_rate`` and
     ``warmup.warmup_steps`` (the learning rate's linear warmup), and the RL phase's
-    ``learner.max_grad_norm``; the config holds each default. Build with ``from_config``."""
+    ``learner.max_grad_norm``, and the learner's device mesh (``learner.mesh_*``); the
+    config holds each default. Build with ``from_config``."""
 
     learning_rate: float = WarmupConfig.learning_rate
     warmup_steps: int = WarmupConfig.warmup_steps
     max_grad_norm: float = LearnerConfig.max_grad_norm
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
     @classmethod
     def from_config(cls, cfg: Config) -> SFTHyperparams:
         return cls(learning_rate=cfg.warmup.learning_rate, warmup_steps=cfg.warmup.warmup_steps,
-                   max_grad_norm=cfg.learner.max_grad_norm)
+                   max_grad_norm=cfg.learner.max_grad_norm, mesh=MeshConfig.from_config(cfg))
 
     def optimizer(self) -> optax.GradientTransformation:
         """AdamW at ``learning_rate`` after ``warmup_steps`` of linear warmup."""
@@ -339,6 +351,7 @@ def make_grpo_update(
     hp: GRPOHyperparams,
     *,
     max_seq_len: int,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> Callable[[TrainState, nnx.State | None, Batch], tuple[TrainState, Metrics]]:
     """Builds ``update(state, ref_params, batch) -> (state, metrics)``: the policy-gradient
     update of one ``Batch``, as ``hp`` configures it.
@@ -382,6 +395,12 @@ def make_grpo_update(
     ``ref_params`` are the reference policy's parameters for the KL penalty (same model),
     or None when ``hp.kl_coef == 0`` (then they are ignored anyway).
 
+    With a ``mesh`` (``raytunix.learner.sharding``), ``state`` and ``ref_params`` are
+    expected split by ``shard_train_state`` / ``shard_tree`` on it and the new state
+    comes back split the same way; the batch's rows are padded with empty rows to a
+    multiple of the mesh's data x fsdp devices and split over them (each micro-batch
+    too). The result equals the update without a mesh up to float32 rounding.
+
     Metrics (float32 scalars), of the first iteration: ``loss``, ``grad_norm`` (before
     clipping), ``clip_fraction``, ``approx_kl`` (k3, to the anchor), ``ratio_mean``,
     ``reward_mean``, ``advantage_abs_mean``, ``num_tokens``, ``entropy`` (masked mean
@@ -394,9 +413,10 @@ def make_grpo_update(
     ``loss_last``, ``clip_fraction_last`` and ``approx_kl_last`` of the last iteration.
 
     Raises:
-      ValueError: here, for a setting of ``hp`` outside its choices (``hp.check``) or bad
+      ValueError: here, for a setting of ``hp`` outside its choices (``hp.check``), bad
         sampling settings (a temperature that is not > 0, ``top_k < 0``, ``top_p``
-        outside (0, 1]); from ``update``, for a non-finite reward or ``kl_coef > 0``
+        outside (0, 1]), or a ``micro_batch_size`` that the mesh's data x fsdp devices
+        do not divide; from ``update``, for a non-finite reward or ``kl_coef > 0``
         without ``ref_params``.
       TypeError: from ``update``, for a batch that is not a ``Batch``.
     """
@@ -408,6 +428,12 @@ def make_grpo_update(
             f"make_grpo_update: {e} Pass the rollout's sampling settings; greedy (temperature "
             "0) rollouts cannot be trained on."
         ) from None
+    shards = batch_shards(mesh) if mesh is not None else 1
+    if hp.micro_batch_size % shards:
+        raise ValueError(
+            f"micro_batch_size={hp.micro_batch_size} cannot be split over the mesh's data x "
+            f"fsdp = {shards} devices; set learner.micro_batch_size to a multiple of {shards} "
+            "(or 0, the whole batch).")
     use_ref = hp.kl_coef > 0
     decoupled = hp.off_policy_correction == "decoupled_ppo"
     sampling = {"temperature": hp.temperature, "top_k": hp.top_k, "top_p": hp.top_p}
@@ -514,6 +540,9 @@ def make_grpo_update(
         mbs = {"tokens": batch.tokens, "generated": generated, "old": batch.logprobs[:, 1:],
                "advantages": advantages, "weights": weights}
         mbs = jax.tree.map(lambda x: x.reshape((size // rows, rows) + x.shape[1:]), mbs)
+        if mesh is not None:  # each micro-batch split over the devices, not across them
+            mbs = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
+                x, row_sharding(mesh, x.ndim, leading=1)), mbs)
 
         state, metrics, anchors = optimizer_step(state, ref_params, mbs, denominator, None)
         if hp.num_iterations > 1:
@@ -529,6 +558,8 @@ def make_grpo_update(
             advantage_abs_mean=jnp.sum(jnp.abs(advantages) * real) / num_rows,
             update_skipped=jnp.zeros((), jnp.float32),
         )
+        if mesh is not None:
+            state = constrain(state, mesh)
         return state, metrics
 
     def update(state: TrainState, ref_params: nnx.State | None, batch: Batch):
@@ -546,21 +577,24 @@ def make_grpo_update(
             if not np.any(np.asarray(batch.loss_mask)[:, 1:] > 0):
                 return state, {"update_skipped": 1.0, "num_tokens": 0.0,
                                "reward_mean": float(np.mean(batch.rewards))}
-            if hp.micro_batch_size:
-                batch = batch.pad_rows(hp.micro_batch_size)
-        elif hp.micro_batch_size and num_rows % hp.micro_batch_size:
+            if hp.micro_batch_size or shards > 1:
+                batch = batch.pad_rows(hp.micro_batch_size or shards)
+        elif num_rows % (hp.micro_batch_size or shards):
             raise ValueError(f"a traced batch of {num_rows} rows must be a multiple of "
-                             f"micro_batch_size={hp.micro_batch_size}; pad it with "
-                             "Batch.pad_rows first.")
-        batch = jax.tree.map(jnp.asarray, batch)
-        return _update(state, ref_params if use_ref else None, batch,
-                       jnp.asarray(num_rows, jnp.float32))
+                             f"micro_batch_size={hp.micro_batch_size} and of the mesh's "
+                             f"{shards} batch shards; pad it with Batch.pad_rows first.")
+        if mesh is None or isinstance(batch.rewards, jax.core.Tracer):
+            batch, rows = jax.tree.map(jnp.asarray, batch), jnp.asarray(num_rows, jnp.float32)
+        else:  # global arrays, so that several processes can each pass their full copy
+            batch, rows = place_batch(batch, mesh), np.float32(num_rows)
+        return _update(state, ref_params if use_ref else None, batch, rows)
 
     return update
 
 
 def make_sft_update(
-    graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation
+    graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, *,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> Callable[[TrainState, jax.Array, jax.Array], tuple[TrainState, Metrics]]:
     """Builds jitted ``update(state, tokens, loss_mask) -> (state, metrics)``: one
     supervised step on next-token NLL.
@@ -570,17 +604,25 @@ def make_sft_update(
 
     Metrics (float32 scalars): ``loss`` (nats per target token), ``grad_norm`` (before
     clipping), ``num_tokens``, ``accuracy`` (argmax hits among targets).
+
+    With a ``mesh``, ``state`` is expected split by ``shard_train_state`` and comes back
+    so; pass ``tokens`` and ``loss_mask`` placed by ``sharding.place_rows`` (B a multiple
+    of the mesh's data x fsdp devices; rows with a zero mask change nothing).
     """
 
     @jax.jit
     def update(state: TrainState, tokens: jax.Array, loss_mask: jax.Array):
+        if mesh is not None:
+            tokens, loss_mask = (jax.lax.with_sharding_constraint(x, row_sharding(mesh, 2))
+                                 for x in (tokens, loss_mask))
         def loss_fn(params):
             logits = _next_token_logits(graphdef, params, tokens)
             return sft_loss(logits, tokens[:, 1:], loss_mask[:, 1:])
 
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
-        return _apply_gradients(optimizer, state, grads), metrics
+        state = _apply_gradients(optimizer, state, grads)
+        return (constrain(state, mesh) if mesh is not None else state), metrics
 
     return update
 
