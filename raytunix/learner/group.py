@@ -34,9 +34,11 @@ waits on all hosts at once, and at the first death tears the group down (kills e
 host, releases the reservation) and raises ``LearnerHostFailure``; ``rebuild()`` then
 starts a new group and brings it back to the newest checkpoint the group saved.
 
-The group is a plain class; as a Ray actor (``ray.remote(LearnerGroup)``, with
-``raytunix.placement.CPU_ONLY_RUNTIME_ENV``) it answers the calls ``LearnerActor``
-answers, so a driver can hold either.
+The group is a plain class; as a Ray actor (``ray.remote(LearnerGroup)``, ``num_cpus=0``)
+it answers the calls ``LearnerActor`` answers, so a driver can hold either. The group
+itself never touches a device, but give that actor no ``JAX_PLATFORMS=cpu``: the hosts
+it starts inherit its runtime env (Ray merges a child's ``env_vars`` into its
+parent's), and would then leave the TPU unused.
 """
 
 from __future__ import annotations
