@@ -1,9 +1,12 @@
 """Sharding of the learner's update (raytunix.learner.sharding).
 
 The rules and their errors are checked here on this process's one device (divisibility
-against an ``AbstractMesh``, which needs no devices). The sharded update itself runs in a
-subprocess started with 8 fake CPU devices (``XLA_FLAGS`` must be set before JAX starts,
-and this process's JAX already has one device): this file, run as a script.
+against an ``AbstractMesh``, which needs no devices). The updates run in a subprocess
+started with 8 fake CPU devices (``XLA_FLAGS`` must be set before JAX starts, and this
+process's JAX already has one device), this file run as a script: a one-device mesh
+against the unsharded update (bit for bit), the ``Learner`` on data x fsdp x tensor meshes
+2 x 2 x 2 and 1 x 4 x 2 (with micro-batches) against it, the warm start, and orbax
+checkpoints of a split state restored onto the same and another mesh.
 """
 
 import os
@@ -175,25 +178,6 @@ def test_a_micro_batch_the_batch_shards_do_not_divide_is_refused():
                          mesh=AbstractMesh((2, 2, 2), MESH_AXES))
 
 
-def test_the_learner_on_one_device_is_todays_unsharded_update_bit_for_bit():
-    from raytunix.learner.learner import Learner
-
-    record_batch = _record_batch()
-    learner = Learner(CONFIG, seed=0)
-    learner.start_rl(_hp())  # default mesh: data parallel over this process's one device
-    graphdef, params = init_model(CONFIG, seed=0)
-    hp = _hp()
-    optimizer = make_optimizer_from(hp)
-    state = create_train_state(graphdef, params, optimizer, seed=0)
-    update = make_grpo_update(graphdef, optimizer, hp, max_seq_len=CONFIG.max_seq_len)
-    batch = Batch.from_record_batch(record_batch, pad_id=0, max_seq_len=CONFIG.max_seq_len)
-    for _ in range(2):
-        learner.train_step(record_batch)
-        state, _ = update(state, None, batch)
-    for a, b in zip(jax.tree.leaves(learner.weights_numpy()), jax.tree.leaves(state.params)):
-        np.testing.assert_array_equal(a, np.asarray(b))
-
-
 # ------------------------------------------------------------------ 8 fake devices
 
 
@@ -206,7 +190,7 @@ def test_sharded_update_on_8_fake_devices_equals_the_unsharded_one(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["devices"] == 8
-    assert set(report["checked"]) == {"grpo (2, 2, 2)", "grpo (1, 4, 2) micro_batch 4",
+    assert set(report["checked"]) == {"one device: bit for bit", "grpo (2, 2, 2)", "grpo (1, 4, 2) micro_batch 4",
                                       "sft (2, 2, 2)", "restore (2, 2, 2)",
                                       "restore onto (1, 4, 2)"}
 
@@ -241,6 +225,7 @@ def _subprocess_main(directory):
     unsharded update on one device; prints a JSON report."""
     from raytunix.learner.checkpoint import Checkpointer
     from raytunix.learner.learner import Learner
+    from raytunix.learner.sharding import shard_train_state
     from raytunix.learner.train_state import SFTHyperparams, make_sft_update
 
     assert jax.device_count() == 8, jax.devices()
@@ -248,17 +233,26 @@ def _subprocess_main(directory):
     batch = Batch.from_record_batch(record_batch, pad_id=0, max_seq_len=CONFIG.max_seq_len)
     checked = []
 
-    def unsharded(hp, steps):
+    def unsharded(hp, steps, mesh=None):
         graphdef, params = init_model(CONFIG, seed=0)
         optimizer = make_optimizer_from(hp)
         state = create_train_state(graphdef, params, optimizer, seed=0)
-        update = make_grpo_update(graphdef, optimizer, hp, max_seq_len=CONFIG.max_seq_len)
+        if mesh is not None:
+            state = shard_train_state(state, mesh)
+        update = make_grpo_update(graphdef, optimizer, hp, max_seq_len=CONFIG.max_seq_len,
+                                  mesh=mesh)
         metrics = None
         for _ in range(steps):
             state, metrics = update(state, None, batch)
         return state, metrics
 
     reference, reference_metrics = unsharded(_hp(), 2)
+    # A mesh of one device (what the default config gives a one-device host) is today's
+    # unsharded update exactly.
+    one, _ = unsharded(_hp(), 2, mesh=MeshConfig(1, 1, 1).build(jax.devices()[:1]))
+    for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(reference)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    checked.append("one device: bit for bit")
     trained = {}
     for shape, settings in [((2, 2, 2), {}), ((1, 4, 2), {"micro_batch_size": 4})]:
         hp = _hp(mesh=MeshConfig(*shape), **settings)
