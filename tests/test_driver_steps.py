@@ -208,6 +208,7 @@ def test_a_run_stopped_in_its_warm_start_resumes_from_it(ray_session, tmp_path):
     assert [r["when"] for r in records if r["phase"] == "eval"] == ["before_rl", "after_rl"]
     assert summary["heldout_tasks"] == 4
     assert RunDir(run_dir).read_state()["checkpoint_step"] == 0  # RL began
+    assert not os.path.exists(run.warmup)  # and the warm start's checkpoint went
 
 
 def test_a_finished_warm_start_is_not_redone(ray_session, tmp_path):

@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -237,12 +238,15 @@ def begin_rl(cfg: Config, job: Job, run: RunDir, before: dict[str, Any],
              warm: dict[str, Any]) -> RLStart:
     """A fresh RL optimizer on the current weights, the KL reference policy saved (with
     ``learner.kl_coef`` > 0), and checkpoint 0 committed: a run that fails in RL step 1
-    can resume."""
+    can resume. The warm start's checkpoint (``RUN_DIR/warmup``) goes then."""
     ray.get(job.learner.start_rl.remote(GRPOHyperparams.from_config(cfg)))
     if cfg.learner.kl_coef > 0:
         ray.get(job.learner.save_reference.remote(run.reference))
     checkpoint(job, run, cfg, before, warm)
     finish_checkpoints(job, run)
+    # Never read again once RL has a checkpoint; with a model.path model its SFT state
+    # (params and two Adam moments) would be three times the model's size on disk.
+    shutil.rmtree(run.warmup, ignore_errors=True)
     return RLStart(step=0, policy_version=0, before=before, warm=warm)
 
 
