@@ -137,6 +137,18 @@ def _step_fn(graphdef):
     return fn
 
 
+def _on_engine_device(params):
+    """``params`` on the engine's one device, ``jax.devices()[0]``: weights a learner split
+    over a mesh (even a one-device mesh) have another array type than plain ones, and
+    every step program would compile again for them at the first weight update. Arrays
+    some other process holds a part of stay as they are."""
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    leaves = jax.tree.leaves(params)
+    if all(not isinstance(x, jax.Array) or x.is_fully_addressable for x in leaves):
+        return jax.device_put(params, device)
+    return jax.device_put(params)
+
+
 def _compiled_programs() -> int:
     """Programs of the step functions compiled in this process so far (all engines)."""
     sizes = [getattr(fn, "_cache_size", None) for fn in _STEP_FNS.values()]
@@ -329,7 +341,7 @@ class InferenceEngine:
         longest_chunk = min(prefill_chunk_tokens, seq_len)
         self._chunk_buckets = tuple(sorted(
             {t for t in (8, 32, 128, 512, 2048, 8192) if t < longest_chunk} | {longest_chunk}))
-        self._params = jax.device_put(params)
+        self._params = _on_engine_device(params)
         self._version = int(policy_version)
         self._pending_weights: tuple[Any, int] | None = None
 
@@ -470,7 +482,7 @@ class InferenceEngine:
             raise ValueError("update_weights: params do not match the engine's model "
                              "(tree structure, shapes or dtypes differ); pass the state of "
                              "the same ModelConfig.")
-        self._pending_weights = (jax.device_put(params), version)
+        self._pending_weights = (_on_engine_device(params), version)
         self._notify()
 
     async def pause(self, timeout_s: float = 5.0) -> None:

@@ -217,13 +217,18 @@ def tree_shardings(tree: Any, mesh: Mesh, rules: Sequence[tuple[str, P]] = PARAM
 
 
 def _place(x: Any, sharding: NamedSharding) -> jax.Array:
-    """``x`` as a global array with ``sharding``: an array already so is kept, one
+    """``x`` as a global array with ``sharding``: an array already so is kept, one on
+    this process's devices is moved (no copy where it already lies), one
     spread over other devices of several processes is resharded by XLA, anything else
     is read on the host (where every process holds all of it) and each process fills
     its own devices' shards."""
     if isinstance(x, jax.Array):
-        if x.sharding.is_equivalent_to(sharding, x.ndim):
+        if x.sharding == sharding:
             return x
+        # An equivalent sharding is not enough: an array on one device without the mesh
+        # has another type than the update's output, and jit would compile twice.
+        if x.is_fully_addressable and sharding.is_fully_addressable:
+            return jax.device_put(x, sharding)
         if not x.is_fully_addressable:
             return jax.jit(lambda a: a, out_shardings=sharding)(x)
     host = np.asarray(x)
