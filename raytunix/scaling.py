@@ -29,7 +29,6 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-
 SCALE_FILE = "scale.json"
 
 
@@ -165,6 +164,8 @@ class ScaleWatcher:
         """
         if self.sandbox_pool is not None:
             self.sandbox_pool.reap()
+        if self.env_pool.retiring:  # killed by the orchestrator once drained: stop draining
+            self._follow_env_pool(orchestrator)  # their spans from the next window on
         try:
             request = read_scale_request(self.run_dir)
         except ScaleRequestError as e:
@@ -189,6 +190,14 @@ class ScaleWatcher:
             notes.append(self._note("sandbox actors", record, "sandbox"))
         self._say(f"scale request at RL step {step}: " + "; ".join(notes))
         return record
+
+    def _follow_env_pool(self, orchestrator) -> None:
+        import ray
+
+        try:
+            self.env_pool.adopt(ray.get(orchestrator.env_pool_membership.remote()))
+        except ray.exceptions.RayError:
+            pass  # the orchestrator is gone: the next batch says so
 
     def _resize_env(self, orchestrator, n: int) -> dict[str, Any]:
         import ray

@@ -135,6 +135,9 @@ def test_env_pool_grown_then_shrunk_mid_run_loses_and_fails_no_episode(ray_sessi
         for _ in range(3):
             rl_step()
         final = membership()
+        assert pool.retiring == shrunk["retiring"]  # the driver's copy, as of the shrink
+        assert watcher.poll(orchestrator, version + 1) is None  # no new request, but...
+        assert [i for i, _ in pool.members()] == [keeper]  # ...retired actors are not drained
         state = ray_session.get(orchestrator.state.remote())
         ray_session.get(orchestrator.stop.remote(), timeout=60)
     finally:

@@ -34,6 +34,7 @@ from raytunix.driver.prepare import Tasks
 from raytunix.driver.run_dir import RunDir, RunError, load_run_config, new_run_dir, say
 from raytunix.learner.learner import GRPOHyperparams, SFTHyperparams
 from raytunix.rollout import preflight
+from raytunix.scaling import ScaleWatcher
 from raytunix.types import EpisodeStatus, RolloutHalted
 
 
@@ -283,10 +284,12 @@ def restore_rl(cfg: Config, job: Job, run: RunDir) -> RLStart:
 # -- the RL loop -------------------------------------------------------------------------
 
 def rl_loop(cfg: Config, job: Job, run: RunDir, start: RLStart, collector) -> float:
-    """RL steps ``start.step + 1`` .. ``learner.rl_steps``: the orchestrator's next batch
-    (by reference), one learner update, the new weights to the engines, the batch marked
-    trained, a metrics record, and a checkpoint every ``learner.checkpoint_every`` steps
-    and at the last. Ends with every checkpoint committed and the orchestrator stopped.
+    """RL steps ``start.step + 1`` .. ``learner.rl_steps``: a new scale request
+    (``raytunix scale``, ``RUN_DIR/scale.json``) applied to the env and sandbox pools, the
+    orchestrator's next batch (by reference), one learner update, the new weights to the
+    engines, the batch marked trained, a metrics record, and a checkpoint every
+    ``learner.checkpoint_every`` steps and at the last. Ends with every checkpoint committed
+    and the orchestrator stopped.
 
     Returns:
       the loop's wall time, seconds.
@@ -298,7 +301,11 @@ def rl_loop(cfg: Config, job: Job, run: RunDir, start: RLStart, collector) -> fl
     t0 = time.monotonic()
     collector.drain("rl", start.step)  # what came before RL stays out of step 1's window
     collector.start_window()
+    scaler = ScaleWatcher(run.path, job.env_pool, job.sandbox_pool, say=say)
     for step in range(start.step + 1, cfg.learner.rl_steps + 1):
+        scaled = scaler.poll(job.orchestrator, step)
+        if scaled is not None:
+            run.log(scaled)
         refs, info = _next_batch(cfg, job, run, step)
         prepare.run_preflight(preflight.check_batch, info, step)  # nothing to learn from: stop
         with profiling.span("train_step", "driver", {"step": step}):
@@ -309,7 +316,8 @@ def rl_loop(cfg: Config, job: Job, run: RunDir, start: RLStart, collector) -> fl
         ray.get(job.orchestrator.mark_trained.remote(info["batch_id"], version))
         record = {"phase": "rl", "step": step, **metrics,
                   **{k: v for k, v in info.items() if k != "statuses"},
-                  "statuses": info["statuses"], **collector.window("rl", step)}
+                  "statuses": info["statuses"], "env_actors": job.env_pool.size,
+                  **collector.window("rl", step)}
         run.log(record)  # the console view prints the step's headline numbers
         if step % cfg.learner.checkpoint_every == 0 or step == cfg.learner.rl_steps:
             with profiling.span("checkpoint", "driver", {"step": step}):

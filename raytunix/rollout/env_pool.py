@@ -316,6 +316,11 @@ class EnvPool:
         """Actors serving now or about to (active and starting); what ``resize`` sets."""
         return len(self._serving())
 
+    @property
+    def retiring(self) -> list[int]:
+        """Indices of the actors finishing their episodes before they are killed."""
+        return sorted(self._retiring)
+
     def lease(self, group_id: str) -> tuple[RemoteEnv, int]:
         """An environment client for one episode on the least-loaded active actor (a
         starting one if none is active yet), and that actor's index (give it back with
