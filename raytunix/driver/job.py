@@ -14,6 +14,7 @@ from raytunix.driver import prepare
 from raytunix.driver.prepare import Tasks
 from raytunix.driver.run_dir import RunDir, say
 from raytunix.models.tokenizer import Tokenizer
+from raytunix.placement import LearnerHostsSpec, resource_options
 from raytunix.rollout.env_pool import CPU_ONLY_RUNTIME_ENV, EnvPool
 from raytunix.types import SamplingParams
 
@@ -40,20 +41,29 @@ class Job:
         model_config = prepare.model_config(cfg, tokenizer)
         path = cfg.model.path
         self.colocated = cfg.engine.placement == "colocated"
+        hosts = LearnerHostsSpec.from_config(cfg.learner)  # learner.resources, num_hosts...
+        self.learner_group = hosts.num_hosts > 1
         if self.colocated:
             self.learner = ray.remote(PolicyActor).options(
-                num_cpus=1, max_concurrency=10_000).remote(
+                max_concurrency=10_000, **hosts.actor_options()).remote(
                 model_config, cfg.run.seed, tokenizer, cfg.engine.engine_kwargs(), path)
             self.engine = self.learner
             self.engines = [self.learner]
         else:
             from raytunix.inference.actor import EngineActor
 
-            self.learner = ray.remote(LearnerActor).options(
-                num_cpus=1, max_concurrency=100).remote(
-                model_config, cfg.run.seed, tokenizer.pad_id, path)
+            if self.learner_group:  # one actor per host, one JAX program; calls as a LearnerActor
+                from raytunix.learner.group import LearnerGroup
+
+                self.learner = ray.remote(LearnerGroup).options(num_cpus=0).remote(
+                    hosts, model_config, cfg.run.seed, tokenizer.pad_id, path)
+            else:
+                self.learner = ray.remote(LearnerActor).options(
+                    max_concurrency=100, **hosts.actor_options()).remote(
+                    model_config, cfg.run.seed, tokenizer.pad_id, path)
+            engine_options = resource_options(cfg.engine.actor_resources)
             self.engines = [
-                ray.remote(EngineActor).options(num_cpus=0, max_concurrency=10_000).remote(
+                ray.remote(EngineActor).options(max_concurrency=10_000, **engine_options).remote(
                     model_config, cfg.run.seed, tokenizer, cfg.engine.engine_kwargs(), path)
                 for _ in range(cfg.engine.num_replicas)]
             self.engine = self.engines[0]
@@ -139,6 +149,9 @@ class Job:
         except ray.exceptions.RayError as e:  # a dead learner; a timeout: orbax's temporary
             say(f"the checkpoint in flight was not finished ({type(e).__name__}: "  # dir
                 f"{str(e)[:300]}); resuming uses the one before it")  # keeps the last valid
+        if self.learner_group:  # its hosts and their reservation
+            with contextlib.suppress(ray.exceptions.RayError):
+                ray.get(self.learner.shutdown.remote(), timeout=60)
         actors = [self.orchestrator, self.learner, *self.env_pool.actors]
         if not self.colocated:
             actors += self.engines

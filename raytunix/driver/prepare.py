@@ -164,7 +164,7 @@ def start_env_pool(cfg: Config) -> EnvPool:
     """
     env_pool = EnvPool(cfg.env.name, dict(cfg.env.kwargs), cfg.env.num_env_actors,
                        max_restarts=cfg.env.env_actor_max_restarts,
-                       import_paths=import_paths(cfg))
+                       resources=dict(cfg.env.actor_resources), import_paths=import_paths(cfg))
     try:
         run_preflight(preflight.check_env_actors, env_pool, ENV_READY_TIMEOUT_S)
     except BaseException:
