@@ -40,7 +40,10 @@ def connect_ray() -> None:
         else:
             from raytunix.watchdog import start_watchdog
 
-            context = ray.init(include_dashboard=False, object_store_memory=256 * 1024**2,
+            # address="local": a new cluster, even where `ray start` left one running on
+            # this machine (ray.init() alone would join it); RAY_ADDRESS joins one.
+            context = ray.init(address="local", include_dashboard=False,
+                               object_store_memory=256 * 1024**2,
                                num_cpus=max(2, os.cpu_count() or 2), log_to_driver=True)
             # This process started the cluster: if it is killed (kill -9, OOM), the
             # cluster's processes go with it instead of outliving it for a minute.
