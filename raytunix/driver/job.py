@@ -62,11 +62,20 @@ class Job:
                     max_concurrency=100, **hosts.actor_options()).remote(
                     model_config, cfg.run.seed, tokenizer.pad_id, path)
             engine_options = resource_options(cfg.engine.actor_resources)
-            self.engines = [
-                ray.remote(EngineActor).options(max_concurrency=10_000, **engine_options).remote(
-                    model_config, cfg.run.seed, tokenizer, cfg.engine.engine_kwargs(), path)
-                for _ in range(cfg.engine.num_replicas)]
+            self._new_engine = lambda: ray.remote(EngineActor).options(
+                max_concurrency=10_000, **engine_options).remote(
+                model_config, cfg.run.seed, tokenizer, cfg.engine.engine_kwargs(), path)
+            self.engines = [self._new_engine() for _ in range(cfg.engine.num_replicas)]
             self.engine = self.engines[0]
+
+    def restart_engines(self) -> None:
+        """New engine actors in place of the current ones (disaggregated placement), for a
+        learner that went back to an older checkpoint in the run: an engine's policy
+        version never decreases. Start the orchestrator again after this."""
+        for engine in self.engines:
+            ray.kill(engine)
+        self.engines = [self._new_engine() for _ in self.engines]
+        self.engine = self.engines[0]
 
     def start_orchestrator(self, state: dict[str, Any], policy_version: int) -> None:
         """(Re)creates the orchestrator at a data position (``state``) and version."""

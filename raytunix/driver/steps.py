@@ -32,6 +32,7 @@ from raytunix.driver import prepare
 from raytunix.driver.job import Job
 from raytunix.driver.prepare import Tasks
 from raytunix.driver.run_dir import RunDir, RunError, load_run_config, new_run_dir, say
+from raytunix.learner.group import LearnerHostFailure
 from raytunix.learner.learner import GRPOHyperparams, SFTHyperparams
 from raytunix.rollout import preflight
 from raytunix.scaling import ScaleWatcher
@@ -284,6 +285,43 @@ def restore_rl(cfg: Config, job: Job, run: RunDir) -> RLStart:
 # -- the RL loop -------------------------------------------------------------------------
 
 def rl_loop(cfg: Config, job: Job, run: RunDir, start: RLStart, collector) -> float:
+    """The RL steps (``rl_steps``); when a host of a multi-host learner dies in them, the
+    learner group is rebuilt and the steps go on from the newest checkpoint
+    (``recover_learner``). Returns the wall time, seconds, the lost steps included.
+
+    Raises:
+      RunError: as ``rl_steps`` does, or the learner group cannot be rebuilt.
+    """
+    t0 = time.monotonic()
+    try:
+        rl_steps(cfg, job, run, start, collector)
+    except LearnerHostFailure as e:
+        rl_loop(cfg, job, run, recover_learner(cfg, job, run, e), collector)
+    return time.monotonic() - t0
+
+
+def recover_learner(cfg: Config, job: Job, run: RunDir, error: Exception) -> RLStart:
+    """A host of the learner group died: the group is rebuilt (new hosts, a new
+    coordinator; ``LearnerGroup.rebuild``) and the run goes back to its newest checkpoint
+    as a resume does (``restore_rl``: learner state, the orchestrator at the checkpoint's
+    data position and ledger, new engines with the checkpoint's weights).
+
+    Raises:
+      RunError: the group cannot be rebuilt (hosts keep dying, or no room for them).
+    """
+    cause = error.cause if isinstance(error, ray.exceptions.RayTaskError) else error
+    say(f"{cause} Rebuilding the learner group from the last checkpoint.")
+    try:
+        ray.get(job.learner.rebuild.remote())
+    except (LearnerHostFailure, TimeoutError) as e:
+        raise RunError(f"the learner group could not be rebuilt: {e} Checkpoints up to the "
+                       f"last one are in {run.checkpoints}; use --resume once the cause is "
+                       "fixed.") from None
+    job.restart_engines()  # they hold newer weights than the checkpoint's
+    return restore_rl(cfg, job, run)
+
+
+def rl_steps(cfg: Config, job: Job, run: RunDir, start: RLStart, collector) -> float:
     """RL steps ``start.step + 1`` .. ``learner.rl_steps``: a new scale request
     (``raytunix scale``, ``RUN_DIR/scale.json``) applied to the env and sandbox pools, the
     orchestrator's next batch (by reference), one learner update, the new weights to the

@@ -205,6 +205,8 @@ class LearnerGroup:
       runtime_env: the hosts' Ray runtime env (e.g. ``{"env_vars": {...}}`` for XLA or
         libtpu flags, or ``JAX_COMPILATION_CACHE_DIR`` so that a rebuilt group reuses the
         compiled update); None: the job's.
+      max_rebuilds: ``rebuild`` refuses after this many (a host that keeps dying is a
+        fault to fix, not to retry for ever).
 
     Raises:
       TimeoutError: the hosts could not be reserved in time (``reserve_learner_hosts``).
@@ -214,8 +216,10 @@ class LearnerGroup:
 
     def __init__(self, spec: LearnerHostsSpec, model_config: ModelConfig, seed: int,
                  pad_id: int, model_path: str = "", *, start_timeout_s: float = 600.0,
-                 call_timeout_s: float | None = None, runtime_env: dict[str, Any] | None = None):
+                 call_timeout_s: float | None = None, runtime_env: dict[str, Any] | None = None,
+                 max_rebuilds: int = 3):
         self.spec = spec
+        self.max_rebuilds = max_rebuilds
         self.runtime_env = runtime_env
         self._learner_args = (model_config, seed, pad_id, model_path)
         self.start_timeout_s = start_timeout_s
@@ -282,9 +286,15 @@ class LearnerGroup:
         initial weights, and the caller must rewind its data to match.
 
         Raises:
-          LearnerHostFailure: a host died again while rebuilding.
+          LearnerHostFailure: a host died again while rebuilding, or the group was rebuilt
+            ``max_rebuilds`` times already.
         """
         self.shutdown()
+        if self.rebuilds >= self.max_rebuilds:
+            raise LearnerHostFailure(
+                f"the learner group was rebuilt {self.rebuilds} times already (max_rebuilds="
+                f"{self.max_rebuilds}); find out why its hosts die (`ray logs`, the nodes' "
+                "health) before going on.")
         self.rebuilds += 1
         self._start()
         if self._rl is not None:
