@@ -36,8 +36,16 @@ tokens the forward pass runs over); ``trainable_tokens`` gives the loss-masked c
 ratio is the same either way. Prints one JSON object; top-level ``ratio_vs_bare`` is the
 ``100m`` config's when it ran, else ``tiny``'s.
 
+With ``--packing`` each config also compares the update on the batch padded to its
+longest trajectory (``padded_update_s``) with the same update on the batch packed several
+trajectories to a row (``learner.sequence_packing``; ``packed_update_s``), on a batch with
+a realistic length spread: lengths uniform over 15/64 of the context to all of it (30-128
+tokens for tiny), the longest filling it; both timed alternately like the above, the
+packing's host step (``pack_build_s``) apart. Key ``packing_speedup`` = padded / packed.
+
     python benchmarks/learner_step.py                 # both configs
     python benchmarks/learner_step.py --config tiny --steps 3
+    python benchmarks/learner_step.py --config tiny --packing
 """
 
 from __future__ import annotations
@@ -59,7 +67,7 @@ import pyarrow as pa
 from rollout_overlap import machine  # benchmarks/ is on sys.path when run as a script
 
 from raytunix.config import RolloutConfig
-from raytunix.learner.batch import Batch
+from raytunix.learner.batch import Batch, PackedBatch
 from raytunix.learner.train_state import (
     GRPOHyperparams,
     create_train_state,
@@ -90,28 +98,39 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="padded tokens per trajectory and the model's context (default: 128 "
                         "for tiny, 256 for 100m)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--packing", action="store_true",
+                   help="also time the update padded vs sequence-packed on a batch with "
+                        "lengths over 15/64 of the context to all of it")
+    p.add_argument("--pack-lengths", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
+                   help="with --packing: trajectory lengths uniform over [MIN, MAX] tokens "
+                        "instead (MAX <= the context; the padded batch is then MAX's bucket)")
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
     if args.seq_len is not None and args.seq_len < 8:
         p.error(f"--seq-len must be >= 8 tokens, got {args.seq_len}")
+    if args.pack_lengths and not 2 <= args.pack_lengths[0] <= args.pack_lengths[1]:
+        p.error(f"--pack-lengths needs 2 <= MIN <= MAX, got {args.pack_lengths}")
     if args.batch_size is not None and args.batch_size < 1:
         p.error(f"--batch-size must be >= 1, got {args.batch_size}")
     return args
 
 
-def synthetic_record_batch(batch_size: int, seq_len: int, vocab: int, seed: int
+def synthetic_record_batch(batch_size: int, seq_len: int, vocab: int, seed: int,
+                           min_length: int | None = None, max_length: int | None = None
                            ) -> pa.RecordBatch:
-    """``batch_size`` trajectories of at most ``seq_len`` tokens in ``TRAJECTORY_SCHEMA``
-    (see the module docstring); the first is exactly ``seq_len`` long, so the learner pads
-    the batch to ``seq_len``."""
+    """``batch_size`` trajectories of ``min_length`` (default ``seq_len // 2``) to
+    ``max_length`` (default ``seq_len``) tokens in ``TRAJECTORY_SCHEMA`` (see the module
+    docstring); the first is exactly ``max_length`` long, so the learner pads the batch to
+    its bucket. The prompt is a quarter of the context, at most half the trajectory."""
     rng = np.random.default_rng(seed)
-    prompt = max(1, seq_len // 4)
-    lengths = rng.integers(seq_len // 2, seq_len + 1, size=batch_size)
-    lengths[0] = seq_len
+    max_length = max_length or seq_len
+    lengths = rng.integers(min_length or seq_len // 2, max_length + 1, size=batch_size)
+    lengths[0] = max_length
     group = min(GROUP_SIZE, batch_size)
     columns = {name: [] for name in TRAJECTORY_SCHEMA.names}
     for i, length in enumerate(lengths):
+        prompt = max(1, min(seq_len // 4, int(length) // 2))
         generated = int(length) - prompt
         columns["task_id"].append(f"task{i // group}")
         columns["group_id"].append(f"group{i // group}")
@@ -233,12 +252,68 @@ def measure(name: str, args) -> dict:
     }
 
 
+def measure_packing(name: str, args) -> dict:
+    """The default update on one batch, padded (``Batch``) vs packed (``PackedBatch``);
+    see the module docstring."""
+    model_config, default_batch = CONFIGS[name]
+    seq_len = args.seq_len or model_config.max_seq_len
+    batch_size = args.batch_size or default_batch
+    model_config = dataclasses.replace(model_config, max_seq_len=seq_len)
+    graphdef, params = init_model(model_config, seed=args.seed)
+    low, high = args.pack_lengths or (max(2, seq_len * 15 // 64), seq_len)
+    record_batch = synthetic_record_batch(batch_size, seq_len, model_config.vocab_size,
+                                          args.seed, min_length=low, max_length=min(high, seq_len))
+    t0 = time.perf_counter()
+    padded = Batch.from_record_batch(record_batch, pad_id=0, max_seq_len=seq_len)
+    t1 = time.perf_counter()
+    packed = PackedBatch.from_record_batch(record_batch, pad_id=0, max_seq_len=seq_len)
+    t2 = time.perf_counter()
+    hp = GRPOHyperparams(temperature=RolloutConfig.temperature, top_k=RolloutConfig.top_k,
+                         top_p=RolloutConfig.top_p)
+    optimizer = make_optimizer_from(hp)
+    update = make_grpo_update(graphdef, optimizer, hp, max_seq_len=seq_len)
+    states = {k: create_train_state(graphdef, params, optimizer, args.seed)
+              for k in ("padded", "packed")}
+    batches = {"padded": padded, "packed": packed}
+
+    def step(kind: str) -> float:
+        t0 = time.perf_counter()
+        states[kind], metrics = update(states[kind], None, batches[kind])
+        jax.device_get(metrics)
+        jax.block_until_ready(states[kind])
+        return time.perf_counter() - t0
+
+    first = {k: step(k) for k in batches}  # compiles
+    for k in batches:
+        step(k)  # warm
+    times = {k: [] for k in batches}
+    for _ in range(args.steps):
+        for k in batches:
+            times[k].append(step(k))
+    median = {k: statistics.median(v) for k, v in times.items()}
+    lengths = np.diff(record_batch.column("token_ids").offsets.to_numpy())
+    return {
+        "trajectories": batch_size, "tokens": int(lengths.sum()),
+        "length_min_max": [int(lengths.min()), int(lengths.max())],
+        "padded_shape": list(padded.tokens.shape), "packed_shape": list(packed.tokens.shape),
+        "batch_build_s": round(t1 - t0, 4), "pack_build_s": round(t2 - t1, 4),
+        "first_call_s": {k: round(v, 2) for k, v in first.items()},
+        "step_s": {k: [round(x, 4) for x in v] for k, v in times.items()},
+        "padded_update_s": round(median["padded"], 4),
+        "packed_update_s": round(median["packed"], 4),
+        "packing_speedup": round(median["padded"] / median["packed"], 3),
+    }
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     load_before = os.getloadavg()
     names = ["tiny", "100m"] if args.config == "both" else [args.config]
     t0 = time.monotonic()
     results = {name: measure(name, args) for name in names}
+    if args.packing:
+        for name in names:
+            results[name]["packing"] = measure_packing(name, args)
     headline = results.get("100m", results.get("tiny"))
     return {
         "benchmark": "learner_step",

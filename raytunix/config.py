@@ -157,6 +157,8 @@ class LearnerConfig:
     overlong_buffer_tokens: int = 0  # DAPO's overlong penalty: the reward drops linearly to -1 over the last this many of env.max_turns x rollout.max_new_tokens generated tokens; 0 = off
     micro_batch_size: int = 0  # trajectories per forward/backward pass, gradients summed (same update as the whole batch); 0 = whole batch
     num_iterations: int = 1  # optimizer steps per batch, the clip anchored at the batch's start
+    sequence_packing: bool = False  # pack several trajectories into each row of pack_width tokens (attention within a trajectory only; same update as padding each to the longest); micro_batch_size then counts packed rows
+    pack_width: int = 0  # tokens per packed row (>= 2); 0 = model.max_seq_len; a longer trajectory is cut to it
     off_policy_correction: str = "none"  # none: clip around the behaviour (engine) policy | decoupled_ppo: clip around the learner's policy at the update's start, behaviour through a truncated importance weight
     importance_sampling: str = "token_tis"  # decoupled_ppo's weight pi_prox/pi_behav: per token (token_tis), per sequence as the product (sequence_tis) or geometric mean (geometric_tis) of token ratios
     importance_cap: float = 2.0  # the importance weight is truncated at this (>= 1)
@@ -547,6 +549,9 @@ def _validate_learner(cfg: Config) -> None:
             f"learner.micro_batch_size={learner.micro_batch_size} cannot be split over "
             f"learner.mesh_data x mesh_fsdp = {batch_split} devices; use a multiple of "
             f"{batch_split} (or 0, the whole batch).")
+    if learner.pack_width == 1 or learner.pack_width < 0:
+        raise ConfigError(f"learner.pack_width={learner.pack_width!r} must be >= 2 tokens per "
+                          "packed row, or 0 for model.max_seq_len.")
     longest = cfg.env.max_turns * cfg.rollout.max_new_tokens
     if learner.overlong_buffer_tokens > longest:
         raise ConfigError(

@@ -8,6 +8,10 @@ it from the Arrow record batch the rollout side packs (``raytunix.rollout.batch`
 
 Shapes are ``[B, T]`` (B trajectories, T tokens) or ``[B]``. T is one of a few widths
 (``padding_buckets``), so that a jitted update compiles once per width, not per length.
+
+A ``PackedBatch`` (sequence packing) holds the same trajectories several to a row of L
+tokens, with segment ids, restarting positions and a per-token trajectory index, so that
+a batch of short trajectories is not padded to its longest; ``pack_batch`` builds it.
 """
 
 from __future__ import annotations
@@ -131,3 +135,145 @@ class Batch(NamedTuple):
                      logprobs=pad(self.logprobs, 0), policy_versions=pad(self.policy_versions, -1),
                      rewards=pad(self.rewards, 0), group_ids=pad(self.group_ids, 0),
                      valid=pad(self.valid, 0))
+
+
+ROW_MULTIPLE = 8  # packed rows are padded to a multiple of this, so few row counts compile
+
+
+class PackedBatch(NamedTuple):
+    """Trajectories packed several to a row of L tokens (sequence packing), so that short
+    trajectories do not each pay for the longest one's padding.
+
+    A row holds segments 1..k, one trajectory each, back to back from column 0, then
+    padding (segment 0). The model attends only within a segment (``segment_ids``) and
+    each segment's ``positions`` restart at 0, so a trajectory is scored exactly as in
+    its own row of a ``Batch``. A segment's first token has ``loss_mask`` 0 (like column
+    0 of a ``Batch``): the shifted logprobs never score a token from its neighbour's
+    last token. Per-trajectory numbers stay ``[N]`` and reach their tokens through
+    ``trajectory_index``. Build with ``pack_batch`` or ``PackedBatch.from_record_batch``.
+
+    Attributes:
+      tokens, loss_mask, logprobs, policy_versions: ``[R, L]``, as in ``Batch`` (pad id,
+        0, 0 and -1 on padding).
+      segment_ids: int32[R, L], 0 on padding, 1..k for the k-th trajectory of the row.
+      positions: int32[R, L], the token's position in its trajectory (0 on padding).
+      trajectory_index: int32[R, L], the trajectory (row of ``rewards``) each token
+        belongs to; 0 on padding (whose ``loss_mask`` is 0).
+      rewards, group_ids, valid: ``[N]``, as in ``Batch``, one per trajectory.
+    """
+
+    tokens: Any
+    loss_mask: Any
+    logprobs: Any
+    policy_versions: Any
+    segment_ids: Any
+    positions: Any
+    trajectory_index: Any
+    rewards: Any
+    group_ids: Any
+    valid: Any
+
+    @classmethod
+    def from_record_batch(cls, batch: pa.RecordBatch | pa.Table, *, pad_id: int,
+                          max_seq_len: int, pack_width: int = 0,
+                          row_multiple: int = ROW_MULTIPLE) -> PackedBatch:
+        """Packs a ``TRAJECTORY_SCHEMA`` batch into rows of ``pack_width`` tokens (0:
+        ``max_seq_len``); a trajectory longer than ``min(pack_width, max_seq_len)`` is
+        cut to it, as ``Batch.from_record_batch`` cuts. See ``pack_batch``."""
+        if isinstance(batch, pa.Table):
+            batch = batch.combine_chunks().to_batches()[0]
+        lengths = np.diff(batch.column("token_ids").offsets.to_numpy())
+        padded = Batch.from_record_batch(batch, pad_id=pad_id, max_seq_len=max_seq_len)
+        return pack_batch(padded, lengths, pack_width or max_seq_len, pad_id=pad_id,
+                          row_multiple=row_multiple)
+
+
+def pack_rows(lengths: np.ndarray, width: int) -> list[list[int]]:
+    """First-fit decreasing bin packing: the trajectories (by index) of each row, their
+    ``lengths`` (tokens, each <= ``width``) summing to at most ``width`` per row. Longest
+    first, each into the first row with room (Johnson 1973: at most 11/9 of the optimal
+    row count plus a few). O(N x rows), fine for the learner's few hundred trajectories.
+
+    Raises:
+      ValueError: a length outside ``[0, width]``.
+    """
+    lengths = np.asarray(lengths, np.int64)
+    if lengths.size and (lengths.min() < 0 or lengths.max() > width):
+        raise ValueError(f"trajectory lengths must be in [0, width={width}]; got "
+                         f"{lengths.min()}..{lengths.max()}. Cut them to the width first.")
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in np.argsort(-lengths, kind="stable"):
+        n = int(lengths[i])
+        for r, free in enumerate(room):
+            if n <= free:
+                rows[r].append(int(i))
+                room[r] -= n
+                break
+        else:
+            rows.append([int(i)])
+            room.append(width - n)
+    return rows
+
+
+def pack_batch(batch: Batch, lengths: np.ndarray, width: int, *, pad_id: int = 0,
+               row_multiple: int = ROW_MULTIPLE) -> PackedBatch:
+    """Packs the trajectories of a padded ``batch`` into rows of ``width`` tokens.
+
+    Rows are filled by ``pack_rows`` (first-fit decreasing); their number R is rounded up
+    to a multiple of ``row_multiple`` with empty rows (all padding), so the update
+    compiles once per multiple: with N trajectories at most ``ceil(N / row_multiple)``
+    programs, in practice two or three, since a run's packed row count varies little.
+    A segment's first token gets ``loss_mask`` 0 (``Batch``'s column 0 is never trained
+    either), so packing changes no trained token.
+
+    Args:
+      batch: N trajectories, ``[N, T]`` / ``[N]`` (``Batch.from_record_batch``).
+      lengths: int[N], each trajectory's token count (padding excluded); cut to
+        ``min(width, T)``.
+      width: L, tokens per packed row (>= 2).
+      pad_id: token id of padding.
+      row_multiple: R is a multiple of this (>= 1): lcm of 8, the micro-batch size and
+        the mesh's batch shards, so that micro-batches and devices split the rows evenly.
+
+    Raises:
+      ValueError: ``width < 2``, ``row_multiple < 1``, or ``lengths`` not one per row.
+    """
+    if width < 2 or row_multiple < 1:
+        raise ValueError(f"pack_batch needs width={width!r} >= 2 and row_multiple="
+                         f"{row_multiple!r} >= 1.")
+    tokens = np.asarray(batch.tokens)
+    num, cols = tokens.shape
+    lengths = np.asarray(lengths, np.int64)
+    if lengths.shape != (num,):
+        raise ValueError(f"pack_batch needs one length per trajectory: lengths "
+                         f"{lengths.shape}, batch of {num}.")
+    lengths = np.clip(lengths, 0, min(width, cols))
+    rows = pack_rows(lengths, width)
+    num_rows = -(-max(len(rows), 1) // row_multiple) * row_multiple
+    shape = (num_rows, width)
+    out = {"tokens": np.full(shape, pad_id, np.int32),
+           "loss_mask": np.zeros(shape, np.float32),
+           "logprobs": np.zeros(shape, np.float32),
+           "policy_versions": np.full(shape, -1, np.int32),
+           "segment_ids": np.zeros(shape, np.int32),
+           "positions": np.zeros(shape, np.int32),
+           "trajectory_index": np.zeros(shape, np.int32)}
+    fields = {key: np.asarray(getattr(batch, key))
+              for key in ("tokens", "loss_mask", "logprobs", "policy_versions")}
+    for r, members in enumerate(rows):
+        start = 0
+        for k, i in enumerate(members, start=1):
+            n = int(lengths[i])
+            span = slice(start, start + n)
+            for key in fields:
+                out[key][r, span] = fields[key][i, :n]
+            if n:  # the segment's first token is scored from nothing: never trained
+                out["loss_mask"][r, start] = 0.0
+            out["segment_ids"][r, span] = k
+            out["positions"][r, span] = np.arange(n)
+            out["trajectory_index"][r, span] = i
+            start += n
+    return PackedBatch(**out, rewards=np.asarray(batch.rewards, np.float32),
+                       group_ids=np.asarray(batch.group_ids, np.int32),
+                       valid=np.asarray(batch.valid, np.float32))

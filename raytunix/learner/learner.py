@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pyarrow as pa
 
-from raytunix.learner.batch import Batch
+from raytunix.learner.batch import Batch, PackedBatch
 from raytunix.learner.checkpoint import Checkpointer
 from raytunix.learner.sharding import (
     batch_shards,
@@ -38,6 +38,7 @@ from raytunix.learner.train_state import (
     make_grpo_update,
     make_optimizer_from,
     make_sft_update,
+    packed_row_multiple,
 )
 from raytunix.models.llama import ModelConfig, init_model
 
@@ -142,7 +143,10 @@ class Learner:
         but ``rl_step``, and ``updates_skipped`` counts it.
 
         The batch is padded to one of a few widths (``raytunix.learner.batch.
-        padding_buckets`` of the model's context), so the update compiles a few times.
+        padding_buckets`` of the model's context), so the update compiles a few times;
+        with ``hp.sequence_packing`` its trajectories are packed into rows of
+        ``hp.pack_width`` tokens instead (``PackedBatch``; the row count rounded up to a
+        multiple of 8, of the micro-batch size and of the mesh's batch shards).
 
         Returns the update's metrics (see ``make_grpo_update``; among them the
         engine-learner logprob mismatch ``mismatch_*`` and ``update_skipped``) as floats,
@@ -156,8 +160,15 @@ class Learner:
         """
         if self._hp is None:
             raise RuntimeError("call start_rl before train_step")
-        arrays = Batch.from_record_batch(batch, pad_id=self.pad_id,
-                                         max_seq_len=self.model_config.max_seq_len)
+        if self._hp.sequence_packing:
+            arrays = PackedBatch.from_record_batch(
+                batch, pad_id=self.pad_id, max_seq_len=self.model_config.max_seq_len,
+                pack_width=self._hp.pack_width,
+                row_multiple=packed_row_multiple(self._hp.micro_batch_size,
+                                                 batch_shards(self.mesh)))
+        else:
+            arrays = Batch.from_record_batch(batch, pad_id=self.pad_id,
+                                             max_seq_len=self.model_config.max_seq_len)
         versions = arrays.policy_versions[arrays.loss_mask > 0]
         t0 = time.monotonic()
         self._state, metrics = self._update(self._state, self._ref_params, arrays)

@@ -64,12 +64,30 @@ def masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
     return total / jnp.maximum(jnp.sum(on), 1)
 
 
+def sequence_sum(values: jax.Array, sequence_index: jax.Array | None = None,
+                 num_sequences: int = 0) -> jax.Array:
+    """Each sequence's sum of ``values`` float[B, T], for each of its tokens.
+
+    With ``sequence_index`` None a row is one sequence: float32[B, 1]. With
+    ``sequence_index`` int32[B, T] (sequence packing: several sequences to a row,
+    ``raytunix.learner.batch.PackedBatch.trajectory_index``) the sums are segment sums
+    over the ``num_sequences`` sequences, gathered back to float32[B, T]. Either way it
+    broadcasts against ``[B, T]``.
+    """
+    if sequence_index is None:
+        return jnp.sum(values, axis=-1, keepdims=True)
+    sums = jax.ops.segment_sum(values.reshape(-1), sequence_index.reshape(-1),
+                               num_segments=num_sequences)
+    return sums[sequence_index]
+
+
 def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"{name}={value!r} is not supported; use one of {', '.join(allowed)}.")
 
 
-def loss_normalizer(loss_mask: jax.Array, *, aggregation: Aggregation, max_tokens: int
+def loss_normalizer(loss_mask: jax.Array, *, aggregation: Aggregation, max_tokens: int,
+                    sequence_index: jax.Array | None = None, num_sequences: int = 0
                     ) -> tuple[jax.Array, jax.Array]:
     """How per-token losses are summed into one number: ``(weights, denominator)`` with
     ``loss = sum(weights * per_token) / denominator``.
@@ -92,6 +110,8 @@ def loss_normalizer(loss_mask: jax.Array, *, aggregation: Aggregation, max_token
       aggregation: one of ``AGGREGATIONS``.
       max_tokens: the constant of ``sequence_mean_token_sum_norm`` (> 0), e.g. the
         model's context length; ignored by the other modes.
+      sequence_index, num_sequences: for packed rows, the sequence of each token and
+        how many there are (``sequence_sum``); None: a row is a sequence.
 
     Returns:
       ``weights`` float32[B, T] (0 off the mask) and a float32 scalar ``denominator``
@@ -104,8 +124,14 @@ def loss_normalizer(loss_mask: jax.Array, *, aggregation: Aggregation, max_token
     on = (loss_mask > 0).astype(jnp.float32)
     if aggregation == "token_mean":
         return on, jnp.maximum(jnp.sum(on), 1.0)
-    tokens_per_seq = jnp.sum(on, axis=-1, keepdims=True)
-    sequences = jnp.maximum(jnp.sum(tokens_per_seq > 0), 1).astype(jnp.float32)
+    if sequence_index is None:
+        tokens_per_seq = jnp.sum(on, axis=-1, keepdims=True)
+        sequences = jnp.sum(tokens_per_seq > 0)
+    else:
+        counts = jax.ops.segment_sum(on.reshape(-1), sequence_index.reshape(-1),
+                                     num_segments=num_sequences)
+        tokens_per_seq, sequences = counts[sequence_index], jnp.sum(counts > 0)
+    sequences = jnp.maximum(sequences, 1).astype(jnp.float32)
     if aggregation == "sequence_mean_token_mean":
         return on / jnp.maximum(tokens_per_seq, 1.0), sequences
     return on, sequences * float(max_tokens)
@@ -186,7 +212,9 @@ def ppo_clip_loss(log_ratio: jax.Array, advantages: jax.Array, *, clip_eps_low: 
 
 
 def gspo_loss(log_ratio: jax.Array, advantages: jax.Array, loss_mask: jax.Array, *,
-              clip_eps_low: float, clip_eps_high: float) -> tuple[jax.Array, jax.Array]:
+              clip_eps_low: float, clip_eps_high: float,
+              sequence_index: jax.Array | None = None, num_sequences: int = 0
+              ) -> tuple[jax.Array, jax.Array]:
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071):
     the clipped surrogate on the sequence's length-normalised likelihood ratio::
 
@@ -198,15 +226,18 @@ def gspo_loss(log_ratio: jax.Array, advantages: jax.Array, loss_mask: jax.Array,
     ranges are small (3e-4 and 4e-4), since a sequence ratio moves less than a token's.
 
     Args:
-      log_ratio: float32[B, T] (0 off the mask). advantages: float32[B, 1].
-      loss_mask: float[B, T]. clip_eps_low, clip_eps_high: the clip range.
+      log_ratio: float32[B, T] (0 off the mask). advantages: float32[B, 1] (or [B, T],
+        constant along each sequence). loss_mask: float[B, T].
+      clip_eps_low, clip_eps_high: the clip range.
+      sequence_index, num_sequences: packed rows (``sequence_sum``); None: row = sequence.
 
     Returns:
       ``(per_token float32[B, T], clipped bool[B, T])``, both constant along a sequence.
     """
     on = loss_mask > 0
-    tokens = jnp.maximum(jnp.sum(on, axis=-1, keepdims=True), 1)
-    seq_log_ratio = jnp.sum(jnp.where(on, log_ratio, 0.0), axis=-1, keepdims=True) / tokens
+    tokens = jnp.maximum(sequence_sum(on.astype(jnp.float32), sequence_index, num_sequences), 1)
+    seq_log_ratio = sequence_sum(jnp.where(on, log_ratio, 0.0), sequence_index,
+                                 num_sequences) / tokens
     per_seq, clipped = ppo_clip_loss(seq_log_ratio, advantages, clip_eps_low=clip_eps_low,
                                      clip_eps_high=clip_eps_high, dual_clip=0.0)
     return jnp.broadcast_to(per_seq, log_ratio.shape), jnp.broadcast_to(clipped, log_ratio.shape)
@@ -255,6 +286,8 @@ def grpo_policy_loss(
     entropy: jax.Array | None = None,
     entropy_coef: float = 0.0,
     normalizer: tuple[jax.Array, jax.Array] | None = None,
+    sequence_index: jax.Array | None = None,
+    num_sequences: int = 0,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The policy-gradient loss of one batch: a surrogate per token, weighted, with an
     optional KL penalty and entropy bonus, aggregated to a scalar::
@@ -297,6 +330,10 @@ def grpo_policy_loss(
       normalizer: ``(weights, denominator)`` to aggregate with instead of
         ``loss_normalizer(loss_mask, ...)``: a micro-batch passes its rows of the whole
         batch's weights and the whole batch's denominator.
+      sequence_index, num_sequences: packed rows (several sequences to a row): int32[B,
+        T], the sequence of each token, and how many there are, for GSPO's sequence ratio
+        and the aggregation (``sequence_sum``); ``advantages`` is then per token. None:
+        a row is a sequence.
 
     Returns:
       ``(loss, aux)``: a float32 scalar and float32 scalars ``clip_fraction`` (share of
@@ -317,7 +354,8 @@ def grpo_policy_loss(
     if policy_loss == "ppo_clip":
         per_token, clipped = ppo_clip_loss(log_ratio, adv, dual_clip=dual_clip, **clip)
     elif policy_loss == "gspo":
-        per_token, clipped = gspo_loss(log_ratio, adv, loss_mask, **clip)
+        per_token, clipped = gspo_loss(log_ratio, adv, loss_mask, sequence_index=sequence_index,
+                                       num_sequences=num_sequences, **clip)
     else:
         per_token, clipped = cispo_loss(logprobs, log_ratio, adv, **clip)
     if importance_weights is not None:
@@ -333,7 +371,8 @@ def grpo_policy_loss(
         per_token = per_token - entropy_coef * entropy
 
     if normalizer is None:
-        normalizer = loss_normalizer(loss_mask, aggregation=aggregation, max_tokens=max_tokens)
+        normalizer = loss_normalizer(loss_mask, aggregation=aggregation, max_tokens=max_tokens,
+                                     sequence_index=sequence_index, num_sequences=num_sequences)
     else:
         _check_choice("aggregation", aggregation, AGGREGATIONS)
     token_weights, denominator = normalizer
@@ -355,6 +394,8 @@ def truncated_importance_weights(
     *,
     level: ImportanceSampling,
     cap: float,
+    sequence_index: jax.Array | None = None,
+    num_sequences: int = 0,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Truncated importance weights ``pi_prox / pi_behav`` of sampled tokens.
 
@@ -380,6 +421,7 @@ def truncated_importance_weights(
         and do not enter a sequence's product or mean (NaN/inf there are harmless).
       level: ``"token_tis"``, ``"sequence_tis"`` or ``"geometric_tis"``.
       cap: the truncation, >= 1 (1 would weight every token at most as on-policy).
+      sequence_index, num_sequences: packed rows (``sequence_sum``); None: row = sequence.
 
     Returns:
       ``(weights, aux)``: float32[B, T] weights (0 off the mask) and float32 scalars
@@ -400,9 +442,10 @@ def truncated_importance_weights(
     if level == "token_tis":
         log_weight = log_ratio
     else:
-        total = jnp.sum(log_ratio, axis=-1, keepdims=True)
+        total = sequence_sum(log_ratio, sequence_index, num_sequences)
         if level == "geometric_tis":
-            total = total / jnp.maximum(jnp.sum(on, axis=-1, keepdims=True), 1)
+            total = total / jnp.maximum(
+                sequence_sum(on.astype(jnp.float32), sequence_index, num_sequences), 1)
         log_weight = jnp.broadcast_to(total, log_ratio.shape)
     log_cap = math.log(cap)
     weights = jnp.where(on, jnp.exp(jnp.minimum(log_weight, log_cap)), 0.0)

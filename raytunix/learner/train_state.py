@@ -16,6 +16,7 @@ function sees only arrays and compiles once per batch shape::
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable
 
 import flax.struct
@@ -33,7 +34,7 @@ from raytunix.learner.advantages import (
     episode_advantages,
     overlong_penalty,
 )
-from raytunix.learner.batch import Batch
+from raytunix.learner.batch import ROW_MULTIPLE, Batch, PackedBatch
 from raytunix.learner.losses import (
     AGGREGATIONS,
     IMPORTANCE_SAMPLING_LEVELS,
@@ -53,6 +54,7 @@ from raytunix.learner.sharding import (
     batch_shards,
     constrain,
     place_batch,
+    place_rows,
     row_sharding,
 )
 from raytunix.models.llama import forward
@@ -129,6 +131,8 @@ class GRPOHyperparams:
     importance_cap: float = LearnerConfig.importance_cap
     micro_batch_size: int = LearnerConfig.micro_batch_size
     num_iterations: int = LearnerConfig.num_iterations
+    sequence_packing: bool = LearnerConfig.sequence_packing
+    pack_width: int = LearnerConfig.pack_width
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
     @classmethod
@@ -313,22 +317,34 @@ def create_train_state(
     )
 
 
-def _next_token_logits(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array) -> jax.Array:
+def _next_token_logits(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array,
+                       positions: jax.Array | None = None,
+                       segment_ids: jax.Array | None = None) -> jax.Array:
     """Logits at positions 0..T-2 of ``tokens`` int32[B, T]: float32[B, T-1, V], where
-    entry t predicts ``tokens[:, t + 1]``."""
+    entry t predicts ``tokens[:, t + 1]``. Packed rows pass their ``positions`` and
+    ``segment_ids`` int32[B, T] (``PackedBatch``); then entry t at a segment's last
+    token predicts the next segment's first token, which is never trained."""
     inputs = tokens[:, :-1]
-    positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
-    logits, _ = forward(graphdef, params, inputs, positions)
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
+    else:
+        positions = positions[:, :-1]
+    if segment_ids is not None:
+        segment_ids = segment_ids[:, :-1]
+    logits, _ = forward(graphdef, params, inputs, positions, segment_ids=segment_ids)
     return logits.astype(jnp.float32)
 
 
 def _scored_tokens(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, *,
-                   temperature: float, top_k: int, top_p: float) -> tuple[jax.Array, jax.Array]:
+                   temperature: float, top_k: int, top_p: float,
+                   positions: jax.Array | None = None, segment_ids: jax.Array | None = None
+                   ) -> tuple[jax.Array, jax.Array]:
     """How the learner scores sampled tokens, shared by the GRPO update and
     ``logprobs_fn``: ``(logprobs float32[B, T-1], logits float32[B, T-1, V])``, entry t
     of the logprobs scoring ``tokens[:, t + 1]`` under the sampling distribution
-    (``token_logprobs``, the transformation the engine samples with)."""
-    logits = _next_token_logits(graphdef, params, tokens)
+    (``token_logprobs``, the transformation the engine samples with). ``positions`` and
+    ``segment_ids``: packed rows (see ``_next_token_logits``)."""
+    logits = _next_token_logits(graphdef, params, tokens, positions, segment_ids)
     logprobs = token_logprobs(logits, tokens[:, 1:], temperature=temperature, top_k=top_k,
                               top_p=top_p)
     return logprobs, logits
@@ -355,6 +371,17 @@ def make_grpo_update(
 ) -> Callable[[TrainState, nnx.State | None, Batch], tuple[TrainState, Metrics]]:
     """Builds ``update(state, ref_params, batch) -> (state, metrics)``: the policy-gradient
     update of one ``Batch``, as ``hp`` configures it.
+
+    ``batch`` may also be a ``PackedBatch`` (sequence packing, ``hp.sequence_packing``):
+    the same trajectories several to a row, attention restricted to each trajectory by
+    its segment ids, advantages gathered to the tokens by ``trajectory_index`` and every
+    sequence-level quantity (the ``sequence_*`` aggregations, GSPO's ratio, the
+    ``sequence_tis`` / ``geometric_tis`` weights, the overlong penalty's lengths) a
+    segment sum per trajectory; the result equals the padded batch's up to float32
+    rounding, in fewer tokens. Micro-batches are then ``hp.micro_batch_size`` packed
+    rows, and the rows must be a multiple of it and of the mesh's batch shards
+    (``packed_row_multiple``; ``PackedBatch.from_record_batch(row_multiple=...)``). Each
+    row count compiles its own program.
 
     Per batch, read top to bottom:
 
@@ -442,7 +469,14 @@ def make_grpo_update(
         """The loss of one micro-batch ``mb`` (a dict of its rows) and token *sums* of its
         statistics; ``anchor`` is None on the first iteration, else the proximal logprobs
         and support kept from it."""
-        logprobs, logits = _scored_tokens(graphdef, params, mb["tokens"], **sampling)
+        packing = {k: mb[k] for k in ("positions", "segment_ids") if k in mb}
+        seqs = {}
+        if packing:  # each (row, segment) of the micro-batch is one trajectory
+            seg = mb["segment_ids"][:, 1:]
+            stride = seg.shape[1] + 2  # > the most segments a row holds
+            seqs = {"sequence_index": jnp.arange(seg.shape[0])[:, None] * stride + seg,
+                    "num_sequences": seg.shape[0] * stride}
+        logprobs, logits = _scored_tokens(graphdef, params, mb["tokens"], **sampling, **packing)
         # -inf only where truncation removed the token; NaN still propagates.
         out_of_support = jnp.isneginf(jax.lax.stop_gradient(logprobs))
         support = ~out_of_support
@@ -455,10 +489,11 @@ def make_grpo_update(
         weights, weight_aux = None, {}
         if decoupled:
             weights, weight_aux = truncated_importance_weights(
-                prox, mb["old"], mask, level=hp.importance_sampling, cap=hp.importance_cap)
+                prox, mb["old"], mask, level=hp.importance_sampling, cap=hp.importance_cap,
+                **seqs)
         ref = None
         if ref_params is not None:
-            ref, _ = _scored_tokens(graphdef, ref_params, mb["tokens"], **sampling)
+            ref, _ = _scored_tokens(graphdef, ref_params, mb["tokens"], **sampling, **packing)
             ref = jax.lax.stop_gradient(jnp.maximum(ref, REF_LOGPROB_FLOOR))
         entropy = token_entropy(logits if hp.entropy_coef > 0 else
                                 jax.lax.stop_gradient(logits), **sampling)
@@ -470,7 +505,7 @@ def make_grpo_update(
             ref_logprobs=ref, kl_coef=hp.kl_coef, kl_estimator=hp.kl_estimator,
             importance_weights=weights,
             entropy=entropy if hp.entropy_coef > 0 else None, entropy_coef=hp.entropy_coef,
-            normalizer=(mb["weights"], denominator))
+            normalizer=(mb["weights"], denominator), **seqs)
         aux.update(weight_aux, **logprob_mismatch(prox, mb["old"], mask),
                    entropy=masked_mean(jax.lax.stop_gradient(entropy), mask))
         tokens = aux.pop("num_tokens")
@@ -520,14 +555,22 @@ def make_grpo_update(
 
     @jax.jit
     def _update(state, ref_params, batch, num_rows):
-        size = batch.tokens.shape[0]
+        packed = isinstance(batch, PackedBatch)
+        size = batch.rewards.shape[0]  # trajectories (padded ones included)
         real = (jnp.arange(size) < num_rows).astype(jnp.float32)
         generated = batch.loss_mask[:, 1:]
         rewards = batch.rewards
+        # Packed rows: sequence-level sums go by trajectory (segment sums), not by row.
+        seqs = ({"sequence_index": batch.trajectory_index[:, 1:], "num_sequences": size}
+                if packed else {})
         extra = {}
         if hp.overlong_buffer_tokens > 0:
-            penalty = overlong_penalty(jnp.sum(batch.policy_versions >= 0, axis=-1),
-                                       max_tokens=hp.overlong_max_tokens,
+            sampled = batch.policy_versions >= 0
+            lengths = (jax.ops.segment_sum(sampled.reshape(-1).astype(jnp.int32),
+                                           batch.trajectory_index.reshape(-1),
+                                           num_segments=size)
+                       if packed else jnp.sum(sampled, axis=-1))
+            penalty = overlong_penalty(lengths, max_tokens=hp.overlong_max_tokens,
                                        buffer_tokens=hp.overlong_buffer_tokens)
             rewards = rewards + penalty
             extra["overlong_penalty_mean"] = jnp.sum(penalty * real) / num_rows
@@ -535,11 +578,16 @@ def make_grpo_update(
             hp.advantage_estimator, rewards, batch.group_ids, size, valid=batch.valid,
             normalize_advantages_by_std=hp.normalize_advantages_by_std)
         weights, denominator = loss_normalizer(generated, aggregation=hp.loss_aggregation,
-                                               max_tokens=max_seq_len)
-        rows = hp.micro_batch_size or size
+                                               max_tokens=max_seq_len, **seqs)
+        num_token_rows = batch.tokens.shape[0]
+        rows = hp.micro_batch_size or num_token_rows
         mbs = {"tokens": batch.tokens, "generated": generated, "old": batch.logprobs[:, 1:],
                "advantages": advantages, "weights": weights}
-        mbs = jax.tree.map(lambda x: x.reshape((size // rows, rows) + x.shape[1:]), mbs)
+        if packed:
+            mbs.update(advantages=advantages[batch.trajectory_index[:, 1:]],
+                       positions=batch.positions, segment_ids=batch.segment_ids)
+        mbs = jax.tree.map(
+            lambda x: x.reshape((num_token_rows // rows, rows) + x.shape[1:]), mbs)
         if mesh is not None:  # each micro-batch split over the devices, not across them
             mbs = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
                 x, row_sharding(mesh, x.ndim, leading=1)), mbs)
@@ -562,10 +610,12 @@ def make_grpo_update(
             state = constrain(state, mesh)
         return state, metrics
 
-    def update(state: TrainState, ref_params: nnx.State | None, batch: Batch):
-        if not isinstance(batch, Batch):
-            raise TypeError(f"the GRPO update takes a Batch, got {type(batch).__name__}; build "
-                            "it with Batch.from_record_batch (or Batch.from_arrays).")
+    def update(state: TrainState, ref_params: nnx.State | None, batch: Batch | PackedBatch):
+        packed = isinstance(batch, PackedBatch)
+        if not (packed or isinstance(batch, Batch)):
+            raise TypeError(f"the GRPO update takes a Batch or PackedBatch, got "
+                            f"{type(batch).__name__}; build it with Batch.from_record_batch "
+                            "(or PackedBatch.from_record_batch).")
         if use_ref and ref_params is None:
             raise ValueError(
                 f"kl_coef={hp.kl_coef} needs the reference policy's params; pass ref_params "
@@ -577,19 +627,46 @@ def make_grpo_update(
             if not np.any(np.asarray(batch.loss_mask)[:, 1:] > 0):
                 return state, {"update_skipped": 1.0, "num_tokens": 0.0,
                                "reward_mean": float(np.mean(batch.rewards))}
-            if hp.micro_batch_size or shards > 1:
+            if packed:
+                token_rows = len(batch.tokens)
+                if token_rows % math.lcm(hp.micro_batch_size or 1, shards):
+                    raise ValueError(
+                        f"a packed batch of {token_rows} rows cannot be split into "
+                        f"micro-batches of {hp.micro_batch_size} rows over {shards} batch "
+                        f"shards; pack it with row_multiple="
+                        f"{packed_row_multiple(hp.micro_batch_size, shards)}.")
+            elif hp.micro_batch_size or shards > 1:
                 batch = batch.pad_rows(hp.micro_batch_size or shards)
-        elif num_rows % (hp.micro_batch_size or shards):
+        elif len(batch.tokens) % (hp.micro_batch_size or shards):
             raise ValueError(f"a traced batch of {num_rows} rows must be a multiple of "
                              f"micro_batch_size={hp.micro_batch_size} and of the mesh's "
                              f"{shards} batch shards; pad it with Batch.pad_rows first.")
         if mesh is None or isinstance(batch.rewards, jax.core.Tracer):
             batch, rows = jax.tree.map(jnp.asarray, batch), jnp.asarray(num_rows, jnp.float32)
+        elif packed:  # token rows split over the devices, per-trajectory arrays replicated
+            batch = PackedBatch(**{
+                k: _replicated(v, mesh) if k in ("rewards", "group_ids", "valid")
+                else place_rows(v, mesh) for k, v in batch._asdict().items()})
+            rows = np.float32(num_rows)
         else:  # global arrays, so that several processes can each pass their full copy
             batch, rows = place_batch(batch, mesh), np.float32(num_rows)
         return _update(state, ref_params if use_ref else None, batch, rows)
 
     return update
+
+
+def _replicated(array, mesh: jax.sharding.Mesh) -> jax.Array:
+    """A host array (the same on every process) as a global array whole on every device."""
+    host = np.asarray(array)
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.make_array_from_callback(host.shape, whole, lambda index: host[index])
+
+
+def packed_row_multiple(micro_batch_size: int, shards: int = 1) -> int:
+    """The row multiple a ``PackedBatch`` needs (``pack_batch``'s ``row_multiple``):
+    ``ROW_MULTIPLE`` (8), the micro-batch size (rows) and the mesh's batch shards all
+    divide it."""
+    return math.lcm(ROW_MULTIPLE, micro_batch_size or 1, shards)
 
 
 def make_sft_update(

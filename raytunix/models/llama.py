@@ -330,7 +330,7 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
 
     def __call__(self, x, positions, cache: tuple[jax.Array, jax.Array] | None, layer: int,
-                 block_tables: jax.Array | None = None):
+                 block_tables: jax.Array | None = None, segment_ids: jax.Array | None = None):
         """``x: float[B, T, d_model]``; ``cache``: the whole ``(k, v)`` of the model, each
         ``[n_layers, B, n_kv_heads, S, head_dim]``, or None; ``layer``: this layer's index.
         Returns the output ``[B, T, d_model]`` and the updated ``(k, v)`` (None without a
@@ -340,7 +340,10 @@ class Attention(nnx.Module):
         With ``block_tables`` (``int32[B, NB]``), ``cache`` is paged instead (``KVPages``
         arrays ``[n_layers, num_blocks, n_kv_heads, block_size, head_dim]``): each token's
         key/value is written at its row's block for its position, and attention reads the
-        ``NB * block_size`` positions the row's table names."""
+        ``NB * block_size`` positions the row's table names.
+
+        ``segment_ids`` (``int[B, T]``, no cache only): a token attends only to earlier
+        tokens of its own segment (sequence packing)."""
         cfg = self.config
         batch, length, _ = x.shape
         groups = cfg.n_heads // cfg.n_kv_heads
@@ -361,6 +364,8 @@ class Attention(nnx.Module):
             idx = jnp.arange(length)
             mask = jnp.broadcast_to(idx[None, :, None] >= idx[None, None, :],
                                     (batch, length, length))  # [B, T, S=T]
+            if segment_ids is not None:
+                mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
         else:
             cache_k, cache_v = cache
             cache_len = cache_k.shape[3]
@@ -459,9 +464,9 @@ class Block(nnx.Module):
                                                     rngs=rngs)
         self.mlp = MLP(config, rngs=rngs)
 
-    def __call__(self, x, positions, cache, layer: int, block_tables=None):
+    def __call__(self, x, positions, cache, layer: int, block_tables=None, segment_ids=None):
         attn_out, cache = self.self_attn(self.input_layernorm(x), positions, cache, layer,
-                                         block_tables)
+                                         block_tables, segment_ids)
         x = x + attn_out
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, cache
@@ -485,7 +490,8 @@ class Transformer(nnx.Module):
     def __call__(self, tokens: jax.Array, positions: jax.Array,
                  kv_cache: KVCache | KVPages | None = None,
                  block_tables: jax.Array | None = None,
-                 logit_index: jax.Array | None = None
+                 logit_index: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None
                  ) -> tuple[jax.Array, KVCache | KVPages | None]:
         """Computes next-token logits for every input token (or one per row).
 
@@ -508,6 +514,10 @@ class Transformer(nnx.Module):
           logit_index: ``int32[B]`` or None: only compute the logits of token
             ``logit_index[b]`` of each row (what sampling after a prefill needs; skips
             the LM head for the other ``T - 1`` tokens).
+          segment_ids: ``int[B, T]`` or None, without a cache only: several sequences
+            packed in a row (``raytunix.learner.batch.PackedBatch``); a token attends
+            only to earlier tokens with its segment id, and ``positions`` should restart
+            at 0 in each segment. None: one sequence per row.
 
         Returns:
           ``(logits, new_cache)``: ``float32[B, T, vocab_size]`` logits
@@ -517,11 +527,17 @@ class Transformer(nnx.Module):
         Raises:
           ValueError: if ``tokens`` and ``positions`` differ in shape, the cache does not
             match the model or the batch, or a ``KVPages`` cache comes without
-            ``block_tables`` (or block tables without one).
+            ``block_tables`` (or block tables without one), or ``segment_ids`` come with
+            a cache or in another shape than ``tokens``.
         """
         if tokens.shape != positions.shape or tokens.ndim != 2:
             raise ValueError(
                 f"tokens {tokens.shape} and positions {positions.shape} must both be [B, T].")
+        if segment_ids is not None and (kv_cache is not None
+                                        or segment_ids.shape != tokens.shape):
+            raise ValueError(
+                f"segment_ids {segment_ids.shape} go with a cache-free forward over tokens "
+                f"{tokens.shape} of the same shape; drop them for cached inference.")
         cfg = self.config
         paged = isinstance(kv_cache, KVPages)
         if paged != (block_tables is not None):
@@ -550,7 +566,7 @@ class Transformer(nnx.Module):
         x = self.embed_tokens(tokens)
         cache = None if kv_cache is None else (kv_cache.k, kv_cache.v)
         for i, block in enumerate(self.layers):
-            x, cache = block(x, positions, cache, i, block_tables)
+            x, cache = block(x, positions, cache, i, block_tables, segment_ids)
         if logit_index is not None:
             x = x[jnp.arange(x.shape[0]), logit_index][:, None]
         x = self.norm(x)
@@ -577,13 +593,14 @@ def init_model(config: ModelConfig, seed: int) -> tuple[nnx.GraphDef, nnx.State]
 
 def forward(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array,
             positions: jax.Array, kv_cache: KVCache | KVPages | None = None,
-            block_tables: jax.Array | None = None, logit_index: jax.Array | None = None
+            block_tables: jax.Array | None = None, logit_index: jax.Array | None = None,
+            segment_ids: jax.Array | None = None
             ) -> tuple[jax.Array, KVCache | KVPages | None]:
     """Functional ``Transformer.__call__``: merges ``graphdef`` and ``state`` and runs the
     model. Pure, so it can be wrapped in ``jax.jit`` (with ``graphdef`` static or closed
     over). Arguments and return value are those of ``Transformer.__call__``."""
     model = nnx.merge(graphdef, state)
-    return model(tokens, positions, kv_cache, block_tables, logit_index)
+    return model(tokens, positions, kv_cache, block_tables, logit_index, segment_ids)
 
 
 def count_params(state: nnx.State) -> int:
