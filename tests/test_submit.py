@@ -61,6 +61,13 @@ def _kill_cluster(temp_dir: str) -> None:
             pass
 
 
+# The head poses as one TPU host (4 chips) that also offers the env pool's resource.
+SIMULATED_RESOURCES = {"TPU": 4, "raytunix_env": 4}
+# What the tiny job asks for: the learner (with its colocated engine) on the TPU host, env
+# actors by their own resource.
+PLACEMENT = ["learner.resources={TPU: 4}", "env.actor_resources={raytunix_env: 1}"]
+
+
 @pytest.fixture(scope="module")
 def ray_head():
     """The job server address of a fresh local head: 2 CPUs, dashboard on, token auth on
@@ -79,9 +86,10 @@ def ray_head():
         "--object-manager-port", str(object_manager),
         "--runtime-env-agent-port", str(runtime_env_agent),
         "--temp-dir", temp_dir, "--num-cpus", "2", "--object-store-memory", str(200 * 1024**2),
-        "--disable-usage-stats",
+        "--disable-usage-stats", "--resources", json.dumps(SIMULATED_RESOURCES),
     ]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    # The host's TPU worker id, as a TPU VM's environment gives it (placement.tpu_worker_id).
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "TPU_WORKER_ID": "0"}
     env.pop("RAY_ADDRESS", None)
     try:
         started = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180,
@@ -91,6 +99,25 @@ def ray_head():
     finally:
         _kill_cluster(temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _actor_resources(address: str) -> dict[str, list[dict[str, float]]]:
+    """Class name -> the resources each of its actors asked for (CPU left out), from the
+    cluster's state API (finished jobs' actors stay listed as dead)."""
+    code = ("import json, sys\n"
+            "from ray.util.state import list_actors\n"
+            "actors = list_actors(address=sys.argv[1], detail=True, limit=1000, "
+            "raise_on_missing_output=False)\n"
+            "print(json.dumps([[a.class_name, a.required_resources or {}] for a in actors]))")
+    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    env.pop("RAY_ADDRESS", None)
+    done = subprocess.run([sys.executable, "-c", code, address], env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    asked: dict[str, list[dict[str, float]]] = {}
+    for name, resources in json.loads(done.stdout.strip().splitlines()[-1]):
+        asked.setdefault(name, []).append({k: v for k, v in resources.items() if k != "CPU"})
+    return asked
 
 
 def _raytunix(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -116,7 +143,7 @@ def test_submit_runs_a_tiny_training_job_and_status_shows_it(ray_head, tmp_path)
     (project / "runs" / "old.bin").write_bytes(b"\0" * 1024)  # excluded from the upload
     out = tmp_path / "out"
     done = _raytunix("submit", "--address", ray_head, "--working-dir", str(project),
-                     *TINY, "learner.rl_steps=2", f"run.output_dir={out}")
+                     *TINY, *PLACEMENT, "learner.rl_steps=2", f"run.output_dir={out}")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     job_id = re.search(r"submitted job (\S+)", done.stdout).group(1)
     assert job_id.startswith("raytunix-")
@@ -140,6 +167,12 @@ def test_submit_runs_a_tiny_training_job_and_status_shows_it(ray_head, tmp_path)
     assert shown.returncode == 0, shown.stderr
     assert re.search(r"status:\s+SUCCEEDED", shown.stdout)
     assert re.search(rf"run_dir:\s+{re.escape(run_dir)}", shown.stdout)
+
+    # Where the job's actors went, as the cluster recorded it: the learner took the TPU
+    # host's chips, the env actors their own resource and never a TPU.
+    asked = _actor_resources(ray_head)
+    assert asked["PolicyActor"] == [{"TPU": 4.0}], asked
+    assert asked["EnvActor"] and all(r == {"raytunix_env": 1.0} for r in asked["EnvActor"]), asked
 
 
 def test_ctrl_c_stops_the_job(ray_head, tmp_path):
