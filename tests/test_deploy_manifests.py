@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import shlex
 import string
 
 import jsonschema
@@ -197,6 +198,62 @@ def test_the_checks_reject_broken_manifests():
     bad_pod = copy.deepcopy(RAY_OBJECTS["raycluster-v5e-2x4.yaml"])
     _container(_tpu_group(bad_pod))["ports"][0]["containerPort"] = "8471"
     assert any("containerPort" in e or "8471" in e for e in core_errors(bad_pod))
+
+
+# GKE's TPU accelerator label -> the learner.tpu_version raytunix (Ray) knows it by.
+TPU_VERSIONS = {"tpu-v5-lite-podslice": "v5litepod", "tpu-v6e-slice": "v6e"}
+
+
+def entrypoint_config(job: dict):
+    """The config a RayJob's `raytunix train` entrypoint resolves to (load_config)."""
+    from raytunix.config import load_config
+
+    argv = shlex.split(job["spec"]["entrypoint"])
+    assert argv[:4] == ["raytunix", "train", "--config", "default"], argv
+    return load_config("default", argv[4:])
+
+
+def placement_errors(job: dict) -> list[str]:
+    """The entrypoint's learner spans every host of the TPU group with all its chips, as one
+    slice, and env actors ask for what the env group offers (never a TPU)."""
+    cfg, tpu = entrypoint_config(job), _tpu_group(job)
+    hosts, chips = tpu.get("numOfHosts", 1), int(_container(tpu)["resources"]["limits"][
+        "google.com/tpu"])
+    selector = tpu["template"]["spec"]["nodeSelector"]
+    (env,) = [g for g in cluster_spec(job)["workerGroupSpecs"] if "raytunix_env" in
+              g["rayStartParams"].get("resources", "")]
+    offered = json.loads(json.loads(env["rayStartParams"]["resources"]))
+    learner, errors = cfg.learner, []
+    if learner.num_hosts != hosts:
+        errors.append(f"learner.num_hosts={learner.num_hosts} != numOfHosts {hosts}")
+    if learner.resources != {"TPU": chips}:
+        errors.append(f"learner.resources={learner.resources} != {{TPU: {chips}}}")
+    if (learner.tpu_topology, learner.tpu_version) != (
+            selector["cloud.google.com/gke-tpu-topology"],
+            TPU_VERSIONS[selector["cloud.google.com/gke-tpu-accelerator"]]):
+        errors.append(f"learner.tpu_topology/tpu_version {learner.tpu_topology}/"
+                      f"{learner.tpu_version} is not the group's slice {selector}")
+    if not cfg.env.actor_resources or not set(cfg.env.actor_resources) <= set(offered):
+        errors.append(f"env.actor_resources={cfg.env.actor_resources} not offered by the env "
+                      f"group ({offered})")
+    return errors
+
+
+@pytest.mark.parametrize("name", sorted(n for n, o in RAY_OBJECTS.items() if o["kind"] == "RayJob"))
+def test_rayjob_entrypoint_places_the_learner_on_its_slice_and_env_actors_on_the_env_group(name):
+    assert placement_errors(RAY_OBJECTS[name]) == []
+    single = copy.deepcopy(RAY_OBJECTS[name])
+    single["spec"]["entrypoint"] = re.sub(r" learner\.num_hosts=\d+", "",
+                                          single["spec"]["entrypoint"])
+    single["spec"]["entrypoint"] = re.sub(r" env\.actor_resources\.\S+", "",
+                                          single["spec"]["entrypoint"])
+    if _tpu_group(single).get("numOfHosts", 1) > 1:  # the slice's host count is checked
+        from raytunix.config import ConfigError
+
+        with pytest.raises(ConfigError, match="set learner.num_hosts=4"):
+            entrypoint_config(single)
+    else:
+        assert "env.actor_resources={}" in " ".join(placement_errors(single))
 
 
 def test_rendering_leaves_no_placeholder_but_the_image():
