@@ -104,6 +104,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pack-lengths", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
                    help="with --packing: trajectory lengths uniform over [MIN, MAX] tokens "
                         "instead (MAX <= the context; the padded batch is then MAX's bucket)")
+    p.add_argument("--pack-longest", type=int, default=None, metavar="N",
+                   help="with --packing: the first trajectory has N tokens (default MAX), "
+                        "e.g. one long episode among short ones, as in the default run")
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
@@ -117,16 +120,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def synthetic_record_batch(batch_size: int, seq_len: int, vocab: int, seed: int,
-                           min_length: int | None = None, max_length: int | None = None
-                           ) -> pa.RecordBatch:
+                           min_length: int | None = None, max_length: int | None = None,
+                           longest: int | None = None) -> pa.RecordBatch:
     """``batch_size`` trajectories of ``min_length`` (default ``seq_len // 2``) to
     ``max_length`` (default ``seq_len``) tokens in ``TRAJECTORY_SCHEMA`` (see the module
-    docstring); the first is exactly ``max_length`` long, so the learner pads the batch to
-    its bucket. The prompt is a quarter of the context, at most half the trajectory."""
+    docstring); the first is exactly ``longest`` (default ``max_length``) long, so the
+    learner pads the batch to its bucket. The prompt is a quarter of the context, at most
+    half the trajectory."""
     rng = np.random.default_rng(seed)
     max_length = max_length or seq_len
     lengths = rng.integers(min_length or seq_len // 2, max_length + 1, size=batch_size)
-    lengths[0] = max_length
+    lengths[0] = longest or max_length
     group = min(GROUP_SIZE, batch_size)
     columns = {name: [] for name in TRAJECTORY_SCHEMA.names}
     for i, length in enumerate(lengths):
@@ -262,7 +266,9 @@ def measure_packing(name: str, args) -> dict:
     graphdef, params = init_model(model_config, seed=args.seed)
     low, high = args.pack_lengths or (max(2, seq_len * 15 // 64), seq_len)
     record_batch = synthetic_record_batch(batch_size, seq_len, model_config.vocab_size,
-                                          args.seed, min_length=low, max_length=min(high, seq_len))
+                                          args.seed, min_length=low, max_length=min(high, seq_len),
+                                          longest=args.pack_longest and min(args.pack_longest,
+                                                                            seq_len))
     t0 = time.perf_counter()
     padded = Batch.from_record_batch(record_batch, pad_id=0, max_seq_len=seq_len)
     t1 = time.perf_counter()

@@ -155,10 +155,10 @@ class LearnerConfig:
     entropy_coef: float = 0.0  # > 0 subtracts this x the token entropy from the loss (exploration bonus)
     loss_aggregation: str = "token_mean"  # token_mean | sequence_mean_token_mean | sequence_mean_token_sum_norm (Dr. GRPO: each sequence's token sum / model.max_seq_len)
     overlong_buffer_tokens: int = 0  # DAPO's overlong penalty: the reward drops linearly to -1 over the last this many of env.max_turns x rollout.max_new_tokens generated tokens; 0 = off
-    micro_batch_size: int = 0  # trajectories per forward/backward pass, gradients summed (same update as the whole batch); 0 = whole batch
+    micro_batch_size: int = 0  # trajectories (packed rows with sequence_packing) per forward/backward pass, gradients summed (same update as the whole batch); 0 = whole batch
     num_iterations: int = 1  # optimizer steps per batch, the clip anchored at the batch's start
-    sequence_packing: bool = False  # pack several trajectories into each row of pack_width tokens (attention within a trajectory only; same update as padding each to the longest); micro_batch_size then counts packed rows
-    pack_width: int = 0  # tokens per packed row (>= 2); 0 = model.max_seq_len; a longer trajectory is cut to it
+    sequence_packing: bool = True  # pack several trajectories into each row of pack_width tokens (attention within a trajectory only; same update as padding each to the longest); micro_batch_size then counts packed rows
+    pack_width: int = 0  # tokens of the widest packed row (>= 2); 0 = model.max_seq_len; a narrower padding width is used when it holds the batch in fewer tokens; a longer trajectory is cut to it
     off_policy_correction: str = "none"  # none: clip around the behaviour (engine) policy | decoupled_ppo: clip around the learner's policy at the update's start, behaviour through a truncated importance weight
     importance_sampling: str = "token_tis"  # decoupled_ppo's weight pi_prox/pi_behav: per token (token_tis), per sequence as the product (sequence_tis) or geometric mean (geometric_tis) of token ratios
     importance_cap: float = 2.0  # the importance weight is truncated at this (>= 1)

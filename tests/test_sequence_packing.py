@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from raytunix.learner.batch import Batch, PackedBatch, pack_batch, pack_rows
+from raytunix.learner.batch import Batch, PackedBatch, pack_batch, pack_rows, packed_width
 from raytunix.learner.train_state import (
     GRPOHyperparams,
     create_train_state,
@@ -108,6 +108,17 @@ def test_pack_rows_first_fit_decreasing_and_cuts():
     np.testing.assert_array_equal(packed.segment_ids[1:], 0)
     with pytest.raises(ValueError, match="width"):
         pack_batch(batch, np.array([3, 3]), 1)
+
+
+def test_packed_width_takes_the_bucket_with_fewest_tokens():
+    rng = np.random.default_rng(0)
+    # Short trajectories with one long one: pairs and triples in full-context rows.
+    mixed = np.concatenate([[128], rng.integers(40, 61, size=127)])
+    assert packed_width(mixed, 128) == 128
+    # All 40-64 tokens: rows of 64 hold them in as many tokens as pairs in rows of 128,
+    # with cheaper attention.
+    assert packed_width(rng.integers(40, 65, size=128), 128) == 64
+    assert packed_width(np.array([5, 7]), 128) == 32  # the narrowest bucket that holds them
 
 
 def test_packed_logits_equal_per_trajectory(models, record_batch):

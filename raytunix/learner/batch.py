@@ -177,15 +177,38 @@ class PackedBatch(NamedTuple):
     def from_record_batch(cls, batch: pa.RecordBatch | pa.Table, *, pad_id: int,
                           max_seq_len: int, pack_width: int = 0,
                           row_multiple: int = ROW_MULTIPLE) -> PackedBatch:
-        """Packs a ``TRAJECTORY_SCHEMA`` batch into rows of ``pack_width`` tokens (0:
-        ``max_seq_len``); a trajectory longer than ``min(pack_width, max_seq_len)`` is
-        cut to it, as ``Batch.from_record_batch`` cuts. See ``pack_batch``."""
+        """Packs a ``TRAJECTORY_SCHEMA`` batch into rows of at most ``pack_width`` tokens
+        (0: ``max_seq_len``); a trajectory longer than ``min(pack_width, max_seq_len)`` is
+        cut to it, as ``Batch.from_record_batch`` cuts. The row width is the one of
+        ``packed_width`` (the fewest tokens in all). See ``pack_batch``."""
         if isinstance(batch, pa.Table):
             batch = batch.combine_chunks().to_batches()[0]
         lengths = np.diff(batch.column("token_ids").offsets.to_numpy())
         padded = Batch.from_record_batch(batch, pad_id=pad_id, max_seq_len=max_seq_len)
-        return pack_batch(padded, lengths, pack_width or max_seq_len, pad_id=pad_id,
-                          row_multiple=row_multiple)
+        widest = min(pack_width or max_seq_len, max_seq_len)
+        width = packed_width(np.minimum(lengths, widest), widest, row_multiple=row_multiple)
+        return pack_batch(padded, lengths, width, pad_id=pad_id, row_multiple=row_multiple)
+
+
+def packed_width(lengths: np.ndarray, widest: int, *, row_multiple: int = ROW_MULTIPLE) -> int:
+    """The row width to pack trajectories of ``lengths`` (each <= ``widest``) at: among
+    ``padding_buckets(widest)`` that hold the longest, the one whose packed batch (rows
+    rounded up to ``row_multiple``) has the fewest tokens, the narrowest on a tie, since
+    attention costs more per token in a wider row. Trajectories that already fill a
+    narrow bucket (e.g. all 40-64 tokens in a 128 context) are packed at it rather than
+    paired in twice-as-wide rows of as many tokens. So the update compiles once per
+    (width, row count) seen: at most the padding widths times ``N / row_multiple``, in
+    practice a few."""
+    lengths = np.asarray(lengths)
+    longest = int(lengths.max()) if lengths.size else 0
+    best = None
+    for width in padding_buckets(widest):
+        if width < max(longest, 2):
+            continue
+        rows = -(-max(len(pack_rows(lengths, width)), 1) // row_multiple) * row_multiple
+        if best is None or rows * width < best[0]:
+            best = (rows * width, width)
+    return best[1] if best else widest
 
 
 def pack_rows(lengths: np.ndarray, width: int) -> list[list[int]]:

@@ -144,9 +144,10 @@ class Learner:
 
         The batch is padded to one of a few widths (``raytunix.learner.batch.
         padding_buckets`` of the model's context), so the update compiles a few times;
-        with ``hp.sequence_packing`` its trajectories are packed into rows of
-        ``hp.pack_width`` tokens instead (``PackedBatch``; the row count rounded up to a
-        multiple of 8, of the micro-batch size and of the mesh's batch shards).
+        with ``hp.sequence_packing`` its trajectories are packed into rows of at most
+        ``hp.pack_width`` tokens instead (``PackedBatch``, ``packed_width``; the row count
+        rounded up to a multiple of 8, of the micro-batch size and of the mesh's batch
+        shards).
 
         Returns the update's metrics (see ``make_grpo_update``; among them the
         engine-learner logprob mismatch ``mismatch_*`` and ``update_skipped``) as floats,
