@@ -132,8 +132,14 @@ def _scale(run_dir: str, env_actors: str | None, sandbox_actors: str | None) -> 
     wanted = ", ".join(f"{n} {what} actors" for what, n in
                        (("env", request.env_actors), ("sandbox", request.sandbox_actors))
                        if n is not None)
-    print(f"asked {run_dir} for {wanted} (request {request.request_id}); the run applies it "
-          "before its next RL step and logs it in metrics.jsonl (phase scale).")
+    from raytunix.driver.run_dir import RunDir
+
+    driver = RunDir(run_dir).running_driver()
+    when = (f"the run ({driver}) applies it before its next RL step" if driver else
+            "no driver runs it now: it is applied at the first RL step after `raytunix train "
+            "--resume`")
+    print(f"asked {run_dir} for {wanted} (request {request.request_id}); {when}, and logged "
+          "in metrics.jsonl (phase scale).")
     return 0
 
 
@@ -190,8 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"raytunix: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("raytunix: interrupted; checkpoints written so far are kept (a run that reached "
-              "RL continues with `raytunix train --resume RUN_DIR`).", file=sys.stderr)
+        print("raytunix: interrupted; checkpoints written so far are kept (RL checkpoints, "
+              "and the warm start's progress in RUN_DIR/warmup): continue with `raytunix "
+              "train --resume RUN_DIR`.", file=sys.stderr)
         return 130
 
 

@@ -166,14 +166,14 @@ class LearnerConfig:
     max_checkpoints: int = 3  # the newest this many checkpoints stay (plus the best one with keep_best_by)
     keep_best_by: str = ""  # a number of the RL step's metrics (e.g. reward_mean: the batch's mean reward); the checkpoint with the best value is never deleted; "" = off
     keep_best_mode: str = "max"  # max | min: whether a higher or a lower keep_best_by is better
-    mesh_data: int = -1  # devices of the learner's mesh for data parallelism; -1 = the devices mesh_fsdp x mesh_tensor leave (raytunix.learner.sharding)
-    mesh_fsdp: int = 1  # devices each param and optimizer moment is split over (FSDP/ZeRO-3); the batch is split over data x fsdp; -1 = the rest
-    mesh_tensor: int = 1  # Megatron tensor parallelism (attention heads, MLP width, vocabulary); -1 = the rest
     num_hosts: int = 1  # learner actors, one per host, running one JAX program (jax.distributed; raytunix.learner.group); 1 = one learner actor; > 1 needs engine.placement=disaggregated
     resources: dict[str, float] = dataclasses.field(default_factory=dict)  # Ray resources of each learner host (also of the single learner actor, or the colocated learner + engine), e.g. {TPU: 4}: all of a TPU VM's chips; {} = one CPU
     placement_strategy: str = "STRICT_SPREAD"  # how the learner hosts' placement group spreads: STRICT_SPREAD (one per node) | SPREAD | PACK | STRICT_PACK
     tpu_topology: str = ""  # the learner slice's TPU topology (e.g. 4x4); with tpu_version the hosts are reserved as one slice (ray.util.tpu) and ranked by TPU worker id; "" = a plain placement group
     tpu_version: str = ""  # the learner slice's TPU generation (e.g. v6e, v5p, v4); set with tpu_topology
+    mesh_data: int = -1  # devices of the learner's mesh for data parallelism; -1 = the devices mesh_fsdp x mesh_tensor leave (raytunix.learner.sharding)
+    mesh_fsdp: int = 1  # devices each param and optimizer moment is split over (FSDP/ZeRO-3); the batch is split over data x fsdp; -1 = the rest
+    mesh_tensor: int = 1  # Megatron tensor parallelism (attention heads, MLP width, vocabulary); -1 = the rest
 
 
 @dataclasses.dataclass
@@ -592,7 +592,9 @@ def _validate_placement(cfg: Config) -> None:
         try:
             version = get_tpu_version_from_type(learner.tpu_version)
         except ValueError as e:
-            raise ConfigError(f"learner.tpu_version={learner.tpu_version!r}: {e}") from None
+            hint = (" (Ray names TPU v5e 'v5litepod': set learner.tpu_version=v5litepod)"
+                    if learner.tpu_version.lower().replace("tpu-", "") == "v5e" else "")
+            raise ConfigError(f"learner.tpu_version={learner.tpu_version!r}: {e}{hint}") from None
         if not TPUAcceleratorManager.is_valid_tpu_accelerator_topology(
                 tpu_accelerator_version=version, tpu_topology=learner.tpu_topology):
             raise ConfigError(f"learner.tpu_topology={learner.tpu_topology!r} is not a topology "
@@ -604,6 +606,13 @@ def _validate_placement(cfg: Config) -> None:
         except ValueError as e:
             raise ConfigError(f"learner.tpu_topology={learner.tpu_topology!r}, "
                               f"learner.tpu_version={learner.tpu_version!r}: {e}") from None
+        _, host = get_tpu_worker_resources(learner.tpu_topology, learner.tpu_version)
+        asked = dict(learner.resources).get("TPU")
+        if asked is not None and asked != host["TPU"]:
+            raise ConfigError(
+                f"learner.resources asks for TPU: {asked:g} per host, but a {learner.tpu_version} "
+                f"host of topology {learner.tpu_topology} has {host['TPU']} chips; set "
+                f"learner.resources={{TPU: {host['TPU']}}} (or leave it empty).")
         if hosts != learner.num_hosts:
             raise ConfigError(
                 f"a {learner.tpu_version} slice of topology {learner.tpu_topology} makes {hosts} "

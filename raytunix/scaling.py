@@ -77,8 +77,8 @@ def write_scale_request(run_dir: str, env_actors: int | None = None,
     """Writes ``RUN_DIR/scale.json`` atomically; returns the request written.
 
     Raises:
-      ScaleRequestError: ``run_dir`` is not a run directory (no ``config.yaml``), a count
-        is not an int >= 1, or neither count is given.
+      ScaleRequestError: ``run_dir`` is not a run directory (no ``config.yaml``) or has
+        finished (``summary.json``), a count is not an int >= 1, or neither count is given.
       OSError: the file cannot be written.
     """
     env_actors = _check_count("--env-actors", env_actors)
@@ -93,6 +93,11 @@ def write_scale_request(run_dir: str, env_actors: int | None = None,
         raise ScaleRequestError(f"{run_dir!r} has no config.yaml, so it is not a raytunix run "
                                 "directory; pass the directory `raytunix train` printed at "
                                 "start (under runs/).")
+    if os.path.exists(os.path.join(run_dir, "summary.json")):
+        raise ScaleRequestError(
+            f"{run_dir!r} has finished (it has its summary.json), so nothing would apply the "
+            "request; to train it further at another size, resume it with "
+            "`raytunix train --resume RUN_DIR learner.rl_steps=N env.num_env_actors=K`.")
     request = ScaleRequest(env_actors, sandbox_actors, uuid.uuid4().hex, time.time())
     fd, tmp = tempfile.mkstemp(prefix=".scale-", suffix=".tmp", dir=run_dir)
     try:

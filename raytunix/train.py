@@ -12,6 +12,7 @@ testable on its own. ``train(cfg)`` starts local Ray itself when no cluster is c
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -59,7 +60,7 @@ def train(cfg: Config | None, resume: str | None = None,
     """
     wall0 = time.monotonic()
     cfg, run, dataset = steps.open_run(cfg, resume, resume_overrides)
-    with removed_if_left_empty(run, new=not resume):
+    with contextlib.closing(run), removed_if_left_empty(run, new=not resume):
         connect_ray()
         with started_job(cfg, run, dataset) as (job, tasks), \
                 steps.profiled(cfg, job, run) as collector:

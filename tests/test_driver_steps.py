@@ -67,13 +67,15 @@ def test_open_run_makes_a_new_directory_or_reopens_a_stopped_run(tmp_path):
     cfg = load_config(None, TINY + [f"run.output_dir={tmp_path / 'runs'}", "learner.rl_steps=3"])
     cfg, run, dataset = steps.open_run(cfg, None)
     assert os.path.dirname(run.path) == str(tmp_path / "runs")
-    assert os.listdir(run.path) == ["config.yaml"]
+    assert sorted(os.listdir(run.path)) == ["config.yaml", "driver.lock"]
     assert dataset is None  # the calculator env brings its own tasks, made in an env actor
     assert not run.has_rl_checkpoint()
+    run.unlock()  # as train() does when it ends
 
     # Stopped before any checkpoint (e.g. in its warm start): it reopens, with its own
     # config and the overrides saved back.
     again, reopened, _ = steps.open_run(None, run.path, ["learner.rl_steps=5"])
+    reopened.unlock()
     assert reopened.path == run.path and again.learner.rl_steps == 5
     assert load_run_config(run.path).learner.rl_steps == 5
     assert again.model == cfg.model  # everything else is the run's own

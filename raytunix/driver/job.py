@@ -12,7 +12,7 @@ import ray
 from raytunix.config import Config, RolloutConfig
 from raytunix.driver import prepare
 from raytunix.driver.prepare import Tasks
-from raytunix.driver.run_dir import RunDir, say
+from raytunix.driver.run_dir import RunDir, RunError, say
 from raytunix.models.tokenizer import Tokenizer
 from raytunix.placement import LearnerHostsSpec, resource_options
 from raytunix.rollout.env_pool import CPU_ONLY_RUNTIME_ENV, EnvPool
@@ -216,6 +216,27 @@ def started_job(cfg: Config, run: RunDir, dataset) -> Iterator[tuple[Job, Tasks]
         job = Job(cfg, tokenizer, tasks.train, env_pool, sandbox_pool)
         stack.pop_all()  # the job's shutdown takes them all down now
         try:
+            _check_mesh(cfg, job)
+        except BaseException:
+            job.shutdown()
+            raise
+        try:
             yield job, tasks
         finally:
             job.shutdown()
+
+
+def _check_mesh(cfg: Config, job: Job) -> None:
+    """The learner's ``learner.mesh_*`` against the devices it has, before anything trains
+    (the mesh itself is built when a phase starts).
+
+    Raises:
+      RunError: the axes do not fit the devices (the message names the keys to set).
+    """
+    from raytunix.learner.sharding import MeshConfig
+
+    devices = ray.get(job.learner.device_count.remote())
+    try:
+        MeshConfig.from_config(cfg).axis_sizes(devices)
+    except ValueError as e:
+        raise RunError(f"the learner's device mesh: {e}") from None

@@ -8,14 +8,18 @@ what a stopped run left to resume from.
     RUN_DIR/checkpoints/      the RL checkpoints (orbax; learner state + orchestrator state)
     RUN_DIR/state.json        the newest committed RL checkpoint's step and data position
     RUN_DIR/summary.json      written once the run ends
+    RUN_DIR/driver.lock       held (flock) by the driver running the run; the kernel frees it
+                              when that process ends, however it ends
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
+import socket
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -58,6 +62,57 @@ class RunDir:
         self.state = os.path.join(self.path, "state.json")
         self.sinks = None  # profiling.sinks.MetricSinks once the run starts its actors
         self.checkpoint_in_flight: dict[str, Any] | None = None  # state.json once it commits
+        self.lock_file = os.path.join(self.path, "driver.lock")
+        self._lock_fd: int | None = None
+
+    def lock(self) -> None:
+        """Takes the run for this process (an exclusive ``flock`` on driver.lock, which
+        names the holder), so that two drivers never write one run's checkpoints.
+
+        Raises:
+          RunError: another process runs it (named by pid and host).
+        """
+        if self._lock_fd is not None:
+            return
+        fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise RunError(
+                f"{self.path} is being run by {holder}; two drivers would overwrite each "
+                "other's checkpoints. Wait for that run to end or stop it (Ctrl-C), then "
+                "--resume.") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
+        self._lock_fd = fd
+
+    def unlock(self) -> None:
+        """Gives the run back (also done by the kernel when the process ends)."""
+        if self._lock_fd is not None:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    close = unlock  # for contextlib.closing: the run is given back when train() ends
+
+    def running_driver(self) -> str | None:
+        """Who runs the run now (``"pid N on HOST"``), or None when no process holds it."""
+        if self._lock_fd is not None:
+            return f"pid {os.getpid()} on {socket.gethostname()}"
+        if not os.path.exists(self.lock_file):
+            return None
+        fd = os.open(self.lock_file, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return os.read(fd, 200).decode(errors="replace").strip() or "another process"
+        else:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return None
+        finally:
+            os.close(fd)
 
     def log(self, record: dict[str, Any]) -> None:
         """Appends ``record`` to metrics.jsonl and hands it to the other metric sinks
@@ -135,6 +190,11 @@ RESUME_OVERRIDABLE = frozenset({
     "rollout.engine_retry_multiplier", "rollout.engine_retry_jitter",
     "rollout.retry_initial_delay_s", "rollout.retry_max_delay_s", "rollout.retry_multiplier",
     "rollout.retry_jitter",
+    # Where the run's actors go and how the update is split: a checkpoint restores onto
+    # another mesh (orbax reshards), and placement is not in it.
+    "env.actor_resources", "engine.actor_resources", "learner.resources",
+    "learner.placement_strategy", "learner.mesh_data", "learner.mesh_fsdp",
+    "learner.mesh_tensor", "learner.sequence_packing",
 })
 
 
@@ -179,7 +239,8 @@ def removed_if_left_empty(run: RunDir, new: bool):
         yield
     except BaseException:
         leftovers = set(os.listdir(run.path)) if os.path.isdir(run.path) else set()
-        if new and leftovers <= {os.path.basename(run.config), os.path.basename(run.tokenizer)}:
+        if new and leftovers <= {os.path.basename(run.config), os.path.basename(run.tokenizer),
+                                 os.path.basename(run.lock_file)}:
             shutil.rmtree(run.path, ignore_errors=True)
             say(f"run directory {run.path} removed: the run stopped before it trained")
         raise

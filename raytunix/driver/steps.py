@@ -73,7 +73,10 @@ def open_run(cfg: Config | None, resume: str | None, overrides: Sequence[str] = 
       FileNotFoundError: ``resume`` is not a run directory.
       ValueError: neither ``cfg`` nor ``resume``.
       ConfigError: a bad override, or the dataset cannot be read.
-      RunError: the checkpoint already holds ``learner.rl_steps`` steps.
+      RunError: the checkpoint already holds ``learner.rl_steps`` steps, or another
+        process runs ``resume`` now.
+
+    The run stays locked for this process (``RunDir.lock``) until ``train`` ends.
     """
     from raytunix.data.datasets import DatasetError
     from raytunix.data.tasks import dataset_splits
@@ -83,17 +86,35 @@ def open_run(cfg: Config | None, resume: str | None, overrides: Sequence[str] = 
     if resume:
         cfg = load_run_config(resume, overrides)
         run = RunDir(resume)
-        saved = run.read_state()
-        if "checkpoint_step" in saved:  # before Ray starts: fail fast
-            check_steps_left(saved["checkpoint_step"], cfg)
-        run.write_config(cfg)
+        run.lock()  # before anything is written: another driver may be running it
+        try:
+            return _reopened(cfg, run, dataset_splits)
+        except BaseException:
+            run.unlock()
+            raise
     try:
         dataset = dataset_splits(cfg.data)  # a file, split or column missing: stop before Ray
     except DatasetError as e:
         raise ConfigError(str(e)) from None
-    if not resume:  # created once the data is read: a config that cannot run leaves none
-        run = new_run_dir(cfg)
-        run.write_config(cfg)
+    run = new_run_dir(cfg)  # created once the data is read: a config that cannot run leaves none
+    run.lock()
+    run.write_config(cfg)
+    say(f"run directory: {run.path}")
+    return cfg, run, dataset
+
+
+def _reopened(cfg: Config, run: RunDir, dataset_splits) -> tuple[Config, RunDir, Any]:
+    """``open_run`` for a resumed run, which this process holds (``RunDir.lock``)."""
+    from raytunix.data.datasets import DatasetError
+
+    saved = run.read_state()
+    if "checkpoint_step" in saved:  # before Ray starts: fail fast
+        check_steps_left(saved["checkpoint_step"], cfg)
+    run.write_config(cfg)
+    try:
+        dataset = dataset_splits(cfg.data)
+    except DatasetError as e:
+        raise ConfigError(str(e)) from None
     say(f"run directory: {run.path}")
     return cfg, run, dataset
 

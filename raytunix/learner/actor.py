@@ -93,6 +93,13 @@ class LearnerActor(profiling.ProfiledActor):
     def policy_version(self) -> int:
         return self.learner.version
 
+    def device_count(self) -> int:
+        """The devices the learner's mesh spans (``jax.device_count()``: every process's,
+        in a multi-host group)."""
+        import jax
+
+        return jax.device_count()
+
     async def export(self, out_dir: str) -> list[str]:
         """Writes the current policy to ``out_dir`` as a Hugging Face model folder (with
         the tokenizer files of the folder the model came from, if any); returns the file

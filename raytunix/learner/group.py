@@ -403,6 +403,10 @@ class LearnerGroup:
         """The learner's device mesh over every host's devices (axis -> size)."""
         return self._on_all("mesh_shape")[0]
 
+    def device_count(self) -> int:
+        """The devices of every host together (the mesh's size)."""
+        return self._on_all("device_count")[0]
+
     def export(self, out_dir: str) -> list[str]:
         return self._on_all("export", out_dir)[0]
 
