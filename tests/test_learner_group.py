@@ -39,8 +39,11 @@ def _assert_params_close(got, want):
 
     got, want = jax.tree.leaves(got), jax.tree.leaves(want)
     assert len(got) == len(want)
+    # Two processes sum the packed rows' gradients in another order than one; Adam at lr
+    # 1e-2 turns that float32 rounding into up to ~4e-6 on a near-zero weight (0.04% of a
+    # step), far below what a wrong shard or a missing host's gradient would move.
     for a, b in zip(got, want):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5)
 
 
 def _assert_metrics_close(got, want):
