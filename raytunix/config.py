@@ -144,7 +144,12 @@ class LearnerConfig:
     lr_warmup_steps: int = 0  # the learning rate rises linearly over this many optimizer steps
     weight_decay: float = 0.0  # adamw's decoupled weight decay (matrices only)
     max_grad_norm: float = 1.0
-    advantage_estimator: str = "grpo"  # grpo | rloo (leave-one-out baseline) | reinforce_pp (group mean, then batch normalisation)
+    advantage_estimator: str = "grpo"  # grpo | rloo (leave-one-out baseline) | reinforce_pp (group mean, then batch normalisation) | gae (per-token GAE from a value head on the policy: PPO)
+    gae_gamma: float = 1.0  # gae: discount per generated token, in [0, 1]
+    gae_lambda: float = 0.95  # gae: GAE's lambda, in [0, 1]
+    gae_normalize: bool = True  # gae: whiten the advantages over the batch's trained tokens
+    value_coef: float = 0.5  # gae: weight of the value head's loss (> 0)
+    value_clip: float = 0.2  # gae: PPO's value clip, how far a value may move from the batch's start (> 0)
     normalize_advantages_by_std: bool = True  # grpo: divide by the group's std; false is Dr. GRPO's advantage
     policy_loss: str = "ppo_clip"  # ppo_clip | gspo (clipped sequence-level ratio) | cispo (clipped stop-gradient IS weight x logprob)
     clip_eps_low: float = 0.2
@@ -248,7 +253,7 @@ _CHOICES = {
     "learner.importance_sampling": ("token_tis", "sequence_tis", "geometric_tis"),
     "learner.optimizer": ("adamw", "adam", "sgd"),
     "learner.lr_schedule": ("constant", "linear", "cosine"),
-    "learner.advantage_estimator": ("grpo", "rloo", "reinforce_pp"),
+    "learner.advantage_estimator": ("grpo", "rloo", "reinforce_pp", "gae"),
     "learner.policy_loss": ("ppo_clip", "gspo", "cispo"),
     "learner.kl_estimator": ("k1", "k2", "k3"),
     "rollout.stale_token_policy": ("drop", "mask", "accept"),
@@ -525,6 +530,14 @@ def _validate_learner(cfg: Config) -> None:
         raise ConfigError(
             "learner.normalize_advantages_by_std=false applies to learner.advantage_estimator="
             f"grpo only (it is {learner.advantage_estimator!r}, which sets its own scale).")
+    for key in ("gae_gamma", "gae_lambda"):
+        if not 0.0 <= getattr(learner, key) <= 1.0:
+            raise ConfigError(f"learner.{key}={getattr(learner, key)!r} must be in [0, 1] "
+                              "(e.g. gae_gamma 1.0, gae_lambda 0.95).")
+    for key in ("value_coef", "value_clip"):
+        if not getattr(learner, key) > 0:
+            raise ConfigError(f"learner.{key}={getattr(learner, key)!r} must be > 0 (defaults: "
+                              "value_coef 0.5, value_clip 0.2).")
     if learner.weight_decay and learner.optimizer != "adamw":
         raise ConfigError(f"learner.weight_decay={learner.weight_decay!r} is applied by adamw "
                           f"only; use learner.optimizer=adamw or learner.weight_decay=0.")

@@ -480,7 +480,7 @@ def test_config_keys_reach_the_update_and_bad_values_are_named():
     assert SFTHyperparams() == SFTHyperparams.from_config(load_config(None))
     for override, named in [
         ("learner.policy_loss=ppo", "learner.policy_loss='ppo' is not one of ppo_clip, gspo"),
-        ("learner.advantage_estimator=gae", "learner.advantage_estimator='gae'"),
+        ("learner.advantage_estimator=ppo", "learner.advantage_estimator='ppo'"),
         ("learner.kl_estimator=k4", "learner.kl_estimator='k4'"),
         ("learner.dual_clip=0.5", "learner.dual_clip=0.5 must be > 1"),
         ("learner.num_iterations=0", "learner.num_iterations=0 must be > 0"),

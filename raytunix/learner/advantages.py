@@ -26,7 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")
+EPISODE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")
+# ``gae`` is token-level (``gae_advantages``) and needs the value head of PPO.
+ADVANTAGE_ESTIMATORS = EPISODE_ESTIMATORS + ("gae",)
 
 
 def _centered_by_group(rewards, group_ids, num_groups, valid):
@@ -198,6 +200,9 @@ def episode_advantages(
         return rloo_advantages(rewards, group_ids, num_groups, valid=valid)
     if estimator == "reinforce_pp":
         return reinforce_pp_advantages(rewards, group_ids, num_groups, valid=valid)
+    if estimator == "gae":
+        raise ValueError("advantage_estimator='gae' is token-level, not per episode; compute it "
+                         "with gae_advantages from a value estimate.")
     raise ValueError(f"advantage_estimator={estimator!r} is not supported; use one of "
                      f"{', '.join(ADVANTAGE_ESTIMATORS)}.")
 
@@ -209,6 +214,7 @@ def gae_advantages(
     *,
     gamma: float,
     lam: float,
+    segment_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Generalized advantage estimation (Schulman et al. 2016, arXiv:1506.02438) over the
     policy's tokens, for PPO with a learned value function.
@@ -228,6 +234,9 @@ def gae_advantages(
       values: float32[B, T], the value estimate at each token.
       loss_mask: float[B, T], nonzero on generated tokens.
       gamma: discount per step, in [0, 1]. lam: GAE's lambda, in [0, 1].
+      segment_ids: int[B, T] or None: packed rows (``raytunix.learner.batch.PackedBatch``),
+        several episodes to a row; the recursion restarts at each change of segment, so
+        each episode is its own chain. None: a row is one episode.
 
     Returns:
       ``(advantages, returns)``, both float32[B, T] and 0 off the mask.
@@ -235,19 +244,67 @@ def gae_advantages(
     rewards = jnp.asarray(rewards, jnp.float32)
     values = jnp.asarray(values, jnp.float32)
     on = jnp.asarray(loss_mask) > 0
+    segments = (jnp.zeros(rewards.shape, jnp.int32) if segment_ids is None
+                else jnp.asarray(segment_ids, jnp.int32))
 
     def step(carry, xs):
-        next_value, next_advantage = carry
-        r, v, m = xs
+        next_value, next_advantage, next_segment = carry
+        r, v, m, seg = xs
+        same = seg == next_segment  # a later segment's chain never leaks into this one
+        next_value = jnp.where(same, next_value, 0.0)
+        next_advantage = jnp.where(same, next_advantage, 0.0)
         advantage = r + gamma * next_value - v + gamma * lam * next_advantage
-        carry = (jnp.where(m, v, next_value), jnp.where(m, advantage, next_advantage))
+        carry = (jnp.where(m, v, next_value), jnp.where(m, advantage, next_advantage), seg)
         return carry, jnp.where(m, advantage, 0.0)
 
     zeros = jnp.zeros(rewards.shape[0], jnp.float32)
     # Scan over time, last token first; arrays are [T, B] inside the scan.
-    _, advantages = jax.lax.scan(step, (zeros, zeros), (rewards.T, values.T, on.T), reverse=True)
+    _, advantages = jax.lax.scan(step, (zeros, zeros, segments[:, -1]),
+                                 (rewards.T, values.T, on.T, segments.T), reverse=True)
     advantages = advantages.T
     return advantages, jnp.where(on, advantages + values, 0.0)
+
+
+def last_token_rewards(rewards: jax.Array, loss_mask: jax.Array,
+                       trajectory_index: jax.Array | None = None) -> jax.Array:
+    """Episode rewards placed on each episode's last generated token, the per-token
+    rewards of ``gae_advantages`` (an LLM episode is rewarded once, at its end).
+
+    Args:
+      rewards: float32[N], one per episode.
+      loss_mask: float[B, T], nonzero on generated tokens.
+      trajectory_index: int32[B, T], the episode of each token (packed rows,
+        ``PackedBatch.trajectory_index``); None: row b is episode b (then N == B).
+
+    Returns:
+      float32[B, T]: ``rewards[n]`` at episode n's last generated token, 0 elsewhere (an
+      episode without a generated token gets no reward anywhere).
+    """
+    rewards = jnp.asarray(rewards, jnp.float32)
+    on = jnp.asarray(loss_mask) > 0
+    columns = jnp.broadcast_to(jnp.arange(on.shape[1]), on.shape)
+    marked = jnp.where(on, columns, -1)
+    if trajectory_index is None:
+        last = jnp.max(marked, axis=-1, keepdims=True)
+        return jnp.where(on & (columns == last), rewards[:, None], 0.0)
+    index = jnp.asarray(trajectory_index, jnp.int32)
+    # A trajectory lies in one row, so its largest column is its last token.
+    last = jax.ops.segment_max(marked.reshape(-1), index.reshape(-1),
+                               num_segments=rewards.shape[0])
+    return jnp.where(on & (columns == last[index]), rewards[index], 0.0)
+
+
+def whiten(values: jax.Array, mask: jax.Array, eps: float = 1e-8) -> jax.Array:
+    """``(x - mean) / (std + eps)`` over the entries where ``mask`` is nonzero (population
+    std), 0 elsewhere: PPO's advantage normalisation over a batch's trained tokens
+    (as in OpenAI baselines' ppo2). float[B, T] -> float32[B, T]."""
+    on = jnp.asarray(mask) > 0
+    values = jnp.asarray(values, jnp.float32)
+    n = jnp.maximum(jnp.sum(on), 1)
+    mean = jnp.sum(jnp.where(on, values, 0.0)) / n
+    centered = jnp.where(on, values - mean, 0.0)
+    std = jnp.sqrt(jnp.sum(centered**2) / n)
+    return centered / (std + eps)
 
 
 def overlong_penalty(lengths: jax.Array, *, max_tokens: int, buffer_tokens: int) -> jax.Array:

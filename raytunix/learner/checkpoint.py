@@ -33,12 +33,15 @@ logger = logging.getLogger(__name__)
 
 
 def _as_tree(state: TrainState) -> dict[str, Any]:
-    return {
+    tree = {
         "params": state.params,
         "opt_state": state.opt_state,
         "step": state.step,
         "rng": state.rng,
     }
+    if state.value_head is not None:  # PPO's value head (GAE runs only)
+        tree.update(value_head=state.value_head, value_opt_state=state.value_opt_state)
+    return tree
 
 
 class Checkpointer:
@@ -245,7 +248,8 @@ class Checkpointer:
         )
         tree = restored["state"]
         state = TrainState(
-            params=tree["params"], opt_state=tree["opt_state"], step=tree["step"], rng=tree["rng"]
+            params=tree["params"], opt_state=tree["opt_state"], step=tree["step"], rng=tree["rng"],
+            value_head=tree.get("value_head"), value_opt_state=tree.get("value_opt_state"),
         )
         return state, dict(restored["extras"] or {})
 

@@ -34,6 +34,7 @@ from raytunix.learner.train_state import (
     GRPOHyperparams,
     SFTHyperparams,
     TrainState,
+    add_value_head,
     create_train_state,
     make_grpo_update,
     make_optimizer_from,
@@ -130,6 +131,9 @@ class Learner:
         optimizer = make_optimizer_from(hp)
         self._hp = hp
         self._state = self._fresh_state(optimizer, hp.mesh)
+        if hp.advantage_estimator == "gae":  # PPO's value head, beside the policy's params
+            self._state = shard_tree(
+                add_value_head(self._state, optimizer, self.model_config.d_model), self.mesh)
         self._ref_params = (shard_tree(jax.tree.map(jnp.copy, self.params), self.mesh)
                             if hp.kl_coef > 0 else None)
         # Jitted inside; the host part checks rewards, skips empty batches, pads rows.

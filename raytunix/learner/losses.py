@@ -387,6 +387,42 @@ def grpo_policy_loss(
     return loss, jax.tree.map(jax.lax.stop_gradient, aux)
 
 
+def clipped_value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array,
+                       loss_mask: jax.Array, *, value_clip: float,
+                       normalizer: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """PPO's clipped value loss (Schulman et al. 2017, arXiv:1707.06347; as in OpenAI
+    baselines' ppo2): the new value may not move the loss's target fit by more than
+    ``value_clip`` from the value the returns were computed with::
+
+        V_clip = V_old + clip(V - V_old, -value_clip, value_clip)
+        loss_t = 0.5 * max((V - R)^2, (V_clip - R)^2)
+
+    aggregated like the policy loss, ``sum(weights * loss_t) / denominator``.
+
+    Args:
+      values: float32[B, T], the value head's current estimate (with its gradient).
+      old_values: float32[B, T], the estimate at the batch's start (no gradient).
+      returns: float32[B, T], the targets (``gae_advantages``' returns).
+      loss_mask: float[B, T], nonzero on the tokens that count.
+      value_clip: > 0; ``inf`` turns the clip off.
+      normalizer: ``(weights float32[B, T], denominator scalar)`` of ``loss_normalizer``.
+
+    Returns:
+      ``(loss, clipped)``: a float32 scalar and the bool[B, T] tokens where the clipped
+      term is the larger (masked).
+    """
+    on = loss_mask > 0
+    old_values = jax.lax.stop_gradient(old_values)
+    returns = jax.lax.stop_gradient(returns)
+    clipped_values = old_values + jnp.clip(values - old_values, -value_clip, value_clip)
+    plain = (values - returns) ** 2
+    clipped = (clipped_values - returns) ** 2
+    per_token = 0.5 * jnp.maximum(plain, clipped)
+    weights, denominator = normalizer
+    loss = jnp.sum(jnp.where(on, per_token, 0.0) * weights) / denominator
+    return loss, on & (clipped > plain)
+
+
 def truncated_importance_weights(
     prox_logprobs: jax.Array,
     behaviour_logprobs: jax.Array,

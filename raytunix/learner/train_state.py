@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import flax.struct
 import jax
@@ -32,7 +32,10 @@ from raytunix.learner.advantages import (
     ADVANTAGE_ESTIMATORS,
     check_finite_rewards,
     episode_advantages,
+    gae_advantages,
+    last_token_rewards,
     overlong_penalty,
+    whiten,
 )
 from raytunix.learner.batch import ROW_MULTIPLE, Batch, PackedBatch
 from raytunix.learner.losses import (
@@ -40,6 +43,7 @@ from raytunix.learner.losses import (
     IMPORTANCE_SAMPLING_LEVELS,
     KL_ESTIMATORS,
     POLICY_LOSSES,
+    clipped_value_loss,
     grpo_policy_loss,
     logprob_mismatch,
     loss_normalizer,
@@ -57,7 +61,7 @@ from raytunix.learner.sharding import (
     place_rows,
     row_sharding,
 )
-from raytunix.models.llama import forward
+from raytunix.models.llama import forward, forward_with_hidden
 
 Metrics = dict[str, jax.Array]
 
@@ -81,12 +85,20 @@ class TrainState:
       rng: uint32 PRNG key data (``jax.random.key_data``), so it checkpoints as a plain
         array; turn it back into a key with ``jax.random.wrap_key_data``. The GRPO and
         SFT updates use no randomness and carry it unchanged.
+      value_head: PPO's value head (``advantage_estimator="gae"``), a scalar linear map
+        of the model's final hidden state, ``{"kernel": float32[d_model, 1], "bias":
+        float32[1]}`` (``add_value_head``); None without GAE, so the policy's ``params``
+        and the checkpoints of other runs are unchanged.
+      value_opt_state: the optimizer state of ``value_head`` (the same optax optimizer as
+        ``params``, its own gradient clipping), or None.
     """
 
     params: nnx.State
     opt_state: optax.OptState
     step: jax.Array
     rng: jax.Array
+    value_head: Any = None
+    value_opt_state: Any = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -115,6 +127,11 @@ class GRPOHyperparams:
     weight_decay: float = LearnerConfig.weight_decay
     max_grad_norm: float = LearnerConfig.max_grad_norm
     advantage_estimator: str = LearnerConfig.advantage_estimator
+    gae_gamma: float = LearnerConfig.gae_gamma
+    gae_lambda: float = LearnerConfig.gae_lambda
+    gae_normalize: bool = LearnerConfig.gae_normalize
+    value_coef: float = LearnerConfig.value_coef
+    value_clip: float = LearnerConfig.value_clip
     normalize_advantages_by_std: bool = LearnerConfig.normalize_advantages_by_std
     policy_loss: str = LearnerConfig.policy_loss
     clip_eps_low: float = LearnerConfig.clip_eps_low
@@ -164,6 +181,12 @@ class GRPOHyperparams:
                 "down-weights tokens that are exactly on-policy.")
         if self.dual_clip and not self.dual_clip > 1.0:
             raise ValueError(f"dual_clip={self.dual_clip!r} must be > 1 (e.g. 3.0), or 0 for none.")
+        if not (0.0 <= self.gae_gamma <= 1.0 and 0.0 <= self.gae_lambda <= 1.0):
+            raise ValueError(f"gae_gamma={self.gae_gamma!r} and gae_lambda={self.gae_lambda!r} "
+                             "must be in [0, 1].")
+        if not (self.value_coef > 0 and self.value_clip > 0):
+            raise ValueError(f"value_coef={self.value_coef!r} and value_clip={self.value_clip!r} "
+                             "must be > 0.")
         if self.num_iterations < 1 or self.micro_batch_size < 0:
             raise ValueError(f"num_iterations={self.num_iterations!r} must be >= 1 and "
                              f"micro_batch_size={self.micro_batch_size!r} >= 0 (0: whole batch).")
@@ -317,9 +340,31 @@ def create_train_state(
     )
 
 
+def init_value_head(d_model: int) -> dict[str, jax.Array]:
+    """PPO's value head for a model of width ``d_model``: ``{"kernel": float32[d_model,
+    1], "bias": float32[1]}``, zeros, so every value starts at 0 (the first GAE
+    advantages are discounted returns)."""
+    return {"kernel": jnp.zeros((d_model, 1), jnp.float32), "bias": jnp.zeros((1,), jnp.float32)}
+
+
+def add_value_head(state: TrainState, optimizer: optax.GradientTransformation,
+                   d_model: int) -> TrainState:
+    """``state`` with a fresh value head (``init_value_head``) and its optimizer state,
+    what ``make_grpo_update`` needs for ``advantage_estimator="gae"``; ``d_model`` is the
+    model's width (``ModelConfig.d_model``)."""
+    head = init_value_head(d_model)
+    return state.replace(value_head=head, value_opt_state=optimizer.init(head))
+
+
+def value_estimates(value_head: dict[str, jax.Array], hidden: jax.Array) -> jax.Array:
+    """The value head on hidden states ``[..., d_model]``: float32[...]."""
+    return (hidden.astype(jnp.float32) @ value_head["kernel"])[..., 0] + value_head["bias"][0]
+
+
 def _next_token_logits(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array,
                        positions: jax.Array | None = None,
-                       segment_ids: jax.Array | None = None) -> jax.Array:
+                       segment_ids: jax.Array | None = None, *, with_hidden: bool = False
+                       ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Logits at positions 0..T-2 of ``tokens`` int32[B, T]: float32[B, T-1, V], where
     entry t predicts ``tokens[:, t + 1]``. Packed rows pass their ``positions`` and
     ``segment_ids`` int32[B, T] (``PackedBatch``); then entry t at a segment's last
@@ -331,23 +376,34 @@ def _next_token_logits(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Ar
         positions = positions[:, :-1]
     if segment_ids is not None:
         segment_ids = segment_ids[:, :-1]
+    if with_hidden:  # + the final hidden state [B, T-1, D] the value head reads
+        return forward_with_hidden(graphdef, params, inputs, positions, segment_ids)
     logits, _ = forward(graphdef, params, inputs, positions, segment_ids=segment_ids)
     return logits.astype(jnp.float32)
 
 
 def _scored_tokens(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, *,
                    temperature: float, top_k: int, top_p: float,
-                   positions: jax.Array | None = None, segment_ids: jax.Array | None = None
-                   ) -> tuple[jax.Array, jax.Array]:
+                   positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                   value_head: dict[str, jax.Array] | None = None
+                   ) -> tuple[jax.Array, jax.Array] | tuple[jax.Array, jax.Array, jax.Array]:
     """How the learner scores sampled tokens, shared by the GRPO update and
     ``logprobs_fn``: ``(logprobs float32[B, T-1], logits float32[B, T-1, V])``, entry t
     of the logprobs scoring ``tokens[:, t + 1]`` under the sampling distribution
     (``token_logprobs``, the transformation the engine samples with). ``positions`` and
-    ``segment_ids``: packed rows (see ``_next_token_logits``)."""
-    logits = _next_token_logits(graphdef, params, tokens, positions, segment_ids)
+    ``segment_ids``: packed rows (see ``_next_token_logits``). With a ``value_head``
+    also the values float32[B, T-1], entry t the value of the state that generates
+    ``tokens[:, t + 1]``, from the same forward pass."""
+    if value_head is None:
+        logits = _next_token_logits(graphdef, params, tokens, positions, segment_ids)
+    else:
+        logits, hidden = _next_token_logits(graphdef, params, tokens, positions, segment_ids,
+                                            with_hidden=True)
     logprobs = token_logprobs(logits, tokens[:, 1:], temperature=temperature, top_k=top_k,
                               top_p=top_p)
-    return logprobs, logits
+    if value_head is None:
+        return logprobs, logits
+    return logprobs, logits, value_estimates(value_head, hidden)
 
 
 def _apply_gradients(
@@ -389,6 +445,16 @@ def make_grpo_update(
        (``overlong_penalty`` over each trajectory's generated tokens).
     2. Advantages by ``hp.advantage_estimator`` (``episode_advantages``) over the whole
        batch, failed members (``valid`` 0) left out of group statistics.
+       With ``advantage_estimator="gae"`` (PPO with a value head, ``state.value_head``
+       from ``add_value_head``): the values at the batch's start (one no-gradient forward
+       pass per micro-batch), each episode's reward on its last generated token, GAE
+       (``gae_advantages``, ``hp.gae_gamma``/``gae_lambda``; per segment in packed rows)
+       over the generated tokens of valid trajectories, whitened over them when
+       ``hp.gae_normalize``; the loss adds ``hp.value_coef`` x PPO's clipped value loss
+       (``clipped_value_loss``, ``hp.value_clip``, aggregated like the policy loss), whose
+       gradient reaches the value head and the shared trunk; the value head takes its own
+       optimizer step (same optimizer). Extra metrics: ``value_loss``, ``value_mean``,
+       ``value_clip_fraction``, ``value_grad_norm``, ``return_mean``.
     3. The loss normaliser of ``hp.loss_aggregation`` over the whole batch
        (``loss_normalizer``; ``max_seq_len`` is Dr. GRPO's constant).
     4. ``hp.num_iterations`` optimizer steps; each sums the gradients of the micro-batches
@@ -464,11 +530,14 @@ def make_grpo_update(
     use_ref = hp.kl_coef > 0
     decoupled = hp.off_policy_correction == "decoupled_ppo"
     sampling = {"temperature": hp.temperature, "top_k": hp.top_k, "top_p": hp.top_p}
+    gae = hp.advantage_estimator == "gae"
 
-    def micro_batch_loss(params, ref_params, mb, denominator, anchor):
+    def micro_batch_loss(trainable, ref_params, mb, denominator, anchor):
         """The loss of one micro-batch ``mb`` (a dict of its rows) and token *sums* of its
         statistics; ``anchor`` is None on the first iteration, else the proximal logprobs
-        and support kept from it."""
+        and support kept from it. ``trainable`` is ``(params, value_head)``, the value
+        head None without GAE."""
+        params, value_head = trainable
         packing = {k: mb[k] for k in ("positions", "segment_ids") if k in mb}
         seqs = {}
         if packing:  # each (row, segment) of the micro-batch is one trajectory
@@ -476,7 +545,9 @@ def make_grpo_update(
             stride = seg.shape[1] + 2  # > the most segments a row holds
             seqs = {"sequence_index": jnp.arange(seg.shape[0])[:, None] * stride + seg,
                     "num_sequences": seg.shape[0] * stride}
-        logprobs, logits = _scored_tokens(graphdef, params, mb["tokens"], **sampling, **packing)
+        scored = _scored_tokens(graphdef, params, mb["tokens"], **sampling, **packing,
+                                value_head=value_head if gae else None)
+        logprobs, logits = scored[:2]
         # -inf only where truncation removed the token; NaN still propagates.
         out_of_support = jnp.isneginf(jax.lax.stop_gradient(logprobs))
         support = ~out_of_support
@@ -510,6 +581,17 @@ def make_grpo_update(
                    entropy=masked_mean(jax.lax.stop_gradient(entropy), mask))
         tokens = aux.pop("num_tokens")
         sums = {k: v if k == "mismatch_ratio_max" else v * tokens for k, v in aux.items()}
+        if gae:  # PPO's value loss on the same tokens, aggregated like the policy loss
+            values = scored[2]
+            value_loss, value_clipped = clipped_value_loss(
+                values, mb["old_values"], mb["returns"], mb["value_mask"],
+                value_clip=hp.value_clip, normalizer=(mb["weights"], denominator))
+            loss = loss + hp.value_coef * value_loss
+            on = mb["value_mask"] > 0
+            sums.update(value_loss=value_loss,
+                        value_clip_fraction=jnp.sum(value_clipped).astype(jnp.float32),
+                        value_mean=jnp.sum(jnp.where(on, jax.lax.stop_gradient(values), 0.0)),
+                        value_tokens=jnp.sum(on).astype(jnp.float32))
         sums.update(loss=loss, num_tokens=tokens, generated=jnp.sum(mb["generated"] > 0),
                     out_of_support=jnp.sum((mb["generated"] > 0) & out_of_support))
         return loss, (sums, prox, support)
@@ -541,17 +623,31 @@ def make_grpo_update(
         return grads, sums, prox, support
 
     def optimizer_step(state, ref_params, mbs, denominator, anchors):
-        grads, sums, prox, support = gradients(state.params, ref_params, mbs, denominator,
-                                               anchors)
+        trainable = (state.params, state.value_head if gae else None)
+        (grads, value_grads), sums, prox, support = gradients(trainable, ref_params, mbs,
+                                                              denominator, anchors)
         tokens = jnp.maximum(sums["num_tokens"], 1.0)
         metrics = {k: v / tokens for k, v in sums.items()
                    if k not in ("loss", "num_tokens", "generated", "out_of_support",
-                                "mismatch_ratio_max")}
+                                "mismatch_ratio_max", "value_loss", "value_clip_fraction",
+                                "value_mean", "value_tokens")}
         metrics.update(
             loss=sums["loss"], num_tokens=sums["num_tokens"],
             mismatch_ratio_max=sums["mismatch_ratio_max"], grad_norm=optax.tree.norm(grads),
             out_of_support_fraction=sums["out_of_support"] / jnp.maximum(sums["generated"], 1))
-        return _apply_gradients(optimizer, state, grads), metrics, (prox, support)
+        new_state = _apply_gradients(optimizer, state, grads)
+        if gae:
+            value_tokens = jnp.maximum(sums["value_tokens"], 1.0)
+            metrics.update(value_loss=sums["value_loss"],
+                           value_clip_fraction=sums["value_clip_fraction"] / value_tokens,
+                           value_mean=sums["value_mean"] / value_tokens,
+                           value_grad_norm=optax.tree.norm(value_grads))
+            updates, value_opt_state = optimizer.update(value_grads, state.value_opt_state,
+                                                        state.value_head)
+            new_state = new_state.replace(
+                value_head=optax.apply_updates(state.value_head, updates),
+                value_opt_state=value_opt_state)
+        return new_state, metrics, (prox, support)
 
     @jax.jit
     def _update(state, ref_params, batch, num_rows):
@@ -574,20 +670,55 @@ def make_grpo_update(
                                        buffer_tokens=hp.overlong_buffer_tokens)
             rewards = rewards + penalty
             extra["overlong_penalty_mean"] = jnp.sum(penalty * real) / num_rows
-        advantages = episode_advantages(
-            hp.advantage_estimator, rewards, batch.group_ids, size, valid=batch.valid,
-            normalize_advantages_by_std=hp.normalize_advantages_by_std)
         weights, denominator = loss_normalizer(generated, aggregation=hp.loss_aggregation,
                                                max_tokens=max_seq_len, **seqs)
         num_token_rows = batch.tokens.shape[0]
         rows = hp.micro_batch_size or num_token_rows
+
+        def split(tree):  # [R, ...] -> [micro-batches, rows, ...]
+            return jax.tree.map(
+                lambda x: x.reshape((num_token_rows // rows, rows) + x.shape[1:]), tree)
+
         mbs = {"tokens": batch.tokens, "generated": generated, "old": batch.logprobs[:, 1:],
-               "advantages": advantages, "weights": weights}
+               "weights": weights}
         if packed:
-            mbs.update(advantages=advantages[batch.trajectory_index[:, 1:]],
-                       positions=batch.positions, segment_ids=batch.segment_ids)
-        mbs = jax.tree.map(
-            lambda x: x.reshape((num_token_rows // rows, rows) + x.shape[1:]), mbs)
+            mbs.update(positions=batch.positions, segment_ids=batch.segment_ids)
+        if gae:
+            # The values at the batch's start, a forward pass per micro-batch (no gradient);
+            # then GAE over each trajectory's generated tokens.
+            def start_values(mb):
+                packing = {k: mb[k] for k in ("positions", "segment_ids") if k in mb}
+                _, hidden = _next_token_logits(graphdef, state.params, mb["tokens"], **packing,
+                                               with_hidden=True)
+                return value_estimates(state.value_head, hidden)
+
+            old_values = jax.lax.stop_gradient(jax.lax.map(start_values, split(
+                {k: v for k, v in mbs.items() if k in ("tokens", "positions", "segment_ids")})))
+            old_values = old_values.reshape(generated.shape)
+            index = batch.trajectory_index[:, 1:] if packed else None
+            valid = (batch.valid > 0).astype(jnp.float32)
+            value_mask = generated * (valid[index] if packed else valid[:, None])
+            token_advantages, returns = gae_advantages(
+                last_token_rewards(rewards, value_mask, index), old_values, value_mask,
+                gamma=hp.gae_gamma, lam=hp.gae_lambda,
+                segment_ids=batch.segment_ids[:, 1:] if packed else None)
+            if hp.gae_normalize:
+                token_advantages = whiten(token_advantages, value_mask)
+            mbs.update(advantages=token_advantages, old_values=old_values, returns=returns,
+                       value_mask=value_mask)
+            on = value_mask > 0
+            gae_tokens = jnp.maximum(jnp.sum(on), 1)
+            extra.update(
+                return_mean=jnp.sum(jnp.where(on, returns, 0.0)) / gae_tokens,
+                advantage_abs_mean=jnp.sum(jnp.abs(token_advantages) * on) / gae_tokens)
+        else:
+            advantages = episode_advantages(
+                hp.advantage_estimator, rewards, batch.group_ids, size, valid=batch.valid,
+                normalize_advantages_by_std=hp.normalize_advantages_by_std)
+            mbs["advantages"] = (advantages[batch.trajectory_index[:, 1:]] if packed
+                                 else advantages)
+            extra["advantage_abs_mean"] = jnp.sum(jnp.abs(advantages) * real) / num_rows
+        mbs = split(mbs)
         if mesh is not None:  # each micro-batch split over the devices, not across them
             mbs = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
                 x, row_sharding(mesh, x.ndim, leading=1)), mbs)
@@ -603,7 +734,6 @@ def make_grpo_update(
         metrics.update(
             extra,
             reward_mean=jnp.sum(batch.rewards * real) / num_rows,
-            advantage_abs_mean=jnp.sum(jnp.abs(advantages) * real) / num_rows,
             update_skipped=jnp.zeros((), jnp.float32),
         )
         if mesh is not None:
@@ -616,6 +746,9 @@ def make_grpo_update(
             raise TypeError(f"the GRPO update takes a Batch or PackedBatch, got "
                             f"{type(batch).__name__}; build it with Batch.from_record_batch "
                             "(or PackedBatch.from_record_batch).")
+        if gae and state.value_head is None:
+            raise ValueError("advantage_estimator='gae' needs a value head in the TrainState; "
+                             "add one with add_value_head(state, optimizer, d_model).")
         if use_ref and ref_params is None:
             raise ValueError(
                 f"kl_coef={hp.kl_coef} needs the reference policy's params; pass ref_params "

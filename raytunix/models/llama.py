@@ -603,6 +603,23 @@ def forward(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array,
     return model(tokens, positions, kv_cache, block_tables, logit_index, segment_ids)
 
 
+def forward_with_hidden(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array,
+                        positions: jax.Array, segment_ids: jax.Array | None = None
+                        ) -> tuple[jax.Array, jax.Array]:
+    """Cache-free ``forward`` that also returns the final hidden state: ``(logits
+    float32[B, T, vocab_size], hidden [B, T, d_model])``, ``hidden`` being the output of
+    the final norm, what the LM head reads (a PPO value head reads it too,
+    ``raytunix.learner.train_state``). Arguments as for ``Transformer.__call__``
+    (training use: no cache, no ``logit_index``); the logits equal ``forward``'s."""
+    model = nnx.merge(graphdef, state)
+    x = model.embed_tokens(tokens)
+    for i, block in enumerate(model.layers):
+        x, _ = block(x, positions, None, i, None, segment_ids)
+    x = model.norm(x)
+    logits = model.embed_tokens.attend(x) if model.lm_head is None else model.lm_head(x)
+    return logits.astype(jnp.float32), x
+
+
 def count_params(state: nnx.State) -> int:
     """Number of scalar parameters (``nnx.Param`` entries) in ``state``."""
     params = nnx.filter_state(state, nnx.Param)
