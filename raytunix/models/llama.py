@@ -563,22 +563,31 @@ class Transformer(nnx.Module):
                     f"n_kv_heads={cfg.n_kv_heads}, S, head_dim={cfg.head_dim}]; build it with "
                     "init_kv_cache(config, batch_size).")
 
-        x = self.embed_tokens(tokens)
         cache = None if kv_cache is None else (kv_cache.k, kv_cache.v)
-        for i, block in enumerate(self.layers):
-            x, cache = block(x, positions, cache, i, block_tables, segment_ids)
-        if logit_index is not None:
-            x = x[jnp.arange(x.shape[0]), logit_index][:, None]
-        x = self.norm(x)
-        if self.lm_head is None:
-            logits = self.embed_tokens.attend(x)
-        else:
-            logits = self.lm_head(x)
+        x, cache = self.hidden(tokens, positions, cache, block_tables, logit_index, segment_ids)
         if cache is None:
             new_cache = None
         else:
             new_cache = (KVPages if paged else KVCache)(k=cache[0], v=cache[1])
-        return logits.astype(jnp.float32), new_cache
+        return self.logits(x), new_cache
+
+    def hidden(self, tokens, positions, cache=None, block_tables=None, logit_index=None,
+               segment_ids=None):
+        """The blocks and the final norm, unchecked (``__call__`` checks the arguments):
+        ``(hidden [B, T, d_model], cache as (k, v) arrays or None)``, ``hidden`` being what
+        the LM head reads (only row b's token ``logit_index[b]`` with it: ``[B, 1, ...]``)."""
+        x = self.embed_tokens(tokens)
+        for i, block in enumerate(self.layers):
+            x, cache = block(x, positions, cache, i, block_tables, segment_ids)
+        if logit_index is not None:
+            x = x[jnp.arange(x.shape[0]), logit_index][:, None]
+        return self.norm(x), cache
+
+    def logits(self, hidden):
+        """``float32[..., vocab_size]`` logits of the final hidden state (tied embeddings
+        or the LM head)."""
+        logits = self.embed_tokens.attend(hidden) if self.lm_head is None else self.lm_head(hidden)
+        return logits.astype(jnp.float32)
 
 
 def init_model(config: ModelConfig, seed: int) -> tuple[nnx.GraphDef, nnx.State]:
@@ -612,12 +621,8 @@ def forward_with_hidden(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Ar
     ``raytunix.learner.train_state``). Arguments as for ``Transformer.__call__``
     (training use: no cache, no ``logit_index``); the logits equal ``forward``'s."""
     model = nnx.merge(graphdef, state)
-    x = model.embed_tokens(tokens)
-    for i, block in enumerate(model.layers):
-        x, _ = block(x, positions, None, i, None, segment_ids)
-    x = model.norm(x)
-    logits = model.embed_tokens.attend(x) if model.lm_head is None else model.lm_head(x)
-    return logits.astype(jnp.float32), x
+    hidden, _ = model.hidden(tokens, positions, segment_ids=segment_ids)
+    return model.logits(hidden), hidden
 
 
 def count_params(state: nnx.State) -> int:
