@@ -10,28 +10,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np
 import pytest
+from test_checkpoints import _record_batch  # two groups of two, a new batch per step
 
 CONFIG_KW = {"vocab_size": 16, "d_model": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1,
              "d_ff": 64, "max_seq_len": 32}
-
-
-def _record_batch(step: int):
-    """Two groups of two, rewards differing within each group (so every update moves the
-    weights), different tokens and lengths per row and per step."""
-    from raytunix.rollout.batch import trajectories_to_record_batch
-    from raytunix.types import EpisodeStatus, Trajectory
-
-    rows = []
-    for i, (group, reward) in enumerate([("a", 1.0), ("a", 0.0), ("b", 0.0), ("b", 1.0)]):
-        prompt = [1 + (step + i) % 5, 2]
-        completion = [(3 + step * 3 + i * 5 + t) % 14 + 1 for t in range(3 + i % 2)]
-        rows.append(Trajectory(
-            task_id=group, group_id=f"{group}{step}", token_ids=prompt + completion,
-            loss_mask=[0] * len(prompt) + [1] * len(completion),
-            logprobs=[0.0] * len(prompt) + [-1.5] * len(completion),
-            policy_versions=[-1] * len(prompt) + [step] * len(completion),
-            reward=reward, status=EpisodeStatus.COMPLETED, num_turns=1))
-    return trajectories_to_record_batch(rows)
 
 
 def _assert_params_close(got, want):
