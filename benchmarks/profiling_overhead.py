@@ -9,15 +9,30 @@ once per RL step, after every batch: drain every actor into ``profile/spans.json
 compute the window's metrics. With profiling **off**, the recorders are switched off in
 every process (``profile_set_enabled(False)``) and nothing is drained.
 
-The two alternate in one invocation (off, on, off, on, ...; ``--pairs`` pairs) on the same
-engine, env actors and compiled programs, so drift of the machine hits both alike.
-``overhead_fraction`` is wall seconds per trajectory with profiling on over off, minus 1,
-pooled over the pairs (each pair runs the same tasks, so the same tool latencies), with a
-95% interval from the spread of the pairs (``overhead_fraction_ci95``): run-to-run noise
-of a few percent on a 2-core machine is larger than the effect, so the interval says what
-the measurement can tell. Two cross-checks that depend less on noise:
-``cpu_overhead_fraction``, the same ratio of the CPU seconds all the run's processes
-(driver, orchestrator, engine, env actors) spent per trajectory, and
+On and off alternate as blocks of batches in one rollout stream: one orchestrator, engine
+and set of env actors run from start to end, and only the recording switch flips between
+blocks. Each block lets ``--settle-batches`` batches pass untimed (batches finished before
+the switch can still be queued) and then times ``--block-batches`` batches. Blocks come in
+pairs, ordered off-on, on-off, off-on, ... so that a drift of the machine over the run hits
+both alike. Short blocks in many pairs beat a few long runs here: on a 2-core machine a
+hiccup (another process, a GC pause, the scheduler) slows one block by several percent,
+and a robust estimate over many pairs shrugs it off.
+
+Work is counted in generated tokens (the engine's ``tokens_generated`` over the block):
+every trajectory is the same number of turns of the same number of tokens, so seconds per
+token is seconds per trajectory without the quantisation of a short block (a block of 256
+trajectories ends with ~64 episodes half done, which moves a per-trajectory rate by
+several percent either way; the per-trajectory numbers are reported too).
+``overhead_fraction`` is the **median over the pairs** of (wall seconds per generated token
+with profiling on) / (the same with it off) − 1, with a distribution-free 95% interval for
+the median from the pairs' order statistics (``overhead_fraction_ci95``; the sign-test
+interval, e.g. Conover, *Practical Nonparametric Statistics*, 3rd ed., section 3.2). The
+mean over the pairs (with a normal 95% interval) and the pooled ratio (all "on" wall time
+per token over all "off") are reported beside it. ``--null-test`` runs the same schedule
+with profiling off in both blocks of every pair: its ``overhead_fraction`` and interval
+show what the machine's noise alone gives. Two cross-checks:
+``cpu_overhead_fraction``, the same median ratio of the CPU seconds all the run's
+processes (driver, orchestrator, engine, env actors) spent per token, and
 ``estimated_overhead_fraction``, profiling's own work over the cores' time: recording
 (the measured cost of one span, a tight loop here, times the spans recorded per second)
 plus draining and collecting (the ``profile_drain`` spans the processes record of
@@ -30,8 +45,8 @@ serialisation of a drained chunk in the actor is not in it.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -41,26 +56,30 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import ray  # noqa: E402
 
-from raytunix.profiling import Recorder  # noqa: E402
-from raytunix.profiling.collect import Collector  # noqa: E402
-from raytunix.rollout.actor import OrchestratorActor  # noqa: E402
+from raytunix.profiling import Recorder, spans  # noqa: E402
+from raytunix.profiling.collect import Collector, spans_path  # noqa: E402
 from raytunix.rollout.env_pool import EnvPool  # noqa: E402
 
 from rollout_overlap import (  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
-    _ACTOR_ENV, AGENT, env_kwargs, machine, make_tasks, sampling, start_engine,
-    wait_engine_idle)
+    env_kwargs, machine, make_tasks, start_engine, start_orchestrator, wait_engine_idle)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--pairs", type=int, default=4, help="(off, on) pairs of runs")
-    p.add_argument("--trajectories", type=int, default=1024, help="timed trajectories per run")
-    p.add_argument("--warmup-trajectories", type=int, default=128,
-                   help="untimed trajectories before each run's clock starts")
+    p.add_argument("--pairs", type=int, default=100, help="(off, on) pairs of blocks")
+    p.add_argument("--null-test", action="store_true",
+                   help="keep profiling off in the 'on' blocks too: the noise floor")
+    p.add_argument("--block-batches", type=int, default=2, help="timed batches per block")
+    p.add_argument("--settle-batches", type=int, default=0,
+                   help="untimed batches at the start of each block, after the switch")
+    p.add_argument("--warmup-batches", type=int, default=2,
+                   help="untimed batches (profiling on) before the first block")
     p.add_argument("--concurrency", type=int, default=64, help="episodes in flight")
     p.add_argument("--batch", type=int, default=128,
                    help="trajectories per batch (the default run's 16 groups x 8): the driver "
                         "drains the actors once per batch, as `raytunix train` does per step")
+    p.add_argument("--tasks", type=int, default=4096,
+                   help="distinct tasks (the orchestrator cycles through them)")
     p.add_argument("--tool-latency-s", type=float, default=0.05, help="median tool latency (s)")
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=16)
@@ -77,7 +96,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--jitter", type=float, default=0.0)
     p.add_argument("--straggler-fraction", type=float, default=0.0)
     p.add_argument("--straggler-factor", type=float, default=20.0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in ("pairs", "block_batches", "batch", "tasks", "concurrency"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    return args
 
 
 def span_cost_s(n: int = 200_000) -> float:
@@ -92,56 +115,163 @@ def span_cost_s(n: int = 200_000) -> float:
     return (time.perf_counter() - start) / n
 
 
-def measure(profiled: bool, tasks, tokenizer, engine, pool: EnvPool, args,
-            run_dir: str) -> dict:
-    """One run: ``--warmup-trajectories`` untimed, then ``--trajectories`` timed."""
-    orchestrator = ray.remote(OrchestratorActor).options(
-        num_cpus=0, max_concurrency=10_000, runtime_env=_ACTOR_ENV).remote(
-        tasks=tasks, tokenizer=tokenizer, agent_name=AGENT, env_pool=pool, engine=engine,
-        group_size=1, groups_per_batch=args.batch, max_concurrent_episodes=args.concurrency,
-        max_staleness=10**9,  # no learner runs: admission must never wait for one
-        max_turns=args.turns, max_context_tokens=args.max_seq_len, sampling=sampling(args),
-        episode_timeout_s=600.0, batch_queue_size=4, seed=args.seed)
-    actors = [("engine 0", engine), ("orchestrator", orchestrator),
-              *[(f"env actor {i}", a) for i, a in enumerate(pool.actors)]]
-    ray.get([handle.profile_set_enabled.remote(profiled) for _, handle in actors])
-    collector = Collector(run_dir, lambda: actors) if profiled else None
-    spans = collections.Counter()
-    own = [0.0]  # seconds of draining (actors) and CPU seconds of collecting (driver)
+def median_ci95(values: list[float]) -> tuple[float, float]:
+    """A distribution-free 95% interval for the median of ``values``: the k-th smallest
+    and k-th largest value, k the largest with P(Binomial(n, 1/2) < k) <= 0.025 (the
+    sign-test interval; coverage >= 95%). With fewer than 6 values no such k exists and
+    the interval is (min, max), which then covers less than 95%."""
+    xs, n = sorted(values), len(values)
+    k, below = 0, 0.0  # below: P(Binomial(n, 1/2) < k + 1)
+    while True:
+        below += math.comb(n, k) / 2 ** n
+        if below > 0.025:
+            break
+        k += 1
+    k = max(k, 1)
+    return xs[k - 1], xs[n - k]
 
-    def consume(count: int, timed: bool) -> int:
+
+class Stream:
+    """One rollout stream: an orchestrator on the shared engine and env actors, its
+    batches consumed by this driver, with profiling switched on and off between blocks."""
+
+    def __init__(self, tasks, tokenizer, engine, pool: EnvPool, args, run_dir: str):
+        self.orchestrator = start_orchestrator(tasks, tokenizer, engine, pool, args, args.batch)
+        self.actors = [("engine 0", engine), ("orchestrator", self.orchestrator),
+                       *[(f"env actor {i}", a) for i, a in enumerate(pool.actors)]]
+        self.engine = engine
+        self.collector = Collector(run_dir, lambda: self.actors)
+        self.profiled = True
+        self.batches = 0
+
+    def set_profiled(self, profiled: bool) -> None:
+        """Flips recording in every process of the run, this driver included."""
+        ray.get([handle.profile_set_enabled.remote(profiled) for _, handle in self.actors])
+        spans.recorder().enabled = profiled
+        self.profiled = profiled
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds so far of every process of the run, this driver included, by
+        process."""
+        cpu = ray.get([h.profile_cpu_s.remote() for _, h in self.actors])
+        return {**{name: s for (name, _), s in zip(self.actors, cpu)},
+                "driver": time.process_time()}
+
+    def consume(self, batches: int, block: dict | None = None) -> int:
+        """Takes ``batches`` batches; with profiling on, drains and collects after each
+        (what the driver of ``raytunix train`` does per step). Counts the spans and
+        profiling's own cost into ``block`` when given."""
         n = 0
-        while n < count:
-            _, info = ray.get(orchestrator.next_batch.remote())
+        for _ in range(batches):
+            _, info = ray.get(self.orchestrator.next_batch.remote())
             n += info["num_trajectories"]
-            if collector is not None:  # what the driver of `raytunix train` does per step
-                collector.window("rl", n)
-                if timed:
-                    for chunk in collector.last_chunks:
-                        spans[chunk["process"]] += len(chunk["spans"])
-                        own[0] += sum(s[3] - s[2] for s in chunk["spans"]
-                                      if s[0] == "profile_drain")
-                        own[0] += sum((s[4] or {}).get("cpu_s", 0.0) for s in chunk["spans"]
-                                      if s[0] == "profile_collect")
+            self.batches += 1
+            if not self.profiled:
+                continue
+            self.collector.window("rl", self.batches)
+            if block is None:
+                continue
+            for chunk in self.collector.last_chunks:
+                block["spans_recorded"][chunk["process"]] = (
+                    block["spans_recorded"].get(chunk["process"], 0) + len(chunk["spans"]))
+                block["drain_and_collect_s"] += sum(
+                    s[3] - s[2] for s in chunk["spans"] if s[0] == "profile_drain")
+                block["drain_and_collect_s"] += sum(
+                    (s[4] or {}).get("cpu_s", 0.0) for s in chunk["spans"]
+                    if s[0] == "profile_collect")
         return n
 
-    def cpu_seconds() -> float:
-        """CPU seconds so far of every process of the run (a drain reports them, also
-        with recording off), this driver included."""
-        chunks = ray.get([handle.profile_drain.remote() for _, handle in actors])
-        return sum(chunk["cpu_s"] for chunk in chunks) + time.process_time()
+    def block(self, profiled: bool, args) -> dict:
+        """Switches recording, lets ``--settle-batches`` pass, times ``--block-batches``.
+        With ``--null-test`` recording stays off and ``profiled`` is only the block's
+        label."""
+        self.set_profiled(profiled and not args.null_test)
+        self.consume(args.settle_batches)
+        block = {"profiled": profiled, "recording": self.profiled, "spans_recorded": {},
+                 "drain_and_collect_s": 0.0}
+        cpu0 = self.cpu_seconds()
+        engine0 = ray.get(self.engine.engine_stats.remote())
+        start = time.perf_counter()
+        n = self.consume(args.block_batches, block)
+        wall = time.perf_counter() - start
+        engine1 = ray.get(self.engine.engine_stats.remote())
+        tokens = engine1["tokens_generated"] - engine0["tokens_generated"]
+        steps = engine1["decode_steps"] - engine0["decode_steps"]
+        rows = (engine1["mean_active_slots"] * engine1["decode_steps"]
+                - engine0["mean_active_slots"] * engine0["decode_steps"])
+        cpu1 = self.cpu_seconds()
+        by_process = {name: cpu1[name] - cpu0[name] for name in cpu1}
+        cpu = sum(by_process.values())
+        block.update(cpu_ms_per_token_by_process={
+                         name: 1e3 * s / tokens for name, s in by_process.items()},
+                     wall_s=wall, trajectories=n, trajectories_per_s=n / wall,
+                     tokens_generated=tokens, tokens_per_s=tokens / wall,
+                     engine_decode_steps=steps,
+                     engine_mean_active_slots=rows / steps if steps else 0.0,
+                     engine_busy_fraction=(engine1["busy_s"] - engine0["busy_s"]) / wall,
+                     cpu_s=cpu,
+                     cpu_ms_per_trajectory=1e3 * cpu / n, cpu_ms_per_token=1e3 * cpu / tokens,
+                     spans_per_s=sum(block["spans_recorded"].values()) / wall)
+        return block
 
-    consume(args.warmup_trajectories, timed=False)
-    cpu0, start = cpu_seconds(), time.perf_counter()
-    n = consume(args.trajectories, timed=True)
-    wall, cpu = time.perf_counter() - start, cpu_seconds() - cpu0
-    ray.get(orchestrator.stop.remote())
-    ray.kill(orchestrator)
-    wait_engine_idle(engine)
-    return {"profiled": profiled, "wall_s": wall, "trajectories": n,
-            "trajectories_per_s": n / wall, "cpu_s": cpu, "cpu_ms_per_trajectory": 1e3 * cpu / n,
-            "spans_recorded": dict(spans), "drain_and_collect_s": own[0],
-            "spans_per_s": sum(spans.values()) / wall}
+    def close(self) -> None:
+        ray.get(self.orchestrator.stop.remote())
+        ray.kill(self.orchestrator)
+
+
+def summarize(blocks: list[dict], cores: int) -> dict:
+    """The estimates (module docstring) from consecutive (off, on) or (on, off) blocks."""
+    pairs = []
+    for first, second in zip(blocks[0::2], blocks[1::2]):
+        off, on = (first, second) if not first["profiled"] else (second, first)
+        assert not off["profiled"] and on["profiled"], (first, second)
+        pairs.append((off, on))
+    on_blocks = [on for _, on in pairs]
+    off_blocks = [off for off, _ in pairs]
+
+    def ratios(cost):  # per pair: cost with profiling on over off, minus 1
+        return [cost(on) / cost(off) - 1 for off, on in pairs]
+
+    def pooled(num, den):
+        return (sum(b[num] for b in on_blocks) / sum(b[den] for b in on_blocks)
+                / (sum(b[num] for b in off_blocks) / sum(b[den] for b in off_blocks)) - 1)
+
+    per_token = ratios(lambda b: b["wall_s"] / b["tokens_generated"])
+    per_trajectory = ratios(lambda b: b["wall_s"] / b["trajectories"])
+    cpu_per_token = ratios(lambda b: b["cpu_ms_per_token"])
+    mean = statistics.fmean(per_token)
+    half_width = (1.96 * statistics.stdev(per_token) / len(per_token) ** 0.5
+                  if len(per_token) > 1 else float("nan"))
+    cost = span_cost_s()
+    spans_per_s = statistics.median(b["spans_per_s"] for b in on_blocks)
+    own_per_s = statistics.median(b["drain_and_collect_s"] / b["wall_s"] for b in on_blocks)
+    per_process = {name: statistics.median(
+        on["cpu_ms_per_token_by_process"][name] / off["cpu_ms_per_token_by_process"][name] - 1
+        for off, on in pairs) for name in on_blocks[0]["cpu_ms_per_token_by_process"]}
+    return {
+        "overhead_fraction": statistics.median(per_token),
+        "overhead_fraction_ci95": list(median_ci95(per_token)),
+        "overhead_fraction_mean": mean,
+        "overhead_fraction_mean_ci95": [mean - half_width, mean + half_width],
+        "overhead_fraction_pooled": pooled("wall_s", "tokens_generated"),
+        "overhead_fraction_per_pair": per_token,
+        "overhead_fraction_per_trajectory": statistics.median(per_trajectory),
+        "overhead_fraction_per_trajectory_ci95": list(median_ci95(per_trajectory)),
+        "overhead_fraction_per_trajectory_pooled": pooled("wall_s", "trajectories"),
+        "cpu_overhead_fraction": statistics.median(cpu_per_token),
+        "cpu_overhead_fraction_ci95": list(median_ci95(cpu_per_token)),
+        "cpu_overhead_fraction_per_pair": cpu_per_token,
+        "cpu_overhead_fraction_by_process": per_process,
+        "estimated_overhead_fraction": (cost * spans_per_s + own_per_s) / cores,
+        "recording_cpu_fraction": cost * spans_per_s / cores,
+        "drain_and_collect_cpu_fraction": own_per_s / cores,
+        "span_record_cost_us": cost * 1e6,
+        "spans_per_s": spans_per_s,
+        "tokens_per_s_off": statistics.median(b["tokens_per_s"] for b in off_blocks),
+        "tokens_per_s_on": statistics.median(b["tokens_per_s"] for b in on_blocks),
+        "trajectories_per_s_off": statistics.median(b["trajectories_per_s"] for b in off_blocks),
+        "trajectories_per_s_on": statistics.median(b["trajectories_per_s"] for b in on_blocks),
+    }
 
 
 def main(argv=None) -> dict:
@@ -152,60 +282,29 @@ def main(argv=None) -> dict:
     pool = EnvPool("simulated_tool", env_kwargs(args, args.tool_latency_s),
                    num_actors=args.env_actors)
     pool.wait_ready()
-    per_run = args.warmup_trajectories + 2 * args.trajectories
-    runs = []
+    blocks = []
     with tempfile.TemporaryDirectory() as run_dir:
-        measure(True, make_tasks(per_run, "w/"), tokenizer, engine, pool, args, run_dir)
+        stream = Stream(make_tasks(args.tasks, "t/"), tokenizer, engine, pool, args, run_dir)
+        stream.set_profiled(not args.null_test)
+        stream.consume(args.warmup_batches)
         for pair in range(args.pairs):
-            # The same tasks for both runs of a pair: the same tool latencies (seeded by
-            # task id), so the pair differs in profiling alone.
-            tasks = make_tasks(per_run, f"{pair}/")
-            for profiled in (False, True):
-                runs.append(measure(profiled, tasks, tokenizer, engine, pool, args, run_dir))
-        spans_bytes = os.path.getsize(os.path.join(run_dir, "profile", "spans.jsonl"))
-    pairs = list(zip(runs[0::2], runs[1::2]))
-    ratios = [on["wall_s"] / on["trajectories"] / (off["wall_s"] / off["trajectories"]) - 1
-              for off, on in pairs]
-    on_runs = [r for r in runs if r["profiled"]]
-    off_runs = [r for r in runs if not r["profiled"]]
-
-    def per_trajectory(rs):
-        return sum(r["wall_s"] for r in rs) / sum(r["trajectories"] for r in rs)
-
-    # Pooled over pairs: wall seconds per trajectory, on over off; and a 95% interval
-    # from the spread of the pairs (normal approximation).
-    pooled = per_trajectory(on_runs) / per_trajectory(off_runs) - 1
-    half_width = (1.96 * statistics.stdev(ratios) / len(ratios) ** 0.5
-                  if len(ratios) > 1 else float("nan"))
-    cpu_ratios = [on["cpu_ms_per_trajectory"] / off["cpu_ms_per_trajectory"] - 1
-                  for off, on in pairs]
-    cost = span_cost_s()
-    spans_per_s = statistics.median(r["spans_per_s"] for r in on_runs)
-    own_per_s = statistics.median(r["drain_and_collect_s"] / r["wall_s"] for r in on_runs)
-    cores = os.cpu_count() or 1
+            order = (False, True) if pair % 2 == 0 else (True, False)
+            for profiled in order:
+                blocks.append(stream.block(profiled, args))
+        stream.close()
+        path = spans_path(run_dir)
+        spans_bytes = os.path.getsize(path) if os.path.exists(path) else 0
     report = {
         "benchmark": "profiling_overhead",
-        "overhead_fraction": pooled,
-        "overhead_fraction_ci95": [pooled - half_width, pooled + half_width],
-        "overhead_fraction_per_pair": ratios,
-        "estimated_overhead_fraction": (cost * spans_per_s + own_per_s) / cores,
-        "recording_cpu_fraction": cost * spans_per_s / cores,
-        "drain_and_collect_cpu_fraction": own_per_s / cores,
-        "cpu_overhead_fraction": statistics.median(cpu_ratios),
-        "cpu_overhead_fraction_per_pair": cpu_ratios,
-        "span_record_cost_us": cost * 1e6,
-        "spans_per_s": spans_per_s,
+        **summarize(blocks, os.cpu_count() or 1),
         "spans_jsonl_bytes": spans_bytes,
-        "trajectories_per_s_off": statistics.median(
-            r["trajectories_per_s"] for r in runs if not r["profiled"]),
-        "trajectories_per_s_on": statistics.median(
-            r["trajectories_per_s"] for r in runs if r["profiled"]),
         "machine": {**machine(), "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
         "parameters": {**vars(args), "model": {
             "d_model": model_config.d_model, "n_layers": model_config.n_layers,
             "vocab_size": model_config.vocab_size, "max_seq_len": model_config.max_seq_len}},
-        "runs": runs,
+        "blocks": blocks,
     }
+    wait_engine_idle(engine)
     ray.shutdown()
     return report
 

@@ -245,15 +245,21 @@ def measure_lockstep(tasks, tokenizer, engine, pool, args) -> dict:
 
 # ----------------------------------------------------------------------- async orchestrator
 
-def measure_async(tasks, tokenizer, engine, pool, args, warmup: int) -> dict:
-    orchestrator = ray.remote(OrchestratorActor).options(
+def start_orchestrator(tasks, tokenizer, engine, pool, args, groups_per_batch: int):
+    """An ``OrchestratorActor`` of one-trajectory groups on ``engine`` and ``pool``, with
+    ``--concurrency`` episodes in flight and no learner to wait for."""
+    return ray.remote(OrchestratorActor).options(
         num_cpus=0, max_concurrency=10_000, runtime_env=_ACTOR_ENV).remote(
         tasks=tasks, tokenizer=tokenizer, agent_name=AGENT, env_pool=pool, engine=engine,
-        group_size=1, groups_per_batch=args.max_batch_size,
+        group_size=1, groups_per_batch=groups_per_batch,
         max_concurrent_episodes=args.concurrency,
         max_staleness=10**9,  # no learner runs: admission must never wait for one
         max_turns=args.turns, max_context_tokens=args.max_seq_len,
         sampling=sampling(args), episode_timeout_s=600.0, batch_queue_size=4, seed=args.seed)
+
+
+def measure_async(tasks, tokenizer, engine, pool, args, warmup: int) -> dict:
+    orchestrator = start_orchestrator(tasks, tokenizer, engine, pool, args, args.max_batch_size)
 
     def consume(count: int):
         n, tokens, turns, statuses = 0, 0.0, 0.0, collections.Counter()

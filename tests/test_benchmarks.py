@@ -65,18 +65,42 @@ def test_rollout_overlap_runs_and_reports_its_three_keys():
 @pytest.mark.benchmark
 def test_profiling_overhead_alternates_profiling_and_reports_its_cost():
     report = _run("profiling_overhead.py", "--d-model", "32", "--n-layers", "1",
-                  "--max-seq-len", "96", "--max-batch-size", "4", "--pairs", "1",
-                  "--trajectories", "8", "--warmup-trajectories", "4", "--batch", "4",
-                  "--concurrency", "8", "--turns", "2", "--max-new-tokens", "4",
-                  "--tool-latency-s", "0.01", "--env-actors", "1", timeout_s=300)
+                  "--max-seq-len", "96", "--max-batch-size", "4", "--pairs", "2",
+                  "--block-batches", "2", "--settle-batches", "1", "--warmup-batches", "1",
+                  "--batch", "4", "--tasks", "16", "--concurrency", "8", "--turns", "2",
+                  "--max-new-tokens", "4", "--tool-latency-s", "0.01", "--env-actors", "1",
+                  timeout_s=300)
     assert report["benchmark"] == "profiling_overhead"
     assert isinstance(report["overhead_fraction"], float)
-    assert [run["profiled"] for run in report["runs"]] == [False, True]
-    off, on = report["runs"]
-    assert off["spans_recorded"] == {}  # off: nothing drained
-    # on: the engine, the orchestrator, the env actor and the driver all recorded spans
-    assert {"engine 0", "orchestrator", "env actor 0"} <= set(on["spans_recorded"])
+    low, high = report["overhead_fraction_ci95"]
+    assert low <= report["overhead_fraction"] <= high
+    # off-on, then on-off: the order alternates so that drift hits both alike
+    assert [block["profiled"] for block in report["blocks"]] == [False, True, True, False]
+    assert len(report["overhead_fraction_per_pair"]) == 2
+    for block in report["blocks"]:
+        assert block["trajectories"] == 2 * 4  # --block-batches x --batch, timed
+        assert block["cpu_s"] > 0
+        if not block["profiled"]:
+            assert block["spans_recorded"] == {}  # off: nothing drained
+        else:
+            # the engine, the orchestrator, the env actor and the driver all recorded
+            assert {"engine 0", "orchestrator", "env actor 0"} <= set(block["spans_recorded"])
     assert report["span_record_cost_us"] > 0 and report["spans_jsonl_bytes"] > 0
+
+
+def test_median_interval_is_the_sign_test_interval():
+    import sys
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from profiling_overhead import median_ci95
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    # n = 20: P(Binomial(20, 1/2) <= 5) = 0.021 <= 0.025 < P(<= 6): the 6th smallest
+    # and 6th largest; n = 30: the 10th; n = 10: the 2nd; n = 5: no k, (min, max)
+    assert median_ci95([float(i) for i in range(20)]) == (5.0, 14.0)
+    assert median_ci95([float(i) for i in range(30)][::-1]) == (9.0, 20.0)
+    assert median_ci95([float(i) for i in range(10)]) == (1.0, 8.0)
+    assert median_ci95([3.0, 1.0, 2.0, 5.0, 4.0]) == (1.0, 5.0)
 
 
 @pytest.mark.benchmark
