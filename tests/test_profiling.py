@@ -433,6 +433,29 @@ def test_append_after_a_torn_line_starts_a_line_of_its_own(tmp_path):
     assert skipped == [2]
 
 
+def test_span_lines_round_trip_what_json_would_write_and_read(tmp_path):
+    import numpy as np
+
+    from raytunix.profiling.collect import append_jsonl, dumps_line, loads_line
+
+    chunk = {"spans": [("decode", 1.5, 2.25, "steps", {"rows": np.int64(3), 7: "key"}, None)],
+             "odd": frozenset([1]), "nan": float("nan")}
+    line = dumps_line(chunk)
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    back = loads_line(line)
+    # tuples become lists, a non-string key a string, numpy a number, an unknown type its
+    # str, NaN null (JSON has no NaN)
+    assert back == {"spans": [["decode", 1.5, 2.25, "steps", {"rows": 3, "7": "key"}, None]],
+                    "odd": "frozenset({1})", "nan": None}
+    # an integer over 64 bits (orjson refuses it) is written exactly, by json
+    assert loads_line(dumps_line({"big": 2 ** 70, "t": (1, 2)})) == {"big": 2 ** 70, "t": [1, 2]}
+    # lines json.dumps wrote (NaN tokens included) still read
+    assert loads_line('{"a": NaN}\n')["a"] != loads_line('{"a": NaN}\n')["a"]
+    path = str(tmp_path / "spans.jsonl")
+    append_jsonl(path, [dumps_line({"a": 1}), '{"b": 2}\n'])  # bytes and text mix
+    assert list(read_jsonl(path)) == [{"a": 1}, {"b": 2}]
+
+
 def test_profile_command_explains_bad_paths_and_writes_elsewhere_with_out(tmp_path, capsys):
     from raytunix.cli import main
 

@@ -4,7 +4,9 @@ directory, and turn them into that window's metrics.
 ``RUN_DIR/profile/spans.jsonl`` gets one line per process per drain: the
 ``Recorder.drain()`` result plus ``phase`` (``warmup``, ``eval``, ``rl``) and ``step``.
 The file only grows by appends, so a run killed mid-write loses at most its last line
-(readers skip a torn line).
+(readers skip a torn line). Lines are written and read with ``orjson``: a step's chunks
+(a few thousand spans) encode in about a sixth of the time ``json`` takes, and that work
+is on the driver every step.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import logging
 import os
 import time
 from typing import Any, Callable, Iterable, Iterator
+
+import orjson
 
 from raytunix.profiling import spans
 from raytunix.profiling.metrics import WindowMetrics
@@ -29,6 +33,35 @@ def spans_path(run_dir: str) -> str:
     return os.path.join(run_dir, "profile", "spans.jsonl")
 
 
+_ORJSON_OPTIONS = (orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
+                   | orjson.OPT_APPEND_NEWLINE)
+
+
+def dumps_line(obj: Any) -> bytes:
+    """``obj`` as one line of JSON (UTF-8, ending in a newline), compact. Non-string dict
+    keys are written as strings and anything else JSON has no type for as its ``str``, as
+    ``json.dumps(..., default=str)`` would; NaN and infinities become ``null`` (JSON has
+    no token for them). What orjson cannot write (an integer over 64 bits) falls back to
+    ``json``."""
+    try:
+        return orjson.dumps(obj, default=_jsonable, option=_ORJSON_OPTIONS)
+    except TypeError:
+        return (json.dumps(obj, separators=(",", ":"), default=_jsonable) + "\n").encode()
+
+
+def loads_line(line: str | bytes) -> Any:
+    """The JSON value of one line. ``NaN``/``Infinity`` tokens (which ``json.dumps``
+    writes and orjson refuses) are read with ``json``.
+
+    Raises:
+      json.JSONDecodeError: the line is not JSON (e.g. torn by a crash mid-write).
+    """
+    try:
+        return orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return json.loads(line)
+
+
 def read_jsonl(path: str, skipped: list[int] | None = None) -> Iterator[dict[str, Any]]:
     """The JSON objects of a JSONL file (``metrics.jsonl``, ``spans.jsonl``); a line that
     is not one (torn by a crash mid-write) is skipped, and its number appended to
@@ -38,7 +71,7 @@ def read_jsonl(path: str, skipped: list[int] | None = None) -> Iterator[dict[str
     with open(path, errors="replace") as f:
         for number, line in enumerate(f, start=1):
             try:
-                obj = json.loads(line)
+                obj = loads_line(line)
             except json.JSONDecodeError:
                 obj = None
             if isinstance(obj, dict):
@@ -47,9 +80,10 @@ def read_jsonl(path: str, skipped: list[int] | None = None) -> Iterator[dict[str
                 skipped.append(number)
 
 
-def append_jsonl(path: str, lines: Iterable[str]) -> None:
-    """Appends JSON lines to ``path``; if a crash left its last line torn (no newline),
-    the new lines start on a line of their own, so only the torn one is lost.
+def append_jsonl(path: str, lines: Iterable[str | bytes]) -> None:
+    """Appends JSON lines (text or UTF-8 bytes, each ending in a newline) to ``path``; if
+    a crash left its last line torn (no newline), the new lines start on a line of their
+    own, so only the torn one is lost.
 
     Raises:
       OSError: the file cannot be written.
@@ -59,7 +93,8 @@ def append_jsonl(path: str, lines: Iterable[str]) -> None:
         if f.seek(0, os.SEEK_END) > 0:
             f.seek(-1, os.SEEK_END)
             torn = f.read(1) != b"\n"
-        f.write(("\n" if torn else "").encode() + "".join(lines).encode())
+        f.write((b"\n" if torn else b"") + b"".join(
+            line if isinstance(line, bytes) else line.encode() for line in lines))
 
 
 def rl_steps(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -133,9 +168,8 @@ class Collector:
                 chunks.append(chunk)
         chunks.append(spans.recorder().drain())
         try:
-            append_jsonl(self.path, (json.dumps(dict(chunk, phase=phase, step=step),
-                                                separators=(",", ":"), default=_jsonable)
-                                     + "\n" for chunk in chunks))
+            append_jsonl(self.path, (dumps_line(dict(chunk, phase=phase, step=step))
+                                     for chunk in chunks))
         except OSError as e:  # a full disk must not stop training
             self._warn("spans.jsonl", e)
         return chunks

@@ -43,6 +43,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from raytunix.profiling.collect import loads_line
+
 SPANS_FILE = os.path.join("profile", "spans.jsonl")
 TRACE_FILE = "trace.json"
 FLOW_NAME = "episode"  # name and category of the flow events
@@ -347,7 +349,7 @@ def _read_chunks(path: Path, bad_lines: list[int]) -> Iterator[Any]:
             if not line.strip():
                 continue
             try:
-                yield json.loads(line)
+                yield loads_line(line)
             except ValueError:
                 bad_lines[0] += 1
 
