@@ -49,6 +49,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import tempfile
 import time
 
@@ -56,6 +57,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import ray  # noqa: E402
 
+from raytunix.envs.simulated_tool import SimulatedToolEnv  # noqa: E402
 from raytunix.profiling import Recorder, spans  # noqa: E402
 from raytunix.profiling.collect import Collector, spans_path  # noqa: E402
 from raytunix.rollout.env_pool import EnvPool  # noqa: E402
@@ -65,8 +67,12 @@ from rollout_overlap import (  # noqa: E402  (benchmarks/ is on sys.path when ru
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--pairs", type=int, default=100, help="(off, on) pairs of blocks")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0] + " Prints one JSON object on stdout; the "
+        "defaults take about 11 minutes on 2 cores (--pairs 200: about 21).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--pairs", type=int, default=100,
+                   help="(off, on) pairs of blocks; the interval is a 95%% one from 6 pairs on")
     p.add_argument("--null-test", action="store_true",
                    help="keep profiling off in the 'on' blocks too: the noise floor")
     p.add_argument("--block-batches", type=int, default=2, help="timed batches per block")
@@ -81,25 +87,43 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tasks", type=int, default=4096,
                    help="distinct tasks (the orchestrator cycles through them)")
     p.add_argument("--tool-latency-s", type=float, default=0.05, help="median tool latency (s)")
-    p.add_argument("--turns", type=int, default=3)
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--turns", type=int, default=3, help="turns (tool calls) per episode")
+    p.add_argument("--max-new-tokens", type=int, default=16, help="tokens generated per turn")
     p.add_argument("--max-batch-size", type=int, default=32, help="engine rows")
-    p.add_argument("--max-seq-len", type=int, default=256)
-    p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--n-layers", type=int, default=2)
-    p.add_argument("--env-actors", type=int, default=2)
-    p.add_argument("--kv-cache-tokens", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-seq-len", type=int, default=256, help="engine context (tokens)")
+    p.add_argument("--d-model", type=int, default=64, help="model width")
+    p.add_argument("--n-layers", type=int, default=2, help="model depth")
+    p.add_argument("--env-actors", type=int, default=2, help="env actors (EnvPool)")
+    p.add_argument("--kv-cache-tokens", type=int, default=None,
+                   help="engine KV cache size in tokens (default: the engine's)")
+    p.add_argument("--seed", type=int, default=0, help="tool latencies and sampling")
     # simulated_tool's latency shape (rollout_overlap's env_kwargs reads these)
-    p.add_argument("--latency-dist", default="lognormal", choices=("lognormal", "uniform"))
-    p.add_argument("--latency-sigma", type=float, default=0.5)
-    p.add_argument("--jitter", type=float, default=0.0)
-    p.add_argument("--straggler-fraction", type=float, default=0.0)
-    p.add_argument("--straggler-factor", type=float, default=20.0)
+    p.add_argument("--latency-dist", default="lognormal", choices=("lognormal", "uniform"),
+                   help="tool latency distribution around --tool-latency-s")
+    p.add_argument("--latency-sigma", type=float, default=0.5,
+                   help="lognormal: sigma of the log latency")
+    p.add_argument("--jitter", type=float, default=0.0,
+                   help="uniform: latency in [1-jitter, 1+jitter] x --tool-latency-s")
+    p.add_argument("--straggler-fraction", type=float, default=0.0,
+                   help="share of episodes whose every tool call is --straggler-factor x slower")
+    p.add_argument("--straggler-factor", type=float, default=20.0,
+                   help="how much slower a straggler's tool calls are")
     args = p.parse_args(argv)
-    for name in ("pairs", "block_batches", "batch", "tasks", "concurrency"):
+    for name in ("pairs", "block_batches", "batch", "tasks", "concurrency", "turns",
+                 "max_new_tokens", "env_actors"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("settle_batches", "warmup_batches"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.jitter and args.latency_dist != "uniform":
+        p.error(f"--jitter {args.jitter} shapes --latency-dist uniform only; "
+                "add --latency-dist uniform or drop --jitter")
+    try:  # the env's own checks, before Ray starts (names are its constructor's)
+        SimulatedToolEnv(**env_kwargs(args, args.tool_latency_s))
+    except ValueError as e:
+        p.error(f"the simulated tool refuses the latency flags (--tool-latency-s, --latency-*, "
+                f"--jitter, --straggler-*): {e}")
     return args
 
 
@@ -115,11 +139,12 @@ def span_cost_s(n: int = 200_000) -> float:
     return (time.perf_counter() - start) / n
 
 
-def median_ci95(values: list[float]) -> tuple[float, float]:
-    """A distribution-free 95% interval for the median of ``values``: the k-th smallest
-    and k-th largest value, k the largest with P(Binomial(n, 1/2) < k) <= 0.025 (the
-    sign-test interval; coverage >= 95%). With fewer than 6 values no such k exists and
-    the interval is (min, max), which then covers less than 95%."""
+def median_ci95(values: list[float]) -> tuple[float, float, float]:
+    """A distribution-free interval for the median of ``values``: the k-th smallest and
+    k-th largest value, k the largest with P(Binomial(n, 1/2) < k) <= 0.025 (the
+    sign-test interval), and its coverage, 1 - 2 P(Binomial(n, 1/2) < k): at least 0.95.
+    With fewer than 6 values no such k exists: the interval is (min, max) and its coverage
+    is below 0.95 (0.5 for 2 values), as the third number says."""
     xs, n = sorted(values), len(values)
     k, below = 0, 0.0  # below: P(Binomial(n, 1/2) < k + 1)
     while True:
@@ -128,7 +153,8 @@ def median_ci95(values: list[float]) -> tuple[float, float]:
             break
         k += 1
     k = max(k, 1)
-    return xs[k - 1], xs[n - k]
+    tail = sum(math.comb(n, i) for i in range(k)) / 2 ** n
+    return xs[k - 1], xs[n - k], 1 - 2 * tail
 
 
 class Stream:
@@ -250,16 +276,17 @@ def summarize(blocks: list[dict], cores: int) -> dict:
         for off, on in pairs) for name in on_blocks[0]["cpu_ms_per_token_by_process"]}
     return {
         "overhead_fraction": statistics.median(per_token),
-        "overhead_fraction_ci95": list(median_ci95(per_token)),
+        "overhead_fraction_ci95": list(median_ci95(per_token)[:2]),
+        "overhead_fraction_ci_coverage": median_ci95(per_token)[2],
         "overhead_fraction_mean": mean,
         "overhead_fraction_mean_ci95": [mean - half_width, mean + half_width],
         "overhead_fraction_pooled": pooled("wall_s", "tokens_generated"),
         "overhead_fraction_per_pair": per_token,
         "overhead_fraction_per_trajectory": statistics.median(per_trajectory),
-        "overhead_fraction_per_trajectory_ci95": list(median_ci95(per_trajectory)),
+        "overhead_fraction_per_trajectory_ci95": list(median_ci95(per_trajectory)[:2]),
         "overhead_fraction_per_trajectory_pooled": pooled("wall_s", "trajectories"),
         "cpu_overhead_fraction": statistics.median(cpu_per_token),
-        "cpu_overhead_fraction_ci95": list(median_ci95(cpu_per_token)),
+        "cpu_overhead_fraction_ci95": list(median_ci95(cpu_per_token)[:2]),
         "cpu_overhead_fraction_per_pair": cpu_per_token,
         "cpu_overhead_fraction_by_process": per_process,
         "estimated_overhead_fraction": (cost * spans_per_s + own_per_s) / cores,
@@ -276,6 +303,9 @@ def summarize(blocks: list[dict], cores: int) -> dict:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.pairs < 6:
+        print(f"profiling_overhead: with {args.pairs} pairs the median's interval covers less "
+              "than 95% (overhead_fraction_ci_coverage); use 6 or more", file=sys.stderr)
     load_before = os.getloadavg()
     tokenizer, model_config, engine = start_engine(args)
     ray.get(engine.warmup.remote())

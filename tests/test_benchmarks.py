@@ -97,10 +97,15 @@ def test_median_interval_is_the_sign_test_interval():
         sys.path.remove(str(ROOT / "benchmarks"))
     # n = 20: P(Binomial(20, 1/2) <= 5) = 0.021 <= 0.025 < P(<= 6): the 6th smallest
     # and 6th largest; n = 30: the 10th; n = 10: the 2nd; n = 5: no k, (min, max)
-    assert median_ci95([float(i) for i in range(20)]) == (5.0, 14.0)
-    assert median_ci95([float(i) for i in range(30)][::-1]) == (9.0, 20.0)
-    assert median_ci95([float(i) for i in range(10)]) == (1.0, 8.0)
-    assert median_ci95([3.0, 1.0, 2.0, 5.0, 4.0]) == (1.0, 5.0)
+    # (coverage 1 - 2 P(B < k): 0.9586, 0.9572, 0.9785; 1 - 2/32 = 0.9375 for 5)
+    low, high, coverage = median_ci95([float(i) for i in range(20)])
+    assert (low, high) == (5.0, 14.0) and round(coverage, 4) == 0.9586
+    low, high, coverage = median_ci95([float(i) for i in range(30)][::-1])
+    assert (low, high) == (9.0, 20.0) and round(coverage, 4) == 0.9572
+    low, high, coverage = median_ci95([float(i) for i in range(10)])
+    assert (low, high) == (1.0, 8.0) and round(coverage, 4) == 0.9785
+    assert median_ci95([3.0, 1.0, 2.0, 5.0, 4.0]) == (1.0, 5.0, 1 - 2 / 32)
+    assert median_ci95([0.2, 0.1])[2] == 0.5  # 2 pairs: a 50% interval, and it says so
 
 
 @pytest.mark.benchmark
