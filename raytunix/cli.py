@@ -101,12 +101,16 @@ def _profile(run_dir: str, out_dir: str | None) -> int:
     from raytunix.profiling import write_artifacts
 
     problem = _run_dir_problem(run_dir)
-    if problem is None and out_dir is not None and not os.path.isdir(out_dir):
-        problem = f"--out {out_dir!r} is not a directory; make it first."
+    if problem is None and out_dir is not None:
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+        except OSError as e:  # a file in the way, no permission, a read-only place
+            problem = (f"--out {out_dir!r} is not a directory and cannot be made ({e}); "
+                       "pass a directory you can write to.")
     if problem:
         print(f"raytunix: {problem}", file=sys.stderr)
         return 2
-    artifacts = write_artifacts(run_dir, out_dir)
+    artifacts = write_artifacts(run_dir, out_dir, log_errors=False)
     print(artifacts.get("report_text", ""), end="")
     for key in ("report_path", "trace_path", "plot_path"):
         if key in artifacts:
@@ -114,8 +118,10 @@ def _profile(run_dir: str, out_dir: str | None) -> int:
     for name, why in artifacts["errors"].items():
         print(f"raytunix: {name} not written: {why}", file=sys.stderr)
     if any("Permission" in why or "Read-only" in why for why in artifacts["errors"].values()):
-        print("raytunix: the run directory is not writable; pass --out DIR to write "
-              "elsewhere.", file=sys.stderr)
+        where = (f"--out {out_dir!r} is" if out_dir is not None
+                 else "the run directory is")
+        print(f"raytunix: {where} not writable; pass --out DIR (a directory you can write "
+              "to) to write elsewhere.", file=sys.stderr)
     return 1 if artifacts["errors"] else 0
 
 
@@ -198,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("raytunix: interrupted; checkpoints written so far are kept (RL checkpoints, "
               "and the warm start's progress in RUN_DIR/warmup): continue with `raytunix "
-              "train --resume RUN_DIR`.", file=sys.stderr)
+              "train --resume RUN_DIR`; `raytunix profile RUN_DIR` writes the report, "
+              "trace and plots of what ran.", file=sys.stderr)
         return 130
 
 

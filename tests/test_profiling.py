@@ -481,6 +481,81 @@ def test_profile_command_explains_bad_paths_and_writes_elsewhere_with_out(tmp_pa
     assert sorted(os.listdir(run)) == ["metrics.jsonl"]
 
 
+def _learner_bound_run(path):
+    path.mkdir(parents=True)
+    (path / "metrics.jsonl").write_text('{"phase": "rl", "step": 1, "window_s": 1.0, '
+                                        '"learner_busy_fraction": 0.9, '
+                                        '"learner_wait_fraction": 0.0}\n')
+    return path
+
+
+def test_profile_command_makes_out_reports_each_failure_once_and_refuses_a_file(
+        tmp_path, capsys, caplog):
+    from raytunix.cli import main
+
+    run = _learner_bound_run(tmp_path / "run")
+    out = tmp_path / "not" / "yet"  # made, parents too
+    assert main(["profile", str(run), "--out", str(out)]) == 1  # no spans: no trace
+    captured = capsys.readouterr()
+    assert sorted(os.listdir(out)) == ["profile.png", "report.txt"]
+    # the failure is printed once, by the command, not also logged by write_artifacts
+    assert captured.err.count("trace.json not written") == 1
+    assert not [r for r in caplog.records if "not written" in r.getMessage()]
+    (tmp_path / "a_file").write_text("x")
+    assert main(["profile", str(run), "--out", str(tmp_path / "a_file")]) == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and "a_file" in err and "pass a directory you can write to" in err
+
+
+def test_report_says_when_spans_are_missing_empty_or_damaged(tmp_path):
+    run = _learner_bound_run(tmp_path / "run")
+    report_path, _ = write_report(str(run))
+    assert "profile/spans.jsonl is missing" in open(report_path).read()
+    (run / "profile").mkdir()
+    spans = run / "profile" / "spans.jsonl"
+    spans.write_text("")
+    assert "profile/spans.jsonl is empty" in open(write_report(str(run))[0]).read()
+    chunk = {"phase": "rl", "step": 1, "process": "env actor 0",
+             "spans": [["tool_call", "tool calculator", 1.0, 1.25, None, "g/0"]]}
+    spans.write_text(json.dumps(chunk) + "\n" + "garbage\n" + "[1, 2]\n" + '{"no": "spans"}\n'
+                     + json.dumps(chunk) + "\n" + '{"phase": "rl", "sp')  # torn last line
+    report = open(write_report(str(run))[0]).read()
+    # lines 2, 3 and 6 are not JSON objects; line 4 is an object but no chunk
+    assert ("profile/spans.jsonl lines that could not be read, skipped: 4 (line 2, 3, 6)"
+            in report)
+    assert "calculator" in report and "      2 " in report  # the two good chunks count
+
+
+def test_a_report_before_the_last_step_says_the_run_is_not_done(tmp_path):
+    run = _learner_bound_run(tmp_path / "run")
+    (run / "config.yaml").write_text(yaml.safe_dump({"learner": {"rl_steps": 8}}))
+    report = open(write_report(str(run))[0]).read()
+    assert "RL steps logged: 1 (of 8 planned: the run is still going or stopped early)" in report
+    (run / "config.yaml").write_text(yaml.safe_dump({"learner": {"rl_steps": 1}}))
+    assert "RL steps logged: 1\n" in open(write_report(str(run))[0]).read()
+
+
+def test_unreadable_metrics_are_not_taken_for_a_run_before_rl(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("garbage\n" * 3)
+    report = open(write_report(str(run))[0]).read()
+    assert "Bounded by: unknown" in report
+    assert "no RL step could be read: 3 line(s) of metrics.jsonl are not JSON" in report
+    assert "before RL" not in report
+
+
+def test_a_broken_artifact_module_costs_only_its_own_file(tmp_path, monkeypatch):
+    import sys
+
+    run = _learner_bound_run(tmp_path / "run")
+    monkeypatch.setitem(sys.modules, "raytunix.profiling.trace", None)  # import fails
+    artifacts = profiling.write_artifacts(str(run))
+    assert "raytunix.profiling.trace" in artifacts["errors"]["trace.json"]  # ImportError
+    assert artifacts["bottleneck"] == "learner"
+    assert os.path.exists(artifacts["report_path"]) and os.path.exists(artifacts["plot_path"])
+
+
 def test_a_busy_engine_with_near_empty_batches_is_told_to_fill_them():
     v = diagnose({"learner_wait_fraction": 0.9, "learner_busy_fraction": 0.1,
                   "engine_busy_fraction": 0.85, "engine_batch_occupancy": 0.12,

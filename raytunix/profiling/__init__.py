@@ -26,7 +26,7 @@ __all__ = ["ProfiledActor", "Recorder", "add", "configure", "current_flow", "ena
 ARTIFACTS = {"report": "report.txt", "trace": "trace.json", "plot": "profile.png"}
 
 
-def write_artifacts(run_dir: str, out_dir: str | None = None) -> dict:
+def write_artifacts(run_dir: str, out_dir: str | None = None, log_errors: bool = True) -> dict:
     """Makes ``report.txt``, ``trace.json`` and ``profile.png`` from the files of
     ``run_dir``, in ``out_dir`` (default: the run directory). One that cannot be made is
     reported and left out: profiling never fails a run.
@@ -35,13 +35,10 @@ def write_artifacts(run_dir: str, out_dir: str | None = None) -> dict:
       ``{"report_path", "trace_path", "plot_path"}`` for those written; ``"report_text"``,
       ``"bottleneck"`` (the verdict's resource) and ``"bottleneck_summary"`` when the
       report could be made (also if it could not be written); ``"errors"``: ``{file
-      name: why it was not written}``.
+      name: why it was not written}``, each also logged as a warning unless
+      ``log_errors`` is false (a caller that prints them itself).
     """
     import logging
-
-    from raytunix.profiling.plots import write_plots
-    from raytunix.profiling.report import render_report
-    from raytunix.profiling.trace import write_trace
 
     log = logging.getLogger(__name__)
     out_dir = out_dir or run_dir
@@ -53,12 +50,16 @@ def write_artifacts(run_dir: str, out_dir: str | None = None) -> dict:
             out[f"{kind}_path"] = make(os.path.join(out_dir, name))
         except OSError as e:  # a missing input, a full or read-only disk: say it in a line
             out["errors"][name] = f"{type(e).__name__}: {e}"
-            log.warning("profiling: %s not written: %s", name, out["errors"][name])
-        except Exception as e:  # noqa: BLE001 - a bug here must not cost the run its summary
-            out["errors"][name] = f"{type(e).__name__}: {e}"
-            log.warning("profiling: %s not written", name, exc_info=True)
+            if log_errors:
+                log.warning("profiling: %s not written: %s", name, out["errors"][name])
+        except Exception as e:  # noqa: BLE001 - a bug here (an import included) must not
+            out["errors"][name] = f"{type(e).__name__}: {e}"  # cost the run its summary
+            if log_errors:
+                log.warning("profiling: %s not written", name, exc_info=True)
 
     def report(path: str) -> str:
+        from raytunix.profiling.report import render_report
+
         text, verdict = render_report(run_dir)
         out.update(report_text=text, bottleneck=verdict.resource,
                    bottleneck_summary=verdict.summary)
@@ -67,6 +68,16 @@ def write_artifacts(run_dir: str, out_dir: str | None = None) -> dict:
         return path
 
     attempt("report", report)
-    attempt("trace", lambda path: write_trace(run_dir, path))
-    attempt("plot", lambda path: write_plots(run_dir, path))
+    def trace(path: str) -> str:
+        from raytunix.profiling.trace import write_trace
+
+        return write_trace(run_dir, path)
+
+    def plot(path: str) -> str:
+        from raytunix.profiling.plots import write_plots
+
+        return write_plots(run_dir, path)
+
+    attempt("trace", trace)
+    attempt("plot", plot)
     return out

@@ -67,7 +67,8 @@ def write_plots(run_dir: str, out_path: str | None = None) -> str:
     _plot_learning(learning, steps, evals)
     _plot_throughput(throughput, steps)
     _plot_busy(busy, steps)
-    _plot_tool_latency(tools, latencies)
+    recording_off = any(r.get("profiling_enabled") == 0 for r in steps)
+    _plot_tool_latency(tools, latencies, recording_off)
     name = os.path.basename(os.path.normpath(os.path.abspath(run_dir)))
     fig.suptitle(f"{name}: {len(steps)} RL step{'s' if len(steps) != 1 else ''}")
 
@@ -165,14 +166,17 @@ def _plot_busy(ax, steps) -> None:
 EPISODE_PHASES = ("rl", "eval")  # drains holding the episodes' tool calls
 
 
-def tool_latencies(path: str, phases: Sequence[str] | None = EPISODE_PHASES
-                   ) -> dict[str, list[float]]:
+def tool_latencies(path: str, phases: Sequence[str] | None = EPISODE_PHASES,
+                   skipped: list[int] | None = None) -> dict[str, list[float]]:
     """Tool latencies from a ``profile/spans.jsonl`` file.
 
     Args:
       phases: only chunks drained in these phases (default: RL steps and evaluations,
         leaving out the warm start's demonstrations, which call tools in the driver);
         None for all.
+      skipped: when given, gets the line number of each line that is not a JSON object
+        (torn by a crash, damaged) and a 0 for each JSON object that is not a drained
+        chunk (no ``spans`` list).
 
     Returns:
       ``{tool: [seconds, ...]}``: ``end_s - start_s`` of every ``tool_call`` span, by the
@@ -181,11 +185,13 @@ def tool_latencies(path: str, phases: Sequence[str] | None = EPISODE_PHASES
       skipped.
     """
     by_tool: dict[str, list[float]] = {}
-    for chunk in read_jsonl(path):
-        if phases is not None and chunk.get("phase") not in phases:
-            continue
+    for chunk in read_jsonl(path, skipped):
         spans = chunk.get("spans")
         if not isinstance(spans, list):
+            if skipped is not None:
+                skipped.append(0)  # a JSON object that is no drained chunk
+            continue
+        if phases is not None and chunk.get("phase") not in phases:
             continue
         for span in spans:
             if not (isinstance(span, list) and len(span) >= 4 and span[0] == "tool_call"):
@@ -199,10 +205,12 @@ def tool_latencies(path: str, phases: Sequence[str] | None = EPISODE_PHASES
     return by_tool
 
 
-def _plot_tool_latency(ax, by_tool: dict[str, list[float]]) -> None:
+def _plot_tool_latency(ax, by_tool: dict[str, list[float]], recording_off: bool = False
+                       ) -> None:
     ax.set_title("tool call latency")
     if not by_tool:
-        _note(ax, "no tool calls")
+        _note(ax, "span recording was off (RAYTUNIX_PROFILING=0)" if recording_off
+              else "no tool calls")
         return
     every = np.concatenate([np.asarray(v) for v in by_tool.values()])
     positive = every[every > 0]

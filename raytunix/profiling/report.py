@@ -257,13 +257,34 @@ def _slowest_tool(means: dict[str, float]) -> str:
     return f"{tool} (p90 {p90[tool] * 1000:.0f} ms)"
 
 
-def tool_latency_table(spans_path: str) -> dict[str, dict[str, float]]:
+def tool_latency_table(spans_path: str, skipped: list[int] | None = None
+                       ) -> dict[str, dict[str, float]]:
     """``{tool: {"calls", "p50", "p90", "p99"}}`` (seconds) over the RL steps and
-    evaluations of a run, from the ``tool_call`` spans in ``spans.jsonl``."""
+    evaluations of a run, from the ``tool_call`` spans in ``spans.jsonl``; ``skipped``
+    as in ``plots.tool_latencies``."""
     from raytunix.profiling.plots import tool_latencies
 
     return {tool: {"calls": float(len(values)), **percentiles(values)}
-            for tool, values in tool_latencies(spans_path).items()}
+            for tool, values in tool_latencies(spans_path, skipped=skipped).items()}
+
+
+def _spans_file_note(path: str, skipped: list[int]) -> str | None:
+    """A line for the report when ``spans.jsonl`` is missing, empty or partly unreadable
+    (what the tool latencies and the trace are made from), else None."""
+    if not os.path.exists(path):
+        return ("profile/spans.jsonl is missing: no tool latencies and no trace (the run "
+                "stopped before its first drain, or the file was moved)")
+    if os.path.getsize(path) == 0:
+        return ("profile/spans.jsonl is empty: no span was drained (the run stopped before "
+                "its first RL step, or recording was off)")
+    if not skipped:
+        return None
+    lines = [n for n in skipped if n > 0]
+    note = f"profile/spans.jsonl lines that could not be read, skipped: {len(skipped)}"
+    if lines:
+        note += (f" (line {', '.join(map(str, lines[:5]))}"
+                 f"{', ...' if len(lines) > 5 else ''})")
+    return note + "; the spans they held are missing from the tool latencies and the trace"
 
 
 def render_report(run_dir: str) -> tuple[str, Verdict]:
@@ -294,16 +315,31 @@ def render_report(run_dir: str) -> tuple[str, Verdict]:
     compiling = compile_steps(records)
     means = weighted_means(steps, compiling)
     verdict = diagnose(means, settings if isinstance(settings, dict) else {})
-    tools = tool_latency_table(os.path.join(run_dir, "profile", "spans.jsonl"))
+    if not steps and skipped:  # not "before RL": the lines that would say are unreadable
+        verdict = dataclasses.replace(verdict, summary=(
+            f"no RL step could be read: {len(skipped)} line(s) of metrics.jsonl are not "
+            "JSON (damaged?), so nothing is known to bound the run."))
+    spans_path = os.path.join(run_dir, "profile", "spans.jsonl")
+    spans_skipped: list[int] = []
+    tools = tool_latency_table(spans_path, spans_skipped)
+    spans_note = _spans_file_note(spans_path, spans_skipped)
     left_out = sorted(compiling) if len(steps) - len(compiling) >= 2 else []
+    learner_cfg = settings.get("learner") if isinstance(settings, dict) else None
+    planned = learner_cfg.get("rl_steps") if isinstance(learner_cfg, dict) else None
+    last = steps[-1]["step"] if steps else 0
     lines = [f"raytunix bottleneck report: {os.path.abspath(run_dir)}",
-             f"RL steps profiled: {len(steps)}"
+             f"RL steps logged: {len(steps)}"
+             + (f" (of {planned} planned: the run is still going or stopped early)"
+                if isinstance(planned, int) and not isinstance(planned, bool)
+                and last < planned else "")
              + (f" (left out of the means, as they include compiling: step"
                 f"{'s' if len(left_out) > 1 else ''} {', '.join(map(str, left_out))})"
                 if left_out else "")]
     if skipped:
         lines.append(f"metrics.jsonl lines that could not be read, skipped: {len(skipped)} "
                      f"(line {', '.join(map(str, skipped[:5]))}{', ...' if len(skipped) > 5 else ''})")
+    if spans_note:
+        lines.append(spans_note)
     lines += ["", f"Bounded by: {verdict.resource}", f"  {verdict.summary}", ""]
     if verdict.advice:
         lines.append("What to change:")
