@@ -75,6 +75,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="(off, on) pairs of blocks; the interval is a 95%% one from 6 pairs on")
     p.add_argument("--null-test", action="store_true",
                    help="keep profiling off in the 'on' blocks too: the noise floor")
+    p.add_argument("--drain", choices=("per-batch", "between-blocks", "rpc-only"),
+                   default="per-batch",
+                   help="what the driver does in an 'on' block: drain and collect after every "
+                        "batch (what `raytunix train` does per step); only after the block's "
+                        "clock stops (the block times recording alone); or drain every actor "
+                        "after every batch but neither write spans.jsonl nor compute metrics")
     p.add_argument("--block-batches", type=int, default=2, help="timed batches per block")
     p.add_argument("--settle-batches", type=int, default=0,
                    help="untimed batches at the start of each block, after the switch")
@@ -183,20 +189,31 @@ class Stream:
         return {**{name: s for (name, _), s in zip(self.actors, cpu)},
                 "driver": time.process_time()}
 
-    def consume(self, batches: int, block: dict | None = None) -> int:
-        """Takes ``batches`` batches; with profiling on, drains and collects after each
-        (what the driver of ``raytunix train`` does per step). Counts the spans and
-        profiling's own cost into ``block`` when given."""
+    def consume(self, batches: int, block: dict | None = None, drain: bool | str = True
+                ) -> int:
+        """Takes ``batches`` batches; with profiling on and ``drain``, drains and collects
+        after each (what the driver of ``raytunix train`` does per step). Counts the spans
+        and profiling's own cost into ``block`` when given."""
         n = 0
         for _ in range(batches):
             _, info = ray.get(self.orchestrator.next_batch.remote())
             n += info["num_trajectories"]
             self.batches += 1
-            if not self.profiled:
-                continue
-            self.collector.window("rl", self.batches)
-            if block is None:
-                continue
+            if self.profiled and drain == "rpc-only":
+                chunks = ray.get([h.profile_drain.remote() for _, h in self.actors])
+                spans.recorder().drain()
+                if block is not None:
+                    for (name, _), chunk in zip(self.actors, chunks):
+                        block["spans_recorded"][name] = (
+                            block["spans_recorded"].get(name, 0) + len(chunk["spans"]))
+            elif self.profiled and drain:
+                self.collect(block)
+        return n
+
+    def collect(self, block: dict | None) -> None:
+        """One drain and collection (``Collector.window``), counted into ``block``."""
+        self.collector.window("rl", self.batches)
+        if block is not None:
             for chunk in self.collector.last_chunks:
                 block["spans_recorded"][chunk["process"]] = (
                     block["spans_recorded"].get(chunk["process"], 0) + len(chunk["spans"]))
@@ -205,7 +222,6 @@ class Stream:
                 block["drain_and_collect_s"] += sum(
                     (s[4] or {}).get("cpu_s", 0.0) for s in chunk["spans"]
                     if s[0] == "profile_collect")
-        return n
 
     def block(self, profiled: bool, args) -> dict:
         """Switches recording, lets ``--settle-batches`` pass, times ``--block-batches``.
@@ -218,7 +234,8 @@ class Stream:
         cpu0 = self.cpu_seconds()
         engine0 = ray.get(self.engine.engine_stats.remote())
         start = time.perf_counter()
-        n = self.consume(args.block_batches, block)
+        n = self.consume(args.block_batches, block, drain={
+            "per-batch": True, "between-blocks": False, "rpc-only": "rpc-only"}[args.drain])
         wall = time.perf_counter() - start
         engine1 = ray.get(self.engine.engine_stats.remote())
         tokens = engine1["tokens_generated"] - engine0["tokens_generated"]
@@ -228,6 +245,8 @@ class Stream:
         cpu1 = self.cpu_seconds()
         by_process = {name: cpu1[name] - cpu0[name] for name in cpu1}
         cpu = sum(by_process.values())
+        if self.profiled and args.drain == "between-blocks":
+            self.collect(block)  # after the clock: the block timed recording alone
         block.update(cpu_ms_per_token_by_process={
                          name: 1e3 * s / tokens for name, s in by_process.items()},
                      wall_s=wall, trajectories=n, trajectories_per_s=n / wall,
