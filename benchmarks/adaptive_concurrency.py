@@ -53,6 +53,7 @@ from raytunix.rollout.env_pool import EnvPool  # noqa: E402
 from rollout_overlap import (  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
     _ACTOR_ENV,
     AGENT,
+    add_latency_shape_args,
     calibrate,
     engine_window,
     env_kwargs,
@@ -88,13 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tool-latency-s", type=float, default=None,
                    help="median tool latency L (s); default: latency factor x calibrated turn")
     p.add_argument("--latency-factor", type=float, default=5.0)
-    p.add_argument("--latency-dist", choices=("lognormal", "uniform"), default="uniform")
-    p.add_argument("--latency-sigma", type=float, default=1.0,
-                   help="lognormal: standard deviation of the log latency")
-    p.add_argument("--jitter", type=float, default=0.5,
-                   help="uniform: relative half-width of the latency")
-    p.add_argument("--straggler-fraction", type=float, default=0.0)
-    p.add_argument("--straggler-factor", type=float, default=20.0)
+    add_latency_shape_args(p, dist="uniform", sigma=1.0, jitter=0.5, straggler_fraction=0.0)
     p.add_argument("--turns", type=int, default=3, help="turns (tool calls) per episode")
     p.add_argument("--max-new-tokens", type=int, default=16, help="generated tokens per turn")
     p.add_argument("--max-batch-size", type=int, default=16, help="engine decode rows")

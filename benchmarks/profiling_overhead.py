@@ -63,7 +63,8 @@ from raytunix.profiling.collect import Collector, spans_path  # noqa: E402
 from raytunix.rollout.env_pool import EnvPool  # noqa: E402
 
 from rollout_overlap import (  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
-    env_kwargs, machine, make_tasks, start_engine, start_orchestrator, wait_engine_idle)
+    add_latency_shape_args, env_kwargs, machine, make_tasks, start_engine, start_orchestrator,
+    wait_engine_idle)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -103,17 +104,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-cache-tokens", type=int, default=None,
                    help="engine KV cache size in tokens (default: the engine's)")
     p.add_argument("--seed", type=int, default=0, help="tool latencies and sampling")
-    # simulated_tool's latency shape (rollout_overlap's env_kwargs reads these)
-    p.add_argument("--latency-dist", default="lognormal", choices=("lognormal", "uniform"),
-                   help="tool latency distribution around --tool-latency-s")
-    p.add_argument("--latency-sigma", type=float, default=0.5,
-                   help="lognormal: sigma of the log latency")
-    p.add_argument("--jitter", type=float, default=0.0,
-                   help="uniform: latency in [1-jitter, 1+jitter] x --tool-latency-s")
-    p.add_argument("--straggler-fraction", type=float, default=0.0,
-                   help="share of episodes whose every tool call is --straggler-factor x slower")
-    p.add_argument("--straggler-factor", type=float, default=20.0,
-                   help="how much slower a straggler's tool calls are")
+    add_latency_shape_args(p, dist="lognormal", sigma=0.5, jitter=0.0, straggler_fraction=0.0)
     args = p.parse_args(argv)
     for name in ("pairs", "block_batches", "batch", "tasks", "concurrency", "turns",
                  "max_new_tokens", "env_actors"):
@@ -189,11 +180,12 @@ class Stream:
         return {**{name: s for (name, _), s in zip(self.actors, cpu)},
                 "driver": time.process_time()}
 
-    def consume(self, batches: int, block: dict | None = None, drain: bool | str = True
+    def consume(self, batches: int, block: dict | None = None, drain: str = "per-batch"
                 ) -> int:
-        """Takes ``batches`` batches; with profiling on and ``drain``, drains and collects
-        after each (what the driver of ``raytunix train`` does per step). Counts the spans
-        and profiling's own cost into ``block`` when given."""
+        """Takes ``batches`` batches; with profiling on, does after each what ``drain``
+        (``--drain``) says: drain and collect (``per-batch``, what the driver of ``raytunix
+        train`` does per step), only drain (``rpc-only``) or nothing (``between-blocks``).
+        Counts the spans and profiling's own cost into ``block`` when given."""
         n = 0
         for _ in range(batches):
             _, info = ray.get(self.orchestrator.next_batch.remote())
@@ -206,7 +198,7 @@ class Stream:
                     for (name, _), chunk in zip(self.actors, chunks):
                         block["spans_recorded"][name] = (
                             block["spans_recorded"].get(name, 0) + len(chunk["spans"]))
-            elif self.profiled and drain:
+            elif self.profiled and drain == "per-batch":
                 self.collect(block)
         return n
 
@@ -234,8 +226,7 @@ class Stream:
         cpu0 = self.cpu_seconds()
         engine0 = ray.get(self.engine.engine_stats.remote())
         start = time.perf_counter()
-        n = self.consume(args.block_batches, block, drain={
-            "per-batch": True, "between-blocks": False, "rpc-only": "rpc-only"}[args.drain])
+        n = self.consume(args.block_batches, block, drain=args.drain)
         wall = time.perf_counter() - start
         engine1 = ray.get(self.engine.engine_stats.remote())
         tokens = engine1["tokens_generated"] - engine0["tokens_generated"]
@@ -284,6 +275,7 @@ def summarize(blocks: list[dict], cores: int) -> dict:
     per_token = ratios(lambda b: b["wall_s"] / b["tokens_generated"])
     per_trajectory = ratios(lambda b: b["wall_s"] / b["trajectories"])
     cpu_per_token = ratios(lambda b: b["cpu_ms_per_token"])
+    low, high, coverage = median_ci95(per_token)
     mean = statistics.fmean(per_token)
     half_width = (1.96 * statistics.stdev(per_token) / len(per_token) ** 0.5
                   if len(per_token) > 1 else float("nan"))
@@ -295,8 +287,8 @@ def summarize(blocks: list[dict], cores: int) -> dict:
         for off, on in pairs) for name in on_blocks[0]["cpu_ms_per_token_by_process"]}
     return {
         "overhead_fraction": statistics.median(per_token),
-        "overhead_fraction_ci95": list(median_ci95(per_token)[:2]),
-        "overhead_fraction_ci_coverage": median_ci95(per_token)[2],
+        "overhead_fraction_ci95": [low, high],
+        "overhead_fraction_ci_coverage": coverage,
         "overhead_fraction_mean": mean,
         "overhead_fraction_mean_ci95": [mean - half_width, mean + half_width],
         "overhead_fraction_pooled": pooled("wall_s", "tokens_generated"),

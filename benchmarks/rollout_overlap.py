@@ -66,6 +66,22 @@ _ACTOR_ENV = {"env_vars": {"JAX_PLATFORMS": "cpu"}}
 AGENT = "text"  # SimulatedToolEnv.default_agent
 
 
+def add_latency_shape_args(p: argparse.ArgumentParser, dist: str, sigma: float,
+                           jitter: float, straggler_fraction: float) -> None:
+    """``simulated_tool``'s latency-shape flags (``env_kwargs`` reads them), with each
+    benchmark's defaults."""
+    p.add_argument("--latency-dist", choices=("lognormal", "uniform"), default=dist,
+                   help="tool latency distribution around the median latency")
+    p.add_argument("--latency-sigma", type=float, default=sigma,
+                   help="lognormal: standard deviation of the log latency")
+    p.add_argument("--jitter", type=float, default=jitter,
+                   help="uniform: relative half-width of the latency")
+    p.add_argument("--straggler-fraction", type=float, default=straggler_fraction,
+                   help="share of episodes whose every tool call is --straggler-factor x slower")
+    p.add_argument("--straggler-factor", type=float, default=20.0,
+                   help="how much slower a straggler's tool calls are")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trajectories", type=int, default=384,
@@ -79,14 +95,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tool-latency-s", type=float, default=None,
                    help="median tool latency L (s); default: latency factor x calibrated turn")
     p.add_argument("--latency-factor", type=float, default=5.0)
-    p.add_argument("--latency-dist", choices=("lognormal", "uniform"), default="lognormal")
-    p.add_argument("--latency-sigma", type=float, default=1.0,
-                   help="lognormal: standard deviation of the log latency")
-    p.add_argument("--jitter", type=float, default=0.5,
-                   help="uniform: relative half-width of the latency")
-    p.add_argument("--straggler-fraction", type=float, default=0.05,
-                   help="share of episodes whose every tool call is --straggler-factor x slower")
-    p.add_argument("--straggler-factor", type=float, default=20.0)
+    add_latency_shape_args(p, dist="lognormal", sigma=1.0, jitter=0.5,
+                           straggler_fraction=0.05)
     p.add_argument("--turns", type=int, default=3, help="turns (tool calls) per episode")
     p.add_argument("--max-new-tokens", type=int, default=16, help="generated tokens per turn")
     p.add_argument("--max-batch-size", type=int, default=16, help="engine decode rows")

@@ -67,7 +67,6 @@ def write_artifacts(run_dir: str, out_dir: str | None = None, log_errors: bool =
             f.write(text)
         return path
 
-    attempt("report", report)
     def trace(path: str) -> str:
         from raytunix.profiling.trace import write_trace
 
@@ -78,6 +77,8 @@ def write_artifacts(run_dir: str, out_dir: str | None = None, log_errors: bool =
 
         return write_plots(run_dir, path)
 
+    # Each maker imports its module itself, inside attempt's guard.
+    attempt("report", report)
     attempt("trace", trace)
     attempt("plot", plot)
     return out
