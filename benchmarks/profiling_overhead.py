@@ -192,7 +192,8 @@ class Stream:
             n += info["num_trajectories"]
             self.batches += 1
             if self.profiled and drain == "rpc-only":
-                chunks = ray.get([h.profile_drain.remote() for _, h in self.actors])
+                chunks = [spans.decode_chunk(encoded) for encoded in ray.get(
+                    [h.profile_drain.remote() for _, h in self.actors])]
                 spans.recorder().drain()
                 if block is not None:
                     for (name, _), chunk in zip(self.actors, chunks):

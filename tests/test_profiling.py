@@ -37,6 +37,29 @@ def test_recorder_keeps_spans_in_order_and_drain_empties_it():
     assert rec.drain()["spans"] == []
 
 
+def test_an_actor_drain_is_pickled_bytes_that_decode_to_the_chunk():
+    import pickle
+
+    from raytunix.profiling.spans import ProfiledActor, decode_chunk
+
+    profiling.recorder().drain()  # this process's spans of earlier tests
+    profiling.add("env_step", 1.0, 1.25, "env", {"tool": "calculator"}, "g0/1")
+    encoded = ProfiledActor().profile_drain()
+    assert isinstance(encoded, bytes)
+    chunk = decode_chunk(encoded)
+    assert chunk["spans"] == [("env_step", "env", 1.0, 1.25, {"tool": "calculator"}, "g0/1")]
+    assert chunk["pid"] == os.getpid() and chunk["dropped"] == 0
+    # the drain is recorded, with what it shipped, in the next chunk
+    (name, _, _, _, args, _), = profiling.recorder().drain()["spans"]
+    assert name == "profile_drain" and args == {"spans": 1, "bytes": len(encoded)}
+    with pytest.raises(TypeError, match="got dict"):
+        decode_chunk(chunk)
+    with pytest.raises(pickle.UnpicklingError, match="not a drained chunk: a list"):
+        decode_chunk(pickle.dumps([1, 2]))
+    with pytest.raises((pickle.UnpicklingError, EOFError)):
+        decode_chunk(encoded[: len(encoded) // 2])
+
+
 def test_full_ring_buffer_drops_the_oldest_spans_and_counts_them():
     rec = Recorder("p", "env", capacity=5)
     for i in range(8):

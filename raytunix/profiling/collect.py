@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import time
 from typing import Any, Callable, Iterable, Iterator
 
@@ -160,8 +161,9 @@ class Collector:
                     self._warn(name, TimeoutError(f"no answer in {self._timeout_s:.0f} s"))
                     continue
                 try:
-                    chunk = ray.get(ref)
-                except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+                    chunk = spans.decode_chunk(ray.get(ref))
+                except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError,
+                        TypeError, pickle.UnpicklingError, EOFError) as e:
                     self._warn(name, e)
                     continue
                 chunk["process"] = name
