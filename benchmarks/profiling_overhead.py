@@ -36,8 +36,9 @@ processes (driver, orchestrator, engine, env actors) spent per token, and
 ``estimated_overhead_fraction``, profiling's own work over the cores' time: recording
 (the measured cost of one span, a tight loop here, times the spans recorded per second)
 plus draining and collecting (the ``profile_drain`` spans the processes record of
-themselves and the driver's CPU seconds in its ``profile_collect`` spans). Ray's
-serialisation of a drained chunk in the actor is not in it.
+themselves, the chunk's serialisation included, and the driver's CPU seconds in its
+``profile_collect`` spans; ``profiling_drain_cost.py`` measures a drain's CPU in every
+process, Ray's own threads included).
 
     python benchmarks/profiling_overhead.py
 """
@@ -205,16 +206,11 @@ class Stream:
 
     def collect(self, block: dict | None) -> None:
         """One drain and collection (``Collector.window``), counted into ``block``."""
-        self.collector.window("rl", self.batches)
+        metrics = self.collector.window("rl", self.batches)
         if block is not None:
-            for chunk in self.collector.last_chunks:
-                block["spans_recorded"][chunk["process"]] = (
-                    block["spans_recorded"].get(chunk["process"], 0) + len(chunk["spans"]))
-                block["drain_and_collect_s"] += sum(
-                    s[3] - s[2] for s in chunk["spans"] if s[0] == "profile_drain")
-                block["drain_and_collect_s"] += sum(
-                    (s[4] or {}).get("cpu_s", 0.0) for s in chunk["spans"]
-                    if s[0] == "profile_collect")
+            for process, count in self.collector.last_span_counts.items():
+                block["spans_recorded"][process] = block["spans_recorded"].get(process, 0) + count
+            block["drain_and_collect_s"] += metrics.get("profiling_cpu_s", 0.0)
 
     def block(self, profiled: bool, args) -> dict:
         """Switches recording, lets ``--settle-batches`` pass, times ``--block-batches``.
