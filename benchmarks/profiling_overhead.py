@@ -167,12 +167,21 @@ class Stream:
         self.collector = Collector(run_dir, lambda: self.actors)
         self.profiled = True
         self.batches = 0
+        self.gc_seconds()  # the first reading starts each process's count
 
     def set_profiled(self, profiled: bool) -> None:
         """Flips recording in every process of the run, this driver included."""
         ray.get([handle.profile_set_enabled.remote(profiled) for _, handle in self.actors])
         spans.recorder().enabled = profiled
         self.profiled = profiled
+
+    def gc_seconds(self) -> dict[str, float]:
+        """Seconds every process of the run, this driver included, has spent in Python's
+        garbage collector since its first reading (``ProfiledActor.profile_gc``)."""
+        readings = ray.get([h.profile_gc.remote() for _, h in self.actors])
+        readings.append(spans.gc_stats())
+        return {name: sum(v for k, v in reading.items() if k.endswith("_s"))
+                for name, reading in zip([n for n, _ in self.actors] + ["driver"], readings)}
 
     def cpu_seconds(self) -> dict[str, float]:
         """CPU seconds so far of every process of the run, this driver included, by
@@ -220,7 +229,7 @@ class Stream:
         self.consume(args.settle_batches)
         block = {"profiled": profiled, "recording": self.profiled, "spans_recorded": {},
                  "drain_and_collect_s": 0.0}
-        cpu0 = self.cpu_seconds()
+        cpu0, gc0 = self.cpu_seconds(), self.gc_seconds()
         engine0 = ray.get(self.engine.engine_stats.remote())
         start = time.perf_counter()
         n = self.consume(args.block_batches, block, drain=args.drain)
@@ -230,7 +239,7 @@ class Stream:
         steps = engine1["decode_steps"] - engine0["decode_steps"]
         rows = (engine1["mean_active_slots"] * engine1["decode_steps"]
                 - engine0["mean_active_slots"] * engine0["decode_steps"])
-        cpu1 = self.cpu_seconds()
+        cpu1, gc1 = self.cpu_seconds(), self.gc_seconds()
         by_process = {name: cpu1[name] - cpu0[name] for name in cpu1}
         cpu = sum(by_process.values())
         if self.profiled and args.drain == "between-blocks":
@@ -244,12 +253,22 @@ class Stream:
                      engine_busy_fraction=(engine1["busy_s"] - engine0["busy_s"]) / wall,
                      cpu_s=cpu,
                      cpu_ms_per_trajectory=1e3 * cpu / n, cpu_ms_per_token=1e3 * cpu / tokens,
+                     gc_fraction_by_process={name: (gc1[name] - gc0[name]) / wall
+                                             for name in gc1},
                      spans_per_s=sum(block["spans_recorded"].values()) / wall)
         return block
 
     def close(self) -> None:
         ray.get(self.orchestrator.stop.remote())
         ray.kill(self.orchestrator)
+
+
+def gc_fractions(blocks: list[dict]) -> dict[str, float]:
+    """Each process's time in the garbage collector over the blocks' wall time (pooled:
+    a full collection is a rare, long event)."""
+    wall = sum(b["wall_s"] for b in blocks)
+    return {name: sum(b["gc_fraction_by_process"][name] * b["wall_s"] for b in blocks) / wall
+            for name in blocks[0]["gc_fraction_by_process"]}
 
 
 def summarize(blocks: list[dict], cores: int) -> dict:
@@ -302,6 +321,8 @@ def summarize(blocks: list[dict], cores: int) -> dict:
         "drain_and_collect_cpu_fraction": own_per_s / cores,
         "span_record_cost_us": cost * 1e6,
         "spans_per_s": spans_per_s,
+        "gc_fraction_by_process_off": gc_fractions(off_blocks),
+        "gc_fraction_by_process_on": gc_fractions(on_blocks),
         "tokens_per_s_off": statistics.median(b["tokens_per_s"] for b in off_blocks),
         "tokens_per_s_on": statistics.median(b["tokens_per_s"] for b in on_blocks),
         "trajectories_per_s_off": statistics.median(b["trajectories_per_s"] for b in off_blocks),

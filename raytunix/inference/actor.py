@@ -6,7 +6,7 @@ from typing import Any
 
 import jax
 
-from raytunix import profiling
+from raytunix import heap, profiling
 from raytunix.inference.engine import InferenceEngine
 from raytunix.models.llama import ModelConfig, init_model
 
@@ -29,6 +29,7 @@ class EngineActor(profiling.ProfiledActor):
             graphdef, params = init_model(model_config, seed)
         self.engine = InferenceEngine(graphdef, params, model_config, tokenizer,
                                       **engine_kwargs)
+        heap.settle()  # the model is built: out of the garbage collector's scans
 
     async def generate(self, request):
         return await self.engine.generate(request)
@@ -53,4 +54,6 @@ class EngineActor(profiling.ProfiledActor):
 
     def warmup(self) -> int:
         """Compiles every program the engine can call; returns how many shapes."""
-        return self.engine.warmup()
+        shapes = self.engine.warmup()
+        heap.settle()  # and so are the compiled programs
+        return shapes

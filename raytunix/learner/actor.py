@@ -12,7 +12,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from raytunix import profiling
+from raytunix import heap, profiling
 from raytunix.learner.checkpoint import Checkpointer
 from raytunix.learner.learner import GRPOHyperparams, Learner, SFTHyperparams
 from raytunix.models.llama import ModelConfig
@@ -34,6 +34,7 @@ class LearnerActor(profiling.ProfiledActor):
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="learner")
         self._demos = None
         self._checkpointers: dict[str, Checkpointer] = {}
+        heap.settle()  # the model is built: out of the garbage collector's scans
 
     async def _in_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -168,6 +169,7 @@ class PolicyActor(LearnerActor):
         self.engine = InferenceEngine(
             self.learner.graphdef, self.learner.params, model_config, tokenizer,
             policy_version=self.learner.version, **engine_kwargs)
+        heap.settle()  # and so is the engine
 
     def _publish(self) -> None:
         self.engine.update_weights(self.learner.params, self.learner.version)

@@ -185,6 +185,31 @@ def decode_chunk(encoded: bytes) -> dict[str, Any]:
     return chunk
 
 
+_gc_totals: dict[str, float] | None = None
+
+
+def gc_stats() -> dict[str, float]:
+    """This process's time in the cyclic garbage collector (``gc.callbacks``): seconds and
+    collections by generation (``gen0_s``, ``gen0``, ...) since the first call, which
+    installs the timer."""
+    global _gc_totals
+    if _gc_totals is None:
+        import gc
+        totals = _gc_totals = {}
+        started = [0.0]
+
+        def timer(phase: str, info: dict) -> None:
+            if phase == "start":
+                started[0] = time.perf_counter()
+            else:
+                g = info.get("generation", 0)
+                totals[f"gen{g}_s"] = totals.get(f"gen{g}_s", 0.0) + time.perf_counter() - started[0]
+                totals[f"gen{g}"] = totals.get(f"gen{g}", 0) + 1
+
+        gc.callbacks.append(timer)
+    return dict(_gc_totals)
+
+
 class ProfiledActor:
     """Mixin for actor classes: the driver drains the process's spans through it."""
 
@@ -207,6 +232,11 @@ class ProfiledActor:
         """This actor's process's CPU seconds so far (``time.process_time``), read without
         draining: the overhead benchmark brackets a measurement with it."""
         return time.process_time()
+
+    def profile_gc(self) -> dict[str, float]:
+        """Seconds this actor's process spent in Python's cyclic garbage collector, and
+        collections, by generation, since the first call (which starts the count)."""
+        return gc_stats()
 
     def profile_set_enabled(self, enabled: bool) -> None:
         """Turns span recording in this actor's process on or off (the overhead benchmark

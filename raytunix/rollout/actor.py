@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 import ray
 
-from raytunix import profiling
+from raytunix import heap, profiling
 from raytunix.agents import make_agent
 from raytunix.inference.router import EngineRouter
 from raytunix.plugins import add_import_paths
@@ -119,6 +119,7 @@ class OrchestratorActor(profiling.ProfiledActor):
             put=ray.put,
             **orchestrator_kwargs,
         )
+        heap.settle()  # start-up state out of the garbage collector's scans
 
     async def next_batch(self):
         return await self.orchestrator.next_batch()

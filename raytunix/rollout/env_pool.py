@@ -26,7 +26,7 @@ from typing import Any, Awaitable, Callable, Sequence
 
 import ray
 
-from raytunix import profiling
+from raytunix import heap, profiling
 from raytunix.envs import make_env
 from raytunix.plugins import PluginError, add_import_paths
 from raytunix.types import Action, EnvFailure, RolloutHalted, StepResult, Task
@@ -94,6 +94,7 @@ class EnvActor(profiling.ProfiledActor):
                 "sandboxes fork from this process, and a fork of a process running JAX can "
                 "deadlock; import JAX lazily in the environment's module, or not at all.",
                 env_name, os.getpid())
+        heap.settle()  # start-up state out of the garbage collector's scans
 
     def first_observation(self, task: Task) -> str:
         """Builds a fresh environment, resets it on ``task`` and closes it; returns the

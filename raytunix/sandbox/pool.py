@@ -33,7 +33,7 @@ from typing import Any, Mapping, Sequence
 
 import ray
 
-from raytunix import profiling
+from raytunix import heap, profiling
 from raytunix.sandbox.client import DEFAULT_POOL_NAME
 from raytunix.sandbox.sandbox import Sandbox
 from raytunix.sandbox.types import (
@@ -77,6 +77,7 @@ class SandboxActor(profiling.ProfiledActor):
         self._runs = 0
         self._count_lock = threading.Lock()
         self._retiring = False
+        heap.settle()  # start-up state out of the garbage collector's scans
 
     def open_workspace(self, name: str = "") -> str:
         """A new work dir's id.
