@@ -38,7 +38,9 @@ processes (driver, orchestrator, engine, env actors) spent per token, and
 plus draining and collecting (the ``profile_drain`` spans the processes record of
 themselves, the chunk's serialisation included, and the driver's CPU seconds in its
 ``profile_collect`` spans; ``profiling_drain_cost.py`` measures a drain's CPU in every
-process, Ray's own threads included).
+process, Ray's own threads included). ``gc_fraction_by_process_off`` and ``_on``: the
+share of each process's wall time spent in Python's garbage collector (``gc.callbacks``),
+which is where a process's cost of holding spans would show (``raytunix/heap.py``).
 
     python benchmarks/profiling_overhead.py
 """

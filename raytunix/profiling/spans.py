@@ -39,6 +39,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
+import gc
 import os
 import pickle
 import socket
@@ -104,11 +105,12 @@ class Recorder:
 
         Returns:
           ``{"process", "kind", "pid", "host", "clock_offset_s", "cpu_s", "now_s",
-          "enabled", "dropped", "spans"}`` (``enabled``: whether it records now): ``spans`` is a list of ``SPAN_FIELDS`` lists in
-          recording order, ``dropped`` how many were lost to the ring buffer since the
-          last drain (approximate under threads), ``cpu_s`` the process's CPU seconds so
-          far (``time.process_time``: its busy fraction between two drains is the
-          difference over ``now_s``'s, the drain's ``perf_counter``).
+          "enabled", "dropped", "spans"}`` (``enabled``: whether it records now):
+          ``spans`` is a list of ``SPAN_FIELDS`` tuples in recording order, ``dropped``
+          how many were lost to the ring buffer since the last drain (approximate under
+          threads), ``cpu_s`` the process's CPU seconds so far (``time.process_time``:
+          its busy fraction between two drains is the difference over ``now_s``'s, the
+          drain's ``perf_counter``).
         """
         spans, recorded = [], self._recorded
         pop = self._spans.popleft
@@ -194,7 +196,6 @@ def gc_stats() -> dict[str, float]:
     installs the timer."""
     global _gc_totals
     if _gc_totals is None:
-        import gc
         totals = _gc_totals = {}
         started = [0.0]
 
@@ -202,9 +203,10 @@ def gc_stats() -> dict[str, float]:
             if phase == "start":
                 started[0] = time.perf_counter()
             else:
-                g = info.get("generation", 0)
-                totals[f"gen{g}_s"] = totals.get(f"gen{g}_s", 0.0) + time.perf_counter() - started[0]
-                totals[f"gen{g}"] = totals.get(f"gen{g}", 0) + 1
+                count = f"gen{info.get('generation', 0)}"
+                seconds = count + "_s"
+                totals[seconds] = totals.get(seconds, 0.0) + time.perf_counter() - started[0]
+                totals[count] = totals.get(count, 0) + 1
 
         gc.callbacks.append(timer)
     return dict(_gc_totals)
