@@ -26,6 +26,13 @@ def test_settle_freezes_what_is_alive_and_raises_the_young_threshold(restore_gc)
     assert gc.get_threshold() == (heap.YOUNG_THRESHOLD, 10, 10)
 
 
+def test_a_learner_process_only_freezes(restore_gc):
+    gc.unfreeze()
+    gc.set_threshold(700, 10, 10)
+    assert heap.settle(actors_only=False, young_threshold=None) > 1000
+    assert gc.get_threshold() == (700, 10, 10)
+
+
 def test_settle_leaves_a_process_that_is_no_actor_alone(restore_gc):
     gc.unfreeze()
     before = gc.get_threshold()

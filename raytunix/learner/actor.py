@@ -34,7 +34,9 @@ class LearnerActor(profiling.ProfiledActor):
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="learner")
         self._demos = None
         self._checkpointers: dict[str, Checkpointer] = {}
-        heap.settle()  # the model is built: out of the garbage collector's scans
+        # The model is built: out of the garbage collector's scans (young collections as
+        # Python sets them: a cycle here can hold a batch or parameters).
+        heap.settle(young_threshold=None)
 
     async def _in_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -169,7 +171,7 @@ class PolicyActor(LearnerActor):
         self.engine = InferenceEngine(
             self.learner.graphdef, self.learner.params, model_config, tokenizer,
             policy_version=self.learner.version, **engine_kwargs)
-        heap.settle()  # and so is the engine
+        heap.settle(young_threshold=None)  # and so is the engine
 
     def _publish(self) -> None:
         self.engine.update_weights(self.learner.params, self.learner.version)
