@@ -107,16 +107,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("rounds", "batch", "turns", "tokens", "env_actors"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if not args.interval_s > 0:
-        p.error(f"--interval-s must be > 0, got {args.interval_s}")
+    if not 0 < args.interval_s < float("inf"):
+        p.error(f"--interval-s must be a finite number of seconds > 0, got {args.interval_s}")
+    if args.rounds < 50:
+        print(f"profiling_drain_cost: {args.rounds} rounds of each kind resolve ~1 ms at best; "
+              "a process's CPU clock ticks in 10 ms, so use 200 or more for the numbers",
+              file=sys.stderr)
     return args
 
 
 def ray_processes() -> dict[str, psutil.Process]:
-    """This session's raylet and GCS server (the local cluster's)."""
+    """This session's raylet and GCS server: the local cluster ``ray.init`` started, so
+    children of this process (another cluster's on the host are not)."""
     found = {}
-    for proc in psutil.process_iter(["name"]):
-        name = proc.info["name"] or ""
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            name = proc.name()
+        except psutil.Error:
+            continue
         if name.startswith("raylet"):
             found["raylet"] = proc
         elif name.startswith("gcs_server"):

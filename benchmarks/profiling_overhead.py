@@ -110,9 +110,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_latency_shape_args(p, dist="lognormal", sigma=0.5, jitter=0.0, straggler_fraction=0.0)
     args = p.parse_args(argv)
     for name in ("pairs", "block_batches", "batch", "tasks", "concurrency", "turns",
-                 "max_new_tokens", "env_actors"):
+                 "max_new_tokens", "env_actors", "max_batch_size", "max_seq_len", "d_model",
+                 "n_layers"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.kv_cache_tokens is not None and args.kv_cache_tokens < 1:
+        p.error(f"--kv-cache-tokens must be >= 1, got {args.kv_cache_tokens}")
     for name in ("settle_batches", "warmup_batches"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
@@ -238,6 +241,12 @@ class Stream:
         wall = time.perf_counter() - start
         engine1 = ray.get(self.engine.engine_stats.remote())
         tokens = engine1["tokens_generated"] - engine0["tokens_generated"]
+        if tokens <= 0:
+            raise SystemExit(
+                f"profiling_overhead: a block of {n} trajectories generated no tokens, so no "
+                f"cost per token can be measured: --max-seq-len {args.max_seq_len} leaves no "
+                "room after the prompts (the default is 256), or --max-new-tokens is too "
+                "small; raise them")
         steps = engine1["decode_steps"] - engine0["decode_steps"]
         rows = (engine1["mean_active_slots"] * engine1["decode_steps"]
                 - engine0["mean_active_slots"] * engine0["decode_steps"])

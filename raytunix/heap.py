@@ -5,8 +5,8 @@ An actor's heap after start-up (Ray, JAX, the model, compiled programs) holds 90
 CPython's collector (the generational scheme of its ``gc`` module) scans all of them in
 every full collection, and starts a young-generation collection every 700 net allocations
 of tracked objects. On the rollout benchmark (``benchmarks/profiling_overhead.py``, which
-reports each process's collector time) that cost the engine, the run's bottleneck, ~27 ms
-of every second: full collections of 120-180 ms about every 10 s, and ~16 young
+reports each process's collector time) that cost the engine, the benchmark's bottleneck,
+~27 ms of every second: full collections of 120-180 ms about every 10 s, and ~16 young
 collections a second of ~0.8 ms each, set off by the transient objects of a decode step.
 Spans held between two profiling drains added to both.
 
@@ -15,9 +15,12 @@ compiles), collects once, then freezes what is alive (``gc.freeze``: moved to a 
 generation that collections skip) and, in the rollout's actors (engine, orchestrator, env
 and sandbox actors; not the learner's), raises the young generation's threshold to
 ``YOUNG_THRESHOLD`` net allocations. What the hot loops allocate dies young and is freed by
-reference counting, so collections become rare; cyclic garbage is still collected, up to
-``YOUNG_THRESHOLD`` objects later. ``RAYTUNIX_GC_TUNING=0`` leaves the collector as Python
-sets it (to compare, or to chase a leak).
+reference counting, so collections become rare; cyclic garbage made after ``settle()`` is
+still collected, up to ``YOUNG_THRESHOLD`` objects later. A frozen object is never
+collected: start-up state that later turns into cyclic garbage stays in memory, which is
+why only actor processes, whose start-up state lives as long as they do, settle.
+``RAYTUNIX_GC_TUNING=0`` leaves the collector as Python sets it (to compare, or to chase a
+leak).
 """
 
 from __future__ import annotations

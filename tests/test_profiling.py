@@ -544,8 +544,8 @@ def test_report_says_when_spans_are_missing_empty_or_damaged(tmp_path):
                      + json.dumps(chunk) + "\n" + '{"phase": "rl", "sp')  # torn last line
     report = open(write_report(str(run))[0]).read()
     # lines 2, 3 and 6 are not JSON objects; line 4 is an object but no chunk
-    assert ("profile/spans.jsonl lines that could not be read, skipped: 4 (line 2, 3, 6)"
-            in report)
+    assert ("profile/spans.jsonl lines that could not be read, skipped: 4 (line 2, 3, 6; "
+            "1 JSON object(s) that are no drained chunk)" in report)
     assert "calculator" in report and "      2 " in report  # the two good chunks count
 
 

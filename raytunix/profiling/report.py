@@ -180,9 +180,10 @@ def diagnose(means: dict[str, float], settings: dict[str, Any] | None = None) ->
         if colocated:
             advice.insert(0, "run the engine on its own device (engine.placement="
                              "disaggregated): colocated, updates and decoding share one")
-        advice.append("let rollouts run further ahead of the learner (rollout.max_staleness "
-                      f"{rollout.get('max_staleness', '?')} -> more, with off-policy "
-                      "correction) so the engine does not idle during updates")
+        staleness = (f"rollout.max_staleness {rollout['max_staleness']} -> more"
+                     if "max_staleness" in rollout else "raise rollout.max_staleness")
+        advice.append(f"let rollouts run further ahead of the learner ({staleness}, with "
+                      "off-policy correction) so the engine does not idle during updates")
         summary = (f"learner: it updated {L:.0%} of the time and waited for rollouts only "
                    f"{W:.0%}; batches were ready before it asked (engine busy "
                    f"{_pct(E)}). {advice[0][0].upper() + advice[0][1:]}.")
@@ -280,10 +281,16 @@ def _spans_file_note(path: str, skipped: list[int]) -> str | None:
     if not skipped:
         return None
     lines = [n for n in skipped if n > 0]
+    others = len(skipped) - len(lines)  # JSON objects that are no drained chunk
     note = f"profile/spans.jsonl lines that could not be read, skipped: {len(skipped)}"
+    parts = []
     if lines:
-        note += (f" (line {', '.join(map(str, lines[:5]))}"
-                 f"{', ...' if len(lines) > 5 else ''})")
+        more = ", ..." if len(lines) > 5 else ""
+        parts.append(f"line {', '.join(map(str, lines[:5]))}{more}")
+    if others:
+        parts.append(f"{others} JSON object(s) that are no drained chunk")
+    if parts:
+        note += f" ({'; '.join(parts)})"
     return note + "; the spans they held are missing from the tool latencies and the trace"
 
 

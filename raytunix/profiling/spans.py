@@ -47,7 +47,7 @@ import time
 from typing import Any, Iterator
 
 SPAN_FIELDS = ("name", "track", "start_s", "end_s", "args", "flow")
-DEFAULT_CAPACITY = 200_000  # spans held between two drains (~ 30 MB at worst)
+DEFAULT_CAPACITY = 200_000  # spans held between two drains (~65-120 MB when full)
 ENABLE_ENV = "RAYTUNIX_PROFILING"  # "0" turns recording off in a process (and its actors)
 
 Span = tuple  # (name, track, start_s, end_s, args, flow), see SPAN_FIELDS
