@@ -269,6 +269,11 @@ def tool_latency_table(spans_path: str, skipped: list[int] | None = None
             for tool, values in tool_latencies(spans_path, skipped=skipped).items()}
 
 
+def _line_numbers(numbers: list[int]) -> str:
+    """``line 2, 3, 6`` (the first five, then ``, ...``)."""
+    return f"line {', '.join(map(str, numbers[:5]))}{', ...' if len(numbers) > 5 else ''}"
+
+
 def _spans_file_note(path: str, skipped: list[int]) -> str | None:
     """A line for the report when ``spans.jsonl`` is missing, empty or partly unreadable
     (what the tool latencies and the trace are made from), else None."""
@@ -285,8 +290,7 @@ def _spans_file_note(path: str, skipped: list[int]) -> str | None:
     note = f"profile/spans.jsonl lines that could not be read, skipped: {len(skipped)}"
     parts = []
     if lines:
-        more = ", ..." if len(lines) > 5 else ""
-        parts.append(f"line {', '.join(map(str, lines[:5]))}{more}")
+        parts.append(_line_numbers(lines))
     if others:
         parts.append(f"{others} JSON object(s) that are no drained chunk")
     if parts:
@@ -344,7 +348,7 @@ def render_report(run_dir: str) -> tuple[str, Verdict]:
                 if left_out else "")]
     if skipped:
         lines.append(f"metrics.jsonl lines that could not be read, skipped: {len(skipped)} "
-                     f"(line {', '.join(map(str, skipped[:5]))}{', ...' if len(skipped) > 5 else ''})")
+                     f"({_line_numbers(skipped)})")
     if spans_note:
         lines.append(spans_note)
     lines += ["", f"Bounded by: {verdict.resource}", f"  {verdict.summary}", ""]
