@@ -187,6 +187,26 @@ def test_two_engine_replicas_share_the_busy_fraction_and_cpu_is_per_drain_interv
     assert m["engine_cpu_fraction"] == pytest.approx((0.25 + 0.75) / 2)
 
 
+def test_a_summary_is_plain_data_and_adds_up_to_the_window_metrics():
+    import json
+
+    from raytunix.profiling.metrics import summarize
+
+    env = _chunk("env actor 0", "env", [
+        ("tool_call", "tool search", 0.0, 0.2, {"tool": "search", "error": "timeout"}, None),
+        ("env_step", "env", 0.0, 0.5, None, "g/1"),
+        ("env_step", "episodes", 0.0, 0.9, None, "g/1"),  # the orchestrator's wait: left out
+        ("profile_drain", "profiling", 1.0, 1.002, {"spans": 3}, None)], pid=5)
+    summary = summarize(env)
+    assert json.loads(json.dumps(summary)) == summary
+    assert summary["spans"] == 4 and summary["counts"] == {"env_step": 1, "profile_drain": 1}
+    assert summary["tool_latency_s"] == {"search": [0.2]} and summary["env_step_s"] == [0.5]
+    engine = _chunk("engine 0", "engine", [("decode", "steps", 0.0, 1.0, {"rows": 3}, None)],
+                    pid=1)
+    assert (WindowMetrics(4).combine([summarize(engine), summary], 2.0)
+            == WindowMetrics(4).compute([engine, env], 2.0))
+
+
 def test_percentiles_interpolate_and_handle_no_values():
     assert percentiles([]) == {}
     p = percentiles([1.0, 2.0, 3.0, 4.0, 5.0])

@@ -1,5 +1,9 @@
 """RL metrics of one window (an RL step) computed from the spans drained in it.
 
+Each process's chunk is reduced in one pass over its spans (``summarize``) and the
+processes' summaries are added up (``WindowMetrics.combine``): the driver does this once
+per RL step over thousands of spans, so the pass is kept to one.
+
 The metrics are derived from span names, not from which process recorded them, so the
 same code measures a run on a cluster (one process per actor) and an in-process test (one
 process for everything). What each metric reads:
@@ -64,13 +68,93 @@ def percentiles(values: Iterable[float], qs: Iterable[int] = PERCENTILES) -> dic
     """``{"p50": ..., "p90": ..., "p99": ...}`` of ``values`` (linear interpolation);
     empty when there are none."""
     values = np.asarray(list(values), np.float64)
+    qs = list(qs)
     if values.size == 0:
         return {}
-    return {f"p{q}": float(np.percentile(values, q)) for q in qs}
+    return {f"p{q}": float(v) for q, v in zip(qs, np.percentile(values, qs))}
+
+
+SUMMARY_HEADER = ("process", "kind", "host", "pid", "enabled", "dropped", "cpu_s", "now_s")
+
+
+def summarize(chunk: dict[str, Any]) -> dict[str, Any]:
+    """What one process's drained chunk contributes to a window's metrics, in one pass
+    over its spans; ``WindowMetrics.combine`` adds the processes' summaries up. Its size
+    does not grow with the spans but for the latencies the percentiles need.
+
+    Args:
+      chunk: a ``Recorder.drain()`` result (spans as lists or tuples of ``SPAN_FIELDS``).
+
+    Returns:
+      a plain dict (picklable, JSON-able): the chunk's header (``SUMMARY_HEADER``), its
+      span count (``spans``), whether it ran engine steps (``engine_steps``), seconds and
+      counts of its spans by name (``seconds``, ``counts``; tool calls and the
+      orchestrator's waits on the environment left out, see the module docstring), decode
+      rows and queue waits as ``[sum, count]``, generated tokens, the ended episodes' wait
+      seconds (``episode_generate_s``, ``episode_env_s``), tool latencies in seconds by tool
+      and tool errors by kind, env step seconds, and the driver's collection CPU seconds
+      (``collect_cpu_s``).
+    """
+    seconds: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    tool_latency: dict[str, list[float]] = {}
+    tool_errors: dict[str, int] = {}
+    env_steps: list[float] = []
+    rows = [0.0, 0]
+    queued = [0.0, 0]
+    tokens, generate_s, env_s, collect_cpu_s = 0, 0.0, 0.0, 0.0
+    engine_steps = False
+    n = 0
+    for name, track, start, end, args, _flow in chunk.get("spans", ()):
+        n += 1
+        duration = end - start if end > start else 0.0
+        if name == "tool_call":
+            tool = (args or {}).get("tool") or track.removeprefix("tool ")
+            tool_latency.setdefault(tool, []).append(duration)
+            if args and args.get("error"):
+                tool_errors[args["error"]] = tool_errors.get(args["error"], 0) + 1
+            continue
+        if track == EPISODE_TRACK and name in EPISODE_ENV_SPANS:
+            continue  # the episode's wait, summed in its ``episode`` span's args
+        seconds[name] = seconds.get(name, 0.0) + duration
+        counts[name] = counts.get(name, 0) + 1
+        if not args:
+            if name == "env_step":
+                env_steps.append(duration)
+            elif name in ENGINE_STEP_SPANS:
+                engine_steps = True
+            continue
+        if name == "decode":
+            engine_steps = True
+            if "rows" in args:
+                rows[0] += args["rows"]
+                rows[1] += 1
+        elif name == "prefill":
+            engine_steps = True
+        elif name == "request":
+            if "queued_s" in args:
+                queued[0] += args["queued_s"]
+                queued[1] += 1
+        elif name == "generate":
+            tokens += int(args.get("tokens", 0))
+        elif name == "episode":
+            generate_s += float(args.get("generate_s", 0.0))
+            env_s += float(args.get("env_s", 0.0))
+        elif name == "env_step":
+            env_steps.append(duration)
+        elif name == "profile_collect":
+            collect_cpu_s += float(args.get("cpu_s", 0.0))
+    out = {key: chunk[key] for key in SUMMARY_HEADER if key in chunk}
+    out.update(spans=n, engine_steps=engine_steps, seconds=seconds, counts=counts,
+               decode_rows=rows, queued_s=queued, generated_tokens=tokens,
+               episode_generate_s=generate_s, episode_env_s=env_s,
+               tool_latency_s=tool_latency, tool_errors=tool_errors, env_step_s=env_steps,
+               collect_cpu_s=collect_cpu_s)
+    return out
 
 
 class WindowMetrics:
-    """Computes each window's metrics from the chunks drained at its end.
+    """Computes each window's metrics from what every process drained at its end.
 
     Args:
       max_batch_size: the engine's decode rows (``engine.max_batch_size``), for
@@ -85,86 +169,90 @@ class WindowMetrics:
         self._cpu: dict[tuple, tuple[float, float]] = {}
 
     def compute(self, chunks: list[dict[str, Any]], window_s: float) -> dict[str, float]:
+        """The metrics of one window from the processes' chunks (``Recorder.drain()``
+        results, spans as lists or tuples of ``SPAN_FIELDS``): ``combine`` of their
+        ``summarize``."""
+        return self.combine([summarize(chunk) for chunk in chunks], window_s)
+
+    def combine(self, summaries: list[dict[str, Any]], window_s: float) -> dict[str, float]:
         """The metrics of one window.
 
         Args:
-          chunks: ``Recorder.drain()`` results of every process, drained at the window's
-            end (spans as lists or tuples of ``SPAN_FIELDS``).
+          summaries: ``summarize`` of every process's chunk, drained at the window's end.
           window_s: the window's wall-clock length, seconds (> 0).
 
         Returns:
           flat ``{name: float}`` (see the module docstring); a metric with nothing to
           measure in this window is absent.
+
+        Raises:
+          ValueError: ``window_s`` is not > 0.
         """
         if not window_s > 0:
             raise ValueError(f"a metrics window must last > 0 seconds, got {window_s!r}")
-        if chunks and not any(chunk.get("enabled", True) for chunk in chunks):
+        if summaries and not any(s.get("enabled", True) for s in summaries):
             # Recording is off everywhere (RAYTUNIX_PROFILING=0): no span is evidence of
             # nothing, so no metric rather than zeros.
             return {"profiling_enabled": 0.0}
-        by_name: dict[str, list[tuple[float, Any]]] = collections.defaultdict(list)
+        seconds: collections.Counter = collections.Counter()
+        counts: collections.Counter = collections.Counter()
         tool_latency: dict[str, list[float]] = collections.defaultdict(list)
         tool_errors: collections.Counter = collections.Counter()
+        env_steps: list[float] = []
+        rows, queued = [0.0, 0], [0.0, 0]
+        tokens, generate_s, env_s, collect_cpu_s = 0, 0.0, 0.0, 0.0
         engine_processes, dropped = set(), 0
         cpu: dict[str, list[float]] = collections.defaultdict(list)
-        for chunk in chunks:
-            key = process_key(chunk)
-            dropped += int(chunk.get("dropped", 0))
-            kind = chunk.get("kind", "")
-            if kind in ENGINE_KINDS:
+        for s in summaries:
+            key = process_key(s)
+            dropped += int(s.get("dropped", 0))
+            kind = s.get("kind", "")
+            if kind in ENGINE_KINDS or s.get("engine_steps"):
                 engine_processes.add(key)
-            self._cpu_fraction(key, chunk, kind, cpu)
-            for name, track, start, end, args, _flow in chunk.get("spans", ()):
-                seconds = max(0.0, end - start)
-                if name == "tool_call":
-                    tool = (args or {}).get("tool") or track.removeprefix("tool ")
-                    tool_latency[tool].append(seconds)
-                    if args and args.get("error"):
-                        tool_errors[args["error"]] += 1
-                    continue
-                if name in ENGINE_STEP_SPANS:
-                    engine_processes.add(key)
-                if track == EPISODE_TRACK and name in EPISODE_ENV_SPANS:
-                    continue  # the episode's wait, summed in its ``episode`` span's args
-                by_name[name].append((seconds, args))
-
-        def total(name: str) -> float:
-            return sum(seconds for seconds, _ in by_name.get(name, ()))
+            self._cpu_fraction(key, s, kind, cpu)
+            seconds.update(s.get("seconds", {}))
+            counts.update(s.get("counts", {}))
+            for tool, latencies in s.get("tool_latency_s", {}).items():
+                tool_latency[tool].extend(latencies)
+            tool_errors.update(s.get("tool_errors", {}))
+            env_steps.extend(s.get("env_step_s", ()))
+            for total, part in ((rows, s.get("decode_rows")), (queued, s.get("queued_s"))):
+                if part:
+                    total[0] += part[0]
+                    total[1] += part[1]
+            tokens += s.get("generated_tokens", 0)
+            generate_s += s.get("episode_generate_s", 0.0)
+            env_s += s.get("episode_env_s", 0.0)
+            collect_cpu_s += s.get("collect_cpu_s", 0.0)
 
         out: dict[str, float] = {"window_s": window_s, "spans_dropped": float(dropped)}
         engines = max(1, len(engine_processes))
-        busy = total("prefill") + total("decode")
+        busy = seconds["prefill"] + seconds["decode"]
         if engine_processes:
             out["engine_busy_fraction"] = min(1.0, busy / (window_s * engines))
-            out["engine_prefill_fraction"] = min(1.0, total("prefill") / (window_s * engines))
-        rows = [a["rows"] for _, a in by_name.get("decode", ()) if a and "rows" in a]
-        if rows:
-            out["engine_decode_rows_mean"] = float(np.mean(rows))
+            out["engine_prefill_fraction"] = min(1.0, seconds["prefill"] / (window_s * engines))
+        if rows[1]:
+            out["engine_decode_rows_mean"] = rows[0] / rows[1]
             if self.max_batch_size:
-                out["engine_batch_occupancy"] = float(np.mean(rows)) / self.max_batch_size
-        queued = [a["queued_s"] for _, a in by_name.get("request", ()) if a and "queued_s" in a]
-        if queued:
-            out["engine_queue_wait_s_mean"] = float(np.mean(queued))
-        if "update" in by_name or "next_batch_wait" in by_name:
-            learner_busy = min(1.0, total("update") / window_s)
+                out["engine_batch_occupancy"] = rows[0] / rows[1] / self.max_batch_size
+        if queued[1]:
+            out["engine_queue_wait_s_mean"] = queued[0] / queued[1]
+        if counts["update"] or counts["next_batch_wait"]:
+            learner_busy = min(1.0, seconds["update"] / window_s)
             out["learner_busy_fraction"] = learner_busy
             out["learner_idle_fraction"] = 1.0 - learner_busy
-        if "next_batch_wait" in by_name:
-            out["learner_wait_fraction"] = min(1.0, total("next_batch_wait") / window_s)
-        episodes = by_name.get("episode", ())
-        out["trajectories_per_s"] = len(episodes) / window_s
-        tokens = sum(int(a.get("tokens", 0)) for _, a in by_name.get("generate", ()) if a)
+        if counts["next_batch_wait"]:
+            out["learner_wait_fraction"] = min(1.0, seconds["next_batch_wait"] / window_s)
+        out["trajectories_per_s"] = counts["episode"] / window_s
         out["generated_tokens_per_s"] = tokens / window_s
-        episode_s = sum(seconds for seconds, _ in episodes)
+        episode_s = seconds["episode"]
         if episode_s > 0:
             # From the episodes that ended in the window (their span carries its totals),
             # so an episode's turns never count in one window and its length in another.
-            generate_s = sum(float((a or {}).get("generate_s", 0.0)) for _, a in episodes)
-            env_s = sum(float((a or {}).get("env_s", 0.0)) for _, a in episodes)
             out["episode_generate_fraction"] = min(1.0, generate_s / episode_s)
             out["episode_env_fraction"] = min(1.0, env_s / episode_s)
             out["episode_other_fraction"] = max(0.0, 1.0 - (generate_s + env_s) / episode_s)
-            out["episode_wall_s_mean"] = episode_s / len(episodes)
+            out["episode_wall_s_mean"] = episode_s / counts["episode"]
         for tool, latencies in tool_latency.items():
             out[f"tool_calls/{tool}"] = float(len(latencies))
             for q, value in percentiles(latencies).items():
@@ -172,26 +260,24 @@ class WindowMetrics:
         for kind, count in tool_errors.items():
             out[f"tool_call_errors/{kind}"] = float(count)
         # Env steps as the env actors timed them (without the trip to the actor).
-        env_steps = [seconds for seconds, _ in by_name.get("env_step", ())]
         for q, value in percentiles(env_steps).items():
             out[f"env_step_latency_s/{q}"] = value
         for kind, fractions in cpu.items():
             out[f"{kind}_cpu_fraction"] = float(np.mean(fractions))
-        own = total("profile_drain") + sum(float((a or {}).get("cpu_s", 0.0))
-                                            for _, a in by_name.get("profile_collect", ()))
+        own = seconds["profile_drain"] + collect_cpu_s
         if own:
             out["profiling_cpu_s"] = own
         for name in ("weight_publish", "checkpoint", "object_store_get", "object_store_put",
                      "batch_pack"):
-            if name in by_name:
-                out[f"{name}_s"] = total(name)
+            if counts[name]:
+                out[f"{name}_s"] = seconds[name]
         return {k: v for k, v in out.items() if math.isfinite(v)}
 
-    def _cpu_fraction(self, key: tuple, chunk: dict[str, Any], kind: str,
+    def _cpu_fraction(self, key: tuple, summary: dict[str, Any], kind: str,
                       cpu: dict[str, list[float]]) -> None:
-        if "cpu_s" not in chunk or "now_s" not in chunk:
+        if "cpu_s" not in summary or "now_s" not in summary:
             return
-        now = (float(chunk["cpu_s"]), float(chunk["now_s"]))
+        now = (float(summary["cpu_s"]), float(summary["now_s"]))
         before = self._cpu.get(key)
         self._cpu[key] = now
         if before is not None and now[1] > before[1]:
