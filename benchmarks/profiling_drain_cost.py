@@ -67,10 +67,9 @@ class ShapedActor(ProfiledActor):
             if self.kind == "orchestrator":
                 record("env_reset", t, t + 0.01, "episodes", None, flow)
                 for turn in range(turns):
-                    record("generate", t, t + 0.1, "episodes", {"turn": turn, "tokens": tokens},
+                    record("turn", t, t + 0.15, "episodes",
+                           {"turn": turn, "tokens": tokens, "generate_s": 0.1, "env_s": 0.05},
                            flow)
-                    record("env_step", t, t + 0.05, "episodes", None, flow)
-                    record("turn", t, t + 0.15, "episodes", {"turn": turn}, flow)
                 record("episode", t, t + 0.5, "episodes",
                        {"task_id": f"t/{e}", "status": "success", "turns": turns,
                         "reward": 1.0, "generate_s": 0.3, "env_s": 0.15}, flow)

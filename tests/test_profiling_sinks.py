@@ -178,7 +178,7 @@ def test_console_off_terminal_prints_one_plain_line_per_update():
     assert len(lines) == 2
     assert re.fullmatch(
         r"RL step 3/30: reward 0\.512  tool use 98\.0%  loss \+0\.0123  tok/s 5321  "
-        r"engine busy 41%  learner busy 63%  staleness<= 1  episodes 96  \(\d+ s\)", lines[0])
+        r"engine busy 41%  learner busy 63%  staleness<= 1  in flight 96  \(\d+ s\)", lines[0])
     assert re.fullmatch(r"RL step 4/30: reward 0\.500  \(\d+ s\)", lines[1])
 
 

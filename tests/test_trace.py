@@ -132,6 +132,30 @@ def test_two_recorders_become_two_processes_linked_by_episode_flows(tmp_path):
     assert g0_1[0]["pid"] != g0_1[-1]["pid"] == pid_of["env 0"]
 
 
+def test_a_turn_span_is_drawn_with_its_generation_and_env_step_as_children(tmp_path):
+    orchestrator = Recorder("orchestrator", "orchestrator")
+    t = time.perf_counter()
+    orchestrator.add("episode", t, t + 1.0, track="episodes", flow="g0/0")
+    orchestrator.add("turn", t + 0.1, t + 0.5, "episodes",
+                     {"turn": 0, "tokens": 16, "generate_s": 0.1, "env_s": 0.25}, "g0/0")
+    # the last turn: cut by the length limit, no env step
+    orchestrator.add("turn", t + 0.6, t + 0.7, "episodes",
+                     {"turn": 1, "tokens": 9, "generate_s": 0.1}, "g0/0")
+    write_spans(tmp_path, [dict(orchestrator.drain(), phase="rl", step=1)])
+    with open(write_trace(tmp_path)) as f:
+        events = check_trace(json.load(f))
+    turns, generates, steps = (slices(events, name) for name in ("turn", "generate", "env_step"))
+    assert len(turns) == 2 and len(steps) == 1
+    assert len({e["tid"] for e in turns + generates + steps + slices(events, "episode")}) == 1
+    # whole microseconds of wall clock: a duration may round either way by one
+    assert [(g["ts"] - turn["ts"], g["args"]["tokens"])
+            for g, turn in zip(generates, turns)] == [(0, 16), (0, 9)]
+    assert all(abs(g["dur"] - 100_000) <= 1 for g in generates)
+    step, = steps
+    assert step["ts"] + step["dur"] == turns[0]["ts"] + turns[0]["dur"]
+    assert abs(step["dur"] - 250_000) <= 1 and step["args"] == {"flow": "g0/0"}
+
+
 def chunk(process, kind, host, pid, offset, spans, dropped=0, step=0):
     return {"process": process, "kind": kind, "pid": pid, "host": host,
             "clock_offset_s": offset, "dropped": dropped, "phase": "rl", "step": step,

@@ -20,7 +20,7 @@ process for everything). What each metric reads:
 ``learner_wait_fraction``       the driver's ``next_batch_wait`` seconds / window: the
                                 learner waiting for rollouts
 ``trajectories_per_s``          ``episode`` spans ended / window
-``generated_tokens_per_s``      ``tokens`` of ``generate`` spans / window
+``generated_tokens_per_s``      ``tokens`` of the orchestrator's ``turn`` spans / window
 ``episode_generate_fraction``   of the seconds of the episodes that ended in the window,
 ``episode_env_fraction``        the share spent waiting on the engine, on the environment
 ``episode_other_fraction``      and its tools, and on neither (the orchestrator's own
@@ -135,8 +135,8 @@ def summarize(chunk: dict[str, Any]) -> dict[str, Any]:
             if "queued_s" in args:
                 queued[0] += args["queued_s"]
                 queued[1] += 1
-        elif name == "generate":
-            tokens += int(args.get("tokens", 0))
+        elif name == "turn" or name == "generate":  # a turn's generation (its own span
+            tokens += int(args.get("tokens", 0))  # in runs recorded before this release)
         elif name == "episode":
             generate_s += float(args.get("generate_s", 0.0))
             env_s += float(args.get("env_s", 0.0))

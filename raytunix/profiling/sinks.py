@@ -240,7 +240,7 @@ class RayMetricsSink:
 
 def format_headline(record: Mapping[str, Any]) -> str:
     """The headline numbers of an RL step record, e.g. ``reward 0.512  tool use 98.0%  loss
-    +0.0123  tok/s 5321  engine busy 41%  learner busy 63%  staleness<= 1  episodes 96``;
+    +0.0123  tok/s 5321  engine busy 41%  learner busy 63%  staleness<= 1  in flight 96``;
     a number the record lacks (or holds as a non-number) is left out."""
     fields = (("reward_mean", "reward {:.3f}"), ("tool_use_rate", "tool use {:.1%}"),
               ("loss", "loss {:+.4f}"), ("generated_tokens_per_s", "tok/s {:.0f}"),
@@ -248,7 +248,7 @@ def format_headline(record: Mapping[str, Any]) -> str:
               ("learner_busy_fraction", "learner busy {:.0%}"),
               ("staleness_max", "staleness<= {:g}"),
               ("mismatch_logprob_abs_mean", "|dlogp| {:.4f}"),
-              ("episodes_in_flight", "episodes {:g}"))
+              ("episodes_in_flight", "in flight {:g}"))
     flat = flatten_metrics(record)
     return "  ".join(fmt.format(flat[k]) for k, fmt in fields if k in flat)
 
@@ -261,7 +261,7 @@ class ConsoleProgress:
     capture): no live display, one plain line per ``update``::
 
         RL step 3/30: reward 0.512  tool use 98.0%  loss +0.0123  tok/s 5321  engine busy 41%
-        learner busy 63%  staleness<= 1  episodes 96  (12 s)
+        learner busy 63%  staleness<= 1  in flight 96  (12 s)
 
     (one line, broken here to fit).
 

@@ -23,7 +23,7 @@ one wall clock to the accuracy of the hosts' clock sync.
 
 The tuple layout, ``SPAN_FIELDS``: ``(name, track, start_s, end_s, args, flow)``:
 
-* ``name``: what was done (``episode``, ``generate``, ``env_step``, ``tool_call``,
+* ``name``: what was done (``episode``, ``turn``, ``env_step``, ``tool_call``,
   ``prefill``, ``decode``, ``request``, ``update``, ``weight_publish``, ``checkpoint``,
   ``batch_pack``, ``object_store_put``, ``object_store_get``, ...).
 * ``track``: the timeline it belongs on inside its process (``steps``, ``slot 3``,

@@ -12,7 +12,9 @@ from every actor, see ``spans``) and writes ``RUN_DIR/trace.json`` in the trace-
   nested slices, so such a track is spread over lanes ``episodes``, ``episodes #2``, ...;
   a span stays on the lane of an open span that holds it whole and has the same ``flow``
   (a ``generate`` under its own ``episode``), otherwise it takes the lowest free lane;
-* complete events (``"ph": "X"``) with the span's args plus ``"flow"``;
+* complete events (``"ph": "X"``) with the span's args plus ``"flow"``; an orchestrator's
+  ``turn`` span gets its ``generate`` and ``env_step`` as children, from the durations
+  it carries (``generate_s``, ``env_s``);
 * flow arrows (flow v1 events ``s``/``t``/``f``, category and name ``episode``) through all
   spans of one episode (its flow id, within its ``episode`` span), across processes, in
   order of start;
@@ -80,6 +82,22 @@ def _natural(text: str) -> tuple:
     return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text))
 
 
+def _turn_parts(start: float, end: float, args: dict[str, Any], flow: str | None
+                ) -> list[tuple]:
+    """The children of an orchestrator's ``turn`` span (``rollout.episode``), which records
+    them in its args to keep the spans per turn to one: ``generate`` from the turn's start
+    for ``generate_s``, and ``env_step`` ending at its end, ``env_s`` long (none when the
+    turn ended without an env step). Both are clipped to the turn."""
+    parts = []
+    generate_s, env_s = args.get("generate_s"), args.get("env_s")
+    if _number(generate_s) and generate_s >= 0:
+        parts.append((start, min(end, start + generate_s), "generate",
+                      {"turn": args.get("turn"), "tokens": args.get("tokens")}, flow))
+    if _number(env_s) and env_s >= 0:
+        parts.append((max(start, end - env_s), end, "env_step", None, flow))
+    return parts
+
+
 def _number(value: Any) -> bool:
     return (isinstance(value, (int, float)) and not isinstance(value, bool)
             and math.isfinite(value))
@@ -127,8 +145,11 @@ class _TraceBuilder:
             span_name, track, start, end, args, flow = span
             if args is not None and not isinstance(args, dict):
                 args = {"value": args}
-            process.tracks[self._intern(track)].append(
-                (start, end, self._intern(span_name), args, None if flow is None else str(flow)))
+            spans = process.tracks[self._intern(track)]
+            flow = None if flow is None else str(flow)
+            spans.append((start, end, self._intern(span_name), args, flow))
+            if span_name == "turn" and args:
+                spans.extend(_turn_parts(start, end, args, flow))
             earliest = start if earliest is None else min(earliest, start)
             self.spans += 1
         dropped = chunk.get("dropped", 0)
