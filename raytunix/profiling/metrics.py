@@ -103,10 +103,8 @@ def summarize(chunk: dict[str, Any]) -> dict[str, Any]:
     rows = [0.0, 0]
     queued = [0.0, 0]
     tokens, generate_s, env_s, collect_cpu_s = 0, 0.0, 0.0, 0.0
-    engine_steps = False
-    n = 0
-    for name, track, start, end, args, _flow in chunk.get("spans", ()):
-        n += 1
+    spans = chunk.get("spans", ())
+    for name, track, start, end, args, _flow in spans:
         duration = end - start if end > start else 0.0
         if name == "tool_call":
             tool = (args or {}).get("tool") or track.removeprefix("tool ")
@@ -121,16 +119,11 @@ def summarize(chunk: dict[str, Any]) -> dict[str, Any]:
         if not args:
             if name == "env_step":
                 env_steps.append(duration)
-            elif name in ENGINE_STEP_SPANS:
-                engine_steps = True
             continue
         if name == "decode":
-            engine_steps = True
             if "rows" in args:
                 rows[0] += args["rows"]
                 rows[1] += 1
-        elif name == "prefill":
-            engine_steps = True
         elif name == "request":
             if "queued_s" in args:
                 queued[0] += args["queued_s"]
@@ -145,7 +138,8 @@ def summarize(chunk: dict[str, Any]) -> dict[str, Any]:
         elif name == "profile_collect":
             collect_cpu_s += float(args.get("cpu_s", 0.0))
     out = {key: chunk[key] for key in SUMMARY_HEADER if key in chunk}
-    out.update(spans=n, engine_steps=engine_steps, seconds=seconds, counts=counts,
+    out.update(spans=len(spans), seconds=seconds, counts=counts,
+               engine_steps=any(name in counts for name in ENGINE_STEP_SPANS),
                decode_rows=rows, queued_s=queued, generated_tokens=tokens,
                episode_generate_s=generate_s, episode_env_s=env_s,
                tool_latency_s=tool_latency, tool_errors=tool_errors, env_step_s=env_steps,

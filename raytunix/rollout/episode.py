@@ -102,6 +102,17 @@ async def run_episode(
                           "engine call of %s failed (%r); retry %d in %.2f s",
                           group_id, error, attempt + 1, delay_s)
 
+    async def env_call(coro, record):
+        """Awaits an env call, adds its seconds to ``env_s`` and calls ``record(start,
+        seconds)``, also when it raised."""
+        t0 = time.perf_counter()
+        try:
+            return await coro
+        finally:
+            seconds = time.perf_counter() - t0
+            timings["env_s"] += seconds
+            record(t0, seconds)
+
     def record_turn(turn: int, t0: float, t1: float, tokens: int, env_s: float | None) -> None:
         # One span per turn, its generation and its env step in its args: the trace draws
         # them as the turn's two children (``profiling.trace``). Three spans a turn would
@@ -113,14 +124,8 @@ async def run_episode(
 
     try:
         async with asyncio.timeout(timeout_s):
-            t0 = time.perf_counter()
-            try:
-                observation = await env.reset(task)
-            finally:
-                t1 = time.perf_counter()
-                timings["env_s"] += t1 - t0
-                profiling.add("env_reset", t0, t1, "episodes", None, session_id)
-            agent.reset(task, observation)
+            agent.reset(task, await env_call(env.reset(task), lambda t0, seconds: profiling.add(
+                "env_reset", t0, t0 + seconds, "episodes", None, session_id)))
             for turn in range(max_turns):
                 room = max_context_tokens - len(agent.token_ids) - 1
                 if room <= 0:
@@ -144,22 +149,18 @@ async def run_episode(
                     raise EngineFailure(f"engine call {request.request_id} failed: {e!r}") from e
                 t1 = time.perf_counter()
                 timings["generate_s"] += t1 - t0
+                tokens = len(result.token_ids)
                 action = agent.on_generation(result)
                 if result.finish_reason == FinishReason.ABORT:
-                    record_turn(turn, t0, t1, len(result.token_ids), None)
+                    record_turn(turn, t0, t1, tokens, None)
                     status = EpisodeStatus.ABORTED
                     break
                 if result.finish_reason == FinishReason.LENGTH and not agent.turn_finished:
-                    record_turn(turn, t0, t1, len(result.token_ids), None)
+                    record_turn(turn, t0, t1, tokens, None)
                     break  # the turn did not end (an agent may close a cut reply): TRUNCATED
                 timings["tool_calls"] += len(action.tool_calls)
-                e0 = time.perf_counter()
-                try:
-                    step = await env.step(action)
-                finally:
-                    env_s = time.perf_counter() - e0
-                    timings["env_s"] += env_s
-                    record_turn(turn, t0, t1, len(result.token_ids), env_s)
+                step = await env_call(env.step(action), lambda _, seconds: record_turn(
+                    turn, t0, t1, tokens, seconds))
                 if not math.isfinite(step.reward):
                     raise EnvFailure(
                         f"the environment returned reward {step.reward!r} for task "
