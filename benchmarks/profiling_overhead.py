@@ -5,9 +5,12 @@ The workload is ``rollout_overlap.py``'s async run: an ``OrchestratorActor`` wit
 sleeps (``simulated_tool``). With profiling **on**, every process records its spans (the
 engine one per device step and per request, the orchestrator several per turn, the env
 actors one per step and per tool call) and the driver does what ``raytunix train`` does
-once per RL step, after every batch: drain every actor into ``profile/spans.jsonl`` and
-compute the window's metrics. With profiling **off**, the recorders are switched off in
-every process (``profile_set_enabled(False)``) and nothing is drained.
+at the end of an RL step: at the end of the first batch that closes ``--window-s``
+seconds of profiled rollout since the last drain (``run.profile_window_s``, 3 s by
+default; every batch with 0), drain every actor into ``profile/spans.jsonl`` and compute
+the window's metrics. With profiling **off**, the recorders are switched off in every
+process (``profile_set_enabled(False)``) and nothing is drained; its time does not count
+towards a window.
 
 On and off alternate as blocks of batches in one rollout stream: one orchestrator, engine
 and set of env actors run from start to end, and only the recording switch flips between
@@ -60,6 +63,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import ray  # noqa: E402
 
+from raytunix.config import RunConfig  # noqa: E402
 from raytunix.envs.simulated_tool import SimulatedToolEnv  # noqa: E402
 from raytunix.profiling import Recorder, spans  # noqa: E402
 from raytunix.profiling.collect import Collector, spans_path  # noqa: E402
@@ -81,10 +85,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="keep profiling off in the 'on' blocks too: the noise floor")
     p.add_argument("--drain", choices=("per-batch", "between-blocks", "rpc-only"),
                    default="per-batch",
-                   help="what the driver does in an 'on' block: drain and collect after every "
-                        "batch (what `raytunix train` does per step); only after the block's "
-                        "clock stops (the block times recording alone); or drain every actor "
-                        "after every batch but neither write spans.jsonl nor compute metrics")
+                   help="what the driver does in an 'on' block: drain and collect at the end of "
+                        "a batch once --window-s has passed (what `raytunix train` does at the "
+                        "end of a step); only after the block's clock stops (the block times "
+                        "recording alone); or drain every actor after every batch but neither "
+                        "write spans.jsonl nor compute metrics")
+    p.add_argument("--window-s", type=float, default=RunConfig().profile_window_s,
+                   help="profiled seconds between two drains (run.profile_window_s); 0: after "
+                        "every batch")
     p.add_argument("--block-batches", type=int, default=2, help="timed batches per block")
     p.add_argument("--settle-batches", type=int, default=0,
                    help="untimed batches at the start of each block, after the switch")
@@ -116,6 +124,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.kv_cache_tokens is not None and args.kv_cache_tokens < 1:
         p.error(f"--kv-cache-tokens must be >= 1, got {args.kv_cache_tokens}")
+    if not args.window_s >= 0:
+        p.error(f"--window-s must be >= 0 seconds, got {args.window_s}")
     for name in ("settle_batches", "warmup_batches"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
@@ -172,6 +182,8 @@ class Stream:
         self.collector = Collector(run_dir, lambda: self.actors)
         self.profiled = True
         self.batches = 0
+        self.window_s = args.window_s
+        self.profiled_s = 0.0  # profiled rollout seconds since the last drain
         self.gc_seconds()  # the first reading starts each process's count
 
     def set_profiled(self, profiled: bool) -> None:
@@ -198,12 +210,18 @@ class Stream:
     def consume(self, batches: int, block: dict | None = None, drain: str = "per-batch"
                 ) -> int:
         """Takes ``batches`` batches; with profiling on, does after each what ``drain``
-        (``--drain``) says: drain and collect (``per-batch``, what the driver of ``raytunix
-        train`` does per step), only drain (``rpc-only``) or nothing (``between-blocks``).
-        Counts the spans and profiling's own cost into ``block`` when given."""
+        (``--drain``) says: drain and collect once ``--window-s`` profiled seconds have
+        passed (``per-batch``, what the driver of ``raytunix train`` does at the end of a
+        step), only drain (``rpc-only``) or nothing (``between-blocks``). Counts the spans
+        and profiling's own cost into ``block`` when given."""
         n = 0
+        last = time.perf_counter()
         for _ in range(batches):
             _, info = ray.get(self.orchestrator.next_batch.remote())
+            if self.profiled:
+                now = time.perf_counter()
+                self.profiled_s += now - last
+                last = now
             n += info["num_trajectories"]
             self.batches += 1
             if self.profiled and drain == "rpc-only":
@@ -214,13 +232,14 @@ class Stream:
                     for (name, _), chunk in zip(self.actors, chunks):
                         block["spans_recorded"][name] = (
                             block["spans_recorded"].get(name, 0) + len(chunk["spans"]))
-            elif self.profiled and drain == "per-batch":
+            elif self.profiled and drain == "per-batch" and self.profiled_s >= self.window_s:
                 self.collect(block)
         return n
 
     def collect(self, block: dict | None) -> None:
         """One drain and collection (``Collector.window``), counted into ``block``."""
         metrics = self.collector.window("rl", self.batches)
+        self.profiled_s = 0.0
         if block is not None:
             for process, count in self.collector.last_span_counts.items():
                 block["spans_recorded"][process] = block["spans_recorded"].get(process, 0) + count

@@ -28,6 +28,7 @@ class RunConfig:
     output_dir: str = "runs"  # parent of run directories
     seed: int = 0  # seeds data order, model init and sampling
     log_every: int = 1  # print a progress line every this many RL steps
+    profile_window_s: float = 3.0  # profiling drains every actor's spans at the end of the first RL step at least this many seconds after the last drain; shorter steps share one window (their records are written together, each with its metrics); 0 = after every step
 
 
 @dataclasses.dataclass
@@ -287,7 +288,7 @@ _NON_NEGATIVE = {
     "learner.clip_eps_high", "warmup.warmup_steps", "sandbox.num_cpus_per_actor",
     "sandbox.actor_max_restarts", "sandbox.max_file_mb", "learner.lr_warmup_steps",
     "learner.dual_clip", "learner.entropy_coef", "learner.overlong_buffer_tokens",
-    "learner.micro_batch_size",
+    "learner.micro_batch_size", "run.profile_window_s",
 }
 _PROBABILITY = {"warmup.tool_use_prob_2_terms", "warmup.tool_use_prob_3_terms",
                 "warmup.target_tool_accuracy"}

@@ -69,7 +69,7 @@ def test_profiling_overhead_alternates_profiling_and_reports_its_cost():
                   "--block-batches", "2", "--settle-batches", "1", "--warmup-batches", "1",
                   "--batch", "4", "--tasks", "16", "--concurrency", "8", "--turns", "2",
                   "--max-new-tokens", "4", "--tool-latency-s", "0.01", "--env-actors", "1",
-                  timeout_s=300)
+                  "--window-s", "0", timeout_s=300)  # a drain after every batch
     assert report["benchmark"] == "profiling_overhead"
     assert isinstance(report["overhead_fraction"], float)
     low, high = report["overhead_fraction_ci95"]

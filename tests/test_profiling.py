@@ -268,6 +268,29 @@ def test_weighted_means_leave_out_the_compiling_step_and_weight_by_window():
     assert "flag" not in means and "statuses" not in means
 
 
+def test_steps_that_share_a_window_count_as_their_share_of_it():
+    # steps 2-4 share one 6 s window (2 s each), step 5 has a window of its own of 2 s:
+    # the window's metrics count three times 2 s, the loss every step by its 2 s
+    window = {"window_s": 6.0, "window_steps": 3, "engine_busy_fraction": 1.0}
+    steps = [{"phase": "rl", "step": 1, "window_s": 50.0, "window_steps": 1,
+              "engine_busy_fraction": 0.0, "loss": 9.0},
+             *({"phase": "rl", "step": n, **window, "loss": 1.0} for n in (2, 3, 4)),
+             {"phase": "rl", "step": 5, "window_s": 2.0, "window_steps": 1,
+              "engine_busy_fraction": 0.0, "loss": 5.0}]
+    means = weighted_means(steps)
+    assert means["engine_busy_fraction"] == pytest.approx(0.75)
+    assert means["loss"] == pytest.approx(2.0)
+
+
+def test_a_collector_window_is_due_once_it_is_min_window_s_long(tmp_path):
+    collector = Collector(str(tmp_path), lambda: [], min_window_s=3600.0)
+    assert not collector.due()
+    collector.min_window_s = 0.0
+    assert collector.due()
+    with pytest.raises(ValueError, match="min_window_s must be >= 0 seconds, got -1"):
+        Collector(str(tmp_path), lambda: [], min_window_s=-1.0)
+
+
 def test_report_of_a_run_without_rl_steps_says_so(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"phase": "eval", "when": "before_rl"}\n{"torn')
     path, verdict = write_report(str(tmp_path))

@@ -38,19 +38,34 @@ def _rl_records(run_dir):
 ])
 def test_short_training_run_on_local_ray(ray_session, tmp_path, env_name, max_turns, placement,
                                          replicas):
+    # math_verifier: 3 steps in two profiling windows, the first step's (it compiles) and
+    # one the last two share (a window of 1000 s closes at the last step, no checkpoint
+    # between); the others close a window at every step (a checkpoint every step).
+    shared = env_name == "math_verifier"
+    steps = [1, 2, 3] if shared else [1, 2]
     cfg = load_config(None, TINY + [f"run.output_dir={tmp_path}", f"env.name={env_name}",
-                                    f"env.max_turns={max_turns}", "learner.rl_steps=2",
+                                    f"env.max_turns={max_turns}",
+                                    f"learner.rl_steps={len(steps)}",
                                     f"engine.placement={placement}",
                                     f"engine.num_replicas={replicas}",
-                                    "rollout.adaptive_interval_s=0.2"])
+                                    "rollout.adaptive_interval_s=0.2"]
+                      + (["run.profile_window_s=1000", "learner.checkpoint_every=3"]
+                         if shared else []))
     summary = train(cfg)
     run_dir = summary["run_dir"]
     for name in ("config.yaml", "tokenizer.json", "metrics.jsonl", "summary.json", "state.json"):
         assert os.path.exists(os.path.join(run_dir, name)), name
     assert not os.path.exists(os.path.join(run_dir, "reference"))  # kl_coef=0: no KL reference
     records = _rl_records(run_dir)
-    assert [r["step"] for r in records] == [1, 2]
-    assert [r["policy_version"] for r in records] == [1, 2]
+    assert [r["step"] for r in records] == steps
+    assert [r["policy_version"] for r in records] == steps
+    if shared:
+        assert [r["window_steps"] for r in records] == [1, 2, 2]
+        window = ("window_s", "engine_busy_fraction", "trajectories_per_s")
+        assert [records[1][k] for k in window] == [records[2][k] for k in window]
+        assert records[1]["time"] < records[2]["time"]  # each stamped when its step ended
+    else:
+        assert all(r["window_steps"] == 1 for r in records)
     assert all(r["num_trajectories"] == 4 for r in records)
     assert all(r["staleness_max"] <= cfg.rollout.max_staleness for r in records)
     # Adaptive concurrency reads every replica (or the colocated engine) and stays in its
@@ -58,7 +73,7 @@ def test_short_training_run_on_local_ray(ray_session, tmp_path, env_name, max_tu
     assert all(2 <= r["max_concurrent_episodes"] <= 8 for r in records)
     assert all(-1.0 <= r["engine_busy_fraction_last_window"] <= 1.0 for r in records)
     assert summary["env"] == env_name and summary["heldout_tasks"] == 16
-    assert summary["engine_policy_version"] == 2  # the engine got every update's weights
+    assert summary["engine_policy_version"] == len(steps)  # it got every update's weights
     assert 0.0 <= summary["heldout_success_after_rl"] <= 1.0
     if env_name == "math_verifier":
         assert all(r["turns_mean"] == 1.0 for r in records)  # single turn, no tool

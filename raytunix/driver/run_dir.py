@@ -116,8 +116,10 @@ class RunDir:
 
     def log(self, record: dict[str, Any]) -> None:
         """Appends ``record`` to metrics.jsonl and hands it to the other metric sinks
-        (TensorBoard, Ray metrics, the console view)."""
-        record = dict(record, time=time.time())
+        (TensorBoard, Ray metrics, the console view); ``time`` (unix s) is now unless the
+        record has its own."""
+        record = dict(record)
+        record.setdefault("time", time.time())
         append_jsonl(self.metrics, [json.dumps(record) + "\n"])
         if self.sinks is not None:
             self.sinks.write(record)
@@ -176,6 +178,7 @@ def new_run_dir(cfg: Config) -> RunDir:
 # checkpoint holds (model shape, tokenizer, data, algorithm).
 RESUME_OVERRIDABLE = frozenset({
     "learner.rl_steps", "learner.checkpoint_every", "learner.max_checkpoints", "run.log_every",
+    "run.profile_window_s",
     "learner.keep_best_by", "learner.keep_best_mode",
     "rollout.batch_timeout_s", "rollout.max_concurrent_episodes", "env.num_env_actors",
     "eval.max_new_tokens", "engine.max_batch_size", "engine.block_size",

@@ -131,12 +131,14 @@ def check_steps_left(checkpoint_step: int, cfg: Config) -> None:
 
 @contextlib.contextmanager
 def profiled(cfg: Config, job: Job, run: RunDir) -> Iterator[Any]:
-    """The run's profile collector (spans of every actor, drained per step) and metric
-    sinks (TensorBoard, Ray metrics, the console view), closed on the way out."""
+    """The run's profile collector (spans of every actor, drained at the end of a step, at
+    most every ``run.profile_window_s``) and metric sinks (TensorBoard, Ray metrics, the
+    console view), closed on the way out."""
     from raytunix.profiling.collect import Collector
     from raytunix.profiling.sinks import MetricSinks
 
-    collector = Collector(run.path, job.profiled_actors, cfg.engine.max_batch_size)
+    collector = Collector(run.path, job.profiled_actors, cfg.engine.max_batch_size,
+                          min_window_s=cfg.run.profile_window_s)
     run.sinks = MetricSinks(run.path, cfg.learner.rl_steps, log_every=cfg.run.log_every)
     try:
         yield collector
@@ -350,6 +352,13 @@ def rl_steps(cfg: Config, job: Job, run: RunDir, start: RLStart, collector) -> f
     ``learner.checkpoint_every`` steps and at the last. Ends with every checkpoint committed
     and the orchestrator stopped.
 
+    A step's record waits for its profiling window to close (``Collector.due``: at least
+    ``run.profile_window_s`` long; always at the first step, which compiles, and at a
+    checkpoint's step and the last); the records of the steps
+    of one window are then written together, each with the window's metrics,
+    ``window_s`` (its length) and ``window_steps`` (how many steps share it). When a step
+    raises, the records before it are written without them.
+
     Returns:
       the loop's wall time, seconds.
 
@@ -361,29 +370,52 @@ def rl_steps(cfg: Config, job: Job, run: RunDir, start: RLStart, collector) -> f
     collector.drain("rl", start.step)  # what came before RL stays out of step 1's window
     collector.start_window()
     scaler = ScaleWatcher(run.path, job.env_pool, job.sandbox_pool, say=say)
-    for step in range(start.step + 1, cfg.learner.rl_steps + 1):
-        scaled = scaler.poll(job.orchestrator, step)
-        if scaled is not None:
-            run.log(scaled)
-        refs, info = _next_batch(cfg, job, run, step)
-        prepare.run_preflight(preflight.check_batch, info, step)  # nothing to learn from: stop
-        with profiling.span("train_step", "driver", {"step": step}):
-            metrics = ray.get(job.learner.train_step.remote(refs))
-        with profiling.span("weight_publish", "driver"):
-            job.publish_weights()
-        version = int(metrics["policy_version"])
-        ray.get(job.orchestrator.mark_trained.remote(info["batch_id"], version))
-        record = {"phase": "rl", "step": step, **metrics,
-                  **{k: v for k, v in info.items() if k != "statuses"},
-                  "statuses": info["statuses"], "env_actors": job.env_pool.size,
-                  **collector.window("rl", step)}
-        run.log(record)  # the console view prints the step's headline numbers
-        if step % cfg.learner.checkpoint_every == 0 or step == cfg.learner.rl_steps:
-            with profiling.span("checkpoint", "driver", {"step": step}):
-                checkpoint(job, run, cfg, start.before, start.warm, best_metric(cfg, record))
+    waiting: list[dict[str, Any]] = []  # records of the steps of the open profiling window
+    try:
+        for step in range(start.step + 1, cfg.learner.rl_steps + 1):
+            scaled = scaler.poll(job.orchestrator, step)
+            if scaled is not None:
+                run.log(scaled)
+            refs, info = _next_batch(cfg, job, run, step)
+            prepare.run_preflight(preflight.check_batch, info, step)  # nothing to learn from
+            with profiling.span("train_step", "driver", {"step": step}):
+                metrics = ray.get(job.learner.train_step.remote(refs))
+            with profiling.span("weight_publish", "driver"):
+                job.publish_weights()
+            version = int(metrics["policy_version"])
+            ray.get(job.orchestrator.mark_trained.remote(info["batch_id"], version))
+            record = {"phase": "rl", "step": step, **metrics,
+                      **{k: v for k, v in info.items() if k != "statuses"},
+                      "statuses": info["statuses"], "env_actors": job.env_pool.size,
+                      "time": time.time()}
+            waiting.append(record)
+            saving = step % cfg.learner.checkpoint_every == 0 or step == cfg.learner.rl_steps
+            # The first step's window (compiling) stays its own, and no checkpoint is
+            # taken of a step whose record is not written yet.
+            if saving or step == start.step + 1 or collector.due():
+                _close_window(run, collector, waiting, step)
+            if saving:
+                with profiling.span("checkpoint", "driver", {"step": step}):
+                    checkpoint(job, run, cfg, start.before, start.warm, best_metric(cfg, record))
+    except BaseException:
+        # A step raised: the steps before it keep their records, without the window's
+        # metrics (no drain on the way out, which could wait on a dead actor; the spans
+        # stay in the actors' buffers for the next drain).
+        for record in waiting:
+            run.log(record)
+        raise
     finish_checkpoints(job, run)
     ray.get(job.orchestrator.stop.remote())
     return time.monotonic() - t0
+
+
+def _close_window(run: RunDir, collector, records: list[dict[str, Any]], step: int) -> None:
+    """Drains the profiling window ending at ``step`` and writes ``records`` (its steps'
+    records, oldest first; emptied) with its metrics; the console view prints each."""
+    window = collector.window("rl", step)
+    for record in records:
+        run.log({**record, **window, "window_steps": len(records)})
+    records.clear()
 
 
 def _next_batch(cfg: Config, job: Job, run: RunDir, step: int) -> tuple[list, dict[str, Any]]:

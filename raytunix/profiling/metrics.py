@@ -1,8 +1,9 @@
-"""RL metrics of one window (an RL step) computed from the spans drained in it.
+"""RL metrics of one window (an RL step, or the steps of ``run.profile_window_s``) computed
+from the spans drained in it.
 
 Each process's chunk is reduced in one pass over its spans (``summarize``) and the
 processes' summaries are added up (``WindowMetrics.combine``): the driver does this once
-per RL step over thousands of spans, so the pass is kept to one.
+per window over thousands of spans, so the pass is kept to one.
 
 The metrics are derived from span names, not from which process recorded them, so the
 same code measures a run on a cluster (one process per actor) and an in-process test (one

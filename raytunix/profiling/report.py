@@ -80,8 +80,10 @@ MAX_OVER_STEPS = ("staleness_max", "spans_dropped")
 
 def weighted_means(steps: list[dict[str, Any]], leave_out: set[int] | None = None
                    ) -> dict[str, float]:
-    """Each numeric metric's mean over ``steps``, weighted by ``window_s`` (1 where a
-    step has no valid one); ``MAX_OVER_STEPS`` metrics take their largest value instead.
+    """Each numeric metric's mean over ``steps``, weighted by the step's share of its
+    profiling window, ``window_s / window_steps`` (the steps of one window share its
+    metrics; ``window_steps`` is 1 where absent, the weight 1 where ``window_s`` is);
+    ``MAX_OVER_STEPS`` metrics take their largest value instead.
 
     Args:
       leave_out: steps not to count (``compile_steps``), unless that would leave fewer
@@ -96,8 +98,10 @@ def weighted_means(steps: list[dict[str, Any]], leave_out: set[int] | None = Non
     weights: dict[str, float] = {}
     peaks: dict[str, float] = {}
     for step in steps:
-        w = _number(step.get("window_s"))
+        w, shared = _number(step.get("window_s")), _number(step.get("window_steps"))
         w = w if w is not None and w > 0 else 1.0
+        if shared is not None and shared >= 1:
+            w /= shared
         for key, value in step.items():
             value = _number(value)
             if value is None:

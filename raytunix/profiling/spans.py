@@ -11,8 +11,9 @@ one ``Recorder``. Code that does a unit of work records it::
 A span is a plain tuple appended to a bounded ring buffer (``collections.deque`` with
 ``maxlen``): no lock on the hot path (one append is atomic under the GIL, also from the
 worker threads that run tools and device steps), no formatting, no I/O. When the buffer is
-full the oldest spans are dropped and counted. The driver drains every actor's buffer once
-per RL step (``ProfiledActor.profile_drain``) and appends the chunk to the run's
+full the oldest spans are dropped and counted. The driver drains every actor's buffer at the
+end of an RL step, at most every ``run.profile_window_s`` seconds
+(``ProfiledActor.profile_drain``), and appends the chunk to the run's
 ``profile/spans.jsonl``; the trace, the metrics and the bottleneck report are made from
 those files.
 
