@@ -410,11 +410,13 @@ def rl_steps(cfg: Config, job: Job, run: RunDir, start: RLStart, collector) -> f
 
 
 def _close_window(run: RunDir, collector, records: list[dict[str, Any]], step: int) -> None:
-    """Drains the profiling window ending at ``step`` and writes ``records`` (its steps'
-    records, oldest first; emptied) with its metrics; the console view prints each."""
+    """Drains the profiling window ending at ``step``, adds its metrics to ``records`` (its
+    steps' records, oldest first) and writes them (the console view prints each); empties
+    ``records``."""
     window = collector.window("rl", step)
     for record in records:
-        run.log({**record, **window, "window_steps": len(records)})
+        record.update(window, window_steps=len(records))
+        run.log(record)
     records.clear()
 
 
