@@ -326,8 +326,10 @@ def summarize(blocks: list[dict], cores: int) -> dict:
     half_width = (1.96 * statistics.stdev(per_token) / len(per_token) ** 0.5
                   if len(per_token) > 1 else float("nan"))
     cost = span_cost_s()
-    spans_per_s = statistics.median(b["spans_per_s"] for b in on_blocks)
-    own_per_s = statistics.median(b["drain_and_collect_s"] / b["wall_s"] for b in on_blocks)
+    # pooled over the "on" blocks: a window's spans are drained in whichever block closes it
+    on_wall = sum(b["wall_s"] for b in on_blocks)
+    spans_per_s = sum(b["spans_per_s"] * b["wall_s"] for b in on_blocks) / on_wall
+    own_per_s = sum(b["drain_and_collect_s"] for b in on_blocks) / on_wall
     per_process = {name: statistics.median(
         on["cpu_ms_per_token_by_process"][name] / off["cpu_ms_per_token_by_process"][name] - 1
         for off, on in pairs) for name in on_blocks[0]["cpu_ms_per_token_by_process"]}
