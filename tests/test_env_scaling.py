@@ -333,18 +333,18 @@ def test_env_actors_land_only_on_env_nodes_and_a_run_grows_and_shrinks_there(tmp
     assert other not in env_nodes
     assert set(result["placed_at_start"]) <= env_nodes
     assert set(result["placed_after_growth"]) <= env_nodes
-    assert len(set(result["placed_after_growth"])) == 2  # 6 actors, 4 fit per node: both used
+    assert len(set(result["placed_after_growth"])) == 2  # 3 actors, 2 fit per node: both used
     assert result["unplaceable_got_leases"] == 0  # past the nodes' capacity: no episode waits
-    assert result["starting_past_capacity"] == 2
+    assert result["starting_past_capacity"] == 1
     assert result["statuses"] == {"completed": result["episodes"]} and result["episodes"] > 0
     assert result["new_actor_leases"] > 0
     assert result["retired_dead"] is True
 
 
 def _cluster_scenario(out_path: str) -> None:
-    """Head (1 CPU, no env resource) + two nodes offering ``raytunix_env: 4``: a run's
-    env pool starts with 2 actors, grows to 6 while batches are made, is asked for 10
-    (2 past capacity: they stay starting, with no lease), then shrinks to 2."""
+    """Head (1 CPU, no env resource) + two nodes offering ``raytunix_env: 2``: a run's
+    env pool starts with 2 actors, grows to 3 while batches are made, is asked for 5
+    (1 past capacity: it stays starting, with no lease), then shrinks to 2."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -354,7 +354,7 @@ def _cluster_scenario(out_path: str) -> None:
 
     small = {"num_cpus": 1, "object_store_memory": 80 * 1024**2}
     cluster = Cluster(initialize_head=True, head_node_args={**small, "include_dashboard": False})
-    env_nodes = [cluster.add_node(**small, resources={ENV_RESOURCE: 4}) for _ in range(2)]
+    env_nodes = [cluster.add_node(**small, resources={ENV_RESOURCE: 2}) for _ in range(2)]
     ray.init(address=cluster.address, log_to_driver=False)
     try:
         pool = EnvPool("calculator_math", {}, num_actors=2, max_restarts=0,
@@ -383,7 +383,7 @@ def _cluster_scenario(out_path: str) -> None:
                     infos.append(info)
 
             await steps(2)
-            pool.resize(6)
+            pool.resize(3)
             deadline = time.monotonic() + 180
             while pool.membership()["starting"] and time.monotonic() < deadline:
                 await steps(1)
@@ -391,10 +391,10 @@ def _cluster_scenario(out_path: str) -> None:
             grown = pool.membership()
             result["placed_after_growth"] = ray.get(
                 [pool.actors[i].node_id.remote() for i in grown["active"]])
-            result["new_actor_leases"] = sum(grown["leases"][2:6])
-            pool.resize(10)  # 8 fit on the env nodes: 2 wait for a node (none comes)
+            result["new_actor_leases"] = sum(grown["leases"][2:3])
+            pool.resize(5)  # 4 fit on the env nodes: 1 waits for a node (none comes)
             await steps(1)
-            while len(pool.membership()["starting"]) > 2 and time.monotonic() < deadline:
+            while len(pool.membership()["starting"]) > 1 and time.monotonic() < deadline:
                 await steps(1)
             past = pool.membership()
             result["starting_past_capacity"] = len(past["starting"])
@@ -417,7 +417,7 @@ def _cluster_scenario(out_path: str) -> None:
                 dead.append(False)
             except ray.exceptions.RayActorError:
                 dead.append(True)
-        result["retired_dead"] = len(retired) == 8 and all(dead)
+        result["retired_dead"] = len(retired) == 3 and all(dead)
         with open(out_path, "w") as f:
             json.dump(result, f)
     finally:

@@ -301,13 +301,17 @@ class AlwaysFailingEnv(BaseEnv):
 '''
 
 
-def test_an_always_failing_environment_stops_raytunix_train_with_one_clear_error(tmp_path):
+def test_an_always_failing_environment_stops_raytunix_train_with_one_clear_error(
+        ray_session, tmp_path):
     (tmp_path / "failing_env.py").write_text(ALWAYS_FAILING_ENV)
     output_dir = tmp_path / "runs"
+    # Joins the session's cluster (RAY_ADDRESS, as on a cluster a user submits to) rather
+    # than starting one of its own: what is checked is how the run ends.
+    env = dict(_cli_env(), RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)
     proc = subprocess.run(
         _cli("train", *TINY_RUN, f"run.output_dir={output_dir}", "learner.rl_steps=3",
              "env.name=failing_env:AlwaysFailingEnv", "rollout.max_consecutive_failures=4"),
-        cwd=str(tmp_path), env=_cli_env(), capture_output=True, text=True, timeout=480)
+        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=480)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("raytunix: ")]
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert len(errors) == 1, proc.stderr[-3000:]  # one error, not one per failed episode
@@ -333,7 +337,7 @@ def test_an_always_failing_environment_stops_raytunix_train_with_one_clear_error
 
 # -- 5 and 6. SIGKILL of the driver, then --resume ----------------------------------------------
 
-KILL_RUN_STEPS = 12
+KILL_RUN_STEPS = 6
 KILL_AFTER_CHECKPOINT = 2
 
 
@@ -412,7 +416,8 @@ def test_after_sigkill_of_the_driver_no_process_of_the_run_is_left_within_30_s(k
     assert killed_run["left"] == {}, f"still running 30 s after the kill: {killed_run['left']}"
 
 
-def test_a_run_killed_mid_run_resumes_and_its_ledger_holds_every_task_exactly_once(killed_run):
+def test_a_run_killed_mid_run_resumes_and_its_ledger_holds_every_task_exactly_once(
+        ray_session, killed_run):
     from raytunix.learner.checkpoint import Checkpointer
 
     run_dir = killed_run["run_dir"]
@@ -421,8 +426,10 @@ def test_a_run_killed_mid_run_resumes_and_its_ledger_holds_every_task_exactly_on
         at_kill = checkpoints.read_extras(killed_run["checkpoint_step_at_kill"])
     finally:
         checkpoints.close()
+    # The resume joins the session's cluster (the killed run's went with its driver).
+    env = dict(_cli_env(), RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)
     proc = subprocess.run(_cli("train", "--resume", run_dir), cwd=REPO,
-                          env=_cli_env(), capture_output=True, text=True, timeout=480)
+                          env=env, capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resumed at RL step {killed_run['checkpoint_step_at_kill']}" in proc.stdout
 
