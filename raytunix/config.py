@@ -368,6 +368,11 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(
             f"learner.importance_cap={cfg.learner.importance_cap!r} must be a finite number "
             ">= 1 (e.g. 2.0): a cap below 1 down-weights tokens that are exactly on-policy.")
+    if not math.isfinite(cfg.run.profile_window_s):
+        raise ConfigError(
+            f"run.profile_window_s={cfg.run.profile_window_s!r} must be a finite number of "
+            "seconds >= 0 (e.g. 3): the records of the steps of a window wait for it to "
+            "close, so a window that never closes keeps them, and its spans, to the end.")
     for key in ("learner.clip_eps_low", "learner.clip_eps_high"):
         if flat[key] >= 1.0:
             raise ConfigError(f"{key}={flat[key]!r} must be below 1 (a ratio clip range, e.g. 0.2).")

@@ -63,6 +63,8 @@ def test_override_values_are_coerced_to_the_field_type():
     ("warmup.target_tool_accuracy=1.5", "warmup.target_tool_accuracy=1.5"),  # not a probability
     ("model.n_heads=3", "model.n_heads=3"),  # d_model not divisible
     ("eval.heldout_size=500", "eval.heldout_size=500"),  # more than the held-out split
+    ("run.profile_window_s=-1", "run.profile_window_s=-1.0"),  # negative
+    ("run.profile_window_s=inf", "run.profile_window_s=inf"),  # a window that never closes
     ("rollout.group_size", "rollout.group_size"),  # no '='
     ("group_size=4", "group_size"),  # no section
 ])

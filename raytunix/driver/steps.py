@@ -398,22 +398,31 @@ def rl_steps(cfg: Config, job: Job, run: RunDir, start: RLStart, collector) -> f
                 with profiling.span("checkpoint", "driver", {"step": step}):
                     checkpoint(job, run, cfg, start.before, start.warm, best_metric(cfg, record))
     except BaseException:
-        # A step raised: the steps before it keep their records, without the window's
-        # metrics (no drain on the way out, which could wait on a dead actor; the spans
-        # stay in the actors' buffers for the next drain).
-        for record in waiting:
-            run.log(record)
+        # A step raised (or the run was interrupted): the steps before it keep their
+        # records, with the window's metrics when its drain answers within a few seconds
+        # (an actor may be dead), else without them.
+        if waiting:
+            try:
+                _close_window(run, collector, waiting, step, timeout_s=CLOSING_DRAIN_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - the step's own error is the one to raise
+                for record in waiting:
+                    run.log(record)
         raise
     finish_checkpoints(job, run)
     ray.get(job.orchestrator.stop.remote())
     return time.monotonic() - t0
 
 
-def _close_window(run: RunDir, collector, records: list[dict[str, Any]], step: int) -> None:
-    """Drains the profiling window ending at ``step``, adds its metrics to ``records`` (its
-    steps' records, oldest first) and writes them (the console view prints each); empties
-    ``records``."""
-    window = collector.window("rl", step)
+CLOSING_DRAIN_TIMEOUT_S = 5.0  # the drain of a window closed by an error or interrupt
+
+
+def _close_window(run: RunDir, collector, records: list[dict[str, Any]], step: int,
+                  timeout_s: float | None = None) -> None:
+    """Drains the profiling window ending at ``step`` (an actor that does not answer within
+    ``timeout_s``, default the collector's, is skipped), adds its metrics to ``records``
+    (its steps' records, oldest first) and writes them (the console view prints each);
+    empties ``records``."""
+    window = collector.window("rl", step, timeout_s=timeout_s)
     for record in records:
         record.update(window, window_steps=len(records))
         run.log(record)

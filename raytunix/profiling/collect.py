@@ -157,8 +157,12 @@ class Collector:
         (``window``) at the end of the first step for which this holds, and at its last."""
         return time.perf_counter() - self._window_start >= self.min_window_s
 
-    def drain(self, phase: str, step: int) -> list[dict[str, Any]]:
-        """Drains every process, appends the chunks to ``spans.jsonl``, returns them."""
+    def drain(self, phase: str, step: int, timeout_s: float | None = None
+              ) -> list[dict[str, Any]]:
+        """Drains every process, appends the chunks to ``spans.jsonl``, returns them; an
+        actor that does not answer within ``timeout_s`` (default: the collector's) is
+        skipped."""
+        timeout_s = self._timeout_s if timeout_s is None else timeout_s
         import ray
 
         named = list(self._actors())
@@ -171,11 +175,11 @@ class Collector:
         chunks = []
         if refs:
             ready, _ = ray.wait([ref for _, ref in refs], num_returns=len(refs),
-                                timeout=self._timeout_s)
+                                timeout=timeout_s)
             ready = set(ready)
             for name, ref in refs:
                 if ref not in ready:
-                    self._warn(name, TimeoutError(f"no answer in {self._timeout_s:.0f} s"))
+                    self._warn(name, TimeoutError(f"no answer in {timeout_s:.0f} s"))
                     continue
                 try:
                     chunk = spans.decode_chunk(ray.get(ref))
@@ -193,9 +197,10 @@ class Collector:
             self._warn("spans.jsonl", e)
         return chunks
 
-    def window(self, phase: str, step: int) -> dict[str, float]:
-        """Drains (``drain``) and returns the metrics of the window ending now; the next
-        window starts.
+    def window(self, phase: str, step: int, timeout_s: float | None = None
+               ) -> dict[str, float]:
+        """Drains (``drain``, with ``timeout_s``) and returns the metrics of the window
+        ending now; the next window starts.
 
         Python's cyclic garbage collector is paused for the call (and resumed if it was
         on): the few thousand span objects it decodes live only until the metrics are
@@ -207,7 +212,7 @@ class Collector:
         collecting = gc.isenabled()
         gc.disable()
         try:
-            chunks = self.drain(phase, step)
+            chunks = self.drain(phase, step, timeout_s)
             self.last_span_counts = {chunk["process"]: len(chunk["spans"]) for chunk in chunks}
             now = time.perf_counter()
             metrics = self._metrics.compute(chunks, max(now - self._window_start, 1e-9))
