@@ -357,7 +357,8 @@ def rl_steps(cfg: Config, job: Job, run: RunDir, start: RLStart, collector) -> f
     checkpoint's step and the last); the records of the steps
     of one window are then written together, each with the window's metrics,
     ``window_s`` (its length) and ``window_steps`` (how many steps share it). When a step
-    raises, the records before it are written without them.
+    raises (or the run is interrupted), the window closes with a drain of at most
+    ``CLOSING_DRAIN_TIMEOUT_S``; if that fails, the records are written without them.
 
     Returns:
       the loop's wall time, seconds.
