@@ -1,7 +1,7 @@
 """Placement by resources (issue 10 item 1), on a simulated cluster of its own: a 4-host
-TPU v6e-16 slice (topology 4x4) and a CPU node (the head) offering ``raytunix_env``. Learner
+TPU v6e-16 slice (topology 4x4) and two CPU nodes offering ``raytunix_env``. Learner
 hosts land one per TPU host, ranked by the hosts' TPU worker ids (not by placement group
-bundle), and env actors land only on the CPU node.
+bundle), and env actors land only on the CPU nodes.
 
 The cluster (``ray.cluster_utils.Cluster``) runs in a subprocess: this process may hold
 the session's Ray, and one process can be connected to one cluster only. The simulated
@@ -44,6 +44,7 @@ SCENARIO = textwrap.dedent('''
             env_vars={"TPU_NAME": "slice-a", "TPU_WORKER_ID": str(w),
                       "TPU_ACCELERATOR_TYPE": "v6e-16", "TPU_TOPOLOGY": "4x4"})
         tpu_nodes[node.node_id] = w
+    cpu_node = cluster.add_node(wait=False, num_cpus=1, resources={"raytunix_env": 4})
     cluster.wait_for_nodes(timeout=120)
     ray.init(address=cluster.address, log_to_driver=False)
     head_id = cluster.head_node.node_id
@@ -52,7 +53,7 @@ SCENARIO = textwrap.dedent('''
                             tpu_version="v6e")
     reservation, hosts, infos = place_learner_hosts(spec, timeout_s=120)
 
-    pool = EnvPool("calculator_math", {}, num_actors=2, resources={"raytunix_env": 1},
+    pool = EnvPool("calculator_math", {}, num_actors=4, resources={"raytunix_env": 1},
                    threads_per_actor=2)
     pool.wait_ready(timeout_s=120)
     env_nodes = [ray._private.state.actors(a._actor_id.hex())["Address"]["NodeID"]
@@ -64,7 +65,7 @@ SCENARIO = textwrap.dedent('''
 
     cpu_probe = ray.get(probe.options(**cpu_actor_options({"raytunix_env": 1})).remote())
     print(json.dumps({
-        "tpu_nodes": tpu_nodes, "cpu_nodes": [head_id],
+        "tpu_nodes": tpu_nodes, "cpu_nodes": [head_id, cpu_node.node_id],
         "hosts": infos, "env_nodes": env_nodes, "cpu_probe": cpu_probe,
         "bundle_nodes": reservation.node_ids}))
     reservation.release()
@@ -100,7 +101,7 @@ def test_learner_hosts_land_one_per_tpu_host_ranked_by_worker_id(scenario):
 
 def test_env_actors_land_only_on_cpu_nodes_and_never_see_the_tpu(scenario):
     assert set(scenario["env_nodes"]) <= set(scenario["cpu_nodes"])
-    assert len(scenario["env_nodes"]) == 2
+    assert len(scenario["env_nodes"]) == 4
     assert scenario["cpu_probe"] == "cpu"  # cpu_actor_options: JAX_PLATFORMS=cpu
 
 
