@@ -4,8 +4,10 @@ engine replicas on Ray (tiny stand-in actors, no JAX)."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
+import ray
 
 from raytunix.rollout.actor import RayEngineClient
 from raytunix.types import EngineFailure
@@ -34,12 +36,26 @@ def stand_in_classes():
     return ReplicaStats, NoStats
 
 
+def wait_until_dead(actor, timeout_s: float = 30.0) -> None:
+    """``ray.kill`` returns before the actor is gone: a call sent right after it can still
+    be served (the clean-clone CI of bd420b6 saw one). Waits until a call fails."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.engine_stats.remote(), timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"actor {actor} still answers {timeout_s} s after ray.kill")
+
+
 def test_stats_of_every_replica_come_back_in_replica_order(ray_session):
     replica_stats, _ = stand_in_classes()
     replicas = [ray_session.remote(replica_stats).options(num_cpus=0).remote(b) for b in (1.0, 7.0)]
     stats = asyncio.run(RayEngineClient(replicas).engine_stats())
     assert [s["busy_s"] for s in stats] == [1.0, 7.0]
     ray_session.kill(replicas[1])
+    wait_until_dead(replicas[1])
     with pytest.raises(EngineFailure, match="engine stats unavailable"):
         asyncio.run(RayEngineClient(replicas).engine_stats())
     ray_session.kill(replicas[0])
