@@ -201,12 +201,20 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ConfigError, RunError) as e:
         print(f"raytunix: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("raytunix: interrupted; checkpoints written so far are kept (RL checkpoints, "
-              "and the warm start's progress in RUN_DIR/warmup): continue with `raytunix "
-              "train --resume RUN_DIR`; `raytunix profile RUN_DIR` writes the report, "
-              "trace and plots of what ran.", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        print(interrupted_message(getattr(e, "run_dir", None)), file=sys.stderr)
         return 130
+
+
+def interrupted_message(run_dir: str | None) -> str:
+    """What ``raytunix train`` prints when Ctrl-C or SIGTERM stopped it: how to go on from
+    ``run_dir`` (None: the run had no directory yet, or it was removed as empty)."""
+    if run_dir is None:
+        return "raytunix: interrupted before the run had trained anything; nothing to resume."
+    return (f"raytunix: interrupted; checkpoints written so far are kept (RL checkpoints, and "
+            f"the warm start's progress in {run_dir}/warmup): continue with `raytunix train "
+            f"--resume {run_dir}`; `raytunix profile {run_dir}` writes the report, trace and "
+            f"plots of what ran.")
 
 
 if __name__ == "__main__":

@@ -349,6 +349,11 @@ def _set(section_name: str, section: Any, key: str, value: Any, source: str) -> 
     setattr(section, key, _coerce(full, value, fields[key].type))
 
 
+def _a_number_if_nan(value) -> str:
+    """" a number" in a range error about nan (which fails every comparison), else ""."""
+    return " a number" if isinstance(value, float) and math.isnan(value) else ""
+
+
 def validate(cfg: Config) -> Config:
     """Checks ranges and choices; raises ConfigError naming the key and the bad value."""
     flat = {f"{s}.{k}": v for s, d in cfg.to_dict().items() for k, v in d.items()}
@@ -357,10 +362,10 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"{key}={flat[key]!r} is not one of {', '.join(choices)}.")
     for key in _POSITIVE:
         if not flat[key] > 0:
-            raise ConfigError(f"{key}={flat[key]!r} must be > 0.")
+            raise ConfigError(f"{key}={flat[key]!r} must be{_a_number_if_nan(flat[key])} > 0.")
     for key in _NON_NEGATIVE:
         if not flat[key] >= 0:
-            raise ConfigError(f"{key}={flat[key]!r} must be >= 0.")
+            raise ConfigError(f"{key}={flat[key]!r} must be{_a_number_if_nan(flat[key])} >= 0.")
     for key in _PROBABILITY:
         if not 0.0 <= flat[key] <= 1.0:
             raise ConfigError(f"{key}={flat[key]!r} must be a probability in [0, 1].")

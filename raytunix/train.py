@@ -13,6 +13,7 @@ testable on its own. ``train(cfg)`` starts local Ray itself when no cluster is c
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -60,23 +61,28 @@ def train(cfg: Config | None, resume: str | None = None,
     """
     wall0 = time.monotonic()
     cfg, run, dataset = steps.open_run(cfg, resume, resume_overrides)
-    with contextlib.closing(run), removed_if_left_empty(run, new=not resume):
-        connect_ray()
-        with started_job(cfg, run, dataset) as (job, tasks), \
-                steps.profiled(cfg, job, run) as collector:
-            if run.has_rl_checkpoint():
-                start = steps.restore_rl(cfg, job, run)
-            else:
-                job.start_orchestrator(state={}, policy_version=0)  # RL data from the start
-                warm = steps.warm_start(cfg, job, run, tasks, collector)
-                before = steps.evaluate(job, run, tasks.heldout, collector, "before_rl", step=0)
-                start = steps.begin_rl(cfg, job, run, before, warm)
-            rl_s = steps.rl_loop(cfg, job, run, start, collector)
-            engine_stats = job.engine_stats()  # before the evaluation adds its own decoding
-            after = steps.evaluate(job, run, tasks.heldout, collector, "after_rl",
-                                   step=cfg.learner.rl_steps)
-            steps.export_policy(cfg, job, run)
-            return steps.summarise(cfg, job, run, start, after, engine_stats, rl_s, wall0)
+    try:
+        with contextlib.closing(run), removed_if_left_empty(run, new=not resume):
+            connect_ray()
+            with started_job(cfg, run, dataset) as (job, tasks), \
+                    steps.profiled(cfg, job, run) as collector:
+                if run.has_rl_checkpoint():
+                    start = steps.restore_rl(cfg, job, run)
+                else:
+                    job.start_orchestrator(state={}, policy_version=0)  # RL data from the start
+                    warm = steps.warm_start(cfg, job, run, tasks, collector)
+                    before = steps.evaluate(job, run, tasks.heldout, collector, "before_rl", step=0)
+                    start = steps.begin_rl(cfg, job, run, before, warm)
+                rl_s = steps.rl_loop(cfg, job, run, start, collector)
+                engine_stats = job.engine_stats()  # before the evaluation adds its own decoding
+                after = steps.evaluate(job, run, tasks.heldout, collector, "after_rl",
+                                       step=cfg.learner.rl_steps)
+                steps.export_policy(cfg, job, run)
+                return steps.summarise(cfg, job, run, start, after, engine_stats, rl_s, wall0)
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (driver.prepare turns it into this)
+        # The CLI's message names the directory to resume, or none when it was removed.
+        e.run_dir = run.path if os.path.isdir(run.path) else None
+        raise
 
 
 def main_train(cfg: Config | None, resume: str | None = None,

@@ -109,8 +109,9 @@ def test_budget_rises_while_the_engine_reports_idle_and_never_exceeds_the_maximu
     assert max(budgets) == 32 and leases.max_outstanding <= 32
     assert leases.max_outstanding > 16  # the raised budget was used
     assert all(info["staleness_max"] <= 15 for info in infos)  # admission still applies
-    assert all(info["engine_busy_fraction_last_window"] in (-1.0, pytest.approx(0.2, abs=0.05))
-               for info in infos)
+    readings = [info["engine_busy_fraction_last_window"] for info in infos
+                if "engine_busy_fraction_last_window" in info]
+    assert readings and all(r == pytest.approx(0.2, abs=0.05) for r in readings)
     assert stats["max_concurrent_episodes"] == 32 and stats["concurrency_changes"] == 3
 
 
@@ -173,7 +174,7 @@ def test_several_replicas_are_averaged_and_a_fleet_at_target_holds_the_budget():
     held = run(main((lambda: 0.88, lambda: 0.92)))
     assert {info["max_concurrent_episodes"] for info in held} == {8}
     readings = [info["engine_busy_fraction_last_window"] for info in held
-                if info["engine_busy_fraction_last_window"] >= 0]
+                if "engine_busy_fraction_last_window" in info]
     assert readings and all(r == pytest.approx(0.9, abs=0.01) for r in readings)
     # One replica busy, one idle: the mean (0.5) is below target, so the budget grows.
     grown = run(main((lambda: 0.9, lambda: 0.1)))
@@ -191,7 +192,7 @@ def test_an_engine_that_cannot_report_leaves_the_budget_and_the_run_alone():
     infos, readings = run(main())
     assert readings >= 3 and len(infos) == 30
     assert {info["max_concurrent_episodes"] for info in infos} == {4}
-    assert infos[-1]["engine_busy_fraction_last_window"] == -1.0
+    assert not any("engine_busy_fraction_last_window" in info for info in infos)  # no reading
 
 
 def test_an_engine_client_without_stats_is_refused_with_a_clear_error():

@@ -65,6 +65,8 @@ def test_override_values_are_coerced_to_the_field_type():
     ("eval.heldout_size=500", "eval.heldout_size=500"),  # more than the held-out split
     ("run.profile_window_s=-1", "run.profile_window_s=-1.0"),  # negative
     ("run.profile_window_s=inf", "run.profile_window_s=inf"),  # a window that never closes
+    ("run.profile_window_s=nan", "profile_window_s=nan must be a number >= 0"),  # not a number
+    ("learner.learning_rate=nan", "learning_rate=nan must be a number > 0"),
     ("rollout.group_size", "rollout.group_size"),  # no '='
     ("group_size=4", "group_size"),  # no section
 ])

@@ -166,6 +166,7 @@ def _records(run_dir):
 
 
 def test_a_run_stopped_in_its_warm_start_resumes_from_it(ray_session, tmp_path, monkeypatch):
+    from raytunix.cli import interrupted_message
     from raytunix.train import train
 
     runs = tmp_path / "runs"
@@ -182,10 +183,13 @@ def test_a_run_stopped_in_its_warm_start_resumes_from_it(ray_session, tmp_path, 
             raise KeyboardInterrupt
 
     monkeypatch.setattr(RunDir, "log", log_then_interrupt)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt) as interrupted:
         train(cfg)
     monkeypatch.undo()
     (run_dir,) = [str(p) for p in runs.iterdir()]
+    # the CLI's message names this directory to resume
+    assert interrupted.value.run_dir == run_dir
+    assert f"raytunix train --resume {run_dir}`" in interrupted_message(run_dir)
     run = RunDir(run_dir)
     assert not run.has_rl_checkpoint()  # stopped before RL: no RL checkpoint to resume from
     saved = sorted(int(n) for n in os.listdir(run.warmup) if n.isdigit())

@@ -71,7 +71,8 @@ def test_short_training_run_on_local_ray(ray_session, tmp_path, env_name, max_tu
     # Adaptive concurrency reads every replica (or the colocated engine) and stays in its
     # bounds: one group, and what admission lets in ((1 + 1) x 2 groups x 2).
     assert all(2 <= r["max_concurrent_episodes"] <= 8 for r in records)
-    assert all(-1.0 <= r["engine_busy_fraction_last_window"] <= 1.0 for r in records)
+    assert all(0.0 <= r["engine_busy_fraction_last_window"] <= 1.0 for r in records
+               if "engine_busy_fraction_last_window" in r)
     assert summary["env"] == env_name and summary["heldout_tasks"] == 16
     assert summary["engine_policy_version"] == len(steps)  # it got every update's weights
     assert 0.0 <= summary["heldout_success_after_rl"] <= 1.0

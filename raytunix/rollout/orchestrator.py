@@ -684,11 +684,13 @@ class RolloutOrchestrator:
         return [handle], info
 
     def _concurrency_info(self) -> dict[str, Any]:
-        """The episode budget now and the controller's last engine reading (-1: none yet)."""
+        """The episode budget now and the controller's last engine reading (absent until
+        it has one: a -1 stand-in read as a busy fraction in every metrics sink)."""
         info: dict[str, Any] = {"max_concurrent_episodes": self.max_concurrent_episodes}
         if self._concurrency is not None:
             busy = self._concurrency.last_busy_fraction
-            info["engine_busy_fraction_last_window"] = -1.0 if busy is None else busy
+            if busy is not None:
+                info["engine_busy_fraction_last_window"] = busy
             info["concurrency_changes"] = self._concurrency.changes
         return info
 
