@@ -207,15 +207,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def interrupted_message(run_dir: str | None) -> str:
-    """What ``raytunix train`` prints when Ctrl-C or SIGTERM stopped it: how to go on from
-    ``run_dir`` (None: the run had no directory yet, or it was removed as empty)."""
+    """What ``raytunix train`` prints when Ctrl-C or SIGTERM stopped it: what the run kept
+    and how to go on from ``run_dir`` (None: the run had no directory yet, or it was
+    removed as empty)."""
     if run_dir is None:
         return "raytunix: interrupted before the run had trained anything; nothing to resume."
-    return (f"raytunix: interrupted; checkpoints written so far are kept (RL checkpoints, and "
-            f"the warm start's progress in {run_dir}/warmup): continue with `raytunix train "
-            f"--resume {run_dir}`; `raytunix profile {run_dir}` writes the report, trace and "
-            f"plots of what ran.")
-
+    kept = [what for what, sub in (("RL checkpoints", "checkpoints"),
+                                   ("the warm start's progress", "warmup"))
+            if os.path.isdir(os.path.join(run_dir, sub)) and os.listdir(os.path.join(run_dir, sub))]
+    kept_text = (f"kept: {' and '.join(kept)} in {run_dir}" if kept else
+                 f"no checkpoint was written yet, so a resume of {run_dir} starts over")
+    return (f"raytunix: interrupted; {kept_text}. Continue with `raytunix train --resume "
+            f"{run_dir}`; `raytunix profile {run_dir}` writes the report, trace and plots of "
+            f"what ran.")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -190,6 +190,7 @@ def test_a_run_stopped_in_its_warm_start_resumes_from_it(ray_session, tmp_path, 
     # the CLI's message names this directory to resume
     assert interrupted.value.run_dir == run_dir
     assert f"raytunix train --resume {run_dir}`" in interrupted_message(run_dir)
+    assert f"kept: the warm start's progress in {run_dir}" in interrupted_message(run_dir)
     run = RunDir(run_dir)
     assert not run.has_rl_checkpoint()  # stopped before RL: no RL checkpoint to resume from
     saved = sorted(int(n) for n in os.listdir(run.warmup) if n.isdigit())
