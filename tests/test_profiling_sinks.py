@@ -182,6 +182,20 @@ def test_console_off_terminal_prints_one_plain_line_per_update():
     assert re.fullmatch(r"RL step 4/30: reward 0\.500  \(\d+ s\)", lines[1])
 
 
+def test_console_lines_show_each_steps_own_end_time():
+    """The steps of one profiling window are printed together when it closes; each line's
+    elapsed seconds come from its record's ``time`` (the step's end), not the print."""
+    out = io.StringIO()
+    console = ConsoleProgress(30, stream=out)
+    start = console._t0
+    for step, ended in ((1, start + 4.2), (2, start + 9.0), (3, start + 13.6)):
+        console.update(step, {"reward_mean": 0.5, "time": ended})
+    console.update(4, {"reward_mean": 0.5})  # no time: now
+    console.close()
+    assert [line.rsplit("(", 1)[1] for line in out.getvalue().splitlines()] == [
+        "4 s)", "9 s)", "14 s)", "0 s)"]
+
+
 def test_console_disabled_prints_nothing():
     out = io.StringIO()
     console = ConsoleProgress(30, enabled=False, stream=out)

@@ -265,7 +265,9 @@ class ConsoleProgress:
 
     (one line, broken here to fit).
 
-    Elapsed seconds count from when this object is made.
+    Elapsed seconds count from when this object is made to the step's end: its record's
+    ``time`` (wall clock, Unix seconds), so the steps of one profiling window, printed
+    together when it closes, each show their own; now when a record has no ``time``.
 
     Args:
       total_steps: RL steps of the run.
@@ -279,7 +281,7 @@ class ConsoleProgress:
         self.total_steps = int(total_steps)
         self.enabled = enabled
         self.stream = sys.stdout if stream is None else stream
-        self._t0 = time.monotonic()
+        self._t0 = time.time()
         console = Console(file=self.stream)
         self.live = enabled and console.is_terminal and not console.is_dumb_terminal
         self._progress = None
@@ -303,7 +305,10 @@ class ConsoleProgress:
                 self._started = True
             self._progress.update(self._task, completed=step, headline=headline)
             return
-        elapsed = time.monotonic() - self._t0
+        ended = record.get("time")
+        if not isinstance(ended, (int, float)) or isinstance(ended, bool):
+            ended = time.time()
+        elapsed = max(0.0, ended - self._t0)
         print(f"RL step {step}/{self.total_steps}: {headline}  ({elapsed:.0f} s)",
               file=self.stream, flush=True)
 
