@@ -224,7 +224,19 @@ def test_diagnose_names_each_resource_from_its_evidence():
     learner = diagnose({"learner_busy_fraction": 0.9, "learner_wait_fraction": 0.05,
                         "engine_busy_fraction": 0.3, "episode_generate_fraction": 0.9,
                         "episode_env_fraction": 0.05}, {"engine": {"placement": "colocated"}})
-    assert learner.resource == "learner" and "disaggregated" in learner.advice[0]
+    assert learner.resource == "learner" and "disaggregated" in learner.advice[-1]
+    # Only what makes updates cheaper: faster rollouts would change nothing.
+    assert not any("max_staleness" in a or "max_concurrent_episodes" in a
+                   for a in learner.advice)
+    tuned = diagnose({"learner_busy_fraction": 0.9, "learner_wait_fraction": 0.05},
+                     {"engine": {"placement": "disaggregated"},
+                      "learner": {"sequence_packing": False, "num_iterations": 2,
+                                  "micro_batch_size": 4}})
+    assert [a.split(" (")[0] for a in tuned.advice] == [
+        "pack trajectories into rows", "fewer optimizer steps per batch",
+        "larger micro-batches", "fewer trajectories per batch"]
+    assert tuned.summary.endswith("Pack trajectories into rows (learner.sequence_packing="
+                                  "true): the update then computes no padding.")
     tools = diagnose({"learner_busy_fraction": 0.1, "learner_wait_fraction": 0.9,
                       "engine_busy_fraction": 0.41, "episode_generate_fraction": 0.3,
                       "episode_env_fraction": 0.58, "max_concurrent_episodes": 32,

@@ -120,6 +120,29 @@ def _number(value: Any) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
+def learner_advice(learner_cfg: dict[str, Any], colocated: bool) -> list[str]:
+    """What makes a learner-bound run's updates cheaper, from its ``learner`` settings
+    (``config.yaml``); the first item leads the report's summary."""
+    advice = []
+    if learner_cfg.get("sequence_packing") is False:
+        advice.append("pack trajectories into rows (learner.sequence_packing=true): the "
+                      "update then computes no padding")
+    iterations = learner_cfg.get("num_iterations", 1)
+    if isinstance(iterations, int) and iterations > 1:
+        advice.append(f"fewer optimizer steps per batch (learner.num_iterations {iterations}"
+                      " -> less): each one is a full pass over the batch")
+    micro = learner_cfg.get("micro_batch_size", 0)
+    if isinstance(micro, int) and micro > 0:
+        advice.append(f"larger micro-batches (learner.micro_batch_size {micro} -> more, as "
+                      "far as device memory allows): fewer, fuller passes")
+    advice.append("fewer trajectories per batch (rollout.groups_per_batch) or a smaller model")
+    if colocated:
+        advice.append("on an accelerator, give the learner devices of its own "
+                      "(engine.placement=disaggregated): colocated, its updates and the "
+                      "engine's decoding share one")
+    return advice
+
+
 def diagnose(means: dict[str, float], settings: dict[str, Any] | None = None) -> Verdict:
     """The verdict from a run's mean metrics (``weighted_means``).
 
@@ -131,7 +154,7 @@ def diagnose(means: dict[str, float], settings: dict[str, Any] | None = None) ->
     """
     settings = settings or {}
     rollout, env = settings.get("rollout", {}), settings.get("env", {})
-    engine_cfg = settings.get("engine", {})
+    engine_cfg, learner_cfg = settings.get("engine", {}), settings.get("learner", {})
     if "episode_generate_fraction" not in means and "learner_busy_fraction" not in means:
         if means.get("profiling_enabled", 1.0) == 0.0:
             return Verdict("unknown", "span recording was off in this run "
@@ -179,17 +202,10 @@ def diagnose(means: dict[str, float], settings: dict[str, Any] | None = None) ->
 
     colocated = engine_cfg.get("placement", "colocated") == "colocated"
     if not math.isnan(W) and W < LEARNER_WAIT_LOW and not math.isnan(L) and L >= LEARNER_BUSY_HIGH:
-        advice = ["make the update cheaper: fewer trajectories per batch "
-                  "(rollout.groups_per_batch) or a smaller model"]
-        if colocated:
-            advice.insert(0, "run the engine on its own device (engine.placement="
-                             "disaggregated): colocated, updates and decoding share one")
-        staleness = (f"rollout.max_staleness {rollout['max_staleness']} -> more"
-                     if "max_staleness" in rollout else "raise rollout.max_staleness")
-        advice.append(f"let rollouts run further ahead of the learner ({staleness}, with "
-                      "off-policy correction) so the engine does not idle during updates")
+        # Throughput is the learner's: advice that makes rollouts faster changes nothing.
+        advice = learner_advice(learner_cfg, colocated)
         summary = (f"learner: it updated {L:.0%} of the time and waited for rollouts only "
-                   f"{W:.0%}; batches were ready before it asked (engine busy "
+                   f"{W:.0%}: a batch was nearly always ready when it asked (engine busy "
                    f"{_pct(E)}). {advice[0][0].upper() + advice[0][1:]}.")
         return Verdict("learner", summary, evidence, advice)
     if (not math.isnan(O) and O >= ORCHESTRATOR_CPU_HIGH) or o >= EPISODE_OTHER_HIGH:
