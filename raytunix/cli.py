@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from raytunix.config import ConfigError, load_config, preset_names
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt as e:
         print(interrupted_message(getattr(e, "run_dir", None)), file=sys.stderr)
-        return 130
+        return 128 + getattr(e, "signum", signal.SIGINT)  # 130 for Ctrl-C, 143 for SIGTERM
 
 
 def interrupted_message(run_dir: str | None) -> str:

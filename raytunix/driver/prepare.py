@@ -54,7 +54,9 @@ def connect_ray() -> None:
 
 
 def _interrupt(signum, frame):
-    raise KeyboardInterrupt
+    interrupt = KeyboardInterrupt()
+    interrupt.signum = signum  # the CLI exits with 128 + signum, as a shell reports it
+    raise interrupt
 
 
 # -- what the config names -------------------------------------------------------------------
