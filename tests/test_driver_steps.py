@@ -210,6 +210,38 @@ def test_a_run_stopped_in_its_warm_start_resumes_from_it(ray_session, tmp_path, 
     assert not os.path.exists(run.warmup)  # and the warm start's checkpoint went
 
 
+def test_a_run_interrupted_in_rl_leaves_state_json_at_its_newest_checkpoint(
+        ray_session, tmp_path, monkeypatch):
+    """Ctrl-C as RL step 4's record is about to be written, with checkpoints every 2
+    steps: checkpoint 2 may still be being written (saves are asynchronous); the shutdown
+    finishes it and state.json names it (it said 0 before); step 4's record is written on
+    the way out, once; the interrupt carries the run directory for the CLI's message."""
+    from raytunix.train import train
+
+    runs = tmp_path / "runs"
+    cfg = load_config(None, TINY + ["env.name=math_verifier", "env.max_turns=1",
+                                    "warmup.enabled=false", "eval.heldout_size=4",
+                                    "eval.max_new_tokens=16", "learner.rl_steps=6",
+                                    "learner.checkpoint_every=2", "run.profile_window_s=0",
+                                    f"run.output_dir={runs}"])
+    log = RunDir.log
+
+    def interrupt_before_step_4(self, record):
+        if record.get("phase") == "rl" and record.get("step") == 4:
+            monkeypatch.undo()  # once: the window's closing on the way out logs it
+            raise KeyboardInterrupt
+        log(self, record)
+
+    monkeypatch.setattr(RunDir, "log", interrupt_before_step_4)
+    with pytest.raises(KeyboardInterrupt) as interrupted:
+        train(cfg)
+    (run_dir,) = [str(p) for p in runs.iterdir()]
+    assert interrupted.value.run_dir == run_dir
+    assert RunDir(run_dir).read_state()["checkpoint_step"] == 2
+    assert {int(n) for n in os.listdir(os.path.join(run_dir, "checkpoints"))} == {0, 2}
+    assert [r["step"] for r in _records(run_dir) if r["phase"] == "rl"] == [1, 2, 3, 4]
+
+
 def test_a_finished_warm_start_is_not_redone(ray_session, tmp_path):
     """A run stopped after its warm start, before RL's first checkpoint: the warm start
     step restores the finished state and trains nothing; the learner holds its weights."""

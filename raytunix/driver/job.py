@@ -150,14 +150,22 @@ class Job:
             actors += [(f"sandbox {i}", actor) for i, actor in self.sandbox_pool.members()]
         return actors
 
-    def shutdown(self) -> None:
-        """Lets the learner finish a checkpoint it is writing, then kills the run's actors
-        (checkpoints and the run directory stay)."""
+    def shutdown(self, run: RunDir | None = None) -> None:
+        """Lets the learner finish a checkpoint it is writing (and records it in ``run``'s
+        state.json, so that it names the newest committed one after an interrupt too),
+        then kills the run's actors (checkpoints and the run directory stay)."""
         try:
             ray.get(self.learner.finish_checkpoints.remote(), timeout=CHECKPOINT_FINISH_TIMEOUT_S)
         except ray.exceptions.RayError as e:  # a dead learner; a timeout: orbax's temporary
             say(f"the checkpoint in flight was not finished ({type(e).__name__}: "  # dir
                 f"{str(e)[:300]}); resuming uses the one before it")  # keeps the last valid
+        else:
+            if run is not None and run.checkpoint_in_flight is not None:
+                # A resume reads the checkpoints themselves; a state.json that cannot be
+                # written only lags them, so it does not stop the actors' shutdown.
+                with contextlib.suppress(OSError):
+                    run.write_state(run.checkpoint_in_flight)
+                    run.checkpoint_in_flight = None
         if self.learner_group:  # its hosts and their reservation
             with contextlib.suppress(ray.exceptions.RayError):
                 ray.get(self.learner.shutdown.remote(), timeout=60)
@@ -223,7 +231,7 @@ def started_job(cfg: Config, run: RunDir, dataset) -> Iterator[tuple[Job, Tasks]
         try:
             yield job, tasks
         finally:
-            job.shutdown()
+            job.shutdown(run)
 
 
 def _check_mesh(cfg: Config, job: Job) -> None:

@@ -422,12 +422,14 @@ def _close_window(run: RunDir, collector, records: list[dict[str, Any]], step: i
     """Drains the profiling window ending at ``step`` (an actor that does not answer within
     ``timeout_s``, default the collector's, is skipped), adds its metrics to ``records``
     (its steps' records, oldest first) and writes them (the console view prints each);
-    empties ``records``."""
+    empties ``records``, each as it is written: an interrupt between two leaves only the
+    unwritten ones for the closing of the window on the way out."""
     window = collector.window("rl", step, timeout_s=timeout_s)
-    for record in records:
-        record.update(window, window_steps=len(records))
-        run.log(record)
-    records.clear()
+    steps = len(records)
+    while records:
+        records[0].update(window, window_steps=steps)
+        run.log(records[0])
+        del records[0]
 
 
 def _next_batch(cfg: Config, job: Job, run: RunDir, step: int) -> tuple[list, dict[str, Any]]:
