@@ -199,7 +199,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.resume:  # the run's own config, with the overrides on top (e.g. more steps)
             return main_train(cfg, resume=args.resume, resume_overrides=args.overrides)
         return main_train(cfg)
-    except (FileNotFoundError, ConfigError, RunError) as e:
+    except ConfigError as e:  # a --resume override, a dataset
+        print(f"raytunix: config error: {e}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, RunError) as e:
         print(f"raytunix: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
