@@ -488,13 +488,18 @@ def test_steps_after_a_resume_compile_again_and_stay_out_of_the_means(tmp_path):
     records = [step(1, 30.0, 0.1), step(2, 1.0, 0.9), step(3, 1.0, 0.9),
                {"phase": "resume", "rl_step": 3}, step(4, 30.0, 0.1), step(5, 1.0, 0.7)]
     assert compile_steps(records) == {1, 4}
+    # Hand-edited or damaged records without a step number: not steps (step -3 would
+    # have passed for the run's first, the compiling one, and put step 1 in the means).
+    records += [dict(step(2, 1.0, 0.0), step=bad) for bad in (-3, "six", 1e20, True)]
+    assert compile_steps(records) == {1, 4}
     (tmp_path / "metrics.jsonl").write_text(
         "".join(json.dumps(r) + "\n" for r in records) + '{"phase": "rl", "step": 6, "wi')
     text = open(write_report(str(tmp_path))[0]).read()
     assert "left out of the means, as they include compiling: steps 1, 4" in text
     assert "engine busy                        83.3%" in text  # (0.9 + 0.9 + 0.7) / 3
     assert "staleness, largest (versions)      1" in text  # a maximum, not a mean
-    assert "could not be read, skipped: 1 (line 7)" in text
+    assert "could not be read, skipped: 1 (line 11)" in text
+    assert "RL records whose step is not a whole number >= 1, skipped: 4" in text
 
 
 def test_append_after_a_torn_line_starts_a_line_of_its_own(tmp_path):

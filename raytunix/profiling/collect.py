@@ -99,14 +99,19 @@ def append_jsonl(path: str, lines: Iterable[str | bytes]) -> None:
             line if isinstance(line, bytes) else line.encode() for line in lines))
 
 
+def is_rl_step(step: Any) -> bool:
+    """Whether ``step`` is an RL step number: a whole number >= 1 (a JSON integer)."""
+    return isinstance(step, int) and not isinstance(step, bool) and step >= 1
+
+
 def rl_steps(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """The RL step records of ``metrics.jsonl`` sorted by step, the last record of a step
-    winning (a resumed run logs the steps after its checkpoint again)."""
+    winning (a resumed run logs the steps after its checkpoint again); one whose step is
+    not a step number (``is_rl_step``: a hand-edited or damaged line) is left out."""
     by_step: dict[int, dict[str, Any]] = {}
     for r in records:
-        step = r.get("step")
-        if r.get("phase") == "rl" and isinstance(step, int) and not isinstance(step, bool):
-            by_step[step] = r
+        if r.get("phase") == "rl" and is_rl_step(r.get("step")):
+            by_step[r["step"]] = r
     return [by_step[s] for s in sorted(by_step)]
 
 

@@ -28,7 +28,7 @@ import math
 import os
 from typing import Any
 
-from raytunix.profiling.collect import read_jsonl, rl_steps
+from raytunix.profiling.collect import is_rl_step, read_jsonl, rl_steps
 from raytunix.profiling.metrics import percentiles
 
 LEARNER_WAIT_LOW = 0.3
@@ -346,10 +346,12 @@ def render_report(run_dir: str) -> tuple[str, Verdict]:
     compiling = compile_steps(records)
     means = weighted_means(steps, compiling)
     verdict = diagnose(means, settings if isinstance(settings, dict) else {})
-    if not steps and skipped:  # not "before RL": the lines that would say are unreadable
-        verdict = dataclasses.replace(verdict, summary=(
-            f"no RL step could be read: {len(skipped)} line(s) of metrics.jsonl are not "
-            "JSON (damaged?), so nothing is known to bound the run."))
+    no_step = sum(r.get("phase") == "rl" and not is_rl_step(r.get("step")) for r in records)
+    if not steps and (skipped or no_step):  # not "before RL": the lines that would say are
+        verdict = dataclasses.replace(verdict, summary=(  # unreadable
+            f"no RL step could be read: {len(skipped) + no_step} line(s) of metrics.jsonl "
+            "are not JSON or have no step number (damaged?), so nothing is known to bound "
+            "the run."))
     spans_path = os.path.join(run_dir, "profile", "spans.jsonl")
     spans_skipped: list[int] = []
     tools = tool_latency_table(spans_path, spans_skipped)
@@ -369,6 +371,9 @@ def render_report(run_dir: str) -> tuple[str, Verdict]:
     if skipped:
         lines.append(f"metrics.jsonl lines that could not be read, skipped: {len(skipped)} "
                      f"({_line_numbers(skipped)})")
+    if no_step:
+        lines.append(f"metrics.jsonl RL records whose step is not a whole number >= 1, "
+                     f"skipped: {no_step}")
     if spans_note:
         lines.append(spans_note)
     lines += ["", f"Bounded by: {verdict.resource}", f"  {verdict.summary}", ""]
