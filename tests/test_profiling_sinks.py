@@ -6,6 +6,7 @@ import io
 import json
 import logging
 import os
+import time
 import re
 import subprocess
 import sys
@@ -35,9 +36,14 @@ def _rl_record(step: int, **extra) -> dict:
 
 
 def _scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
-    acc = EventAccumulator(logdir)
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    """Every scalar of the TensorBoard runs (one per phase) under ``logdir``."""
+    scalars = {}
+    for run in sorted(os.listdir(logdir)):
+        acc = EventAccumulator(os.path.join(logdir, run))
+        acc.Reload()
+        scalars.update({tag: [(e.step, e.value) for e in acc.Scalars(tag)]
+                        for tag in acc.Tags()["scalars"]})
+    return scalars
 
 
 # flatten_metrics
@@ -71,9 +77,32 @@ def test_tensorboard_scalars_read_back_with_tags_steps_and_values(tmp_path):
                                                            (2, pytest.approx(0.004))]
     # step and time are the axes of each event, not scalars of their own
     assert not {"rl/step", "rl/time", "rl/phase"} & set(scalars)
-    acc = EventAccumulator(logdir)
+    acc = EventAccumulator(os.path.join(logdir, "rl"))  # a TensorBoard run per phase
     acc.Reload()
     assert [e.wall_time for e in acc.Scalars("rl/loss")] == [1_700_000_001.0, 1_700_000_002.0]
+
+
+def test_a_resumed_process_replaces_the_steps_it_redoes_in_tensorboard(tmp_path):
+    """A run that crashed at step 5 with its checkpoint at step 3 is resumed by a new
+    process, which writes a file of its own: TensorBoard shows steps 4 and 5 once, the
+    redone ones; the warm start's steps, in a run of their own, are untouched."""
+    logdir = str(tmp_path / "tb")
+    crashed = TensorBoardSink(logdir)
+    crashed.write({"loss": 2.0}, 50, "warmup")
+    for step in range(1, 6):
+        crashed.write({"reward_mean": 0.1 * step}, step, "rl")
+    crashed.close()
+    time.sleep(1.1)  # event files are named by the second they were made in
+    resumed = TensorBoardSink(logdir)
+    resumed.restart("rl", 4)
+    for step in (4, 5):
+        resumed.write({"reward_mean": 1.0}, step, "rl")
+    resumed.close()
+    assert len(os.listdir(os.path.join(logdir, "rl"))) == 2
+    scalars = _scalars(logdir)
+    assert scalars["rl/reward_mean"] == [(1, pytest.approx(0.1)), (2, pytest.approx(0.2)),
+                                         (3, pytest.approx(0.3)), (4, 1.0), (5, 1.0)]
+    assert scalars["warmup/loss"] == [(50, 2.0)]
 
 
 def test_tensorboard_sink_that_cannot_write_logs_once_and_turns_off(tmp_path, caplog):
@@ -98,7 +127,11 @@ def test_metric_sinks_route_each_phase_to_its_tags_and_steps(tmp_path):
     sinks.write({"phase": "eval", "when": "before_rl", "success_rate": 0.25, "tool_use_rate": 0.5})
     for step in range(1, 5):
         sinks.write(_rl_record(step))
+    # Resumed from the checkpoint at step 2: steps 3 and 4 are redone, and TensorBoard
+    # keeps only the new ones (here with reward 0).
     sinks.write({"phase": "resume", "rl_step": 2, "policy_version": 2})
+    for step in (3, 4):
+        sinks.write(_rl_record(step, reward_mean=0.0))
     sinks.write({"phase": "eval", "when": "after_rl", "success_rate": 0.75, "tool_use_rate": 1.0})
     sinks.close()
 
@@ -107,11 +140,13 @@ def test_metric_sinks_route_each_phase_to_its_tags_and_steps(tmp_path):
     assert scalars["warmup/dev_success_rate"] == [(5, 0.5)]
     # held-out success at both ends of the RL step axis
     assert scalars["eval/success_rate"] == [(0, 0.25), (4, 0.75)]
-    assert [s for s, _ in scalars["rl/reward_mean"]] == [1, 2, 3, 4]
+    assert scalars["rl/reward_mean"] == [(1, 0.25), (2, 0.5), (3, 0.0), (4, 0.0)]
     assert not any(tag.startswith("resume/") for tag in scalars)
-    # console lines every log_every=3 steps and at the last step
+    assert sorted(os.listdir(tmp_path / "tensorboard")) == ["eval", "rl", "warmup"]
+    # console lines every log_every=3 steps and at the last step, and after the resume
     lines = out.getvalue().splitlines()
-    assert [line.split(":")[0] for line in lines] == ["RL step 3/4", "RL step 4/4"]
+    assert [line.split(":")[0] for line in lines] == ["RL step 3/4", "RL step 4/4",
+                                                      "RL step 3/4", "RL step 4/4"]
 
 
 # Ray gauges

@@ -102,7 +102,7 @@ def _check_profile(run_dir, summary, records, placement, replicas):
     assert summary["bottleneck"] in ("engine", "environment/tools", "learner", "orchestrator")
     assert f"Bounded by: {summary['bottleneck']}" in report
     assert os.path.getsize(os.path.join(run_dir, "profile.png")) > 0
-    events = EventAccumulator(os.path.join(run_dir, "tensorboard"))
+    events = EventAccumulator(os.path.join(run_dir, "tensorboard", "rl"))  # a run per phase
     events.Reload()
     busy = events.Scalars("rl/engine_busy_fraction")
     assert [e.step for e in busy] == [r["step"] for r in records]

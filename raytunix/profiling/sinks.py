@@ -42,7 +42,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 from tensorboardX.event_file_writer import EventsWriter
-from tensorboardX.proto.event_pb2 import Event
+from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX.proto.summary_pb2 import Summary
 
 logger = logging.getLogger(__name__)
@@ -94,68 +94,88 @@ def _wall_time(record: Mapping[str, Any]) -> float:
 
 
 class TensorBoardSink:
-    """Scalars in a TensorBoard event file under ``logdir`` (``tensorboard --logdir``).
+    """Scalars in TensorBoard event files under ``logdir`` (``tensorboard --logdir``), one
+    TensorBoard run per phase: ``logdir/rl``, ``logdir/warmup``, ``logdir/eval``.
 
-    The event file is made at the first write (``events.out.tfevents.<unix s>.<host>.<pid>``,
-    so a resumed run adds a file beside the first). Each ``write`` is one event holding
-    every number of the record, flushed to disk, so a live TensorBoard sees each step and a
-    killed run keeps what it wrote. Events are written in the calling thread: an
-    ``OSError`` (disk full, directory gone) is logged once and turns the sink off instead
-    of failing the run.
+    Each phase's event file is made at its first write (``events.out.tfevents.<unix
+    s>.<host>.<pid>``, so a resumed run adds a file beside the first). Each ``write`` is one
+    event holding every number of the record, flushed to disk, so a live TensorBoard sees
+    each step and a killed run keeps what it wrote. ``restart`` marks where a resumed run
+    goes on, so TensorBoard drops what the earlier process logged from there on (the
+    steps redone from the checkpoint); its phases have step axes of their own, hence a run
+    each: the mark purges every tag of its run. Events are written in the calling thread:
+    an ``OSError`` (disk full, directory gone) is logged once and turns the sink off
+    instead of failing the run.
     """
 
     def __init__(self, logdir: str):
         self.logdir = logdir
         self.enabled = True
-        self._writer: EventsWriter | None = None
+        self._writers: dict[str, EventsWriter] = {}
 
     def write(self, record: Mapping[str, Any], step: int, prefix: str) -> None:
-        """Writes every number of ``record`` as scalar ``<prefix>/<key>`` at ``step``
-        (``step`` and ``time`` are the event's step and wall time, not scalars)."""
-        if not self.enabled:
-            return
+        """Writes every number of ``record`` as scalar ``<prefix>/<key>`` at ``step`` in
+        the run ``prefix`` (``step`` and ``time`` are the event's step and wall time, not
+        scalars)."""
         values = [Summary.Value(tag=_tensorboard_tag(f"{prefix}/{k}"), simple_value=v)
                   for k, v in flatten_metrics(record).items() if k not in AXIS_KEYS]
-        if not values:
+        if values:
+            self._write(prefix, Event(wall_time=_wall_time(record), step=int(step),
+                                      summary=Summary(value=values)))
+
+    def restart(self, prefix: str, step: int) -> None:
+        """Marks that run ``prefix`` goes on at ``step`` (a resume): TensorBoard then drops
+        the events of that run it read before the mark with a step >= ``step``
+        (``SessionLog.START``; files are read in the order they were made)."""
+        self._write(prefix, Event(wall_time=time.time(), step=int(step),
+                                  session_log=SessionLog(status=SessionLog.START)))
+
+    def _write(self, prefix: str, event: Event) -> None:
+        if not self.enabled:
             return
-        event = Event(wall_time=_wall_time(record), step=int(step), summary=Summary(value=values))
         try:
-            if self._writer is None:
-                os.makedirs(self.logdir, exist_ok=True)
-                self._writer = EventsWriter(os.path.join(self.logdir, "events"),
-                                            filename_suffix=f".{os.getpid()}")
-            self._writer.write_event(event)
-            self._writer.flush()
+            writer = self._writers.get(prefix)
+            if writer is None:
+                directory = os.path.join(self.logdir, _tensorboard_tag(prefix))
+                os.makedirs(directory, exist_ok=True)
+                writer = self._writers[prefix] = EventsWriter(
+                    os.path.join(directory, "events"), filename_suffix=f".{os.getpid()}")
+            writer.write_event(event)
+            writer.flush()
         except OSError as e:
             self._turn_off(e)
 
     def flush(self) -> None:
-        if self.enabled and self._writer is not None:
+        for writer in list(self._writers.values()):
+            if not self.enabled:
+                return
             try:
-                self._writer.flush()
+                writer.flush()
             except OSError as e:
                 self._turn_off(e)
 
     def close(self) -> None:
-        """Flushes and closes the event file; later writes are ignored."""
-        if self.enabled and self._writer is not None:
+        """Flushes and closes the event files; later writes are ignored."""
+        writers, self._writers = list(self._writers.values()), {}
+        for writer in writers:
+            if not self.enabled:
+                break
             try:
-                self._writer.close()
+                writer.close()
             except OSError as e:
                 self._turn_off(e)
-        self._writer = None
         self.enabled = False
 
     def _turn_off(self, error: OSError) -> None:
         logger.warning("TensorBoard metrics stop for this run: writing under %s failed (%s). "
                        "metrics.jsonl still holds every record.", self.logdir, error)
         self.enabled = False
-        writer, self._writer = self._writer, None
-        if writer is not None:
+        writers, self._writers = list(self._writers.values()), {}
+        for writer in writers:
             try:
                 writer.close()
             except OSError:
-                pass  # already reported; the file is given up either way
+                pass  # already reported; the files are given up either way
 
 
 _TAG_CHARS = re.compile(r"[^-/\w.]")  # what TensorBoard shows as-is in a tag
@@ -333,7 +353,10 @@ class MetricSinks:
     * ``"eval"``: ``eval/*`` at step 0 for ``when == "before_rl"`` and at
       ``total_rl_steps`` for ``"after_rl"``, so the held-out success sits at both ends of
       the RL step axis.
-    * ``"resume"``: nothing is written; the console bar restarts at ``record["rl_step"]``.
+    * ``"resume"``: the console bar restarts at ``record["rl_step"]``, and TensorBoard's
+      ``rl`` run is marked to go on after it (``TensorBoardSink.restart``: the steps the
+      crashed process logged past its checkpoint are dropped, as in ``metrics.jsonl``).
+    * ``"warmup_resume"``: the same for the ``warmup`` run, after ``record["step"]``.
     * other phases, or a record without its step: ignored.
 
     The console is made when the RL loop starts (at the ``before_rl`` evaluation, a
@@ -367,8 +390,14 @@ class MetricSinks:
     def write(self, record: Mapping[str, Any]) -> None:
         """Hands one record to every sink (see the class docstring for the routing)."""
         phase = record.get("phase")
-        if phase == "resume":
-            self._start_console(int(record.get("rl_step", 0)))
+        if phase in ("resume", "warmup_resume"):
+            run, key = ("rl", "rl_step") if phase == "resume" else ("warmup", "step")
+            at = record.get(key, 0)
+            at = int(at) if isinstance(at, numbers.Integral) else 0
+            if self.tensorboard is not None:
+                self.tensorboard.restart(run, at + 1)
+            if phase == "resume":
+                self._start_console(at)
             return
         if phase == "eval":
             when = record.get("when")
