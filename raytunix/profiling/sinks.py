@@ -157,13 +157,14 @@ class TensorBoardSink:
     def close(self) -> None:
         """Flushes and closes the event files; later writes are ignored."""
         writers, self._writers = list(self._writers.values()), {}
-        for writer in writers:
-            if not self.enabled:
-                break
+        failed = None
+        for writer in writers:  # each closed, whatever the one before did
             try:
                 writer.close()
             except OSError as e:
-                self._turn_off(e)
+                failed = failed or e
+        if failed is not None and self.enabled:
+            self._turn_off(failed)
         self.enabled = False
 
     def _turn_off(self, error: OSError) -> None:
