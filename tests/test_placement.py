@@ -89,13 +89,14 @@ def test_learner_hosts_land_one_per_tpu_host_ranked_by_worker_id(scenario):
     assert sorted(h["node_id"] for h in hosts) == sorted(tpu_nodes)  # one per TPU host
     for h in hosts:  # the rank is the host's worker id, read where the actor runs
         assert h["worker_id"] == tpu_nodes[h["node_id"]] == h["rank"]
-    # The nodes joined out of worker-id order, so bundle b is not on worker b: ranking by
-    # bundle index would have been wrong here.
+    # Each host knows its bundle, and its rank is its worker id whatever bundle it is in.
+    # Ray decides which bundle goes to which node: the nodes join out of worker-id order,
+    # yet in 2 of the last 7 clean-clone runs it put bundle b on worker b anyway (a test
+    # that required otherwise failed CI twice), and then this check cannot tell ranking by
+    # bundle from ranking by worker id. test_learner_ranks_come_from_worker_ids_and_are_checked
+    # covers a shuffled bundle order (assign_ranks([2, 0, 3, 1])) every time.
     bundles = [tpu_nodes[node] for node in scenario["bundle_nodes"]]
     assert sorted(bundles) == [0, 1, 2, 3]
-    assert bundles != [0, 1, 2, 3], (
-        "Ray placed bundle b on worker b: the scenario no longer tells a bundle index from a "
-        "worker id; change the order in which its TPU nodes join")
     assert [hosts[r]["bundle_index"] for r in range(4)] == [bundles.index(r) for r in range(4)]
 
 
