@@ -160,12 +160,11 @@ class Job:
             say(f"the checkpoint in flight was not finished ({type(e).__name__}: "  # dir
                 f"{str(e)[:300]}); resuming uses the one before it")  # keeps the last valid
         else:
-            if run is not None and run.checkpoint_in_flight is not None:
+            if run is not None:
                 # A resume reads the checkpoints themselves; a state.json that cannot be
                 # written only lags them, so it does not stop the actors' shutdown.
                 with contextlib.suppress(OSError):
-                    run.write_state(run.checkpoint_in_flight)
-                    run.checkpoint_in_flight = None
+                    run.commit_checkpoint_in_flight()
         if self.learner_group:  # its hosts and their reservation
             with contextlib.suppress(ray.exceptions.RayError):
                 ray.get(self.learner.shutdown.remote(), timeout=60)

@@ -138,6 +138,17 @@ class RunDir:
             json.dump(state, f, indent=2)
         os.replace(tmp, self.state)
 
+    def commit_checkpoint_in_flight(self) -> None:
+        """The learner has finished the checkpoint in flight (``checkpoint_in_flight``):
+        state.json names it now, and none is in flight.
+
+        Raises:
+          OSError: state.json cannot be written (the checkpoint stays in flight).
+        """
+        if self.checkpoint_in_flight is not None:
+            self.write_state(self.checkpoint_in_flight)
+            self.checkpoint_in_flight = None
+
     def write_config(self, cfg: Config) -> None:
         with open(self.config, "w") as f:
             f.write(cfg.to_yaml())

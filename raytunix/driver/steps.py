@@ -462,17 +462,14 @@ def checkpoint(job: Job, run: RunDir, cfg: Config, before: dict, warm: dict,
     learner = cfg.learner
     step = ray.get(job.learner.save.remote(run.checkpoints, extras, learner.max_checkpoints,
                                            metrics, learner.keep_best_by, learner.keep_best_mode))
-    if run.checkpoint_in_flight is not None:
-        run.write_state(run.checkpoint_in_flight)
+    run.commit_checkpoint_in_flight()  # the learner finished it before starting this one
     run.checkpoint_in_flight = {"checkpoint_step": step, "data_position": orch_state["next_index"]}
 
 
 def finish_checkpoints(job: Job, run: RunDir) -> None:
     """Waits for the learner's checkpoint in flight and records it in state.json."""
     ray.get(job.learner.finish_checkpoints.remote())
-    if run.checkpoint_in_flight is not None:
-        run.write_state(run.checkpoint_in_flight)
-        run.checkpoint_in_flight = None
+    run.commit_checkpoint_in_flight()
 
 
 def best_metric(cfg: Config, record: dict[str, Any]) -> dict[str, float] | None:
