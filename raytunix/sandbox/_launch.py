@@ -19,7 +19,8 @@ Spec keys:
   uid, gid: switch to this user and group (after the limits; needs root), or null.
   sweep_uid: instead of running anything, switch to this user and SIGKILL all of its
     processes until none is left (``kill(-1)`` as that user reaches each of them in one
-    pass that ``fork`` cannot race, so a fork bomb cannot outrun it).
+    pass that ``fork`` cannot race, so a fork bomb cannot outrun it). Prints how many
+    live processes of the user it found (0: it killed nothing).
 Exit status 127 with a message on stderr when the command cannot be started.
 """
 
@@ -68,6 +69,8 @@ def _processes(uid, live_only):
 
 def _sweep(uid):
     _become(uid, uid)
+    sys.stdout.write("%d\n" % _processes(uid, live_only=True))
+    sys.stdout.flush()
     deadline = time.monotonic() + 10.0
     while True:
         os.kill(-1, signal.SIGKILL)  # every process of this user but this one, atomically

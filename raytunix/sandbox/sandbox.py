@@ -79,6 +79,8 @@ SANDBOX_UID_BASE = 1_900_000_000
 SANDBOX_UID_SLOTS = 100_000
 _LAUNCHER = (Path(__file__).with_name("_launch.py")).read_text()
 _KILL_GRACE_S = 2.0  # after the command ended or was killed: pipes must close by then
+# How long a run waits for the zombies of its user's killed processes to be reaped.
+_REAP_WAIT_S = 5.0
 _SYSTEM_RO = ("/usr", "/etc")
 _SYSTEM_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _MEMORY_ERRORS = ("MemoryError", "Cannot allocate memory", "std::bad_alloc", "out of memory",
@@ -107,6 +109,8 @@ class _Workspace:
     run_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     running: subprocess.Popen | None = None
     closed: bool = False  # set by close_workspace; a run starting after it is killed at once
+    # Processes of ``uid`` may have been killed: the next run waits until they are reaped.
+    reap_pending: bool = False
     state_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
@@ -321,13 +325,15 @@ class Sandbox:
             os.mkdir(path, 0o700)
             if uid is not None:
                 os.chown(path, uid, uid)
-                _sweep(uid)  # a process a dead sandbox left behind under this id
+                _sweep(uid)  # processes a dead sandbox left under this id
         except BaseException:
             _release_uid(lock_fd)
             _remove_tree(path)
             raise
         with self._lock:
-            self._workspaces[workspace] = _Workspace(path, uid, lock_fd)
+            # The id's last work dir may have had processes killed moments ago.
+            self._workspaces[workspace] = _Workspace(path, uid, lock_fd,
+                                                     reap_pending=uid is not None)
         return workspace
 
     def _workspace(self, workspace: str) -> _Workspace:
@@ -355,6 +361,9 @@ class Sandbox:
 
     def _execute(self, ws: _Workspace, argv: list[str], stdin: bytes, env: dict[str, str],
                  limits: SandboxLimits, mode: _Mode) -> SandboxResult:
+        if ws.reap_pending:
+            ws.reap_pending = False
+            _await_reaped(ws.uid, _REAP_WAIT_S)
         command = self._command(ws, argv, limits, mode)
         environ = self._environment(ws, env, mode)
         stdin_fd = os.memfd_create("sandbox-stdin", os.MFD_CLOEXEC)
@@ -432,9 +441,9 @@ class Sandbox:
         return timed_out
 
     def _kill_tree(self, proc: subprocess.Popen, ws: _Workspace) -> None:
-        _kill_group(proc.pid)
-        if ws.uid is not None:
-            _sweep(ws.uid)
+        killed = _kill_group(proc.pid)
+        if ws.uid is not None and (_sweep(ws.uid) or killed):
+            ws.reap_pending = True
 
     def _command(self, ws: _Workspace, argv: list[str], limits: SandboxLimits,
                  mode: _Mode) -> list[str]:
@@ -445,19 +454,31 @@ class Sandbox:
                             ["RLIMIT_CORE", 0, 0]]}
         if ws.uid is not None:
             spec.update(nproc=limits.max_processes, nproc_on_top=True, uid=ws.uid, gid=ws.uid)
-            if mode.backend is SandboxBackend.BWRAP:
-                # As the launcher would: a command that cannot be found exits with 127.
-                argv = ["/bin/sh", "-c", 'exec "$@"', "sh"] + argv
         elif mode.backend is SandboxBackend.SUBPROCESS:
             spec.update(nproc=limits.max_processes, nproc_on_top=True)
-        else:
-            # The host user's own namespace: the limit must be set inside it, where it
-            # counts this run's processes only (set outside, it would also cap the
-            # user's processes outside the sandbox).
-            argv = _launcher({"nproc": limits.max_processes}) + argv
         if mode.backend is SandboxBackend.BWRAP:
-            argv = self._bwrap_argv(ws, limits) + ["--"] + argv
+            argv = self._bwrap_argv(ws, limits) + self._inside_bwrap(ws, limits, argv)
         return _launcher(spec) + argv
+
+    def _inside_bwrap(self, ws: _Workspace, limits: SandboxLimits,
+                      argv: list[str]) -> list[str]:
+        """What bubblewrap runs: a shell as the PID namespace's first process
+        (``--as-pid-1``), which runs the command, reaps the namespace's orphans while it
+        waits, and exits as the command did (128 + N for signal N; 127 for a command
+        that cannot be found), ending the namespace. In the host user's own namespace
+        our launcher first sets the process limit, which there counts this run's
+        processes only (set outside, it would also cap the user's processes outside
+        the sandbox).
+
+        Not bubblewrap's own init: bubblewrap's outer process exits before it, leaving
+        it to the host's init to reap, a zombie of the run's user for a second or two
+        after every run. ``RLIMIT_NPROC`` counts zombies, and the next run's limit adds
+        the processes the user already has (``nproc_on_top``), so that limit grew as
+        they were reaped: 17 of them let a run fork 29 processes under a limit of 16."""
+        init = ["/bin/sh", "-c", '"$@"; exit $?', "sh"]
+        if ws.uid is None:
+            init = _launcher({"nproc": limits.max_processes}) + init
+        return ["--as-pid-1", "--", *init, *argv]
 
     def _bwrap_argv(self, ws: _Workspace, limits: SandboxLimits) -> list[str]:
         args = [shutil.which("bwrap") or "bwrap", "--unshare-all", "--die-with-parent",
@@ -591,21 +612,62 @@ def _pidfd(pid: int) -> int | None:
         return None
 
 
-def _kill_group(pgid: int) -> None:
+def _kill_group(pgid: int) -> bool:
+    """SIGKILLs process group ``pgid``; returns whether it had any process."""
     try:
         os.killpg(pgid, signal.SIGKILL)
+        return True
     except (ProcessLookupError, PermissionError):
-        pass
+        return False
 
 
-def _sweep(uid: int) -> None:
-    """Kills every process of the sandbox user ``uid`` (as that user: ``kill(-1)``)."""
+def _sweep(uid: int) -> int:
+    """Kills every process of the sandbox user ``uid`` (as that user: ``kill(-1)``).
+    Returns how many live processes it found: each is a zombie until the host's init
+    reaps it (see ``_await_reaped``)."""
     done = subprocess.run(_launcher({"sweep_uid": uid}), stdin=subprocess.DEVNULL,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={},
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={},
                           timeout=30, check=False)
     if done.returncode != 0:
         logger.error("sandbox: could not kill the processes of user %d: %s", uid,
                      done.stderr.decode(errors="replace")[-300:])
+    try:
+        return int(done.stdout.split()[0])
+    except (IndexError, ValueError):
+        return 1  # unknown: assume it killed some
+
+
+def _zombies(uid: int) -> int:
+    """Processes whose real user id is ``uid`` that have ended and wait to be reaped."""
+    count = 0
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+        except (OSError, ValueError):
+            continue
+        if (fields.get("State", "").split()[:1] == ["Z"]
+                and fields.get("Uid", "").split()[:1] == [str(uid)]):
+            count += 1
+    return count
+
+
+def _await_reaped(uid: int, timeout_s: float) -> None:
+    """Waits until no zombie of sandbox user ``uid`` is left, or ``timeout_s`` (seconds).
+
+    The processes a sweep killed stay zombies until the host's init reaps them, a second
+    or two later on some hosts, and ``RLIMIT_NPROC`` counts them until then. The launcher
+    adds the user's processes to the next run's limit (``nproc_on_top``), so each zombie
+    reaped while that run forks would be one process more for it: CI saw 19 forks under
+    a limit of 16, and a run right after one that left 8 children forked 40. Only runs
+    after a kill that found processes, and the first run of a work dir, wait (a
+    bubblewrap run that ends by itself leaves none: see ``_inside_bwrap``). Past
+    ``timeout_s`` the run goes ahead with the zombies counted."""
+    deadline = time.monotonic() + timeout_s
+    while _zombies(uid) and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def _uid_lock_dir() -> str:
