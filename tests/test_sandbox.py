@@ -25,6 +25,8 @@ from raytunix.sandbox import (
 )
 from raytunix.sandbox import sandbox as sandbox_module
 
+SANDBOX_UID = sandbox_module.SANDBOX_UID_BASE
+
 # Small limits keep the bombs short and harmless to a shared 2-core machine. The deadline
 # is roomy where a test is about another limit (a loaded machine may start a command
 # slowly), and 1 s where the deadline is the point.
@@ -197,6 +199,19 @@ def test_the_process_limit_holds_right_after_many_short_runs(sandbox, workspace)
         assert sandbox.run(workspace, ["true"], limits=BOMB).ok
     result = sandbox.run(workspace, fork_count(pause_s=0.1), limits=BOMB)
     assert 0 < int(result.stdout) < BOMB.max_processes
+
+
+def test_a_host_whose_init_never_reaps_costs_one_wait_and_a_warning(monkeypatch, caplog):
+    monkeypatch.setattr(sandbox_module, "_REAPING_STALLS", False)
+    looks = []
+    monkeypatch.setattr(sandbox_module, "_zombies", lambda uid: looks.append(uid) or 3)
+    with caplog.at_level(logging.WARNING, logger=sandbox_module.__name__):
+        sandbox_module._await_reaped(SANDBOX_UID, timeout_s=0.2)  # never reaped
+        first = len(looks)
+        sandbox_module._await_reaped(SANDBOX_UID, timeout_s=5.0)
+    assert first > 1 and len(looks) == first  # the next run does not even look
+    [warning] = [r.getMessage() for r in caplog.records if "not reaped" in r.getMessage()]
+    assert "--init" in warning and "max_processes" in warning
 
 
 def test_a_memory_bomb_is_contained(sandbox, workspace):

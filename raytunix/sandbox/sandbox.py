@@ -79,8 +79,10 @@ SANDBOX_UID_BASE = 1_900_000_000
 SANDBOX_UID_SLOTS = 100_000
 _LAUNCHER = (Path(__file__).with_name("_launch.py")).read_text()
 _KILL_GRACE_S = 2.0  # after the command ended or was killed: pipes must close by then
-# How long a run waits for the zombies of its user's killed processes to be reaped.
+# How long a run waits for the zombies of its user's killed processes to be reaped; once
+# a wait runs out, this host's init is taken not to reap, and no run waits again.
 _REAP_WAIT_S = 5.0
+_REAPING_STALLS = False
 _SYSTEM_RO = ("/usr", "/etc")
 _SYSTEM_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _MEMORY_ERRORS = ("MemoryError", "Cannot allocate memory", "std::bad_alloc", "out of memory",
@@ -664,10 +666,31 @@ def _await_reaped(uid: int, timeout_s: float) -> None:
     a limit of 16, and a run right after one that left 8 children forked 40. Only runs
     after a kill that found processes, and the first run of a work dir, wait (a
     bubblewrap run that ends by itself leaves none: see ``_inside_bwrap``). Past
-    ``timeout_s`` the run goes ahead with the zombies counted."""
+    ``timeout_s`` the run goes ahead with the zombies counted, and later runs no longer
+    wait (a container whose PID 1 never reaps would make each of them wait in vain)."""
+    global _REAPING_STALLS
+    if _REAPING_STALLS:
+        return
     deadline = time.monotonic() + timeout_s
-    while _zombies(uid) and time.monotonic() < deadline:
+    while _zombies(uid):
+        if time.monotonic() >= deadline:
+            _REAPING_STALLS = True
+            logger.warning(
+                "sandbox: processes killed in the sandbox were not reaped within %.0f s by "
+                "this host's init (PID 1 %r); runs no longer wait for them, and a run may "
+                "have one process more than max_processes for each one reaped while it "
+                "runs. Give the host or container an init that reaps orphans (docker run "
+                "--init, tini, dumb-init).", timeout_s, _init_name())
+            return
         time.sleep(0.02)
+
+
+def _init_name() -> str:
+    try:
+        with open("/proc/1/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return "unknown"
 
 
 def _uid_lock_dir() -> str:
