@@ -471,9 +471,21 @@ def _validate_data(data: DataConfig) -> None:
 
 
 def _validate_sandbox(sandbox: SandboxConfig) -> None:
+    from raytunix.sandbox.types import MAX_BYTES, MAX_PROCESSES, MAX_SECONDS
+
     if sandbox.memory_mb < 16:
         raise ConfigError(f"sandbox.memory_mb={sandbox.memory_mb} must be >= 16: an interpreter "
                           "needs that much address space to start.")
+    for key in ("wall_time_s", "cpu_time_s"):
+        value = getattr(sandbox, key)
+        if not value <= MAX_SECONDS:  # inf and nan too
+            raise ConfigError(f"sandbox.{key}={value} must be a number of seconds <= "
+                              f"{MAX_SECONDS:g}.")
+    for key, high in (("memory_mb", MAX_BYTES >> 20), ("max_file_mb", MAX_BYTES >> 20),
+                      ("tmp_mb", MAX_BYTES >> 20), ("max_output_kb", MAX_BYTES >> 10),
+                      ("max_processes", MAX_PROCESSES)):
+        if getattr(sandbox, key) > high:
+            raise ConfigError(f"sandbox.{key}={getattr(sandbox, key)} must be <= {high}.")
     if sandbox.resource in ("CPU", "GPU", "TPU", "memory", "object_store_memory"):
         raise ConfigError(
             f"sandbox.resource={sandbox.resource!r} is a built-in Ray resource; give a custom "

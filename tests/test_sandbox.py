@@ -201,6 +201,16 @@ def test_the_process_limit_holds_right_after_many_short_runs(sandbox, workspace)
     assert 0 < int(result.stdout) < BOMB.max_processes
 
 
+def test_a_run_whose_work_dir_is_closed_while_it_waits_to_start_raises_workspace_lost(
+        sandbox, monkeypatch):
+    ws = sandbox.open_workspace("closing")
+    monkeypatch.setattr(sandbox_module, "_await_reaped",
+                        lambda uid, timeout_s: sandbox.close_workspace(ws))
+    sandbox._workspaces[ws].reap_pending = True  # as after a kill
+    with pytest.raises(WorkspaceLost, match="was closed before this run started"):
+        sandbox.run(ws, ["echo", "hi"])
+
+
 def test_a_host_whose_init_never_reaps_costs_one_wait_and_a_warning(monkeypatch, caplog):
     monkeypatch.setattr(sandbox_module, "_REAPING_STALLS", False)
     looks = []
@@ -278,6 +288,9 @@ def test_closing_a_work_dir_kills_what_runs_in_it(sandbox):
     (dict(argv=["echo"], env={"BAD-NAME": "x"}), "not a valid variable name"),
     (dict(argv=["echo"], env={"X": 3}), "must be a string"),
     (dict(argv=["echo"], stdin=3), "stdin must be bytes or str"),
+    (dict(argv=[""]), r"argv\[0\] is empty"),
+    (dict(argv=["echo", "x" * 200_000]), "over the kernel's 131072-byte limit"),
+    (dict(argv=["echo"], limits={"wall_time_s": 1}), "limits must be a SandboxLimits"),
 ])
 def test_malformed_calls_are_refused_by_name(sandbox, workspace, call, fragment):
     kwargs = dict(call)
@@ -287,7 +300,10 @@ def test_malformed_calls_are_refused_by_name(sandbox, workspace, call, fragment)
 
 @pytest.mark.parametrize("field, value", [("wall_time_s", 0), ("cpu_time_s", float("inf")),
                                           ("memory_bytes", 1 << 20), ("max_processes", 0),
-                                          ("max_output_bytes", 0), ("max_file_bytes", -1)])
+                                          ("max_output_bytes", 0), ("max_file_bytes", -1),
+                                          ("wall_time_s", float("inf")), ("wall_time_s", "3"),
+                                          ("max_processes", 2.5), ("max_processes", None),
+                                          ("memory_bytes", 1 << 70), ("cpu_time_s", True)])
 def test_limits_out_of_range_are_refused_by_name(field, value):
     with pytest.raises(ValueError, match=f"SandboxLimits.{field}="):
         SandboxLimits(**{field: value})

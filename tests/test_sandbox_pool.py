@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+import re
+
 import pytest
 
 from raytunix.envs import CalculatorMathEnv
@@ -145,3 +147,18 @@ def test_the_config_sections_sizes_become_the_sandbox_limits():
     assert SandboxLimits.from_config(cfg.sandbox) == SandboxLimits(
         wall_time_s=1.5, cpu_time_s=10.0, memory_bytes=64 << 20, max_processes=12,
         max_file_bytes=2 << 20, max_output_bytes=8 << 10, tmp_bytes=16 << 20)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("sandbox.memory_mb=99999999999999", "sandbox.memory_mb=99999999999999 must be <= "),
+    ("sandbox.max_file_mb=99999999999999", "sandbox.max_file_mb=99999999999999 must be <= "),
+    ("sandbox.cpu_time_s=1e30", "sandbox.cpu_time_s=1e+30 must be a number of seconds <= "),
+    ("sandbox.wall_time_s=inf", "sandbox.wall_time_s=inf must be a number of seconds <= "),
+    ("sandbox.max_processes=99999999", "sandbox.max_processes=99999999 must be <= 4194304"),
+])
+def test_sandbox_sizes_the_kernel_cannot_take_are_config_errors(override, message):
+    # Each had passed the config and failed every command with a launcher traceback.
+    from raytunix.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, [override])

@@ -37,6 +37,14 @@ import warnings  # noqa: F401 - os.execvp imports it, and after the user switch 
 _PR_SET_PDEATHSIG = 1
 
 
+def _setrlimit(which, soft, hard):
+    try:
+        resource.setrlimit(which, (soft, hard))
+    except ValueError:  # over this user's hard limit, which only root may raise: keep it
+        cap = resource.getrlimit(which)[1]
+        resource.setrlimit(which, (min(soft, cap), min(hard, cap)))
+
+
 def _become(uid, gid):
     os.setgroups([])
     os.setgid(gid)
@@ -89,13 +97,13 @@ def _main():
     if spec.get("sweep_uid") is not None:
         return _sweep(spec["sweep_uid"])
     for name, soft, hard in spec.get("rlimits", ()):
-        resource.setrlimit(getattr(resource, name), (soft, hard))
+        _setrlimit(getattr(resource, name), soft, hard)
     nproc = spec.get("nproc")
     if nproc is not None:
         if spec.get("nproc_on_top"):
             uid = spec.get("uid")
             nproc += _processes(os.getuid() if uid is None else uid, live_only=False)
-        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+        _setrlimit(resource.RLIMIT_NPROC, nproc, nproc)
     if spec.get("uid") is not None:
         _become(spec["uid"], spec["gid"])
     # Die with the sandbox's process (set after the user switch, which clears it).

@@ -40,6 +40,7 @@ space). Runs of one work dir are serialized.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import json
 import logging
@@ -79,6 +80,7 @@ SANDBOX_UID_BASE = 1_900_000_000
 SANDBOX_UID_SLOTS = 100_000
 _LAUNCHER = (Path(__file__).with_name("_launch.py")).read_text()
 _KILL_GRACE_S = 2.0  # after the command ended or was killed: pipes must close by then
+_MAX_ARG_BYTES = 32 * 4096  # Linux's MAX_ARG_STRLEN: one argument, its NUL included
 # How long a run waits for the zombies of its user's killed processes to be reaped; once
 # a wait runs out, this host's init is taken not to reap, and no run waits again.
 _REAP_WAIT_S = 5.0
@@ -203,9 +205,13 @@ class Sandbox:
 
         Raises:
           WorkspaceLost: ``workspace`` is not open here.
-          ValueError: ``argv``, ``stdin`` or ``env`` is malformed (the message names it).
+          ValueError: ``argv``, ``stdin``, ``env`` or ``limits`` is malformed (the message
+            names it), or ``argv`` and ``env`` together are over the kernel's size limit.
         """
         argv, data, env = _check_call(argv, stdin, env)
+        if limits is not None and not isinstance(limits, SandboxLimits):
+            raise ValueError(f"limits must be a SandboxLimits, got {limits!r}; e.g. "
+                             "SandboxLimits(wall_time_s=5).")
         ws = self._workspace(workspace)
         with ws.run_lock:
             return self._execute(ws, argv, data, env, limits or self.limits, self._mode)
@@ -376,6 +382,19 @@ class Sandbox:
             proc = subprocess.Popen(command, stdin=stdin_fd, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, cwd=ws.path, env=environ,
                                     start_new_session=True, close_fds=True)
+        except FileNotFoundError:
+            if ws.closed:  # closed while this run waited to start: its dir is gone
+                raise WorkspaceLost(f"work dir {os.path.basename(ws.path)!r} was closed "
+                                    "before this run started; open a new one") from None
+            raise
+        except OSError as e:
+            if e.errno == errno.E2BIG:
+                size = sum(len(a.encode("utf-8", "surrogateescape")) + 1 for a in argv)
+                raise ValueError(
+                    f"argv ({len(argv)} items, {size} bytes) and env are over the kernel's "
+                    "limit for a command line; pass large input on stdin or in a file of "
+                    "the work dir.") from None
+            raise
         finally:
             os.close(stdin_fd)
         with ws.state_lock:
@@ -477,7 +496,10 @@ class Sandbox:
         after every run. ``RLIMIT_NPROC`` counts zombies, and the next run's limit adds
         the processes the user already has (``nproc_on_top``), so that limit grew as
         they were reaped: 17 of them let a run fork 29 processes under a limit of 16."""
-        init = ["/bin/sh", "-c", '"$@"; exit $?', "sh"]
+        # The shell's own stderr goes to /dev/null and the command's to the run's (the
+        # subshell execs it), so that the shell's reports of a command killed by a signal
+        # ("Killed", "Segmentation fault") are not added to the run's stderr.
+        init = ["/bin/sh", "-c", 'exec 3>&2 2>/dev/null; ("$@" 2>&3 3>&-); exit $?', "sh"]
         if ws.uid is None:
             init = _launcher({"nproc": limits.max_processes}) + init
         return ["--as-pid-1", "--", *init, *argv]
@@ -590,6 +612,12 @@ def _check_call(argv: Sequence[str], stdin: bytes | str,
     for arg in argv:
         if not isinstance(arg, str) or "\0" in arg:
             raise ValueError(f"argv item {arg!r} must be a string without NUL bytes.")
+        if len(arg.encode("utf-8", "surrogateescape")) >= _MAX_ARG_BYTES:
+            raise ValueError(f"argv item {arg[:40]!r}... is {len(arg)} characters, over the "
+                             f"kernel's {_MAX_ARG_BYTES}-byte limit for one argument; pass "
+                             "large input on stdin or in a file of the work dir.")
+    if not argv[0]:
+        raise ValueError(f"argv[0] is empty in {list(argv)!r}; it names the command to run.")
     if isinstance(stdin, str):
         stdin = stdin.encode("utf-8")
     if not isinstance(stdin, (bytes, bytearray)):

@@ -78,7 +78,8 @@ class SandboxLimits:
       tmp_bytes: size of the private ``/tmp`` (a tmpfs) under bubblewrap, bytes (>= 1 MiB).
 
     Raises:
-      ValueError: a value is out of range (the message names the field).
+      ValueError: a value is not a number of the field's kind (seconds: int or float;
+        the rest: int) or is out of range (the message names the field and the range).
     """
 
     wall_time_s: float = 10.0
@@ -99,19 +100,31 @@ class SandboxLimits:
                    max_output_bytes=sandbox.max_output_kb << 10, tmp_bytes=sandbox.tmp_mb << 20)
 
     def __post_init__(self) -> None:
-        checks = (
-            ("wall_time_s", self.wall_time_s > 0 and math.isfinite(self.wall_time_s), "> 0 seconds"),
-            ("cpu_time_s", self.cpu_time_s > 0 and math.isfinite(self.cpu_time_s), "> 0 seconds"),
-            ("memory_bytes", self.memory_bytes >= 16 << 20, ">= 16 MiB (16777216)"),
-            ("max_processes", self.max_processes >= 1, ">= 1"),
-            ("max_file_bytes", self.max_file_bytes >= 0, ">= 0"),
-            ("max_output_bytes", self.max_output_bytes >= 1, ">= 1"),
-            ("tmp_bytes", self.tmp_bytes >= 1 << 20, ">= 1 MiB (1048576)"),
-        )
-        for name, ok, expected in checks:
+        for name in ("wall_time_s", "cpu_time_s"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not ok:
-                raise ValueError(f"SandboxLimits.{name}={value!r} must be {expected}.")
+            if not (_is_number(value) and math.isfinite(value) and 0 < value <= MAX_SECONDS):
+                raise ValueError(f"SandboxLimits.{name}={value!r} must be a number of seconds "
+                                 f"> 0 and <= {MAX_SECONDS:g}.")
+        for name, low in (("memory_bytes", 16 << 20), ("max_processes", 1),
+                          ("max_file_bytes", 0), ("max_output_bytes", 1),
+                          ("tmp_bytes", 1 << 20)):
+            value = getattr(self, name)
+            high = MAX_PROCESSES if name == "max_processes" else MAX_BYTES
+            if not (isinstance(value, int) and not isinstance(value, bool)
+                    and low <= value <= high):
+                raise ValueError(f"SandboxLimits.{name}={value!r} must be a whole number "
+                                 f">= {low} and <= {high}.")
+
+
+# Upper bounds of SandboxLimits: kernel limits are signed 64-bit, and a process count
+# cannot pass the kernel's PID_MAX_LIMIT; a bound in seconds keeps deadlines in range.
+MAX_SECONDS = 1e9  # about 31 years
+MAX_BYTES = (1 << 63) - 1
+MAX_PROCESSES = 1 << 22
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
