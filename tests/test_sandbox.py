@@ -257,6 +257,10 @@ def test_a_file_larger_than_the_limit_is_refused(sandbox, workspace):
                          limits=BOMB)
     assert result.killed_by_limit is SandboxLimit.FILE_SIZE
     assert os.path.getsize(os.path.join(sandbox.workspace_path(workspace), "big.bin")) <= BOMB.max_file_bytes
+    # Inside a longer command the shell goes on, and only its report tells of the limit.
+    result = sandbox.run(workspace, ["sh", "-c", "head -c 3000000 /dev/zero > big.bin; echo on"],
+                         limits=BOMB)
+    assert result.stdout == "on\n" and SandboxLimit.FILE_SIZE in result.limits_hit
 
 
 def test_background_processes_end_with_the_command(sandbox, workspace):

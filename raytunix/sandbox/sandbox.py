@@ -275,12 +275,14 @@ class Sandbox:
             _WARNED.add((backend, mode.isolation))
             logger.warning(
                 "sandbox: running tools with the %s backend, isolation %r: limits hold, but "
-                "commands can reach the network and the host's files%s%s. Install bubblewrap "
-                "(apt-get install bubblewrap) and allow unprivileged user namespaces for "
-                "full isolation.",
+                "commands can reach the network and the host's files%s%s. %s",
                 mode.backend.value, mode.isolation.value,
                 "" if mode.own_uid else ", and episodes share the host user",
-                f" because {why}" if why else "")
+                f" because {why}" if why else "",
+                "backend='auto' (sandbox.backend=auto) takes bubblewrap where it works."
+                if backend == SandboxBackend.SUBPROCESS.value and shutil.which("bwrap") else
+                "Install bubblewrap (apt-get install bubblewrap) and allow unprivileged "
+                "user namespaces for full isolation.")
         return mode, why
 
     def _probe(self, mode: _Mode) -> str | None:
@@ -583,7 +585,9 @@ def _result(returncode: int, out: _Capture, err: _Capture, timed_out: bool, wall
         hits.add(SandboxLimit.MEMORY)
     if any(marker in stderr for marker in _PROCESS_ERRORS):
         hits.add(SandboxLimit.PROCESSES)
-    if sig == signal.SIGXFSZ or "File too large" in stderr:
+    # A shell reports a child's SIGXFSZ as "File size limit exceeded".
+    if sig == signal.SIGXFSZ or any(m in stderr for m in ("File too large",
+                                                          "File size limit exceeded")):
         hits.add(SandboxLimit.FILE_SIZE)
     if out.truncated or err.truncated:
         hits.add(SandboxLimit.OUTPUT)
