@@ -85,6 +85,10 @@ _MAX_ARG_BYTES = 32 * 4096  # Linux's MAX_ARG_STRLEN: one argument, its NUL incl
 # a wait runs out, this host's init is taken not to reap, and no run waits again.
 _REAP_WAIT_S = 5.0
 _REAPING_STALLS = False
+# Sandbox user ids whose processes were killed and may still be zombies (see
+# ``_await_reaped``); a uid goes on to the next work dir that claims it.
+_KILLED_UIDS: set[int] = set()
+_KILLED_LOCK = threading.Lock()
 _SYSTEM_RO = ("/usr", "/etc")
 _SYSTEM_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _MEMORY_ERRORS = ("MemoryError", "Cannot allocate memory", "std::bad_alloc", "out of memory",
@@ -113,8 +117,6 @@ class _Workspace:
     run_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     running: subprocess.Popen | None = None
     closed: bool = False  # set by close_workspace; a run starting after it is killed at once
-    # Processes of ``uid`` may have been killed: the next run waits until they are reaped.
-    reap_pending: bool = False
     state_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
@@ -335,15 +337,14 @@ class Sandbox:
             os.mkdir(path, 0o700)
             if uid is not None:
                 os.chown(path, uid, uid)
-                _sweep(uid)  # processes a dead sandbox left under this id
+                if _sweep(uid):  # processes a dead sandbox left under this id
+                    _note_killed(uid)
         except BaseException:
             _release_uid(lock_fd)
             _remove_tree(path)
             raise
         with self._lock:
-            # The id's last work dir may have had processes killed moments ago.
-            self._workspaces[workspace] = _Workspace(path, uid, lock_fd,
-                                                     reap_pending=uid is not None)
+            self._workspaces[workspace] = _Workspace(path, uid, lock_fd)
         return workspace
 
     def _workspace(self, workspace: str) -> _Workspace:
@@ -360,10 +361,7 @@ class Sandbox:
         with ws.state_lock:
             ws.closed = True
             proc = ws.running
-        if proc is not None:
-            _kill_group(proc.pid)
-        if ws.uid is not None:
-            _sweep(ws.uid)
+        self._kill_tree(proc, ws)
         _remove_tree(ws.path)
         _release_uid(ws.lock_fd)
 
@@ -371,8 +369,7 @@ class Sandbox:
 
     def _execute(self, ws: _Workspace, argv: list[str], stdin: bytes, env: dict[str, str],
                  limits: SandboxLimits, mode: _Mode) -> SandboxResult:
-        if ws.reap_pending:
-            ws.reap_pending = False
+        if ws.uid is not None and _take_killed(ws.uid):
             _await_reaped(ws.uid, _REAP_WAIT_S)
         command = self._command(ws, argv, limits, mode)
         environ = self._environment(ws, env, mode)
@@ -463,10 +460,10 @@ class Sandbox:
                 os.close(pidfd)
         return timed_out
 
-    def _kill_tree(self, proc: subprocess.Popen, ws: _Workspace) -> None:
-        killed = _kill_group(proc.pid)
+    def _kill_tree(self, proc: subprocess.Popen | None, ws: _Workspace) -> None:
+        killed = proc is not None and _kill_group(proc.pid)
         if ws.uid is not None and (_sweep(ws.uid) or killed):
-            ws.reap_pending = True
+            _note_killed(ws.uid)
 
     def _command(self, ws: _Workspace, argv: list[str], limits: SandboxLimits,
                  mode: _Mode) -> list[str]:
@@ -671,6 +668,20 @@ def _sweep(uid: int) -> int:
         return 1  # unknown: assume it killed some
 
 
+def _note_killed(uid: int) -> None:
+    with _KILLED_LOCK:
+        _KILLED_UIDS.add(uid)
+
+
+def _take_killed(uid: int) -> bool:
+    """Whether processes of ``uid`` were killed since the last call for it."""
+    with _KILLED_LOCK:
+        if uid in _KILLED_UIDS:
+            _KILLED_UIDS.discard(uid)
+            return True
+        return False
+
+
 def _zombies(uid: int) -> int:
     """Processes whose real user id is ``uid`` that have ended and wait to be reaped."""
     count = 0
@@ -695,9 +706,10 @@ def _await_reaped(uid: int, timeout_s: float) -> None:
     or two later on some hosts, and ``RLIMIT_NPROC`` counts them until then. The launcher
     adds the user's processes to the next run's limit (``nproc_on_top``), so each zombie
     reaped while that run forks would be one process more for it: CI saw 19 forks under
-    a limit of 16, and a run right after one that left 8 children forked 40. Only runs
-    after a kill that found processes, and the first run of a work dir, wait (a
-    bubblewrap run that ends by itself leaves none: see ``_inside_bwrap``). Past
+    a limit of 16, and a run right after one that left 8 children forked 40. Only the
+    run after a kill that found processes of ``uid`` waits, in whichever work dir holds
+    the uid then (a bubblewrap run that ends by itself leaves none: see
+    ``_inside_bwrap``). Past
     ``timeout_s`` the run goes ahead with the zombies counted, and later runs no longer
     wait (a container whose PID 1 never reaps would make each of them wait in vain)."""
     global _REAPING_STALLS
