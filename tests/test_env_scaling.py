@@ -135,7 +135,10 @@ def test_env_pool_grown_then_shrunk_mid_run_loses_and_fails_no_episode(ray_sessi
         for _ in range(3):
             rl_step()
         final = membership()
-        assert pool.retiring == shrunk["retiring"]  # the driver's copy, as of the shrink
+        # The driver's copy, as of the shrink: the resize's answer. An actor whose last
+        # episode ended between that answer and the ``shrunk`` snapshot is retiring in the
+        # copy and retired in the snapshot (CI saw [1, 2] against [2]).
+        assert set(shrunk["retiring"]) <= set(pool.retiring) <= set(retired)
         assert watcher.poll(orchestrator, version + 1) is None  # no new request, but...
         assert [i for i, _ in pool.members()] == [keeper]  # ...retired actors are not drained
         state = ray_session.get(orchestrator.state.remote())
