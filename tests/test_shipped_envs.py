@@ -222,10 +222,14 @@ def test_sql_rewards_equal_result_sets_ignoring_order_unless_asked():
     assert env.step(answer(reversed_sql)).reward == 0.0  # the question asks for an order
 
     count = _sql_task(env, "orders_in_month")
-    (n,) = run_query(env.db_path, count.answer)[1][0]
+    as_float = count.answer.replace("COUNT(*)", "CAST(COUNT(*) AS REAL)")
+    assert as_float != count.answer
     env.reset(count)
-    assert env.step(answer(f"SELECT {float(n)}")).reward == 1.0  # 3 and 3.0 agree
+    assert env.step(answer(as_float)).reward == 1.0  # 3 and 3.0 agree
     assert result_key([(3,)], False) == result_key([(3.0,)], False)
+    (n,) = run_query(env.db_path, count.answer)[1][0]
+    env.reset(count)  # the right number written down is not a query that computes it
+    assert env.step(answer(f"SELECT {n}")).reward == 0.0
 
 
 def test_sql_queries_run_read_only_with_a_deadline_and_typed_errors():
@@ -242,7 +246,9 @@ def test_sql_queries_run_read_only_with_a_deadline_and_typed_errors():
         "SELECT 1; DROP TABLE orders": ("tool_exception", "one statement"),
         "SELEC name FROM products": ("tool_exception", "syntax error"),
         "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT COUNT(*) FROM c":
-            ("timeout", "deadline"),
+            ("tool_exception", "recursive"),
+        "SELECT COUNT(*) FROM orders a, orders b, orders c, orders d": ("timeout", "deadline"),
+        "SELECT zeroblob(1000)": ("tool_exception", "not allowed"),
         " ": ("bad_arguments", "empty"),
     }
     for query, (kind, words) in cases.items():

@@ -1,12 +1,19 @@
 """Text-to-SQL over a real SQLite database: the model may explore it with an ``sql`` tool,
-then answers with one query; the reward compares that query's result set with the gold
-query's.
+then answers with one query; the reward compares that query's result sets with the gold
+query's, on the task's database and on other instances of it that the model never sees.
 
 The database (customers, products, orders) is generated from ``db_seed`` into a file in
-each process that uses it (the same seed gives the same rows everywhere), and every query
-the model writes runs read-only: a ``mode=ro`` connection with ``PRAGMA query_only``, an
-authorizer that allows reading only, no attached databases, and a deadline enforced by a
-progress handler.
+each process that uses it (the same seed gives the same rows everywhere), together with
+``VARIANTS`` more instances: the same tables and the same names of cities, categories and
+products, other rows and sizes. The model's query must give the gold query's result on
+every instance, so writing down values seen through the tool (``SELECT 42``) earns
+nothing; a query that computes the answer from the tables earns 1.
+
+Every query the model writes runs in a helper process, read-only, with memory, time and
+output bounds (``raytunix.envs.sql_worker``): SQLite's length limits and a heap limit, an
+authorizer that allows reads and a list of functions only, no recursive CTEs, a deadline
+kept by a progress handler and by killing the helper, ``RLIMIT_AS``. The tool's
+observation is capped in rows, cell width and characters, and says so.
 """
 
 from __future__ import annotations
@@ -20,15 +27,19 @@ import shutil
 import sqlite3
 import tempfile
 import threading
-import time
 from typing import Any, Callable
 
+from raytunix.envs.sql_worker import QueryFailed, SQLWorkerPool
 from raytunix.envs.tool_task import ToolTaskEnv, draw_tasks
 from raytunix.tools.base import Tool, ToolError
 from raytunix.types import Task, ToolErrorKind
 
 SCHEMA = ("Tables: customers(id, name, city); products(id, name, category, price); "
           "orders(id, customer_id, product_id, quantity, order_date 'YYYY-MM-DD').")
+
+# Sizes (customers, products, orders) of the instances an answer is also checked on; they
+# differ from the task's (40, 24, 300) so that counts and per-category figures differ too.
+VARIANTS = ((34, 18, 260), (45, 21, 340), (38, 15, 220))
 
 CITIES = ("Lisbon", "Oslo", "Nairobi", "Lima", "Osaka", "Quebec", "Tunis", "Perth")
 FIRST = ("Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Goran", "Hana", "Ivan", "Jun",
@@ -43,10 +54,12 @@ CATEGORIES = {
 MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August",
           "September", "October", "November", "December")
 
-_READ_ACTIONS = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION,
-                 getattr(sqlite3, "SQLITE_RECURSIVE", 33)}
+MAX_ROWS = 10_000  # rows a query may return (tool or answer)
+MAX_RESULT_BYTES = 1_000_000  # bytes of text and blobs a query may return
 _DB_LOCK = threading.Lock()
 _DB_PATHS: dict[tuple[int, int, int, int], str] = {}
+_POOL = SQLWorkerPool()
+atexit.register(_POOL.close)
 
 
 def database_path(db_seed: int, customers: int = 40, products: int = 24,
@@ -62,6 +75,12 @@ def database_path(db_seed: int, customers: int = 40, products: int = 24,
             _build_database(path, random.Random(f"sql-db/{key}"), customers, products, orders)
             _DB_PATHS[key] = path
         return _DB_PATHS[key]
+
+
+def variant_paths(db_seed: int) -> list[str]:
+    """Paths of the ``VARIANTS`` instances an answer on ``db_seed``'s database is also
+    checked on (built on first use, as ``database_path``)."""
+    return [database_path(db_seed, *sizes) for sizes in VARIANTS]
 
 
 def _build_database(path: str, rng: random.Random, n_customers: int, n_products: int,
@@ -97,50 +116,30 @@ def _build_database(path: str, rng: random.Random, n_customers: int, n_products:
         conn.close()
 
 
-def _authorize(action: int, *args: Any) -> int:
-    return sqlite3.SQLITE_OK if action in _READ_ACTIONS else sqlite3.SQLITE_DENY
+_KINDS = {"timeout": ToolErrorKind.TIMEOUT, "bad_arguments": ToolErrorKind.BAD_ARGUMENTS}
 
 
-def run_query(path: str, query: str, *, timeout_s: float = 2.0,
-              max_rows: int = 10_000) -> tuple[list[str], list[tuple]]:
-    """Runs one SQL statement read-only on the database at ``path``.
+def run_query(path: str, query: str, *, timeout_s: float = 2.0, max_rows: int = MAX_ROWS,
+              max_result_bytes: int = MAX_RESULT_BYTES) -> tuple[list[str], list[tuple]]:
+    """Runs one SQL statement read-only on the database at ``path``, in a helper process
+    with the bounds of ``raytunix.envs.sql_worker`` (memory, time, functions, output).
 
     Returns:
       ``(column names, rows)``.
 
     Raises:
-      ToolError: the statement is not a single read-only query, is malformed, or fails
-        (kind ``TOOL_EXCEPTION``); it ran past ``timeout_s`` seconds (kind ``TIMEOUT``); it
-        returned more than ``max_rows`` rows.
+      ToolError: the statement is not a single read-only query, calls a function outside
+        ``sql_worker.ALLOWED_FUNCTIONS``, is recursive, malformed, fails, or returns more
+        than ``max_rows`` rows or ``max_result_bytes`` bytes (kind ``TOOL_EXCEPTION``); it
+        ran past ``timeout_s`` seconds (kind ``TIMEOUT``); it is empty or too long (kind
+        ``BAD_ARGUMENTS``).
     """
-    if not query.strip():
-        raise ToolError("sql: the query is empty; write one SELECT statement",
-                        ToolErrorKind.BAD_ARGUMENTS)
-    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False)
-    deadline = time.monotonic() + timeout_s
     try:
-        conn.execute("PRAGMA query_only = ON")
-        conn.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
-        conn.set_authorizer(_authorize)
-        # Called every 1000 virtual-machine instructions; non-zero interrupts the query.
-        conn.set_progress_handler(lambda: int(time.monotonic() > deadline), 1000)
-        try:
-            cursor = conn.execute(query)
-            rows = cursor.fetchmany(max_rows + 1)
-        except sqlite3.Error as e:
-            if time.monotonic() > deadline:
-                raise ToolError(f"sql: the query ran past its {timeout_s:g} s deadline and was "
-                                "stopped; simplify it", ToolErrorKind.TIMEOUT) from None
-            message = str(e)
-            if "not authorized" in message or "readonly" in message or "read-only" in message:
-                message += " (the database is read-only: only SELECT queries run)"
-            raise ToolError(f"sql: {message}") from None
-        if len(rows) > max_rows:
-            raise ToolError(f"sql: the query returned more than {max_rows} rows; narrow it")
-        columns = [d[0] for d in cursor.description or ()]
-        return columns, rows
-    finally:
-        conn.close()
+        columns, rows, _ = _POOL.execute(path, query, timeout_s=timeout_s, max_rows=max_rows,
+                                         max_result_bytes=max_result_bytes)
+    except QueryFailed as e:
+        raise ToolError(f"sql: {e}", _KINDS.get(e.kind, ToolErrorKind.TOOL_EXCEPTION)) from None
+    return columns, rows
 
 
 def result_key(rows: list[tuple], ordered: bool) -> list | collections.Counter:
@@ -156,13 +155,17 @@ def result_key(rows: list[tuple], ordered: bool) -> list | collections.Counter:
 
 
 class SQLQueryTool(Tool):
-    """Runs a read-only SQL query on the environment's SQLite database and shows the
-    result: a header line of column names, then up to ``show_rows`` rows, ``|``-separated.
+    """Runs a read-only SQL query on the environment's SQLite database (``run_query``) and
+    shows the result: a header line of column names, then up to ``show_rows`` rows,
+    ``|``-separated, each value cut at ``max_cell_chars`` characters and the whole at
+    ``max_chars``; a last line says which of these caps cut something.
 
     Args:
       path: the database file.
       timeout_s: deadline of one query, seconds.
       show_rows: rows shown (the rest are counted).
+      max_cell_chars: characters shown of one value.
+      max_chars: characters of the whole observation (the last line included), >= 200.
     """
 
     name = "sql"
@@ -174,15 +177,44 @@ class SQLQueryTool(Tool):
         "required": ["query"],
     }
 
-    def __init__(self, path: str, timeout_s: float = 2.0, show_rows: int = 20) -> None:
+    def __init__(self, path: str, timeout_s: float = 2.0, show_rows: int = 20,
+                 max_cell_chars: int = 200, max_chars: int = 4000) -> None:
+        if max_chars < 200 or max_cell_chars < 1 or show_rows < 1:
+            raise ValueError(f"show_rows={show_rows}, max_cell_chars={max_cell_chars} and "
+                             f"max_chars={max_chars} must be >= 1, >= 1 and >= 200")
         self.path, self.timeout_s, self.show_rows = path, timeout_s, show_rows
+        self.max_cell_chars, self.max_chars = max_cell_chars, max_chars
+
+    def _cell(self, value: Any) -> tuple[str, bool]:
+        text = value.hex() if isinstance(value, bytes) else str(value)
+        if isinstance(value, bytes):
+            text = f"x'{text}'"
+        if len(text) <= self.max_cell_chars:
+            return text, False
+        return text[: self.max_cell_chars] + f"...(+{len(text) - self.max_cell_chars} chars)", True
 
     def run(self, query: str) -> str:
         columns, rows = run_query(self.path, query, timeout_s=self.timeout_s)
-        lines = [" | ".join(columns)] + [" | ".join(map(str, row)) for row in rows[: self.show_rows]]
+        notes, cut = [], False
+        lines = [" | ".join(self._cell(c)[0] for c in columns)]
+        for row in rows[: self.show_rows]:
+            cells = [self._cell(value) for value in row]
+            cut = cut or any(was_cut for _, was_cut in cells)
+            lines.append(" | ".join(text for text, _ in cells))
+        if not rows:
+            lines.append("(no rows)")
         if len(rows) > self.show_rows:
-            lines.append(f"... {len(rows) - self.show_rows} more rows")
-        return "\n".join(lines) if rows else " | ".join(columns) + "\n(no rows)"
+            notes.append(f"showing {self.show_rows} of {len(rows)} rows")
+        if cut:
+            notes.append(f"values cut at {self.max_cell_chars} characters")
+        text = "\n".join(lines)
+        room = self.max_chars - 120  # for the note line
+        if len(text) > room:
+            text = text[:room]
+            notes.append(f"output cut at {self.max_chars} characters")
+        if notes:
+            text += "\n(" + "; ".join(notes) + ")"
+        return text
 
 
 # A question template: (rng, connection) -> (question, gold SQL, ordered).
@@ -282,10 +314,16 @@ class TextToSQLEnv(ToolTaskEnv):
     one query, ``<answer>SELECT ...</answer>``, which ends the episode. The reward is 1.0
     if the answer's result set equals the gold query's (``result_key``: order ignored
     unless the question asks for one, numbers compared as floats to 6 decimals, column
-    names ignored), else 0.0. A failing, non-read-only or too slow answer scores 0 with the
-    error in ``info["error"]``; the same from the tool is a tool error (kind
-    ``tool_exception``, ``timeout`` past ``query_timeout_s``, ``bad_arguments`` for an
-    empty query). Single-turn text-to-SQL is ``env.max_turns=1``.
+    names ignored) on the task's database and on each of the ``VARIANTS`` instances
+    (``variant_paths``; the tool never reads those), else 0.0: an answer that writes down
+    values instead of computing them from the tables matches at most the task's database.
+    ``info["instances"]`` counts the instances compared, ``info["failed_instance"]``
+    names the first that did not match (0 the task's, 1.. the variants). A failing,
+    non-read-only or too slow answer scores 0 with the error in ``info["error"]``; the
+    same from the tool is a tool error (kind ``tool_exception``, ``timeout`` past
+    ``query_timeout_s``, ``bad_arguments`` for an empty query). The bounds on a query
+    (memory, time, functions, output) are ``run_query``'s. Single-turn text-to-SQL is
+    ``env.max_turns=1``.
 
     Tasks: drawn from ``TEMPLATES`` over the database's own values (cities, products,
     categories), seeded by split and seed, train and held-out kept apart
@@ -309,6 +347,7 @@ class TextToSQLEnv(ToolTaskEnv):
         if not query_timeout_s > 0:
             raise ValueError(f"query_timeout_s={query_timeout_s!r} must be > 0 seconds")
         self.db_path = database_path(db_seed)
+        self.variant_paths = variant_paths(db_seed)
         self.query_timeout_s = query_timeout_s
         self.show_schema = show_schema
         super().__init__([SQLQueryTool(self.db_path, query_timeout_s)],
@@ -332,11 +371,18 @@ class TextToSQLEnv(ToolTaskEnv):
 
     def _score(self, answer: str) -> tuple[float, dict[str, Any]]:
         ordered = bool(self.task.metadata.get("ordered"))
-        _, gold = run_query(self.db_path, self.task.metadata["gold_sql"],
-                            timeout_s=max(self.query_timeout_s, 10.0))
-        try:
-            _, rows = run_query(self.db_path, answer, timeout_s=self.query_timeout_s)
-        except ToolError as e:
-            return 0.0, {"correct": False, "error": str(e)}
-        correct = result_key(rows, ordered) == result_key(gold, ordered)
-        return (1.0 if correct else 0.0), {"correct": correct, "rows": len(rows)}
+        rows = 0
+        for instance, path in enumerate([self.db_path, *self.variant_paths]):
+            _, gold = run_query(path, self.task.metadata["gold_sql"],
+                                timeout_s=max(self.query_timeout_s, 10.0))
+            try:
+                _, got = run_query(path, answer, timeout_s=self.query_timeout_s)
+            except ToolError as e:
+                return 0.0, {"correct": False, "error": str(e), "failed_instance": instance,
+                             "instances": instance + 1}
+            if instance == 0:
+                rows = len(got)
+            if result_key(got, ordered) != result_key(gold, ordered):
+                return 0.0, {"correct": False, "rows": rows, "failed_instance": instance,
+                             "instances": instance + 1}
+        return 1.0, {"correct": True, "rows": rows, "instances": 1 + len(self.variant_paths)}
