@@ -30,8 +30,12 @@ def test_env_brings_tasks_and_scores_with_reasoning_gyms_scorer(name):
         assert right.status is EpisodeStatus.COMPLETED
         wrong_text = task.answer + "x"
         wrong = _answer(env, task, wrong_text)
-        assert wrong.reward == scorer(wrong_text, task.metadata["entry"]) < 1.0
-        assert wrong.info["correct"] is False
+        assert wrong.info["score"] == scorer(wrong_text, task.metadata["entry"]) < 1.0
+        assert wrong.reward == 0.0 and wrong.info["correct"] is False
+    partial = make_env("reasoning_gym", task=name, partial_credit=True)
+    wrong_text = train[0].answer + "x"
+    assert _answer(partial, train[0], wrong_text).reward == scorer(wrong_text,
+                                                                   train[0].metadata["entry"])
     env.reset(train[0])
     missing = env.step(Action(text="no tags", parse_error="no <answer> tag"))
     assert (missing.reward, missing.info["parse_error"]) == (0.0, "no <answer> tag")

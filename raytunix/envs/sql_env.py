@@ -326,8 +326,10 @@ class TextToSQLEnv(ToolTaskEnv):
     ``env.max_turns=1``.
 
     Tasks: drawn from ``TEMPLATES`` over the database's own values (cities, products,
-    categories), seeded by split and seed, train and held-out kept apart
-    (``tool_task.split_of``; a template with a fixed question lands in one split only);
+    categories), keeping only questions whose gold result differs on at least one variant
+    (else a literal would pass every instance), seeded by split and seed, train and
+    held-out kept apart (``tool_task.split_of``; a template with a fixed question lands in
+    one split only);
     metadata holds ``gold_sql``, ``ordered`` and ``template``; ``answer`` is the gold SQL.
 
     Args:
@@ -355,11 +357,22 @@ class TextToSQLEnv(ToolTaskEnv):
 
     def tasks(self, split: str, size: int, seed: int) -> list[Task]:
         names = sorted(TEMPLATES)
-        conn = sqlite3.connect(f"file:{self.db_path}?mode=ro", uri=True)
+        conn, *others = [sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+                         for path in [self.db_path, *self.variant_paths]]
 
         def draw(rng: random.Random) -> tuple[str, str, dict]:
-            name = rng.choice(names)
-            question, gold, ordered = TEMPLATES[name](rng, conn)
+            # A question whose gold result is the same on every instance (no cheap product
+            # anywhere, say) could be answered by a literal; such draws are skipped.
+            for _ in range(1000):
+                name = rng.choice(names)
+                question, gold, ordered = TEMPLATES[name](rng, conn)
+                key = result_key(conn.execute(gold).fetchall(), ordered)
+                if any(result_key(other.execute(gold).fetchall(), ordered) != key
+                       for other in others):
+                    break
+            else:
+                raise RuntimeError("no question tells the database instances apart; the "
+                                   "VARIANTS must differ from the task's database")
             prompt = f"{SCHEMA}\n{question}" if self.show_schema else question
             return (prompt + " Answer with one SQL query.", gold,
                     {"gold_sql": gold, "ordered": ordered, "template": name})
@@ -367,7 +380,8 @@ class TextToSQLEnv(ToolTaskEnv):
         try:
             return draw_tasks(split, size, random.Random(f"text_to_sql/{split}/{seed}"), draw)
         finally:
-            conn.close()
+            for c in (conn, *others):
+                c.close()
 
     def _score(self, answer: str) -> tuple[float, dict[str, Any]]:
         ordered = bool(self.task.metadata.get("ordered"))
