@@ -219,6 +219,9 @@ def _serve() -> None:
             answer = {"error": "the query needs more memory than a query may use (SQLite "
                       f"{HEAP_LIMIT_BYTES >> 20} MiB); use fewer rows or smaller values",
                       "kind": "error"}
+        except Exception as e:  # noqa: BLE001 - e.g. a query text SQLite cannot encode
+            answer = {"error": f"the query could not run ({type(e).__name__}: {e})"[:500],
+                      "kind": "error"}
         sys.stdout.write(json.dumps(answer) + "\n")
         sys.stdout.flush()
 
