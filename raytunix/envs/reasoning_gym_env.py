@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
+from raytunix.data.answers import blank_answer
 from raytunix.envs.base import BaseEnv
 from raytunix.types import Action, EpisodeStatus, StepResult, Task
 
@@ -28,7 +29,10 @@ class ReasoningGymEnv(BaseEnv):
     reasoning_gym`` or this env's own tasks make it) says which dataset's scorer decides.
     Per episode: the question is the observation; the answer (``<answer>...</answer>``)
     gets ``reward = score_answer(answer, entry)`` in [0, 1], ``info["correct"]`` is
-    ``score == 1``, status ``COMPLETED``. No answer scores 0 with ``info["parse_error"]``.
+    ``score == 1``, status ``COMPLETED``. No answer scores 0 with ``info["parse_error"]``;
+    an entry whose reference answer is blank text (``raytunix.data.answers.blank_answer``)
+    scores 0 whatever the answer, with ``info["empty_reference"]`` (an answer of None is
+    the scorer's own verification, as in ``rubiks_cube``).
 
     Args:
       task: a reasoning-gym dataset name (e.g. ``"leg_counting"``): the environment then
@@ -79,11 +83,15 @@ class ReasoningGymEnv(BaseEnv):
 
     def _step_impl(self, action: Action) -> StepResult:
         info: dict[str, Any] = {}
+        entry = self.task.metadata["entry"]
         if action.answer is None:
             info["parse_error"] = action.parse_error or "no answer found"
             score = 0.0
+        elif isinstance(entry.get("answer"), str) and blank_answer(entry["answer"]):
+            # A blank reference would pay a blank answer; None means the scorer verifies.
+            info["empty_reference"] = True
+            score = 0.0
         else:
-            entry = self.task.metadata["entry"]
             score = float(_scorer(entry["metadata"]["source_dataset"])(action.answer, entry))
         info["correct"] = score >= 1.0
         return StepResult(observation="", reward=score, done=True,
