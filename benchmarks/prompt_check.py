@@ -75,7 +75,7 @@ def _tasks(rows: int, long_rows: int, seed: int) -> tuple[list[Task], list[int]]
 
 def _python_speed_s() -> float:
     """Seconds for 10M additions in a Python loop: a yardstick of how busy the machine is
-    (about 0.4 s on an idle modern core)."""
+    (well under a second on an idle core)."""
     start, total = time.perf_counter(), 0
     for i in range(10_000_000):
         total += i
