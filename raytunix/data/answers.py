@@ -77,8 +77,8 @@ _WORD = re.compile(r"[A-Za-z]{2,}")
 # Format characters that change a text's code points but not how it reads.
 _INVISIBLE = re.compile("[\u00ad\u061c\u180e\u200b-\u200f\u202a-\u202e\u2060-\u2064"
                         "\u2066-\u2069\ufeff]")
-_SUPERSCRIPTS = "\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078\u2079\u207a\u207b\u207c\u207d\u207e"
-_SUBSCRIPTS = "\u2080\u2081\u2082\u2083\u2084\u2085\u2086\u2087\u2088\u2089\u208a\u208b\u208c\u208d\u208e"
+_SUPERSCRIPTS = "\u2070\u00b9\u00b2\u00b3" + "".join(map(chr, range(0x2074, 0x207f)))  # 0-9 + - = ( )
+_SUBSCRIPTS = "".join(map(chr, range(0x2080, 0x208f)))
 _SCRIPT_RUN = re.compile(f"[{_SUPERSCRIPTS}]+|[{_SUBSCRIPTS}]+")
 _DELIMITER_TEXT = re.compile(r"\\[()\[\]]|[${}]")
 

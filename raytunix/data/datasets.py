@@ -161,7 +161,8 @@ def load_tasks(spec: DatasetSpec) -> list[Task]:
         bad = sorted(bad + markers)
     if bad:
         rows = [r for r, _ in bad]
-        shown = ", ".join(map(str, rows[:_SHOWN_ROWS])) + (", ..." if len(rows) > _SHOWN_ROWS else "")
+        shown = ", ".join(map(str, rows[:_SHOWN_ROWS]))
+        shown += ", ..." if len(rows) > _SHOWN_ROWS else ""
         raise DatasetError(
             f"{bad[0][1]}: every row needs a reference answer the reward can be checked "
             f"against, or the policy earns reward by answering nothing. {len(rows)} of the "

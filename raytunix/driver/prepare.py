@@ -358,7 +358,8 @@ def _named(too_long, shown: int = 8) -> str:
     ``(task, prompt tokens)``; the row is a dataset file's (``metadata["row"]``)."""
     def one(task, n):
         row = task.metadata.get("row") if isinstance(task.metadata, dict) else None
-        return f"task {task.task_id!r} (" + (f"row {row}, " if row is not None else "") + f"{n} tokens)"
+        where = f"row {row}, " if row is not None else ""
+        return f"task {task.task_id!r} ({where}{n} tokens)"
     names = ", ".join(one(t, n) for t, n in too_long[:shown])
     return names + (f", and {len(too_long) - shown} more" if len(too_long) > shown else "")
 

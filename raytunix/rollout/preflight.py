@@ -6,9 +6,10 @@ Before training (``raytunix.train`` runs these before the warm start):
   environment that cannot be built (bad kwargs, a module the actor cannot import) is one
   ``PreflightError`` with the actor's reason.
 * ``check_prompt_lengths``: every task's first prompt is length-checked in tokens: a few
-  samples exactly through the env actors and the run's agent, all questions in one
-  tokenizer batch against a bound from the samples, flagged tasks exactly again; it
-  returns the tasks whose prompt leaves no room in the context for a reply.
+  samples exactly through the env actors and the run's agent, every question against a
+  bound from the samples (its bytes, else its tokens, in one tokenizer batch), the tasks
+  the bound flags exactly again; it returns the tasks whose prompt leaves no room in the
+  context for a reply.
 
 During training, ``check_batch`` refuses a batch with nothing to learn from (no valid
 trajectory, or no token with loss mask 1).
@@ -23,7 +24,6 @@ import ray
 
 from raytunix.rollout.env_pool import EnvBuildError, EnvPool
 from raytunix.types import Task
-
 
 # Resets in flight at once while prompts are measured through the env actors.
 PROMPT_CHUNK = 256
@@ -188,8 +188,8 @@ def check_prompt_lengths(pool: EnvPool, tasks: Sequence[Task], samples: Sequence
         # Bytes bound tokens for most tokenizers; only rows that bound does not clear are
         # tokenized, so a dataset of short questions costs one pass over its bytes.
         bounds = tokenizer.token_count_bounds([t.question for t in tasks])
-        candidates = (tasks if bounds is None else
-                      [t for t, b in zip(tasks, bounds) if not fits(b + margin, max_context_tokens)])
+        candidates = tasks if bounds is None else [
+            t for t, b in zip(tasks, bounds) if not fits(b + margin, max_context_tokens)]
         counts = tokenizer.count_tokens([t.question for t in candidates])
         tokenized = len(candidates)
         flagged = [t for t, q in zip(candidates, counts)
