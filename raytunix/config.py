@@ -57,6 +57,7 @@ class DataConfig:
     question_column: str = "question"  # column holding the question text
     answer_column: str = "answer"  # column holding the reference answer (GSM8K's "... #### 72" keeps 72)
     id_column: str = ""  # column of unique task ids; "" = <split>-<row number>
+    overlong_prompts: str = "error"  # a train or held-out task whose first prompt leaves no room for a reply in model.max_seq_len (every task is checked before training): error (the run stops, naming them) | drop (left out, counted in summary.json's tasks_dropped)
     train_size: int = 20000  # training tasks (cycled through in order); a dataset on disk gives at most its rows
     heldout_size: int = 200  # held-out tasks, never trained on
     seed: int = 0  # generator seed of the training split (held-out uses another); seeds the held-out draw off a file's training split
@@ -261,6 +262,7 @@ _CHOICES = {
     "learner.keep_best_mode": ("max", "min"),
     "learner.placement_strategy": ("STRICT_SPREAD", "SPREAD", "PACK", "STRICT_PACK"),
     "data.source": ("auto", "env", "reasoning_gym", "parquet", "jsonl", "hf"),
+    "data.overlong_prompts": ("error", "drop"),
     "sandbox.backend": ("auto", "bwrap", "subprocess"),
 }
 _POSITIVE = {

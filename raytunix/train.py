@@ -78,7 +78,8 @@ def train(cfg: Config | None, resume: str | None = None,
                 after = steps.evaluate(job, run, tasks.heldout, collector, "after_rl",
                                        step=cfg.learner.rl_steps)
                 steps.export_policy(cfg, job, run)
-                return steps.summarise(cfg, job, run, start, after, engine_stats, rl_s, wall0)
+                return steps.summarise(cfg, job, run, start, after, engine_stats, rl_s, wall0,
+                                       tasks.dropped)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (driver.prepare turns it into this)
         # The CLI's message names the directory to resume, or none when it was removed.
         e.run_dir = run.path if os.path.isdir(run.path) else None

@@ -168,7 +168,7 @@ def test_prompts_longer_than_the_context_stop_before_training(ray_session, tmp_p
                         f"env.kwargs.instructions={long_instructions}")
     assert result.returncode == 2
     (message,) = [line for line in result.stderr.splitlines() if line.startswith("raytunix: ")]
-    assert "sampled prompts leave no room for a reply in model.max_seq_len=128" in message
+    assert "have a first prompt that leaves no room for a reply in model.max_seq_len=128" in message
     assert "Raise model.max_seq_len above" in message
     assert _run_dirs(tmp_path) == []  # stopped before training: no run directory is left
 

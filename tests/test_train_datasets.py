@@ -1,6 +1,7 @@
 """`raytunix train` on a user's dataset: a JSONL file of word problems in GSM8K's layout,
 scored by the math answer rule, with a tokenizer trained on those problems and the
-(arithmetic-only) warm start switched off; a bad column stops the run before Ray."""
+(arithmetic-only) warm start switched off, one over-long row left out and counted; a bad
+column stops the run before Ray."""
 
 import json
 import os
@@ -40,6 +41,10 @@ def word_problems(tmp_path_factory):
     with open(path, "w") as f:
         for _ in range(120):
             f.write(json.dumps(_word_problem(rng)) + "\n")
+        # One row whose prompt cannot fit model.max_seq_len, left out by data.overlong_prompts.
+        long = {"question": " ".join(_word_problem(rng)["question"] for _ in range(40)),
+                "answer": "#### 7"}
+        f.write(json.dumps(long) + "\n")
     return str(path)
 
 
@@ -55,11 +60,14 @@ TINY = [
 
 
 def test_trains_on_a_jsonl_dataset_of_word_problems(ray_session, tmp_path, word_problems):
-    cfg = load_config(None, TINY + [f"run.output_dir={tmp_path}", f"data.path={word_problems}"])
+    cfg = load_config(None, TINY + [f"run.output_dir={tmp_path}", f"data.path={word_problems}",
+                                    "data.overlong_prompts=drop"])
     assert cfg.warmup.enabled  # on by default, and skipped: the tasks are not arithmetic
     summary = train(cfg)
     assert summary["warm_start_steps"] == 0
-    assert summary["heldout_tasks"] == 8
+    dropped = summary["tasks_dropped"]
+    assert dropped["overlong_prompt_train"] + dropped["overlong_prompt_heldout"] == 1
+    assert summary["heldout_tasks"] == 8 - dropped["overlong_prompt_heldout"]
     with open(os.path.join(summary["run_dir"], "metrics.jsonl")) as f:
         records = [r for r in map(json.loads, f) if r["phase"] == "rl"]
     assert [r["step"] for r in records] == [1, 2]

@@ -4,6 +4,14 @@ Every scoring path that judges a math answer (the math environments' training re
 so held-out evaluation, which reads that reward) calls ``answers_match``. The rule, in
 order:
 
+0. **Normalise** both texts with ``normalize_text`` (the same function the held-out leak
+   check keys questions with): invisible format characters removed (zero-width space and
+   joiners U+200B-U+200D, word joiner U+2060, BOM U+FEFF, soft hyphen, bidirectional
+   marks), super- and subscripts written as ``^{...}`` / ``_{...}``, then Unicode NFKC
+   (fullwidth ``４２`` is ``42``, ``ﬁ`` is ``fi``, a no-break space is a space). A
+   reference with nothing left to compare (``blank_answer``: empty, whitespace, ``.``,
+   ``$$``, ``\\boxed{}``) never matches, whatever the answer: a dataset row without a
+   reference must not pay the policy for answering nothing.
 1. **Unwrap** both texts: the content of the last ``\\boxed{...}`` (or ``\\fbox{...}``)
    if there is one; then surrounding whitespace, one pair of ``$...$``, ``\\(...\\)`` or
    ``\\[...\\]`` math delimiters and one trailing ``.`` are removed.
@@ -49,6 +57,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import unicodedata
 from fractions import Fraction
 
 from raytunix import profiling
@@ -65,6 +74,13 @@ _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _DELIMITERS = (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"))
 _LATEX_COMMAND = re.compile(r"\\[A-Za-z]+")
 _WORD = re.compile(r"[A-Za-z]{2,}")
+# Format characters that change a text's code points but not how it reads.
+_INVISIBLE = re.compile("[\u00ad\u061c\u180e\u200b-\u200f\u202a-\u202e\u2060-\u2064"
+                        "\u2066-\u2069\ufeff]")
+_SUPERSCRIPTS = "\u2070\u00b9\u00b2\u00b3" + "".join(map(chr, range(0x2074, 0x207f)))  # 0-9 + - = ( )
+_SUBSCRIPTS = "".join(map(chr, range(0x2080, 0x208f)))
+_SCRIPT_RUN = re.compile(f"[{_SUPERSCRIPTS}]+|[{_SUBSCRIPTS}]+")
+_DELIMITER_TEXT = re.compile(r"\\[()\[\]]|[${}]")
 
 
 def answers_match(answer: str | None, reference: str) -> bool:
@@ -84,15 +100,64 @@ def answers_match(answer: str | None, reference: str) -> bool:
                         f"({reference!r:.60}); store answers as text.")
     if answer is None or len(answer) > MAX_ANSWER_CHARS or len(reference) > MAX_ANSWER_CHARS:
         return False
-    given, expected = unwrap(answer), unwrap(reference)
+    given, expected = unwrap(normalize_text(answer)), unwrap(normalize_text(reference))
+    if _blank(expected):
+        return False
     given_number, expected_number = parse_number(given), parse_number(expected)
     if given_number is not None and expected_number is not None:
         return given_number == expected_number
-    if _text_key(given) == _text_key(expected):
+    if text_key(given) == text_key(expected):
         return True
     if not expected or _WORD.search(_LATEX_COMMAND.sub(" ", expected)):
         return False
     return _symbolic_match(given, expected)
+
+
+def normalize_text(text: str) -> str:
+    """``text`` as answers and questions are compared: invisible format characters
+    (U+00AD, U+061C, U+180E, U+200B-U+200F, U+202A-U+202E, U+2060-U+2064, U+2066-U+2069,
+    U+FEFF) removed, runs of super-/subscript digits and signs written as ``^{...}`` /
+    ``_{...}`` (NFKC alone would turn ``2²`` into ``22``), then Unicode NFKC (compatibility
+    forms: fullwidth digits and letters, ligatures, no-break spaces), and the fraction
+    slash U+2044 that NFKC leaves in ``½`` as ``/``. Case and whitespace are kept (see
+    ``text_key``)."""
+    text = _INVISIBLE.sub("", text)
+    if _SCRIPT_RUN.search(text):
+        text = _SCRIPT_RUN.sub(_script_run, text)
+    return unicodedata.normalize("NFKC", text).replace("\u2044", "/")
+
+
+def text_key(text: str) -> str:
+    """``normalize_text(text)`` with whitespace runs collapsed to one space, stripped and
+    case-folded: the key under which two answers compare as text, and under which a
+    held-out question is the same as a training one (``datasets.drop_leaked``)."""
+    return " ".join(normalize_text(text).split()).casefold()
+
+
+def blank_answer(text: str) -> bool:
+    """Whether ``text`` holds nothing a reference answer could be compared with: once
+    normalised (``normalize_text``) and unwrapped (``unwrap``), and without math
+    delimiters (``$``, ``\\(``, ``\\)``, ``\\[``, ``\\]``) and braces, no letter,
+    digit or symbol (Unicode categories L, N, S) is left. ``""``, ``"  "``, ``"."``,
+    ``"$$"``, ``"\\boxed{}"``, ``"\\u200b"`` and ``"..."`` are blank; ``"0"``, ``"x"``,
+    ``"+"`` and ``"∅"`` are not."""
+    return _blank(unwrap(normalize_text(text)))
+
+
+def _blank(unwrapped: str) -> bool:
+    core = _DELIMITER_TEXT.sub("", unwrapped)
+    return not any(unicodedata.category(c)[0] in "LNS" for c in core)
+
+
+def _script_run(match: re.Match) -> str:
+    run = match.group()
+    if run[0] in _SUPERSCRIPTS:
+        return "^{" + run.translate(_PLAIN_SUPERSCRIPTS) + "}"
+    return "_{" + run.translate(_PLAIN_SUBSCRIPTS) + "}"
+
+
+_PLAIN_SUPERSCRIPTS = str.maketrans(_SUPERSCRIPTS, "0123456789+-=()")
+_PLAIN_SUBSCRIPTS = str.maketrans(_SUBSCRIPTS, "0123456789+-=()")
 
 
 def unwrap(text: str) -> str:
@@ -142,10 +207,6 @@ def _last_boxed(text: str) -> str | None:
             if depth == 0:
                 return text[start:i]
     return None
-
-
-def _text_key(text: str) -> str:
-    return " ".join(text.split()).casefold()
 
 
 def _symbolic_match(given: str, expected: str) -> bool:

@@ -21,6 +21,15 @@ after the last ``####`` as the answer (GSM8K's layout: worked solution, then
 ``#### 72``); the whole text stays in ``metadata["solution"]``. Task ids are stable: the id
 column's value, else ``<split>-<row index in the source>``, so the same file gives the
 same ids whatever the sizes or the seed.
+
+Every row needs a usable reference answer, or the policy could earn reward by answering
+nothing: a row whose answer is missing (null / None), a float NaN or infinity, or blank
+(``raytunix.data.answers.blank_answer``: empty, whitespace or invisible characters only,
+``$$``, nothing after the GSM8K mark) is refused, naming the row and the column. A text
+answer that reads as a missing-value marker (``nan``, ``None``, ``null``, ``N/A``,
+``<NA>``, ``NaT``, any case) is refused only when every other answer of the split is a
+number: that is what a numeric column turned into text (pandas' ``astype(str)``) looks
+like, while in a text dataset ``"None"`` or ``"Nan"`` can be a true answer.
 """
 
 from __future__ import annotations
@@ -28,17 +37,22 @@ from __future__ import annotations
 import dataclasses
 import glob
 import json
+import math
 import os
 import random
 from typing import Any, Sequence
 
 import pyarrow as pa
 
+from raytunix.data.answers import blank_answer, parse_number, text_key, unwrap
 from raytunix.types import Task
 
 FILE_SOURCES = ("parquet", "jsonl", "hf")
 GSM8K_ANSWER_MARK = "####"
 _EXTENSIONS = {"parquet": (".parquet",), "jsonl": (".jsonl", ".json")}
+# Text a numeric column turned into strings holds where a value was missing.
+MISSING_MARKERS = frozenset({"nan", "-nan", "none", "null", "na", "n/a", "<na>", "nat"})
+_SHOWN_ROWS = 10  # bad rows listed by number in one error
 
 
 class DatasetError(ValueError):
@@ -92,8 +106,9 @@ def load_tasks(spec: DatasetSpec) -> list[Task]:
 
     Raises:
       DatasetError: see ``read_table``; a mapped column is missing (the columns that exist
-        are listed); a question is empty or an answer missing (the row is named); ids of
-        the id column repeat.
+        are listed); a question is empty; a row has no usable reference answer (see the
+        module doc; the first such row is named, with the count and the numbers of the
+        others); ids of the id column repeat.
     """
     table = read_table(spec)
     names = table.column_names
@@ -105,22 +120,31 @@ def load_tasks(spec: DatasetSpec) -> list[Task]:
                 f"{key}={column!r} is not a column of {spec.path!r} (split {spec.split!r}); its "
                 f"columns are {names}. Set {key} to the column that holds it.")
     used = {spec.question_column, spec.answer_column, spec.id_column}
-    tasks, seen = [], {}
+    tasks, seen, bad, markers = [], {}, [], []
     for row, record in enumerate(table.to_pylist()):
-        question, answer = record[spec.question_column], record[spec.answer_column]
+        question, raw = record[spec.question_column], record[spec.answer_column]
         where = f"{spec.path!r} (split {spec.split!r}) row {row}"
-        if not isinstance(question, str) or not question.strip():
+        if not isinstance(question, str) or not text_key(question):
             raise DatasetError(f"{where}: question column {spec.question_column!r} is "
                                f"{question!r}; every row needs a question text.")
-        if answer is None or isinstance(answer, (dict, list)):
-            raise DatasetError(f"{where}: answer column {spec.answer_column!r} is {answer!r}; "
-                               "every row needs a text or number answer.")
-        # A numeric column mixing 4 and 2.5 is read as doubles; 4.0 was written 4.
-        answer = str(int(answer)) if isinstance(answer, float) and answer.is_integer() else str(answer)
+        answer, why = _reference(raw)
+        if why:
+            bad.append((row, f"{where}: answer column {spec.answer_column!r} is {raw!r:.80} "
+                             f"({why})"))
+            continue
         metadata: dict[str, Any] = {"row": row, "split": spec.split}
         if GSM8K_ANSWER_MARK in answer:
             metadata["solution"] = answer
             answer = answer.rsplit(GSM8K_ANSWER_MARK, 1)[1].strip()
+            if blank_answer(answer):
+                bad.append((row, f"{where}: answer column {spec.answer_column!r} is "
+                                 f"{raw!r:.80}, with nothing after its last "
+                                 f"{GSM8K_ANSWER_MARK!r} mark (the GSM8K layout's answer)"))
+                continue
+        if answer.strip().casefold() in MISSING_MARKERS:
+            markers.append((row, f"{where}: answer column {spec.answer_column!r} is "
+                                 f"{raw!r:.80}, a missing-value marker, in a column whose "
+                                 "other answers are all numbers"))
         metadata["columns"] = {k: v for k, v in record.items()
                                if k not in used and isinstance(v, (str, int, float, bool))}
         task_id = str(record[spec.id_column]) if spec.id_column else f"{spec.split}-{row:06d}"
@@ -131,7 +155,42 @@ def load_tasks(spec: DatasetSpec) -> list[Task]:
                                "data.id_column empty for row-number ids.")
         seen[task_id] = row
         tasks.append(Task(task_id=task_id, question=question, answer=answer, metadata=metadata))
+    marked = {r for r, _ in markers}
+    if markers and all(parse_number(unwrap(t.answer)) is not None for t in tasks
+                       if t.metadata["row"] not in marked):
+        bad = sorted(bad + markers)
+    if bad:
+        rows = [r for r, _ in bad]
+        shown = ", ".join(map(str, rows[:_SHOWN_ROWS]))
+        shown += ", ..." if len(rows) > _SHOWN_ROWS else ""
+        raise DatasetError(
+            f"{bad[0][1]}: every row needs a reference answer the reward can be checked "
+            f"against, or the policy earns reward by answering nothing. {len(rows)} of the "
+            f"{table.num_rows} rows have none (rows {shown}); fill in their "
+            f"{spec.answer_column!r} or remove them from the dataset.")
     return tasks
+
+
+def _reference(value: Any) -> tuple[str, str]:
+    """``(answer text, "")`` for a usable answer cell, else ``("", why not)``."""
+    if value is None:
+        return "", "missing"
+    if isinstance(value, (dict, list)):
+        return "", "not a text or number"
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError:
+            return "", "bytes that are not UTF-8 text"
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return "", f"a float {value}, not an answer; write a true infinite answer as text"
+        # A numeric column mixing 4 and 2.5 is read as doubles; 4.0 was written 4.
+        value = str(int(value)) if value.is_integer() else str(value)
+    answer = str(value)
+    if GSM8K_ANSWER_MARK not in answer and blank_answer(answer):
+        return "", "blank: nothing to compare an answer with"
+    return answer, ""
 
 
 def file_splits(train: DatasetSpec, heldout: DatasetSpec | None, train_size: int,
@@ -182,10 +241,13 @@ def file_splits(train: DatasetSpec, heldout: DatasetSpec | None, train_size: int
 
 
 def drop_leaked(train: Sequence[Task], heldout: Sequence[Task]) -> list[Task]:
-    """``heldout`` without the tasks whose question (whitespace-normalised) is a training
-    question, so held-out success measures generalisation."""
-    seen = {" ".join(t.question.split()) for t in train}
-    return [t for t in heldout if " ".join(t.question.split()) not in seen]
+    """``heldout`` without the tasks whose question is a training question, so held-out
+    success measures generalisation. Questions compare by ``raytunix.data.answers.text_key``
+    (Unicode NFKC, invisible characters removed, whitespace collapsed, case folded, as
+    answers compare), so a copy that differs by a zero-width space or a fullwidth digit
+    counts as the same question."""
+    seen = {text_key(t.question) for t in train}
+    return [t for t in heldout if text_key(t.question) not in seen]
 
 
 def reasoning_gym_splits(name: str, train_size: int, heldout_size: int, seed: int,
@@ -193,7 +255,8 @@ def reasoning_gym_splits(name: str, train_size: int, heldout_size: int, seed: in
     """Train and held-out tasks from reasoning-gym's generator ``name``.
 
     reasoning-gym draws entry ``i`` from ``Random(seed + i)``: held-out entries come from
-    seeds after the training range, and questions already seen are skipped and replaced
+    seeds after the training range, and questions already seen (compared by
+    ``raytunix.data.answers.text_key``, as ``drop_leaked`` does) are skipped and replaced
     (up to ``10 * heldout_size + 1000`` draws).
 
     Returns:
@@ -203,7 +266,8 @@ def reasoning_gym_splits(name: str, train_size: int, heldout_size: int, seed: in
 
     Raises:
       DatasetError: ``name`` is not a reasoning-gym dataset (close names listed), its
-        config refuses ``dataset_kwargs``, or too few distinct questions exist.
+        config refuses ``dataset_kwargs``, too few distinct questions exist, or an entry
+        has a blank answer (see ``entry_task``).
     """
     import reasoning_gym
     from reasoning_gym.factory import DATASETS
@@ -224,16 +288,19 @@ def reasoning_gym_splits(name: str, train_size: int, heldout_size: int, seed: in
     except (TypeError, ValueError, AssertionError) as e:
         raise DatasetError(f"reasoning-gym dataset {name!r} refuses its settings "
                            f"{dataset_kwargs}: {e}") from None
-    train = [entry_task(f"train-{i:06d}", train_data[i]) for i in range(train_size)]
-    seen = {t.question for t in train}
+    train = [entry_task(f"train-{i:06d}", train_data[i], name, seed + i)
+             for i in range(train_size)]
+    seen = {text_key(t.question) for t in train}
     heldout: list[Task] = []
     for i in range(attempts):
         if len(heldout) == heldout_size:
             break
         entry = held_data[i]
-        if entry["question"] not in seen:
-            seen.add(entry["question"])
-            heldout.append(entry_task(f"heldout-{len(heldout):06d}", entry))
+        key = text_key(entry["question"])
+        if key not in seen:
+            seen.add(key)
+            heldout.append(entry_task(f"heldout-{len(heldout):06d}", entry, name,
+                                      seed + train_size + i))
     if len(heldout) < heldout_size:
         raise DatasetError(
             f"reasoning-gym {name!r} gave only {len(heldout)} held-out questions not in train "
@@ -242,13 +309,32 @@ def reasoning_gym_splits(name: str, train_size: int, heldout_size: int, seed: in
     return train, heldout
 
 
-def entry_task(task_id: str, entry: dict[str, Any]) -> Task:
-    """A reasoning-gym entry as a ``Task`` (``metadata["entry"]`` keeps it, JSON-safe)."""
+def entry_task(task_id: str, entry: dict[str, Any], name: str = "", seed: int | None = None
+               ) -> Task:
+    """A reasoning-gym entry as a ``Task`` (``metadata["entry"]`` keeps it, JSON-safe).
+
+    An entry whose answer is None (puzzles with many solutions, which the dataset's scorer
+    verifies from the entry's metadata: ``rubiks_cube``, ``graph_color``) gets the task
+    answer ``""``, which ``answers_match`` never matches; its scorer still decides.
+
+    Raises:
+      DatasetError: the entry's answer is blank text or a non-finite float (``name`` and
+        ``seed``, the entry's generator seed, are named).
+    """
+    answer = entry["answer"]
+    if answer is not None:
+        _, why = _reference(answer)
+        if why:
+            raise DatasetError(
+                f"reasoning-gym {name!r} entry {task_id} (generator seed {seed}) has answer "
+                f"{answer!r:.80} ({why}); its scorer would compare answers with nothing. "
+                "Change data.seed or data.dataset_kwargs (env.kwargs.dataset_kwargs), or "
+                "use another dataset.")
     # A JSON round trip turns the generator's tuples into lists, so tasks serialize.
     entry = json.loads(json.dumps({k: entry[k] for k in ("question", "answer", "metadata")},
                                   default=str))
-    return Task(task_id=task_id, question=entry["question"], answer=str(entry["answer"]),
-                metadata={"entry": entry})
+    return Task(task_id=task_id, question=entry["question"],
+                answer="" if answer is None else str(answer), metadata={"entry": entry})
 
 
 def _read_file(source: str, path: str, key: str) -> pa.Table:

@@ -219,7 +219,7 @@ def started_job(cfg: Config, run: RunDir, dataset) -> Iterator[tuple[Job, Tasks]
         stack.callback(lambda: [ray.kill(actor) for actor in env_pool.actors])
         tasks = prepare.task_splits(cfg, env_pool, dataset)
         tokenizer = prepare.run_tokenizer(cfg, run, tasks.train)
-        prepare.check_prompts(cfg, env_pool, tasks, tokenizer)
+        tasks = prepare.check_prompts(cfg, env_pool, tasks, tokenizer)
         job = Job(cfg, tokenizer, tasks.train, env_pool, sandbox_pool)
         stack.pop_all()  # the job's shutdown takes them all down now
         try:

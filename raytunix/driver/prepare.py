@@ -193,13 +193,16 @@ def run_preflight(check, *args):
 class Tasks:
     """The run's tasks: ``train`` (RL and the warm start's demonstrations), ``heldout``
     (evaluated before and after RL, ``eval.heldout_size`` of them), ``dev`` (the warm
-    start's stop check: the last ``warmup.eval_size`` train tasks, not held out) and
-    ``source`` (where they came from, for the log)."""
+    start's stop check: the last ``warmup.eval_size`` train tasks, not held out),
+    ``source`` (where they came from, for the log) and ``dropped`` (tasks left out before
+    training, by reason: ``overlong_prompt_train``, ``overlong_prompt_heldout``)."""
 
     train: list
     heldout: list
     dev: list
     source: str
+    dropped: dict = dataclasses.field(
+        default_factory=lambda: {"overlong_prompt_train": 0, "overlong_prompt_heldout": 0})
 
 
 def task_splits(cfg: Config, env_pool: EnvPool, dataset) -> Tasks:
@@ -289,21 +292,76 @@ def _folder_tokenizer(cfg: Config) -> Tokenizer:
     return tokenizer
 
 
-def check_prompts(cfg: Config, env_pool: EnvPool, tasks: Tasks, tokenizer: Tokenizer) -> None:
-    """Renders a sample of train and held-out prompts through the agent and logs their
-    token lengths.
+def check_prompts(cfg: Config, env_pool: EnvPool, tasks: Tasks, tokenizer: Tokenizer) -> Tasks:
+    """Length-checks every train and held-out task's first prompt in tokens
+    (``preflight.check_prompt_lengths``: samples exactly, every question in one tokenizer
+    batch, flagged ones exactly) and logs the sampled lengths.
+
+    Returns:
+      ``tasks``, or with ``data.overlong_prompts=drop`` a copy without the tasks whose
+      prompt leaves no room for a reply, ``dropped`` counting them per split.
 
     Raises:
-      RunError: a prompt does not fit ``model.max_seq_len`` (``preflight.measure_prompts``).
+      RunError: a prompt does not fit ``model.max_seq_len`` and ``data.overlong_prompts``
+        is ``error`` (the tasks are named, with their rows), or dropping them leaves a
+        split empty; or see ``preflight.prompt_lengths``.
     """
-    prompts = run_preflight(
-        preflight.measure_prompts, env_pool,
-        preflight.sample_tasks(tasks.train, 24) + preflight.sample_tasks(tasks.heldout, 8),
-        lambda: new_agent(cfg, tokenizer), cfg.model.max_seq_len)
+    limit = cfg.model.max_seq_len
+    samples = preflight.sample_tasks(tasks.train, 24) + preflight.sample_tasks(tasks.heldout, 8)
+    check = run_preflight(preflight.check_prompt_lengths, env_pool,
+                          [*tasks.train, *tasks.heldout], samples,
+                          lambda: new_agent(cfg, tokenizer), tokenizer, limit)
+    sizes = check.sample_tokens
     say(f"env {cfg.env.name!r} ready on {cfg.env.num_env_actors} actors; tasks: {tasks.source} "
         f"({len(tasks.train)} train, {len(tasks.heldout)} held out); "
-        f"prompts {prompts['prompt_tokens_min']}-{prompts['prompt_tokens_max']} tokens "
-        f"(context {cfg.model.max_seq_len})")
+        f"prompts {sizes[0]}-{sizes[-1]} tokens on {len(sizes)} samples (context {limit}); "
+        f"all {len(tasks.train) + len(tasks.heldout)} length-checked, "
+        f"{check.measured_exactly} through the environment"
+        + (" (the rest by question tokens)" if check.bound_applies else
+           " (its first observation does not hold the task's question, so no bound applies)"))
+    if not check.too_long:
+        return tasks
+    too_long = {id(t) for t, _ in check.too_long}
+    train = [t for t in tasks.train if id(t) not in too_long]
+    heldout = [t for t in tasks.heldout if id(t) not in too_long]
+    dropped = {"overlong_prompt_train": len(tasks.train) - len(train),
+               "overlong_prompt_heldout": len(tasks.heldout) - len(heldout)}
+    if cfg.data.overlong_prompts == "drop" and train and heldout:
+        say(f"data.overlong_prompts=drop: left out {dropped['overlong_prompt_train']} train "
+            f"and {dropped['overlong_prompt_heldout']} held-out tasks whose first prompt leaves "
+            f"no room for a reply in model.max_seq_len={limit} tokens "
+            f"({_named(check.too_long)})")
+        return dataclasses.replace(tasks, train=train, heldout=heldout,
+                                   dev=train[-cfg.warmup.eval_size:],
+                                   dropped={**tasks.dropped, **dropped})
+    worst = max(n for _, n in check.too_long)
+    emptied = [name for name, kept in (("train", train), ("held-out", heldout)) if not kept]
+    hint = (f"The model's tokenizer has {tokenizer.vocab_size} ids." if cfg.model.path else
+            f"The run's tokenizer has {tokenizer.vocab_size} ids; a small vocabulary spends "
+            "about a token per byte, so a larger model.tokenizer_vocab_size (the tokenizer "
+            "is trained on the run's tasks) makes prompts shorter.")
+    fix = (f"every {' and '.join(emptied)} task would be dropped, so the run cannot train. "
+           if cfg.data.overlong_prompts == "drop" else
+           "Or set data.overlong_prompts=drop to leave them out (counted in summary.json). ")
+    raise RunError(
+        f"{dropped['overlong_prompt_train']} of {len(tasks.train)} train and "
+        f"{dropped['overlong_prompt_heldout']} of {len(tasks.heldout)} held-out tasks have a "
+        f"first prompt that leaves no room for a reply in model.max_seq_len={limit} tokens: "
+        f"{_named(check.too_long)}; the longest has {worst} tokens (sampled prompts are "
+        f"{sizes[0]}-{sizes[-1]}). Raise model.max_seq_len above {worst} plus the reply "
+        "length (rollout.max_new_tokens), or shorten those prompts (the task text, the "
+        f"environment's first observation, the system prompt). {fix}{hint}")
+
+
+def _named(too_long, shown: int = 8) -> str:
+    """``task 'train-000137' (row 137, 10013 tokens), ...`` for the first ``shown`` of
+    ``(task, prompt tokens)``; the row is a dataset file's (``metadata["row"]``)."""
+    def one(task, n):
+        row = task.metadata.get("row") if isinstance(task.metadata, dict) else None
+        where = f"row {row}, " if row is not None else ""
+        return f"task {task.task_id!r} ({where}{n} tokens)"
+    names = ", ".join(one(t, n) for t, n in too_long[:shown])
+    return names + (f", and {len(too_long) - shown} more" if len(too_long) > shown else "")
 
 
 def warm_start_applies(cfg: Config, tasks: Tasks) -> bool:

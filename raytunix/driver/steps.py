@@ -501,10 +501,12 @@ def export_policy(cfg: Config, job: Job, run: RunDir) -> None:
 
 
 def summarise(cfg: Config, job: Job, run: RunDir, start: RLStart, after: dict[str, Any],
-              engine_stats: dict[str, Any], rl_s: float, wall0: float) -> dict[str, Any]:
+              engine_stats: dict[str, Any], rl_s: float, wall0: float,
+              tasks_dropped: dict[str, int] | None = None) -> dict[str, Any]:
     """Writes the profile (trace, bottleneck report, plots) and summary.json, prints the
     summary and returns it. ``rl_s`` and ``wall_s`` (from ``wall0``, ``time.monotonic``)
-    cover this process's part of the run only."""
+    cover this process's part of the run only; ``tasks_dropped`` is ``Tasks.dropped``
+    (tasks left out before training, by reason)."""
     artifacts = profiling.write_artifacts(run.path)
     before, warm = start.before, start.warm
     summary = {
@@ -529,6 +531,7 @@ def summarise(cfg: Config, job: Job, run: RunDir, start: RLStart, after: dict[st
         "bottleneck_summary": artifacts.get("bottleneck_summary", ""),
         "profile": {k: v for k, v in artifacts.items() if k.endswith("_path")},
         "rl_engine_busy_fraction": rl_mean(run, "engine_busy_fraction"),
+        "tasks_dropped": dict(tasks_dropped or {}),
         "orchestrator": {**{f"episodes_{s.value}": 0 for s in EpisodeStatus},
                          **ray.get(job.orchestrator.stats.remote())["counters"]},
     }

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
+from raytunix.data.answers import blank_answer
 from raytunix.envs.base import BaseEnv
 from raytunix.types import Action, EpisodeStatus, StepResult, Task
 
@@ -49,7 +50,10 @@ class ReasoningGymEnv(BaseEnv):
     ``info["correct"]`` is ``score == 1`` exactly, status ``COMPLETED``. No answer scores 0 with
     ``info["parse_error"]``; an empty or whitespace answer, or one longer than
     ``max(MIN_LENGTH_CAP, LENGTH_FACTOR * len(reference))`` characters, scores 0 without
-    the scorer, with the reason in ``info["refused"]``.
+    the scorer, with the reason in ``info["refused"]``. An entry whose reference answer is
+    blank text (``raytunix.data.answers.blank_answer``) scores 0 whatever the answer, with
+    ``info["empty_reference"]`` (an answer of None is the scorer's own verification, as in
+    ``rubiks_cube``).
 
     Args:
       task: a reasoning-gym dataset name (e.g. ``"leg_counting"``): the environment then
@@ -116,6 +120,9 @@ class ReasoningGymEnv(BaseEnv):
         score = 0.0
         if action.answer is None:
             info["parse_error"] = action.parse_error or "no answer found"
+        elif isinstance(entry.get("answer"), str) and blank_answer(entry["answer"]):
+            # A blank reference would pay a blank answer; None means the scorer verifies.
+            info["empty_reference"] = True
         elif not action.answer.strip():
             info["refused"] = "the answer is empty"
         elif len(action.answer) > cap:

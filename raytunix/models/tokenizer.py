@@ -33,6 +33,10 @@ SPECIAL_TOKENS = ("<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|
                   "<tool_call>", "</tool_call>", "<answer>", "</answer>")
 """Special tokens, with ids 0..9 in this order in every raytunix tokenizer."""
 
+# Tokens a pre-tokenizer may add to a text (a prefix space or a metaspace, in up to three
+# byte-fallback tokens, and one more for safety).
+PREFIX_TOKENS_BOUND = 4
+
 
 def _pre_tokenizer() -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.Sequence([
@@ -201,6 +205,26 @@ class Tokenizer:
         """
         encoder = self._tokenizer if special_tokens else self._plain
         return encoder.encode(text, add_special_tokens=False).ids
+
+    def count_tokens(self, texts: Sequence[str], special_tokens: bool = False) -> list[int]:
+        """``[len(encode(t, special_tokens)) for t in texts]``, encoded as one batch (the
+        tokenizers library spreads it over threads). A lone surrogate is counted as
+        U+FFFD, as agents encode it."""
+        encoder = self._tokenizer if special_tokens else self._plain
+        texts = [t.encode("utf-8", "replace").decode("utf-8") for t in texts]
+        batch = getattr(encoder, "encode_batch_fast", encoder.encode_batch)  # no offsets
+        return [len(e.ids) for e in batch(texts, add_special_tokens=False)]
+
+    def token_count_bounds(self, texts: Sequence[str]) -> list[int] | None:
+        """An upper bound on ``count_tokens(texts)`` per text without tokenizing: the text's
+        UTF-8 bytes plus ``PREFIX_TOKENS_BOUND``, or None when the tokenizer has a
+        normalizer (which may lengthen text: NFKC, lower-casing). Without one, every token
+        stands for at least one byte of the text (a byte-level or byte-fallback token) or
+        one character (a vocabulary piece, an unknown token), and the pre-tokenizer adds at
+        most a prefix space or metaspace."""
+        if self._tokenizer.normalizer is not None:
+            return None
+        return [len(t.encode("utf-8", "replace")) + PREFIX_TOKENS_BOUND for t in texts]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of ``ids``; bytes that do not form valid UTF-8 become U+FFFD."""
