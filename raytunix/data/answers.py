@@ -65,6 +65,9 @@ from raytunix import profiling
 MAX_ANSWER_CHARS = 256  # longer answers are not compared (score 0)
 MAX_EXPONENT = 400  # |e| of 1e<e> accepted as a plain number (bigger would build huge ints)
 SYMBOLIC_TIMEOUT_S = 5.0  # deadline of one symbolic comparison (step 3), seconds
+# How long a fresh helper may take to start and import math-verify, apart from the deadline
+# of the comparison: on a loaded host the import alone can take longer than 5 s.
+SYMBOLIC_STARTUP_TIMEOUT_S = 120.0
 
 _INTEGER = r"(?:\d{1,3}(?:,\d{3})+|\d+)"
 _NUMBER = re.compile(
@@ -232,6 +235,9 @@ def _serve(conn) -> None:
     """The helper process: answers ``(given, expected)`` pairs with ``symbolic_equal``."""
     # Its notice that the timeout is off is not the user's concern; the parent keeps time.
     logging.getLogger("math_verify").setLevel(logging.ERROR)
+    import math_verify  # noqa: F401 - imported before "ready", so no deadline pays for it
+
+    conn.send("ready")
     while True:
         try:
             given, expected = conn.recv()
@@ -255,9 +261,9 @@ class _SymbolicWorker:
 
     def compare(self, given: str, expected: str, timeout_s: float) -> bool:
         with self._lock:
-            if self._process is None or not self._process.is_alive():
-                self._start()
             try:
+                if self._process is None or not self._process.is_alive():
+                    self._start()
                 self._conn.send((given, expected))
                 if self._conn.poll(timeout_s):
                     return bool(self._conn.recv())
@@ -275,11 +281,16 @@ class _SymbolicWorker:
                                         name="raytunix-math-verify")
         self._process.start()
         child.close()
+        if not (self._conn.poll(SYMBOLIC_STARTUP_TIMEOUT_S) and self._conn.recv() == "ready"):
+            raise OSError(f"the math-verify helper did not start within "
+                          f"{SYMBOLIC_STARTUP_TIMEOUT_S:.0f} s")
 
     def _stop(self) -> None:
-        self._process.kill()
-        self._process.join()
-        self._conn.close()
+        if self._process is not None:
+            self._process.kill()
+            self._process.join()
+        if self._conn is not None:
+            self._conn.close()
         self._process = self._conn = None
 
 
