@@ -368,11 +368,19 @@ def test_weak_isolation_when_allowed_is_reported_in_every_result_and_warned_abou
 
 
 def test_the_subprocess_backend_builds_its_own_namespaces_where_it_can():
-    with Sandbox(backend="subprocess") as box:
+    try:
+        box = Sandbox(backend="subprocess")
+    except SandboxError as e:
+        pytest.skip(f"no namespaces can be made here: {e}")
+    with box:
         result = box.run_once(["sh", "-c", "hostname; ls /"])
     assert box.isolation is IsolationLevel.NAMESPACES and result.isolation is box.isolation
-    assert result.stdout.split() == ["sandbox", *sorted(result.stdout.split()[1:])]
-    assert "root" not in result.stdout.split() and "home" not in result.stdout.split()
+    hostname, *top = result.stdout.split()
+    assert hostname == "sandbox"  # its own UTS namespace
+    # A root of its own: the system read-only, its /dev, /proc and /tmp; no /root, /home.
+    assert {"usr", "etc", "dev", "proc", "tmp"} <= set(top)
+    assert set(top) <= {"usr", "etc", "dev", "proc", "tmp", "bin", "sbin", "lib", "lib32",
+                        "lib64", "libx32"}, top
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="only a root host runs commands as other users")

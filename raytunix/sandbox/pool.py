@@ -116,9 +116,11 @@ class SandboxActor(profiling.ProfiledActor):
         self._sandbox.close()
 
     def stats(self) -> dict[str, Any]:
-        """``pid``, ``backend``, ``isolation``, ``workspaces`` open, ``runs`` started."""
+        """``pid``, ``backend``, ``isolation``, ``missing`` (the guarantees that do not
+        hold here, ``Sandbox.missing_guarantees``), ``workspaces`` open, ``runs`` started."""
         return {"pid": os.getpid(), "backend": self._sandbox.backend.value,
                 "isolation": self._sandbox.isolation.value,
+                "missing": list(self._sandbox.missing_guarantees),
                 "workspaces": self._sandbox.num_workspaces(), "runs": self._runs,
                 "retiring": self._retiring}
 

@@ -1,5 +1,6 @@
-"""Runs commands in per-episode work dirs under resource limits, in bubblewrap where it
-works and in a plainly weaker subprocess sandbox where it does not.
+"""Runs commands in per-episode work dirs under resource limits, in namespaces of their
+own (bubblewrap, or the launcher's own where bubblewrap does not work), and refuses to
+run untrusted code where no namespaces can be made, unless told to accept that.
 
     sandbox = Sandbox(SandboxLimits(wall_time_s=5))
     ws = sandbox.open_workspace("episode-17")
@@ -17,24 +18,31 @@ How a run is built:
   ``SANDBOX_UID_BASE`` up, one per open work dir on the host, claimed with a lock file).
   The process limit is only enforced for users other than root, and counts per user, so
   this is what makes it hold, under bubblewrap too; it also lets the end of every run kill
-  all processes of that user, whatever session they moved to.
+  all processes of that user, whatever session they moved to. As root each work dir is
+  also a tmpfs of ``max_workdir_bytes``: its disk budget.
 * bubblewrap (``bwrap``) unshares every namespace (no network, own PID namespace), mounts
   ``/usr``, ``/etc``, the ``/bin``-style links and the Python installation read-only, a
   fresh ``/dev``, ``/proc`` and a size-limited ``/tmp``, and the work dir read-write at
   its own path; nothing else of the host is visible. It dies with its parent, and its
   PID namespace dies with it, so killing its process group kills the whole tree.
-* Whether bubblewrap works is found out once per process by running ``true`` in it; when
-  it does not (not installed, user namespaces forbidden...) ``backend="auto"`` falls back
-  to the subprocess backend, logs one warning with the reason, and says so in every
-  result (``SandboxResult.isolation``).
+* Where bubblewrap does not work, the subprocess backend's launcher builds the same
+  namespaces itself (``_launch.py``: a user namespace first where the host user is not
+  root, then mount, PID, network, IPC and UTS, and a ``pivot_root`` into a root of its
+  own). Whether each works is found out once per process by running ``true`` in it.
+* Where neither works (no user namespaces, no CAP_SYS_ADMIN), a command could read the
+  host user's files and its processes' environments and reach loopback services: the
+  sandbox refuses to start, naming what is missing (``MISSING_GUARANTEES``), unless
+  ``allow_weak_isolation`` accepts it; every result says its isolation.
 * The wall-clock deadline is watched with a pidfd and the output pipes in one ``select``
   loop; past it, the process group is killed (and, as root, every process of the work
   dir's user). Output beyond ``max_output_bytes`` is read and dropped, so a command that
   prints 100 MB neither blocks nor fills this process's memory.
+* A closed work dir is deleted without following any link its commands left
+  (``_remove_tree``).
 
-Not covered: disk usage of a work dir (each file is limited, their number is not),
-seccomp filtering, and a memory limit on resident memory (``RLIMIT_AS`` bounds address
-space). Runs of one work dir are serialized.
+Not covered: a disk budget where the host user is not root, seccomp filtering, and a
+memory limit on resident memory (``RLIMIT_AS`` bounds address space). Runs of one work dir
+are serialized.
 """
 
 from __future__ import annotations
@@ -168,14 +176,24 @@ class Sandbox:
       instance: names this sandbox's subdirectory of ``root_dir``; whatever a previous
         sandbox of the same name left there is deleted first (a restarted actor passes its
         actor id). Default: unique to this object.
-      ro_binds: more host paths visible read-only under bubblewrap (e.g. a dataset).
+      ro_binds: more host paths visible read-only in the run's namespaces (e.g. a
+        dataset).
+      allow_weak_isolation: run even where no namespaces can be made (isolation
+        ``USER`` or ``PROCESS``: see ``MISSING_GUARANTEES``), with a warning that names
+        what is missing. False (the default): refuse to start there.
+
+    Attributes:
+      fallback_reason: why stronger backends were passed over (None if none was).
+      disk_budget_missing: why ``max_workdir_bytes`` is not enforced here (None: it is).
 
     Raises:
       ValueError: ``backend`` is not one of ``BACKENDS``, or a ``ro_binds`` path is not
         an existing absolute path.
       SandboxError: ``backend="bwrap"`` and bubblewrap does not work here (the message
-        says why), no backend works at all, or (as root) ``root_dir`` is closed to the
-        sandbox's users.
+        says why), no backend works at all, no namespaces can be made here and
+        ``allow_weak_isolation`` is false (the message names the missing guarantees and
+        the key that accepts them), ``root_dir`` is a link, someone else's or writable
+        by others, or (as root) it is closed to the sandbox's users.
     """
 
     def __init__(self, limits: SandboxLimits | None = None, *, backend: str = "auto",
@@ -215,6 +233,15 @@ class Sandbox:
     @property
     def isolation(self) -> IsolationLevel:
         return self._mode.isolation
+
+    @property
+    def missing_guarantees(self) -> tuple[str, ...]:
+        """What this sandbox does not keep from its commands here (empty: everything
+        the README's table lists for namespaces holds)."""
+        missing = MISSING_GUARANTEES.get(self.isolation, ())
+        if self.disk_budget_missing:
+            missing += (f"disk budget: {self.disk_budget_missing}",)
+        return missing
 
     def open_workspace(self, name: str = "") -> str:
         """Creates an empty work dir only this sandbox's runs can use; returns its id.
@@ -429,13 +456,6 @@ class Sandbox:
                  limits: SandboxLimits, mode: _Mode) -> SandboxResult:
         if ws.uid is not None and _take_killed(ws.uid):
             _await_reaped(ws.uid, _REAP_WAIT_S)
-        if ws.budget is not None and limits.max_workdir_bytes != ws.budget:
-            try:
-                _mount_budget(ws.path, limits.max_workdir_bytes, ws.uid, remount=True)
-                ws.budget = limits.max_workdir_bytes
-            except OSError as e:  # e.g. below what the work dir holds already
-                logger.warning("sandbox: the work dir keeps its disk budget of %d bytes: %s",
-                               ws.budget, e)
         command = self._command(ws, argv, limits, mode)
         environ = self._environment(ws, env, mode)
         stdin_fd = os.memfd_create("sandbox-stdin", os.MFD_CLOEXEC)
@@ -894,29 +914,37 @@ def _remove_tree(path: str) -> None:
         os.close(parent_fd)
 
 
-def _remove_at(dir_fd: int, name: str, dev: int | None) -> None:
+def _remove_at(dir_fd: int, name: str, dev: int | None, tries: int = 3) -> None:
     try:
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
         return
+    inside = dev is not None  # dir_fd is a directory of the tree, not the top's parent
     if not stat.S_ISDIR(st.st_mode):
-        _retry_writable(dir_fd, lambda: os.unlink(name, dir_fd=dir_fd))
+        _retry_writable(dir_fd, lambda: os.unlink(name, dir_fd=dir_fd), inside)
         return
-    if dev is not None and st.st_dev != dev:
-        logger.error("sandbox: %r is another file system inside a work dir; left in place",
-                     name)
-        return
-    fd = _open_dir_at(dir_fd, name)
+    try:
+        fd = _open_dir_at(dir_fd, name)
+    except OSError as e:
+        # Swapped for a link or a file since the stat: look again.
+        if e.errno in (errno.ELOOP, errno.ENOTDIR) and tries > 1:
+            return _remove_at(dir_fd, name, dev, tries - 1)
+        raise
     if fd is None:
         return
     try:
-        if stat.S_IMODE(os.fstat(fd).st_mode) & 0o700 != 0o700:
+        own = os.fstat(fd)  # what was opened, whatever the name pointed to before
+        if dev is not None and own.st_dev != dev:
+            logger.error("sandbox: %r is another file system inside a work dir; left in "
+                         "place", name)
+            return
+        if stat.S_IMODE(own.st_mode) & 0o700 != 0o700:
             os.fchmod(fd, 0o700)  # the directory itself, never what a link points to
         for entry in os.listdir(fd):
-            _remove_at(fd, entry, st.st_dev)
+            _remove_at(fd, entry, own.st_dev)
     finally:
         os.close(fd)
-    _retry_writable(dir_fd, lambda: os.rmdir(name, dir_fd=dir_fd))
+    _retry_writable(dir_fd, lambda: os.rmdir(name, dir_fd=dir_fd), inside)
 
 
 def _open_dir_at(dir_fd: int, name: str) -> int | None:
@@ -940,14 +968,17 @@ def _open_dir_at(dir_fd: int, name: str) -> int | None:
         os.close(handle)
 
 
-def _retry_writable(dir_fd: int, remove) -> None:
-    """Runs ``remove``; when the containing directory forbids it, gives that directory
-    (an fd this module opened) owner rights and tries once more."""
+def _retry_writable(dir_fd: int, remove, may_chmod: bool) -> None:
+    """Runs ``remove``; when the containing directory (an fd this module opened, inside
+    the tree if ``may_chmod``) forbids it, gives that directory owner rights and tries
+    once more."""
     try:
         remove()
     except FileNotFoundError:
         pass
     except PermissionError:
+        if not may_chmod:
+            raise
         os.fchmod(dir_fd, 0o700)
         try:
             remove()
@@ -976,23 +1007,23 @@ def _owned_dir(path: str, mode: int, what: str) -> None:
             "another (sandbox.root_dir).")
 
 
-_MS_NOSUID, _MS_NODEV, _MS_REMOUNT = 2, 4, 32
+_MS_NOSUID, _MS_NODEV = 2, 4
 _MNT_DETACH, _UMOUNT_NOFOLLOW = 2, 8
 _LIBC = ctypes.CDLL(None, use_errno=True)
 
 
-def _mount_budget(path: str, size: int, uid: int | None, remount: bool = False) -> None:
-    """Mounts a tmpfs of ``size`` bytes (and an inode count to match) on work dir
-    ``path``, owned by ``uid``, or resizes the one there (``remount``). Needs root.
+def _mount_budget(path: str, size: int, uid: int | None) -> None:
+    """Mounts a tmpfs of ``size`` bytes (and one inode per 4 KiB of it, so that empty
+    files cannot take the memory instead) on work dir ``path``, owned by ``uid``. Needs
+    root.
 
     Raises:
-      OSError: the kernel refused (no CAP_SYS_ADMIN in a container, or a resize below
-        what the work dir holds).
+      OSError: the kernel refused (e.g. no CAP_SYS_ADMIN in a container).
     """
     inodes = max(1024, size // 4096)
     owner = f",uid={uid},gid={uid}" if uid is not None else ""
     data = f"size={size},nr_inodes={inodes},mode=0700{owner}".encode()
-    flags = _MS_NOSUID | _MS_NODEV | (_MS_REMOUNT if remount else 0)
+    flags = _MS_NOSUID | _MS_NODEV
     source = b"raytunix-workdir"
     if _LIBC.mount(source, path.encode(), b"tmpfs", ctypes.c_ulong(flags), data) != 0:
         err = ctypes.get_errno()

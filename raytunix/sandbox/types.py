@@ -27,15 +27,20 @@ class IsolationLevel(str, enum.Enum):
     Every level has the same resource limits (CPU time, address space, processes, file
     size, output size, a wall-clock deadline); they differ in what else holds:
 
-    * ``NAMESPACES`` (bubblewrap): no network at all (an empty network namespace), the
-      system mounted read-only, only the episode's own work dir writable (plus a private
-      ``/tmp``), other work dirs not even visible, its own PID namespace (the deadline
-      kills every process it started).
-    * ``USER`` (subprocess, host user root): the command runs as a user id of its own per
+    * ``NAMESPACES`` (bubblewrap, or the subprocess backend where its launcher can make
+      namespaces: as root, or with user namespaces): no network at all (an empty
+      network namespace), a root of its own with the system mounted read-only, only the
+      episode's own work dir writable (plus a private ``/tmp`` and ``/dev/shm``), the
+      host's other files, other work dirs and the host's processes not even visible,
+      its own PID namespace (every process it started ends with the run, whatever
+      session it moved to).
+    * ``USER`` (subprocess, host user root, no namespaces: a container without
+      CAP_SYS_ADMIN; only with ``allow_weak_isolation``): the command runs as a user id of its own per
       work dir, so file permissions keep episodes apart and the system read-only, and every
       process of that user is killed at the end of each run. The network is open, and
       world-writable places (``/tmp``, ``/dev/shm``) are writable.
-    * ``PROCESS`` (subprocess, any other host user): the command runs as the host user in
+    * ``PROCESS`` (subprocess, any other host user, no user namespaces; only with
+      ``allow_weak_isolation``): the command runs as the host user in
       its own session, killed by process group; it can read and write whatever that user
       can (other episodes' work dirs included), reach the network, and a process that
       leaves the session escapes the deadline. The process limit counts on top of the
@@ -80,11 +85,11 @@ class SandboxLimits:
         namespaces), bytes each (>= 1 MiB).
       max_workdir_bytes: disk budget of a work dir, bytes (>= 1 MiB): all its files
         together, across runs. Where the host user is root, the work dir is a tmpfs of
-        this size (its files live in memory, swappable) set when it is opened and resized
-        for a run that asks for another; a write past it fails with ENOSPC, which fails
-        that command (``SandboxLimit.DISK``), never the host's file system. Elsewhere
-        it is not enforced, and the sandbox says so when it starts
-        (``Sandbox.disk_budget_missing``).
+        this size (its files live in memory, swappable), mounted when it is opened, with
+        the sandbox's own limits (a run's limits do not resize it); a write past it
+        fails with ENOSPC, which fails that command (``SandboxLimit.DISK``), never the
+        host's file system. Elsewhere it is not enforced, and the sandbox says so when it
+        starts (``Sandbox.disk_budget_missing``).
 
     Raises:
       ValueError: a value is not a number of the field's kind (seconds: int or float;
