@@ -340,15 +340,17 @@ class Sandbox:
         why = "; ".join(reasons) or None
         missing = MISSING_GUARANTEES.get(mode.isolation, ())
         if missing and not self._allow_weak:
+            fix = ("backend='auto' (sandbox.backend=auto) tries bubblewrap, which is installed"
+                   if backend == SandboxBackend.SUBPROCESS.value and shutil.which("bwrap") else
+                   "Install bubblewrap (apt-get install bubblewrap) and allow user namespaces "
+                   "(sysctl kernel.unprivileged_userns_clone=1, user.max_user_namespaces > 0), "
+                   "or run the sandbox as root")
             raise SandboxError(
                 f"sandbox backend={backend!r} cannot isolate untrusted code here: with "
                 f"{mode.describe()} (isolation {mode.isolation.value!r}) "
                 + "; ".join(missing) + (f". Stronger backends failed: {why}" if why else "")
-                + ". Install bubblewrap (apt-get install bubblewrap) and allow user "
-                "namespaces (sysctl kernel.unprivileged_userns_clone=1, "
-                "user.max_user_namespaces > 0), or run the sandbox as root; or accept the "
-                "weaker isolation with sandbox.allow_weak_isolation=true "
-                "(Sandbox(allow_weak_isolation=True)).")
+                + f". {fix}; or accept the weaker isolation with "
+                "sandbox.allow_weak_isolation=true (Sandbox(allow_weak_isolation=True)).")
         if missing and (backend, mode.isolation) not in _WARNED:
             _WARNED.add((backend, mode.isolation))
             logger.warning(
