@@ -222,7 +222,9 @@ class SandboxConfig:
     max_processes: int = 64  # processes and threads of one command at once
     max_file_mb: int = 64  # largest file a command may write, MiB
     max_output_kb: int = 64  # stdout (and stderr) kept per command, KiB; the rest is dropped and reported
-    tmp_mb: int = 64  # size of the private /tmp under bubblewrap, MiB
+    tmp_mb: int = 64  # size of the private /tmp (and /dev/shm) of a command, MiB
+    max_workdir_mb: int = 256  # disk budget of one work dir, all its files together, MiB (>= 1); enforced where the sandbox runs as root
+    allow_weak_isolation: bool = False  # run tools even where the sandbox cannot keep secrets, loopback and host files out of reach (it says which at start); false = refuse to start there
     root_dir: str = ""  # absolute directory for work dirs ("" = <temp dir>/raytunix-sandbox-<uid>)
 
 
@@ -279,7 +281,7 @@ _POSITIVE = {
     "warmup.learning_rate", "warmup.eval_every", "warmup.eval_size", "eval.heldout_size",
     "eval.max_new_tokens", "run.log_every", "sandbox.num_actors", "sandbox.max_concurrent_runs",
     "sandbox.wall_time_s", "sandbox.cpu_time_s", "sandbox.memory_mb", "sandbox.max_processes",
-    "sandbox.max_output_kb", "sandbox.tmp_mb",
+    "sandbox.max_output_kb", "sandbox.tmp_mb", "sandbox.max_workdir_mb",
 }
 _NON_NEGATIVE = {
     "rollout.max_staleness", "rollout.adaptive_min_episodes", "rollout.adaptive_max_episodes",
@@ -485,6 +487,7 @@ def _validate_sandbox(sandbox: SandboxConfig) -> None:
                               f"{MAX_SECONDS:g}.")
     for key, high in (("memory_mb", MAX_BYTES >> 20), ("max_file_mb", MAX_BYTES >> 20),
                       ("tmp_mb", MAX_BYTES >> 20), ("max_output_kb", MAX_BYTES >> 10),
+                      ("max_workdir_mb", MAX_BYTES >> 20),
                       ("max_processes", MAX_PROCESSES)):
         if getattr(sandbox, key) > high:
             raise ConfigError(f"sandbox.{key}={getattr(sandbox, key)} must be <= {high}.")

@@ -39,7 +39,10 @@ MEMORY_BOMB = "chunks = []\nwhile True:\n    chunks.append(bytearray(8 << 20))\n
 
 @pytest.fixture(scope="module", params=["auto", "subprocess"])
 def sandbox(request):
-    with Sandbox(SandboxLimits(wall_time_s=20.0), backend=request.param) as box:
+    # Weak isolation allowed: these tests are about limits and reports, and check an
+    # isolation property only where the backend gives it (``require``).
+    with Sandbox(SandboxLimits(wall_time_s=20.0), backend=request.param,
+                 allow_weak_isolation=True) as box:
         yield box
 
 
@@ -329,17 +332,55 @@ def test_bwrap_asked_for_where_it_cannot_run_is_an_error(monkeypatch):
         Sandbox(backend="bwrap")
 
 
-def test_the_fallback_is_reported_in_every_result_and_warned_about_once(monkeypatch, caplog):
+def without_namespaces(monkeypatch) -> None:
+    """As on a host where neither bubblewrap nor the launcher can make namespaces
+    (bubblewrap missing, user namespaces off, no CAP_SYS_ADMIN): both probes failed."""
+    root = os.geteuid() == 0
+    monkeypatch.setattr(sandbox_module, "_PROBES", {
+        sandbox_module._Mode(SandboxBackend.BWRAP, root): "bwrap is not installed",
+        sandbox_module._Mode(SandboxBackend.SUBPROCESS, root, isolate=True):
+            "unshare: Operation not permitted"})
     monkeypatch.setattr(sandbox_module, "_WARNED", set())
+
+
+def test_a_host_that_cannot_isolate_refuses_untrusted_code_naming_what_is_missing(monkeypatch):
+    without_namespaces(monkeypatch)
+    for backend in ("auto", "subprocess"):
+        with pytest.raises(SandboxError) as refused:
+            Sandbox(backend=backend)
+        message = str(refused.value)
+        assert "network" in message and "allow_weak_isolation" in message
+        assert "unshare: Operation not permitted" in message  # why the namespaces failed
+
+
+def test_weak_isolation_when_allowed_is_reported_in_every_result_and_warned_about_once(
+        monkeypatch, caplog):
+    without_namespaces(monkeypatch)
     with caplog.at_level(logging.WARNING, logger="raytunix.sandbox.sandbox"):
-        boxes = [Sandbox(backend="subprocess") for _ in range(2)]
-    warnings = [r for r in caplog.records if "subprocess backend" in r.getMessage()]
+        boxes = [Sandbox(backend="subprocess", allow_weak_isolation=True) for _ in range(2)]
+    warnings = [r for r in caplog.records if "allow_weak_isolation" in r.getMessage()]
     assert len(warnings) == 1 and "network" in warnings[0].getMessage()
     result = boxes[0].run_once(["true"])
     assert result.backend is SandboxBackend.SUBPROCESS
     assert result.isolation is (IsolationLevel.USER if os.getuid() == 0 else IsolationLevel.PROCESS)
     for box in boxes:
         box.close()
+
+
+def test_the_subprocess_backend_builds_its_own_namespaces_where_it_can():
+    try:
+        box = Sandbox(backend="subprocess")
+    except SandboxError as e:
+        pytest.skip(f"no namespaces can be made here: {e}")
+    with box:
+        result = box.run_once(["sh", "-c", "hostname; ls /"])
+    assert box.isolation is IsolationLevel.NAMESPACES and result.isolation is box.isolation
+    hostname, *top = result.stdout.split()
+    assert hostname == "sandbox"  # its own UTS namespace
+    # A root of its own: the system read-only, its /dev, /proc and /tmp; no /root, /home.
+    assert {"usr", "etc", "dev", "proc", "tmp"} <= set(top)
+    assert set(top) <= {"usr", "etc", "dev", "proc", "tmp", "bin", "sbin", "lib", "lib32",
+                        "lib64", "libx32"}, top
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="only a root host runs commands as other users")

@@ -23,18 +23,21 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_POOL_NAME = "raytunix-sandbox"
 
-_LOCAL: dict[tuple[SandboxLimits, str], Sandbox] = {}
+_LOCAL: dict[tuple[SandboxLimits, str, bool], Sandbox] = {}
 _LOCAL_LOCK = threading.Lock()
 
 
 def connect(pool: str = DEFAULT_POOL_NAME, *, limits: SandboxLimits | None = None,
-            backend: str = "auto") -> SandboxClient:
+            backend: str = "auto", allow_weak_isolation: bool = False) -> SandboxClient:
     """The sandbox pool named ``pool`` if this process runs in a Ray job that started one
-    (``SandboxPool``; its actors' own limits apply), else a ``Sandbox`` in this process,
-    one per (``limits``, ``backend``), shared by every caller here.
+    (``SandboxPool``; its actors' own limits and isolation apply), else a ``Sandbox`` in
+    this process, one per (``limits``, ``backend``, ``allow_weak_isolation``), shared by
+    every caller here.
 
     Raises:
-      SandboxError: no pool, and ``backend`` cannot run here.
+      SandboxError: no pool, and ``backend`` cannot run here, or cannot isolate
+        untrusted code here and ``allow_weak_isolation`` is false (the message names
+        what is missing).
     """
     if "ray" in sys.modules:
         from raytunix.sandbox.pool import find_pool
@@ -42,12 +45,12 @@ def connect(pool: str = DEFAULT_POOL_NAME, *, limits: SandboxLimits | None = Non
         client = find_pool(pool)
         if client is not None:
             return client
-    key = (limits or SandboxLimits(), backend)
+    key = (limits or SandboxLimits(), backend, bool(allow_weak_isolation))
     with _LOCAL_LOCK:
         if key not in _LOCAL:
             if "ray" in sys.modules:
                 logger.info("sandbox: no pool %r in this job; running tools in this process", pool)
-            _LOCAL[key] = Sandbox(key[0], backend=backend)
+            _LOCAL[key] = Sandbox(key[0], backend=backend, allow_weak_isolation=key[2])
         return _LOCAL[key]
 
 

@@ -68,12 +68,14 @@ class SandboxActor(profiling.ProfiledActor):
     """
 
     def __init__(self, limits: SandboxLimits, backend: str = "auto",
-                 root_dir: str | None = None, ro_binds: Sequence[str] = ()) -> None:
+                 root_dir: str | None = None, ro_binds: Sequence[str] = (),
+                 allow_weak_isolation: bool = False) -> None:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         profiling.configure("sandbox", "sandbox")
         actor_id = ray.get_runtime_context().get_actor_id() or f"p{os.getpid()}"
         self._sandbox = Sandbox(limits, backend=backend, root_dir=root_dir,
-                                instance=f"actor-{actor_id}", ro_binds=ro_binds)
+                                instance=f"actor-{actor_id}", ro_binds=ro_binds,
+                                allow_weak_isolation=allow_weak_isolation)
         self._runs = 0
         self._count_lock = threading.Lock()
         self._retiring = False
@@ -114,9 +116,11 @@ class SandboxActor(profiling.ProfiledActor):
         self._sandbox.close()
 
     def stats(self) -> dict[str, Any]:
-        """``pid``, ``backend``, ``isolation``, ``workspaces`` open, ``runs`` started."""
+        """``pid``, ``backend``, ``isolation``, ``missing`` (the guarantees that do not
+        hold here, ``Sandbox.missing_guarantees``), ``workspaces`` open, ``runs`` started."""
         return {"pid": os.getpid(), "backend": self._sandbox.backend.value,
                 "isolation": self._sandbox.isolation.value,
+                "missing": list(self._sandbox.missing_guarantees),
                 "workspaces": self._sandbox.num_workspaces(), "runs": self._runs,
                 "retiring": self._retiring}
 
@@ -246,7 +250,7 @@ class SandboxPool:
 
     Args:
       num_actors: actors in the pool (>= 1).
-      limits, backend, root_dir, ro_binds: each actor's ``Sandbox``.
+      limits, backend, root_dir, ro_binds, allow_weak_isolation: each actor's ``Sandbox``.
       num_cpus: Ray CPUs each actor reserves (>= 0; fractions allowed).
       resource: a custom Ray resource each actor needs one unit of (e.g.
         ``"sandbox_host"``, declared on the nodes meant for sandboxes), or None.
@@ -264,7 +268,8 @@ class SandboxPool:
                  backend: str = "auto", root_dir: str | None = None,
                  ro_binds: Sequence[str] = (), num_cpus: float = 0.5,
                  resource: str | None = None, max_concurrent_runs: int = 32,
-                 max_restarts: int = 3, name: str = DEFAULT_POOL_NAME) -> None:
+                 max_restarts: int = 3, name: str = DEFAULT_POOL_NAME,
+                 allow_weak_isolation: bool = False) -> None:
         _check_size(num_actors)
         if num_cpus < 0:
             raise ValueError(f"num_cpus={num_cpus} must be >= 0.")
@@ -275,7 +280,8 @@ class SandboxPool:
                          "max_restarts": max_restarts, "max_task_retries": 0,
                          "resources": {resource: 1} if resource else {},
                          "runtime_env": _CPU_ONLY}
-        self._args = (limits or SandboxLimits(), backend, root_dir, tuple(ro_binds))
+        self._args = (limits or SandboxLimits(), backend, root_dir, tuple(ro_binds),
+                      allow_weak_isolation)
         self._slots: dict[int, Any] = {}  # index -> handle, of every actor not yet killed
         self._retiring: set[int] = set()
         self.retired: list[int] = []  # indices of the actors killed by reap, in order
@@ -315,7 +321,8 @@ class SandboxPool:
                    backend=sandbox.backend, root_dir=sandbox.root_dir or None,
                    num_cpus=sandbox.num_cpus_per_actor, resource=sandbox.resource or None,
                    max_concurrent_runs=sandbox.max_concurrent_runs,
-                   max_restarts=sandbox.actor_max_restarts, name=name)
+                   max_restarts=sandbox.actor_max_restarts, name=name,
+                   allow_weak_isolation=sandbox.allow_weak_isolation)
 
     def client(self, seed: int | None = None) -> RemoteSandbox:
         active = {i: a for i, a in self._slots.items() if i not in self._retiring}

@@ -1,5 +1,6 @@
-"""Runs commands in per-episode work dirs under resource limits, in bubblewrap where it
-works and in a plainly weaker subprocess sandbox where it does not.
+"""Runs commands in per-episode work dirs under resource limits, in namespaces of their
+own (bubblewrap, or the launcher's own where bubblewrap does not work), and refuses to
+run untrusted code where no namespaces can be made, unless told to accept that.
 
     sandbox = Sandbox(SandboxLimits(wall_time_s=5))
     ws = sandbox.open_workspace("episode-17")
@@ -17,28 +18,36 @@ How a run is built:
   ``SANDBOX_UID_BASE`` up, one per open work dir on the host, claimed with a lock file).
   The process limit is only enforced for users other than root, and counts per user, so
   this is what makes it hold, under bubblewrap too; it also lets the end of every run kill
-  all processes of that user, whatever session they moved to.
+  all processes of that user, whatever session they moved to. As root each work dir is
+  also a tmpfs of ``max_workdir_bytes``: its disk budget.
 * bubblewrap (``bwrap``) unshares every namespace (no network, own PID namespace), mounts
   ``/usr``, ``/etc``, the ``/bin``-style links and the Python installation read-only, a
   fresh ``/dev``, ``/proc`` and a size-limited ``/tmp``, and the work dir read-write at
   its own path; nothing else of the host is visible. It dies with its parent, and its
   PID namespace dies with it, so killing its process group kills the whole tree.
-* Whether bubblewrap works is found out once per process by running ``true`` in it; when
-  it does not (not installed, user namespaces forbidden...) ``backend="auto"`` falls back
-  to the subprocess backend, logs one warning with the reason, and says so in every
-  result (``SandboxResult.isolation``).
+* Where bubblewrap does not work, the subprocess backend's launcher builds the same
+  namespaces itself (``_launch.py``: a user namespace first where the host user is not
+  root, then mount, PID, network, IPC and UTS, and a ``pivot_root`` into a root of its
+  own). Whether each works is found out once per process by running ``true`` in it.
+* Where neither works (no user namespaces, no CAP_SYS_ADMIN), a command could read the
+  host user's files and its processes' environments and reach loopback services: the
+  sandbox refuses to start, naming what is missing (``MISSING_GUARANTEES``), unless
+  ``allow_weak_isolation`` accepts it; every result says its isolation.
 * The wall-clock deadline is watched with a pidfd and the output pipes in one ``select``
   loop; past it, the process group is killed (and, as root, every process of the work
   dir's user). Output beyond ``max_output_bytes`` is read and dropped, so a command that
   prints 100 MB neither blocks nor fills this process's memory.
+* A closed work dir is deleted without following any link its commands left
+  (``_remove_tree``).
 
-Not covered: disk usage of a work dir (each file is limited, their number is not),
-seccomp filtering, and a memory limit on resident memory (``RLIMIT_AS`` bounds address
-space). Runs of one work dir are serialized.
+Not covered: a disk budget where the host user is not root, seccomp filtering, and a
+memory limit on resident memory (``RLIMIT_AS`` bounds address space). Runs of one work dir
+are serialized.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import errno
 import fcntl
@@ -90,23 +99,52 @@ _REAPING_STALLS = False
 _KILLED_UIDS: set[int] = set()
 _KILLED_LOCK = threading.Lock()
 _SYSTEM_RO = ("/usr", "/etc")
+# The first process of a run's PID namespace (see ``Sandbox._inside_bwrap``).
+_INIT = ("/bin/sh", "-c", 'exec 3>&2 2>/dev/null; ("$@" 2>&3 3>&-); exit $?', "sh")
 _SYSTEM_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _MEMORY_ERRORS = ("MemoryError", "Cannot allocate memory", "std::bad_alloc", "out of memory",
                   "memory exhausted")
+_DISK_ERRORS = ("No space left on device", "Disk quota exceeded")
 _PROCESS_ERRORS = ("Resource temporarily unavailable", "Cannot fork", "can't fork")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# What a run can reach at each isolation level weaker than namespaces (none is missing
+# under NAMESPACES); the README's table of guarantees says the same.
+MISSING_GUARANTEES: dict[IsolationLevel, tuple[str, ...]] = {
+    IsolationLevel.USER: (
+        "network: commands can connect to the host's loopback services (Ray's dashboard, "
+        "GCS) and beyond",
+        "host files: whatever other users may read is readable, and /tmp and /dev/shm "
+        "are shared and unbounded",
+        "host processes: their command lines are visible"),
+    IsolationLevel.PROCESS: (
+        "secrets: commands run as the host user, so they read its files (~/.ray/auth_token "
+        "for one) and its processes' environments (/proc/<pid>/environ)",
+        "network: commands can connect to the host's loopback services and beyond",
+        "work dirs: other episodes' work dirs are readable and writable",
+        "processes: a process that leaves its session (setsid) outlives the run"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class _Mode:
     backend: SandboxBackend
     own_uid: bool  # each work dir runs as a user id of its own (needs root)
+    # subprocess backend: the launcher builds the namespaces itself (see _launch.py)
+    isolate: bool = False
 
     @property
     def isolation(self) -> IsolationLevel:
-        if self.backend is SandboxBackend.BWRAP:
+        if self.backend is SandboxBackend.BWRAP or self.isolate:
             return IsolationLevel.NAMESPACES
         return IsolationLevel.USER if self.own_uid else IsolationLevel.PROCESS
+
+    def describe(self) -> str:
+        if self.backend is SandboxBackend.BWRAP:
+            return "bwrap" + (" as its own user" if self.own_uid else "")
+        if self.isolate:
+            return ("subprocess in namespaces of its own"
+                    + (" as its own user" if self.own_uid else " (a user namespace)"))
+        return "subprocess" + (" as its own user" if self.own_uid else "")
 
 
 @dataclasses.dataclass
@@ -114,14 +152,15 @@ class _Workspace:
     path: str
     uid: int | None  # the work dir's own user id, or None (runs as the host user)
     lock_fd: int | None  # holds the uid's claim
+    budget: int | None = None  # bytes of the tmpfs mounted on it, or None (no budget)
     run_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     running: subprocess.Popen | None = None
     closed: bool = False  # set by close_workspace; a run starting after it is killed at once
     state_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
-# Found out once per process: (backend, own_uid) -> None if it works, else why not.
-_PROBES: dict[tuple[SandboxBackend, bool], str | None] = {}
+# Found out once per process: mode -> None if it works, else why not.
+_PROBES: dict["_Mode", str | None] = {}
 _PROBE_LOCK = threading.Lock()
 _WARNED: set[tuple[str, IsolationLevel]] = set()
 
@@ -137,19 +176,29 @@ class Sandbox:
       instance: names this sandbox's subdirectory of ``root_dir``; whatever a previous
         sandbox of the same name left there is deleted first (a restarted actor passes its
         actor id). Default: unique to this object.
-      ro_binds: more host paths visible read-only under bubblewrap (e.g. a dataset).
+      ro_binds: more host paths visible read-only in the run's namespaces (e.g. a
+        dataset).
+      allow_weak_isolation: run even where no namespaces can be made (isolation
+        ``USER`` or ``PROCESS``: see ``MISSING_GUARANTEES``), with a warning that names
+        what is missing. False (the default): refuse to start there.
+
+    Attributes:
+      fallback_reason: why stronger backends were passed over (None if none was).
+      disk_budget_missing: why ``max_workdir_bytes`` is not enforced here (None: it is).
 
     Raises:
       ValueError: ``backend`` is not one of ``BACKENDS``, or a ``ro_binds`` path is not
         an existing absolute path.
       SandboxError: ``backend="bwrap"`` and bubblewrap does not work here (the message
-        says why), no backend works at all, or (as root) ``root_dir`` is closed to the
-        sandbox's users.
+        says why), no backend works at all, no namespaces can be made here and
+        ``allow_weak_isolation`` is false (the message names the missing guarantees and
+        the key that accepts them), ``root_dir`` is a link, someone else's or writable
+        by others, or (as root) it is closed to the sandbox's users.
     """
 
     def __init__(self, limits: SandboxLimits | None = None, *, backend: str = "auto",
                  root_dir: str | None = None, instance: str | None = None,
-                 ro_binds: Sequence[str] = ()) -> None:
+                 ro_binds: Sequence[str] = (), allow_weak_isolation: bool = False) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not one of {', '.join(BACKENDS)}.")
         for path in ro_binds:
@@ -157,6 +206,7 @@ class Sandbox:
                 raise ValueError(f"ro_binds path {path!r} is not an existing absolute path.")
         self.limits = limits or SandboxLimits()
         self._ro_binds = tuple(ro_binds)
+        self._allow_weak = bool(allow_weak_isolation)
         self._root = os.geteuid() == 0
         base = root_dir or os.path.join(tempfile.gettempdir(), f"raytunix-sandbox-{os.getuid()}")
         instance = instance or f"p{os.getpid()}-{secrets.token_hex(4)}"
@@ -167,6 +217,11 @@ class Sandbox:
         self._workspaces: dict[str, _Workspace] = {}
         self._lock = threading.Lock()
         self._finalizer = weakref.finalize(self, _remove_tree, self._dir)
+        # Why a work dir's disk budget does not hold here (None: it holds).
+        self.disk_budget_missing: str | None = None
+        if not self._root:
+            self._no_disk_budget("only a sandbox running as root mounts a size-limited "
+                                 "tmpfs on each work dir")
         self._mode, self.fallback_reason = self._choose_mode(backend)
 
     # -- public API ------------------------------------------------------------------
@@ -178,6 +233,15 @@ class Sandbox:
     @property
     def isolation(self) -> IsolationLevel:
         return self._mode.isolation
+
+    @property
+    def missing_guarantees(self) -> tuple[str, ...]:
+        """What this sandbox does not keep from its commands here (empty: everything
+        the README's table lists for namespaces holds)."""
+        missing = MISSING_GUARANTEES.get(self.isolation, ())
+        if self.disk_budget_missing:
+            missing += (f"disk budget: {self.disk_budget_missing}",)
+        return missing
 
     def open_workspace(self, name: str = "") -> str:
         """Creates an empty work dir only this sandbox's runs can use; returns its id.
@@ -260,39 +324,50 @@ class Sandbox:
     def _choose_mode(self, backend: str) -> tuple[_Mode, str | None]:
         # Root never runs a command as root: the process limit does not hold for root.
         bwrap = _Mode(SandboxBackend.BWRAP, self._root)
+        isolated = _Mode(SandboxBackend.SUBPROCESS, self._root, isolate=True)
         plain = _Mode(SandboxBackend.SUBPROCESS, self._root)
-        candidates = {"auto": [bwrap, plain], "bwrap": [bwrap], "subprocess": [plain]}[backend]
+        candidates = {"auto": [bwrap, isolated, plain], "bwrap": [bwrap],
+                      "subprocess": [isolated, plain]}[backend]
         reasons = []
         for mode in candidates:
             reason = self._probe(mode)
             if reason is None:
                 break
-            reasons.append(f"{mode.backend.value}{' as its own user' if mode.own_uid else ''}: "
-                           f"{reason}")
+            reasons.append(f"{mode.describe()}: {reason}")
         else:
             raise SandboxError(f"sandbox backend={backend!r} cannot run here: "
                                + "; ".join(reasons))
         why = "; ".join(reasons) or None
-        if mode.isolation is not IsolationLevel.NAMESPACES and (backend, mode.isolation) not in _WARNED:
+        missing = MISSING_GUARANTEES.get(mode.isolation, ())
+        if missing and not self._allow_weak:
+            fix = ("backend='auto' (sandbox.backend=auto) tries bubblewrap, which is installed"
+                   if backend == SandboxBackend.SUBPROCESS.value and shutil.which("bwrap") else
+                   "Install bubblewrap (apt-get install bubblewrap) and allow user namespaces "
+                   "(sysctl kernel.unprivileged_userns_clone=1, user.max_user_namespaces > 0), "
+                   "or run the sandbox as root")
+            raise SandboxError(
+                f"sandbox backend={backend!r} cannot isolate untrusted code here: with "
+                f"{mode.describe()} (isolation {mode.isolation.value!r}) "
+                + "; ".join(missing) + (f". Stronger backends failed: {why}" if why else "")
+                + f". {fix}; or accept the weaker isolation with "
+                "sandbox.allow_weak_isolation=true (Sandbox(allow_weak_isolation=True)).")
+        if missing and (backend, mode.isolation) not in _WARNED:
             _WARNED.add((backend, mode.isolation))
             logger.warning(
-                "sandbox: running tools with the %s backend, isolation %r: limits hold, but "
-                "commands can reach the network and the host's files%s%s. %s",
-                mode.backend.value, mode.isolation.value,
-                "" if mode.own_uid else ", and episodes share the host user",
-                f" because {why}" if why else "",
-                "backend='auto' (sandbox.backend=auto) takes bubblewrap where it works."
-                if backend == SandboxBackend.SUBPROCESS.value and shutil.which("bwrap") else
-                "Install bubblewrap (apt-get install bubblewrap) and allow unprivileged "
-                "user namespaces for full isolation.")
+                "sandbox: running tools with the %s backend, isolation %r, as "
+                "sandbox.allow_weak_isolation allows: %s%s.", mode.describe(),
+                mode.isolation.value, "; ".join(missing), f"; because {why}" if why else "")
+        elif why and (backend, mode.isolation) not in _WARNED:
+            _WARNED.add((backend, mode.isolation))
+            logger.info("sandbox: %s runs the tools (isolation %r); %s", mode.describe(),
+                        mode.isolation.value, why)
         return mode, why
 
     def _probe(self, mode: _Mode) -> str | None:
-        key = (mode.backend, mode.own_uid)
         with _PROBE_LOCK:
-            if key not in _PROBES:
-                _PROBES[key] = self._try(mode)
-            return _PROBES[key]
+            if mode not in _PROBES:
+                _PROBES[mode] = self._try(mode)
+            return _PROBES[mode]
 
     def _try(self, mode: _Mode) -> str | None:
         if mode.backend is SandboxBackend.BWRAP and shutil.which("bwrap") is None:
@@ -317,11 +392,9 @@ class Sandbox:
     def _make_dirs(self, base: str) -> None:
         # Traversable, not listable, by the work dirs' users; a previous life's leftovers go.
         mode = 0o711 if self._root else 0o700
-        if not os.path.isdir(base):
-            os.makedirs(base)
-            os.chmod(base, mode)
+        _owned_dir(base, mode, "sandbox root_dir")
         _remove_tree(self._dir)
-        os.makedirs(self._dir)
+        os.mkdir(self._dir, mode)
         os.chmod(self._dir, mode)
         if self._root and not _open_to_others(self._dir):
             raise SandboxError(
@@ -333,19 +406,33 @@ class Sandbox:
         workspace = f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)[:48]}-{secrets.token_hex(6)}"
         path = os.path.join(self._dir, workspace)
         uid, lock_fd = _claim_uid() if mode.own_uid else (None, None)
+        budget = None
         try:
             os.mkdir(path, 0o700)
             if uid is not None:
                 os.chown(path, uid, uid)
                 if _sweep(uid):  # processes a dead sandbox left under this id
                     _note_killed(uid)
+            if self.disk_budget_missing is None:
+                try:
+                    _mount_budget(path, self.limits.max_workdir_bytes, uid)
+                    budget = self.limits.max_workdir_bytes
+                except OSError as e:
+                    self._no_disk_budget(f"a tmpfs cannot be mounted on a work dir ({e})")
         except BaseException:
             _release_uid(lock_fd)
             _remove_tree(path)
             raise
         with self._lock:
-            self._workspaces[workspace] = _Workspace(path, uid, lock_fd)
+            self._workspaces[workspace] = _Workspace(path, uid, lock_fd, budget)
         return workspace
+
+    def _no_disk_budget(self, why: str) -> None:
+        if self.disk_budget_missing is None:
+            self.disk_budget_missing = why
+            logger.warning("sandbox: the disk budget of a work dir (max_workdir_bytes) is not "
+                           "enforced here: %s; a command can fill the file system of %s.",
+                           why, self._dir)
 
     def _workspace(self, workspace: str) -> _Workspace:
         try:
@@ -412,7 +499,7 @@ class Sandbox:
             proc.stdout.close()
             proc.stderr.close()
         return _result(proc.returncode, out, err, timed_out, time.monotonic() - start, mode,
-                       limits)
+                       limits, disk_full=_full(ws))
 
     def _supervise(self, proc: subprocess.Popen, ws: _Workspace, mode: _Mode,
                    out: "_Capture", err: "_Capture", deadline: float) -> bool:
@@ -474,10 +561,22 @@ class Sandbox:
                             ["RLIMIT_CORE", 0, 0]]}
         if ws.uid is not None:
             spec.update(nproc=limits.max_processes, nproc_on_top=True, uid=ws.uid, gid=ws.uid)
+        elif mode.isolate:  # counted in its own user namespace: this run's processes only
+            spec.update(nproc=limits.max_processes)
         elif mode.backend is SandboxBackend.SUBPROCESS:
             spec.update(nproc=limits.max_processes, nproc_on_top=True)
         if mode.backend is SandboxBackend.BWRAP:
             argv = self._bwrap_argv(ws, limits) + self._inside_bwrap(ws, limits, argv)
+        elif mode.isolate:
+            spec.update(no_new_privs=True, isolate={
+                "user_ns": ws.uid is None, "workdir": ws.path, "tmp_bytes": limits.tmp_bytes,
+                "links": [[os.readlink(p), p] for p in _SYSTEM_LINKS if os.path.islink(p)],
+                "ro": [p for p in (*(p for p in _SYSTEM_LINKS if not os.path.islink(p)),
+                                   *_SYSTEM_RO, *self._python_dirs(ws), *self._ro_binds)
+                       if os.path.exists(p)]})
+            argv = [*_INIT, *argv]
+        else:
+            spec.update(no_new_privs=True)
         return _launcher(spec) + argv
 
     def _inside_bwrap(self, ws: _Workspace, limits: SandboxLimits,
@@ -498,7 +597,7 @@ class Sandbox:
         # The shell's own stderr goes to /dev/null and the command's to the run's (the
         # subshell execs it), so that the shell's reports of a command killed by a signal
         # ("Killed", "Segmentation fault") are not added to the run's stderr.
-        init = ["/bin/sh", "-c", 'exec 3>&2 2>/dev/null; ("$@" 2>&3 3>&-); exit $?', "sh"]
+        init = list(_INIT)
         if ws.uid is None:
             init = _launcher({"nproc": limits.max_processes}) + init
         return ["--as-pid-1", "--", *init, *argv]
@@ -536,7 +635,7 @@ class Sandbox:
         env = {
             "PATH": ":".join([*bins, "/usr/local/bin", "/usr/bin", "/bin"]),
             "HOME": ws.path,
-            "TMPDIR": "/tmp" if mode.backend is SandboxBackend.BWRAP else ws.path,
+            "TMPDIR": "/tmp" if mode.isolation is IsolationLevel.NAMESPACES else ws.path,
             "LANG": "C.UTF-8",
             "OMP_NUM_THREADS": "1",
             "OPENBLAS_NUM_THREADS": "1",
@@ -568,8 +667,19 @@ class _Capture:
         return self.data.decode("utf-8", errors="replace")
 
 
+def _full(ws: _Workspace) -> bool:
+    """Whether the work dir's budget (its tmpfs) has no block or inode left."""
+    if ws.budget is None:
+        return False
+    try:
+        st = os.statvfs(ws.path)
+    except OSError:
+        return False
+    return st.f_bavail == 0 or st.f_favail == 0
+
+
 def _result(returncode: int, out: _Capture, err: _Capture, timed_out: bool, wall_s: float,
-            mode: _Mode, limits: SandboxLimits) -> SandboxResult:
+            mode: _Mode, limits: SandboxLimits, disk_full: bool = False) -> SandboxResult:
     exit_code = 128 - returncode if returncode < 0 else returncode
     sig = exit_code - 128 if 128 < exit_code <= 128 + 64 else None
     stderr = err.text()
@@ -586,6 +696,8 @@ def _result(returncode: int, out: _Capture, err: _Capture, timed_out: bool, wall
     if sig == signal.SIGXFSZ or any(m in stderr for m in ("File too large",
                                                           "File size limit exceeded")):
         hits.add(SandboxLimit.FILE_SIZE)
+    if disk_full or any(m in stderr for m in _DISK_ERRORS):
+        hits.add(SandboxLimit.DISK)
     if out.truncated or err.truncated:
         hits.add(SandboxLimit.OUTPUT)
     killed_by = None
@@ -597,7 +709,8 @@ def _result(returncode: int, out: _Capture, err: _Capture, timed_out: bool, wall
         killed_by = SandboxLimit.FILE_SIZE
     elif exit_code != 0:
         killed_by = next((limit for limit in (SandboxLimit.MEMORY, SandboxLimit.FILE_SIZE,
-                                              SandboxLimit.PROCESSES) if limit in hits), None)
+                                              SandboxLimit.DISK, SandboxLimit.PROCESSES)
+                          if limit in hits), None)
     return SandboxResult(
         exit_code=exit_code, signal=sig, stdout=out.text(), stderr=stderr,
         stdout_bytes=out.total, stderr_bytes=err.total, stdout_truncated=out.truncated,
@@ -739,7 +852,7 @@ def _init_name() -> str:
 
 def _uid_lock_dir() -> str:
     path = os.path.join(tempfile.gettempdir(), "raytunix-sandbox-uids")
-    os.makedirs(path, mode=0o700, exist_ok=True)
+    _owned_dir(path, 0o700, "the sandbox's user id lock dir")
     return path
 
 
@@ -748,8 +861,8 @@ def _claim_uid() -> tuple[int, int]:
     (held until ``_release_uid``, or until this process dies)."""
     lock_dir = _uid_lock_dir()
     for uid in range(SANDBOX_UID_BASE, SANDBOX_UID_BASE + SANDBOX_UID_SLOTS):
-        fd = os.open(os.path.join(lock_dir, str(uid)), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC,
-                     0o600)
+        fd = os.open(os.path.join(lock_dir, str(uid)),
+                     os.O_CREAT | os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return uid, fd
@@ -780,20 +893,167 @@ def _open_to_others(path: str) -> bool:
 
 
 def _remove_tree(path: str) -> None:
-    def make_writable(func, failed, _exc):
-        # A command may leave a directory without write or search permission.
-        try:
-            os.chmod(os.path.dirname(failed), 0o700)
-            os.chmod(failed, 0o700)
-        except OSError:
-            pass
-        func(failed)
+    """Deletes ``path`` and all under it without following a link a command planted:
+    every step is relative to a directory fd opened with ``O_NOFOLLOW``, a link (symbolic
+    or hard) is only unlinked, and a mode is only ever changed on a directory fd this
+    function opened (``fchmod``), so no file outside the tree is touched, whatever
+    links, modes or swaps the tree holds. Mounts under ``path`` (work-dir tmpfs mounts)
+    are detached first; another file system found inside is left, with an error logged.
 
-    if os.path.lexists(path):
-        if sys.version_info >= (3, 12):
-            shutil.rmtree(path, onexc=make_writable)
-        else:
-            shutil.rmtree(path, onerror=make_writable)
+    Raises:
+      OSError: ``path``'s parent cannot be opened, or an entry cannot be removed.
+    """
+    path = os.path.abspath(path)
+    _unmount_under(path)
+    parent, name = os.path.split(path)
+    try:
+        parent_fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    try:
+        _remove_at(parent_fd, name, None)
+    finally:
+        os.close(parent_fd)
+
+
+def _remove_at(dir_fd: int, name: str, dev: int | None, tries: int = 3) -> None:
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    inside = dev is not None  # dir_fd is a directory of the tree, not the top's parent
+    if not stat.S_ISDIR(st.st_mode):
+        _retry_writable(dir_fd, lambda: os.unlink(name, dir_fd=dir_fd), inside)
+        return
+    try:
+        fd = _open_dir_at(dir_fd, name)
+    except OSError as e:
+        # Swapped for a link or a file since the stat: look again.
+        if e.errno in (errno.ELOOP, errno.ENOTDIR) and tries > 1:
+            return _remove_at(dir_fd, name, dev, tries - 1)
+        raise
+    if fd is None:
+        return
+    try:
+        own = os.fstat(fd)  # what was opened, whatever the name pointed to before
+        if dev is not None and own.st_dev != dev:
+            logger.error("sandbox: %r is another file system inside a work dir; left in "
+                         "place", name)
+            return
+        if stat.S_IMODE(own.st_mode) & 0o700 != 0o700:
+            os.fchmod(fd, 0o700)  # the directory itself, never what a link points to
+        for entry in os.listdir(fd):
+            _remove_at(fd, entry, own.st_dev)
+    finally:
+        os.close(fd)
+    _retry_writable(dir_fd, lambda: os.rmdir(name, dir_fd=dir_fd), inside)
+
+
+def _open_dir_at(dir_fd: int, name: str) -> int | None:
+    """``name`` in ``dir_fd`` opened as a directory, never through a link (None if it is
+    gone); one without read permission is opened by path fd and given it first."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(name, flags, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except PermissionError:
+        pass
+    handle = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     dir_fd=dir_fd)
+    try:
+        # Through the fd's /proc link: the inode just opened, a directory, not a name
+        # that could have been swapped for a link since.
+        os.chmod(f"/proc/self/fd/{handle}", 0o700)
+        return os.open(f"/proc/self/fd/{handle}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    finally:
+        os.close(handle)
+
+
+def _retry_writable(dir_fd: int, remove, may_chmod: bool) -> None:
+    """Runs ``remove``; when the containing directory (an fd this module opened, inside
+    the tree if ``may_chmod``) forbids it, gives that directory owner rights and tries
+    once more."""
+    try:
+        remove()
+    except FileNotFoundError:
+        pass
+    except PermissionError:
+        if not may_chmod:
+            raise
+        os.fchmod(dir_fd, 0o700)
+        try:
+            remove()
+        except FileNotFoundError:
+            pass
+
+
+def _owned_dir(path: str, mode: int, what: str) -> None:
+    """Creates directory ``path`` (``mode``) or checks the one there: a real directory,
+    not a link, owned by this user and writable by no one else; else ``SandboxError``.
+    A predictable name in a shared temp dir could otherwise be someone else's."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        os.mkdir(path, mode)
+        os.chmod(path, mode)  # whatever the umask
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else (
+            "a directory" if stat.S_ISDIR(st.st_mode) else "not a directory")
+        raise SandboxError(
+            f"{what} {path!r} is {kind} owned by uid {st.st_uid} with mode "
+            f"{stat.S_IMODE(st.st_mode):o}; it must be a directory of this user "
+            f"(uid {os.geteuid()}) that no one else can write. Remove it, or choose "
+            "another (sandbox.root_dir).")
+
+
+_MS_NOSUID, _MS_NODEV = 2, 4
+_MNT_DETACH, _UMOUNT_NOFOLLOW = 2, 8
+_LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+def _mount_budget(path: str, size: int, uid: int | None) -> None:
+    """Mounts a tmpfs of ``size`` bytes (and one inode per 4 KiB of it, so that empty
+    files cannot take the memory instead) on work dir ``path``, owned by ``uid``. Needs
+    root.
+
+    Raises:
+      OSError: the kernel refused (e.g. no CAP_SYS_ADMIN in a container).
+    """
+    inodes = max(1024, size // 4096)
+    owner = f",uid={uid},gid={uid}" if uid is not None else ""
+    data = f"size={size},nr_inodes={inodes},mode=0700{owner}".encode()
+    flags = _MS_NOSUID | _MS_NODEV
+    source = b"raytunix-workdir"
+    if _LIBC.mount(source, path.encode(), b"tmpfs", ctypes.c_ulong(flags), data) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount tmpfs size={size} on {path}: {os.strerror(err)}")
+
+
+def _mounts_under(path: str) -> list[str]:
+    """Mount points at or under ``path`` in this mount namespace, deepest first."""
+    found = []
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                point = line.split()[4]
+                point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), point)
+                if point == path or point.startswith(path.rstrip("/") + "/"):
+                    found.append(point)
+    except OSError:
+        return []
+    return sorted(found, key=len, reverse=True)
+
+
+def _unmount_under(path: str) -> None:
+    if os.geteuid() != 0:
+        return
+    for point in _mounts_under(path):
+        if _LIBC.umount2(point.encode(), _MNT_DETACH | _UMOUNT_NOFOLLOW) != 0:
+            logger.error("sandbox: could not unmount %s: %s", point,
+                         os.strerror(ctypes.get_errno()))
 
 
 _BWRAP_SIZE: bool | None = None

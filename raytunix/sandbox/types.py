@@ -27,15 +27,20 @@ class IsolationLevel(str, enum.Enum):
     Every level has the same resource limits (CPU time, address space, processes, file
     size, output size, a wall-clock deadline); they differ in what else holds:
 
-    * ``NAMESPACES`` (bubblewrap): no network at all (an empty network namespace), the
-      system mounted read-only, only the episode's own work dir writable (plus a private
-      ``/tmp``), other work dirs not even visible, its own PID namespace (the deadline
-      kills every process it started).
-    * ``USER`` (subprocess, host user root): the command runs as a user id of its own per
+    * ``NAMESPACES`` (bubblewrap, or the subprocess backend where its launcher can make
+      namespaces: as root, or with user namespaces): no network at all (an empty
+      network namespace), a root of its own with the system mounted read-only, only the
+      episode's own work dir writable (plus a private ``/tmp`` and ``/dev/shm``), the
+      host's other files, other work dirs and the host's processes not even visible,
+      its own PID namespace (every process it started ends with the run, whatever
+      session it moved to).
+    * ``USER`` (subprocess, host user root, no namespaces: a container without
+      CAP_SYS_ADMIN; only with ``allow_weak_isolation``): the command runs as a user id of its own per
       work dir, so file permissions keep episodes apart and the system read-only, and every
       process of that user is killed at the end of each run. The network is open, and
       world-writable places (``/tmp``, ``/dev/shm``) are writable.
-    * ``PROCESS`` (subprocess, any other host user): the command runs as the host user in
+    * ``PROCESS`` (subprocess, any other host user, no user namespaces; only with
+      ``allow_weak_isolation``): the command runs as the host user in
       its own session, killed by process group; it can read and write whatever that user
       can (other episodes' work dirs included), reach the network, and a process that
       leaves the session escapes the deadline. The process limit counts on top of the
@@ -56,6 +61,7 @@ class SandboxLimit(str, enum.Enum):
     PROCESSES = "processes"  # a fork failed against the process limit
     FILE_SIZE = "file_size"  # a write would have grown a file past the limit
     OUTPUT = "output"  # stdout or stderr was longer than kept (the rest was discarded)
+    DISK = "disk"  # the work dir's disk budget was full (a write failed with ENOSPC)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +81,15 @@ class SandboxLimits:
       max_file_bytes: largest file a process may write, bytes (>= 0; ``RLIMIT_FSIZE``).
       max_output_bytes: bytes of stdout, and separately of stderr, kept (>= 1); the rest
         is read and discarded, and the run is reported truncated.
-      tmp_bytes: size of the private ``/tmp`` (a tmpfs) under bubblewrap, bytes (>= 1 MiB).
+      tmp_bytes: size of the private ``/tmp`` and ``/dev/shm`` (tmpfs mounts of the run's
+        namespaces), bytes each (>= 1 MiB).
+      max_workdir_bytes: disk budget of a work dir, bytes (>= 1 MiB): all its files
+        together, across runs. Where the host user is root, the work dir is a tmpfs of
+        this size (its files live in memory, swappable), mounted when it is opened, with
+        the sandbox's own limits (a run's limits do not resize it); a write past it
+        fails with ENOSPC, which fails that command (``SandboxLimit.DISK``), never the
+        host's file system. Elsewhere it is not enforced, and the sandbox says so when it
+        starts (``Sandbox.disk_budget_missing``).
 
     Raises:
       ValueError: a value is not a number of the field's kind (seconds: int or float;
@@ -89,6 +103,7 @@ class SandboxLimits:
     max_file_bytes: int = 64 << 20
     max_output_bytes: int = 64 << 10
     tmp_bytes: int = 64 << 20
+    max_workdir_bytes: int = 256 << 20
 
     @classmethod
     def from_config(cls, sandbox) -> "SandboxLimits":
@@ -97,7 +112,8 @@ class SandboxLimits:
         return cls(wall_time_s=sandbox.wall_time_s, cpu_time_s=sandbox.cpu_time_s,
                    memory_bytes=sandbox.memory_mb << 20, max_processes=sandbox.max_processes,
                    max_file_bytes=sandbox.max_file_mb << 20,
-                   max_output_bytes=sandbox.max_output_kb << 10, tmp_bytes=sandbox.tmp_mb << 20)
+                   max_output_bytes=sandbox.max_output_kb << 10, tmp_bytes=sandbox.tmp_mb << 20,
+                   max_workdir_bytes=sandbox.max_workdir_mb << 20)
 
     def __post_init__(self) -> None:
         for name in ("wall_time_s", "cpu_time_s"):
@@ -107,7 +123,7 @@ class SandboxLimits:
                                  f"> 0 and <= {MAX_SECONDS:g}.")
         for name, low in (("memory_bytes", 16 << 20), ("max_processes", 1),
                           ("max_file_bytes", 0), ("max_output_bytes", 1),
-                          ("tmp_bytes", 1 << 20)):
+                          ("tmp_bytes", 1 << 20), ("max_workdir_bytes", 1 << 20)):
             value = getattr(self, name)
             high = MAX_PROCESSES if name == "max_processes" else MAX_BYTES
             if not (isinstance(value, int) and not isinstance(value, bool)
@@ -141,8 +157,9 @@ class SandboxResult:
       stdout_truncated, stderr_truncated: the stream was longer than what is kept.
       timed_out: the wall-clock deadline passed and the process tree was killed.
       killed_by_limit: the limit that ended the command, or None if it ended on its own
-        terms (``WALL_TIME``, ``CPU_TIME`` and ``FILE_SIZE`` from how it died; ``MEMORY``
-        and ``PROCESSES`` when it failed with the matching error in its stderr).
+        terms (``WALL_TIME``, ``CPU_TIME`` and ``FILE_SIZE`` from how it died; ``MEMORY``,
+        ``PROCESSES`` and ``DISK`` when it failed with the matching error in its stderr,
+        or for ``DISK`` with its work dir's budget full).
       limits_hit: every limit the run evidently reached, in ``SandboxLimit`` order (a fork
         bomb stopped by the deadline shows ``PROCESSES`` and ``WALL_TIME``). Memory and
         process limits are recognised from the error messages they cause in stderr
