@@ -154,7 +154,11 @@ class SamplingParams:
         top-p) is ``raytunix.inference.sampling.sampling_logprobs``; the learner scores
         tokens with the same one.
       stop_token_ids: generation ends after any of these tokens (the token is kept).
-      stop_strings: generation ends once the decoded text ends with one of these.
+      stop_strings: generation ends at the token that completes one of these in the
+        decoded text of the generated tokens (the prompt is not searched); that token is
+        kept, and its text may run on past the stop string. Matched on text, so a stop
+        string whose characters span several byte tokens stops too
+        (``raytunix.inference.stops``).
     """
 
     max_new_tokens: int = 64
