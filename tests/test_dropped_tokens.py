@@ -205,3 +205,28 @@ def test_the_report_shows_dropped_tokens_and_env_errors_by_kind(tmp_path):
     assert keyerror.split()[1] == "3" and keyerror.endswith("at /src/my_env.py:42")
     (none,) = [line for line in lines if "MyEnv.step:reward_NoneType" in line]
     assert none.split()[1] == "4"
+
+
+def test_a_learner_step_reports_what_its_rows_cut_and_what_lies_outside_its_support():
+    import os
+
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from raytunix.learner.learner import GRPOHyperparams, Learner
+    from raytunix.models.llama import ModelConfig
+
+    config = ModelConfig(vocab_size=TOKENIZER.vocab_size, d_model=16, n_layers=1, n_heads=2,
+                         n_kv_heads=1, d_ff=32, max_seq_len=64)
+    learner = Learner(config, seed=0, pad_id=TOKENIZER.pad_id)
+    # top_k=1: only the learner's most likely token is in its support, so most of the
+    # random tokens below are out of it and leave the loss.
+    learner.start_rl(GRPOHyperparams(temperature=1.0, top_k=1, top_p=1.0,
+                                     learning_rate=1e-3, sequence_packing=False))
+    rows = [_trajectory(10, 70), _trajectory(10, 20), _trajectory(8, 30), _trajectory(8, 12)]
+    for i, t in enumerate(rows):
+        t.group_id, t.reward = f"g{i // 2}", float(i % 2)
+    metrics = learner.train_step(trajectories_to_record_batch(rows))
+    assert metrics["generated_tokens_dropped_seq_len"] == 80 - 64
+    assert metrics["generated_tokens_dropped_first_position"] == 0
+    scored = 64 - 10 + 20 + 30 + 12
+    expected = round(metrics["out_of_support_fraction"] * scored)
+    assert metrics["generated_tokens_dropped_out_of_support"] == expected > scored // 2

@@ -194,6 +194,10 @@ class Learner:
         metrics["staleness_max"] = float(self.version - 1 - versions.min()) if versions.size else 0.0
         metrics["batch_tokens"] = int(arrays.tokens.size)
         metrics.update({f"generated_tokens_dropped_{k}": v for k, v in dropped.items()})
+        # Tokens the learner's sampling transform gives probability 0 leave the loss too.
+        scored = int(np.count_nonzero(np.asarray(arrays.loss_mask)[:, 1:]))
+        metrics["generated_tokens_dropped_out_of_support"] = int(round(
+            metrics.get("out_of_support_fraction", 0.0) * scored))
         return metrics
 
     def weights_numpy(self):
