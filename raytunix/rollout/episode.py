@@ -78,8 +78,9 @@ async def run_episode(
       ``tool_calls``, ``tool_errors`` (total) and ``tool_errors/<kind>`` (see
       ``ToolErrorKind``), ``engine_retries``, ``generated_tokens``, and
       ``env_failure_retryable`` (1.0) when its env's host died under it. Environment
-      failures (``EnvFailure``, a non-finite reward) end it as ``ENV_ERROR`` with the
-      failure's message in ``error``, the budget
+      failures (``EnvFailure`` from reset, step or close, a step result of the wrong
+      kind, a non-finite reward) end it as ``ENV_ERROR`` with the failure's message in
+      ``error`` and its ``EnvErrorReport`` in ``error_report``, the budget
       as ``TIMEOUT``; parse errors are the environment's to answer.
 
     Raises:
@@ -224,10 +225,11 @@ def _check_step(step, task: Task) -> None:
     """Raises ``EnvFailure`` for a step result the loop cannot use. The env clients check
     and report these where the value is made (``raytunix.envs.contract``); this catches
     an ``EnvClient`` that does not."""
-    if not isinstance(step, StepResult) or not isinstance(step.observation, str):
+    if (not isinstance(step, StepResult) or not isinstance(step.observation, str)
+            or not isinstance(step.info, dict)):
         raise EnvFailure(f"the environment client returned {step!r:.120} for task "
                          f"{task.task_id!r}; a step must give a StepResult with a str "
-                         "observation")
+                         "observation and a dict info")
     try:
         finite = not isinstance(step.reward, (str, bytes)) and math.isfinite(float(step.reward))
     except (TypeError, ValueError):
