@@ -101,11 +101,15 @@ class EnvFailure(Exception):
     Attributes:
       retryable: the failure was the host's (an actor died or restarted), not the
         environment's logic, so re-running the episode on a fresh environment may succeed.
+      report: the ``raytunix.envs.contract.EnvErrorReport`` (kind, env class, task id,
+        file:line, traceback) when the environment's own code raised or returned a value
+        of the wrong kind; None for a host failure.
     """
 
-    def __init__(self, message: str, *, retryable: bool = False):
+    def __init__(self, message: str, *, retryable: bool = False, report: Any = None):
         super().__init__(message)
         self.retryable = retryable
+        self.report = report
 
 
 class RolloutHalted(Exception):
@@ -154,7 +158,11 @@ class SamplingParams:
         top-p) is ``raytunix.inference.sampling.sampling_logprobs``; the learner scores
         tokens with the same one.
       stop_token_ids: generation ends after any of these tokens (the token is kept).
-      stop_strings: generation ends once the decoded text ends with one of these.
+      stop_strings: generation ends at the token that completes one of these in the
+        decoded text of the generated tokens (the prompt is not searched); that token is
+        kept, and its text may run on past the stop string. Matched on text, so a stop
+        string whose characters span several byte tokens stops too
+        (``raytunix.inference.stops``).
     """
 
     max_new_tokens: int = 64
@@ -285,6 +293,9 @@ class Trajectory:
       error: for an ``ENV_ERROR`` episode, what failed (the ``EnvFailure`` message, or
         ``StepResult.info["error"]`` when ``BaseEnv.step`` caught the exception, e.g.
         ``"RuntimeError('step always fails')"``; at most 500 characters); "" otherwise.
+      error_report: for an ``ENV_ERROR`` episode whose environment code raised or returned
+        a value of the wrong kind, its ``raytunix.envs.contract.EnvErrorReport``; None
+        otherwise (not carried into record batches).
     """
 
     task_id: str
@@ -298,6 +309,7 @@ class Trajectory:
     num_turns: int
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     error: str = ""
+    error_report: Any = None
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)

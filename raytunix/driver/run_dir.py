@@ -8,6 +8,9 @@ what a stopped run left to resume from.
     RUN_DIR/checkpoints/      the RL checkpoints (orbax; learner state + orchestrator state)
     RUN_DIR/state.json        the newest committed RL checkpoint's step and data position
     RUN_DIR/summary.json      written once the run ends
+    RUN_DIR/env_errors.jsonl  the first error of each kind from the environment's code
+                              (an ``EnvErrorReport`` a line: kind, env class, task id,
+                              file:line, traceback); later ones are counted, not kept
     RUN_DIR/driver.lock       held (flock) by the driver running the run; the kernel frees it
                               when that process ends, however it ends
 """
@@ -60,6 +63,7 @@ class RunDir:
         self.export = os.path.join(self.path, "export")  # the trained policy in HF layout (model.path runs)
         self.summary = os.path.join(self.path, "summary.json")
         self.state = os.path.join(self.path, "state.json")
+        self.env_errors = os.path.join(self.path, "env_errors.jsonl")
         self.sinks = None  # profiling.sinks.MetricSinks once the run starts its actors
         self.checkpoint_in_flight: dict[str, Any] | None = None  # state.json once it commits
         self.lock_file = os.path.join(self.path, "driver.lock")
@@ -123,6 +127,22 @@ class RunDir:
         append_jsonl(self.metrics, [json.dumps(record) + "\n"])
         if self.sinks is not None:
             self.sinks.write(record)
+
+    def record_env_errors(self, reports: Sequence[dict[str, Any]]) -> None:
+        """Appends each ``EnvErrorReport`` (as JSON, ``raytunix.envs.contract``) to
+        env_errors.jsonl and prints it with its traceback: the first error of its kind;
+        the run goes on, and later errors of the kind are only counted (the step's
+        ``env_errors/<kind>``, the summary's ``env_errors_by_kind``)."""
+        if not reports:
+            return
+        append_jsonl(self.env_errors, [json.dumps(dict(r, time=time.time())) + "\n"
+                                       for r in reports])
+        for r in reports:
+            trace = "".join(f"    {line}\n" for line in r.get("traceback", "").splitlines())
+            say(f"env error {r['kind']} (first of its kind; the episode ends as env_error, "
+                f"the run goes on, later ones are counted; kept in {self.env_errors}):\n"
+                f"  env {r['env_class']}, task {r['task_id']!r}, at {r['location']}\n"
+                f"  {r['message']}\n{trace}".rstrip())
 
     def read_state(self) -> dict[str, Any]:
         """state.json: ``{"checkpoint_step", "data_position"}`` of the newest committed RL

@@ -234,6 +234,7 @@ def evaluate(job: Job, run: RunDir, heldout, collector, when: str, step: int) ->
     """
     with profiling.span("eval", "driver", {"tasks": len(heldout)}):
         result = job.evaluate(heldout)
+    run.record_env_errors(result.pop("env_error_reports", ()))
     collector.drain("eval", step)
     run.log({"phase": "eval", "when": when, **result})
     say(f"held-out {when.replace('_rl', ' RL')}: success {result['success_rate']:.1%}"
@@ -378,6 +379,7 @@ def rl_steps(cfg: Config, job: Job, run: RunDir, start: RLStart, collector) -> f
             if scaled is not None:
                 run.log(scaled)
             refs, info = _next_batch(cfg, job, run, step)
+            run.record_env_errors(info.pop("env_error_reports", ()))
             prepare.run_preflight(preflight.check_batch, info, step)  # nothing to learn from
             with profiling.span("train_step", "driver", {"step": step}):
                 metrics = ray.get(job.learner.train_step.remote(refs))
@@ -445,6 +447,7 @@ def _next_batch(cfg: Config, job: Job, run: RunDir, step: int) -> tuple[list, di
             f"one are in {run.checkpoints}; fix the cause and use --resume.") from None
     except RolloutHalted as e:  # the breaker: no environment or engine can run
         cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) else e
+        run.record_env_errors(ray.get(job.orchestrator.take_env_errors.remote())[0])
         raise RunError(
             f"rollout halted at RL step {step}: {cause} Checkpoints up to the last one are in "
             f"{run.checkpoints}; use --resume once the cause is fixed.") from None
@@ -509,6 +512,7 @@ def summarise(cfg: Config, job: Job, run: RunDir, start: RLStart, after: dict[st
     (tasks left out before training, by reason)."""
     artifacts = profiling.write_artifacts(run.path)
     before, warm = start.before, start.warm
+    orchestrator = ray.get(job.orchestrator.stats.remote())
     summary = {
         "run_dir": run.path,
         "env": cfg.env.name,
@@ -533,7 +537,8 @@ def summarise(cfg: Config, job: Job, run: RunDir, start: RLStart, after: dict[st
         "rl_engine_busy_fraction": rl_mean(run, "engine_busy_fraction"),
         "tasks_dropped": dict(tasks_dropped or {}),
         "orchestrator": {**{f"episodes_{s.value}": 0 for s in EpisodeStatus},
-                         **ray.get(job.orchestrator.stats.remote())["counters"]},
+                         **orchestrator["counters"]},
+        "env_errors_by_kind": orchestrator["env_errors_by_kind"],
     }
     with open(run.summary, "w") as f:
         json.dump(summary, f, indent=2)

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Sequence
 import gymnasium
 
 from raytunix.agents.parsers import parse_action
+from raytunix.envs.contract import report_for
 from raytunix.types import Action, EpisodeStatus, StepResult, Task
 
 if TYPE_CHECKING:
@@ -65,7 +66,8 @@ class BaseEnv(abc.ABC):
         Returns:
           the subclass's ``StepResult``; or, if it raised (or the episode is not
           running), ``StepResult(done=True, status=ENV_ERROR, info={"error": ...,
-          "traceback": ...})`` with reward 0.
+          "traceback": ..., "env_error_report": EnvErrorReport})`` with reward 0
+          (``raytunix.envs.contract``).
         """
         try:
             if self._done:
@@ -75,13 +77,17 @@ class BaseEnv(abc.ABC):
                 )
             result = self._step_impl(action)
         except Exception as e:  # noqa: BLE001 - any failure ends this episode only
+            formatted = traceback.format_exc()
+            task_id = self.task.task_id if self.task is not None else ""
             result = StepResult(
                 observation="",
                 done=True,
                 status=EpisodeStatus.ENV_ERROR,
-                info={"error": repr(e), "traceback": traceback.format_exc()},
+                info={"error": repr(e), "traceback": formatted,
+                      "env_error_report": report_for(e, self, "step", task_id, formatted)},
             )
-        self._done = result.done
+        # A result of the wrong kind (checked by the caller, raytunix.envs.contract) ends it.
+        self._done = result.done if isinstance(result, StepResult) else True
         return result
 
     def close(self) -> None:

@@ -78,6 +78,7 @@ import numpy as np
 from raytunix import profiling
 from raytunix.inference.kv_blocks import ROOT_KEY, BlockPool, PrefixCache, block_key
 from raytunix.inference.sampling import check_sampling_settings, sample_tokens, split_seed
+from raytunix.inference.stops import completed_stop
 from raytunix.models.llama import (
     KVPages,
     ModelConfig,
@@ -386,7 +387,7 @@ class InferenceEngine:
         Returns:
           ``GenerationResult`` with N generated tokens, their logprobs (nats) and policy
           versions, and why generation stopped: ``STOP`` (stop token, kept, or stop
-          string), ``LENGTH`` (``max_new_tokens``, or prompt + generated reached
+          string, ending at the token that completes it: ``inference.stops``), ``LENGTH`` (``max_new_tokens``, or prompt + generated reached
           ``max_seq_len``), ``ABORT`` (``abort``, ``pause`` or ``close``; partial tokens).
           ``num_cached_tokens`` says how many prompt tokens came from the cache.
 
@@ -761,12 +762,9 @@ class InferenceEngine:
         sampling = seq.request.sampling
         if seq.tokens[-1] in sampling.stop_token_ids:
             return FinishReason.STOP
-        if sampling.stop_strings:
-            longest = max(len(s) for s in sampling.stop_strings)
-            # A token decodes to at least one character, so the tail holds any stop string.
-            text = self._tokenizer.decode(seq.tokens[-(longest + 1):])
-            if any(text.endswith(s) for s in sampling.stop_strings if s):
-                return FinishReason.STOP
+        if sampling.stop_strings and completed_stop(self._tokenizer.decode, seq.tokens,
+                                                    sampling.stop_strings) is not None:
+            return FinishReason.STOP
         if len(seq.tokens) >= sampling.max_new_tokens:
             return FinishReason.LENGTH
         # The next token would sit at position max_seq_len: the context is full.

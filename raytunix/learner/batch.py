@@ -239,6 +239,28 @@ def pack_rows(lengths: np.ndarray, width: int) -> list[list[int]]:
     return rows
 
 
+def generated_tokens_cut(batch: pa.RecordBatch | pa.Table, width: int) -> dict[str, int]:
+    """Generated tokens (loss mask 1) of a ``TRAJECTORY_SCHEMA`` batch that the learner
+    cannot train on once its rows are ``width`` tokens wide, by why: ``seq_len`` (past
+    ``width``: ``Batch.from_record_batch`` and ``pack_batch`` cut a longer trajectory)
+    and ``first_position`` (a trajectory's token 0 is scored from nothing). Each is the
+    step metric ``generated_tokens_dropped_<kind>``; a trajectory starts with its prompt,
+    so both are 0 unless something upstream is wrong (a context longer than the model's).
+    """
+    if isinstance(batch, pa.Table):
+        batch = batch.combine_chunks().to_batches()[0]
+    column = batch.column("loss_mask")
+    offsets = column.offsets.to_numpy()
+    mask = column.values.to_numpy(zero_copy_only=False)
+    cut = first = 0
+    for i in range(len(column)):
+        row = mask[offsets[i]:offsets[i + 1]]
+        if len(row):
+            first += int(row[0] != 0)
+            cut += int(np.count_nonzero(row[width:]))
+    return {"seq_len": cut, "first_position": first}
+
+
 def pack_batch(batch: Batch, lengths: np.ndarray, width: int, *, pad_id: int = 0,
                row_multiple: int = ROW_MULTIPLE) -> PackedBatch:
     """Packs the trajectories of a padded ``batch`` into rows of ``width`` tokens.

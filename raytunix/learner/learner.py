@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pyarrow as pa
 
-from raytunix.learner.batch import Batch, PackedBatch
+from raytunix.learner.batch import Batch, PackedBatch, generated_tokens_cut
 from raytunix.learner.checkpoint import Checkpointer
 from raytunix.learner.sharding import (
     batch_shards,
@@ -156,8 +156,10 @@ class Learner:
         Returns the update's metrics (see ``make_grpo_update``; among them the
         engine-learner logprob mismatch ``mismatch_*`` and ``update_skipped``) as floats,
         plus ``update_s`` (seconds), ``policy_version``, ``updates_skipped`` (so far),
-        ``staleness_max`` (versions between the oldest trained token and the update) and
-        ``batch_tokens`` (padded).
+        ``staleness_max`` (versions between the oldest trained token and the update),
+        ``batch_tokens`` (padded) and ``generated_tokens_dropped_seq_len`` /
+        ``_first_position`` (generated tokens the rows cannot train on:
+        ``raytunix.learner.batch.generated_tokens_cut``).
 
         Raises:
           RuntimeError: before ``start_rl``.
@@ -174,6 +176,10 @@ class Learner:
         else:
             arrays = Batch.from_record_batch(batch, pad_id=self.pad_id,
                                              max_seq_len=self.model_config.max_seq_len)
+        width = (min(self._hp.pack_width or self.model_config.max_seq_len,
+                     self.model_config.max_seq_len) if self._hp.sequence_packing
+                 else self.model_config.max_seq_len)
+        dropped = generated_tokens_cut(batch, width)
         versions = arrays.policy_versions[arrays.loss_mask > 0]
         t0 = time.monotonic()
         self._state, metrics = self._update(self._state, self._ref_params, arrays)
@@ -187,6 +193,11 @@ class Learner:
         metrics["updates_skipped"] = self.updates_skipped
         metrics["staleness_max"] = float(self.version - 1 - versions.min()) if versions.size else 0.0
         metrics["batch_tokens"] = int(arrays.tokens.size)
+        metrics.update({f"generated_tokens_dropped_{k}": v for k, v in dropped.items()})
+        # Tokens the learner's sampling transform gives probability 0 leave the loss too.
+        scored = int(np.count_nonzero(np.asarray(arrays.loss_mask)[:, 1:]))
+        metrics["generated_tokens_dropped_out_of_support"] = int(round(
+            metrics.get("out_of_support_fraction", 0.0) * scored))
         return metrics
 
     def weights_numpy(self):

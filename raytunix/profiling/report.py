@@ -386,6 +386,7 @@ def render_report(run_dir: str) -> tuple[str, Verdict]:
         lines.append("Evidence (means over RL steps, weighted by step time; maxima for "
                      "staleness and dropped spans):")
         lines += [f"  {key:<34} {value}" for key, value in rows]
+    lines += _losses_section(steps, run_dir)
     if tools:
         lines += ["", "Tool latency in RL steps and evaluations (seconds):",
                   f"  {'tool':<20} {'calls':>7} {'p50':>9} {'p90':>9} {'p99':>9}"]
@@ -408,6 +409,52 @@ def write_report(run_dir: str, out_dir: str | None = None) -> tuple[str, Verdict
     with open(path, "w") as f:
         f.write(text)
     return path, verdict
+
+
+DROPPED_PREFIX = "generated_tokens_dropped_"
+
+
+def dropped_tokens_and_env_errors(steps: list[dict[str, Any]]
+                                  ) -> tuple[dict[str, int], dict[str, int]]:
+    """Sums over RL step records: ``({kind: generated tokens kept from the loss}, {kind:
+    env errors})``, from each step's ``generated_tokens_dropped_<kind>`` and
+    ``env_errors`` (``raytunix.rollout.orchestrator.DROPPED_TOKEN_KINDS``, the learner's
+    ``generated_tokens_cut``, ``raytunix.envs.contract``)."""
+    dropped: dict[str, int] = {}
+    errors: dict[str, int] = {}
+    for record in steps:
+        for key, value in record.items():
+            if key.startswith(DROPPED_PREFIX) and isinstance(value, (int, float)):
+                kind = key[len(DROPPED_PREFIX):]
+                dropped[kind] = dropped.get(kind, 0) + int(value)
+        by_kind = record.get("env_errors")
+        if isinstance(by_kind, dict):
+            for kind, value in by_kind.items():
+                if isinstance(value, (int, float)):
+                    errors[kind] = errors.get(kind, 0) + int(value)
+    return dropped, errors
+
+
+def _losses_section(steps: list[dict[str, Any]], run_dir: str) -> list[str]:
+    """Report lines: generated tokens that did not reach the loss, and environment errors,
+    by kind (nothing the policy generated is dropped without a number here)."""
+    dropped, errors = dropped_tokens_and_env_errors(steps)
+    lines: list[str] = []
+    if dropped:
+        total = sum(dropped.values())
+        lines += ["", f"Generated tokens kept from the loss, over the RL steps: {total}"]
+        lines += [f"  {kind:<34} {n}" for kind, n in sorted(dropped.items())]
+    if errors:
+        where: dict[str, str] = {}
+        for r in read_jsonl(os.path.join(run_dir, "env_errors.jsonl")):
+            if isinstance(r, dict) and "kind" in r:
+                where.setdefault(r["kind"], str(r.get("location", "")))
+        lines += ["", "Environment errors by kind, over the RL steps (episodes ended "
+                  "env_error; the first of each kind with its traceback is in "
+                  "env_errors.jsonl):"]
+        lines += [f"  {kind:<44} {n:>6}" + (f"  at {where[kind]}" if kind in where else "")
+                  for kind, n in sorted(errors.items())]
+    return lines
 
 
 _EVIDENCE = (

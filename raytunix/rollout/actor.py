@@ -156,5 +156,9 @@ class OrchestratorActor(profiling.ProfiledActor):
     def stats(self) -> dict:
         return self.orchestrator.stats()
 
+    def take_env_errors(self) -> tuple[list[dict], dict[str, int]]:
+        """``RolloutOrchestrator.take_env_errors``."""
+        return self.orchestrator.take_env_errors()
+
     async def stop(self) -> None:
         await self.orchestrator.stop()

@@ -28,6 +28,7 @@ import ray
 
 from raytunix import heap, profiling
 from raytunix.envs import make_env
+from raytunix.envs.contract import EnvErrorReport, guarded_call
 from raytunix.plugins import PluginError, add_import_paths
 from raytunix.types import Action, EnvFailure, RolloutHalted, StepResult, Task
 
@@ -124,21 +125,28 @@ class EnvActor(profiling.ProfiledActor):
         """Whether JAX is imported in this actor's process (it should never be)."""
         return "jax" in sys.modules
 
-    async def reset(self, episode_id: str, task: Task) -> str:
-        env = make_env(self._env_name, **self._env_kwargs)
-        self._envs[episode_id] = env
-        return await self._in_thread(_recorded, "env_reset", episode_id, env.reset, task)
+    # reset, step and close return the environment's checked value, or the
+    # ``EnvErrorReport`` of what its code raised or returned wrong (``guarded_call``): a
+    # bad value is caught here, before Ray serialises it for the orchestrator.
 
-    async def step(self, episode_id: str, action: Action) -> StepResult:
-        env = self._envs.get(episode_id)
+    async def reset(self, episode_id: str, task: Task) -> str | EnvErrorReport:
+        env = make_env(self._env_name, **self._env_kwargs)
+        self._envs[episode_id] = (env, task.task_id)
+        return await self._in_thread(_recorded, "env_reset", episode_id, guarded_call, env,
+                                     "reset", task.task_id, task)
+
+    async def step(self, episode_id: str, action: Action) -> StepResult | EnvErrorReport:
+        env, task_id = self._envs.get(episode_id, (None, ""))
         if env is None:
             raise KeyError(f"episode {episode_id!r} has no environment on this actor (restarted?)")
-        return await self._in_thread(_recorded, "env_step", episode_id, env.step, action)
+        return await self._in_thread(_recorded, "env_step", episode_id, guarded_call, env,
+                                     "step", task_id, action)
 
-    async def close(self, episode_id: str) -> None:
-        env = self._envs.pop(episode_id, None)
+    async def close(self, episode_id: str) -> EnvErrorReport | None:
+        env, task_id = self._envs.pop(episode_id, (None, ""))
         if env is not None:
-            env.close()
+            return guarded_call(env, "close", task_id)
+        return None
 
     async def _in_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -202,41 +210,43 @@ class RemoteEnv:
             raise EnvFailure(f"{method} failed on the env actor: {what}", retryable=gone) from e
 
     async def reset(self, task: Task) -> str:
-        return await self._call("reset", task)
+        return _value_or_failure(await self._call("reset", task))
 
     async def step(self, action: Action) -> StepResult:
-        return await self._call("step", action)
+        return _value_or_failure(await self._call("step", action))
 
     async def close(self) -> None:
-        await self._call("close")
+        _value_or_failure(await self._call("close"))
+
+
+def _value_or_failure(value: Any) -> Any:
+    """``value``, or ``EnvFailure`` (not retryable: the same code would fail again) with
+    the report when the environment's code failed."""
+    if isinstance(value, EnvErrorReport):
+        raise EnvFailure(value.summary(), report=value)
+    return value
 
 
 class LocalEnv:
     """``EnvClient`` running an environment in-process (tests, evaluation without Ray).
 
-    Like ``RemoteEnv``, an exception from the environment becomes ``EnvFailure`` (the
-    episode ends as ENV_ERROR, not retryable: the same code would fail again)."""
+    Like ``RemoteEnv``, an exception from the environment, or a value of the wrong kind,
+    becomes ``EnvFailure`` with its ``EnvErrorReport`` (the episode ends as ENV_ERROR, not
+    retryable: the same code would fail again)."""
 
     def __init__(self, env_name: str, env_kwargs: dict[str, Any]):
         self._env = make_env(env_name, **env_kwargs)
+        self._task_id = ""
 
     async def reset(self, task: Task) -> str:
-        try:
-            return self._env.reset(task)
-        except Exception as e:  # noqa: BLE001 - any failure ends this episode only
-            raise EnvFailure(f"reset failed: {e!r}") from e
+        self._task_id = task.task_id
+        return _value_or_failure(guarded_call(self._env, "reset", task.task_id, task))
 
     async def step(self, action: Action) -> StepResult:
-        try:
-            return self._env.step(action)
-        except Exception as e:  # noqa: BLE001
-            raise EnvFailure(f"step failed: {e!r}") from e
+        return _value_or_failure(guarded_call(self._env, "step", self._task_id, action))
 
     async def close(self) -> None:
-        try:
-            self._env.close()
-        except Exception as e:  # noqa: BLE001
-            raise EnvFailure(f"close failed: {e!r}") from e
+        _value_or_failure(guarded_call(self._env, "close", self._task_id))
 
 
 class EnvPool:

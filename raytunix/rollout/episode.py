@@ -27,6 +27,7 @@ from raytunix.types import (
     EpisodeStatus,
     FinishReason,
     SamplingParams,
+    StepResult,
     Task,
     Trajectory,
     is_infrastructure_failure,
@@ -77,8 +78,9 @@ async def run_episode(
       ``tool_calls``, ``tool_errors`` (total) and ``tool_errors/<kind>`` (see
       ``ToolErrorKind``), ``engine_retries``, ``generated_tokens``, and
       ``env_failure_retryable`` (1.0) when its env's host died under it. Environment
-      failures (``EnvFailure``, a non-finite reward) end it as ``ENV_ERROR`` with the
-      failure's message in ``error``, the budget
+      failures (``EnvFailure`` from reset, step or close, a step result of the wrong
+      kind, a non-finite reward) end it as ``ENV_ERROR`` with the failure's message in
+      ``error`` and its ``EnvErrorReport`` in ``error_report``, the budget
       as ``TIMEOUT``; parse errors are the environment's to answer.
 
     Raises:
@@ -94,6 +96,7 @@ async def run_episode(
                "engine_retries": 0.0}
     reward, status = 0.0, EpisodeStatus.TRUNCATED
     error = ""  # an ENV_ERROR's message, kept on the trajectory for the user to see
+    report = None  # and its EnvErrorReport, when the environment's code failed
     rng = random.Random(seed)
 
     def on_engine_retry(attempt: int, error: BaseException, delay_s: float) -> None:
@@ -161,11 +164,8 @@ async def run_episode(
                 timings["tool_calls"] += len(action.tool_calls)
                 step = await env_call(env.step(action), lambda _, seconds: record_turn(
                     turn, t0, t1, tokens, seconds))
-                if not math.isfinite(step.reward):
-                    raise EnvFailure(
-                        f"the environment returned reward {step.reward!r} for task "
-                        f"{task.task_id!r}; rewards must be finite numbers (a bug in its verifier)")
-                reward += step.reward
+                _check_step(step, task)
+                reward += float(step.reward)
                 for kind, count in (step.info.get(TOOL_ERRORS_KEY) or {}).items():
                     timings[TOOL_ERRORS_KEY] += count
                     key = f"{TOOL_ERRORS_KEY}/{kind}"
@@ -175,6 +175,7 @@ async def run_episode(
                     if status == EpisodeStatus.ENV_ERROR:  # BaseEnv.step caught the raise
                         error = str(step.info.get("error") or "the environment reported "
                                     "env_error")[:MAX_ERROR_CHARS]
+                        report = step.info.get("env_error_report")
                     break
                 if turn + 1 < max_turns:
                     agent.on_observation(step.observation)
@@ -183,6 +184,7 @@ async def run_episode(
     except EnvFailure as e:
         status = EpisodeStatus.ENV_ERROR
         error = str(e)[:MAX_ERROR_CHARS]
+        report = e.report
         if e.retryable:  # the host failed, not the environment: the caller may re-run it
             timings["env_failure_retryable"] = 1.0
         _rate_limited.log(logging.WARNING, "env_failure", "episode of %s ended as env_error: %s",
@@ -194,7 +196,14 @@ async def run_episode(
         try:
             async with asyncio.timeout(ENV_CLOSE_TIMEOUT_S):
                 await env.close()
-        except (EnvFailure, TimeoutError) as e:  # must not hide the episode's outcome
+        except EnvFailure as e:
+            # The environment's own close raised: this episode ends as env_error (an earlier
+            # failure's status and report are kept); a host failure only warns.
+            if e.report is not None and not is_infrastructure_failure(status):
+                status, error, report = EpisodeStatus.ENV_ERROR, str(e)[:MAX_ERROR_CHARS], e.report
+            _rate_limited.log(logging.WARNING, "env_close", "closing the env of %s failed: %s",
+                              group_id, e)
+        except TimeoutError as e:  # a hung close must not hide the episode's outcome
             _rate_limited.log(logging.WARNING, "env_close", "closing the env of %s failed: %r",
                               group_id, e)
     if is_infrastructure_failure(status):
@@ -208,4 +217,24 @@ async def run_episode(
                    "reward": reward, "generate_s": timings["generate_s"],
                    "env_s": timings["env_s"]}, session_id)
     trajectory.error = error
+    trajectory.error_report = report
     return trajectory
+
+
+def _check_step(step, task: Task) -> None:
+    """Raises ``EnvFailure`` for a step result the loop cannot use. The env clients check
+    and report these where the value is made (``raytunix.envs.contract``); this catches
+    an ``EnvClient`` that does not."""
+    if (not isinstance(step, StepResult) or not isinstance(step.observation, str)
+            or not isinstance(step.info, dict)):
+        raise EnvFailure(f"the environment client returned {step!r:.120} for task "
+                         f"{task.task_id!r}; a step must give a StepResult with a str "
+                         "observation and a dict info")
+    try:
+        finite = not isinstance(step.reward, (str, bytes)) and math.isfinite(float(step.reward))
+    except (TypeError, ValueError):
+        finite = False
+    if not finite:
+        raise EnvFailure(
+            f"the environment returned reward {step.reward!r:.80} for task {task.task_id!r}; "
+            "rewards must be finite numbers (a bug in its verifier)")
