@@ -128,6 +128,7 @@ class EngineConfig:
     sessions: bool = True  # keep an episode's KV in the engine between its turns
     num_replicas: int = 1  # engine actors behind the router (disaggregated placement only)
     actor_resources: dict[str, float] = dataclasses.field(default_factory=dict)  # Ray resources each engine actor asks for (disaggregated placement), e.g. {TPU: 4} for one TPU host of an inference slice; {} = no CPU reserved, anywhere
+    actor_max_restarts: int = 3  # a crashed engine actor (disaggregated placement) is restarted this often, then the run stops
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``InferenceEngine`` that this section sets."""
@@ -290,7 +291,7 @@ _NON_NEGATIVE = {
     "learner.weight_decay", "learner.max_grad_norm", "warmup.max_steps", "warmup.min_steps",
     "env.env_actor_max_restarts", "engine.kv_cache_tokens", "learner.clip_eps_low",
     "learner.clip_eps_high", "warmup.warmup_steps", "sandbox.num_cpus_per_actor",
-    "sandbox.actor_max_restarts", "sandbox.max_file_mb", "learner.lr_warmup_steps",
+    "sandbox.actor_max_restarts", "engine.actor_max_restarts", "sandbox.max_file_mb", "learner.lr_warmup_steps",
     "learner.dual_clip", "learner.entropy_coef", "learner.overlong_buffer_tokens",
     "learner.micro_batch_size", "run.profile_window_s",
 }

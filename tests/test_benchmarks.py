@@ -3,7 +3,8 @@ with the keys its claim is read from. Numbers are not checked against targets (a
 never asserts on speed); these only keep the scripts from rotting.
 
 Marked ``benchmark``: the orchestrator one takes ~10 s; the rollout one starts its own Ray
-and compiles 4 small programs, ~70 s on a 2-core machine at load 20 (less when quiet)."""
+and compiles 4 small programs, ~70 s on a 2-core machine at load 20 (less when quiet). The
+chaos one runs ``raytunix train`` twice (killed, then resumed): minutes, not seconds."""
 
 from __future__ import annotations
 
@@ -134,3 +135,26 @@ def test_learner_step_compares_the_update_with_a_bare_train_step():
     assert tiny["batch"]["padded_tokens"] == 8 * 32  # the longest trajectory fills the width
     assert 0 < tiny["batch"]["trainable_tokens"] < 8 * 32  # prompts are not trained on
     assert len(tiny["step_s"]["learner"]) == len(tiny["step_s"]["bare"]) == 2
+
+
+@pytest.mark.benchmark
+@pytest.mark.timeout(2700)  # three launches of raytunix train: past the suite's 600 s on a loaded machine
+def test_chaos_kills_every_kind_and_the_run_survives_with_nothing_lost():
+    # One actor of each kind, 3 RL steps, kills at most 1 s after their step: the driver's
+    # kill (after step 0 or 1) always comes before the run ends.
+    report = _run("chaos.py", "--seeds", "1", "--rl-steps", "3", "--max-delay-s", "1",
+                  "--env-actors", "1", "--sandbox-actors", "1", "--engine-replicas", "1",
+                  "--seed-timeout-s", "2400", timeout_s=2700)
+    assert report["benchmark"] == "chaos" and report["seeds"] == [0]
+    row, = report["runs"]
+    assert row["finished"], row.get("log_tail")
+    assert report["runs_survived"] == 1 and report["seeds_unchecked"] == []
+    assert report["tasks_lost"] == report["tasks_duplicated"] == 0, row
+    assert report["checkpoints_lost"] == report["processes_left"] == 0, row
+    assert set(report["kills"]) == {"env_actor", "sandbox_actor", "engine_replica", "driver"}
+    assert sum(report["kills"].values()) + report["kills_missed"] == 4
+    assert report["kills"]["driver"] == 1 and row["launches"] - row["ray_startup_retries"] == 2  # killed, resumed
+    resume, = row["resumes"]
+    assert resume["resumed_at"] >= resume["committed_at_kill"]
+    # the final checkpoint holds every RL step's batch: 2 tasks a step, each trained once
+    assert row["final_checkpoint"] == 3 and row["tasks_trained"] == 3 * 2

@@ -4,6 +4,7 @@ config and takes them down however the run ends."""
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +21,8 @@ from raytunix.types import SamplingParams
 
 # A run that stops waits this long for the learner's checkpoint in flight to be committed.
 CHECKPOINT_FINISH_TIMEOUT_S = 300.0
+# A crashed engine replica must be back (restarted, weights taken) within this, seconds.
+ENGINE_RESTART_TIMEOUT_S = 600.0
 
 
 class Job:
@@ -61,10 +64,14 @@ class Job:
                 self.learner = ray.remote(LearnerActor).options(
                     max_concurrency=100, **hosts.actor_options()).remote(
                     model_config, cfg.run.seed, tokenizer.pad_id, path)
-            engine_options = resource_options(cfg.engine.actor_resources)
+            # A crashed engine is restarted by Ray under the same handle (the orchestrator's
+            # router keeps it; calls wait for it) and takes the learner's weights first.
+            engine_options = {**resource_options(cfg.engine.actor_resources),
+                              "max_restarts": cfg.engine.actor_max_restarts}
             self._new_engine = lambda: ray.remote(EngineActor).options(
                 max_concurrency=10_000, **engine_options).remote(
-                model_config, cfg.run.seed, tokenizer, cfg.engine.engine_kwargs(), path)
+                model_config, cfg.run.seed, tokenizer, cfg.engine.engine_kwargs(), path,
+                weights_source=self.learner)
             self.engines = [self._new_engine() for _ in range(cfg.engine.num_replicas)]
             self.engine = self.engines[0]
 
@@ -112,10 +119,42 @@ class Job:
             seed=cfg.run.seed, policy_version=policy_version, state=state)
 
     def publish_weights(self) -> None:
-        """Disaggregated placement: ship the learner's weights to the engines."""
-        if not self.colocated:
-            weights = self.learner.weights.remote()
-            ray.get([engine.update_weights.remote(weights) for engine in self.engines])
+        """Disaggregated placement: ship the learner's weights to the engines. A replica
+        that crashed is asked again, with backoff, until Ray has restarted it (a call to a
+        restarting actor fails at once with ``ActorUnavailableError``).
+
+        Raises:
+          RunError: a replica is dead for good (``engine.actor_max_restarts`` used up, or
+            it fails at start), or not back within ``ENGINE_RESTART_TIMEOUT_S``.
+        """
+        if self.colocated:
+            return
+        weights = self.learner.weights.remote()
+        calls = {i: engine.update_weights.remote(weights) for i, engine in enumerate(self.engines)}
+        deaths = dict.fromkeys(calls, 0)
+        deadline, delay = time.monotonic() + ENGINE_RESTART_TIMEOUT_S, 0.2
+        while calls:
+            failed = {}
+            for i, call in calls.items():
+                try:
+                    ray.get(call)
+                except ray.exceptions.RayActorError as e:
+                    failed[i] = e
+                    # A crash answers one call with ActorDiedError; a dead actor, every call.
+                    deaths[i] += not isinstance(e, ray.exceptions.ActorUnavailableError)
+            for i, error in failed.items():
+                if deaths[i] > self.cfg.engine.actor_max_restarts or time.monotonic() > deadline:
+                    raise RunError(
+                        f"engine replica {i} cannot take the new weights: it died and Ray did "
+                        f"not bring it back (engine.actor_max_restarts="
+                        f"{self.cfg.engine.actor_max_restarts} restarts used up, it fails at "
+                        f"start, or it was not back within {ENGINE_RESTART_TIMEOUT_S:g} s): "
+                        f"{str(error)[:500]} Checkpoints up to the last one stay; raise "
+                        "engine.actor_max_restarts or fix the cause, then --resume.")
+            if failed:
+                time.sleep(delay)
+                delay = min(2 * delay, 5.0)
+            calls = {i: self.engines[i].update_weights.remote(weights) for i in failed}
 
     def evaluate(self, tasks) -> dict[str, Any]:
         """Greedy episodes on ``tasks`` (``RolloutOrchestrator.evaluate``'s result)."""

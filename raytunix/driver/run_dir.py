@@ -218,6 +218,7 @@ RESUME_OVERRIDABLE = frozenset({
     "rollout.adaptive_min_episodes", "rollout.adaptive_max_episodes",
     "rollout.adaptive_interval_s", "sandbox.num_actors", "sandbox.num_cpus_per_actor",
     "sandbox.resource", "sandbox.max_concurrent_runs", "sandbox.actor_max_restarts",
+    "engine.actor_max_restarts",
     "rollout.max_episode_restarts", "rollout.max_group_retries",
     "rollout.max_consecutive_failures", "rollout.engine_retry_max_attempts",
     "rollout.engine_retry_initial_delay_s", "rollout.engine_retry_max_delay_s",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import ray
 
 from raytunix import heap, profiling
 from raytunix.inference.engine import InferenceEngine
@@ -15,11 +16,14 @@ class EngineActor(profiling.ProfiledActor):
     """Hosts one ``InferenceEngine`` replica (run with ``ray.remote``).
 
     Its first weights are ``init_model(model_config, seed)``, or the Hugging Face model
-    folder ``model_path`` when given (read where the actor runs).
+    folder ``model_path`` when given (read where the actor runs). An actor that Ray
+    restarted after a crash (``max_restarts``) takes the current weights and policy version
+    from ``weights_source`` (the learner: its ``weights()``) before it serves: the first
+    weights are older than every token's version would claim.
     """
 
     def __init__(self, model_config: ModelConfig, seed: int, tokenizer,
-                 engine_kwargs: dict[str, Any], model_path: str = ""):
+                 engine_kwargs: dict[str, Any], model_path: str = "", weights_source=None):
         profiling.configure("engine", "engine")
         if model_path:
             from raytunix.models.hf import load_weights
@@ -29,6 +33,8 @@ class EngineActor(profiling.ProfiledActor):
             graphdef, params = init_model(model_config, seed)
         self.engine = InferenceEngine(graphdef, params, model_config, tokenizer,
                                       **engine_kwargs)
+        if weights_source is not None and ray.get_runtime_context().was_current_actor_reconstructed:
+            self.update_weights(ray.get(weights_source.weights.remote()))
         heap.settle()  # the model is built: out of the garbage collector's scans
 
     async def generate(self, request):
