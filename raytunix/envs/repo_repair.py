@@ -18,7 +18,7 @@ from typing import Any
 
 from raytunix.envs.hidden_tests import DEFAULT_TEST_TIMEOUT_S, run_hidden_tests
 from raytunix.envs.tool_task import ToolTaskEnv, write_files
-from raytunix.sandbox import SandboxSession
+from raytunix.sandbox import SandboxClient, SandboxSession
 from raytunix.tools import BashTool, PythonTool
 from raytunix.types import Task
 
@@ -281,6 +281,7 @@ class RepoRepairEnv(ToolTaskEnv):
         output, not an error.
       tool_timeout_s: deadline of one call as the env waits for it, seconds.
       test_timeout_s: deadline of one hidden test, seconds (> 0); a test past it errors.
+      sandbox: the sandbox to run in (default: ``raytunix.sandbox.connect()``).
 
     Raises:
       ValueError: an unknown project name, a bad ``test_timeout_s``, or see
@@ -292,7 +293,8 @@ class RepoRepairEnv(ToolTaskEnv):
 
     def __init__(self, projects: list[str] | None = None, max_tool_errors: int = 3,
                  tool_timeout_s: float | None = 30.0,
-                 test_timeout_s: float = DEFAULT_TEST_TIMEOUT_S) -> None:
+                 test_timeout_s: float = DEFAULT_TEST_TIMEOUT_S,
+                 sandbox: SandboxClient | None = None) -> None:
         if isinstance(test_timeout_s, bool) or not isinstance(test_timeout_s, (int, float)) \
                 or not 0 < test_timeout_s <= 3600:
             raise ValueError(f"test_timeout_s={test_timeout_s!r} must be seconds in (0, 3600]")
@@ -303,7 +305,7 @@ class RepoRepairEnv(ToolTaskEnv):
             raise ValueError(f"projects={projects!r}: unknown {unknown}; choose from "
                              f"{sorted(PROJECTS)}")
         self.projects = names
-        self.session = SandboxSession(name="repo_repair")
+        self.session = SandboxSession(sandbox, name="repo_repair")
         super().__init__([BashTool(self.session), PythonTool(self.session)],
                          max_tool_errors=max_tool_errors, tool_timeout_s=tool_timeout_s)
 
