@@ -280,6 +280,9 @@ BASH_FORGERIES = {
     "fifo_where_the_file_should_be": ("count_lines", lambda t: f"mkfifo {_file(t)[0]}"),
     "unreadable_file": ("count_lines", lambda t: (
         f"wc -l < data.txt > {_file(t)[0]} && chmod 000 {_file(t)[0]}")),
+    "right_text_then_more_past_a_bounded_read": ("write_line", lambda t: (
+        f"{{ echo {_file(t)[1]!r}; head -c 5000 /dev/zero | tr '\\0' '\\n'; echo more; }} "
+        f"> {_file(t)[0]}")),
     "huge_file": ("count_lines", lambda t: (
         f"head -c 30000000 /dev/zero > {_file(t)[0]}")),
     "planted_modules_print_a_forged_report": ("count_lines", lambda t: (

@@ -98,6 +98,8 @@ def check_state(expect: dict[str, Any], state: dict[str, dict[str, Any]]) -> lis
         got = state.get(path)
         if not isinstance(got, dict) or got.get("kind") not in _WHAT:
             return "unreadable", ""
+        if got["kind"] == "file" and got.get("truncated"):
+            return "long", ""
         return got["kind"], str(got.get("text", ""))
 
     failures = []
@@ -105,6 +107,8 @@ def check_state(expect: dict[str, Any], state: dict[str, dict[str, Any]]) -> lis
         kind, got = at(path)
         if kind == "missing":
             failures.append(f"{path}: no such file")
+        elif kind == "long":
+            failures.append(f"{path}: content longer than the expected {text[:80]!r}")
         elif kind != "file":
             failures.append(f"{path}: {_WHAT[kind]}, not a file")
         elif got.rstrip("\n") != text:
@@ -124,7 +128,7 @@ def check_state(expect: dict[str, Any], state: dict[str, dict[str, Any]]) -> lis
 
 _WHAT = {"missing": "no such file", "file": "a file", "dir": "a directory",
          "link": "a symbolic link", "other": "a FIFO, socket or device",
-         "unreadable": "unreadable"}
+         "unreadable": "unreadable", "long": "a file longer than expected"}
 
 
 class BashTerminalEnv(ToolTaskEnv):
@@ -136,7 +140,7 @@ class BashTerminalEnv(ToolTaskEnv):
     not). With ``python_tool`` a ``python`` tool shares the same work dir. An
     ``<answer>`` (any text, e.g. ``done``) ends the episode: what is at each path the task
     names is read out of the work dir (links not followed, FIFOs not opened, no more read
-    than the expected text's length) and compared here with the expected state, which
+    than the expected text and 64 characters) and compared here with the expected state, which
     never enters the sandbox (``check_state``); the reward is 1.0 if every check passes,
     else 0.0, with ``info["check_failures"]`` listing what was wrong. An episode that runs out of turns
     before answering ends ``truncated`` with reward 0, unchecked.
@@ -190,7 +194,7 @@ class BashTerminalEnv(ToolTaskEnv):
         expect = self.task.metadata["expect"]
         paths = [*expect.get("files", {}), *expect.get("dirs", []), *expect.get("absent", [])]
         longest = max((len(text) for text in expect.get("files", {}).values()), default=0)
-        failures = check_state(expect, read_state(self.session, paths, max_chars=longest + 2))
+        failures = check_state(expect, read_state(self.session, paths, max_chars=longest + 64))
         return (0.0 if failures else 1.0), {"correct": not failures, "check_failures": failures}
 
     def close(self) -> None:

@@ -143,8 +143,9 @@ def state(path):
             data = f.read(4 * MAX_CHARS + 4)
     except OSError as e:
         return {{"kind": "unreadable", "why": e.strerror}}
-    return {{"kind": "file", "text": data.decode("utf-8", "replace")[:MAX_CHARS + 1],
-            "size": st.st_size}}
+    text = data.decode("utf-8", "replace")
+    return {{"kind": "file", "text": text[:MAX_CHARS], "size": st.st_size,
+            "truncated": len(text) > MAX_CHARS or len(data) < st.st_size}}
 
 def report():
     return {{path: state(path) for path in PATHS}}
@@ -158,7 +159,8 @@ def read_state(session: SandboxSession, paths: Sequence[str],
 
     Returns:
       ``{path: {"kind": kind, ...}}``; kind is ``"file"`` (a regular file; ``text``: its
-      first ``max_chars + 1`` characters, UTF-8 with bad bytes replaced; ``size`` in bytes),
+      first ``max_chars`` characters, UTF-8 with bad bytes replaced; ``truncated``: there
+      is more; ``size`` in bytes),
       ``"dir"``, ``"link"`` (a symbolic link, never followed), ``"other"`` (a FIFO, socket
       or device; never opened), ``"missing"`` or ``"unreadable"`` (``why``).
 
