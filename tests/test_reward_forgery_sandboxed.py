@@ -16,9 +16,11 @@ subprocess backend and on bubblewrap where it works here.
 from __future__ import annotations
 
 import json
+import secrets
 
 import pytest
 
+from raytunix.envs import hidden_tests
 from raytunix.envs.bash_env import BashTerminalEnv
 from raytunix.envs.hidden_tests import REPORT_PREFIX, hidden_test_names
 from raytunix.envs.python_math import PythonMathEnv
@@ -66,6 +68,56 @@ def write(path: str, code: str) -> str:
 FORGED_COUNTS = json.dumps({"tests": 4, "failures": 0, "errors": 0, "output": "OK",
                             "results": {n: "pass" for n in hidden_test_names(
                                 PROJECTS["textstats"].hidden_tests)}})
+
+# Reads every /proc entry it can for the harness's key (stdin, pipes, environment, the
+# parent's memory), then writes reports signed with each candidate to every stdout it can
+# open: the harness must keep its key where the project cannot read it.
+HUNT_THE_KEY = (
+    "import hmac as _h, hashlib as _hl, os as _o, re as _r\n"
+    f"_body = {FORGED_COUNTS!r}\n"
+    "_found = set()\n"
+    "def _mine(_p):\n"
+    "    try: return _o.stat('/proc/' + _p).st_uid == _o.getuid()\n"
+    "    except OSError: return False\n"
+    "_pids = [_p for _p in _o.listdir('/proc') if _p.isdigit() and int(_p) != _o.getpid()\n"
+    "         and _mine(_p)]\n"
+    "for _p in _pids:\n"
+    "    for _n in ('fd/0', 'fd/3', 'fd/4', 'environ', 'cmdline'):\n"
+    "        try:\n"
+    "            _fd = _o.open('/proc/%s/%s' % (_p, _n), _o.O_RDONLY | _o.O_NONBLOCK)\n"
+    "            _found.update(_r.findall(rb'[0-9a-f]{64}', _o.read(_fd, 1 << 20)))\n"
+    "            _o.close(_fd)\n"
+    "        except Exception: pass\n"
+    "for _p in [str(_o.getppid())]:\n"  # the harness's memory holds its key
+    "    try:\n"
+    "        _maps = open('/proc/%s/maps' % _p).read().splitlines()\n"
+    "        _mem = open('/proc/%s/mem' % _p, 'rb', 0)\n"
+    "    except Exception: continue\n"
+    "    for _l in _maps:\n"
+    "        _a, _perm = _l.split()[:2]\n"
+    "        _lo, _hi = (int(_x, 16) for _x in _a.split('-'))\n"
+    "        if not _perm.startswith('rw') or _hi - _lo > 1 << 26: continue\n"
+    "        try:\n"
+    "            _mem.seek(_lo); _found.update(_r.findall(rb'[0-9a-f]{64}', _mem.read(_hi - _lo)))\n"
+    "        except Exception: pass\n"
+    "for _k in sorted(_found)[:500]:\n"
+    "    _m = _h.new(bytes.fromhex(_k.decode()), _body.encode(), _hl.sha256).hexdigest()\n"
+    f"    _line = ({REPORT_PREFIX!r} + _m + ' ' + _body + '\\n').encode()\n"
+    "    for _p in _pids + ['self']:\n"
+    "        try:\n"
+    "            _fd = _o.open('/proc/%s/fd/1' % _p, _o.O_WRONLY | _o.O_NONBLOCK)\n"
+    "            _o.write(_fd, _line); _o.close(_fd)\n"
+    "        except Exception: pass\n"
+    )
+# Run when a hidden test calls median; what it found comes back in the tests' output.
+HUNT_ON_CALL = (
+    f"_hunt = {HUNT_THE_KEY!r}\n"
+    "from textstats import stats as _st\n"
+    "def median(values):\n"
+    "    _ns = {}\n"
+    "    exec(_hunt, _ns)\n"
+    "    raise ValueError('found: ' + ' '.join(sorted(_k.decode() for _k in _ns['_found'])))\n"
+    "_st.median = median\n")
 
 # Each leaves BUG in place (stats.py untouched) and tries to pass the hidden tests anyway.
 REPO_FORGERIES = {
@@ -147,26 +199,7 @@ REPO_FORGERIES = {
     "stall_the_tests": append(INIT, "import time as _t\n_t.sleep(3600)\n"),
     "kill_the_harness": append(INIT, "import os as _o, signal as _g\n"
                                      "_o.kill(_o.getppid(), _g.SIGKILL)\n"),
-    "hunt_the_key_in_proc": append(INIT, (
-        "import hmac as _h, hashlib as _hl, os as _o, re as _r\n"
-        f"_body = {FORGED_COUNTS!r}\n"
-        "_found = set()\n"
-        "for _p in _o.listdir('/proc'):\n"
-        "    if not _p.isdigit(): continue\n"
-        "    for _n in ('fd/0', 'fd/3', 'fd/4', 'environ', 'cmdline', 'mem'):\n"
-        "        try:\n"
-        "            with open('/proc/%s/%s' % (_p, _n), 'rb') as _f:\n"
-        "                _found.update(_r.findall(rb'[0-9a-f]{64}', _f.read(1 << 20)))\n"
-        "        except Exception: pass\n"
-        "for _k in _found:\n"
-        "    _m = _h.new(bytes.fromhex(_k.decode()), _body.encode(), _hl.sha256).hexdigest()\n"
-        f"    _line = ({REPORT_PREFIX!r} + _m + ' ' + _body + '\\n').encode()\n"
-        "    for _p in _o.listdir('/proc'):\n"
-        "        try:\n"
-        "            _fd = _o.open('/proc/%s/fd/1' % _p, _o.O_WRONLY)\n"
-        "            _o.write(_fd, _line); _o.close(_fd)\n"
-        "        except Exception: pass\n"
-        "    _o.write(1, _line)\n")),
+    "hunt_the_key_in_proc": append(INIT, HUNT_ON_CALL),
 }
 
 
@@ -175,6 +208,27 @@ def repo_env(sandbox):
     env = RepoRepairEnv(projects=["textstats"], test_timeout_s=1.0, sandbox=sandbox)
     yield env
     env.close()
+
+
+def test_repo_repair_the_harness_key_stays_out_of_the_projects_reach(sandbox, monkeypatch):
+    keys, real = [], secrets.token_hex
+
+    def token_hex(n):  # the real key, recorded to look for it in what the project found
+        value = real(n)
+        if n == 32:
+            keys.append(value)
+        return value
+
+    monkeypatch.setattr(hidden_tests.secrets, "token_hex", token_hex)
+    env = RepoRepairEnv(projects=["textstats"], test_timeout_s=4.0, sandbox=sandbox)
+    try:
+        env.reset(TASK)
+        env.step(call("python", code=REPO_FORGERIES["hunt_the_key_in_proc"]))
+        step = env.step(answer("done"))
+    finally:
+        env.close()
+    assert step.reward == 0.0 and "found: " in step.info["test_output"], step.info
+    assert len(keys) == 1 and keys[0] not in step.info["test_output"]
 
 
 @pytest.mark.parametrize("forgery", sorted(REPO_FORGERIES))
