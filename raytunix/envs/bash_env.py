@@ -14,8 +14,8 @@ import json
 import random
 from typing import Any, Callable
 
-from raytunix.envs.tool_task import ToolTaskEnv, draw_tasks, run_report, write_files
-from raytunix.sandbox import SandboxSession
+from raytunix.envs.tool_task import ToolTaskEnv, draw_tasks, read_state, write_files
+from raytunix.sandbox import SandboxClient, SandboxSession
 from raytunix.tools import BashTool, PythonTool
 from raytunix.types import Task
 
@@ -85,28 +85,50 @@ TEMPLATES: dict[str, Callable[[random.Random], _Spec]] = {
     "delete_tmp": _delete_tmp,
 }
 
-_CHECK = """
-import json, os
-expect = json.loads({expect!r})
 
-def report():
+def check_state(expect: dict[str, Any], state: dict[str, dict[str, Any]]) -> list[str]:
+    """What is wrong with the work dir's ``state`` (``tool_task.read_state``) against the
+    task's ``expect``, one line per check that failed (empty: all hold). Decided here, on
+    the host: the expected contents never enter the sandbox.
+
+    A file must be a regular file (not a link to one) whose text equals the expected one
+    without trailing newlines; a directory a real directory; an absent path nothing at all
+    (a dangling link still exists)."""
+    def at(path: str) -> tuple[str, str]:
+        got = state.get(path)
+        if not isinstance(got, dict) or got.get("kind") not in _WHAT:
+            return "unreadable", ""
+        if got["kind"] == "file" and got.get("truncated"):
+            return "long", ""
+        return got["kind"], str(got.get("text", ""))
+
     failures = []
-    for path, text in expect.get("files", {{}}).items():
-        if not os.path.isfile(path):
-            failures.append(f"{{path}}: no such file")
-            continue
-        with open(path, errors="replace") as f:
-            got = f.read()
-        if got.rstrip("\\n") != text:
-            failures.append(f"{{path}}: content {{got[:80]!r}}, expected {{text[:80]!r}}")
+    for path, text in expect.get("files", {}).items():
+        kind, got = at(path)
+        if kind == "missing":
+            failures.append(f"{path}: no such file")
+        elif kind == "long":
+            failures.append(f"{path}: content longer than the expected {text[:80]!r}")
+        elif kind != "file":
+            failures.append(f"{path}: {_WHAT[kind]}, not a file")
+        elif got.rstrip("\n") != text:
+            failures.append(f"{path}: content {got[:80]!r}, expected {text[:80]!r}")
     for path in expect.get("dirs", []):
-        if not os.path.isdir(path):
-            failures.append(f"{{path}}: no such directory")
+        kind, _ = at(path)
+        if kind == "missing":
+            failures.append(f"{path}: no such directory")
+        elif kind != "dir":
+            failures.append(f"{path}: {_WHAT[kind]}, not a directory")
     for path in expect.get("absent", []):
-        if os.path.lexists(path):
-            failures.append(f"{{path}}: still exists")
-    return {{"failures": failures}}
-"""
+        kind, _ = at(path)
+        if kind != "missing":
+            failures.append(f"{path}: still exists ({_WHAT[kind]})")
+    return failures
+
+
+_WHAT = {"missing": "no such file", "file": "a file", "dir": "a directory",
+         "link": "a symbolic link", "other": "a FIFO, socket or device",
+         "unreadable": "unreadable", "long": "a file longer than expected"}
 
 
 class BashTerminalEnv(ToolTaskEnv):
@@ -116,9 +138,11 @@ class BashTerminalEnv(ToolTaskEnv):
     ``bash`` call (``{"command": "..."}``) runs there and returns its output with a
     non-zero exit code noted; files persist between calls (shell variables and ``cd`` do
     not). With ``python_tool`` a ``python`` tool shares the same work dir. An
-    ``<answer>`` (any text, e.g. ``done``) ends the episode: the expected state is checked
-    in the sandbox and the reward is 1.0 if every check passes, else 0.0, with
-    ``info["check_failures"]`` listing what was wrong. An episode that runs out of turns
+    ``<answer>`` (any text, e.g. ``done``) ends the episode: what is at each path the task
+    names is read out of the work dir (links not followed, FIFOs not opened, no more read
+    than the expected text and 64 characters) and compared here with the expected state, which
+    never enters the sandbox (``check_state``); the reward is 1.0 if every check passes,
+    else 0.0, with ``info["check_failures"]`` listing what was wrong. An episode that runs out of turns
     before answering ends ``truncated`` with reward 0, unchecked.
 
     Tasks come from ``TEMPLATES`` (write a file, make directories, count lines, rename,
@@ -132,6 +156,7 @@ class BashTerminalEnv(ToolTaskEnv):
       tool_timeout_s: deadline of one call as the env waits for it, seconds (the
         sandbox's ``sandbox.wall_time_s`` bounds the command itself).
       python_tool: also offer the ``python`` tool in the same work dir.
+      sandbox: the sandbox to run in (default: ``raytunix.sandbox.connect()``).
 
     Raises:
       ValueError: see ``CalculatorMathEnv``.
@@ -141,8 +166,8 @@ class BashTerminalEnv(ToolTaskEnv):
     uses_sandbox = True
 
     def __init__(self, max_tool_errors: int = 3, tool_timeout_s: float | None = 30.0,
-                 python_tool: bool = False) -> None:
-        self.session = SandboxSession(name="bash_terminal")
+                 python_tool: bool = False, sandbox: SandboxClient | None = None) -> None:
+        self.session = SandboxSession(sandbox, name="bash_terminal")
         tools = [BashTool(self.session)] + ([PythonTool(self.session)] if python_tool else [])
         super().__init__(tools, max_tool_errors=max_tool_errors, tool_timeout_s=tool_timeout_s)
 
@@ -167,7 +192,9 @@ class BashTerminalEnv(ToolTaskEnv):
 
     def _score(self, answer: str) -> tuple[float, dict[str, Any]]:
         expect = self.task.metadata["expect"]
-        failures = run_report(self.session, _CHECK.format(expect=json.dumps(expect)))["failures"]
+        paths = [*expect.get("files", {}), *expect.get("dirs", []), *expect.get("absent", [])]
+        longest = max((len(text) for text in expect.get("files", {}).values()), default=0)
+        failures = check_state(expect, read_state(self.session, paths, max_chars=longest + 64))
         return (0.0 if failures else 1.0), {"correct": not failures, "check_failures": failures}
 
     def close(self) -> None:

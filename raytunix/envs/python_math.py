@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Callable
+from typing import Any, Callable
 
-from raytunix.envs.math_envs import CalculatorMathEnv
-from raytunix.envs.tool_task import draw_tasks
+from raytunix.data.answers import MAX_ANSWER_CHARS, parse_number, score_answer, unwrap
+from raytunix.envs.tool_task import ToolTaskEnv, draw_tasks
+from raytunix.sandbox import SandboxClient, SandboxSession
 from raytunix.tools import PythonTool
 from raytunix.types import Task
 
@@ -79,15 +80,36 @@ TEMPLATES: dict[str, _Template] = {
 }
 
 
-class PythonMathEnv(CalculatorMathEnv):
+def numeric_answer_matches(answer: str | None, task: Task) -> bool:
+    """Whether ``answer`` is right for ``task``: when the task's answer is a plain number,
+    ``answer`` must be a plain number of the same value (no symbolic evaluation, so an
+    expression the task wanted computed does not count); otherwise
+    ``raytunix.data.answers.score_answer`` decides."""
+    reference = task.answer
+    expected = parse_number(unwrap(reference)) if isinstance(reference, str) \
+        and len(reference) <= MAX_ANSWER_CHARS else None
+    if expected is None:
+        return score_answer(task, answer) == 1.0
+    if answer is None or len(answer) > MAX_ANSWER_CHARS:
+        return False
+    return parse_number(unwrap(answer)) == expected
+
+
+class PythonMathEnv(ToolTaskEnv):
     """Multi-turn math with the sandboxed ``python`` tool.
 
     Steps as in ``CalculatorMathEnv``: a ``python`` call (``{"code": "print(...)"}``)
     returns what the program printed, or ``error: ...`` (an exception, a limit) counted as
-    a tool error; an ``<answer>`` ends the episode, reward 1.0 if it equals the task's
-    integer answer (``raytunix.data.answers.score_answer``) else 0.0. The program runs
-    in the episode's sandbox work dir (``raytunix.sandbox``), so files it writes are there
-    for its next call; the work dir goes when the episode ends.
+    a tool error; an ``<answer>`` ends the episode, reward 1.0 if it is right, else 0.0.
+    The reward is decided on the host from the answer text alone, never from anything in
+    the work dir. Where the task's answer is a plain number (every generated task), the
+    answer must be a plain number equal to it (``raytunix.data.answers.parse_number``
+    after ``unwrap``: ``1,024``, ``\\boxed{1024}`` and ``1024.0`` count): an expression
+    that states the question instead of its value (``2^{10}``, ``\\sum_{i=1}^{20} i^2``,
+    ``\\gcd(12, 18)``) scores 0, though the math answer rule would evaluate it. Other
+    answers (a ``data.source`` dataset's) follow ``score_answer``. The program runs in the
+    episode's sandbox work dir (``raytunix.sandbox``), so files it writes are there for its
+    next call; each ``reset`` starts a fresh work dir, and ``close`` deletes it.
 
     Tasks: ``tasks`` draws questions from ``TEMPLATES`` (metadata ``template``), seeded by
     split and seed, train and held-out kept apart (``tool_task.split_of``); a run with
@@ -99,6 +121,7 @@ class PythonMathEnv(CalculatorMathEnv):
         own ``sandbox.wall_time_s`` bounds the program itself).
       scale: size of the numbers in generated questions (>= 10; the default keeps answers
         short, larger values make mental arithmetic hopeless).
+      sandbox: the sandbox to run in (default: ``raytunix.sandbox.connect()``).
 
     Raises:
       ValueError: a bad ``scale``, or see ``CalculatorMathEnv``.
@@ -108,12 +131,26 @@ class PythonMathEnv(CalculatorMathEnv):
     uses_sandbox = True
 
     def __init__(self, max_tool_errors: int = 2, tool_timeout_s: float | None = 30.0,
-                 scale: int = 20) -> None:
+                 scale: int = 20, sandbox: SandboxClient | None = None) -> None:
         if isinstance(scale, bool) or not isinstance(scale, int) or scale < 10:
             raise ValueError(f"scale={scale!r} must be an int >= 10")
-        super().__init__(max_tool_errors=max_tool_errors, tools=[PythonTool()],
+        self._python = PythonTool(SandboxSession(sandbox, name="python_math"))
+        super().__init__([self._python], max_tool_errors=max_tool_errors,
                          tool_timeout_s=tool_timeout_s)
         self.scale = scale
+
+    def _initial_observation(self, task: Task) -> str:
+        self._python.session.close()  # a fresh work dir per episode: nothing carries over
+        return super()._initial_observation(task)
+
+    def _score(self, answer: str) -> tuple[float, dict[str, Any]]:
+        correct = numeric_answer_matches(answer, self.task)
+        return (1.0 if correct else 0.0), {"correct": correct}
+
+    def close(self) -> None:
+        """Deletes the episode's work dir."""
+        super().close()
+        self._python.session.close()
 
     def tasks(self, split: str, size: int, seed: int) -> list[Task]:
         names = sorted(TEMPLATES)

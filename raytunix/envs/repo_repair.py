@@ -16,8 +16,9 @@ import dataclasses
 import random
 from typing import Any
 
-from raytunix.envs.tool_task import ToolTaskEnv, run_report, write_files
-from raytunix.sandbox import SandboxSession
+from raytunix.envs.hidden_tests import DEFAULT_TEST_TIMEOUT_S, run_hidden_tests
+from raytunix.envs.tool_task import ToolTaskEnv, write_files
+from raytunix.sandbox import SandboxClient, SandboxSession
 from raytunix.tools import BashTool, PythonTool
 from raytunix.types import Task
 
@@ -43,6 +44,17 @@ class Project:
     files: dict[str, str]
     hidden_tests: str
     bugs: tuple[Bug, ...]
+
+    def source_dirs(self) -> list[str]:
+        """The top-level directories of the project's source: those of its files, but
+        ``tests`` (the visible tests). Only ``*.py`` files under them reach the hidden
+        tests (``raytunix.envs.hidden_tests``)."""
+        return sorted({path.split("/", 1)[0] for path in self.files
+                       if "/" in path and path.split("/", 1)[0] != "tests"})
+
+    def packages(self) -> list[str]:
+        """The top-level module names the hidden tests import from the project."""
+        return self.source_dirs()
 
     def buggy_files(self, bug: Bug) -> dict[str, str]:
         """The project's files with ``bug`` planted.
@@ -242,30 +254,6 @@ class HiddenCartTest(unittest.TestCase):
 
 PROJECTS: dict[str, Project] = {project.name: project for project in (TEXTSTATS, CART)}
 
-HIDDEN_TEST_MODULE = "_hidden_test_suite"
-
-# Runs the hidden tests on the work dir as the model left it. The work dir is appended to
-# sys.path (python3 -I adds nothing), after the standard library, so a module the model
-# wrote cannot stand in for unittest.
-_CHECK = """
-import io, os, sys, unittest
-sys.path.append(os.getcwd())
-_source = {source!r}
-
-def report():
-    module = type(sys)({module!r})
-    try:
-        exec(compile(_source, {module!r} + ".py", "exec"), module.__dict__)
-    except Exception as e:
-        return {{"tests": 0, "failures": 0, "errors": 1,
-                "output": f"importing the project failed: {{type(e).__name__}}: {{e}}"}}
-    suite = unittest.defaultTestLoader.loadTestsFromModule(module)
-    stream = io.StringIO()
-    result = unittest.TextTestRunner(stream=stream, verbosity=1).run(suite)
-    return {{"tests": result.testsRun, "failures": len(result.failures),
-            "errors": len(result.errors), "output": stream.getvalue()[-2000:]}}
-"""
-
 
 class RepoRepairEnv(ToolTaskEnv):
     """Fix a bug in a tiny Python project; reward 1.0 when its hidden tests pass.
@@ -273,11 +261,15 @@ class RepoRepairEnv(ToolTaskEnv):
     At reset the episode's sandbox work dir receives the project with one bug planted
     (visible tests under ``tests/`` included; ``python3 -m unittest`` runs them). The model
     calls ``bash`` and ``python`` (the same work dir) to read, edit and test it, and
-    answers (``<answer>done</answer>``) when finished. Then the hidden tests (not in the
-    work dir during the episode) run in the sandbox against the files as left: reward 1.0
-    if every one passes, else 0.0; ``info`` holds ``tests``, ``failures``, ``errors`` and
-    the tail of the test output (``test_output``). An episode that runs out of turns ends
-    ``truncated`` with reward 0, untested.
+    answers (``<answer>done</answer>``) when finished. Then the hidden tests (never in the
+    work dir) run in the sandbox against a pristine copy of the project's source as left
+    (``raytunix.envs.hidden_tests``: the tests, their runner and their report stay out of
+    the project's reach, and every hidden test must be named in the report): reward 1.0
+    if every one passes, else 0.0. ``info`` holds ``tests`` (run), ``failures``,
+    ``errors`` (hidden tests not run count here), the tail of the test output
+    (``test_output``) and ``not_copied`` (files of the source directories left out of the
+    copy: links, ``conftest.py``, ``sitecustomize.py``...). An episode that runs out of
+    turns ends ``truncated`` with reward 0, untested.
 
     Tasks: one per (project, bug) pair from ``PROJECTS``, drawn with replacement, seeded
     by split and seed (there are few bugs, so train and held-out share them; a real
@@ -288,23 +280,32 @@ class RepoRepairEnv(ToolTaskEnv):
       max_tool_errors: tool errors tolerated per episode (>= 0); a failing command is
         output, not an error.
       tool_timeout_s: deadline of one call as the env waits for it, seconds.
+      test_timeout_s: deadline of one hidden test, seconds (> 0); a test past it errors.
+      sandbox: the sandbox to run in (default: ``raytunix.sandbox.connect()``).
 
     Raises:
-      ValueError: an unknown project name, or see ``CalculatorMathEnv``.
+      ValueError: an unknown project name, a bad ``test_timeout_s``, or see
+        ``CalculatorMathEnv``.
     """
 
     default_agent = "tool"
     uses_sandbox = True
 
     def __init__(self, projects: list[str] | None = None, max_tool_errors: int = 3,
-                 tool_timeout_s: float | None = 30.0) -> None:
+                 tool_timeout_s: float | None = 30.0,
+                 test_timeout_s: float = DEFAULT_TEST_TIMEOUT_S,
+                 sandbox: SandboxClient | None = None) -> None:
+        if isinstance(test_timeout_s, bool) or not isinstance(test_timeout_s, (int, float)) \
+                or not 0 < test_timeout_s <= 3600:
+            raise ValueError(f"test_timeout_s={test_timeout_s!r} must be seconds in (0, 3600]")
+        self.test_timeout_s = float(test_timeout_s)
         names = list(projects) if projects is not None else sorted(PROJECTS)
         unknown = [name for name in names if name not in PROJECTS]
         if unknown or not names:
             raise ValueError(f"projects={projects!r}: unknown {unknown}; choose from "
                              f"{sorted(PROJECTS)}")
         self.projects = names
-        self.session = SandboxSession(name="repo_repair")
+        self.session = SandboxSession(sandbox, name="repo_repair")
         super().__init__([BashTool(self.session), PythonTool(self.session)],
                          max_tool_errors=max_tool_errors, tool_timeout_s=tool_timeout_s)
 
@@ -331,12 +332,13 @@ class RepoRepairEnv(ToolTaskEnv):
 
     def _score(self, answer: str) -> tuple[float, dict[str, Any]]:
         project = PROJECTS[self.task.metadata["project"]]
-        report = run_report(self.session, _CHECK.format(source=project.hidden_tests,
-                                                        module=HIDDEN_TEST_MODULE))
-        passed = report["tests"] > 0 and report["failures"] == 0 and report["errors"] == 0
-        return (1.0 if passed else 0.0), {
-            "correct": passed, "tests": report["tests"], "failures": report["failures"],
-            "errors": report["errors"], "test_output": report["output"]}
+        report = run_hidden_tests(self.session, source_dirs=project.source_dirs(),
+                                  tests=project.hidden_tests, packages=project.packages(),
+                                  test_timeout_s=self.test_timeout_s)
+        return (1.0 if report.passed else 0.0), {
+            "correct": report.passed, "tests": report.tests, "failures": report.failures,
+            "errors": report.errors, "test_output": report.output,
+            "not_copied": list(report.not_copied)}
 
     def close(self) -> None:
         """Deletes the episode's work dir."""

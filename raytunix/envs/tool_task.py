@@ -11,10 +11,13 @@ episode's work dir) is deleted by ``close``.
 from __future__ import annotations
 
 import abc
+import base64
 import hashlib
 import json
 import random
+import re
 import secrets
+import zlib
 from typing import Any, Callable, Sequence
 
 from raytunix import profiling
@@ -91,9 +94,12 @@ def run_report(session: SandboxSession, program: str) -> dict[str, Any]:
     """Runs ``program`` (Python; it defines ``report()`` returning a JSON-able dict) in the
     session's work dir and returns that dict.
 
-    The report is read from the one stdout line that starts with a fresh random marker,
-    so whatever else the run prints (code the model wrote, imported by the check)
-    cannot pass for it.
+    For programs that only read the work dir (``read_state``, ``collect_sources``): the
+    report is read from the one stdout line that starts with a fresh random marker, so
+    what the program prints besides cannot pass for it. It is no verdict channel for code
+    the model wrote: a program that imports such code shares its process, and the code can
+    read the marker (see ``raytunix.envs.hidden_tests`` for tests whose verdict it cannot
+    write). Decide the reward on the host from what the report says was there.
 
     Raises:
       RuntimeError: the program failed or printed no report (the message holds its output).
@@ -102,13 +108,185 @@ def run_report(session: SandboxSession, program: str) -> dict[str, Any]:
     marker = f"@@report-{secrets.token_hex(8)}@@"
     source = (f"{program}\n\nimport json as _json\n"
               f"print({marker!r} + _json.dumps(report()), flush=True)\n")
-    result = session.run(["python3", "-I", "-"], stdin=source)
+    result = session.run(["python3", "-I", "-S", "-"], stdin=source)
     for line in result.stdout.splitlines():
         if line.startswith(marker):
             return json.loads(line[len(marker):])
     raise RuntimeError(f"the check program printed no report (exit {result.exit_code}, "
                        f"limit {result.killed_by_limit}); stdout: {result.stdout[-1000:]!r}; "
                        f"stderr: {result.stderr[-2000:]!r}")
+
+
+# Reads what is at each path without following a link, opening a FIFO or reading more than
+# asked, so no file the model planted can stall, flood or crash the check.
+_READ_STATE = """
+import json, os, stat
+PATHS = json.loads({paths!r})
+MAX_CHARS = {max_chars}
+
+def state(path):
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return {{"kind": "missing"}}
+    except OSError as e:
+        return {{"kind": "unreadable", "why": e.strerror}}
+    if stat.S_ISLNK(st.st_mode):
+        return {{"kind": "link"}}
+    if stat.S_ISDIR(st.st_mode):
+        return {{"kind": "dir"}}
+    if not stat.S_ISREG(st.st_mode):
+        return {{"kind": "other"}}
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(4 * MAX_CHARS + 4)
+    except OSError as e:
+        return {{"kind": "unreadable", "why": e.strerror}}
+    text = data.decode("utf-8", "replace")
+    return {{"kind": "file", "text": text[:MAX_CHARS], "size": st.st_size,
+            "truncated": len(text) > MAX_CHARS or len(data) < st.st_size}}
+
+def report():
+    return {{path: state(path) for path in PATHS}}
+"""
+
+
+def read_state(session: SandboxSession, paths: Sequence[str],
+               max_chars: int = 4096) -> dict[str, dict[str, Any]]:
+    """What is at each of ``paths`` (relative to the session's work dir), read in the
+    sandbox by a program that takes nothing from the work dir (``python3 -I -S``).
+
+    Returns:
+      ``{path: {"kind": kind, ...}}``; kind is ``"file"`` (a regular file; ``text``: its
+      first ``max_chars`` characters, UTF-8 with bad bytes replaced; ``truncated``: there
+      is more; ``size`` in bytes),
+      ``"dir"``, ``"link"`` (a symbolic link, never followed), ``"other"`` (a FIFO, socket
+      or device; never opened), ``"missing"`` or ``"unreadable"`` (``why``).
+
+    Raises:
+      ValueError: a path is absolute or has a ``..`` part.
+      RuntimeError: the reading program failed (see ``run_report``).
+      SandboxUnavailable: the sandbox cannot serve the call.
+    """
+    for path in paths:
+        if not isinstance(path, str) or not path or path.startswith("/") \
+                or ".." in path.split("/"):
+            raise ValueError(f"path {path!r} must be relative to the work dir, without '..'")
+    return run_report(session, _READ_STATE.format(paths=json.dumps(list(paths)),
+                                                  max_chars=int(max_chars)))
+
+
+MAX_SOURCE_BYTES = 4 << 20  # source read out of a work dir, in all
+MAX_SOURCE_BLOB = 48 << 10  # the same compressed and base64-encoded (one run's stdout)
+_MAX_LISTED = 20  # paths named in collect_sources' not-copied list
+
+_COLLECT = """
+import base64, json, os, re, stat, zlib
+DIRS = json.loads({dirs!r})
+NAME = re.compile({pattern!r})
+EXCLUDE = set(json.loads({exclude!r}))
+MAX_BYTES, MAX_BLOB, MAX_ENTRIES, MAX_DEPTH = {max_bytes}, {max_blob}, 20000, 16
+
+def report():
+    files, skipped, total, entries = {{}}, [], 0, 0
+    stack = [(d, 0) for d in reversed(DIRS)]
+    while stack:
+        path, depth = stack.pop()
+        entries += 1
+        if entries > MAX_ENTRIES:
+            skipped.append(f"{{path}} and the rest: more than {{MAX_ENTRIES}} entries")
+            break
+        name = os.path.basename(path)
+        try:
+            st = os.lstat(path)
+        except OSError as e:
+            skipped.append(f"{{path}}: {{e.strerror}}")
+            continue
+        if stat.S_ISLNK(st.st_mode):
+            skipped.append(f"{{path}}: a symbolic link")
+        elif stat.S_ISDIR(st.st_mode):
+            if depth >= MAX_DEPTH:
+                skipped.append(f"{{path}}: deeper than {{MAX_DEPTH}} levels")
+                continue
+            try:
+                names = sorted(os.listdir(path))
+            except OSError as e:
+                skipped.append(f"{{path}}: {{e.strerror}}")
+                continue
+            stack.extend((path + "/" + n, depth + 1) for n in reversed(names)
+                         if n != "__pycache__")
+        elif depth == 0:
+            skipped.append(f"{{path}}: not a directory")
+        elif not NAME.fullmatch(name):
+            continue  # not source (data, notes, bytecode...): not copied, not listed
+        elif name in EXCLUDE or not stat.S_ISREG(st.st_mode):
+            skipped.append(f"{{path}}: not project source")
+        elif total + st.st_size > MAX_BYTES:
+            skipped.append(f"{{path}}: over the {{MAX_BYTES}} bytes of source copied")
+        else:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+                with os.fdopen(fd, "rb") as f:
+                    data = f.read(MAX_BYTES - total + 1)
+            except OSError as e:
+                skipped.append(f"{{path}}: {{e.strerror}}")
+                continue
+            total += len(data)
+            files[path] = data.decode("utf-8", "replace")
+    blob = base64.b64encode(zlib.compress(json.dumps(files).encode(), 9)).decode()
+    if len(blob) > MAX_BLOB:
+        return {{"blob": "", "skipped": [f"every file: the sources compress to {{len(blob)}} "
+                                        f"bytes, over {{MAX_BLOB}}"] + skipped[:{listed}],
+                "more": max(0, len(skipped) - {listed})}}
+    return {{"blob": blob, "skipped": skipped[:{listed}], "more": max(0, len(skipped) - {listed})}}
+"""
+
+
+def collect_sources(session: SandboxSession, dirs: Sequence[str], *, name_pattern: str,
+                    exclude: Sequence[str] = ()) -> tuple[dict[str, str], list[str]]:
+    """The source files under ``dirs`` of the session's work dir, read by a program that
+    takes nothing from the work dir (``python3 -I -S``), to be copied into a pristine one.
+
+    Only regular files whose name matches ``name_pattern`` (a full match) and is not in
+    ``exclude`` are taken; symbolic links are never followed, ``__pycache__`` is skipped,
+    and at most ``MAX_SOURCE_BYTES`` are read (``MAX_SOURCE_BLOB`` once compressed).
+
+    Returns:
+      ``(files, not_copied)``: ``{path: text}`` (UTF-8, bad bytes replaced; paths
+      checked here to lie under ``dirs`` with plain names), and the paths left out that
+      look like they mattered (links, excluded names, over the size bound), with why.
+
+    Raises:
+      ValueError: a directory name is not a plain relative path.
+      RuntimeError: the reading program failed (see ``run_report``).
+      SandboxUnavailable: the sandbox cannot serve the call.
+    """
+    part = r"[A-Za-z0-9_][A-Za-z0-9_.-]*"
+    for d in dirs:
+        if not isinstance(d, str) or not re.fullmatch(rf"{part}(/{part})*", d) \
+                or ".." in d.split("/"):
+            raise ValueError(f"source dir {d!r} must be a relative path of plain names")
+    program = _COLLECT.format(dirs=json.dumps(list(dirs)), pattern=name_pattern,
+                              exclude=json.dumps(list(exclude)), max_bytes=MAX_SOURCE_BYTES,
+                              max_blob=MAX_SOURCE_BLOB, listed=_MAX_LISTED)
+    report = run_report(session, program)
+    not_copied = [str(s) for s in report.get("skipped", [])][:_MAX_LISTED]
+    if report.get("more"):
+        not_copied.append(f"... and {int(report['more'])} more")
+    files: dict[str, str] = {}
+    if report.get("blob"):
+        raw = zlib.decompressobj().decompress(base64.b64decode(report["blob"]),
+                                              2 * MAX_SOURCE_BYTES)
+        allowed = re.compile("(?:" + "|".join(re.escape(d) for d in dirs)
+                             + rf")(?:/{part})*/(?:{name_pattern})")
+        for path, text in json.loads(raw).items():
+            if isinstance(path, str) and isinstance(text, str) and allowed.fullmatch(path) \
+                    and ".." not in path.split("/") and path.rsplit("/", 1)[-1] not in exclude:
+                files[path] = text
+            else:
+                not_copied.append(f"{str(path)[:200]}: not a source path")
+    return files, not_copied
 
 
 def split_of(question: str, answer: str) -> str:
