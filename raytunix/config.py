@@ -90,9 +90,9 @@ class RolloutConfig:
     adaptive_max_episodes: int = 0  # highest budget; 0 = (max_staleness + 1) x groups_per_batch x group_size, the most admission ever lets in
     adaptive_interval_s: float = 2.0  # seconds between two readings of the engine's stats
     max_staleness: int = 1  # a group is only started if it will be consumed within this many versions
-    temperature: float = 1.0  # sampling temperature for training rollouts (> 0; eval is always greedy)
+    temperature: float = 1.0  # sampling temperature for training rollouts (>= 0.01 in float32, so logprobs stay finite; eval is always greedy)
     top_k: int = 0  # sample among the k most likely tokens; 0 = off
-    top_p: float = 1.0  # nucleus sampling: smallest set of tokens with this much mass; 1.0 = off
+    top_p: float = 1.0  # nucleus sampling: smallest set of tokens with this much mass; 1.0 = off; at most 1/top_k (or 1/vocabulary) is greedy and refused
     max_new_tokens: int = 48  # per model turn
     episode_timeout_s: float = 120.0  # wall-clock budget per episode
     batch_queue_size: int = 2  # finished batches waiting for the learner (backpressure)
@@ -158,7 +158,7 @@ class LearnerConfig:
     clip_eps_high: float = 0.28  # asymmetric upper clip (DAPO)
     dual_clip: float = 0.0  # ppo_clip: a negative-advantage token's loss is at most dual_clip x |A| (> 1, e.g. 3); 0 = off
     kl_coef: float = 0.0  # > 0 adds a KL penalty to the warm-start policy
-    kl_estimator: str = "k3"  # k1 | k2 | k3 (Schulman's estimators of KL(policy || reference))
+    kl_estimator: str = "k3"  # k1 | k2 | k3: Schulman's estimators of KL(policy || reference), the value kl_ref reports; in the loss each is importance-weighted so its gradient is that of KL(policy || reference) (README, The RL algorithm)
     entropy_coef: float = 0.0  # > 0 subtracts this x the token entropy from the loss (exploration bonus)
     loss_aggregation: str = "token_mean"  # token_mean | sequence_mean_token_mean | sequence_mean_token_sum_norm (Dr. GRPO: each sequence's token sum / model.max_seq_len)
     overlong_buffer_tokens: int = 0  # DAPO's overlong penalty: the reward drops linearly to -1 over the last this many of env.max_turns x rollout.max_new_tokens generated tokens; 0 = off
