@@ -150,3 +150,54 @@ def test_masked_junk_gives_a_zero_term_and_zero_gradient():
         term, grad = jax.value_and_grad(
             lambda lp: jnp.sum(kl_penalty(lp, ref, anchor, mask, estimator=estimator)))(logp)
         assert np.isfinite(term) and np.all(np.isfinite(grad)) and grad[0, 1] == 0.0
+
+
+def test_the_update_weights_the_kl_term_to_the_behaviour_policy_under_decoupled_ppo():
+    """With zero advantages only the KL penalty moves the policy. Its ratio goes to the
+    behaviour policy token by token whichever way the update anchors the clip: plain PPO
+    (anchor = behaviour) and decoupled PPO (anchor = the learner at the batch's start,
+    times the token-level weight pi_prox / pi_behav; also at sequence_tis, whose
+    surrogate weight is a sequence's) make the same update."""
+    from raytunix.learner.batch import Batch
+    from raytunix.learner.train_state import (
+        GRPOHyperparams,
+        create_train_state,
+        logprobs_fn,
+        make_grpo_update,
+        make_optimizer,
+    )
+    from raytunix.models.llama import ModelConfig, init_model
+    from raytunix.rollout.batch import record_batch_to_arrays, trajectories_to_record_batch
+    from raytunix.types import EpisodeStatus, Trajectory
+
+    config = ModelConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1,
+                         d_ff=32, max_seq_len=32)
+    graphdef, params = init_model(config, seed=0)
+    _, ref_params = init_model(config, seed=1)  # a reference the policy is far from
+    sampling = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
+    rows = [Trajectory(task_id=g, group_id=g, token_ids=[1 + i, 2, 3 + i, 5, 7],
+                       loss_mask=[0, 0, 1, 1, 1], logprobs=[0.0] * 5,
+                       policy_versions=[-1, -1, 0, 0, 0], reward=1.0,
+                       status=EpisodeStatus.COMPLETED, num_turns=1)
+            for i, g in enumerate("aabb")]
+    batch = Batch.from_arrays(record_batch_to_arrays(trajectories_to_record_batch(rows),
+                                                     pad_to_multiple=8))
+    own = np.asarray(logprobs_fn(graphdef, **sampling)(params, batch.tokens, batch.loss_mask))
+    stale = np.array([-0.1, 0.05, -0.2, 0.15] * (own.shape[1] // 4 + 1))[:own.shape[1]]
+    batch = batch._replace(  # pi_prox / pi_behav < 2, the cap
+        logprobs=(own + stale * batch.loss_mask).astype(np.float32))
+    optimizer = make_optimizer(1e-2, optimizer="sgd", max_grad_norm=None)
+    results = {}
+    for correction, level in [("none", "token_tis"), ("decoupled_ppo", "token_tis"),
+                              ("decoupled_ppo", "sequence_tis")]:
+        hp = GRPOHyperparams(**sampling, kl_coef=0.5, off_policy_correction=correction,
+                             importance_sampling=level)
+        update = make_grpo_update(graphdef, optimizer, hp, max_seq_len=config.max_seq_len)
+        state, metrics = update(create_train_state(graphdef, params, optimizer, seed=0),
+                                ref_params, batch)
+        assert float(metrics["kl_ref"]) > 0.01 and float(metrics["update_skipped"]) == 0.0
+        results[correction, level] = jax.tree.leaves(state.params)
+    plain = results["none", "token_tis"]
+    for key, leaves in results.items():
+        for a, b in zip(leaves, plain, strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)

@@ -24,7 +24,10 @@ from raytunix.learner.train_state import (  # noqa: E402
     make_optimizer,
 )
 from raytunix.models.llama import ModelConfig, init_model  # noqa: E402
-from raytunix.rollout.batch import record_batch_to_arrays, trajectories_to_record_batch  # noqa: E402
+from raytunix.rollout.batch import (  # noqa: E402
+    record_batch_to_arrays,
+    trajectories_to_record_batch,
+)
 from raytunix.types import EpisodeStatus, Trajectory  # noqa: E402
 
 CONFIG = ModelConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64,

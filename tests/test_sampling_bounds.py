@@ -123,4 +123,5 @@ def test_a_hugging_face_model_bounds_top_p_by_its_config_vocabulary(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 100}))
     with pytest.raises(ConfigError, match=r"rollout.top_p=0.01 is greedy decoding.*1/100"):
         load_config(None, [f"model.path={tmp_path}", "rollout.top_p=0.01"])
-    assert load_config(None, [f"model.path={tmp_path}", "rollout.top_p=0.011"]).rollout.top_p == 0.011
+    accepted = load_config(None, [f"model.path={tmp_path}", "rollout.top_p=0.011"])
+    assert accepted.rollout.top_p == 0.011

@@ -531,8 +531,8 @@ def make_grpo_update(
     mismatch on the trained tokens at the batch's start (``mismatch_logprob_abs_mean``
     in nats, ``mismatch_ratio_max``, ``mismatch_kl``; ``logprob_mismatch``),
     ``update_skipped`` and ``update_nonfinite`` (0 when applied), ``nonfinite_loss``,
-    ``nonfinite_gradients``, ``nonfinite_new_state``; ``kl_ref`` when ``kl_coef > 0``; ``importance_weight_mean``
-    and ``importance_truncated_fraction`` with ``decoupled_ppo``;
+    ``nonfinite_gradients``, ``nonfinite_new_state``; ``kl_ref`` when ``kl_coef > 0``;
+    ``importance_weight_mean`` and ``importance_truncated_fraction`` with ``decoupled_ppo``;
     ``overlong_penalty_mean`` with the overlong penalty; and with ``num_iterations > 1``
     ``loss_last``, ``clip_fraction_last`` and ``approx_kl_last`` of the last iteration.
 
@@ -540,8 +540,8 @@ def make_grpo_update(
       ValueError: here, for a setting of ``hp`` outside its choices (``hp.check``), bad
         sampling settings (a temperature below ``MIN_TEMPERATURE`` or not finite in
         float32, ``top_k`` 1 or < 0, ``top_p`` outside (0, 1] or greedy for every
-        distribution; ``check_sampling_settings``), or a ``micro_batch_size`` that the mesh's data x fsdp devices
-        do not divide; from ``update``, for a non-finite reward or ``kl_coef > 0``
+        distribution; ``check_sampling_settings``), or a ``micro_batch_size`` that the
+        mesh's data x fsdp devices do not divide; from ``update``, for a non-finite reward or ``kl_coef > 0``
         without ``ref_params``.
       TypeError: from ``update``, for a batch that is not a ``Batch``.
     """
