@@ -10,6 +10,7 @@ Each section is one dataclass; every field has a default and a comment saying wh
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 from importlib import resources
@@ -90,9 +91,9 @@ class RolloutConfig:
     adaptive_max_episodes: int = 0  # highest budget; 0 = (max_staleness + 1) x groups_per_batch x group_size, the most admission ever lets in
     adaptive_interval_s: float = 2.0  # seconds between two readings of the engine's stats
     max_staleness: int = 1  # a group is only started if it will be consumed within this many versions
-    temperature: float = 1.0  # sampling temperature for training rollouts (> 0; eval is always greedy)
+    temperature: float = 1.0  # sampling temperature for training rollouts (>= 0.01 in float32, so logprobs stay finite; eval is always greedy)
     top_k: int = 0  # sample among the k most likely tokens; 0 = off
-    top_p: float = 1.0  # nucleus sampling: smallest set of tokens with this much mass; 1.0 = off
+    top_p: float = 1.0  # nucleus sampling: smallest set of tokens with this much mass; 1.0 = off; at most 1/top_k (or 1/vocabulary) is greedy and refused
     max_new_tokens: int = 48  # per model turn
     episode_timeout_s: float = 120.0  # wall-clock budget per episode
     batch_queue_size: int = 2  # finished batches waiting for the learner (backpressure)
@@ -159,7 +160,7 @@ class LearnerConfig:
     clip_eps_high: float = 0.28  # asymmetric upper clip (DAPO)
     dual_clip: float = 0.0  # ppo_clip: a negative-advantage token's loss is at most dual_clip x |A| (> 1, e.g. 3); 0 = off
     kl_coef: float = 0.0  # > 0 adds a KL penalty to the warm-start policy
-    kl_estimator: str = "k3"  # k1 | k2 | k3 (Schulman's estimators of KL(policy || reference))
+    kl_estimator: str = "k3"  # k1 | k2 | k3: Schulman's estimators of KL(policy || reference), the value kl_ref reports; in the loss each is importance-weighted so its gradient is that of KL(policy || reference) (README, The RL algorithm)
     entropy_coef: float = 0.0  # > 0 subtracts this x the token entropy from the loss (exploration bonus)
     loss_aggregation: str = "token_mean"  # token_mean | sequence_mean_token_mean | sequence_mean_token_sum_norm (Dr. GRPO: each sequence's token sum / model.max_seq_len)
     overlong_buffer_tokens: int = 0  # DAPO's overlong penalty: the reward drops linearly to -1 over the last this many of env.max_turns x rollout.max_new_tokens generated tokens; 0 = off
@@ -170,6 +171,7 @@ class LearnerConfig:
     off_policy_correction: str = "none"  # none: clip around the behaviour (engine) policy | decoupled_ppo: clip around the learner's policy at the update's start, behaviour through a truncated importance weight
     importance_sampling: str = "token_tis"  # decoupled_ppo's weight pi_prox/pi_behav: per token (token_tis), per sequence as the product (sequence_tis) or geometric mean (geometric_tis) of token ratios
     importance_cap: float = 2.0  # the importance weight is truncated at this (>= 1)
+    max_consecutive_nonfinite_updates: int = 3  # an update whose loss, gradients or new parameters are not finite is not applied (counted: updates_skipped_nonfinite); this many in a row stop the run with one error; 0 = never stop
     checkpoint_every: int = 10  # RL steps between checkpoints (and one at the end); saved asynchronously, while training goes on
     max_checkpoints: int = 3  # the newest this many checkpoints stay (plus the best one with keep_best_by)
     keep_best_by: str = ""  # a number of the RL step's metrics (e.g. reward_mean: the batch's mean reward); the checkpoint with the best value is never deleted; "" = off
@@ -294,6 +296,7 @@ _NON_NEGATIVE = {
     "sandbox.actor_max_restarts", "engine.actor_max_restarts", "sandbox.max_file_mb", "learner.lr_warmup_steps",
     "learner.dual_clip", "learner.entropy_coef", "learner.overlong_buffer_tokens",
     "learner.micro_batch_size", "run.profile_window_s",
+    "learner.max_consecutive_nonfinite_updates",
 }
 _PROBABILITY = {"warmup.tool_use_prob_2_terms", "warmup.tool_use_prob_3_terms",
                 "warmup.target_tool_accuracy"}
@@ -423,7 +426,7 @@ def validate(cfg: Config) -> Config:
             f"warmup.min_steps={cfg.warmup.min_steps} exceeds warmup.max_steps={cfg.warmup.max_steps}.")
     if cfg.env.max_turns >= 1 << 16:
         raise ConfigError(f"env.max_turns={cfg.env.max_turns} must be below 65536 (one sampling seed per turn).")
-    _validate_sampling(cfg.rollout)
+    _validate_sampling(cfg.rollout, cfg.model)
     _validate_backoffs(cfg.rollout)
     _validate_adaptive_concurrency(cfg.rollout)
     if cfg.rollout.group_size < 2:
@@ -704,8 +707,11 @@ def _validate_backoffs(rollout: RolloutConfig) -> None:
                               "random fraction of each wait; 0.5 is a common choice).")
 
 
-def _validate_sampling(rollout: RolloutConfig) -> None:
-    """Training rollouts must sample from a distribution the learner can score."""
+def _validate_sampling(rollout: RolloutConfig, model: ModelConfig) -> None:
+    """Training rollouts must sample from a distribution the learner can score finitely
+    (``raytunix.inference.sampling_checks``: the bounds the engine and learner check too)."""
+    from raytunix.inference.sampling_checks import check_sampling_settings
+
     t = rollout.temperature
     if not (t > 0 and math.isfinite(t)):
         raise ConfigError(
@@ -721,6 +727,25 @@ def _validate_sampling(rollout: RolloutConfig) -> None:
         raise ConfigError(
             f"rollout.top_p={rollout.top_p!r} must be in (0, 1]; 1.0 turns nucleus sampling "
             "off, 0.95 is a common setting.")
+    try:
+        check_sampling_settings(t, rollout.top_k, rollout.top_p, allow_greedy=False,
+                                vocab_size=_vocab_size(model))
+    except ValueError as e:  # its message starts with the setting: temperature=..., top_p=...
+        raise ConfigError(f"rollout.{e}") from None
+
+
+def _vocab_size(model: ModelConfig) -> int | None:
+    """The policy's vocabulary as far as the config knows it: the Hugging Face model's
+    ``vocab_size``, else ``model.tokenizer_vocab_size`` (the trained tokenizer's at
+    most); None when config.json does not say."""
+    if not model.path:
+        return model.tokenizer_vocab_size
+    try:
+        with open(os.path.join(model.path, "config.json")) as f:
+            size = json.load(f).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None  # the model loader reports a bad config.json
+    return size if isinstance(size, int) and size > 0 else None
 
 
 def preset_names() -> list[str]:

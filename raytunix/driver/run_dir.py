@@ -211,6 +211,7 @@ RESUME_OVERRIDABLE = frozenset({
     "learner.rl_steps", "learner.checkpoint_every", "learner.max_checkpoints", "run.log_every",
     "run.profile_window_s",
     "learner.keep_best_by", "learner.keep_best_mode",
+    "learner.max_consecutive_nonfinite_updates",
     "rollout.batch_timeout_s", "rollout.max_concurrent_episodes", "env.num_env_actors",
     "eval.max_new_tokens", "engine.max_batch_size", "engine.block_size",
     "engine.kv_cache_tokens", "engine.prefill_chunk_tokens", "engine.kv_on_weight_update",

@@ -366,7 +366,9 @@ def rl_steps(cfg: Config, job: Job, run: RunDir, start: RLStart, collector) -> f
 
     Raises:
       RunError: no batch within ``rollout.batch_timeout_s``, the rollout halted (no env or
-        engine can run), or a batch with nothing to learn from (``preflight.check_batch``).
+        engine can run), a batch with nothing to learn from (``preflight.check_batch``), or
+        ``learner.max_consecutive_nonfinite_updates`` updates in a row not applied
+        because they were not finite (``check_nonfinite_update``).
     """
     t0 = time.monotonic()
     collector.drain("rl", start.step)  # what came before RL stays out of step 1's window
@@ -392,6 +394,8 @@ def rl_steps(cfg: Config, job: Job, run: RunDir, start: RLStart, collector) -> f
                       "statuses": info["statuses"], "env_actors": job.env_pool.size,
                       "time": time.time()}
             waiting.append(record)
+            check_nonfinite_update(metrics, cfg.learner.max_consecutive_nonfinite_updates,
+                                   step, run)
             saving = step % cfg.learner.checkpoint_every == 0 or step == cfg.learner.rl_steps
             # The first step's window (compiling) stays its own, and no checkpoint is
             # taken of a step whose record is not written yet.
@@ -417,6 +421,41 @@ def rl_steps(cfg: Config, job: Job, run: RunDir, start: RLStart, collector) -> f
 
 
 CLOSING_DRAIN_TIMEOUT_S = 5.0  # the drain of a window closed by an error or interrupt
+
+_NONFINITE_PARTS = {"nonfinite_loss": "the loss", "nonfinite_gradients": "the gradients",
+                    "nonfinite_new_state": "the new parameters or optimizer state"}
+
+
+def check_nonfinite_update(metrics: dict[str, float], limit: int, step: int,
+                           run: RunDir) -> None:
+    """After RL step ``step``'s update: says so when it was not applied because something
+    was not finite (``make_grpo_update``'s ``update_nonfinite``), and stops the run when
+    ``limit`` (``learner.max_consecutive_nonfinite_updates``; 0 = never) such updates came
+    in a row (the learner's ``nonfinite_updates_in_a_row``).
+
+    Raises:
+      RunError: ``limit`` non-finite updates in a row; it names what was not finite and
+        what to change.
+    """
+    if not metrics.get("update_nonfinite"):
+        return
+    parts = [name for key, name in _NONFINITE_PARTS.items() if metrics.get(key)] or ["it"]
+    parts = ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]
+    in_a_row = int(metrics.get("nonfinite_updates_in_a_row", 1))
+    what = (f"RL step {step}: the update was not applied: {parts} "
+            f"{'was' if ' and ' not in parts else 'were'} not finite (loss "
+            f"{metrics.get('loss')}, grad_norm {metrics.get('grad_norm')}); the policy stays "
+            f"at version {int(metrics.get('policy_version', 0))}")
+    if limit and in_a_row >= limit:
+        raise RunError(
+            f"{in_a_row} updates in a row were not applied because they were not finite "
+            f"(learner.max_consecutive_nonfinite_updates={limit}); {what}. Checkpoints up to "
+            f"the last one are in {run.checkpoints}. Lower learner.learning_rate (and keep "
+            "learner.max_grad_norm > 0, gradient clipping), check that the engine's logprobs "
+            "and the environment's rewards are finite, then --resume; or raise "
+            "learner.max_consecutive_nonfinite_updates (0 = never stop) to skip more.")
+    say(f"{what} ({in_a_row} in a row; the run stops at "
+        f"learner.max_consecutive_nonfinite_updates={limit or 'off'}).")
 
 
 def _close_window(run: RunDir, collector, records: list[dict[str, Any]], step: int,

@@ -15,11 +15,16 @@ its batch or which slot it sits in, and two requests with different seeds differ
 
 from __future__ import annotations
 
-import math
 import numbers
 
 import jax
 import jax.numpy as jnp
+
+from raytunix.inference.sampling_checks import (  # noqa: F401 - part of this API
+    MIN_TEMPERATURE,
+    check_sampling_settings,
+    greedy_top_p_bound,
+)
 
 
 def split_seed(seed: int) -> tuple[int, int]:
@@ -175,24 +180,3 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, seed_lo: jax.Array,
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     return tokens, chosen
-
-
-def check_sampling_settings(temperature: float, top_k: int, top_p: float, *,
-                            allow_greedy: bool) -> None:
-    """Raises ``ValueError`` naming the bad setting unless the three are usable.
-
-    Args:
-      temperature: finite, > 0; or exactly 0 (greedy) when ``allow_greedy``.
-      top_k: an int >= 0 (0 = off).
-      top_p: a number in (0, 1] (1.0 = off).
-      allow_greedy: True for generation (greedy evaluation is fine); False for scoring
-        tokens in training, where a greedy token has no sampling distribution to score.
-    """
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not (
-            math.isfinite(temperature) and (temperature > 0 or (allow_greedy and temperature == 0))):
-        need = "a finite number >= 0 (0 = greedy)" if allow_greedy else "a finite number > 0"
-        raise ValueError(f"temperature={temperature!r} must be {need}.")
-    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 0:
-        raise ValueError(f"top_k={top_k!r} must be an int >= 0 (0 turns top-k off).")
-    if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p={top_p!r} must be a number in (0, 1] (1.0 turns top-p off).")

@@ -72,6 +72,8 @@ class Learner:
         self._ref_params = None
         self._hp: GRPOHyperparams | None = None
         self.updates_skipped = 0
+        self.updates_skipped_nonfinite = 0
+        self.nonfinite_updates_in_a_row = 0
         self._sft_rng = np.random.default_rng(seed)
         self.mesh: jax.sharding.Mesh | None = None
 
@@ -127,7 +129,14 @@ class Learner:
 
     # ------------------------------------------------------------------ RL
     def start_rl(self, hp: GRPOHyperparams) -> None:
-        """Fresh optimizer for RL; the current weights become the KL reference if used."""
+        """Fresh optimizer for RL; the current weights become the KL reference if used.
+
+        Raises:
+          ValueError: a setting of ``hp`` outside its allowed values (``hp.check``), among
+            them sampling settings that cannot be scored finitely or sample greedily with
+            this model's vocabulary.
+        """
+        hp.check(vocab_size=self.model_config.vocab_size)
         optimizer = make_optimizer_from(hp)
         self._hp = hp
         self._state = self._fresh_state(optimizer, hp.mesh)
@@ -143,8 +152,12 @@ class Learner:
 
     def train_step(self, batch: pa.RecordBatch) -> dict[str, float]:
         """One update on a trajectory batch (``hp.num_iterations`` optimizer steps); bumps
-        the policy version, unless the batch has no trainable token: then nothing changes
-        but ``rl_step``, and ``updates_skipped`` counts it.
+        the policy version, unless the batch has no trainable token or the update is not
+        finite (its loss, gradients or new parameters; ``make_grpo_update``): then nothing
+        changes but ``rl_step``, and ``updates_skipped`` counts it (the non-finite ones
+        also ``updates_skipped_nonfinite``, and ``nonfinite_updates_in_a_row`` until an
+        update is applied; the driver stops the run at
+        ``learner.max_consecutive_nonfinite_updates``).
 
         The batch is padded to one of a few widths (``raytunix.learner.batch.
         padding_buckets`` of the model's context), so the update compiles a few times;
@@ -155,7 +168,8 @@ class Learner:
 
         Returns the update's metrics (see ``make_grpo_update``; among them the
         engine-learner logprob mismatch ``mismatch_*`` and ``update_skipped``) as floats,
-        plus ``update_s`` (seconds), ``policy_version``, ``updates_skipped`` (so far),
+        plus ``update_s`` (seconds), ``policy_version``, ``updates_skipped``,
+        ``updates_skipped_nonfinite`` (so far), ``nonfinite_updates_in_a_row``,
         ``staleness_max`` (versions between the oldest trained token and the update),
         ``batch_tokens`` (padded) and ``generated_tokens_dropped_seq_len`` /
         ``_first_position`` (generated tokens the rows cannot train on:
@@ -185,12 +199,20 @@ class Learner:
         self._state, metrics = self._update(self._state, self._ref_params, arrays)
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
         skipped = metrics["update_skipped"] > 0
+        nonfinite = metrics.get("update_nonfinite", 0.0) > 0
         self.version += 0 if skipped else 1
         self.updates_skipped += int(skipped)
+        self.updates_skipped_nonfinite += int(nonfinite)
+        if nonfinite:
+            self.nonfinite_updates_in_a_row += 1
+        elif not skipped:  # a batch with nothing to train on neither breaks nor extends a run
+            self.nonfinite_updates_in_a_row = 0
         self.rl_step += 1
         metrics["update_s"] = time.monotonic() - t0
         metrics["policy_version"] = self.version
         metrics["updates_skipped"] = self.updates_skipped
+        metrics["updates_skipped_nonfinite"] = self.updates_skipped_nonfinite
+        metrics["nonfinite_updates_in_a_row"] = self.nonfinite_updates_in_a_row
         metrics["staleness_max"] = float(self.version - 1 - versions.min()) if versions.size else 0.0
         metrics["batch_tokens"] = int(arrays.tokens.size)
         metrics.update({f"generated_tokens_dropped_{k}": v for k, v in dropped.items()})
@@ -214,7 +236,8 @@ class Learner:
         the next ``train_step`` may run while it is written. ``metrics``: for
         ``Checkpointer``'s ``keep_best_by``."""
         extras = dict(extras, policy_version=self.version, rl_step=self.rl_step,
-                      updates_skipped=self.updates_skipped)
+                      updates_skipped=self.updates_skipped,
+                      updates_skipped_nonfinite=self.updates_skipped_nonfinite)
         checkpointer.save(self.rl_step, self._state, extras, metrics)
 
     def save_warmup(self, checkpointer: Checkpointer, steps: int, extras: dict[str, Any]) -> None:
@@ -269,6 +292,7 @@ class Learner:
         self.version = int(extras["policy_version"])
         self.rl_step = int(extras["rl_step"])
         self.updates_skipped = int(extras.get("updates_skipped", 0))
+        self.updates_skipped_nonfinite = int(extras.get("updates_skipped_nonfinite", 0))
         if self._hp.kl_coef > 0:
             if reference is None or reference.latest_step() is None:
                 raise RuntimeError(

@@ -148,12 +148,15 @@ def aggregate_loss(per_token: jax.Array, loss_mask: jax.Array, *, aggregation: A
 
 def kl_estimate(logprobs: jax.Array, ref_logprobs: jax.Array, loss_mask: jax.Array, *,
                 estimator: KLEstimator) -> jax.Array:
-    """Per-token estimate of KL(pi || pi_ref) from tokens sampled by pi (Schulman 2020,
-    "Approximating KL divergence"). With ``log_r = ref_logprobs - logprobs``::
+    """Per-token *value* estimate of KL(pi || pi_ref) from tokens sampled by pi (Schulman
+    2020, "Approximating KL divergence"). With ``log_r = ref_logprobs - logprobs``::
 
         k1 = -log_r                 unbiased, high variance, can be negative
-        k2 = log_r ** 2 / 2         biased, low variance, >= 0
+        k2 = log_r ** 2 / 2         biased (E_pi[k2] != KL), low variance, >= 0
         k3 = exp(log_r) - 1 - log_r unbiased, low variance, >= 0 (GRPO's choice)
+
+    What the ``kl_ref`` metric reports. Do not differentiate it as a loss: its gradient is
+    not the KL's (``kl_penalty`` is the loss term).
 
     Args:
       logprobs, ref_logprobs: float32[B, T], the policy's and the reference's (nats).
@@ -173,6 +176,70 @@ def kl_estimate(logprobs: jax.Array, ref_logprobs: jax.Array, loss_mask: jax.Arr
     if estimator == "k2":
         return 0.5 * log_r**2
     return jnp.exp(log_r) - log_r - 1.0
+
+
+def kl_penalty(logprobs: jax.Array, ref_logprobs: jax.Array, anchor_logprobs: jax.Array,
+               loss_mask: jax.Array, *, estimator: KLEstimator,
+               importance_weights: jax.Array | None = None) -> jax.Array:
+    """The per-token KL loss term of ``estimator``, built so that its gradient is, in
+    expectation over the sampled tokens, the gradient of KL(pi || pi_ref), on- and
+    off-policy.
+
+    The tokens were sampled by a behaviour policy mu (the engine, possibly stale). With
+    ``r = w * pi / pi_anchor`` the importance ratio pi / mu (``w`` the constant
+    ``importance_weights`` ~ pi_anchor / mu, 1 when the anchor is the behaviour policy),
+    differentiated through pi, and the score-function identity ``E_pi[grad log pi] = 0``::
+
+        grad KL(pi || pi_ref) = E_pi[(log pi - log pi_ref) grad log pi]
+                              = E_mu[r (log pi - log pi_ref) grad log pi]
+
+    Each estimator's term has that gradient (the k1 term's up to ``r grad log pi``,
+    whose expectation is 0)::
+
+        k1:  r * k1       (an unbiased value estimate, weighted: E_mu[grad(r k)] = grad E_pi[k])
+        k2:  sg(r) * k2   (k2 is biased, so only its plain on-policy gradient is right)
+        k3:  r * k3       (DeepSeek-V3.2's "unbiased KL estimate", arXiv:2512.02556, Sec. 3.1)
+
+    Used plainly as a loss, the estimators are wrong (allenai/open-instruct#534,
+    THUDM/slime#1004): k1's gradient is ``grad log pi``, zero in expectation; k3's is
+    ``(1 - pi_ref / pi) grad log pi``, on-policy the gradient of the other divergence,
+    KL(pi_ref || pi); k2's is right on-policy only. k3's term is computed as
+    ``w exp(ref - anchor) - r (1 + ref - logprobs)`` (the same number), whose gradient has
+    no cancellation of large terms where pi_ref >> pi.
+
+    Args:
+      logprobs: float32[B, T], the current policy's log-probabilities, with their gradient.
+      ref_logprobs: float32[B, T], the reference policy's (no gradient).
+      anchor_logprobs: float32[B, T], the policy the ratio is taken to: the behaviour
+        policy's, or a proximal policy's (then ``importance_weights`` carry it to the
+        behaviour policy).
+      loss_mask: float[B, T]; the term is 0 off the mask (NaN/inf there harmless).
+      estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
+      importance_weights: float32[B, T] >= 0, per-token pi_anchor / mu (e.g. truncated),
+        constants; None for 1.
+
+    Returns:
+      float32[B, T] (nats), at ``r = 1`` (on-policy) the value of ``kl_estimate``.
+
+    Raises:
+      ValueError: an unknown ``estimator``.
+    """
+    _check_choice("kl_estimator", estimator, KL_ESTIMATORS)
+    on = loss_mask > 0
+    logprobs = jnp.where(on, logprobs, 0.0)
+    ref = jax.lax.stop_gradient(jnp.where(on, ref_logprobs, 0.0))
+    anchor = jax.lax.stop_gradient(jnp.where(on, anchor_logprobs, 0.0))
+    w = (jnp.ones_like(logprobs) if importance_weights is None else
+         jax.lax.stop_gradient(jnp.where(on, importance_weights, 0.0)))
+    ratio = w * jnp.exp(logprobs - anchor)
+    log_r = ref - logprobs
+    if estimator == "k1":
+        term = -ratio * log_r
+    elif estimator == "k2":
+        term = jax.lax.stop_gradient(ratio) * 0.5 * log_r**2
+    else:
+        term = w * jnp.exp(ref - anchor) - ratio * (1.0 + log_r)
+    return jnp.where(on, term, 0.0)
 
 
 def ppo_clip_loss(log_ratio: jax.Array, advantages: jax.Array, *, clip_eps_low: float,
@@ -283,6 +350,7 @@ def grpo_policy_loss(
     kl_coef: float = 0.0,
     kl_estimator: KLEstimator = "k3",
     importance_weights: jax.Array | None = None,
+    kl_importance_weights: jax.Array | None = None,
     entropy: jax.Array | None = None,
     entropy_coef: float = 0.0,
     normalizer: tuple[jax.Array, jax.Array] | None = None,
@@ -298,8 +366,11 @@ def grpo_policy_loss(
     ``surrogate_t`` is ``ppo_clip_loss`` (``policy_loss="ppo_clip"``, with
     ``dual_clip``), ``gspo_loss`` or ``cispo_loss``, with ``old_logprobs`` as the anchor
     of the ratio; ``w_t`` is ``importance_weights`` (1 if None); ``KL_t`` is
-    ``kl_estimate`` to ``ref_logprobs`` (GRPO, arXiv:2402.03300, uses k3); ``H_t`` is the
-    token entropy (an exploration bonus, Williams & Peng 1991; Mnih et al. 2016).
+    ``kl_penalty`` to ``ref_logprobs``, importance-weighted by ``pi / old *
+    kl_importance_weights`` so that its expected gradient is that of KL(pi || pi_ref)
+    whichever estimator (GRPO, arXiv:2402.03300, uses k3; the weighting is DeepSeek-V3.2's,
+    arXiv:2512.02556); ``H_t`` is the token entropy (an exploration bonus, Williams & Peng
+    1991; Mnih et al. 2016).
 
     With ``old_logprobs`` the behaviour policy's and no weights this is PPO/GRPO as
     usual. The decoupled objective (Hilton et al. 2021, arXiv:2110.00641; AReaL,
@@ -321,9 +392,15 @@ def grpo_policy_loss(
         ``loss_normalizer``).
       ref_logprobs: float32[B, T] under the reference policy, or None for no KL term.
       kl_coef: weight of the KL penalty; ignored when ``ref_logprobs`` is None.
-      kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (``kl_estimate``).
+      kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"``: the value ``kl_ref`` reports
+        (``kl_estimate``) and the form of the loss term (``kl_penalty``); each has the
+        gradient of KL(pi || pi_ref).
       importance_weights: float32[B, T] >= 0 multiplying each token's surrogate (not the
         KL or entropy terms), treated as constants (no gradient); None for all 1.
+      kl_importance_weights: float32[B, T] >= 0, per-token ``pi_old / pi_behaviour``
+        (constants) when ``old_logprobs`` are not the behaviour policy's (the decoupled
+        objective's proximal policy), so that the KL term's ratio reaches the policy
+        that sampled the tokens; None for 1 (``old_logprobs`` are the behaviour's).
       entropy: float32[B, T], the current policy's token entropy (nats), with its
         gradient, for the bonus; None for no bonus.
       entropy_coef: weight of the entropy bonus.
@@ -339,7 +416,8 @@ def grpo_policy_loss(
       ``(loss, aux)``: a float32 scalar and float32 scalars ``clip_fraction`` (share of
       masked tokens where a clip is active), ``approx_kl`` (k3 estimate of
       KL(old || current)), ``ratio_mean``, ``num_tokens``, and ``kl_ref`` (the chosen
-      estimator) when ``ref_logprobs`` is given. Token statistics are token means.
+      estimator's value, ``kl_estimate``, unweighted) when ``ref_logprobs`` is given.
+      Token statistics are token means.
 
     Raises:
       ValueError: an unknown ``policy_loss``, ``aggregation`` or ``kl_estimator``.
@@ -364,9 +442,11 @@ def grpo_policy_loss(
 
     aux = {}
     if ref_logprobs is not None:
-        kl = kl_estimate(logprobs, ref_logprobs, loss_mask, estimator=kl_estimator)
-        per_token = per_token + kl_coef * kl
-        aux["kl_ref"] = masked_mean(kl, on)
+        penalty = kl_penalty(logprobs, ref_logprobs, old_logprobs, loss_mask,
+                             estimator=kl_estimator, importance_weights=kl_importance_weights)
+        per_token = per_token + kl_coef * penalty
+        aux["kl_ref"] = masked_mean(
+            kl_estimate(logprobs, ref_logprobs, loss_mask, estimator=kl_estimator), on)
     if entropy is not None:
         per_token = per_token - entropy_coef * entropy
 

@@ -69,6 +69,9 @@ OFF_POLICY_CORRECTIONS = ("none", "decoupled_ppo")
 OPTIMIZERS = ("adamw", "adam", "sgd")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
+# What the GRPO update checks before it applies a step: metrics nonfinite_<part>.
+NONFINITE_PARTS = ("loss", "gradients", "new_state")
+
 # A reference-policy logprob of -inf (the token is outside the reference's top-k/top-p
 # set) is raised to this floor, so the k3 KL term stays a finite penalty.
 REF_LOGPROB_FLOOR = -20.0
@@ -163,8 +166,17 @@ class GRPOHyperparams:
                    overlong_max_tokens=cfg.env.max_turns * cfg.rollout.max_new_tokens,
                    mesh=MeshConfig.from_config(cfg), **learner)
 
-    def check(self) -> None:
-        """Raises ValueError naming a setting outside its allowed values."""
+    def check(self, vocab_size: int | None = None) -> None:
+        """Raises ValueError naming a setting outside its allowed values: among them
+        sampling settings the learner cannot score finitely or that sample greedily
+        (``check_sampling_settings``; ``vocab_size``, the model's, bounds ``top_p``)."""
+        try:
+            check_sampling_settings(self.temperature, self.top_k, self.top_p,
+                                    allow_greedy=False, vocab_size=vocab_size)
+        except ValueError as e:
+            raise ValueError(
+                f"{e} Pass the rollout's sampling settings (rollout.temperature, top_k, "
+                "top_p); greedy rollouts cannot be trained on.") from None
         for name, allowed in (("advantage_estimator", ADVANTAGE_ESTIMATORS),
                               ("policy_loss", POLICY_LOSSES),
                               ("loss_aggregation", AGGREGATIONS),
@@ -406,6 +418,13 @@ def _scored_tokens(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array,
     return logprobs, logits, value_estimates(value_head, hidden)
 
 
+def _all_finite(tree) -> jax.Array:
+    """bool scalar: every float leaf of ``tree`` is finite (integer leaves always are)."""
+    checks = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+              if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+    return jnp.all(jnp.stack(checks)) if checks else jnp.asarray(True)
+
+
 def _apply_gradients(
     optimizer: optax.GradientTransformation, state: TrainState, grads: nnx.State
 ) -> TrainState:
@@ -468,7 +487,11 @@ def make_grpo_update(
     policy sampled can fall outside the current policy's truncated set (logprob -inf):
     it is left out of the loss (it still counts in the normaliser, which must not depend
     on the parameters) and counted in ``out_of_support_fraction``. A reference logprob of
-    -inf is raised to ``REF_LOGPROB_FLOOR`` so the KL penalty stays finite.
+    -inf is raised to ``REF_LOGPROB_FLOOR`` so the KL penalty stays finite. The KL
+    penalty (``kl_penalty``) is importance-weighted by the per-token ratio of the current
+    policy to the behaviour policy (with ``decoupled_ppo``: to the proximal policy, times
+    the token-level truncated ``pi_prox / pi_behav``), so its gradient is that of
+    KL(pi || pi_ref) for every ``hp.kl_estimator``.
 
     The ratio's anchor (``old_logprobs`` of the loss) is fixed at the batch's start for
     all iterations. ``off_policy_correction="none"``: the behaviour policy's logprobs in
@@ -485,6 +508,13 @@ def make_grpo_update(
     ``update_skipped`` 1, ``num_tokens`` 0 and ``reward_mean``. Checked on the host, so
     only for a concrete batch.
 
+    A non-finite update is never applied: when the loss, the gradients (their global
+    norm) or the new parameters and optimizer state of any iteration are not finite, the
+    state at the batch's start comes back bit for bit (inside the jitted program, a
+    select per leaf), with ``update_skipped`` and ``update_nonfinite`` 1 and
+    ``nonfinite_loss``, ``nonfinite_gradients``, ``nonfinite_new_state`` saying which
+    (1 = not finite in some iteration).
+
     ``ref_params`` are the reference policy's parameters for the KL penalty (same model),
     or None when ``hp.kl_coef == 0`` (then they are ignored anyway).
 
@@ -500,27 +530,22 @@ def make_grpo_update(
     token entropy, nats), ``out_of_support_fraction``, the engine-learner logprob
     mismatch on the trained tokens at the batch's start (``mismatch_logprob_abs_mean``
     in nats, ``mismatch_ratio_max``, ``mismatch_kl``; ``logprob_mismatch``),
-    ``update_skipped`` (0); ``kl_ref`` when ``kl_coef > 0``; ``importance_weight_mean``
-    and ``importance_truncated_fraction`` with ``decoupled_ppo``;
+    ``update_skipped`` and ``update_nonfinite`` (0 when applied), ``nonfinite_loss``,
+    ``nonfinite_gradients``, ``nonfinite_new_state``; ``kl_ref`` when ``kl_coef > 0``;
+    ``importance_weight_mean`` and ``importance_truncated_fraction`` with ``decoupled_ppo``;
     ``overlong_penalty_mean`` with the overlong penalty; and with ``num_iterations > 1``
     ``loss_last``, ``clip_fraction_last`` and ``approx_kl_last`` of the last iteration.
 
     Raises:
       ValueError: here, for a setting of ``hp`` outside its choices (``hp.check``), bad
-        sampling settings (a temperature that is not > 0, ``top_k < 0``, ``top_p``
-        outside (0, 1]), or a ``micro_batch_size`` that the mesh's data x fsdp devices
-        do not divide; from ``update``, for a non-finite reward or ``kl_coef > 0``
+        sampling settings (a temperature below ``MIN_TEMPERATURE`` or not finite in
+        float32, ``top_k`` 1 or < 0, ``top_p`` outside (0, 1] or greedy for every
+        distribution; ``check_sampling_settings``), or a ``micro_batch_size`` that the
+        mesh's data x fsdp devices do not divide; from ``update``, for a non-finite reward or ``kl_coef > 0``
         without ``ref_params``.
       TypeError: from ``update``, for a batch that is not a ``Batch``.
     """
     hp.check()
-    try:
-        check_sampling_settings(hp.temperature, hp.top_k, hp.top_p, allow_greedy=False)
-    except ValueError as e:
-        raise ValueError(
-            f"make_grpo_update: {e} Pass the rollout's sampling settings; greedy (temperature "
-            "0) rollouts cannot be trained on."
-        ) from None
     shards = batch_shards(mesh) if mesh is not None else 1
     if hp.micro_batch_size % shards:
         raise ValueError(
@@ -562,10 +587,14 @@ def make_grpo_update(
             weights, weight_aux = truncated_importance_weights(
                 prox, mb["old"], mask, level=hp.importance_sampling, cap=hp.importance_cap,
                 **seqs)
-        ref = None
+        ref, kl_weights = None, None
         if ref_params is not None:
             ref, _ = _scored_tokens(graphdef, ref_params, mb["tokens"], **sampling, **packing)
             ref = jax.lax.stop_gradient(jnp.maximum(ref, REF_LOGPROB_FLOOR))
+            if decoupled:  # the KL term's ratio goes to the behaviour policy token by token
+                kl_weights = weights if hp.importance_sampling == "token_tis" else (
+                    truncated_importance_weights(prox, mb["old"], mask, level="token_tis",
+                                                 cap=hp.importance_cap)[0])
         entropy = token_entropy(logits if hp.entropy_coef > 0 else
                                 jax.lax.stop_gradient(logits), **sampling)
         loss, aux = grpo_policy_loss(
@@ -574,7 +603,7 @@ def make_grpo_update(
             clip_eps_high=hp.clip_eps_high, dual_clip=hp.dual_clip,
             aggregation=hp.loss_aggregation, max_tokens=max_seq_len,
             ref_logprobs=ref, kl_coef=hp.kl_coef, kl_estimator=hp.kl_estimator,
-            importance_weights=weights,
+            importance_weights=weights, kl_importance_weights=kl_weights,
             entropy=entropy if hp.entropy_coef > 0 else None, entropy_coef=hp.entropy_coef,
             normalizer=(mb["weights"], denominator), **seqs)
         aux.update(weight_aux, **logprob_mismatch(prox, mb["old"], mask),
@@ -647,6 +676,13 @@ def make_grpo_update(
             new_state = new_state.replace(
                 value_head=optax.apply_updates(state.value_head, updates),
                 value_opt_state=value_opt_state)
+        # Whether this step may be applied; the caller keeps the old state if not.
+        metrics.update(
+            finite_loss=jnp.isfinite(sums["loss"]),
+            finite_gradients=jnp.isfinite(metrics["grad_norm"]) & (
+                jnp.isfinite(metrics["value_grad_norm"]) if gae else True),
+            finite_new_state=_all_finite((new_state.params, new_state.opt_state,
+                                          new_state.value_head, new_state.value_opt_state)))
         return new_state, metrics, (prox, support)
 
     @jax.jit
@@ -723,18 +759,28 @@ def make_grpo_update(
             mbs = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
                 x, row_sharding(mesh, x.ndim, leading=1)), mbs)
 
+        start = state
         state, metrics, anchors = optimizer_step(state, ref_params, mbs, denominator, None)
+        finite = {k: metrics.pop(f"finite_{k}") for k in NONFINITE_PARTS}
         if hp.num_iterations > 1:
             def iteration(state, _):
                 state, m, _ = optimizer_step(state, ref_params, mbs, denominator, anchors)
-                return state, {k: m[k] for k in ("loss", "clip_fraction", "approx_kl")}
+                return state, {k: m[k] for k in ("loss", "clip_fraction", "approx_kl",
+                                                 *(f"finite_{p}" for p in NONFINITE_PARTS))}
 
             state, later = jax.lax.scan(iteration, state, None, length=hp.num_iterations - 1)
+            finite = {k: v & jnp.all(later.pop(f"finite_{k}")) for k, v in finite.items()}
             extra.update({f"{k}_last": v[-1] for k, v in later.items()})
+        # A non-finite update is never applied: every iteration's state is dropped and the
+        # batch's start kept, bit for bit (params, optimizer moments, step).
+        applied = finite["loss"] & finite["gradients"] & finite["new_state"]
+        state = jax.tree.map(lambda new, old: jnp.where(applied, new, old), state, start)
         metrics.update(
             extra,
             reward_mean=jnp.sum(batch.rewards * real) / num_rows,
-            update_skipped=jnp.zeros((), jnp.float32),
+            update_skipped=1.0 - applied.astype(jnp.float32),
+            update_nonfinite=1.0 - applied.astype(jnp.float32),
+            **{f"nonfinite_{k}": 1.0 - v.astype(jnp.float32) for k, v in finite.items()},
         )
         if mesh is not None:
             state = constrain(state, mesh)
