@@ -317,13 +317,19 @@ class Checkpointer:
             f"every checkpoint in {self.directory} is damaged (moved to "
             f"{self.directory.rstrip('/')}-corrupt/):\n" + "\n".join(damaged), reason="")
 
-    def _read(self, step: int, abstract_state: TrainState) -> tuple[TrainState, dict[str, Any]]:
-        """``_restore(step)`` with the retry policy of ``restore`` (``read_backoff``)."""
+    def _read(self, step: int, abstract_state: TrainState | None
+              ) -> tuple[TrainState | None, dict[str, Any]]:
+        """``_restore(step)`` with the retry policy of ``restore`` (``read_backoff``); with
+        ``abstract_state`` None, the extras alone (``(None, extras)``)."""
         rng = random.Random(step)
         evidence: BaseException | None = None
         attempts = self.read_backoff.max_attempts
         for attempt in range(attempts):
             try:
+                if abstract_state is None:
+                    restored = self._manager.restore(
+                        step, args=ocp.args.Composite(extras=ocp.args.JsonRestore()))
+                    return None, dict(restored["extras"] or {})
                 return self._restore(step, abstract_state)
             except Exception as e:  # noqa: BLE001 - sorted below; none is swallowed
                 error = e
@@ -359,10 +365,12 @@ class Checkpointer:
 
     def read_extras(self, step: int | None = None) -> dict[str, Any]:
         """The JSON extras of checkpoint ``step`` (default: the newest), without loading
-        the model: data position, policy version, the orchestrator's state and ledger.
+        the model: data position, policy version, the orchestrator's state and ledger. A
+        transient error is retried as in ``restore``.
 
         Raises:
           FileNotFoundError: no checkpoint, or none for ``step``.
+          CheckpointUnavailable, CheckpointCorrupt, CheckpointMismatch: as ``restore``.
         """
         steps = self.all_steps()
         if step is None and steps:
@@ -370,9 +378,7 @@ class Checkpointer:
         if step not in steps:
             raise FileNotFoundError(
                 f"No checkpoint for step {step} in {self.directory}; available: {steps}.")
-        restored = self._manager.restore(
-            int(step), args=ocp.args.Composite(extras=ocp.args.JsonRestore()))
-        return dict(restored["extras"] or {})
+        return self._read(int(step), None)[1]
 
     def _quarantine(self, step: int, reason: str) -> None:
         """Moves the damaged checkpoint ``step`` aside, to ``<directory>-corrupt/<step>-<unix

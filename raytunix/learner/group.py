@@ -32,7 +32,11 @@ save) need every process. Results are rank 0's; rank 0 alone ships weights and w
 export. A host that dies mid-call leaves the others blocked in a collective, so the group
 waits on all hosts at once, and at the first death tears the group down (kills every
 host, releases the reservation) and raises ``LearnerHostFailure``; ``rebuild()`` then
-starts a new group and brings it back to the newest checkpoint the group saved.
+starts a new group and brings it back to the newest checkpoint the group saved. Every call
+has a deadline (``call_timeout_s``; ``slow_call_timeout_s`` for compiling and checkpoint
+calls): a host that is alive but stuck is found only that way, named, and handled as a
+dead one. A restore reads only the steps every host lists (``common_steps``), and the hosts'
+answers must agree (``check_same_restore``), else ``LearnerStateDivergence`` stops the run.
 
 The group is a plain class; as a Ray actor (``ray.remote(LearnerGroup)``, ``num_cpus=0``)
 it answers the calls ``LearnerActor`` answers, so a driver can hold either. The group
