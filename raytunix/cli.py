@@ -163,6 +163,12 @@ def _whole_number(flag: str, value: str | None) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    from raytunix.jobs import check_shipped_package
+
+    wrong = check_shipped_package()  # in a submitted job: the shipped raytunix, or stop
+    if wrong:
+        print(f"raytunix: {wrong}", file=sys.stderr)
+        return 2
     if args.command == "profile":
         return _profile(args.run_dir, args.out)
     if args.command == "scale":

@@ -184,6 +184,8 @@ class LearnerConfig:
     mesh_data: int = -1  # devices of the learner's mesh for data parallelism; -1 = the devices mesh_fsdp x mesh_tensor leave (raytunix.learner.sharding)
     mesh_fsdp: int = 1  # devices each param and optimizer moment is split over (FSDP/ZeRO-3); the batch is split over data x fsdp; -1 = the rest
     mesh_tensor: int = 1  # Megatron tensor parallelism (attention heads, MLP width, vocabulary); -1 = the rest
+    call_timeout_s: float = 1800.0  # seconds a learner call (an update, the weights) may take before the learner counts as stuck: a multi-host group kills its hosts and is rebuilt from the newest checkpoint every host reads; one learner actor stops the run (resume it)
+    slow_call_timeout_s: float = 3600.0  # the same for calls that compile or move the whole state: the first update after a (re)start, warm-start steps, checkpoint saves and restores, the export; >= call_timeout_s
 
 
 @dataclasses.dataclass
@@ -279,7 +281,7 @@ _POSITIVE = {
     "rollout.batch_queue_size", "rollout.batch_timeout_s", "rollout.engine_retry_max_attempts",
     "rollout.engine_retry_initial_delay_s", "rollout.retry_initial_delay_s", "engine.max_batch_size", "engine.block_size", "engine.num_replicas", "learner.learning_rate",
     "learner.checkpoint_every", "learner.max_checkpoints", "learner.num_iterations",
-    "learner.num_hosts",
+    "learner.num_hosts", "learner.call_timeout_s", "learner.slow_call_timeout_s",
     "warmup.batch_size",
     "warmup.learning_rate", "warmup.eval_every", "warmup.eval_size", "eval.heldout_size",
     "eval.max_new_tokens", "run.log_every", "sandbox.num_actors", "sandbox.max_concurrent_runs",
@@ -609,6 +611,15 @@ def _validate_placement(cfg: Config) -> None:
     from raytunix.placement import check_resources
 
     learner = cfg.learner
+    for key in ("call_timeout_s", "slow_call_timeout_s"):
+        if not math.isfinite(getattr(learner, key)):  # a stuck learner host would hang the run
+            raise ConfigError(f"learner.{key}={getattr(learner, key)!r} must be a finite "
+                              "number of seconds (e.g. 1800).")
+    if learner.slow_call_timeout_s < learner.call_timeout_s:
+        raise ConfigError(
+            f"learner.slow_call_timeout_s={learner.slow_call_timeout_s!r} is below "
+            f"learner.call_timeout_s={learner.call_timeout_s!r}; it covers the calls that "
+            "take longest (compiling, checkpoints), so set it >= learner.call_timeout_s.")
     for key, wanted, accelerators in (("learner.resources", learner.resources, True),
                                       ("engine.actor_resources", cfg.engine.actor_resources, True),
                                       ("env.actor_resources", cfg.env.actor_resources, False)):

@@ -1,9 +1,15 @@
 """Runs as Ray jobs: ``raytunix submit`` and ``raytunix status``.
 
 A submission resolves and validates the config here, on the user's machine, so a bad key
-fails before anything reaches the cluster; then it ships the working directory to the
-cluster (Ray's ``runtime_env`` ``working_dir``, without run outputs, git and caches) and
-starts ``raytunix train`` with the same arguments there as the job's entrypoint:
+fails before anything reaches the cluster. It then copies the working directory as Ray
+would ship it (without ``WORKING_DIR_EXCLUDES``, nor what its ``.gitignore`` and
+``.rayignore`` files name; ``stage_working_dir``) into a snapshot, says what it leaves out,
+validates the config again in that snapshot, in a fresh process, as the job will read it,
+and ships exactly that snapshot (Ray's ``runtime_env`` ``working_dir``). The job's
+entrypoint is ``python -m raytunix.cli train`` with the same arguments: ``-m`` puts the
+job's copy first on ``sys.path``, so a shipped ``raytunix/`` is the one that runs whatever
+``raytunix`` the cluster has on its ``PATH``, and the job checks it
+(``SHIPPED_PACKAGE_ENV``):
 
     raytunix submit --address http://HEAD:8265 --config default learner.rl_steps=50
     raytunix status --address http://HEAD:8265            # raytunix jobs on that cluster
@@ -26,8 +32,11 @@ import datetime
 import os
 import re
 import shlex
+import shutil
 import socket
+import subprocess
 import sys
+import tempfile
 import time
 import urllib.parse
 import uuid
@@ -44,6 +53,13 @@ WORKING_DIR_EXCLUDES = (
     "runs/", ".git/", "__pycache__/", "*.pyc", ".pytest_cache/", ".ruff_cache/",
     ".mypy_cache/", ".benchmarks/", "*.egg-info/", ".venv/", "build/", "dist/",
 )
+
+# Set in a job whose shipped working dir holds a raytunix/ package: the job then refuses to
+# run any other raytunix (``check_shipped_package``).
+SHIPPED_PACKAGE_ENV = "RAYTUNIX_SHIPPED_PACKAGE"
+
+# Seconds the snapshot's config check (a fresh ``python -m raytunix.cli config``) may take.
+STAGED_CHECK_TIMEOUT_S = 300.0
 
 # Marks our jobs among the cluster's others; `raytunix status` lists only these.
 METADATA_KEY = "raytunix"
@@ -122,7 +138,9 @@ def connect(address: str | None = None):
 
 
 def train_entrypoint(config: str, overrides: Sequence[str], working_dir: str) -> str:
-    """The job's shell command: ``raytunix train`` with ``config`` and ``overrides``.
+    """The job's shell command: ``python -m raytunix.cli train`` with ``config`` and
+    ``overrides`` (``-m``: the job's working dir first on ``sys.path``, not whichever
+    ``raytunix`` is first on the cluster's ``PATH``).
 
     A config file must lie inside ``working_dir`` (it is shipped with it); it is named by
     its path relative to that directory, where the job starts.
@@ -138,7 +156,107 @@ def train_entrypoint(config: str, overrides: Sequence[str], working_dir: str) ->
                 "shipped to the cluster; move it into that directory or pass --working-dir "
                 "a directory that holds it.")
         config = relative
-    return shlex.join(["raytunix", "train", "--config", config, *overrides])
+    return shlex.join(["python", "-m", "raytunix.cli", "train", "--config", config, *overrides])
+
+
+def check_shipped_package(environ=os.environ, cwd: str | None = None) -> str | None:
+    """In a job (``SHIPPED_PACKAGE_ENV`` set by ``submit``): None when the imported
+    ``raytunix`` is the one shipped in the job's working dir (``cwd``), else what is
+    wrong, naming both paths. Outside a job: None."""
+    if environ.get(SHIPPED_PACKAGE_ENV) != "1":
+        return None
+    import raytunix
+
+    shipped = os.path.realpath(os.path.join(cwd or os.getcwd(), "raytunix"))
+    imported = os.path.realpath(os.path.dirname(raytunix.__file__))
+    if imported == shipped:
+        return None
+    return (f"this job shipped raytunix in {shipped}, but Python imported {imported} (another "
+            "install first on sys.path, e.g. a PYTHONPATH or a .pth of the cluster's image); "
+            "run the entrypoint as `python -m raytunix.cli` from the working dir, or remove "
+            "the other install.")
+
+
+def stage_working_dir(working_dir: str, into: str) -> tuple[list[str], list[str]]:
+    """Copies what Ray would ship of ``working_dir`` into the empty directory ``into``: every
+    file but those ``WORKING_DIR_EXCLUDES`` and the tree's ``.gitignore`` files (unless
+    ``RAY_RUNTIME_ENV_IGNORE_GITIGNORE=1``) and ``.rayignore`` files name, matched by Ray's
+    own rules (``ray._private.runtime_env.packaging``). The ignore files themselves stay
+    out, so Ray ships the copy unchanged.
+
+    Returns:
+      ``(shipped, left_out)``: relative paths of the files copied and of those left out,
+      sorted.
+    """
+    from pathlib import Path
+
+    from ray._private.runtime_env import packaging
+
+    root = Path(working_dir).absolute()
+    include_gitignore = os.environ.get("RAY_RUNTIME_ENV_IGNORE_GITIGNORE", "0") != "1"
+    shipped: list[str] = []
+
+    def copy(path: Path) -> None:
+        relative = path.relative_to(root)
+        if path.name in (".gitignore", ".rayignore") or str(relative) == ".":
+            return
+        target = os.path.join(into, relative)
+        if path.is_dir():
+            if next(path.iterdir(), None) is None:  # Ray ships an empty dir as one
+                os.makedirs(target, exist_ok=True)
+        elif path.is_file():
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            shutil.copy2(path, target)
+            shipped.append(str(relative))
+
+    packaging._dir_travel(root, [packaging._get_excludes(root, list(WORKING_DIR_EXCLUDES))],
+                          copy, include_gitignore=include_gitignore)
+    every = [os.path.relpath(os.path.join(d, f), root)
+             for d, _, files in os.walk(root) for f in files]
+    kept = set(shipped)
+    return sorted(shipped), sorted(p for p in every if p not in kept
+                                   and os.path.basename(p) not in (".gitignore", ".rayignore"))
+
+
+def describe_left_out(left_out: Sequence[str], limit: int = 8) -> str:
+    """``left_out`` in a line: by top-level entry, with file counts (``runs/ (12 files)``)."""
+    groups: dict[str, int] = {}
+    for path in left_out:
+        head, sep, _ = path.partition(os.sep)
+        key = head + "/" if sep else head
+        groups[key] = groups.get(key, 0) + 1
+    parts = [f"{name} ({n} file{'s' if n != 1 else ''})" if name.endswith("/") else name
+             for name, n in sorted(groups.items())]
+    more = f", and {len(parts) - limit} more" if len(parts) > limit else ""
+    return ", ".join(parts[:limit]) + more
+
+
+def check_staged_config(staged: str, config: str, overrides: Sequence[str]) -> None:
+    """Validates the config in the snapshot ``staged`` as the job will: a fresh
+    ``python -m raytunix.cli config`` run there (env classes and a shipped raytunix import
+    from the snapshot, nothing from this process).
+
+    Raises:
+      ConfigError: the snapshot's check failed (its message), or it took longer than
+        ``STAGED_CHECK_TIMEOUT_S``.
+    """
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)  # the job's copy, not this machine's trees, decides
+    if os.path.isfile(os.path.join(staged, "raytunix", "__init__.py")):
+        env[SHIPPED_PACKAGE_ENV] = "1"
+    try:
+        done = subprocess.run([sys.executable, "-m", "raytunix.cli", "config", "--config",
+                               config, *overrides], cwd=staged, env=env, capture_output=True,
+                              text=True, timeout=STAGED_CHECK_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        raise ConfigError(f"checking the config in the copy of the working dir to ship took "
+                          f"over {STAGED_CHECK_TIMEOUT_S:.0f} s; nothing was submitted.") from None
+    if done.returncode != 0:
+        lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+        raise ConfigError(
+            "the config does not validate in the working dir as it would be shipped (files "
+            "excluded, .gitignore, .rayignore left out): "
+            + (lines[-1] if lines else f"exit status {done.returncode}"))
 
 
 def check_config(config: str, overrides: Sequence[str], working_dir: str = "."):
@@ -165,8 +283,11 @@ def check_config(config: str, overrides: Sequence[str], working_dir: str = "."):
 
 
 def submit(client, config: str, overrides: Sequence[str], working_dir: str = ".",
-           agent_wait_s: float = 60.0) -> str:
-    """Validates the config locally, then submits ``raytunix train`` as a Ray job.
+           agent_wait_s: float = 60.0, out: TextIO = sys.stderr) -> str:
+    """Validates the config locally, snapshots the working dir as it will ship
+    (``stage_working_dir``; what is left out is printed to ``out``), validates the config
+    again in the snapshot (``check_staged_config``), then submits ``python -m raytunix.cli
+    train`` as a Ray job with exactly that snapshot as its working dir.
 
     Args:
       client: from ``connect``.
@@ -180,12 +301,38 @@ def submit(client, config: str, overrides: Sequence[str], working_dir: str = "."
       The job's submission id (``raytunix-<run.name>-<time>-<4 hex>``).
 
     Raises:
-      ConfigError: an unknown key or bad value, before anything is submitted.
+      ConfigError: an unknown key or bad value, the config file left out of the shipped
+        tree, or a config that fails in the snapshot; before anything is submitted.
       JobError: the cluster refused the job.
     """
     cfg = check_config(config, overrides, working_dir)
     working_dir = os.path.abspath(working_dir)
     entrypoint = train_entrypoint(config, overrides, working_dir)
+    staged = tempfile.mkdtemp(prefix="raytunix-submit-")
+    try:
+        return _submit_staged(client, cfg, config, overrides, working_dir, staged, entrypoint,
+                              agent_wait_s, out)
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)  # Ray has uploaded its own zip of it
+
+
+def _submit_staged(client, cfg, config, overrides, working_dir, staged, entrypoint,
+                   agent_wait_s, out) -> str:
+    shipped, left_out = stage_working_dir(working_dir, staged)
+    job_config = config  # as the job names it, in its copy of the working dir
+    if os.path.isfile(config):
+        job_config = relative = os.path.relpath(os.path.abspath(config), working_dir)
+        if relative not in shipped:
+            raise ConfigError(
+                f"config file {config!r} would not be shipped: WORKING_DIR_EXCLUDES, a "
+                ".gitignore or a .rayignore in the working dir leaves it out; move it or "
+                "change that ignore file.")
+    if left_out:
+        print(f"raytunix: not shipped with the working dir ({len(left_out)} files: excludes, "
+              f".gitignore, .rayignore): {describe_left_out(left_out)}", file=out, flush=True)
+    check_staged_config(staged, job_config, overrides)
+    env_vars = ({SHIPPED_PACKAGE_ENV: "1"}
+                if os.path.isfile(os.path.join(staged, "raytunix", "__init__.py")) else {})
     stamp = time.strftime("%Y%m%d-%H%M%S")
     name = re.sub(r"[^A-Za-z0-9_.-]", "-", cfg.run.name)
     submission_id = f"raytunix-{name}-{stamp}-{uuid.uuid4().hex[:4]}"
@@ -194,7 +341,7 @@ def submit(client, config: str, overrides: Sequence[str], working_dir: str = "."
         try:
             return client.submit_job(
                 entrypoint=entrypoint, submission_id=submission_id,
-                runtime_env={"working_dir": working_dir, "excludes": list(WORKING_DIR_EXCLUDES)},
+                runtime_env={"working_dir": staged, "env_vars": env_vars},
                 metadata={METADATA_KEY: "train", "config": config, "run_name": cfg.run.name})
         except RuntimeError as e:  # the SDK raises RuntimeError for a refused request
             # A head that has just started answers before its job agent is up.

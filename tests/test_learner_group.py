@@ -2,9 +2,10 @@
 actors, one JAX program over both (``jax.distributed``, CPU collectives through gloo),
 the batch's rows split over the two processes' devices. Its updates must equal one
 process's ``Learner.train_step``, and a group that lost a host is rebuilt from its last
-checkpoint and trains on."""
+checkpoint and trains on; so is one whose host is alive but stuck."""
 
 import os
+import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -86,5 +87,21 @@ def test_a_two_host_group_matches_one_process_and_is_rebuilt_after_a_host_dies(
         _assert_params_close(weights, expected_params)
         # Every host gathers the weights, rank 0 alone writes them.
         assert "model.safetensors" in group.export(str(tmp_path / "export"))
+
+        # A host alive but stuck (its event loop blocked, as in a wedged collective or a
+        # hung storage read) is named when the deadline passes, killed with the others,
+        # and the group is rebuilt from the newest checkpoint both hosts read.
+        group.save(str(tmp_path / "ckpt"), {"data_position": 12})
+        group.finish_checkpoints()
+        stuck_pid = group.host_infos[1]["pid"]
+        with pytest.raises(LearnerHostFailure, match=r"learner host 1 \(.*\) alive but stuck"):
+            group._on_all_ranked(
+                lambda rank, host: (host.__ray_call__.remote(lambda self: time.sleep(600))
+                                    if rank == 1 else host.policy_version.remote()),
+                timeout_s=5)
+        assert group.hosts == []
+        extras = group.rebuild()
+        assert extras["data_position"] == 12 and extras["policy_version"] == 3
+        assert group.policy_version() == 3 and stuck_pid not in {i["pid"] for i in group.host_infos}
     finally:
         group.shutdown()

@@ -166,7 +166,7 @@ def test_submit_runs_a_tiny_training_job_and_status_shows_it(ray_head, tmp_path)
     listed = _raytunix("status", "--address", ray_head, timeout=60)
     assert listed.returncode == 0, listed.stderr
     (row,) = [line for line in listed.stdout.splitlines() if job_id in line]
-    assert "SUCCEEDED" in row and "raytunix train --config default" in row
+    assert "SUCCEEDED" in row and "python -m raytunix.cli train --config default" in row
 
     shown = _raytunix("status", "--address", ray_head, job_id, timeout=60)
     assert shown.returncode == 0, shown.stderr
@@ -219,9 +219,90 @@ def test_the_entrypoint_runs_train_with_the_same_arguments(tmp_path):
     (tmp_path / "my.yaml").write_text("learner:\n  rl_steps: 3\n")
     entry = jobs.train_entrypoint(str(tmp_path / "my.yaml"), ["env.kwargs.note=a b"],
                                   str(tmp_path))
-    assert entry == "raytunix train --config my.yaml 'env.kwargs.note=a b'"
+    # -m: the job's copy of the working dir comes first on sys.path, not the PATH's raytunix.
+    assert entry == "python -m raytunix.cli train --config my.yaml 'env.kwargs.note=a b'"
     assert jobs.check_config(str(tmp_path / "my.yaml"), [], str(tmp_path)).learner.rl_steps == 3
     elsewhere = tmp_path / "project"
     elsewhere.mkdir()
     with pytest.raises(ConfigError, match="outside the working dir"):
         jobs.check_config(str(tmp_path / "my.yaml"), [], str(elsewhere))
+
+
+# -- what is shipped is what was validated --------------------------------------------------
+
+ENV_MODULE = """
+from raytunix.envs.math_envs import CalculatorMathEnv
+
+
+class ShippedEnv(CalculatorMathEnv):
+    pass
+"""
+
+
+def _project(tmp_path):
+    project = tmp_path / "project"
+    (project / "runs").mkdir(parents=True)
+    (project / "runs" / "old.bin").write_bytes(b"\0" * 64)
+    (project / "data").mkdir()
+    (project / "data" / "big.jsonl").write_text("{}\n")
+    (project / "notes.txt").write_text("kept")
+    (project / ".gitignore").write_text("data/\nsecret.yaml\n")
+    (project / "secret.yaml").write_text("learner:\n  rl_steps: 3\n")
+    (project / "run.yaml").write_text("learner:\n  rl_steps: 3\n")
+    return project
+
+
+def test_the_staged_tree_is_what_ray_ships_and_the_rest_is_named(tmp_path):
+    project = _project(tmp_path)
+    staged = tmp_path / "staged"
+    staged.mkdir()
+    shipped, left_out = jobs.stage_working_dir(str(project), str(staged))
+    assert shipped == ["notes.txt", "run.yaml"]
+    assert left_out == ["data/big.jsonl", "runs/old.bin", "secret.yaml"]
+    assert sorted(os.listdir(staged)) == ["notes.txt", "run.yaml"]
+    assert jobs.describe_left_out(left_out) == "data/ (1 file), runs/ (1 file), secret.yaml"
+
+
+def test_a_config_file_that_would_not_be_shipped_is_refused_before_submitting(tmp_path):
+    project = _project(tmp_path)
+    # Nothing may reach a cluster: there is none (client None), and none is needed.
+    with pytest.raises(ConfigError, match=r"'.*secret.yaml' would not be shipped.*gitignore"):
+        jobs.submit(None, str(project / "secret.yaml"), [], str(project))
+
+
+def test_an_env_module_left_out_of_the_shipped_tree_fails_the_check(tmp_path):
+    project = _project(tmp_path)
+    (project / "my_envs.py").write_text(ENV_MODULE)
+    overrides = ["env.name=my_envs:ShippedEnv"]
+    # Here the module imports from the working dir; in what would ship it must too.
+    assert jobs.check_config("default", overrides, str(project)).env.name == "my_envs:ShippedEnv"
+    staged = tmp_path / "staged"
+    staged.mkdir()
+    jobs.stage_working_dir(str(project), str(staged))
+    jobs.check_staged_config(str(staged), "default", overrides)  # shipped: it validates
+    (project / ".gitignore").write_text("my_envs.py\n")
+    ignored = tmp_path / "ignored"
+    ignored.mkdir()
+    jobs.stage_working_dir(str(project), str(ignored))
+    with pytest.raises(ConfigError, match=r"as it would be shipped.*my_envs"):
+        jobs.check_staged_config(str(ignored), "default", overrides)
+
+
+def test_a_job_refuses_a_raytunix_other_than_the_one_it_shipped(tmp_path):
+    import raytunix
+
+    mine = os.path.dirname(os.path.dirname(raytunix.__file__))  # holds this raytunix/
+    env = {jobs.SHIPPED_PACKAGE_ENV: "1"}
+    assert jobs.check_shipped_package(env, cwd=mine) is None
+    other = tmp_path / "job"
+    (other / "raytunix").mkdir(parents=True)
+    (other / "raytunix" / "__init__.py").write_text("")
+    wrong = jobs.check_shipped_package(env, cwd=str(other))
+    assert wrong and str(other / "raytunix") in wrong and os.path.dirname(raytunix.__file__) in wrong
+    assert jobs.check_shipped_package({}, cwd=str(other)) is None  # not a submitted job
+    # And the CLI stops on it before anything runs.
+    done = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+                           "from raytunix.cli import main; sys.exit(main(['config']))", mine],
+                          cwd=str(other), env={**os.environ, jobs.SHIPPED_PACKAGE_ENV: "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "this job shipped raytunix in" in done.stderr, done.stderr

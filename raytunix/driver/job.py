@@ -24,6 +24,15 @@ CHECKPOINT_FINISH_TIMEOUT_S = 300.0
 # A crashed engine replica must be back (restarted, weights taken) within this, seconds.
 ENGINE_RESTART_TIMEOUT_S = 600.0
 
+# A learner group finds its stuck hosts itself, within its own deadlines; the driver waits
+# this much longer before it counts the group's actor itself as stuck.
+GROUP_ANSWER_MARGIN_S = 120.0
+
+
+class LearnerStuck(RunError):
+    """The learner did not answer a call within its deadline (``learner.call_timeout_s``,
+    or ``slow_call_timeout_s``) although its actor is alive."""
+
 
 class Job:
     """The actors of one run, built from its config: the learner (with the engine in one
@@ -59,7 +68,9 @@ class Job:
                 from raytunix.learner.group import LearnerGroup
 
                 self.learner = ray.remote(LearnerGroup).options(num_cpus=0).remote(
-                    hosts, model_config, cfg.run.seed, tokenizer.pad_id, path)
+                    hosts, model_config, cfg.run.seed, tokenizer.pad_id, path,
+                    call_timeout_s=cfg.learner.call_timeout_s,
+                    slow_call_timeout_s=cfg.learner.slow_call_timeout_s)
             else:
                 self.learner = ray.remote(LearnerActor).options(
                     max_concurrency=100, **hosts.actor_options()).remote(
@@ -74,6 +85,41 @@ class Job:
                 weights_source=self.learner)
             self.engines = [self._new_engine() for _ in range(cfg.engine.num_replicas)]
             self.engine = self.engines[0]
+
+    def learner_get(self, ref, what: str, slow: bool = False, fetch: bool = True):
+        """``ray.get`` of a learner call's ``ref`` within its deadline:
+        ``learner.slow_call_timeout_s`` when ``slow`` (compiling, checkpoints, export),
+        else ``learner.call_timeout_s``; a learner group gets ``GROUP_ANSWER_MARGIN_S``
+        more, as it tears itself down and raises ``LearnerHostFailure`` first. With
+        ``fetch=False`` it only waits until the result exists (weights for the engines
+        stay out of the driver) and returns None.
+
+        Raises:
+          LearnerStuck: no answer in time (``what`` names the call in the message); the
+            learner actor is killed, as a call still running in it cannot be trusted to
+            end.
+          whatever the call raised.
+        """
+        learner = self.cfg.learner
+        timeout = learner.slow_call_timeout_s if slow else learner.call_timeout_s
+        if self.learner_group:
+            timeout += GROUP_ANSWER_MARGIN_S
+        try:
+            if fetch:
+                return ray.get(ref, timeout=timeout)
+            if not ray.wait([ref], timeout=timeout, fetch_local=False)[0]:
+                raise ray.exceptions.GetTimeoutError(what)
+            return None
+        except ray.exceptions.GetTimeoutError:
+            with contextlib.suppress(ray.exceptions.RayError, ValueError):
+                ray.kill(self.learner)
+            key = "slow_call_timeout_s" if slow else "call_timeout_s"
+            raise LearnerStuck(
+                f"the learner did not answer {what} within {timeout:.0f} s (learner.{key}="
+                f"{getattr(learner, key)}{' plus the group margin' if self.learner_group else ''}"
+                "): its actor is alive but stuck (a hung storage read, a wedged device call), "
+                "so it was killed. Raise learner."
+                f"{key} if the call is just slow on these hosts.") from None
 
     def restart_engines(self) -> None:
         """New engine actors in place of the current ones (disaggregated placement), for a
@@ -130,6 +176,7 @@ class Job:
         if self.colocated:
             return
         weights = self.learner.weights.remote()
+        self.learner_get(weights, "weights", fetch=False)  # engines would wait for ever
         calls = {i: engine.update_weights.remote(weights) for i, engine in enumerate(self.engines)}
         deaths = dict.fromkeys(calls, 0)
         deadline, delay = time.monotonic() + ENGINE_RESTART_TIMEOUT_S, 0.2
@@ -281,7 +328,7 @@ def _check_mesh(cfg: Config, job: Job) -> None:
     """
     from raytunix.learner.sharding import MeshConfig
 
-    devices = ray.get(job.learner.device_count.remote())
+    devices = job.learner_get(job.learner.device_count.remote(), "device_count", slow=True)
     try:
         MeshConfig.from_config(cfg).axis_sizes(devices)
     except ValueError as e:

@@ -231,6 +231,7 @@ RESUME_OVERRIDABLE = frozenset({
     "env.actor_resources", "engine.actor_resources", "learner.resources",
     "learner.placement_strategy", "learner.mesh_data", "learner.mesh_fsdp",
     "learner.mesh_tensor", "learner.sequence_packing",
+    "learner.call_timeout_s", "learner.slow_call_timeout_s",  # deadlines, not what is learned
 })
 
 

@@ -32,7 +32,7 @@ from raytunix.driver import prepare
 from raytunix.driver.job import Job
 from raytunix.driver.prepare import Tasks
 from raytunix.driver.run_dir import RunDir, RunError, load_run_config, new_run_dir, say
-from raytunix.learner.group import LearnerHostFailure
+from raytunix.learner.group import LearnerHostFailure, LearnerStateDivergence
 from raytunix.learner.learner import GRPOHyperparams, SFTHyperparams
 from raytunix.rollout import preflight
 from raytunix.scaling import ScaleWatcher
@@ -170,8 +170,9 @@ def warm_start(cfg: Config, job: Job, run: RunDir, tasks: Tasks, collector) -> d
         return {}
     tokens, mask = prepare.demonstration_arrays(
         cfg, job.train_tasks[: max(4000, w.batch_size)], job.tokenizer)
-    ray.get(job.learner.set_demonstrations.remote(tokens, mask))
-    ray.get(job.learner.start_warmup.remote(SFTHyperparams.from_config(cfg)))
+    job.learner_get(job.learner.set_demonstrations.remote(tokens, mask), "set_demonstrations")
+    job.learner_get(job.learner.start_warmup.remote(SFTHyperparams.from_config(cfg)),
+                    "start_warmup", slow=True)
     progress = restore_warm_start(job, run) or {"warmup_steps": 0, "warmup_s": 0.0, "done": False}
     steps = progress["warmup_steps"]
     if progress["done"]:
@@ -185,22 +186,25 @@ def warm_start(cfg: Config, job: Job, run: RunDir, tasks: Tasks, collector) -> d
     while not done:
         n = min(w.eval_every, w.max_steps - steps)
         with profiling.span("sft_steps", "driver", {"steps": n}):
-            metrics = ray.get(job.learner.sft_steps.remote(n, w.batch_size))
+            metrics = job.learner_get(job.learner.sft_steps.remote(n, w.batch_size),
+                                      "sft_steps", slow=True)
         steps += n
         job.publish_weights()
         with profiling.span("eval", "driver", {"tasks": len(tasks.dev)}):
             dev = job.evaluate(tasks.dev)
         score = dev["tool_path_accuracy"] if uses_tools else dev["success_rate"]
         done = steps >= w.max_steps or (steps >= w.min_steps and score >= w.target_tool_accuracy)
-        ray.get(job.learner.save_warmup.remote(run.warmup, steps, {
-            "warmup_steps": steps, "warmup_s": time.monotonic() - t0, "done": done}))
+        job.learner_get(job.learner.save_warmup.remote(run.warmup, steps, {
+            "warmup_steps": steps, "warmup_s": time.monotonic() - t0, "done": done}),
+            "save_warmup", slow=True)
         collector.drain("warmup", steps)
         run.log({"phase": "warmup", "step": steps, **metrics,
                  **{f"dev_{k}": v for k, v in dev.items()}})
         say(f"warm start step {steps}: loss {metrics['loss']:.3f}  dev success "
             f"{dev['success_rate']:.1%}  tool use {dev['tool_use_rate']:.1%}  tool-path accuracy "
             f"{dev['tool_path_accuracy']:.1%}  ({time.monotonic() - t0:.0f} s)")
-    ray.get(job.learner.finish_checkpoints.remote())  # committed before RL's checkpoint 0
+    job.learner_get(job.learner.finish_checkpoints.remote(), "finish_checkpoints",
+                    slow=True)  # committed before RL's checkpoint 0
     return {"warmup_steps": steps, "warmup_s": time.monotonic() - t0}
 
 
@@ -211,7 +215,8 @@ def restore_warm_start(job: Job, run: RunDir) -> dict[str, Any] | None:
     warm-start check)."""
     if not os.path.isdir(run.warmup):
         return None
-    progress = ray.get(job.learner.restore_warmup.remote(run.warmup))
+    progress = job.learner_get(job.learner.restore_warmup.remote(run.warmup), "restore_warmup",
+                               slow=True)
     if progress is None:
         return None
     job.publish_weights()
@@ -265,9 +270,11 @@ def begin_rl(cfg: Config, job: Job, run: RunDir, before: dict[str, Any],
     """A fresh RL optimizer on the current weights, the KL reference policy saved (with
     ``learner.kl_coef`` > 0), and checkpoint 0 committed: a run that fails in RL step 1
     can resume. The warm start's checkpoint (``RUN_DIR/warmup``) goes then."""
-    ray.get(job.learner.start_rl.remote(GRPOHyperparams.from_config(cfg)))
+    job.learner_get(job.learner.start_rl.remote(GRPOHyperparams.from_config(cfg)), "start_rl",
+                    slow=True)
     if cfg.learner.kl_coef > 0:
-        ray.get(job.learner.save_reference.remote(run.reference))
+        job.learner_get(job.learner.save_reference.remote(run.reference), "save_reference",
+                        slow=True)
     checkpoint(job, run, cfg, before, warm)
     finish_checkpoints(job, run)
     # Never read again once RL has a checkpoint; with a model.path model its SFT state
@@ -283,15 +290,19 @@ def restore_rl(cfg: Config, job: Job, run: RunDir) -> RLStart:
     Raises:
       RunError: no checkpoint restores, or it already holds ``learner.rl_steps`` steps.
     """
-    ray.get(job.learner.start_rl.remote(GRPOHyperparams.from_config(cfg)))
+    job.learner_get(job.learner.start_rl.remote(GRPOHyperparams.from_config(cfg)), "start_rl",
+                    slow=True)
+    since = time.time()
     try:
-        extras = ray.get(job.learner.restore.remote(
+        extras = job.learner_get(job.learner.restore.remote(
             run.checkpoints, cfg.learner.max_checkpoints,
             run.reference if cfg.learner.kl_coef > 0 else None,
-            cfg.learner.keep_best_by, cfg.learner.keep_best_mode))
+            cfg.learner.keep_best_by, cfg.learner.keep_best_mode), "restore", slow=True)
     except ray.exceptions.RayTaskError as e:
         cause = e.cause if isinstance(e.cause, Exception) else e
         raise RunError(f"cannot resume {run.path}: {cause}") from None
+    finally:
+        _log_quarantined(run, since)
     job.publish_weights()
     version = int(extras["policy_version"])
     job.start_orchestrator(extras["orchestrator"], version)
@@ -336,8 +347,8 @@ def recover_learner(cfg: Config, job: Job, run: RunDir, error: Exception) -> RLS
     cause = error.cause if isinstance(error, ray.exceptions.RayTaskError) else error
     say(f"{cause} Rebuilding the learner group from the last checkpoint.")
     try:
-        ray.get(job.learner.rebuild.remote())
-    except (LearnerHostFailure, TimeoutError) as e:
+        ray.get(job.learner.rebuild.remote())  # the group's own deadlines bound it
+    except (LearnerHostFailure, LearnerStateDivergence, TimeoutError) as e:
         raise RunError(f"the learner group could not be rebuilt: {e} Checkpoints up to the "
                        f"last one are in {run.checkpoints}; use --resume once the cause is "
                        "fixed.") from None
@@ -384,7 +395,8 @@ def rl_steps(cfg: Config, job: Job, run: RunDir, start: RLStart, collector) -> f
             run.record_env_errors(info.pop("env_error_reports", ()))
             prepare.run_preflight(preflight.check_batch, info, step)  # nothing to learn from
             with profiling.span("train_step", "driver", {"step": step}):
-                metrics = ray.get(job.learner.train_step.remote(refs))
+                metrics = job.learner_get(job.learner.train_step.remote(refs), "train_step",
+                                          slow=step == start.step + 1)  # compiles
             with profiling.span("weight_publish", "driver"):
                 job.publish_weights()
             version = int(metrics["policy_version"])
@@ -502,16 +514,38 @@ def checkpoint(job: Job, run: RunDir, cfg: Config, before: dict, warm: dict,
     orch_state = ray.get(job.orchestrator.state.remote())
     extras = {"orchestrator": orch_state, "heldout_before": before, "warm_start": warm}
     learner = cfg.learner
-    step = ray.get(job.learner.save.remote(run.checkpoints, extras, learner.max_checkpoints,
-                                           metrics, learner.keep_best_by, learner.keep_best_mode))
+    step = job.learner_get(job.learner.save.remote(
+        run.checkpoints, extras, learner.max_checkpoints, metrics, learner.keep_best_by,
+        learner.keep_best_mode), "save", slow=True)
     run.commit_checkpoint_in_flight()  # the learner finished it before starting this one
     run.checkpoint_in_flight = {"checkpoint_step": step, "data_position": orch_state["next_index"]}
 
 
 def finish_checkpoints(job: Job, run: RunDir) -> None:
     """Waits for the learner's checkpoint in flight and records it in state.json."""
-    ray.get(job.learner.finish_checkpoints.remote())
+    job.learner_get(job.learner.finish_checkpoints.remote(), "finish_checkpoints", slow=True)
     run.commit_checkpoint_in_flight()
+
+
+def _log_quarantined(run: RunDir, since: float) -> None:
+    """Says, and logs to metrics.jsonl (``phase: checkpoint_quarantined``), each damaged
+    checkpoint that the restore begun at ``since`` (unix time) moved aside: its reason file
+    in ``RUN_DIR/checkpoints-corrupt/`` (``Checkpointer._quarantine``)."""
+    aside = run.checkpoints.rstrip("/") + "-corrupt"
+    if "://" in aside or not os.path.isdir(aside):
+        return
+    for name in sorted(os.listdir(aside)):
+        path = os.path.join(aside, name)
+        if not name.endswith(".reason.json") or os.path.getmtime(path) < since - 1:
+            continue
+        try:
+            with open(path) as f:
+                record = json.load(f)
+        except (OSError, ValueError):
+            continue
+        say(f"CHECKPOINT DAMAGED: step {record.get('step')} could not be read "
+            f"({record.get('reason')}); moved to {record.get('moved_to')}")
+        run.log({"phase": "checkpoint_quarantined", **record})
 
 
 def best_metric(cfg: Config, record: dict[str, Any]) -> dict[str, float] | None:
@@ -538,7 +572,7 @@ def export_policy(cfg: Config, job: Job, run: RunDir) -> None:
     """With ``model.path``: the trained policy to ``RUN_DIR/export`` in the Hugging Face
     layout, beside the source folder's tokenizer files."""
     if cfg.model.path:
-        files = ray.get(job.learner.export.remote(run.export))
+        files = job.learner_get(job.learner.export.remote(run.export), "export", slow=True)
         say(f"trained policy exported to {run.export} ({len(files)} files, Hugging Face layout)")
 
 

@@ -149,12 +149,24 @@ class LearnerActor(profiling.ProfiledActor):
     async def save_reference(self, directory: str) -> None:
         await self._in_thread(self.learner.save_reference, self._checkpointer(directory, 1))
 
+    async def checkpoint_steps(self, directory: str, max_to_keep: int = 3,
+                               keep_best_by: str = "", keep_best_mode: str = "max") -> list[int]:
+        """The committed checkpoint steps this process sees in ``directory``, ascending (a
+        learner group restores only a step every host sees)."""
+        ckpt = self._checkpointer(directory, max_to_keep, keep_best_by, keep_best_mode)
+        return await self._in_thread(ckpt.all_steps)
+
     async def restore(self, directory: str, max_to_keep: int = 3,
                       reference_directory: str | None = None, keep_best_by: str = "",
-                      keep_best_mode: str = "max") -> dict[str, Any]:
+                      keep_best_mode: str = "max", among: list[int] | None = None
+                      ) -> dict[str, Any]:
+        """The newest checkpoint in ``directory`` that restores (of ``among`` when given;
+        ``Checkpointer.restore``) into the RL state, published to a colocated engine;
+        returns its extras (data position, policy version, ``rl_step``...)."""
         reference = self._checkpointer(reference_directory, 1) if reference_directory else None
         ckpt = self._checkpointer(directory, max_to_keep, keep_best_by, keep_best_mode)
-        extras = await self._in_thread(self.learner.restore, ckpt, None, reference)
+        extras = await self._in_thread(
+            lambda: self.learner.restore(ckpt, None, reference, among=among))
         self._publish_timed()
         return extras
 

@@ -32,7 +32,11 @@ save) need every process. Results are rank 0's; rank 0 alone ships weights and w
 export. A host that dies mid-call leaves the others blocked in a collective, so the group
 waits on all hosts at once, and at the first death tears the group down (kills every
 host, releases the reservation) and raises ``LearnerHostFailure``; ``rebuild()`` then
-starts a new group and brings it back to the newest checkpoint the group saved.
+starts a new group and brings it back to the newest checkpoint the group saved. Every call
+has a deadline (``call_timeout_s``; ``slow_call_timeout_s`` for compiling and checkpoint
+calls): a host that is alive but stuck is found only that way, named, and handled as a
+dead one. A restore reads only the steps every host lists (``common_steps``), and the hosts'
+answers must agree (``check_same_restore``), else ``LearnerStateDivergence`` stops the run.
 
 The group is a plain class; as a Ray actor (``ray.remote(LearnerGroup)``, ``num_cpus=0``)
 it answers the calls ``LearnerActor`` answers, so a driver can hold either. The group
@@ -43,6 +47,7 @@ parent's), and would then leave the TPU unused.
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import time
@@ -63,12 +68,75 @@ from raytunix.placement import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LearnerGroup", "LearnerHost", "LearnerHostFailure", "place_learner_hosts"]
+__all__ = ["LearnerGroup", "LearnerHost", "LearnerHostFailure", "LearnerStateDivergence",
+           "check_same_restore", "common_steps", "place_learner_hosts"]
 
 
 class LearnerHostFailure(RuntimeError):
-    """A learner host died (its actor or node is gone); the group was torn down. Call
-    ``LearnerGroup.rebuild()`` to start it again from the newest checkpoint."""
+    """A learner host died (its actor or node is gone) or is stuck (alive, but a call did
+    not end within its deadline); the group was torn down. Call ``LearnerGroup.rebuild()``
+    to start it again from the newest checkpoint."""
+
+
+class LearnerStateDivergence(RuntimeError):
+    """The hosts of a group restored different checkpoints (another step, data position or
+    extras), or have no step every one of them can read; the group was torn down. Not
+    retried: a rebuild would read the same directories."""
+
+
+def common_steps(steps_by_host: list[list[int]], where: list[str]) -> list[int]:
+    """The checkpoint steps every host lists, ascending: what a group may restore (a
+    shared filesystem can show one host a step that another does not see yet).
+
+    Args:
+      steps_by_host: each host's committed steps, in rank order.
+      where: each host's name for messages (e.g. ``host 1 (10.0.0.2)``), in rank order.
+
+    Raises:
+      FileNotFoundError: no host lists any step (a new run, or nothing saved yet).
+      LearnerStateDivergence: some host lists steps but no step is on every host; the
+        message names each host's steps.
+    """
+    if not any(steps_by_host):
+        raise FileNotFoundError("no learner host lists a checkpoint")
+    common = set(steps_by_host[0]).intersection(*map(set, steps_by_host[1:]))
+    if not common:
+        listing = "; ".join(f"{name}: {sorted(steps) or 'none'}"
+                            for name, steps in zip(where, steps_by_host))
+        raise LearnerStateDivergence(
+            f"no checkpoint step is readable by every learner host ({listing}). The "
+            "checkpoint directory must be one path every host sees (a shared volume or "
+            "gs://); check that it is mounted on every host.")
+    return sorted(common)
+
+
+def check_same_restore(extras_by_host: list[dict[str, Any] | None], where: list[str]) -> None:
+    """Checks that every host restored the same checkpoint: the same extras (the step, the
+    policy version, the data position...), compared whole.
+
+    Raises:
+      LearnerStateDivergence: they differ; the message names each host's step and data
+        position.
+    """
+    def key(extras):
+        return json.dumps(extras, sort_keys=True, default=str)
+
+    if len({key(e) for e in extras_by_host}) <= 1:
+        return
+
+    def summary(extras):
+        if extras is None:
+            return "no checkpoint"
+        position = (extras.get("orchestrator") or {}).get("next_index",
+                                                          extras.get("data_position"))
+        return (f"step {extras.get('rl_step', extras.get('warmup_steps', '?'))}, policy "
+                f"version {extras.get('policy_version', '?')}, data position {position}")
+
+    listing = "; ".join(f"{name}: {summary(e)}" for name, e in zip(where, extras_by_host))
+    raise LearnerStateDivergence(
+        f"the learner hosts restored different checkpoints ({listing}); training on would "
+        "run one program over different weights. Make every host see the same checkpoint "
+        "directory (one shared path), then resume.")
 
 
 class LearnerHost(LearnerActor):
@@ -201,7 +269,12 @@ class LearnerGroup:
       start_timeout_s: seconds allowed for reserving the hosts, starting the actors and
         joining ``jax.distributed``.
       call_timeout_s: seconds a call may take on every host before the group counts as
-        hung (torn down, ``LearnerHostFailure``); None waits for ever.
+        stuck (torn down, ``LearnerHostFailure`` naming the hosts still busy); a host that
+        is alive but not answering (a wedged collective, a hung storage read) is found
+        this way, as heartbeats only find dead ones. Must be finite.
+      slow_call_timeout_s: the same for calls that compile or move the whole state: the
+        first update after a (re)start, ``start_rl``/``start_warmup``, ``sft_steps``,
+        checkpoint saves and restores, ``export``. None: ``call_timeout_s``.
       runtime_env: the hosts' Ray runtime env (e.g. ``{"env_vars": {...}}`` for XLA or
         libtpu flags, or ``JAX_COMPILATION_CACHE_DIR`` so that a rebuilt group reuses the
         compiled update); None: the job's.
@@ -216,14 +289,19 @@ class LearnerGroup:
 
     def __init__(self, spec: LearnerHostsSpec, model_config: ModelConfig, seed: int,
                  pad_id: int, model_path: str = "", *, start_timeout_s: float = 600.0,
-                 call_timeout_s: float | None = None, runtime_env: dict[str, Any] | None = None,
-                 max_rebuilds: int = 3):
+                 call_timeout_s: float = 1800.0, slow_call_timeout_s: float | None = 3600.0,
+                 runtime_env: dict[str, Any] | None = None, max_rebuilds: int = 3):
+        if not (isinstance(call_timeout_s, (int, float)) and 0 < call_timeout_s < float("inf")):
+            raise ValueError(f"call_timeout_s must be a finite number of seconds > 0, got "
+                             f"{call_timeout_s!r}: a stuck host would hang the group for ever.")
         self.spec = spec
         self.max_rebuilds = max_rebuilds
         self.runtime_env = runtime_env
         self._learner_args = (model_config, seed, pad_id, model_path)
         self.start_timeout_s = start_timeout_s
-        self.call_timeout_s = call_timeout_s
+        self.call_timeout_s = float(call_timeout_s)
+        self.slow_call_timeout_s = max(self.call_timeout_s, float(slow_call_timeout_s or 0.0))
+        self._compiled = False  # has this group's update run once (compiled)?
         self.hosts: list = []  # LearnerHost handles, in rank order
         self.host_infos: list[dict[str, Any]] = []  # host_info() of each, in rank order
         self._reservation: LearnerHosts | None = None
@@ -242,7 +320,8 @@ class LearnerGroup:
         self._reservation, self.hosts, self.host_infos = place_learner_hosts(
             self.spec, timeout_s=self.start_timeout_s, runtime_env=self.runtime_env)
         try:
-            coordinator = ray.get(self.hosts[0].coordinator_address.remote())
+            coordinator = ray.get(self.hosts[0].coordinator_address.remote(),
+                                  timeout=max(1.0, deadline - time.monotonic()))
             n = len(self.hosts)
             remaining = max(1, int(deadline - time.monotonic()))
             joined = self._on_all_ranked(
@@ -257,6 +336,7 @@ class LearnerGroup:
             self.shutdown()
             raise
         self.coordinator = coordinator
+        self._compiled = False
         self.device_count = joined[0]["device_count"]
         logger.info("learner group: %d hosts, %d devices, coordinator %s, ranks by %s", n,
                     self.device_count, coordinator,
@@ -298,7 +378,7 @@ class LearnerGroup:
         self.rebuilds += 1
         self._start()
         if self._rl is not None:
-            self._on_all("start_rl", self._rl)
+            self._on_all("start_rl", self._rl, timeout_s=self.slow_call_timeout_s)
             if self._checkpoints is not None:
                 try:
                     return self.restore(**self._checkpoints,
@@ -311,12 +391,16 @@ class LearnerGroup:
             if self._demonstrations is not None:
                 self._on_all("set_demonstrations", *self._demonstrations)
             hp, directory = self._warmup
-            self._on_all("start_warmup", hp)
+            self._on_all("start_warmup", hp, timeout_s=self.slow_call_timeout_s)
             if directory is not None:
                 return self.restore_warmup(directory)
         return None
 
     # -- calls on every host -------------------------------------------------------------------
+    def _host_name(self, rank: int) -> str:
+        info = self.host_infos[rank] if rank < len(self.host_infos) else {}
+        return f"host {rank} ({info.get('node_ip', '?')}, pid {info.get('pid', '?')})"
+
     def _on_all(self, method: str, *args, timeout_s: float | None = None, **kwargs) -> list:
         return self._on_all_ranked(
             lambda rank, host: getattr(host, method).remote(*args, **kwargs), timeout_s)
@@ -342,12 +426,13 @@ class LearnerGroup:
                 wait = min(wait if wait is not None else 60.0, 60.0)
             done, pending = ray.wait(pending, num_returns=1, timeout=wait)
             if not done:
-                self.shutdown()
+                stuck = ", ".join(self._host_name(r) for r in sorted(index[p] for p in pending))
+                self.shutdown()  # kills the stuck hosts with the rest: none can rejoin alone
                 if error is not None:
                     raise error
                 raise LearnerHostFailure(
-                    f"the learner group did not answer within {timeout_s} s (hosts "
-                    f"{sorted(index[r] for r in pending)} still busy); it was torn down. "
+                    f"learner {stuck} alive but stuck: no answer within {timeout_s} s "
+                    f"(learner.call_timeout_s / slow_call_timeout_s); the group was torn down. "
                     "Call rebuild().")
             ref = done[0]
             try:
@@ -355,8 +440,8 @@ class LearnerGroup:
             except ray.exceptions.RayActorError as e:
                 self.shutdown()
                 raise LearnerHostFailure(
-                    f"learner host {index[ref]} ({self.host_infos[index[ref]]['node_ip'] if self.host_infos else '?'}) "
-                    f"died: {e}. The group was torn down; call rebuild().") from e
+                    f"learner {self._host_name(index[ref])} died: {e}. The group was torn "
+                    "down; call rebuild().") from e
             except ray.exceptions.RayTaskError as e:
                 error = error or e
         if error is not None:
@@ -370,26 +455,42 @@ class LearnerGroup:
 
     def start_warmup(self, hp: SFTHyperparams) -> None:
         self._warmup, self._rl = (hp, None), None
-        self._on_all("start_warmup", hp)
+        self._on_all("start_warmup", hp, timeout_s=self.slow_call_timeout_s)
 
     def sft_steps(self, num_steps: int, batch_size: int) -> dict[str, float]:
-        return self._on_all("sft_steps", num_steps, batch_size)[0]
+        return self._on_all("sft_steps", num_steps, batch_size,
+                            timeout_s=self.slow_call_timeout_s)[0]
 
     def save_warmup(self, directory: str, steps: int, extras: dict[str, Any]) -> None:
         self._warmup = (self._warmup[0], directory) if self._warmup else None
-        self._on_all("save_warmup", directory, steps, extras)
+        self._on_all("save_warmup", directory, steps, extras, timeout_s=self.slow_call_timeout_s)
 
     def restore_warmup(self, directory: str) -> dict[str, Any] | None:
-        return self._on_all("restore_warmup", directory)[0]
+        """Every host restores the newest warm-start checkpoint; they must agree
+        (``check_same_restore``: ``LearnerStateDivergence``, the group torn down)."""
+        extras = self._on_all("restore_warmup", directory, timeout_s=self.slow_call_timeout_s)
+        self._check_same(extras)
+        return extras[0]
+
+    def _check_same(self, extras_by_host: list) -> None:
+        try:
+            check_same_restore(extras_by_host, [self._host_name(r) for r in range(len(self.hosts))])
+        except LearnerStateDivergence:
+            self.shutdown()  # no update may run over hosts holding different weights
+            raise
 
     def start_rl(self, hp: GRPOHyperparams) -> None:
         self._rl = hp
-        self._on_all("start_rl", hp)
+        self._on_all("start_rl", hp, timeout_s=self.slow_call_timeout_s)
 
     def train_step(self, batch_refs: list) -> dict[str, float]:
         """One update on the batch behind ``batch_refs[0]`` (an ObjectRef in a list):
-        every host reads the same batch and runs the same program; rank 0's metrics."""
-        return self._on_all("train_step", batch_refs)[0]
+        every host reads the same batch and runs the same program; rank 0's metrics. The
+        first one after a (re)start compiles: it gets ``slow_call_timeout_s``."""
+        timeout = self.call_timeout_s if self._compiled else self.slow_call_timeout_s
+        metrics = self._on_all("train_step", batch_refs, timeout_s=timeout)[0]
+        self._compiled = True
+        return metrics
 
     def weights(self) -> tuple[Any, int]:
         """(numpy parameter pytree, policy version), gathered by every host and shipped
@@ -408,7 +509,7 @@ class LearnerGroup:
         return self._on_all("device_count")[0]
 
     def export(self, out_dir: str) -> list[str]:
-        return self._on_all("export", out_dir)[0]
+        return self._on_all("export", out_dir, timeout_s=self.slow_call_timeout_s)[0]
 
     def save(self, directory: str, extras: dict[str, Any], max_to_keep: int = 3,
              metrics: dict[str, float] | None = None, keep_best_by: str = "",
@@ -419,24 +520,42 @@ class LearnerGroup:
         self._checkpoints = {"directory": directory, "max_to_keep": max_to_keep,
                              "keep_best_by": keep_best_by, "keep_best_mode": keep_best_mode}
         return self._on_all("save", directory, extras, max_to_keep, metrics, keep_best_by,
-                            keep_best_mode)[0]
+                            keep_best_mode, timeout_s=self.slow_call_timeout_s)[0]
 
     def finish_checkpoints(self) -> None:
-        self._on_all("finish_checkpoints")
+        self._on_all("finish_checkpoints", timeout_s=self.slow_call_timeout_s)
 
     def save_reference(self, directory: str) -> None:
         self._reference = directory
-        self._on_all("save_reference", directory)
+        self._on_all("save_reference", directory, timeout_s=self.slow_call_timeout_s)
 
     def restore(self, directory: str, max_to_keep: int = 3,
                 reference_directory: str | None = None, keep_best_by: str = "",
                 keep_best_mode: str = "max") -> dict[str, Any]:
+        """Every host restores the same checkpoint: the newest of the steps that every host
+        lists (``common_steps``; a damaged one is skipped as ``Checkpointer.restore``
+        does), then each reports what it restored and the group checks that they agree
+        (``check_same_restore``). Returns the checkpoint's extras.
+
+        Raises:
+          FileNotFoundError: no host lists a checkpoint in ``directory``.
+          LearnerStateDivergence: no step is on every host, or the hosts restored
+            different ones (the group is then torn down).
+          LearnerHostFailure: a host died or was stuck (past ``slow_call_timeout_s``).
+          whatever a host's ``Checkpointer.restore`` raised (``CheckpointUnavailable``...).
+        """
         self._checkpoints = {"directory": directory, "max_to_keep": max_to_keep,
                              "keep_best_by": keep_best_by, "keep_best_mode": keep_best_mode}
         if reference_directory:
             self._reference = reference_directory
-        return self._on_all("restore", directory, max_to_keep, reference_directory,
-                            keep_best_by, keep_best_mode)[0]
+        slow = self.slow_call_timeout_s
+        listed = self._on_all("checkpoint_steps", directory, max_to_keep, keep_best_by,
+                              keep_best_mode, timeout_s=slow)
+        among = common_steps(listed, [self._host_name(r) for r in range(len(self.hosts))])
+        extras = self._on_all("restore", directory, max_to_keep, reference_directory,
+                              keep_best_by, keep_best_mode, among=among, timeout_s=slow)
+        self._check_same(extras)
+        return extras[0]
 
     def profile_drain(self) -> dict[str, Any]:
         """Rank 0's spans (every host runs the same program)."""

@@ -279,8 +279,11 @@ class Learner:
             checkpointer.wait_until_finished()
 
     def restore(self, checkpointer: Checkpointer, step: int | None = None,
-                reference: Checkpointer | None = None) -> dict[str, Any]:
+                reference: Checkpointer | None = None, among: list[int] | None = None
+                ) -> dict[str, Any]:
         """Restores the latest (or ``step``) checkpoint into the RL state; returns extras.
+        ``among``: only these steps are candidates (a learner group's steps that every
+        host can read; ``Checkpointer.restore``).
 
         Raises:
           RuntimeError: before ``start_rl``, or a KL penalty is on and ``reference`` holds
@@ -288,7 +291,7 @@ class Learner:
         """
         if self._hp is None:
             raise RuntimeError("call start_rl (with the run's hyperparameters) before restore")
-        self._state, extras = checkpointer.restore(step, self._state)
+        self._state, extras = checkpointer.restore(step, self._state, among=among)
         self.version = int(extras["policy_version"])
         self.rl_step = int(extras["rl_step"])
         self.updates_skipped = int(extras.get("updates_skipped", 0))
