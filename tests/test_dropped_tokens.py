@@ -217,9 +217,9 @@ def test_a_learner_step_reports_what_its_rows_cut_and_what_lies_outside_its_supp
     config = ModelConfig(vocab_size=TOKENIZER.vocab_size, d_model=16, n_layers=1, n_heads=2,
                          n_kv_heads=1, d_ff=32, max_seq_len=64)
     learner = Learner(config, seed=0, pad_id=TOKENIZER.pad_id)
-    # top_k=1: only the learner's most likely token is in its support, so most of the
+    # top_k=2: only the learner's two most likely tokens are in its support, so most of the
     # random tokens below are out of it and leave the loss.
-    learner.start_rl(GRPOHyperparams(temperature=1.0, top_k=1, top_p=1.0,
+    learner.start_rl(GRPOHyperparams(temperature=1.0, top_k=2, top_p=1.0,
                                      learning_rate=1e-3, sequence_packing=False))
     rows = [_trajectory(10, 70), _trajectory(10, 20), _trajectory(8, 30), _trajectory(8, 12)]
     for i, t in enumerate(rows):

@@ -53,8 +53,11 @@ def _engine(ray, weights_source, max_restarts):
 
 def _driver_job(learner, engines):
     """What ``Job.publish_weights`` reads of a disaggregated run's ``Job``."""
-    return types.SimpleNamespace(colocated=False, learner=learner, engines=engines,
-                                 cfg=load_config(None, ["engine.actor_max_restarts=1"]))
+    job = types.SimpleNamespace(colocated=False, learner=learner, engines=engines,
+                                learner_group=False,
+                                cfg=load_config(None, ["engine.actor_max_restarts=1"]))
+    job.learner_get = types.MethodType(Job.learner_get, job)  # the real deadline-bound wait
+    return job
 
 
 @pytest.fixture(scope="module")
