@@ -387,7 +387,8 @@ class InferenceEngine:
         Returns:
           ``GenerationResult`` with N generated tokens, their logprobs (nats) and policy
           versions, and why generation stopped: ``STOP`` (stop token, kept, or stop
-          string, ending at the token that completes it: ``inference.stops``), ``LENGTH`` (``max_new_tokens``, or prompt + generated reached
+          string, ending at the token that completes it: ``inference.stops``),
+          ``LENGTH`` (``max_new_tokens``, or prompt + generated reached
           ``max_seq_len``), ``ABORT`` (``abort``, ``pause`` or ``close``; partial tokens).
           ``num_cached_tokens`` says how many prompt tokens came from the cache.
 

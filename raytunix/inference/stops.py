@@ -33,7 +33,7 @@ def stop_window(stop_strings: Sequence[str]) -> int:
 
 
 def completed_stop(decode: Callable[[Sequence[int]], str], generated: Sequence[int],
-                   stop_strings: Sequence[str], window: int | None = None) -> str | None:
+                   stop_strings: Sequence[str]) -> str | None:
     """The stop string that the last of ``generated`` completes, or None.
 
     A stop string is completed by token ``i`` when it occurs in the decoded text of
@@ -46,14 +46,11 @@ def completed_stop(decode: Callable[[Sequence[int]], str], generated: Sequence[i
         unfinished character, become U+FFFD), as ``Tokenizer.decode``.
       generated: the token ids generated so far, int, length >= 1.
       stop_strings: the stop strings; empty ones are ignored.
-      window: ``stop_window(stop_strings)``, precomputed by a caller that asks once per
-        token; computed when None.
 
     Returns:
       the first of ``stop_strings`` that the last token completes, or None.
     """
-    if window is None:
-        window = stop_window(stop_strings)
+    window = stop_window(stop_strings)
     if not window or not generated:
         return None
     start = max(0, len(generated) - 1 - window)

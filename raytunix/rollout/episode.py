@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 import random
 import time
 
 from raytunix import profiling
+from raytunix.envs.contract import EnvContractError, check_step_result
 from raytunix.rollout.faults import Backoff, RateLimitedLog, retry_async
 from raytunix.types import (
     TOOL_ERRORS_KEY,
@@ -164,8 +164,8 @@ async def run_episode(
                 timings["tool_calls"] += len(action.tool_calls)
                 step = await env_call(env.step(action), lambda _, seconds: record_turn(
                     turn, t0, t1, tokens, seconds))
-                _check_step(step, task)
-                reward += float(step.reward)
+                step = _check_step(step, env, task)
+                reward += step.reward
                 for kind, count in (step.info.get(TOOL_ERRORS_KEY) or {}).items():
                     timings[TOOL_ERRORS_KEY] += count
                     key = f"{TOOL_ERRORS_KEY}/{kind}"
@@ -221,20 +221,14 @@ async def run_episode(
     return trajectory
 
 
-def _check_step(step, task: Task) -> None:
-    """Raises ``EnvFailure`` for a step result the loop cannot use. The env clients check
-    and report these where the value is made (``raytunix.envs.contract``); this catches
-    an ``EnvClient`` that does not."""
-    if (not isinstance(step, StepResult) or not isinstance(step.observation, str)
-            or not isinstance(step.info, dict)):
-        raise EnvFailure(f"the environment client returned {step!r:.120} for task "
-                         f"{task.task_id!r}; a step must give a StepResult with a str "
-                         "observation and a dict info")
+def _check_step(step, env, task: Task) -> StepResult:
+    """``step`` checked by the env contract (``raytunix.envs.contract``), for an
+    ``EnvClient`` that does not check where the value is made.
+
+    Raises:
+      EnvFailure: a step result the loop cannot use, naming the task.
+    """
     try:
-        finite = not isinstance(step.reward, (str, bytes)) and math.isfinite(float(step.reward))
-    except (TypeError, ValueError):
-        finite = False
-    if not finite:
-        raise EnvFailure(
-            f"the environment returned reward {step.reward!r:.80} for task {task.task_id!r}; "
-            "rewards must be finite numbers (a bug in its verifier)")
+        return check_step_result(step, env)
+    except EnvContractError as e:
+        raise EnvFailure(f"{e} (task {task.task_id!r})") from e
