@@ -154,11 +154,13 @@ async def measure(args) -> dict:
             consumed["batches"] += 1
 
     async def turns_done(count: int, in_flight: list[int] | None = None) -> None:
+        # Sampled after each sleep, while the window's turns run: a sample taken at its
+        # first instant can fall between one batch's episodes and the next admission.
         target = engine.requests + count
         while engine.requests < target:
+            await asyncio.sleep(0.002)
             if in_flight is not None:
                 in_flight.append(orchestrator.stats()["episodes_in_flight"])
-            await asyncio.sleep(0.02)
 
     async def window(profiler: cProfile.Profile | None = None) -> dict:
         in_flight: list[int] = []
