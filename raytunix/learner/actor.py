@@ -91,7 +91,7 @@ class LearnerActor(profiling.ProfiledActor):
     def weights(self) -> tuple[Any, int]:
         """(numpy parameter pytree, policy version) for engines in other processes."""
         with profiling.span("weights_to_host", "learner", {"version": self.learner.version}):
-            return self.learner.weights_numpy(), self.learner.version
+            return self.learner.versioned_weights_numpy()
 
     def policy_version(self) -> int:
         return self.learner.version
@@ -186,7 +186,7 @@ class PolicyActor(LearnerActor):
         heap.settle(young_threshold=None)  # and so is the engine
 
     def _publish(self) -> None:
-        self.engine.update_weights(self.learner.params, self.learner.version)
+        self.engine.update_weights(*self.learner.policy())
 
     async def generate(self, request):
         return await self.engine.generate(request)

@@ -14,6 +14,7 @@ parallel over every device, is the plain single-device update on one device.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -68,6 +69,9 @@ class Learner:
         self.rl_step = 0
         self._params = params
         self._state: TrainState | None = None
+        # The update runs in a worker thread while engines ask for weights on the actor's
+        # loop: parameters and their policy version change together under this lock.
+        self._policy_lock = threading.Lock()
         self._update = None
         self._ref_params = None
         self._hp: GRPOHyperparams | None = None
@@ -196,11 +200,13 @@ class Learner:
         dropped = generated_tokens_cut(batch, width)
         versions = arrays.policy_versions[arrays.loss_mask > 0]
         t0 = time.monotonic()
-        self._state, metrics = self._update(self._state, self._ref_params, arrays)
+        state, metrics = self._update(self._state, self._ref_params, arrays)
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
         skipped = metrics["update_skipped"] > 0
         nonfinite = metrics.get("update_nonfinite", 0.0) > 0
-        self.version += 0 if skipped else 1
+        with self._policy_lock:
+            self._state = state
+            self.version += 0 if skipped else 1
         self.updates_skipped += int(skipped)
         self.updates_skipped_nonfinite += int(nonfinite)
         if nonfinite:
@@ -222,11 +228,22 @@ class Learner:
             metrics.get("out_of_support_fraction", 0.0) * scored))
         return metrics
 
+    def policy(self) -> tuple[Any, int]:
+        """``(params, policy_version)`` read together: the parameters are those of that
+        version even while an update runs in another thread."""
+        with self._policy_lock:
+            return self.params, self.version
+
     def weights_numpy(self):
         """The parameters as a pytree of full numpy arrays (for shipping to engine
         actors). With a mesh over several processes, every process must call it
         (``sharding.gather_to_host``)."""
         return gather_to_host(self.params)
+
+    def versioned_weights_numpy(self) -> tuple[Any, int]:
+        """``(weights_numpy(), policy_version)`` of one and the same update (``policy``)."""
+        params, version = self.policy()
+        return gather_to_host(params), version
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, checkpointer: Checkpointer, extras: dict[str, Any],
@@ -291,8 +308,10 @@ class Learner:
         """
         if self._hp is None:
             raise RuntimeError("call start_rl (with the run's hyperparameters) before restore")
-        self._state, extras = checkpointer.restore(step, self._state, among=among)
-        self.version = int(extras["policy_version"])
+        state, extras = checkpointer.restore(step, self._state, among=among)
+        with self._policy_lock:
+            self._state = state
+            self.version = int(extras["policy_version"])
         self.rl_step = int(extras["rl_step"])
         self.updates_skipped = int(extras.get("updates_skipped", 0))
         self.updates_skipped_nonfinite = int(extras.get("updates_skipped_nonfinite", 0))
