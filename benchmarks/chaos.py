@@ -139,7 +139,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a seed whose runs take longer is stopped and counted as not finished")
     p.add_argument("--reap-timeout-s", type=float, default=30.0,
                    help="how long the processes of a run may take to go after it ends")
-    p.add_argument("--keep", action="store_true", help="keep each seed's run directory")
+    p.add_argument("--keep", action="store_true",
+                   help="keep each seed's run directory (a seed that did not finish keeps its own)")
     args = p.parse_args(argv)
     kinds = [k for k in args.kinds.split(",") if k]
     unknown = sorted(set(kinds) - set(KINDS))
@@ -396,7 +397,7 @@ def run_seed(seed: int, args) -> dict:
     if not row["finished"]:
         with open(log_path) as f:
             row["log_tail"] = f.read()[-3000:]
-    if args.keep:
+    if args.keep or not row["finished"]:  # a failed seed's evidence stays
         row["work_dir"] = work
     else:
         shutil.rmtree(work, ignore_errors=True)
@@ -483,6 +484,9 @@ def main(argv=None) -> dict:
         print(f"seed {seed}: finished={rows[-1]['finished']} tasks_lost={rows[-1]['tasks_lost']} "
               f"checkpoints_lost={rows[-1]['checkpoints_lost']} "
               f"left={len(rows[-1]['processes_left'])} {rows[-1]['wall_s']} s", file=sys.stderr)
+        if not rows[-1]["finished"]:
+            print(f"seed {seed} did not finish; its run is kept in {rows[-1]['work_dir']}; "
+                  f"the driver log ends:\n{rows[-1]['log_tail']}", file=sys.stderr, flush=True)
     kills: dict[str, int] = {kind: 0 for kind in args.kinds}
     for row in rows:
         for kill in row["kills"]:
