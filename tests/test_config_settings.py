@@ -30,7 +30,8 @@ README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 @dataclasses.dataclass
 class ProbeConfig:
     rate: float = setting(0.5, "a test-only fraction", bounds="(0, 1]", resume=True)
-    width: int = setting(4, "a test-only count of things", bounds="> 0")
+    width: int = setting(4, "a test-only count of things", bounds="> 0",
+                         hint="at least one thing")
     mode: Literal["fast", "slow"] = setting("fast", "a test-only choice")
 
 
@@ -60,7 +61,7 @@ def test_a_new_sections_settings_load_coerce_and_keep_their_defaults():
     ("probe.rate=0", "probe.rate=0.0 must be in (0, 1]"),
     ("probe.rate=1.5", "probe.rate=1.5 must be in (0, 1]"),
     ("probe.rate=nan", "probe.rate=nan must be a number in (0, 1]"),
-    ("probe.width=0", "probe.width=0 must be > 0"),
+    ("probe.width=0", "probe.width=0 must be > 0 (at least one thing)."),
     ("probe.width=2.5", "probe.width=2.5 is not an integer"),
     ("probe.mode=medium", "probe.mode='medium' is not one of fast, slow"),
     ("probe.depth=3", "unknown key 'probe.depth'; valid keys in 'probe': rate, width, mode"),
@@ -78,6 +79,7 @@ def test_a_new_sections_settings_are_explained_from_the_field():
     assert [line.split(":")[0] for line in section.splitlines() if line.startswith("probe.")] \
         == ["probe.rate", "probe.width", "probe.mode"]
     assert "allowed: one of fast | slow" in section and "fixed once the run starts" in section
+    assert "allowed: > 0 (at least one thing)" in section
     assert "| `probe.width` | int | `4` | > 0 | fixed | a test-only count of things |" in \
         explain("probe", schema=ProbeRunConfig, markdown=True)
     with pytest.raises(ConfigError, match="did you mean probe.rate"):
@@ -118,7 +120,8 @@ def test_every_shipped_setting_has_a_doc_and_a_default_within_its_bounds():
 def test_the_command_line_explains_a_key_and_names_close_matches_for_a_bad_one(capsys):
     assert cli.main(["config", "--explain", "rollout.group_size"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("rollout.group_size: int = 8\n  allowed: > 0\n")
+    assert out.startswith("rollout.group_size: int = 8\n  allowed: >= 2 (GRPO needs at least 2 "
+                          "samples per task)\n")
     assert cli.main(["config", "--explain", "rollout.grup_size"]) == 2
     assert "did you mean rollout.group_size" in capsys.readouterr().err
     assert cli.main(["config", "--explain", "--markdown"]) == 0
