@@ -191,6 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "profile":
         return _profile(args.run_dir, args.out)
     if args.command == "config" and (args.explain is not None or args.markdown):
+        if args.overrides:  # --explain describes the settings, not one run's values
+            print(f"raytunix: config --explain takes one SECTION or KEY, not overrides "
+                  f"({' '.join(args.overrides)}); drop them, or run `raytunix config "
+                  f"{' '.join(args.overrides)}` for the resolved values.", file=sys.stderr)
+            return 2
         return _explain(args.explain or "", args.markdown)
     if args.command == "scale":
         return _scale(args.run_dir, args.env_actors, args.sandbox_actors)

@@ -124,6 +124,9 @@ def test_the_command_line_explains_a_key_and_names_close_matches_for_a_bad_one(c
                           "samples per task)\n")
     assert cli.main(["config", "--explain", "rollout.grup_size"]) == 2
     assert "did you mean rollout.group_size" in capsys.readouterr().err
+    assert cli.main(["config", "--explain", "rollout", "rollout.group_size=4"]) == 2
+    assert "takes one SECTION or KEY, not overrides (rollout.group_size=4)" in \
+        capsys.readouterr().err
     assert cli.main(["config", "--explain", "--markdown"]) == 0
     tables = capsys.readouterr().out
     assert tables.count("| key | type | default |") == len({k.split(".")[0] for k in settings()})
