@@ -360,7 +360,8 @@ class EngineConfig:
         resume=True)
     kv_on_weight_update: KVOnWeightUpdate = setting(
         "recompute",
-        "recompute | keep (KV of older weights is reused and counted as stale)",
+        "KV of older weights after a weight update: recomputed, or kept (reused and counted "
+        "as stale)",
         resume=True)
     sessions: bool = setting(
         True, "keep an episode's KV in the engine between its turns", resume=True)
@@ -390,10 +391,11 @@ class LearnerConfig:
     rl_steps: int = setting(40, "GRPO updates", bounds=">= 0", resume=True)
     learning_rate: float = setting(
         1e-4, "the RL update's peak learning rate (optax)", bounds="> 0")
-    optimizer: OptimizerName = setting("adamw", "adamw | adam | sgd (optax)")
+    optimizer: OptimizerName = setting("adamw", "the RL update's optax optimizer")
     lr_schedule: LRSchedule = setting(
         "constant",
-        "constant | linear | cosine: decay to 0 at rl_steps x num_iterations optimizer steps")
+        "the learning rate's shape: constant, or a linear or cosine decay to 0 at "
+        "rl_steps x num_iterations optimizer steps")
     lr_warmup_steps: int = setting(
         0, "the learning rate rises linearly over this many optimizer steps", bounds=">= 0")
     weight_decay: float = setting(
@@ -432,7 +434,7 @@ class LearnerConfig:
     kl_coef: float = setting(0.0, "> 0 adds a KL penalty to the warm-start policy", bounds=">= 0")
     kl_estimator: KLEstimator = setting(
         "k3",
-        "k1 | k2 | k3: Schulman's estimators of KL(policy || reference), the value kl_ref "
+        "Schulman's estimator of KL(policy || reference), the value kl_ref "
         "reports; in the loss each is importance-weighted so its gradient is that of "
         "KL(policy || reference) (README, The RL algorithm)")
     entropy_coef: float = setting(
@@ -497,7 +499,7 @@ class LearnerConfig:
         'checkpoint with the best value is never deleted; "" = off',
         resume=True)
     keep_best_mode: KeepBestMode = setting(
-        "max", "max | min: whether a higher or a lower keep_best_by is better", resume=True)
+        "max", "whether a higher (max) or a lower (min) keep_best_by is better", resume=True)
     num_hosts: int = setting(
         1,
         "learner actors, one per host, running one JAX program (jax.distributed; "
@@ -512,8 +514,8 @@ class LearnerConfig:
         resume=True)
     placement_strategy: PlacementStrategy = setting(
         "STRICT_SPREAD",
-        "how the learner hosts' placement group spreads: STRICT_SPREAD (one per node) | "
-        "SPREAD | PACK | STRICT_PACK",
+        "how the learner hosts' placement group spreads (Ray's strategies; STRICT_SPREAD: "
+        "one host per node)",
         resume=True)
     tpu_topology: str = setting(
         "",
