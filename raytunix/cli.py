@@ -3,6 +3,7 @@
   raytunix train [--config PRESET|FILE] [section.key=value ...]
   raytunix train --resume RUN_DIR [learner.rl_steps=N ...]
   raytunix config [--config PRESET|FILE] [section.key=value ...]
+  raytunix config --explain [SECTION|KEY] [--markdown]   each setting: type, default, bounds, doc
   raytunix profile RUN_DIR [--out DIR]   report.txt, trace.json and profile.png of a run, again
   raytunix submit [--address ADDR] [--config PRESET|FILE] [section.key=value ...]
   raytunix status [--address ADDR] [JOB_ID]
@@ -34,8 +35,15 @@ def _parser() -> argparse.ArgumentParser:
                             "learner.rl_steps=80)")
     train.add_argument("overrides", nargs="*", metavar="section.key=value",
                        help="config overrides, e.g. rollout.max_concurrent_episodes=64")
-    show = sub.add_parser("config", help="print the resolved config as YAML",
-                          description="Prints the config a run would use, as YAML.")
+    show = sub.add_parser("config", help="print the resolved config as YAML, or explain settings",
+                          description="Prints the config a run would use, as YAML; with "
+                                      "--explain, what each setting is.")
+    show.add_argument("--explain", nargs="?", const="", metavar="SECTION|KEY",
+                      help="print each setting's key, type, default, bounds or choices, "
+                           "whether --resume may change it, and its doc: all of them, a "
+                           "section's (e.g. rollout) or one (e.g. rollout.group_size)")
+    show.add_argument("--markdown", action="store_true",
+                      help="with --explain: Markdown tables, one per section")
     show.add_argument("--config", default="default",
                       help=f"a preset ({', '.join(preset_names())}) or a YAML file")
     show.add_argument("overrides", nargs="*", metavar="section.key=value",
@@ -150,6 +158,17 @@ def _scale(run_dir: str, env_actors: str | None, sandbox_actors: str | None) -> 
     return 0
 
 
+def _explain(key: str, markdown: bool) -> int:
+    from raytunix.config import explain
+
+    try:
+        print(explain(key, markdown=markdown), end="")
+    except ConfigError as e:
+        print(f"raytunix: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _whole_number(flag: str, value: str | None) -> int | None:
     from raytunix.scaling import ScaleRequestError
 
@@ -171,6 +190,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "profile":
         return _profile(args.run_dir, args.out)
+    if args.command == "config" and (args.explain is not None or args.markdown):
+        if args.overrides:  # --explain describes the settings, not one run's values
+            print(f"raytunix: config --explain takes one SECTION or KEY, not overrides "
+                  f"({' '.join(args.overrides)}); drop them, or run `raytunix config "
+                  f"{' '.join(args.overrides)}` for the resolved values.", file=sys.stderr)
+            return 2
+        return _explain(args.explain or "", args.markdown)
     if args.command == "scale":
         return _scale(args.run_dir, args.env_actors, args.sandbox_actors)
     if args.command in ("submit", "status"):

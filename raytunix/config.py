@@ -4,17 +4,25 @@ command-line overrides, validated at start with errors that name the bad key and
     cfg = load_config("default", overrides=["rollout.max_concurrent_episodes=64"])
     cfg.rollout.max_concurrent_episodes  # 64
 
-Each section is one dataclass; every field has a default and a comment saying what it is.
+Each section is one dataclass. Each field is one ``setting(default, doc, bounds=...,
+resume=...)``: its default, one-line doc, bounds and whether a ``--resume`` may change it
+sit in the field, and a choice is a ``Literal`` type. The range checks, the resume rule
+(``resumable_keys``) and ``raytunix config --explain`` (``explain``) are read from there,
+so a new setting is one field.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 import json
 import math
 import os
+import re
+import typing
 from importlib import resources
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 import yaml
 
@@ -23,113 +31,352 @@ class ConfigError(ValueError):
     """A config key or value is wrong; the message names it and says what to do."""
 
 
+# Choices of the settings that pick a behaviour, one Literal each; the modules that own the
+# behaviour import them from here (this module imports nothing of raytunix at import time).
+EnginePlacement = Literal["colocated", "disaggregated"]
+KVOnWeightUpdate = Literal["recompute", "keep"]
+LossAggregation = Literal["token_mean", "sequence_mean_token_mean", "sequence_mean_token_sum_norm"]
+OffPolicyCorrection = Literal["none", "decoupled_ppo"]
+ImportanceSampling = Literal["token_tis", "sequence_tis", "geometric_tis"]
+OptimizerName = Literal["adamw", "adam", "sgd"]
+LRSchedule = Literal["constant", "linear", "cosine"]
+AdvantageEstimator = Literal["grpo", "rloo", "reinforce_pp", "gae"]
+PolicyLoss = Literal["ppo_clip", "gspo", "cispo"]
+KLEstimator = Literal["k1", "k2", "k3"]
+StaleTokenPolicy = Literal["drop", "mask", "accept"]
+KeepBestMode = Literal["max", "min"]
+PlacementStrategy = Literal["STRICT_SPREAD", "SPREAD", "PACK", "STRICT_PACK"]
+FileSource = Literal["parquet", "jsonl", "hf"]  # the data sources read from data.path
+DataSource = Literal["auto", "env", "reasoning_gym", FileSource]
+OverlongPrompts = Literal["error", "drop"]
+SandboxBackendChoice = Literal["auto", "bwrap", "subprocess"]
+
+_BOUNDS = re.compile(r"(>=|>|<=|<) (-?[0-9.]+)|([\[(])(-?[0-9.]+), (-?[0-9.]+)([\])])")
+
+
+def _parse_bounds(bounds: str) -> typing.Callable[[float], bool]:
+    """``"> 0"``, ``">= 0"``, ``"<= 1"``, ``"[0, 1]"``, ``"(0, 1]"``... -> a test of a value
+    (False for nan, which fails every comparison).
+
+    Raises:
+      ValueError: ``bounds`` is none of these forms.
+    """
+    m = _BOUNDS.fullmatch(bounds)
+    if m is None:
+        raise ValueError(f"bounds={bounds!r} must look like '> 0', '>= 1', '<= 1', '[0, 1]' or "
+                         "'(0, 1]'.")
+    if m.group(1):
+        op, edge = m.group(1), float(m.group(2))
+        return {">": lambda v: v > edge, ">=": lambda v: v >= edge,
+                "<": lambda v: v < edge, "<=": lambda v: v <= edge}[op]
+    low, high = float(m.group(4)), float(m.group(5))
+    low_ok = (lambda v: v >= low) if m.group(3) == "[" else (lambda v: v > low)
+    high_ok = (lambda v: v <= high) if m.group(6) == "]" else (lambda v: v < high)
+    return lambda v: low_ok(v) and high_ok(v)
+
+
+def setting(default: Any = dataclasses.MISSING, doc: str = "", *,
+            factory: typing.Callable[[], Any] | None = None, bounds: str | None = None,
+            hint: str = "", resume: bool = False) -> Any:
+    """One config field with everything said about it in one place.
+
+    Args:
+      default: the value a run gets when nothing sets it (or ``factory`` for a mapping).
+      doc: one line: what the setting does, its unit, what 0 or "" means.
+      factory: builds a mutable default (``dict``), as ``dataclasses.field``'s.
+      bounds: the range ``validate`` holds a number to: ``"> 0"``, ``">= 0"``, ``"[0, 1]"``...;
+        a choice needs none (its ``Literal`` type says it).
+      hint: why the bounds are what they are, or an example, for the error about them.
+      resume: True when a ``--resume`` may change it (it changes how the run is run, not
+        what its checkpoint holds).
+
+    Raises:
+      TypeError: no doc, or malformed bounds (at class definition, so a bad field never
+        loads).
+    """
+    if not doc:
+        raise TypeError("a setting needs its one-line doc: setting(default, \"what it does\").")
+    if bounds is not None:
+        try:
+            _parse_bounds(bounds)
+        except ValueError as e:
+            raise TypeError(str(e)) from None
+    metadata = {"doc": doc, "bounds": bounds, "hint": hint, "resume": resume}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
 @dataclasses.dataclass
 class RunConfig:
-    name: str = "default"  # run name; the run directory is output_dir/name-<timestamp>
-    output_dir: str = "runs"  # parent of run directories
-    seed: int = 0  # seeds data order, model init and sampling
-    log_every: int = 1  # print a progress line every this many RL steps
-    profile_window_s: float = 3.0  # profiling drains every actor's spans at the end of the first RL step at least this many seconds after the last drain; shorter steps share one window (their records are written together, each with its metrics); 0 = after every step
+    name: str = setting("default", "run name; the run directory is output_dir/name-<timestamp>")
+    output_dir: str = setting("runs", "parent of run directories")
+    seed: int = setting(0, "seeds data order, model init and sampling")
+    log_every: int = setting(
+        1, "print a progress line every this many RL steps", bounds="> 0", resume=True)
+    profile_window_s: float = setting(
+        3.0,
+        "profiling drains every actor's spans at the end of the first RL step at least this "
+        "many seconds after the last drain; shorter steps share one window (their records are "
+        "written together, each with its metrics); 0 = after every step",
+        bounds=">= 0", resume=True)
 
 
 @dataclasses.dataclass
 class ModelConfig:
-    path: str = ""  # a Hugging Face Llama / Qwen2 / Qwen3 model folder (config.json, *.safetensors, tokenizer.json, tokenizer_config.json) to train: its shape, weights, tokenizer and chat template replace d_model..d_ff and tokenizer_vocab_size (max_seq_len still sets the context), and the trained policy is exported to RUN_DIR/export/ in the same layout; "" = a fresh model of the sizes below
-    d_model: int = 128  # residual width
-    n_layers: int = 3  # transformer blocks
-    n_heads: int = 4  # query heads
-    n_kv_heads: int = 2  # key/value heads (grouped-query attention)
-    d_ff: int = 384  # SwiGLU hidden width
-    max_seq_len: int = 128  # context length in tokens (also the KV cache length)
-    tokenizer_vocab_size: int = 384  # byte-level BPE vocabulary, trained on the demonstrations
+    path: str = setting(
+        "",
+        "a Hugging Face Llama / Qwen2 / Qwen3 model folder (config.json, *.safetensors, "
+        "tokenizer.json, tokenizer_config.json) to train: its shape, weights, tokenizer and "
+        "chat template replace d_model..d_ff and tokenizer_vocab_size (max_seq_len still sets "
+        "the context), and the trained policy is exported to RUN_DIR/export/ in the same "
+        'layout; "" = a fresh model of the sizes below')
+    d_model: int = setting(128, "residual width", bounds="> 0")
+    n_layers: int = setting(3, "transformer blocks", bounds="> 0")
+    n_heads: int = setting(4, "query heads", bounds="> 0")
+    n_kv_heads: int = setting(2, "key/value heads (grouped-query attention)", bounds="> 0")
+    d_ff: int = setting(384, "SwiGLU hidden width", bounds="> 0")
+    max_seq_len: int = setting(
+        128, "context length in tokens (also the KV cache length)", bounds=">= 32",
+        hint="a conversation needs at least that many tokens")
+    tokenizer_vocab_size: int = setting(
+        384, "byte-level BPE vocabulary, trained on the demonstrations", bounds=">= 272",
+        hint="256 bytes plus the special tokens")
 
 
 @dataclasses.dataclass
 class DataConfig:
     """Where a run's tasks come from (``raytunix/data/datasets.py``). Nothing is downloaded."""
 
-    source: str = "auto"  # auto: the environment's own tasks, else reasoning-gym data.dataset | env: the environment's own (error if it brings none) | reasoning_gym: data.dataset | parquet | jsonl: a file or a folder of shards per split | hf: a save_to_disk folder
-    dataset: str = "basic_arithmetic"  # reasoning-gym dataset name (any of reasoning_gym.factory.DATASETS) for source auto / reasoning_gym
-    dataset_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # that dataset's config (basic_arithmetic also takes the min/max keys below)
-    path: str = ""  # parquet / jsonl / hf: the dataset's file or folder
-    split: str = "train"  # the training split inside a folder
-    heldout_path: str = ""  # held-out file or folder; "" = data.path when data.heldout_split is set, else data.heldout_size rows of the training split held out (drawn with data.seed)
-    heldout_split: str = ""  # the held-out split inside a folder (e.g. test); "" = "test" when data.heldout_path is a folder
-    question_column: str = "question"  # column holding the question text
-    answer_column: str = "answer"  # column holding the reference answer (GSM8K's "... #### 72" keeps 72)
-    id_column: str = ""  # column of unique task ids; "" = <split>-<row number>
-    overlong_prompts: str = "error"  # a train or held-out task whose first prompt leaves no room for a reply in model.max_seq_len (every task is checked before training): error (the run stops, naming them) | drop (left out, counted in summary.json's tasks_dropped)
-    train_size: int = 20000  # training tasks (cycled through in order); a dataset on disk gives at most its rows
-    heldout_size: int = 200  # held-out tasks, never trained on
-    seed: int = 0  # generator seed of the training split (held-out uses another); seeds the held-out draw off a file's training split
-    min_terms: int = 2
-    max_terms: int = 3
-    min_digits: int = 2
-    max_digits: int = 3
+    source: DataSource = setting(
+        "auto",
+        "auto: the environment's own tasks, else reasoning-gym data.dataset | env: the "
+        "environment's own (error if it brings none) | reasoning_gym: data.dataset | parquet "
+        "| jsonl: a file or a folder of shards per split | hf: a save_to_disk folder")
+    dataset: str = setting(
+        "basic_arithmetic",
+        "reasoning-gym dataset name (any of reasoning_gym.factory.DATASETS) for source auto / "
+        "reasoning_gym")
+    dataset_kwargs: dict[str, Any] = setting(
+        factory=dict,
+        doc="that dataset's config (basic_arithmetic also takes the min/max keys below)")
+    path: str = setting("", "parquet / jsonl / hf: the dataset's file or folder")
+    split: str = setting("train", "the training split inside a folder")
+    heldout_path: str = setting(
+        "",
+        'held-out file or folder; "" = data.path when data.heldout_split is set, else '
+        "data.heldout_size rows of the training split held out (drawn with data.seed)")
+    heldout_split: str = setting(
+        "",
+        'the held-out split inside a folder (e.g. test); "" = "test" when data.heldout_path '
+        "is a folder")
+    question_column: str = setting("question", "column holding the question text")
+    answer_column: str = setting(
+        "answer", "column holding the reference answer (GSM8K's \"... #### 72\" keeps 72)")
+    id_column: str = setting("", 'column of unique task ids; "" = <split>-<row number>')
+    overlong_prompts: OverlongPrompts = setting(
+        "error",
+        "a train or held-out task whose first prompt leaves no room for a reply in "
+        "model.max_seq_len (every task is checked before training): error (the run stops, "
+        "naming them) | drop (left out, counted in summary.json's tasks_dropped)")
+    train_size: int = setting(
+        20000,
+        "training tasks (cycled through in order); a dataset on disk gives at most its rows",
+        bounds="> 0")
+    heldout_size: int = setting(200, "held-out tasks, never trained on", bounds="> 0")
+    seed: int = setting(
+        0,
+        "generator seed of the training split (held-out uses another); seeds the held-out "
+        "draw off a file's training split")
+    min_terms: int = setting(2, "basic_arithmetic: fewest terms of a question")
+    max_terms: int = setting(3, "basic_arithmetic: most terms of a question")
+    min_digits: int = setting(2, "basic_arithmetic: fewest digits of a term")
+    max_digits: int = setting(3, "basic_arithmetic: most digits of a term")
 
 
 @dataclasses.dataclass
 class EnvConfig:
-    name: str = "calculator_math"  # a registered environment (calculator_math, math_verifier, python_math, bash_terminal, text_to_sql, web_api, repo_repair, gymnasium, simulated_tool, or a package's entry point) or an import path package.module:Class
-    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # the environment's constructor arguments, checked against its signature (e.g. {max_tool_errors: 2})
-    agent: str = "auto"  # auto = the environment's default agent; or a registered agent (tool, answer, text) or package.module:Class
-    agent_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # the agent's constructor arguments besides the tokenizer (e.g. {system_prompt: "..."})
-    max_turns: int = 4  # model turns per episode
-    num_env_actors: int = 2  # Ray actors hosting environments (scaled apart from the learner)
-    env_actor_max_restarts: int = 3  # a crashed env actor is restarted this often
-    actor_resources: dict[str, float] = dataclasses.field(default_factory=dict)  # Ray resources each env actor asks for, e.g. {raytunix_env: 1}: a custom resource only the CPU node pool offers, so env actors scale there and never on TPU hosts (TPU/GPU refused; they run with JAX_PLATFORMS=cpu); {} = anywhere
+    name: str = setting(
+        "calculator_math",
+        "a registered environment (calculator_math, math_verifier, python_math, "
+        "bash_terminal, text_to_sql, web_api, repo_repair, gymnasium, simulated_tool, or a "
+        "package's entry point) or an import path package.module:Class")
+    kwargs: dict[str, Any] = setting(
+        factory=dict,
+        doc="the environment's constructor arguments, checked against its signature (e.g. "
+            "{max_tool_errors: 2})")
+    agent: str = setting(
+        "auto",
+        "auto = the environment's default agent; or a registered agent (tool, answer, text) "
+        "or package.module:Class")
+    agent_kwargs: dict[str, Any] = setting(
+        factory=dict,
+        doc="the agent's constructor arguments besides the tokenizer (e.g. {system_prompt: "
+            '"..."})')
+    max_turns: int = setting(4, "model turns per episode", bounds="> 0")
+    num_env_actors: int = setting(
+        2,
+        "Ray actors hosting environments (scaled apart from the learner)",
+        bounds="> 0", resume=True)
+    env_actor_max_restarts: int = setting(
+        3, "a crashed env actor is restarted this often", bounds=">= 0")
+    actor_resources: dict[str, float] = setting(
+        factory=dict,
+        doc="Ray resources each env actor asks for, e.g. {raytunix_env: 1}: a custom resource "
+            "only the CPU node pool offers, so env actors scale there and never on TPU hosts "
+            "(TPU/GPU refused; they run with JAX_PLATFORMS=cpu); {} = anywhere",
+        resume=True)
 
 
 @dataclasses.dataclass
 class RolloutConfig:
-    group_size: int = 8  # G trajectories sampled per task (GRPO group)
-    groups_per_batch: int = 16  # tasks per learner batch
-    max_concurrent_episodes: int = 128  # episodes in flight at once (with adaptive_concurrency: the start value)
-    adaptive_concurrency: bool = True  # a controller moves max_concurrent_episodes during the run to hold the engine busy near target_engine_busy
-    target_engine_busy: float = 0.9  # wanted engine busy fraction (device seconds / wall seconds), in (0, 1]
-    adaptive_min_episodes: int = 0  # lowest budget the controller may set; 0 = one group (group_size)
-    adaptive_max_episodes: int = 0  # highest budget; 0 = (max_staleness + 1) x groups_per_batch x group_size, the most admission ever lets in
-    adaptive_interval_s: float = 2.0  # seconds between two readings of the engine's stats
-    max_staleness: int = 1  # a group is only started if it will be consumed within this many versions
-    temperature: float = 1.0  # sampling temperature for training rollouts (>= 0.01 in float32, so logprobs stay finite; eval is always greedy)
-    top_k: int = 0  # sample among the k most likely tokens; 0 = off
-    top_p: float = 1.0  # nucleus sampling: smallest set of tokens with this much mass; 1.0 = off; at most 1/top_k (or 1/vocabulary) is greedy and refused
-    max_new_tokens: int = 48  # per model turn
-    episode_timeout_s: float = 120.0  # wall-clock budget per episode
-    batch_queue_size: int = 2  # finished batches waiting for the learner (backpressure)
-    drop_failed_groups: bool = False  # drop a group with a failed member instead of masking it
-    stale_token_policy: str = "drop"  # a packed group holding tokens older than max_staleness: drop it | mask those tokens out of the loss | accept them; each counted
-    partial_rollout: bool = True  # an episode goes on across weight updates; false: it restarts from its prompt (bounded), so its tokens share one version
-    dynamic_sampling: bool = False  # DAPO: filter groups whose rewards are all equal (zero advantage) and sample others until the batch is full
-    dynamic_sampling_max_filtered: int = 0  # at most this many groups filtered per batch, then such groups are kept (counted, warned); 0 = 4 x groups_per_batch
-    batch_timeout_s: float = 900.0  # the run stops (checkpoints kept) if no batch arrives in this time
+    group_size: int = setting(8, "G trajectories sampled per task (GRPO group)", bounds=">= 2",
+                              hint="GRPO needs at least 2 samples per task")
+    groups_per_batch: int = setting(16, "tasks per learner batch", bounds="> 0")
+    max_concurrent_episodes: int = setting(
+        128,
+        "episodes in flight at once (with adaptive_concurrency: the start value)",
+        bounds="> 0", resume=True)
+    adaptive_concurrency: bool = setting(
+        True,
+        "a controller moves max_concurrent_episodes during the run to hold the engine busy "
+        "near target_engine_busy",
+        resume=True)
+    target_engine_busy: float = setting(
+        0.9,
+        "wanted engine busy fraction (device seconds / wall seconds)",
+        bounds="(0, 1]", hint="a fraction of wall time, e.g. 0.9", resume=True)
+    adaptive_min_episodes: int = setting(
+        0,
+        "lowest budget the controller may set; 0 = one group (group_size)",
+        bounds=">= 0", resume=True)
+    adaptive_max_episodes: int = setting(
+        0,
+        "highest budget; 0 = (max_staleness + 1) x groups_per_batch x group_size, the most "
+        "admission ever lets in",
+        bounds=">= 0", resume=True)
+    adaptive_interval_s: float = setting(
+        2.0, "seconds between two readings of the engine's stats", bounds="> 0", resume=True)
+    max_staleness: int = setting(
+        1,
+        "a group is only started if it will be consumed within this many versions",
+        bounds=">= 0")
+    temperature: float = setting(
+        1.0,
+        "sampling temperature for training rollouts (>= 0.01 in float32, so logprobs stay "
+        "finite; eval is always greedy)")
+    top_k: int = setting(0, "sample among the k most likely tokens; 0 = off", bounds=">= 0")
+    top_p: float = setting(
+        1.0,
+        "nucleus sampling: smallest set of tokens with this much mass; 1.0 = off; at most "
+        "1/top_k (or 1/vocabulary) is greedy and refused",
+        bounds="(0, 1]", hint="1.0 turns nucleus sampling off, 0.95 is a common setting")
+    max_new_tokens: int = setting(48, "per model turn", bounds="> 0")
+    episode_timeout_s: float = setting(120.0, "wall-clock budget per episode", bounds="> 0")
+    batch_queue_size: int = setting(
+        2, "finished batches waiting for the learner (backpressure)", bounds="> 0")
+    drop_failed_groups: bool = setting(
+        False, "drop a group with a failed member instead of masking it")
+    stale_token_policy: StaleTokenPolicy = setting(
+        "drop",
+        "a packed group holding tokens older than max_staleness: drop it | mask those tokens "
+        "out of the loss | accept them; each counted")
+    partial_rollout: bool = setting(
+        True,
+        "an episode goes on across weight updates; false: it restarts from its prompt "
+        "(bounded), so its tokens share one version")
+    dynamic_sampling: bool = setting(
+        False,
+        "DAPO: filter groups whose rewards are all equal (zero advantage) and sample others "
+        "until the batch is full")
+    dynamic_sampling_max_filtered: int = setting(
+        0,
+        "at most this many groups filtered per batch, then such groups are kept (counted, "
+        "warned); 0 = 4 x groups_per_batch",
+        bounds=">= 0")
+    batch_timeout_s: float = setting(
+        900.0,
+        "the run stops (checkpoints kept) if no batch arrives in this time",
+        bounds="> 0", resume=True)
     # Faults (see raytunix/rollout/orchestrator.py): retries back off exponentially with jitter.
-    max_episode_restarts: int = 2  # an episode whose env actor died is re-run on a live actor this often, then ends as env_error
-    max_group_retries: int = 3  # a group that made no data (engine down, or every member failed by infrastructure) is retried this often, then its task is filtered
-    max_consecutive_failures: int = 256  # the breaker: this many episodes in a row failed by infrastructure stop the run with one error (checkpoints kept); 0 = off
-    engine_retry_max_attempts: int = 8  # attempts of one engine call within an episode, the first included
-    engine_retry_initial_delay_s: float = 0.1  # first wait before an engine call is retried, seconds
-    engine_retry_max_delay_s: float = 5.0  # cap on one wait between engine call attempts, seconds
-    engine_retry_multiplier: float = 2.0  # each wait between engine call attempts grows by this factor (>= 1)
-    engine_retry_jitter: float = 0.5  # random fraction of each such wait, in [0, 1] (0.5: equal jitter, 1: full jitter)
-    retry_initial_delay_s: float = 0.5  # first wait before a group is retried or an episode re-run, seconds
-    retry_max_delay_s: float = 30.0  # cap on one wait between group retries or episode re-runs, seconds
-    retry_multiplier: float = 2.0  # each wait between group retries or episode re-runs grows by this factor (>= 1)
-    retry_jitter: float = 0.5  # random fraction of each such wait, in [0, 1]
+    max_episode_restarts: int = setting(
+        2,
+        "an episode whose env actor died is re-run on a live actor this often, then ends as "
+        "env_error",
+        bounds=">= 0", resume=True)
+    max_group_retries: int = setting(
+        3,
+        "a group that made no data (engine down, or every member failed by infrastructure) is "
+        "retried this often, then its task is filtered",
+        bounds=">= 0", resume=True)
+    max_consecutive_failures: int = setting(
+        256,
+        "the breaker: this many episodes in a row failed by infrastructure stop the run with "
+        "one error (checkpoints kept); 0 = off",
+        bounds=">= 0", resume=True)
+    engine_retry_max_attempts: int = setting(
+        8,
+        "attempts of one engine call within an episode, the first included",
+        bounds="> 0", resume=True)
+    engine_retry_initial_delay_s: float = setting(
+        0.1, "first wait before an engine call is retried, seconds", bounds="> 0", resume=True)
+    engine_retry_max_delay_s: float = setting(
+        5.0, "cap on one wait between engine call attempts, seconds", resume=True)
+    engine_retry_multiplier: float = setting(
+        2.0, "each wait between engine call attempts grows by this factor (>= 1)", resume=True)
+    engine_retry_jitter: float = setting(
+        0.5,
+        "random fraction of each such wait (0.5: equal jitter, 1: full jitter)",
+        bounds="[0, 1]", resume=True)
+    retry_initial_delay_s: float = setting(
+        0.5,
+        "first wait before a group is retried or an episode re-run, seconds",
+        bounds="> 0", resume=True)
+    retry_max_delay_s: float = setting(
+        30.0, "cap on one wait between group retries or episode re-runs, seconds", resume=True)
+    retry_multiplier: float = setting(
+        2.0,
+        "each wait between group retries or episode re-runs grows by this factor (>= 1)",
+        resume=True)
+    retry_jitter: float = setting(
+        0.5, "random fraction of each such wait", bounds="[0, 1]", resume=True)
 
 
 @dataclasses.dataclass
 class EngineConfig:
-    max_batch_size: int = 128  # most requests decoded together (continuous batching)
-    placement: str = "colocated"  # colocated (engine and learner in one actor) | disaggregated
-    block_size: int = 16  # tokens per KV-cache block (paged attention)
-    kv_cache_tokens: int = 0  # KV capacity in tokens (running requests, sessions, prefix cache); 0 = 4 x max_batch_size x model.max_seq_len
-    prefill_chunk_tokens: int = 256  # most prompt tokens prefilled between two decode steps
-    kv_on_weight_update: str = "recompute"  # recompute | keep (KV of older weights is reused and counted as stale)
-    sessions: bool = True  # keep an episode's KV in the engine between its turns
-    num_replicas: int = 1  # engine actors behind the router (disaggregated placement only)
-    actor_resources: dict[str, float] = dataclasses.field(default_factory=dict)  # Ray resources each engine actor asks for (disaggregated placement), e.g. {TPU: 4} for one TPU host of an inference slice; {} = no CPU reserved, anywhere
-    actor_max_restarts: int = 3  # a crashed engine actor (disaggregated placement) is restarted this often, then the run stops
+    max_batch_size: int = setting(
+        128, "most requests decoded together (continuous batching)", bounds="> 0", resume=True)
+    placement: EnginePlacement = setting(
+        "colocated", "colocated (engine and learner in one actor) | disaggregated")
+    block_size: int = setting(
+        16, "tokens per KV-cache block (paged attention)", bounds="> 0", resume=True)
+    kv_cache_tokens: int = setting(
+        0,
+        "KV capacity in tokens (running requests, sessions, prefix cache); 0 = 4 x "
+        "max_batch_size x model.max_seq_len",
+        bounds=">= 0", resume=True)
+    prefill_chunk_tokens: int = setting(
+        256, "most prompt tokens prefilled between two decode steps", bounds=">= 2",
+        resume=True)
+    kv_on_weight_update: KVOnWeightUpdate = setting(
+        "recompute",
+        "KV of older weights after a weight update: recomputed, or kept (reused and counted "
+        "as stale)",
+        resume=True)
+    sessions: bool = setting(
+        True, "keep an episode's KV in the engine between its turns", resume=True)
+    num_replicas: int = setting(
+        1, "engine actors behind the router (disaggregated placement only)", bounds="> 0")
+    actor_resources: dict[str, float] = setting(
+        factory=dict,
+        doc="Ray resources each engine actor asks for (disaggregated placement), e.g. {TPU: "
+            "4} for one TPU host of an inference slice; {} = no CPU reserved, anywhere",
+        resume=True)
+    actor_max_restarts: int = setting(
+        3,
+        "a crashed engine actor (disaggregated placement) is restarted this often, then the "
+        "run stops",
+        bounds=">= 0", resume=True)
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``InferenceEngine`` that this section sets."""
@@ -141,72 +388,197 @@ class EngineConfig:
 
 @dataclasses.dataclass
 class LearnerConfig:
-    rl_steps: int = 40  # GRPO updates
-    learning_rate: float = 1e-4
-    optimizer: str = "adamw"  # adamw | adam | sgd (optax)
-    lr_schedule: str = "constant"  # constant | linear | cosine: decay to 0 at rl_steps x num_iterations optimizer steps
-    lr_warmup_steps: int = 0  # the learning rate rises linearly over this many optimizer steps
-    weight_decay: float = 0.0  # adamw's decoupled weight decay (matrices only)
-    max_grad_norm: float = 1.0
-    advantage_estimator: str = "grpo"  # grpo | rloo (leave-one-out baseline) | reinforce_pp (group mean, then batch normalisation) | gae (per-token GAE from a value head on the policy: PPO)
-    gae_gamma: float = 1.0  # gae: discount per generated token, in [0, 1]
-    gae_lambda: float = 0.95  # gae: GAE's lambda, in [0, 1]
-    gae_normalize: bool = True  # gae: whiten the advantages over the batch's trained tokens
-    value_coef: float = 0.5  # gae: weight of the value head's loss (> 0)
-    value_clip: float = 0.2  # gae: PPO's value clip, how far a value may move from the batch's start (> 0)
-    normalize_advantages_by_std: bool = True  # grpo: divide by the group's std; false is Dr. GRPO's advantage
-    policy_loss: str = "ppo_clip"  # ppo_clip | gspo (clipped sequence-level ratio) | cispo (clipped stop-gradient IS weight x logprob)
-    clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.28  # asymmetric upper clip (DAPO)
-    dual_clip: float = 0.0  # ppo_clip: a negative-advantage token's loss is at most dual_clip x |A| (> 1, e.g. 3); 0 = off
-    kl_coef: float = 0.0  # > 0 adds a KL penalty to the warm-start policy
-    kl_estimator: str = "k3"  # k1 | k2 | k3: Schulman's estimators of KL(policy || reference), the value kl_ref reports; in the loss each is importance-weighted so its gradient is that of KL(policy || reference) (README, The RL algorithm)
-    entropy_coef: float = 0.0  # > 0 subtracts this x the token entropy from the loss (exploration bonus)
-    loss_aggregation: str = "token_mean"  # token_mean | sequence_mean_token_mean | sequence_mean_token_sum_norm (Dr. GRPO: each sequence's token sum / model.max_seq_len)
-    overlong_buffer_tokens: int = 0  # DAPO's overlong penalty: the reward drops linearly to -1 over the last this many of env.max_turns x rollout.max_new_tokens generated tokens; 0 = off
-    micro_batch_size: int = 0  # trajectories (packed rows with sequence_packing) per forward/backward pass, gradients summed (same update as the whole batch); 0 = whole batch
-    num_iterations: int = 1  # optimizer steps per batch, the clip anchored at the batch's start
-    sequence_packing: bool = True  # pack several trajectories into each row of pack_width tokens (attention within a trajectory only; same update as padding each to the longest); micro_batch_size then counts packed rows
-    pack_width: int = 0  # tokens of the widest packed row (>= 2); 0 = model.max_seq_len; a narrower padding width is used when it holds the batch in fewer tokens; a longer trajectory is cut to it
-    off_policy_correction: str = "none"  # none: clip around the behaviour (engine) policy | decoupled_ppo: clip around the learner's policy at the update's start, behaviour through a truncated importance weight
-    importance_sampling: str = "token_tis"  # decoupled_ppo's weight pi_prox/pi_behav: per token (token_tis), per sequence as the product (sequence_tis) or geometric mean (geometric_tis) of token ratios
-    importance_cap: float = 2.0  # the importance weight is truncated at this (>= 1)
-    max_consecutive_nonfinite_updates: int = 3  # an update whose loss, gradients or new parameters are not finite is not applied (counted: updates_skipped_nonfinite); this many in a row stop the run with one error; 0 = never stop
-    checkpoint_every: int = 10  # RL steps between checkpoints (and one at the end); saved asynchronously, while training goes on
-    max_checkpoints: int = 3  # the newest this many checkpoints stay (plus the best one with keep_best_by)
-    keep_best_by: str = ""  # a number of the RL step's metrics (e.g. reward_mean: the batch's mean reward); the checkpoint with the best value is never deleted; "" = off
-    keep_best_mode: str = "max"  # max | min: whether a higher or a lower keep_best_by is better
-    num_hosts: int = 1  # learner actors, one per host, running one JAX program (jax.distributed; raytunix.learner.group); 1 = one learner actor; > 1 needs engine.placement=disaggregated
-    resources: dict[str, float] = dataclasses.field(default_factory=dict)  # Ray resources of each learner host (also of the single learner actor, or the colocated learner + engine), e.g. {TPU: 4}: all of a TPU VM's chips; {} = one CPU
-    placement_strategy: str = "STRICT_SPREAD"  # how the learner hosts' placement group spreads: STRICT_SPREAD (one per node) | SPREAD | PACK | STRICT_PACK
-    tpu_topology: str = ""  # the learner slice's TPU topology (e.g. 4x4); with tpu_version the hosts are reserved as one slice (ray.util.tpu) and ranked by TPU worker id; "" = a plain placement group
-    tpu_version: str = ""  # the learner slice's TPU generation (e.g. v6e, v5p, v4); set with tpu_topology
-    mesh_data: int = -1  # devices of the learner's mesh for data parallelism; -1 = the devices mesh_fsdp x mesh_tensor leave (raytunix.learner.sharding)
-    mesh_fsdp: int = 1  # devices each param and optimizer moment is split over (FSDP/ZeRO-3); the batch is split over data x fsdp; -1 = the rest
-    mesh_tensor: int = 1  # Megatron tensor parallelism (attention heads, MLP width, vocabulary); -1 = the rest
-    call_timeout_s: float = 1800.0  # seconds a learner call (an update, the weights) may take before the learner counts as stuck: a multi-host group kills its hosts and is rebuilt from the newest checkpoint every host reads; one learner actor stops the run (resume it)
-    slow_call_timeout_s: float = 3600.0  # the same for calls that compile or move the whole state: the first update after a (re)start, warm-start steps, checkpoint saves and restores, the export; >= call_timeout_s
+    rl_steps: int = setting(40, "GRPO updates", bounds=">= 0", resume=True)
+    learning_rate: float = setting(
+        1e-4, "the RL update's peak learning rate (optax)", bounds="> 0")
+    optimizer: OptimizerName = setting("adamw", "the RL update's optax optimizer")
+    lr_schedule: LRSchedule = setting(
+        "constant",
+        "the learning rate's shape: constant, or a linear or cosine decay to 0 at "
+        "rl_steps x num_iterations optimizer steps")
+    lr_warmup_steps: int = setting(
+        0, "the learning rate rises linearly over this many optimizer steps", bounds=">= 0")
+    weight_decay: float = setting(
+        0.0, "adamw's decoupled weight decay (matrices only)", bounds=">= 0")
+    max_grad_norm: float = setting(
+        1.0, "gradients are clipped to this global norm; 0 = no clipping", bounds=">= 0")
+    advantage_estimator: AdvantageEstimator = setting(
+        "grpo",
+        "grpo | rloo (leave-one-out baseline) | reinforce_pp (group mean, then batch "
+        "normalisation) | gae (per-token GAE from a value head on the policy: PPO)")
+    gae_gamma: float = setting(1.0, "gae: discount per generated token", bounds="[0, 1]")
+    gae_lambda: float = setting(0.95, "gae: GAE's lambda", bounds="[0, 1]")
+    gae_normalize: bool = setting(
+        True, "gae: whiten the advantages over the batch's trained tokens")
+    value_coef: float = setting(0.5, "gae: weight of the value head's loss", bounds="> 0")
+    value_clip: float = setting(
+        0.2, "gae: PPO's value clip, how far a value may move from the batch's start",
+        bounds="> 0")
+    normalize_advantages_by_std: bool = setting(
+        True, "grpo: divide by the group's std; false is Dr. GRPO's advantage")
+    policy_loss: PolicyLoss = setting(
+        "ppo_clip",
+        "ppo_clip | gspo (clipped sequence-level ratio) | cispo (clipped stop-gradient IS "
+        "weight x logprob)")
+    clip_eps_low: float = setting(
+        0.2,
+        "PPO's lower ratio clip: the ratio is kept above 1 - clip_eps_low",
+        bounds="[0, 1)", hint="a ratio clip range, e.g. 0.2")
+    clip_eps_high: float = setting(0.28, "asymmetric upper clip (DAPO)", bounds="[0, 1)",
+                                   hint="a ratio clip range, e.g. 0.28")
+    dual_clip: float = setting(
+        0.0,
+        "ppo_clip: a negative-advantage token's loss is at most dual_clip x |A| (> 1, e.g. "
+        "3); 0 = off",
+        bounds=">= 0")
+    kl_coef: float = setting(0.0, "> 0 adds a KL penalty to the warm-start policy", bounds=">= 0")
+    kl_estimator: KLEstimator = setting(
+        "k3",
+        "Schulman's estimator of KL(policy || reference), the value kl_ref "
+        "reports; in the loss each is importance-weighted so its gradient is that of "
+        "KL(policy || reference) (README, The RL algorithm)")
+    entropy_coef: float = setting(
+        0.0,
+        "> 0 subtracts this x the token entropy from the loss (exploration bonus)",
+        bounds=">= 0")
+    loss_aggregation: LossAggregation = setting(
+        "token_mean",
+        "token_mean | sequence_mean_token_mean | sequence_mean_token_sum_norm (Dr. GRPO: each "
+        "sequence's token sum / model.max_seq_len)")
+    overlong_buffer_tokens: int = setting(
+        0,
+        "DAPO's overlong penalty: the reward drops linearly to -1 over the last this many of "
+        "env.max_turns x rollout.max_new_tokens generated tokens; 0 = off",
+        bounds=">= 0")
+    micro_batch_size: int = setting(
+        0,
+        "trajectories (packed rows with sequence_packing) per forward/backward pass, "
+        "gradients summed (same update as the whole batch); 0 = whole batch",
+        bounds=">= 0")
+    num_iterations: int = setting(
+        1, "optimizer steps per batch, the clip anchored at the batch's start", bounds="> 0")
+    sequence_packing: bool = setting(
+        True,
+        "pack several trajectories into each row of pack_width tokens (attention within a "
+        "trajectory only; same update as padding each to the longest); micro_batch_size then "
+        "counts packed rows",
+        resume=True)
+    pack_width: int = setting(
+        0,
+        "tokens of the widest packed row (>= 2); 0 = model.max_seq_len; a narrower padding "
+        "width is used when it holds the batch in fewer tokens; a longer trajectory is cut to "
+        "it")
+    off_policy_correction: OffPolicyCorrection = setting(
+        "none",
+        "none: clip around the behaviour (engine) policy | decoupled_ppo: clip around the "
+        "learner's policy at the update's start, behaviour through a truncated importance "
+        "weight")
+    importance_sampling: ImportanceSampling = setting(
+        "token_tis",
+        "decoupled_ppo's weight pi_prox/pi_behav: per token (token_tis), per sequence as the "
+        "product (sequence_tis) or geometric mean (geometric_tis) of token ratios")
+    importance_cap: float = setting(2.0, "the importance weight is truncated at this (>= 1)")
+    max_consecutive_nonfinite_updates: int = setting(
+        3,
+        "an update whose loss, gradients or new parameters are not finite is not applied "
+        "(counted: updates_skipped_nonfinite); this many in a row stop the run with one "
+        "error; 0 = never stop",
+        bounds=">= 0", resume=True)
+    checkpoint_every: int = setting(
+        10,
+        "RL steps between checkpoints (and one at the end); saved asynchronously, while "
+        "training goes on",
+        bounds="> 0", resume=True)
+    max_checkpoints: int = setting(
+        3,
+        "the newest this many checkpoints stay (plus the best one with keep_best_by)",
+        bounds="> 0", resume=True)
+    keep_best_by: str = setting(
+        "",
+        "a number of the RL step's metrics (e.g. reward_mean: the batch's mean reward); the "
+        'checkpoint with the best value is never deleted; "" = off',
+        resume=True)
+    keep_best_mode: KeepBestMode = setting(
+        "max", "whether a higher (max) or a lower (min) keep_best_by is better", resume=True)
+    num_hosts: int = setting(
+        1,
+        "learner actors, one per host, running one JAX program (jax.distributed; "
+        "raytunix.learner.group); 1 = one learner actor; > 1 needs "
+        "engine.placement=disaggregated",
+        bounds="> 0")
+    resources: dict[str, float] = setting(
+        factory=dict,
+        doc="Ray resources of each learner host (also of the single learner actor, or the "
+            "colocated learner + engine), e.g. {TPU: 4}: all of a TPU VM's chips; {} = one "
+            "CPU",
+        resume=True)
+    placement_strategy: PlacementStrategy = setting(
+        "STRICT_SPREAD",
+        "how the learner hosts' placement group spreads (Ray's strategies; STRICT_SPREAD: "
+        "one host per node)",
+        resume=True)
+    tpu_topology: str = setting(
+        "",
+        "the learner slice's TPU topology (e.g. 4x4); with tpu_version the hosts are reserved "
+        'as one slice (ray.util.tpu) and ranked by TPU worker id; "" = a plain placement '
+        "group")
+    tpu_version: str = setting(
+        "", "the learner slice's TPU generation (e.g. v6e, v5p, v4); set with tpu_topology")
+    mesh_data: int = setting(
+        -1,
+        "devices of the learner's mesh for data parallelism; -1 = the devices mesh_fsdp x "
+        "mesh_tensor leave (raytunix.learner.sharding)",
+        resume=True)
+    mesh_fsdp: int = setting(
+        1,
+        "devices each param and optimizer moment is split over (FSDP/ZeRO-3); the batch is "
+        "split over data x fsdp; -1 = the rest",
+        resume=True)
+    mesh_tensor: int = setting(
+        1,
+        "Megatron tensor parallelism (attention heads, MLP width, vocabulary); -1 = the rest",
+        resume=True)
+    call_timeout_s: float = setting(
+        1800.0,
+        "seconds a learner call (an update, the weights) may take before the learner counts "
+        "as stuck: a multi-host group kills its hosts and is rebuilt from the newest "
+        "checkpoint every host reads; one learner actor stops the run (resume it)",
+        bounds="> 0", resume=True)
+    slow_call_timeout_s: float = setting(
+        3600.0,
+        "the same for calls that compile or move the whole state: the first update after a "
+        "(re)start, warm-start steps, checkpoint saves and restores, the export; >= "
+        "call_timeout_s",
+        bounds="> 0", resume=True)
 
 
 @dataclasses.dataclass
 class WarmupConfig:
-    enabled: bool = True  # supervised warm start on synthetic tool-use demonstrations
-    max_steps: int = 1400
-    min_steps: int = 300
-    batch_size: int = 32
-    learning_rate: float = 2e-3
-    warmup_steps: int = 50
-    tool_use_prob_2_terms: float = 0.25  # share of demonstrations that call the tool
-    tool_use_prob_3_terms: float = 0.85
-    eval_every: int = 100  # steps between checks of the stop condition
-    eval_size: int = 128  # held-out-free dev tasks used for the stop condition
-    target_tool_accuracy: float = 0.6  # stop once greedy tool-path accuracy reaches this
+    enabled: bool = setting(True, "supervised warm start on synthetic tool-use demonstrations")
+    max_steps: int = setting(1400, "most supervised steps of the warm start", bounds=">= 0")
+    min_steps: int = setting(
+        300, "fewest supervised steps before the stop condition is read", bounds=">= 0")
+    batch_size: int = setting(32, "demonstrations per supervised step", bounds="> 0")
+    learning_rate: float = setting(2e-3, "the warm start's peak learning rate", bounds="> 0")
+    warmup_steps: int = setting(
+        50, "the warm start's learning rate rises linearly over this many steps", bounds=">= 0")
+    tool_use_prob_2_terms: float = setting(
+        0.25, "share of demonstrations that call the tool", bounds="[0, 1]")
+    tool_use_prob_3_terms: float = setting(
+        0.85, "share of 3-term demonstrations that call the tool", bounds="[0, 1]")
+    eval_every: int = setting(100, "steps between checks of the stop condition", bounds="> 0")
+    eval_size: int = setting(
+        128, "held-out-free dev tasks used for the stop condition", bounds="> 0")
+    target_tool_accuracy: float = setting(
+        0.6, "stop once greedy tool-path accuracy reaches this", bounds="[0, 1]")
 
 
 @dataclasses.dataclass
 class EvalConfig:
-    heldout_size: int = 200  # held-out tasks evaluated greedily before and after RL
-    max_new_tokens: int = 48
+    heldout_size: int = setting(
+        200, "held-out tasks evaluated greedily before and after RL", bounds="> 0")
+    max_new_tokens: int = setting(
+        48, "per model turn in the held-out evaluation", bounds="> 0", resume=True)
 
 
 @dataclasses.dataclass
@@ -215,22 +587,51 @@ class SandboxConfig:
     sandbox actors is started when the environment runs sandboxed tools (its class sets
     ``uses_sandbox``)."""
 
-    backend: str = "auto"  # auto (bubblewrap where it works, else subprocess with a warning) | bwrap (or stop) | subprocess
-    num_actors: int = 1  # sandbox Ray actors (scaled apart from env actors)
-    num_cpus_per_actor: float = 0.5  # Ray CPUs each sandbox actor reserves (fractions allowed)
-    resource: str = ""  # a custom Ray resource each sandbox actor needs one unit of, e.g. sandbox_host ("" = none)
-    max_concurrent_runs: int = 32  # commands one sandbox actor runs at once
-    actor_max_restarts: int = 3  # a crashed sandbox actor is restarted this often
-    wall_time_s: float = 10.0  # wall-clock limit of one command; its whole process tree is killed then
-    cpu_time_s: float = 10.0  # CPU seconds per process
-    memory_mb: int = 1024  # address space per process, MiB (>= 16)
-    max_processes: int = 64  # processes and threads of one command at once
-    max_file_mb: int = 64  # largest file a command may write, MiB
-    max_output_kb: int = 64  # stdout (and stderr) kept per command, KiB; the rest is dropped and reported
-    tmp_mb: int = 64  # size of the private /tmp (and /dev/shm) of a command, MiB
-    max_workdir_mb: int = 256  # disk budget of one work dir, all its files together, MiB (>= 1); enforced where the sandbox runs as root
-    allow_weak_isolation: bool = False  # run tools even where the sandbox cannot keep secrets, loopback and host files out of reach (it says which at start); false = refuse to start there
-    root_dir: str = ""  # absolute directory for work dirs ("" = <temp dir>/raytunix-sandbox-<uid>)
+    backend: SandboxBackendChoice = setting(
+        "auto",
+        "auto (bubblewrap where it works, else subprocess with a warning) | bwrap (or stop) | "
+        "subprocess")
+    num_actors: int = setting(
+        1, "sandbox Ray actors (scaled apart from env actors)", bounds="> 0", resume=True)
+    num_cpus_per_actor: float = setting(
+        0.5,
+        "Ray CPUs each sandbox actor reserves (fractions allowed)",
+        bounds=">= 0", resume=True)
+    resource: str = setting(
+        "",
+        'a custom Ray resource each sandbox actor needs one unit of, e.g. sandbox_host ("" = '
+        "none)",
+        resume=True)
+    max_concurrent_runs: int = setting(
+        32, "commands one sandbox actor runs at once", bounds="> 0", resume=True)
+    actor_max_restarts: int = setting(
+        3, "a crashed sandbox actor is restarted this often", bounds=">= 0", resume=True)
+    wall_time_s: float = setting(
+        10.0,
+        "wall-clock limit of one command; its whole process tree is killed then",
+        bounds="> 0")
+    cpu_time_s: float = setting(10.0, "CPU seconds per process", bounds="> 0")
+    memory_mb: int = setting(1024, "address space per process, MiB", bounds=">= 16",
+                             hint="an interpreter needs that much address space to start")
+    max_processes: int = setting(64, "processes and threads of one command at once", bounds="> 0")
+    max_file_mb: int = setting(64, "largest file a command may write, MiB", bounds=">= 0")
+    max_output_kb: int = setting(
+        64,
+        "stdout (and stderr) kept per command, KiB; the rest is dropped and reported",
+        bounds="> 0")
+    tmp_mb: int = setting(
+        64, "size of the private /tmp (and /dev/shm) of a command, MiB", bounds="> 0")
+    max_workdir_mb: int = setting(
+        256,
+        "disk budget of one work dir, all its files together, MiB (>= 1); enforced where the "
+        "sandbox runs as root",
+        bounds="> 0")
+    allow_weak_isolation: bool = setting(
+        False,
+        "run tools even where the sandbox cannot keep secrets, loopback and host files out of "
+        "reach (it says which at start); false = refuse to start there")
+    root_dir: str = setting(
+        "", 'absolute directory for work dirs ("" = <temp dir>/raytunix-sandbox-<uid>)')
 
 
 @dataclasses.dataclass
@@ -253,62 +654,157 @@ class Config:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
-_CHOICES = {
-    "engine.placement": ("colocated", "disaggregated"),
-    "engine.kv_on_weight_update": ("recompute", "keep"),
-    "learner.loss_aggregation": ("token_mean", "sequence_mean_token_mean",
-                                 "sequence_mean_token_sum_norm"),
-    "learner.off_policy_correction": ("none", "decoupled_ppo"),
-    "learner.importance_sampling": ("token_tis", "sequence_tis", "geometric_tis"),
-    "learner.optimizer": ("adamw", "adam", "sgd"),
-    "learner.lr_schedule": ("constant", "linear", "cosine"),
-    "learner.advantage_estimator": ("grpo", "rloo", "reinforce_pp", "gae"),
-    "learner.policy_loss": ("ppo_clip", "gspo", "cispo"),
-    "learner.kl_estimator": ("k1", "k2", "k3"),
-    "rollout.stale_token_policy": ("drop", "mask", "accept"),
-    "learner.keep_best_mode": ("max", "min"),
-    "learner.placement_strategy": ("STRICT_SPREAD", "SPREAD", "PACK", "STRICT_PACK"),
-    "data.source": ("auto", "env", "reasoning_gym", "parquet", "jsonl", "hf"),
-    "data.overlong_prompts": ("error", "drop"),
-    "sandbox.backend": ("auto", "bwrap", "subprocess"),
-}
-_POSITIVE = {
-    "model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.d_ff",
-    "model.max_seq_len", "data.train_size", "data.heldout_size", "env.max_turns",
-    "env.num_env_actors", "rollout.group_size", "rollout.groups_per_batch",
-    "rollout.max_concurrent_episodes", "rollout.target_engine_busy",
-    "rollout.adaptive_interval_s", "rollout.max_new_tokens", "rollout.episode_timeout_s",
-    "rollout.batch_queue_size", "rollout.batch_timeout_s", "rollout.engine_retry_max_attempts",
-    "rollout.engine_retry_initial_delay_s", "rollout.retry_initial_delay_s", "engine.max_batch_size", "engine.block_size", "engine.num_replicas", "learner.learning_rate",
-    "learner.checkpoint_every", "learner.max_checkpoints", "learner.num_iterations",
-    "learner.num_hosts", "learner.call_timeout_s", "learner.slow_call_timeout_s",
-    "warmup.batch_size",
-    "warmup.learning_rate", "warmup.eval_every", "warmup.eval_size", "eval.heldout_size",
-    "eval.max_new_tokens", "run.log_every", "sandbox.num_actors", "sandbox.max_concurrent_runs",
-    "sandbox.wall_time_s", "sandbox.cpu_time_s", "sandbox.memory_mb", "sandbox.max_processes",
-    "sandbox.max_output_kb", "sandbox.tmp_mb", "sandbox.max_workdir_mb",
-}
-_NON_NEGATIVE = {
-    "rollout.max_staleness", "rollout.adaptive_min_episodes", "rollout.adaptive_max_episodes",
-    "rollout.dynamic_sampling_max_filtered", "rollout.max_episode_restarts",
-    "rollout.max_group_retries", "rollout.max_consecutive_failures", "rollout.top_k", "learner.rl_steps", "learner.kl_coef",
-    "learner.weight_decay", "learner.max_grad_norm", "warmup.max_steps", "warmup.min_steps",
-    "env.env_actor_max_restarts", "engine.kv_cache_tokens", "learner.clip_eps_low",
-    "learner.clip_eps_high", "warmup.warmup_steps", "sandbox.num_cpus_per_actor",
-    "sandbox.actor_max_restarts", "engine.actor_max_restarts", "sandbox.max_file_mb", "learner.lr_warmup_steps",
-    "learner.dual_clip", "learner.entropy_coef", "learner.overlong_buffer_tokens",
-    "learner.micro_batch_size", "run.profile_window_s",
-    "learner.max_consecutive_nonfinite_updates",
-}
-_PROBABILITY = {"warmup.tool_use_prob_2_terms", "warmup.tool_use_prob_3_terms",
-                "warmup.target_tool_accuracy"}
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """What one field of a config section says about itself (read from ``setting``).
+
+    Attributes:
+      key: ``section.name``, as overrides spell it.
+      type: the field's resolved type (``int``, ``float``, ``str``, ``bool``, a ``Literal``,
+        ``dict[str, ...]``).
+      default: the default value (shared: read it, do not change it).
+      doc: the one-line doc.
+      bounds: the range of a number (``"> 0"``, ``"[0, 1]"``...), or None.
+      hint: why the bounds are what they are (or an example), said with a value outside.
+      choices: the values a ``Literal`` allows, or None.
+      resume: whether a ``--resume`` may change it.
+    """
+
+    key: str
+    type: Any
+    default: Any
+    doc: str
+    bounds: str | None
+    hint: str
+    choices: tuple[str, ...] | None
+    resume: bool
+
+    @property
+    def type_name(self) -> str:
+        """``int``, ``str`` (for a choice too), ``dict[str, float]``..."""
+        if self.choices is not None:
+            return "str"
+        if typing.get_args(self.type):
+            return str(self.type).replace("typing.", "")
+        return self.type.__name__
+
+
+@functools.cache
+def settings(schema: type[Config] | None = None) -> dict[str, Setting]:
+    """Every setting of ``schema`` (default ``Config``; a subclass may add sections), in
+    section and field order, keyed ``section.name``.
+
+    Raises:
+      TypeError: a field was declared without ``setting`` (it has no doc).
+    """
+    schema = Config if schema is None else schema
+    found: dict[str, Setting] = {}
+    for section_name, section_type in typing.get_type_hints(schema).items():
+        hints = typing.get_type_hints(section_type)
+        for f in dataclasses.fields(section_type):
+            key = f"{section_name}.{f.name}"
+            if "doc" not in f.metadata:
+                raise TypeError(f"{section_type.__qualname__}.{f.name} is not declared with "
+                                "setting(default, doc, ...); declare it so it has a doc.")
+            kind = hints[f.name]
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            found[key] = Setting(
+                key=key, type=kind, default=default, doc=f.metadata["doc"],
+                bounds=f.metadata["bounds"], hint=f.metadata["hint"],
+                resume=f.metadata["resume"],
+                choices=(typing.get_args(kind) if typing.get_origin(kind) is Literal else None))
+    return found
+
+
+def resumable_keys(schema: type[Config] | None = None) -> frozenset[str]:
+    """The ``section.key`` a ``--resume`` may override: those declared ``resume=True``
+    (how long and how the run is run, never what its checkpoint holds)."""
+    return frozenset(key for key, s in settings(schema).items() if s.resume)
+
+
+def _mappings(schema: type[Config] | None = None) -> frozenset[str]:
+    """Mapping-valued keys; an override may set one entry: ``env.kwargs.turns=2``."""
+    return frozenset(key for key, s in settings(schema).items()
+                     if typing.get_origin(s.type) is dict)
+
+
+def explain(key: str = "", schema: type[Config] | None = None, markdown: bool = False) -> str:
+    """What ``raytunix config --explain [KEY]`` prints: each setting's key, type, default,
+    bounds or choices, resume rule and doc.
+
+    Args:
+      key: ``""`` for every setting, a section (``rollout``) for its settings, or one
+        ``section.name``.
+      schema: the config class (default ``Config``).
+      markdown: a table per section (the form of the README's key tables) instead of text.
+
+    Raises:
+      ConfigError: ``key`` is neither a section nor a setting; the message names the
+        closest ones.
+    """
+    table = settings(schema)
+    sections = list(dict.fromkeys(k.split(".")[0] for k in table))
+    if not key:
+        chosen = list(table.values())
+    elif key in table:
+        chosen = [table[key]]
+    elif key in sections:
+        chosen = [s for k, s in table.items() if k.startswith(key + ".")]
+    else:
+        close = difflib.get_close_matches(key, list(table) + sections, n=5, cutoff=0.6)
+        if not close and "." not in key:  # a bare name: the settings that end with it
+            close = [k for k in table if k.endswith("." + key)][:5]
+        raise ConfigError(
+            f"--explain {key!r} is neither a section ({', '.join(sections)}) nor a setting"
+            + (f"; did you mean {', '.join(close)}?" if close else
+               "; `raytunix config --explain` lists them all."))
+    if markdown:
+        return _explain_markdown(chosen)
+    blocks = []
+    for s in chosen:
+        limits = (f"one of {' | '.join(s.choices)}" if s.choices is not None
+                  else s.bounds or "any") + (f" ({s.hint})" if s.hint else "")
+        blocks.append(
+            f"{s.key}: {s.type_name} = {_shown(s.default)}\n"
+            f"  allowed: {limits}\n"
+            f"  resume:  {'may change on --resume' if s.resume else 'fixed once the run starts'}\n"
+            f"  {s.doc}")
+    return "\n\n".join(blocks) + "\n"
+
+
+def _shown(value: Any) -> str:
+    """A default as one would write it in YAML (``""``, ``{}``, true)."""
+    return json.dumps(value) if isinstance(value, (str, bool, dict)) or value is None \
+        else repr(value)
+
+
+def _explain_markdown(chosen: list[Setting]) -> str:
+    out: list[str] = []
+    section = None
+    for s in chosen:
+        if s.key.split(".")[0] != section:
+            section = s.key.split(".")[0]
+            out += ([""] if out else []) + [
+                f"#### `{section}`", "",
+                "| key | type | default | allowed | on `--resume` | what |",
+                "|---|---|---|---|---|---|"]
+        limits = (", ".join(f"`{c}`" for c in s.choices) if s.choices is not None
+                  else s.bounds or "")
+        doc = s.doc.replace("|", "\\|")
+        out.append(f"| `{s.key}` | {s.type_name} | `{_shown(s.default)}` | {limits} | "
+                   f"{'may change' if s.resume else 'fixed'} | {doc} |")
+    return "\n".join(out) + "\n"
+
+
+# The choice of every Literal setting (read by tests that walk the choices).
+_CHOICES = {k: s.choices for k, s in settings().items() if s.choices is not None}
 
 
 def _coerce(key: str, value: Any, annotation: Any) -> Any:
-    """Converts a YAML or command-line value to the field's type, or raises ConfigError."""
-    target = {"int": int, "float": float, "str": str, "bool": bool}.get(
-        annotation if isinstance(annotation, str) else getattr(annotation, "__name__", ""))
-    if target is None:
+    """Converts a YAML or command-line value to the field's type (a choice to ``str``; it
+    is checked in ``validate``), or raises ConfigError."""
+    target = str if typing.get_origin(annotation) is Literal else annotation
+    if target not in (int, float, str, bool):
         return value
     if target is bool:
         if isinstance(value, bool):
@@ -347,16 +843,17 @@ def _merge(cfg: Config, tree: dict[str, Any], source: str) -> None:
         if not isinstance(values, dict):
             raise ConfigError(f"{source}: section {section_name!r} must be a mapping, got {values!r}.")
         for key, value in values.items():
-            _set(section_name, section, key, value, source)
+            _set(section_name, section, key, value, source, type(cfg))
 
 
-def _set(section_name: str, section: Any, key: str, value: Any, source: str) -> None:
+def _set(section_name: str, section: Any, key: str, value: Any, source: str,
+         schema: type[Config]) -> None:
     fields = {f.name: f for f in dataclasses.fields(section)}
     full = f"{section_name}.{key}"
     if key not in fields:
         raise ConfigError(
             f"{source}: unknown key {full!r}; valid keys in {section_name!r}: {', '.join(fields)}.")
-    setattr(section, key, _coerce(full, value, fields[key].type))
+    setattr(section, key, _coerce(full, value, settings(schema)[full].type))
 
 
 def _a_number_if_nan(value) -> str:
@@ -365,20 +862,19 @@ def _a_number_if_nan(value) -> str:
 
 
 def validate(cfg: Config) -> Config:
-    """Checks ranges and choices; raises ConfigError naming the key and the bad value."""
+    """Checks each setting's choices and bounds (as its field declares them), then the
+    rules between settings; raises ConfigError naming the key and the bad value."""
     flat = {f"{s}.{k}": v for s, d in cfg.to_dict().items() for k, v in d.items()}
-    for key, choices in _CHOICES.items():
-        if flat[key] not in choices:
-            raise ConfigError(f"{key}={flat[key]!r} is not one of {', '.join(choices)}.")
-    for key in _POSITIVE:
-        if not flat[key] > 0:
-            raise ConfigError(f"{key}={flat[key]!r} must be{_a_number_if_nan(flat[key])} > 0.")
-    for key in _NON_NEGATIVE:
-        if not flat[key] >= 0:
-            raise ConfigError(f"{key}={flat[key]!r} must be{_a_number_if_nan(flat[key])} >= 0.")
-    for key in _PROBABILITY:
-        if not 0.0 <= flat[key] <= 1.0:
-            raise ConfigError(f"{key}={flat[key]!r} must be a probability in [0, 1].")
+    table = settings(type(cfg))
+    for key, spec in table.items():
+        if spec.choices is not None and flat[key] not in spec.choices:
+            raise ConfigError(f"{key}={flat[key]!r} is not one of {', '.join(spec.choices)}.")
+    for key, spec in table.items():
+        if spec.bounds is not None and not _parse_bounds(spec.bounds)(flat[key]):
+            within = spec.bounds if spec.bounds[0] in "<>" else f"in {spec.bounds}"
+            hint = f" ({spec.hint})" if spec.hint else ""
+            raise ConfigError(f"{key}={flat[key]!r} must be{_a_number_if_nan(flat[key])} "
+                              f"{within}{hint}.")
     if not (cfg.learner.importance_cap >= 1.0 and math.isfinite(cfg.learner.importance_cap)):
         raise ConfigError(
             f"learner.importance_cap={cfg.learner.importance_cap!r} must be a finite number "
@@ -388,9 +884,6 @@ def validate(cfg: Config) -> Config:
             f"run.profile_window_s={cfg.run.profile_window_s!r} must be a finite number of "
             "seconds >= 0 (e.g. 3): the records of the steps of a window wait for it to "
             "close, so a window that never closes keeps them, and its spans, to the end.")
-    for key in ("learner.clip_eps_low", "learner.clip_eps_high"):
-        if flat[key] >= 1.0:
-            raise ConfigError(f"{key}={flat[key]!r} must be below 1 (a ratio clip range, e.g. 0.2).")
     _validate_learner(cfg)
     _validate_placement(cfg)
     m = cfg.model
@@ -398,16 +891,10 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(
             f"model.path={m.path!r} is not a Hugging Face model folder (no config.json in it); "
             "pass the folder save_pretrained wrote, or \"\" to train a fresh model.")
-    if m.max_seq_len < 32:
-        raise ConfigError(f"model.max_seq_len={m.max_seq_len} is too short for a conversation; use at least 32.")
     if m.d_model % m.n_heads:
         raise ConfigError(f"model.d_model={m.d_model} must be divisible by model.n_heads={m.n_heads}.")
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"model.n_heads={m.n_heads} must be divisible by model.n_kv_heads={m.n_kv_heads}.")
-    if m.tokenizer_vocab_size < 256 + 16:
-        raise ConfigError(
-            f"model.tokenizer_vocab_size={m.tokenizer_vocab_size} must be at least 272 "
-            "(256 bytes plus the special tokens).")
     e = cfg.engine
     if e.kv_cache_tokens and e.kv_cache_tokens < m.max_seq_len:
         raise ConfigError(
@@ -421,8 +908,6 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(
             f"engine.num_replicas={e.num_replicas} needs engine.placement=disaggregated (a "
             "colocated engine lives in the learner's process, one per run).")
-    if e.prefill_chunk_tokens < 2:
-        raise ConfigError(f"engine.prefill_chunk_tokens={e.prefill_chunk_tokens} must be >= 2.")
     if cfg.warmup.min_steps > cfg.warmup.max_steps:
         raise ConfigError(
             f"warmup.min_steps={cfg.warmup.min_steps} exceeds warmup.max_steps={cfg.warmup.max_steps}.")
@@ -431,9 +916,6 @@ def validate(cfg: Config) -> Config:
     _validate_sampling(cfg.rollout, cfg.model)
     _validate_backoffs(cfg.rollout)
     _validate_adaptive_concurrency(cfg.rollout)
-    if cfg.rollout.group_size < 2:
-        raise ConfigError(
-            f"rollout.group_size={cfg.rollout.group_size}: GRPO needs at least 2 samples per task.")
     if cfg.eval.heldout_size > cfg.data.heldout_size:
         raise ConfigError(
             f"eval.heldout_size={cfg.eval.heldout_size} exceeds data.heldout_size="
@@ -448,9 +930,7 @@ def _validate_data(data: DataConfig) -> None:
     """The keys a source reads are set, and keys it would ignore are not (a path given
     with source auto would silently train on something else). Files are read, and their
     columns checked, when the run starts (``raytunix.data.datasets``)."""
-    from raytunix.data.datasets import FILE_SOURCES
-
-    files = data.source in FILE_SOURCES
+    files = data.source in typing.get_args(FileSource)
     if files and not data.path:
         raise ConfigError(f"data.source={data.source!r} needs data.path, the dataset's file "
                           "or folder.")
@@ -459,7 +939,8 @@ def _validate_data(data: DataConfig) -> None:
             if getattr(data, key):
                 raise ConfigError(
                     f"data.{key}={getattr(data, key)!r} is read only when data.source is one "
-                    f"of {', '.join(FILE_SOURCES)} (it is {data.source!r}); set data.source.")
+                    f"of {', '.join(typing.get_args(FileSource))} (it is {data.source!r}); set "
+                    "data.source.")
     for key in ("question_column", "answer_column", "split"):
         if not getattr(data, key):
             raise ConfigError(f"data.{key} is empty; name the column (or split) to read.")
@@ -483,9 +964,6 @@ def _validate_data(data: DataConfig) -> None:
 def _validate_sandbox(sandbox: SandboxConfig) -> None:
     from raytunix.sandbox.types import MAX_BYTES, MAX_PROCESSES, MAX_SECONDS
 
-    if sandbox.memory_mb < 16:
-        raise ConfigError(f"sandbox.memory_mb={sandbox.memory_mb} must be >= 16: an interpreter "
-                          "needs that much address space to start.")
     for key in ("wall_time_s", "cpu_time_s"):
         value = getattr(sandbox, key)
         if not value <= MAX_SECONDS:  # inf and nan too
@@ -504,11 +982,6 @@ def _validate_sandbox(sandbox: SandboxConfig) -> None:
     if sandbox.root_dir and not os.path.isabs(sandbox.root_dir):
         raise ConfigError(f"sandbox.root_dir={sandbox.root_dir!r} must be an absolute path (or "
                           "empty for the system temp dir).")
-
-
-# Mapping-valued keys; an override may set one entry: env.kwargs.turns=2.
-_MAPPINGS = frozenset({"env.kwargs", "env.agent_kwargs", "data.dataset_kwargs",
-                       "env.actor_resources", "learner.resources", "engine.actor_resources"})
 
 
 def _validate_env(env: EnvConfig) -> None:
@@ -564,14 +1037,6 @@ def _validate_learner(cfg: Config) -> None:
         raise ConfigError(
             "learner.normalize_advantages_by_std=false applies to learner.advantage_estimator="
             f"grpo only (it is {learner.advantage_estimator!r}, which sets its own scale).")
-    for key in ("gae_gamma", "gae_lambda"):
-        if not 0.0 <= getattr(learner, key) <= 1.0:
-            raise ConfigError(f"learner.{key}={getattr(learner, key)!r} must be in [0, 1] "
-                              "(e.g. gae_gamma 1.0, gae_lambda 0.95).")
-    for key in ("value_coef", "value_clip"):
-        if not getattr(learner, key) > 0:
-            raise ConfigError(f"learner.{key}={getattr(learner, key)!r} must be > 0 (defaults: "
-                              "value_coef 0.5, value_clip 0.2).")
     if learner.weight_decay and learner.optimizer != "adamw":
         raise ConfigError(f"learner.weight_decay={learner.weight_decay!r} is applied by adamw "
                           f"only; use learner.optimizer=adamw or learner.weight_decay=0.")
@@ -679,10 +1144,6 @@ def _validate_placement(cfg: Config) -> None:
 def _validate_adaptive_concurrency(rollout: RolloutConfig) -> None:
     """The controller's bounds must hold its start value; checked even when it is off, so
     that switching it on later cannot fail."""
-    if rollout.target_engine_busy > 1.0:
-        raise ConfigError(
-            f"rollout.target_engine_busy={rollout.target_engine_busy!r} is a fraction of wall "
-            "time and must be in (0, 1], e.g. 0.9.")
     start = rollout.max_concurrent_episodes
     low, high = rollout.adaptive_min_episodes, rollout.adaptive_max_episodes
     if low and low > start:
@@ -702,7 +1163,6 @@ def _validate_backoffs(rollout: RolloutConfig) -> None:
         initial = getattr(rollout, f"{prefix}_initial_delay_s")
         cap = getattr(rollout, f"{prefix}_max_delay_s")
         multiplier = getattr(rollout, f"{prefix}_multiplier")
-        jitter = getattr(rollout, f"{prefix}_jitter")
         if not math.isfinite(initial):
             raise ConfigError(f"rollout.{prefix}_initial_delay_s={initial!r} must be a finite "
                               "number of seconds.")
@@ -713,9 +1173,6 @@ def _validate_backoffs(rollout: RolloutConfig) -> None:
         if not (multiplier >= 1 and math.isfinite(multiplier)):
             raise ConfigError(f"rollout.{prefix}_multiplier={multiplier!r} must be a finite "
                               "number >= 1 (1: constant waits, 2: each wait doubles).")
-        if not 0.0 <= jitter <= 1.0:
-            raise ConfigError(f"rollout.{prefix}_jitter={jitter!r} must be in [0, 1] (the "
-                              "random fraction of each wait; 0.5 is a common choice).")
 
 
 def _validate_sampling(rollout: RolloutConfig, model: ModelConfig) -> None:
@@ -734,10 +1191,6 @@ def _validate_sampling(rollout: RolloutConfig, model: ModelConfig) -> None:
         raise ConfigError(
             "rollout.top_k=1 is greedy decoding: every sampled token has probability 1 and "
             "the policy gradient is zero. Use 0 (off) or a value >= 2, e.g. rollout.top_k=50.")
-    if not 0.0 < rollout.top_p <= 1.0:
-        raise ConfigError(
-            f"rollout.top_p={rollout.top_p!r} must be in (0, 1]; 1.0 turns nucleus sampling "
-            "off, 0.95 is a common setting.")
     try:
         check_sampling_settings(t, rollout.top_k, rollout.top_p, allow_greedy=False,
                                 vocab_size=_vocab_size(model))
@@ -772,18 +1225,19 @@ def _read_yaml(text: str, source: str) -> dict[str, Any]:
     return tree or {}
 
 
-def parse_override(item: str) -> tuple[str, str, Any]:
-    """'section.key=value' -> (section, key, YAML-parsed value); for a mapping-valued key,
-    'env.kwargs.turns=2' -> ("env", "kwargs.turns", 2)."""
+def parse_override(item: str, schema: type[Config] | None = None) -> tuple[str, str, Any]:
+    """'section.key=value' -> (section, key, YAML-parsed value); for a mapping-valued key
+    of ``schema`` (default ``Config``), 'env.kwargs.turns=2' -> ("env", "kwargs.turns", 2)."""
+    mappings = _mappings(schema)
     if "=" not in item:
         raise ConfigError(f"override {item!r} must look like section.key=value, e.g. learner.rl_steps=20.")
     dotted, raw = item.split("=", 1)
     parts = dotted.strip().split(".")
-    if len(parts) == 3 and ".".join(parts[:2]) in _MAPPINGS and parts[2]:
+    if len(parts) == 3 and ".".join(parts[:2]) in mappings and parts[2]:
         parts = [parts[0], f"{parts[1]}.{parts[2]}"]
     if len(parts) != 2 or not all(parts):
         raise ConfigError(f"override key {dotted!r} must be section.key, e.g. rollout.group_size "
-                          f"(or {' / '.join(sorted(_MAPPINGS))}.name for one entry of a mapping).")
+                          f"(or {' / '.join(sorted(mappings))}.name for one entry of a mapping).")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
@@ -791,18 +1245,20 @@ def parse_override(item: str) -> tuple[str, str, Any]:
     return parts[0], parts[1], value
 
 
-def load_config(config: str | None = None, overrides: Sequence[str] = ()) -> Config:
+def load_config(config: str | None = None, overrides: Sequence[str] = (),
+                schema: type[Config] | None = None) -> Config:
     """Builds the run config.
 
     Args:
       config: a packaged preset name (see ``preset_names()``), a path to a YAML file, or
         None for the defaults.
       overrides: ``section.key=value`` strings applied last, in order.
+      schema: the config class to build (default ``Config``; a subclass may add sections).
 
     Raises:
       ConfigError: unknown preset or file, bad YAML, unknown section/key, bad value.
     """
-    cfg = Config()
+    cfg = (schema or Config)()
     if config:
         if os.path.isdir(config):
             raise ConfigError(f"config {config!r} is a directory; pass a YAML file or a preset name.")
@@ -832,7 +1288,7 @@ def apply_override(cfg: Config, item: str) -> str:
       ConfigError: a malformed override, an unknown section or key (naming the valid
         ones), or a value of the wrong type.
     """
-    section, key, value = parse_override(item)
+    section, key, value = parse_override(item, type(cfg))
     if "." in key:  # one entry of a mapping: env.kwargs.turns=2
         key, name = key.split(".", 1)
         value = {**getattr(getattr(cfg, section), key), name: value}
@@ -840,9 +1296,10 @@ def apply_override(cfg: Config, item: str) -> str:
     return f"{section}.{key}"
 
 
-def config_from_dict(tree: dict[str, Any]) -> Config:
-    """Rebuilds a Config saved with ``to_dict`` (e.g. from a run directory)."""
-    cfg = Config()
+def config_from_dict(tree: dict[str, Any], schema: type[Config] | None = None) -> Config:
+    """Rebuilds a Config (or a ``schema`` instance) saved with ``to_dict`` (e.g. from a run
+    directory)."""
+    cfg = (schema or Config)()
     _merge(cfg, tree, "saved config")
     return validate(cfg)
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from typing import Any, get_args
 
 import ray
 from ray.util.placement_group import (
@@ -34,6 +34,8 @@ from ray.util.placement_group import (
     remove_placement_group,
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from raytunix.config import PlacementStrategy
 
 __all__ = [
     "CPU_ONLY_RUNTIME_ENV",
@@ -49,7 +51,7 @@ __all__ = [
 
 # Actors that must never take the accelerator (env, sandbox, orchestrator).
 CPU_ONLY_RUNTIME_ENV = {"env_vars": {"JAX_PLATFORMS": "cpu"}}
-PLACEMENT_STRATEGIES = ("STRICT_SPREAD", "SPREAD", "PACK", "STRICT_PACK")
+PLACEMENT_STRATEGIES: tuple[str, ...] = get_args(PlacementStrategy)  # learner.placement_strategy
 TPU_WORKER_ID_LABEL = "ray.io/tpu-worker-id"  # ray._raylet.RAY_NODE_TPU_WORKER_ID_KEY
 TPU_WORKER_ID_ENV = "TPU_WORKER_ID"  # set by GKE on TPU pods
 BUILTIN_RESOURCES = ("CPU", "GPU", "TPU", "memory", "object_store_memory")

@@ -270,6 +270,19 @@ def test_diagnose_names_each_resource_from_its_evidence():
     assert diagnose({}).resource == "unknown"
 
 
+def test_more_episodes_advice_aims_at_the_runs_own_target_engine_busy():
+    underfed = {"learner_wait_fraction": 0.9, "learner_busy_fraction": 0.1,
+                "engine_busy_fraction": 0.3, "episode_generate_fraction": 0.9,
+                "episode_env_fraction": 0.05, "max_concurrent_episodes": 8}
+    # Little's law: 8 episodes keep the engine 30% busy; 0.6 / 0.3 x 8 = 16.
+    aimed = diagnose(underfed, {"rollout": {"target_engine_busy": 0.6}})
+    assert "max_concurrent_episodes from 8 to ~16" in aimed.advice[0]
+    # A config.yaml without the key (or with a value no run accepts): the default, 0.9 -> 24.
+    for settings in ({}, {"rollout": {"target_engine_busy": "high"}},
+                     {"rollout": {"target_engine_busy": 1.5}}):
+        assert "from 8 to ~24" in diagnose(underfed, settings).advice[0]
+
+
 def test_weighted_means_leave_out_the_compiling_step_and_weight_by_window():
     steps = [{"phase": "rl", "step": 1, "window_s": 100.0, "engine_busy_fraction": 0.0},
              {"phase": "rl", "step": 2, "window_s": 1.0, "engine_busy_fraction": 1.0},

@@ -40,14 +40,15 @@ import json
 import math
 import os
 import random
-from typing import Any, Sequence
+from typing import Any, Sequence, get_args
 
 import pyarrow as pa
 
+from raytunix.config import FileSource
 from raytunix.data.answers import blank_answer, parse_number, text_key, unwrap
 from raytunix.types import Task
 
-FILE_SOURCES = ("parquet", "jsonl", "hf")
+FILE_SOURCES: tuple[str, ...] = get_args(FileSource)  # declared with data.source
 GSM8K_ANSWER_MARK = "####"
 _EXTENSIONS = {"parquet": (".parquet",), "jsonl": (".jsonl", ".json")}
 # Text a numeric column turned into strings holds where a value was missing.

@@ -34,6 +34,7 @@ from raytunix.config import (
     ConfigError,
     apply_override,
     config_from_dict,
+    resumable_keys,
     validate,
 )
 from raytunix.profiling.collect import append_jsonl
@@ -205,44 +206,20 @@ def new_run_dir(cfg: Config) -> RunDir:
     return RunDir(path)
 
 
-# What a resumed run may change: how long it trains and how it is run, never what the
-# checkpoint holds (model shape, tokenizer, data, algorithm).
-RESUME_OVERRIDABLE = frozenset({
-    "learner.rl_steps", "learner.checkpoint_every", "learner.max_checkpoints", "run.log_every",
-    "run.profile_window_s",
-    "learner.keep_best_by", "learner.keep_best_mode",
-    "learner.max_consecutive_nonfinite_updates",
-    "rollout.batch_timeout_s", "rollout.max_concurrent_episodes", "env.num_env_actors",
-    "eval.max_new_tokens", "engine.max_batch_size", "engine.block_size",
-    "engine.kv_cache_tokens", "engine.prefill_chunk_tokens", "engine.kv_on_weight_update",
-    "engine.sessions", "rollout.adaptive_concurrency", "rollout.target_engine_busy",
-    "rollout.adaptive_min_episodes", "rollout.adaptive_max_episodes",
-    "rollout.adaptive_interval_s", "sandbox.num_actors", "sandbox.num_cpus_per_actor",
-    "sandbox.resource", "sandbox.max_concurrent_runs", "sandbox.actor_max_restarts",
-    "engine.actor_max_restarts",
-    "rollout.max_episode_restarts", "rollout.max_group_retries",
-    "rollout.max_consecutive_failures", "rollout.engine_retry_max_attempts",
-    "rollout.engine_retry_initial_delay_s", "rollout.engine_retry_max_delay_s",
-    "rollout.engine_retry_multiplier", "rollout.engine_retry_jitter",
-    "rollout.retry_initial_delay_s", "rollout.retry_max_delay_s", "rollout.retry_multiplier",
-    "rollout.retry_jitter",
-    # Where the run's actors go and how the update is split: a checkpoint restores onto
-    # another mesh (orbax reshards), and placement is not in it.
-    "env.actor_resources", "engine.actor_resources", "learner.resources",
-    "learner.placement_strategy", "learner.mesh_data", "learner.mesh_fsdp",
-    "learner.mesh_tensor", "learner.sequence_packing",
-    "learner.call_timeout_s", "learner.slow_call_timeout_s",  # deadlines, not what is learned
-})
+# What a resumed run may change: the settings declared resume=True in raytunix/config.py.
+RESUME_OVERRIDABLE = resumable_keys()
 
 
-def load_run_config(run_dir: str, overrides: Sequence[str] = ()) -> Config:
-    """The config a run was started with (``RUN_DIR/config.yaml``), plus ``overrides``.
+def load_run_config(run_dir: str, overrides: Sequence[str] = (),
+                    schema: type[Config] = Config) -> Config:
+    """The config a run was started with (``RUN_DIR/config.yaml``), plus ``overrides``
+    (``schema``: the config class, ``Config`` unless a test adds sections).
 
     Raises:
       FileNotFoundError: ``run_dir`` is not a raytunix run directory.
       ConfigError: the saved config is corrupt, or an override is bad: malformed, an
         unknown key (named with the valid ones, as for a new run), a bad value, or a key
-        the checkpoint depends on (not in ``RESUME_OVERRIDABLE``).
+        the checkpoint depends on (one not declared ``resume=True``).
     """
     path = os.path.join(run_dir, "config.yaml")
     if not os.path.exists(path):
@@ -256,13 +233,14 @@ def load_run_config(run_dir: str, overrides: Sequence[str] = ()) -> Config:
             raise ConfigError(f"{path} is not valid YAML ({e}); restore it from a copy or start a new run.") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"{path} does not hold a config mapping; restore it or start a new run.")
-    cfg = config_from_dict(tree)
+    cfg = config_from_dict(tree, schema)
+    resumable = resumable_keys(schema)
     for item in overrides:
         key = apply_override(cfg, item)  # an unknown key is reported as unknown
-        if key not in RESUME_OVERRIDABLE:
+        if key not in resumable:
             raise ConfigError(
                 f"{key} cannot change when resuming (the checkpoint depends on it); "
-                f"keys a resume may change: {', '.join(sorted(RESUME_OVERRIDABLE))}.")
+                f"keys a resume may change: {', '.join(sorted(resumable))}.")
     return validate(cfg)
 
 

@@ -69,12 +69,13 @@ import dataclasses
 import functools
 import logging
 import time
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence, get_args
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from raytunix.config import KVOnWeightUpdate
 from raytunix import profiling
 from raytunix.inference.kv_blocks import ROOT_KEY, BlockPool, PrefixCache, block_key
 from raytunix.inference.sampling import check_sampling_settings, sample_tokens, split_seed
@@ -90,7 +91,7 @@ from raytunix.types import FinishReason, GenerationRequest, GenerationResult
 
 logger = logging.getLogger(__name__)
 
-KV_ON_WEIGHT_UPDATE = ("recompute", "keep")
+KV_ON_WEIGHT_UPDATE: tuple[str, ...] = get_args(KVOnWeightUpdate)  # engine.kv_on_weight_update
 _NO_KV = 1 << 62  # kv_version of a sequence that holds no KV yet
 
 

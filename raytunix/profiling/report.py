@@ -28,6 +28,7 @@ import math
 import os
 from typing import Any
 
+from raytunix.config import settings as settings_of_config
 from raytunix.profiling.collect import is_rl_step, read_jsonl, rl_steps
 from raytunix.profiling.metrics import percentiles
 
@@ -36,7 +37,6 @@ LEARNER_BUSY_HIGH = 0.4
 ORCHESTRATOR_CPU_HIGH = 0.85
 EPISODE_OTHER_HIGH = 0.5
 ENGINE_BUSY_HIGH = 0.75
-TARGET_ENGINE_BUSY = 0.9
 
 RESOURCES = ("engine", "environment/tools", "learner", "orchestrator")
 
@@ -150,7 +150,8 @@ def diagnose(means: dict[str, float], settings: dict[str, Any] | None = None) ->
       means: fractions and latencies as ``WindowMetrics`` names them; missing ones count
         as unknown, never as zero evidence.
       settings: the run's config as a nested dict (``config.yaml``), for the advice
-        (current ``rollout.max_concurrent_episodes``, ``env.num_env_actors``...).
+        (current ``rollout.max_concurrent_episodes``, the ``rollout.target_engine_busy``
+        its advice aims for, ``env.num_env_actors``...).
     """
     settings = settings or {}
     rollout, env = settings.get("rollout", {}), settings.get("env", {})
@@ -172,6 +173,10 @@ def diagnose(means: dict[str, float], settings: dict[str, Any] | None = None) ->
     occupancy = means.get("engine_batch_occupancy", float("nan"))
     episodes = means.get("max_concurrent_episodes",
                          float(rollout.get("max_concurrent_episodes", 0) or 0))
+    # The busy fraction this run's controller aimed for (a config.yaml without it: the default).
+    target_busy = _number(rollout.get("target_engine_busy"))
+    if target_busy is None or not 0 < target_busy <= 1:
+        target_busy = settings_of_config()["rollout.target_engine_busy"].default
     evidence = {k: means[k] for k in (
         "engine_busy_fraction", "engine_batch_occupancy", "learner_busy_fraction",
         "learner_wait_fraction", "episode_generate_fraction", "episode_env_fraction",
@@ -182,7 +187,7 @@ def diagnose(means: dict[str, float], settings: dict[str, Any] | None = None) ->
     def more_episodes() -> str:
         if not (episodes > 0 and E > 0):
             return "raise rollout.max_concurrent_episodes"
-        wanted = max(int(math.ceil(episodes * TARGET_ENGINE_BUSY / max(E, 0.05))),
+        wanted = max(int(math.ceil(episodes * target_busy / max(E, 0.05))),
                      int(episodes) + 1)
         advice = (f"raise rollout.max_concurrent_episodes from {episodes:.0f} to ~{wanted}"
                   + (" (rollout.adaptive_max_episodes too: adaptive concurrency is on)"

@@ -53,10 +53,11 @@ import collections
 import logging
 import random
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, get_args
 
 import numpy as np
 
+from raytunix.config import StaleTokenPolicy
 from raytunix import profiling
 from raytunix.envs.contract import EnvErrorTally
 from raytunix.rollout.batch import trajectories_to_record_batch
@@ -82,7 +83,7 @@ logger = logging.getLogger(__name__)
 # (env client, release callback) for one episode of one group.
 EnvProvider = Callable[[str], tuple[EnvClient, Callable[[], None]]]
 
-STALE_TOKEN_POLICIES = ("drop", "mask", "accept")
+STALE_TOKEN_POLICIES: tuple[str, ...] = get_args(StaleTokenPolicy)  # rollout.stale_token_policy
 
 DROPPED_TOKEN_KINDS = (
     "failed_env_error", "failed_timeout", "failed_aborted",  # loss mask zeroed, by status

@@ -68,8 +68,9 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Mapping, Sequence, get_args
 
+from raytunix.config import SandboxBackendChoice
 from raytunix.sandbox.types import (
     IsolationLevel,
     SandboxBackend,
@@ -82,7 +83,7 @@ from raytunix.sandbox.types import (
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "bwrap", "subprocess")
+BACKENDS: tuple[str, ...] = get_args(SandboxBackendChoice)  # sandbox.backend
 # Work dirs get user ids from here up when the host user is root; far above the ids
 # distributions hand out (and below 2**31, which some tools treat as negative).
 SANDBOX_UID_BASE = 1_900_000_000
