@@ -11,7 +11,6 @@ import types
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest  # noqa: E402
-import ray  # noqa: E402
 
 from raytunix.config import load_config  # noqa: E402
 from raytunix.driver.job import Job  # noqa: E402

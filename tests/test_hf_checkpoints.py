@@ -39,7 +39,6 @@ from raytunix.models.hf import (  # noqa: E402
     load_checkpoint,
 )
 from raytunix.models.llama import ModelConfig, forward, init_model  # noqa: E402
-from raytunix.models.tokenizer import Tokenizer  # noqa: E402
 from raytunix.types import GenerationRequest, SamplingParams  # noqa: E402
 
 VOCAB = 320  # the tokenizer's ids; the models' embeddings are padded past it
