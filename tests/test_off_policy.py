@@ -251,6 +251,7 @@ def test_a_learner_step_runs_in_every_mode_with_finite_metrics_and_the_mismatch(
         assert "importance_weight_mean" not in metrics
 
 
+@pytest.mark.slow
 def test_decoupled_step_equals_one_computed_with_a_separate_no_grad_proximal_pass(model):
     """The update takes its proximal logprobs from the gradient's own forward pass; the
     step must be the one a separate no-grad forward at the starting parameters gives."""
