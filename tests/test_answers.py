@@ -68,6 +68,7 @@ def test_a_symbolic_comparison_without_end_is_cut_off():
     assert answers_match("\\frac{2}{4}", "\\frac{1}{2}")
 
 
+@pytest.mark.slow
 def test_symbolic_comparison_runs_in_a_ray_actor(ray_session):
     # The helper is spawned from a Ray worker process, as from an env actor.
     check = ray_session.remote(lambda: answers_match("2\\sqrt{2}", "\\sqrt{8}"))

@@ -134,6 +134,7 @@ def _rl_steps(run_dir):
         return [r["step"] for r in map(json.loads, f) if r["phase"] == "rl"]
 
 
+@pytest.mark.slow
 def test_own_env_trains_by_import_path_from_the_command_line(ray_session, tmp_path):
     result = _cli_train(ray_session, tmp_path, "env.name=test_byo_env:ParityEnv",
                         "env.kwargs.max_number=50", "env.max_turns=1")
@@ -150,6 +151,7 @@ def test_own_env_trains_by_import_path_from_the_command_line(ray_session, tmp_pa
         assert "max_number: 50" in f.read()
 
 
+@pytest.mark.slow
 def test_env_that_cannot_be_built_in_the_actors_stops_before_training(ray_session, tmp_path):
     # The signature accepts max_number, so the config passes; the constructor refuses the
     # value in the env actor, and that is the one error the run ends with.
@@ -162,6 +164,7 @@ def test_env_that_cannot_be_built_in_the_actors_stops_before_training(ray_sessio
     assert _run_dirs(tmp_path) == []  # stopped before training: no run directory is left
 
 
+@pytest.mark.slow
 def test_prompts_longer_than_the_context_stop_before_training(ray_session, tmp_path):
     long_instructions = " ".join(str(i) for i in range(200))  # ~700 characters
     result = _cli_train(ray_session, tmp_path, "env.name=test_byo_env:ParityEnv",
@@ -192,6 +195,7 @@ def test_bad_env_kwargs_are_refused_at_config_time_naming_the_key():
     assert cfg.env.agent_kwargs == {"system_prompt": "Be brief."}
 
 
+@pytest.mark.slow
 def test_text_gymnasium_env_trains_through_the_adapter(ray_session, tmp_path):
     from raytunix.config import load_config
     from raytunix.train import train
@@ -207,6 +211,7 @@ def test_text_gymnasium_env_trains_through_the_adapter(ray_session, tmp_path):
     assert statuses["episodes_completed"] + statuses["episodes_truncated"] > 0
 
 
+@pytest.mark.slow
 def test_env_actors_import_the_users_module_and_keep_jax_out(ray_session):
     from raytunix import plugins
     from raytunix.rollout.env_pool import EnvPool

@@ -165,6 +165,7 @@ def _records(run_dir):
         return [json.loads(line) for line in f]
 
 
+@pytest.mark.slow
 def test_a_run_stopped_in_its_warm_start_resumes_from_it(ray_session, tmp_path, monkeypatch):
     from raytunix.cli import interrupted_message
     from raytunix.train import train
@@ -210,6 +211,7 @@ def test_a_run_stopped_in_its_warm_start_resumes_from_it(ray_session, tmp_path, 
     assert not os.path.exists(run.warmup)  # and the warm start's checkpoint went
 
 
+@pytest.mark.slow
 def test_a_run_interrupted_in_rl_leaves_state_json_at_its_newest_checkpoint(
         ray_session, tmp_path, monkeypatch):
     """Ctrl-C as RL step 4's record is about to be written, with checkpoints every 2
@@ -242,6 +244,7 @@ def test_a_run_interrupted_in_rl_leaves_state_json_at_its_newest_checkpoint(
     assert [r["step"] for r in _records(run_dir) if r["phase"] == "rl"] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_a_finished_warm_start_is_not_redone(ray_session, tmp_path):
     """A run stopped after its warm start, before RL's first checkpoint: the warm start
     step restores the finished state and trains nothing; the learner holds its weights."""

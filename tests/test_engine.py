@@ -582,7 +582,7 @@ def test_a_session_continues_from_its_kv_after_another_session_was_evicted():
 
     async def main():
         engine = _engine(**kwargs)
-        a = await engine.generate(_session_request("a1", a_prompt, "a", max_new_tokens=2))
+        await engine.generate(_session_request("a1", a_prompt, "a", max_new_tokens=2))
         b = await engine.generate(_session_request("b1", b_prompt, "b", max_new_tokens=2))
         # 7 blocks more than the 12 minus the sessions' 6: the least recent session goes.
         await engine.generate(_request("big", _prompt(40, start=80), max_new_tokens=10))

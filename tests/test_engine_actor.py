@@ -14,6 +14,9 @@ from raytunix.models.tokenizer import Tokenizer  # noqa: E402
 from raytunix.rollout.actor import RayEngineClient  # noqa: E402
 from raytunix.types import GenerationRequest, SamplingParams  # noqa: E402
 
+# Every test here runs end to end (a Ray session, a train, a benchmark): the slow tier.
+pytestmark = pytest.mark.slow
+
 TOKENIZER = Tokenizer.byte_level()
 CONFIG = ModelConfig(vocab_size=TOKENIZER.vocab_size, d_model=32, n_layers=2, n_heads=4,
                      n_kv_heads=2, d_ff=64, max_seq_len=512)

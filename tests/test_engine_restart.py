@@ -11,7 +11,6 @@ import types
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest  # noqa: E402
-import ray  # noqa: E402
 
 from raytunix.config import load_config  # noqa: E402
 from raytunix.driver.job import Job  # noqa: E402
@@ -21,6 +20,9 @@ from raytunix.learner.actor import LearnerActor  # noqa: E402
 from raytunix.models.llama import ModelConfig  # noqa: E402
 from raytunix.models.tokenizer import Tokenizer  # noqa: E402
 from raytunix.types import GenerationRequest, SamplingParams  # noqa: E402
+
+# Every test here runs end to end (a Ray session, a train, a benchmark): the slow tier.
+pytestmark = pytest.mark.slow
 
 TOKENIZER = Tokenizer.byte_level()
 CONFIG = ModelConfig(vocab_size=TOKENIZER.vocab_size, d_model=32, n_layers=1, n_heads=2,

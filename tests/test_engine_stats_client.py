@@ -12,6 +12,9 @@ import ray
 from raytunix.rollout.actor import RayEngineClient
 from raytunix.types import EngineFailure
 
+# Every test here runs end to end (a Ray session, a train, a benchmark): the slow tier.
+pytestmark = pytest.mark.slow
+
 
 def stand_in_classes():
     """Defined in a function so that Ray ships them by value: the workers cannot import

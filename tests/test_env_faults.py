@@ -225,6 +225,7 @@ class FlakyEnv(BaseEnv):
                           status=EpisodeStatus.COMPLETED)
 
 
+@pytest.mark.slow
 def test_a_run_whose_env_returns_bad_values_and_raises_finishes_with_the_evidence(
         ray_session, tmp_path):
     from test_byo_env import _cli_train, _rl_steps, _run_dirs

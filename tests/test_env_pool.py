@@ -23,6 +23,9 @@ from raytunix.types import (
     ToolCall,
 )
 
+# Every test here runs end to end (a Ray session, a train, a benchmark): the slow tier.
+pytestmark = pytest.mark.slow
+
 TOKENIZER = Tokenizer.byte_level()
 TASK = Task("t0", "Calculate 95 - 21.", "74")
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "95 - 21"}}</tool_call>'

@@ -73,6 +73,7 @@ def _statuses(infos) -> dict[str, int]:
 # -- (a) an orchestrator's pool grown and shrunk mid-run, through the driver's scale file --
 
 
+@pytest.mark.slow
 def test_env_pool_grown_then_shrunk_mid_run_loses_and_fails_no_episode(ray_session, tmp_path):
     from ray import cloudpickle
 
@@ -174,6 +175,7 @@ def test_env_pool_grown_then_shrunk_mid_run_loses_and_fails_no_episode(ray_sessi
 # -- the sandbox pool --------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sandbox_pool_grows_and_a_retiring_actor_serves_its_work_dirs_then_is_killed(ray_session):
     from raytunix.sandbox.pool import SandboxPool, find_pool
 
@@ -273,6 +275,7 @@ class _RecordingOrchestrator:
         return ray.put(self.pool.resize(n))
 
 
+@pytest.mark.slow
 def test_the_driver_applies_each_request_once_and_reports_a_bad_file_once(ray_session, tmp_path):
     from ray import cloudpickle
 
@@ -307,6 +310,7 @@ def test_the_driver_applies_each_request_once_and_reports_a_bad_file_once(ray_se
             ray_session.kill(actor)
 
 
+@pytest.mark.slow
 def test_resize_rejects_a_size_that_is_not_a_whole_number_of_at_least_one(ray_session):
     from raytunix.rollout.env_pool import EnvPool
 
@@ -323,6 +327,8 @@ def test_resize_rejects_a_size_that_is_not_a_whole_number_of_at_least_one(ray_se
 # -- (b) a multi-node cluster: env actors only on the nodes offering their resource -------
 
 
+@pytest.mark.slow
+@pytest.mark.cluster
 def test_env_actors_land_only_on_env_nodes_and_a_run_grows_and_shrinks_there(tmp_path):
     out = tmp_path / "result.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu", RAY_ADDRESS="")

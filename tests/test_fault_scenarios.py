@@ -46,6 +46,9 @@ from raytunix.types import (  # noqa: E402
     Task,
 )
 
+# Every test here runs end to end (a Ray session, a train, a benchmark): the slow tier.
+pytestmark = pytest.mark.slow
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOK = Tokenizer.byte_level()
 

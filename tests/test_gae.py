@@ -149,6 +149,7 @@ def test_value_head_moves_toward_the_returns():
     assert float(metrics["value_grad_norm"]) > 0
 
 
+@pytest.mark.slow
 def test_micro_batches_and_packing_give_the_whole_padded_update():
     _, state, whole, _ = _setup(sequence_packing=False)
     batch = Batch.from_record_batch(_record_batch(), pad_id=0, max_seq_len=64)

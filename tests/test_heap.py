@@ -50,6 +50,7 @@ def test_settle_can_be_switched_off_and_keeps_a_disabled_threshold(restore_gc, m
     assert gc.get_threshold()[0] == 0
 
 
+@pytest.mark.slow
 def test_an_env_actor_process_runs_with_the_settled_collector(ray_session):
     import ray
 

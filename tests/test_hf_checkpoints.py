@@ -39,7 +39,6 @@ from raytunix.models.hf import (  # noqa: E402
     load_checkpoint,
 )
 from raytunix.models.llama import ModelConfig, forward, init_model  # noqa: E402
-from raytunix.models.tokenizer import Tokenizer  # noqa: E402
 from raytunix.types import GenerationRequest, SamplingParams  # noqa: E402
 
 VOCAB = 320  # the tokenizer's ids; the models' embeddings are padded past it
@@ -363,6 +362,7 @@ def test_folder_without_safetensors_says_to_convert(checkpoints, tmp_path):
 # -- raytunix train model.path=DIR ------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_train_with_model_path_trains_the_checkpoint_and_exports_it(ray_session, tmp_path):
     """A Qwen3-style folder is all the config names: the run takes the folder's shape,
     weights, tokenizer and chat template, trains, and leaves RUN_DIR/export/ that

@@ -63,6 +63,7 @@ def test_the_deadlines_are_finite_and_ordered():
         LearnerGroup(None, None, 0, 0, call_timeout_s=float("inf"))  # refused before any start
 
 
+@pytest.mark.slow
 def test_a_stuck_single_learner_is_killed_and_named_instead_of_hanging_the_driver(ray_session):
     from raytunix.driver.job import Job, LearnerStuck
     from raytunix.driver.run_dir import RunError
@@ -117,6 +118,7 @@ def test_hosts_that_restored_different_checkpoints_stop_the_run_naming_each():
         check_same_restore([extras(20, 80), None], hosts)
 
 
+@pytest.mark.slow
 def test_a_host_restores_only_the_steps_it_is_given(ray_session, tmp_path):
     """The host call the group makes (``LearnerActor.restore(among=...)``) on a real
     learner actor: with steps 1 and 2 on disk and ``among=[1]``, step 1 is restored."""

@@ -13,6 +13,9 @@ import numpy as np
 import pytest
 from test_checkpoints import _record_batch  # two groups of two, a new batch per step
 
+# Every test here runs end to end (a Ray session, a train, a benchmark): the slow tier.
+pytestmark = pytest.mark.slow
+
 CONFIG_KW = {"vocab_size": 16, "d_model": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1,
              "d_ff": 64, "max_seq_len": 32}
 

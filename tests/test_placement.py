@@ -82,6 +82,8 @@ def scenario():
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
+@pytest.mark.cluster
 def test_learner_hosts_land_one_per_tpu_host_ranked_by_worker_id(scenario):
     tpu_nodes = scenario["tpu_nodes"]  # node id -> worker id
     hosts = scenario["hosts"]  # rank order
@@ -100,6 +102,8 @@ def test_learner_hosts_land_one_per_tpu_host_ranked_by_worker_id(scenario):
     assert [hosts[r]["bundle_index"] for r in range(4)] == [bundles.index(r) for r in range(4)]
 
 
+@pytest.mark.slow
+@pytest.mark.cluster
 def test_env_actors_land_only_on_cpu_nodes_and_never_see_the_tpu(scenario):
     assert set(scenario["env_nodes"]) <= set(scenario["cpu_nodes"])
     assert len(scenario["env_nodes"]) == 4

@@ -327,6 +327,7 @@ def test_report_of_a_run_without_rl_steps_says_so(tmp_path):
 
 # ------------------------------------------------------------------------- the collector
 
+@pytest.mark.slow
 def test_collector_drains_actors_names_them_and_skips_a_dead_one(ray_session, tmp_path):
     import ray
 
@@ -455,6 +456,7 @@ class _ThreadEnv:
         self.env.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario,expected", [
     # tools take 0.5 s a call; a turn generates 2 tokens
     (dict(tool_latency_s=0.5, max_new_tokens=2, update_delay_s=0.0), "environment/tools"),

@@ -166,6 +166,7 @@ def test_ray_metrics_sink_does_nothing_without_ray():
     assert done.stdout.strip() == "ok"
 
 
+@pytest.mark.slow
 def test_ray_metrics_sink_makes_one_sanitized_gauge_per_key(ray_session):
     sink = RayMetricsSink("run-b")
     sink.write({"phase": "rl", "step": 7, "reward_mean": 0.5, "tool_calls/sql query": 4,
@@ -185,6 +186,7 @@ def test_ray_metrics_sink_makes_one_sanitized_gauge_per_key(ray_session):
         assert not gauge._discard_metric  # Ray accepts the name, so it is exported
 
 
+@pytest.mark.slow
 def test_ray_metrics_sink_caps_gauges_and_drops_colliding_names(ray_session, caplog):
     sink = RayMetricsSink("run-c", max_gauges=3)
     with caplog.at_level(logging.WARNING, logger="raytunix.profiling.sinks"):

@@ -272,6 +272,7 @@ class Engine:
         return _answer(request)
 
 
+@pytest.mark.slow
 def test_an_env_actor_killed_mid_episode_is_restarted_and_its_episodes_re_run(ray_session):
     pool = EnvPool("calculator_math", {}, num_actors=2, max_restarts=2, probe_timeout_s=60)
     pool.wait_ready(timeout_s=120)
@@ -304,6 +305,7 @@ def test_an_env_actor_killed_mid_episode_is_restarted_and_its_episodes_re_run(ra
     assert state["counters"].get("groups_filtered_env_error", 0) == 0
 
 
+@pytest.mark.slow
 def test_a_dead_env_pool_stops_the_rollout_with_one_clear_error(ray_session):
     pool = EnvPool("calculator_math", {}, num_actors=2, max_restarts=0)
     pool.wait_ready(timeout_s=120)
@@ -326,6 +328,7 @@ def test_a_dead_env_pool_stops_the_rollout_with_one_clear_error(ray_session):
     assert state["pending"]  # the tasks handed out stay in the ledger for a resumed run
 
 
+@pytest.mark.slow
 def test_the_halt_reaches_the_driver_as_rollout_halted_and_a_dead_engine_as_engine_failure(ray_session):
     """What train.py relies on: the error crosses the actor boundary with its type (the
     driver turns it into one RunError and a non-zero exit)."""

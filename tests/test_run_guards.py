@@ -99,6 +99,7 @@ def test_tpu_slice_settings_that_no_slice_has_are_refused_with_the_fix(overrides
         load_config(None, slice_ + overrides)
 
 
+@pytest.mark.slow
 def test_a_mesh_the_devices_cannot_hold_stops_the_run_before_it_trains(ray_session, tmp_path):
     from raytunix.train import train
 

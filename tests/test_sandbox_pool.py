@@ -38,6 +38,7 @@ def pool(ray_session):
     pool.shutdown()
 
 
+@pytest.mark.slow
 def test_connect_finds_the_pool_by_name_and_a_tool_call_runs_on_a_sandbox_actor(pool):
     client = connect("test-sandbox")
     assert isinstance(client, RemoteSandbox) and len(client.actors) == 2
@@ -53,6 +54,7 @@ def test_connect_finds_the_pool_by_name_and_a_tool_call_runs_on_a_sandbox_actor(
     assert all(s["workspaces"] == 0 for s in stats)  # the session closed its work dir
 
 
+@pytest.mark.slow
 def test_another_worker_reaches_the_pool_through_connect(pool, ray_session):
     @ray_session.remote(num_cpus=0)
     def tool_call_elsewhere():
@@ -66,6 +68,7 @@ def test_another_worker_reaches_the_pool_through_connect(pool, ray_session):
     assert ray_session.get(tool_call_elsewhere.remote(), timeout=120) == ("RemoteSandbox", "42")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bomb", list(BOMBS))
 def test_every_bomb_is_contained_and_the_actor_serves_the_next_call(pool, bomb):
     client = pool.client(seed=0)
@@ -87,6 +90,7 @@ def test_every_bomb_is_contained_and_the_actor_serves_the_next_call(pool, bomb):
     assert [s["pid"] for s in pool.stats()] == pids_before  # no actor died or restarted
 
 
+@pytest.mark.slow
 def test_a_dead_sandbox_actor_ends_the_episode_as_env_error(ray_session):
     pool = SandboxPool(num_actors=1, num_cpus=0, max_restarts=0, name="test-sandbox-doomed")
     pool.wait_ready(timeout_s=120)
@@ -115,6 +119,7 @@ class ShellEnv(CalculatorMathEnv):
         super().__init__(tools=[BashTool()])
 
 
+@pytest.mark.slow
 def test_a_run_starts_the_pool_its_config_describes_for_an_env_that_uses_a_sandbox(ray_session):
     from raytunix.config import load_config
     from raytunix.driver import prepare

@@ -181,6 +181,7 @@ def test_a_micro_batch_the_batch_shards_do_not_divide_is_refused():
 # ------------------------------------------------------------------ 8 fake devices
 
 
+@pytest.mark.slow
 def test_sharded_update_on_8_fake_devices_equals_the_unsharded_one(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +

@@ -398,6 +398,7 @@ ENV_ENTRIES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env_name", sorted(ENV_ENTRIES))
 def test_the_same_train_command_trains_each_environment(ray_session, tmp_path, env_name):
     import json

@@ -47,7 +47,7 @@ def _step_in_child(query: str, via: str) -> dict:
            "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     out = subprocess.run([sys.executable, "-c", _STEP], env=env, capture_output=True, text=True,
                          timeout=300, cwd=ROOT)
-    line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT:")), None)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT:")), None)
     assert line is not None, out.stderr[-3000:]
     return json.loads(line[len("RESULT:"):])
 

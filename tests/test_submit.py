@@ -128,6 +128,7 @@ def _raytunix(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+@pytest.mark.slow
 def test_a_bad_config_key_fails_before_anything_is_submitted(ray_head, tmp_path):
     client = jobs.connect(ray_head)
     before = len(client.list_jobs())
@@ -138,6 +139,7 @@ def test_a_bad_config_key_fails_before_anything_is_submitted(ray_head, tmp_path)
     assert len(client.list_jobs()) == before
 
 
+@pytest.mark.slow
 def test_submit_runs_a_tiny_training_job_and_status_shows_it(ray_head, tmp_path):
     project = tmp_path / "project"  # the working dir shipped to the cluster
     project.mkdir()
@@ -180,6 +182,7 @@ def test_submit_runs_a_tiny_training_job_and_status_shows_it(ray_head, tmp_path)
     assert asked["EnvActor"] and all(r == {"raytunix_env": 1.0} for r in asked["EnvActor"]), asked
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_the_job(ray_head, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
     submitter = subprocess.Popen(

@@ -30,6 +30,7 @@ def _rl_records(run_dir):
         return [r for r in map(json.loads, f) if r["phase"] == "rl"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env_name,max_turns,placement,replicas", [
     ("calculator_math", 3, "colocated", 1),
     ("math_verifier", 1, "colocated", 1),
@@ -108,6 +109,7 @@ def _check_profile(run_dir, summary, records, placement, replicas):
     assert [e.step for e in busy] == [r["step"] for r in records]
 
 
+@pytest.mark.slow
 def test_resume_continues_step_counter_optimizer_and_data_position(ray_session, tmp_path):
     from raytunix.learner.checkpoint import Checkpointer
 
@@ -169,6 +171,7 @@ def _checkpoint_extras(run_dir, step):
         return json.load(f)
 
 
+@pytest.mark.slow
 def test_resume_is_bit_identical_to_an_uninterrupted_run(ray_session, tmp_path, monkeypatch):
     """A run stopped after its step-1 checkpoint and resumed ends with the same params,
     optimizer state, RNG and data ledger, bit for bit, as the run that went on."""

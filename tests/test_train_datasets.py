@@ -59,6 +59,7 @@ TINY = [
 ]
 
 
+@pytest.mark.slow
 def test_trains_on_a_jsonl_dataset_of_word_problems(ray_session, tmp_path, word_problems):
     cfg = load_config(None, TINY + [f"run.output_dir={tmp_path}", f"data.path={word_problems}",
                                     "data.overlong_prompts=drop"])

@@ -94,7 +94,7 @@ def _build_database(path: str, rng: random.Random, n_customers: int, n_products:
             "CREATE TABLE orders (id INTEGER PRIMARY KEY, customer_id INTEGER NOT NULL "
             "REFERENCES customers(id), product_id INTEGER NOT NULL REFERENCES products(id), "
             "quantity INTEGER NOT NULL, order_date TEXT NOT NULL);")
-        names = rng.sample([f"{f} {l}" for f in FIRST for l in LAST], n_customers)
+        names = rng.sample([f"{first} {last}" for first in FIRST for last in LAST], n_customers)
         conn.executemany("INSERT INTO customers VALUES (?, ?, ?)",
                          [(i + 1, name, rng.choice(CITIES)) for i, name in enumerate(names)])
         items = [(name, cat) for cat, names_ in CATEGORIES.items() for name in names_]

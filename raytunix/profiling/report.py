@@ -163,13 +163,13 @@ def diagnose(means: dict[str, float], settings: dict[str, Any] | None = None) ->
                            "without it to get a verdict.", {}, [])
         return Verdict("unknown", "no RL step has been profiled (the run stopped or is "
                        "still before RL), so nothing is known to bound it.", {}, [])
-    E = means.get("engine_busy_fraction", float("nan"))
-    L = means.get("learner_busy_fraction", float("nan"))
-    W = means.get("learner_wait_fraction", float("nan"))
+    E = means.get("engine_busy_fraction", float("nan"))  # noqa: N806
+    L = means.get("learner_busy_fraction", float("nan"))  # noqa: N806
+    W = means.get("learner_wait_fraction", float("nan"))  # noqa: N806
     g = means.get("episode_generate_fraction", 0.0)
     v = means.get("episode_env_fraction", 0.0)
     o = means.get("episode_other_fraction", 0.0)
-    O = means.get("orchestrator_cpu_fraction", float("nan"))
+    O = means.get("orchestrator_cpu_fraction", float("nan"))  # noqa: E741, N806
     occupancy = means.get("engine_batch_occupancy", float("nan"))
     episodes = means.get("max_concurrent_episodes",
                          float(rollout.get("max_concurrent_episodes", 0) or 0))
