@@ -28,12 +28,14 @@ from typing import Any
 import gymnasium
 
 from raytunix.envs.base import BaseEnv
+from raytunix.registry import register
 from raytunix.types import TOOL_ERRORS_KEY, Action, EpisodeStatus, StepResult, Task, ToolErrorKind
 
 # Train and held-out seeds come from disjoint ranges of one 63-bit space per data seed.
 _SPLIT_OFFSET = {"train": 0, "heldout": 1 << 31}
 
 
+@register("env", "gymnasium")
 class GymnasiumEnv(BaseEnv):
     """Runs one text ``gymnasium.Env`` episode per raytunix episode.
 
