@@ -26,6 +26,7 @@ import numbers
 from typing import Any
 
 import gymnasium
+import numpy as np
 
 from raytunix.envs.base import BaseEnv
 from raytunix.registry import register
@@ -134,7 +135,7 @@ class GymnasiumEnv(BaseEnv):
             raise TypeError(f"{self.env_id}: step returned reward {reward!r}; it must be a "
                             "finite real number.")
         for name, flag in (("terminated", terminated), ("truncated", truncated)):
-            if not isinstance(flag, (bool, _np_bool())):
+            if not isinstance(flag, (bool, np.bool_)):
                 raise TypeError(f"{self.env_id}: step returned {name}={flag!r}; it must be a bool.")
         done = bool(terminated) or bool(truncated)
         status = None
@@ -190,10 +191,3 @@ def _why_not_contained(text: Any, space: gymnasium.spaces.Text) -> str:
         return f"the reply has {len(text)} characters; at most {space.max_length} are allowed"
     bad = sorted(set(text) - set(space.character_set))
     return f"the reply uses characters the environment does not accept: {''.join(bad[:20])!r}"
-
-
-def _np_bool() -> type:
-    import numpy as np
-
-    return np.bool_
-

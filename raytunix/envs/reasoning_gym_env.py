@@ -144,6 +144,7 @@ def _unscorable(name: str) -> str:
 @functools.cache
 def _scorer(dataset_name: str) -> Callable[[str | None, dict[str, Any]], float]:
     # Building a dataset object is not free; one per dataset name serves every call.
+    # Deferred: importing reasoning_gym takes seconds, paid only by runs that score with it.
     import reasoning_gym
 
     return reasoning_gym.get_score_answer_fn(dataset_name)
