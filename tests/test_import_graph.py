@@ -55,52 +55,53 @@ def imports(package_dir: pathlib.Path) -> list[Import]:
     """Every import of a module of the package under ``package_dir`` by another of its
     modules (see the module docstring for what counts)."""
     modules = module_files(package_dir)
+    found: list[Import] = []
+    for source, path in modules.items():
+        found += _imports_in(source, path, modules, package_dir)
+    return found
+
+
+def _imports_in(source: str, path: pathlib.Path, modules: dict[str, pathlib.Path],
+                package_dir: pathlib.Path) -> list[Import]:
     top = package_dir.name
+    is_package = path.name == "__init__.py"
+    enclosing = set(_ancestors(source))
     found: list[Import] = []
 
-    def named(dotted: str) -> str | None:  # the longest prefix that is a module
-        while dotted and dotted not in modules:
+    def add(dotted: str, node: ast.stmt, deferred: bool) -> None:
+        while dotted and dotted not in modules:  # the longest prefix that is a module
             dotted = dotted.rpartition(".")[0]
-        return dotted or None
+        if not dotted or dotted == source:
+            return
+        where = f"{path.relative_to(package_dir.parent)}:{node.lineno}"
+        for name in [*_ancestors(dotted), dotted]:
+            if name != source and (name == dotted or name not in enclosing):
+                found.append(Import(source, name, where, deferred))
 
-    for source, path in modules.items():
-        is_package = path.name == "__init__.py"
-
-        def add(dotted: str, node: ast.stmt, deferred: bool) -> None:
-            target = named(dotted)
-            if target is None or target == source:
-                return
-            where = f"{path.relative_to(package_dir.parent)}:{node.lineno}"
-            enclosing = set(_ancestors(source))
-            for name in [*_ancestors(target), target]:
-                if name != source and (name == target or name not in enclosing):
-                    found.append(Import(source, name, where, deferred))
-
-        def visit(node: ast.AST, deferred: bool) -> None:
-            for child in ast.iter_child_nodes(node):
-                if isinstance(child, ast.If) and _is_type_checking(child.test):
-                    for stmt in child.orelse:
-                        visit(stmt, deferred)
-                    continue
-                inner = deferred or isinstance(
-                    child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
-                if isinstance(child, ast.Import):
+    def visit(node: ast.AST, deferred: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child.test):
+                for stmt in child.orelse:
+                    visit(stmt, deferred)
+                continue
+            if isinstance(child, ast.Import):
+                for alias in child.names:
+                    if alias.name.split(".")[0] == top:
+                        add(alias.name, child, deferred)
+            elif isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = source.split(".")
+                    base = base[:len(base) - child.level + is_package]
+                    module = ".".join(base + ([child.module] if child.module else []))
+                else:
+                    module = child.module or ""
+                if module.split(".")[0] == top:
                     for alias in child.names:
-                        if alias.name.split(".")[0] == top:
-                            add(alias.name, child, deferred)
-                elif isinstance(child, ast.ImportFrom):
-                    if child.level:
-                        base = source.split(".")
-                        base = base[:len(base) - child.level + is_package]
-                        module = ".".join(base + ([child.module] if child.module else []))
-                    else:
-                        module = child.module or ""
-                    if module.split(".")[0] == top:
-                        for alias in child.names:
-                            add(f"{module}.{alias.name}", child, deferred)
-                visit(child, inner)
+                        add(f"{module}.{alias.name}", child, deferred)
+            visit(child, deferred or isinstance(
+                child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
 
-        visit(ast.parse(path.read_text(), filename=str(path)), False)
+    visit(ast.parse(path.read_text(), filename=str(path)), False)
     return found
 
 
@@ -149,7 +150,8 @@ def test_no_cycle_through_deferred_imports():
     edges = imports(PACKAGE_DIR)
     cycle = find_cycle(edges)
     deferred = sorted({f"{e.source} -> {e.target} ({e.where})" for e in edges if e.deferred})
-    assert cycle is None, describe(cycle) + "\ndeferred raytunix imports:\n  " + "\n  ".join(deferred)
+    assert cycle is None, (describe(cycle) + "\ndeferred raytunix imports:\n  "
+                           + "\n  ".join(deferred))
 
 
 def test_the_registry_is_a_leaf():
@@ -184,8 +186,8 @@ def test_the_graph_sees_cycles_and_leaves_out_type_checking(tmp_path):
 
 
 def _fresh_python(code: str) -> str:
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=300, cwd=PACKAGE_DIR.parent)
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], check=False,
+                          capture_output=True, text=True, timeout=300, cwd=PACKAGE_DIR.parent)
     assert done.returncode == 0, done.stderr
     return done.stdout
 

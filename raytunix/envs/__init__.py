@@ -19,7 +19,12 @@ from typing import Any
 from raytunix import registry
 from raytunix.envs.base import BaseEnv
 from raytunix.envs.bash_env import BashTerminalEnv
-from raytunix.envs.gym_text import GYMNASIUM_NAMESPACE, GymTextEnv, make_gym_env, register_gymnasium_ids
+from raytunix.envs.gym_text import (
+    GYMNASIUM_NAMESPACE,
+    GymTextEnv,
+    make_gym_env,
+    register_gymnasium_ids,
+)
 from raytunix.envs.gymnasium_env import GymnasiumEnv
 from raytunix.envs.math_envs import CalculatorMathEnv, MathVerifierEnv
 from raytunix.envs.python_math import PythonMathEnv

@@ -20,7 +20,6 @@ API.
 from __future__ import annotations
 
 import abc
-import string
 import traceback
 from typing import Any, ClassVar, Sequence
 
