@@ -1,7 +1,7 @@
 """Environments, agents and tools named in config: a registered name or an import path.
 
-A name is looked up in raytunix's own registry first (``raytunix.envs.ENVS``,
-``raytunix.agents.AGENTS``, ``raytunix.tools.TOOLS``), then in the entry points that
+A name is looked up in the registry first (``raytunix.registry``: raytunix's own classes
+and any that ``@register`` themselves in this process), then in the entry points that
 installed packages declare (groups ``raytunix.envs``, ``raytunix.agents``,
 ``raytunix.tools``); anything else of the form ``package.module:Class`` is imported::
 
@@ -17,13 +17,12 @@ put it on their ``sys.path`` (``add_import_paths``). That covers one machine and
 with a shared filesystem; otherwise install the package on every node or ship it with
 the job (Ray's ``runtime_env``: ``working_dir`` or ``py_modules``).
 
-Nothing here imports Ray or JAX.
+Nothing here imports Ray or JAX. This module sits above ``raytunix.envs``,
+``raytunix.agents`` and ``raytunix.tools``; they use ``raytunix.registry`` directly.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.metadata
 import importlib.util
 import inspect
 import os
@@ -32,51 +31,35 @@ import sys
 import typing
 from typing import Any, Iterable, Mapping
 
-# kind -> (what it is called in messages, entry-point group)
-KINDS = {
-    "env": ("environment", "raytunix.envs"),
-    "agent": ("agent", "raytunix.agents"),
-    "tool": ("tool", "raytunix.tools"),
-}
+# Importing the three packages registers raytunix's own names.
+from raytunix import registry
+from raytunix.agents import ConversationAgentBase
+from raytunix.envs import BaseEnv
+from raytunix.registry import (
+    KINDS,
+    PluginError,
+    entry_points,
+    import_object,
+    is_import_path,
+    registered_names,
+)
+from raytunix.tools import Tool
 
+_BASES: dict[str, type] = {"env": BaseEnv, "agent": ConversationAgentBase, "tool": Tool}
 
-class PluginError(ValueError):
-    """A name or import path cannot be resolved, or constructor arguments do not fit; the
-    message names the bad value and says what to do."""
-
-
-def is_import_path(spec: str) -> bool:
-    """True for ``package.module:Attribute`` (a colon with text on both sides)."""
-    module, sep, attr = spec.partition(":")
-    return bool(sep and module and attr)
+__all__ = ["KINDS", "PluginError", "add_import_paths", "builtin", "check_kwargs",
+           "entry_points", "import_object", "import_root", "is_import_path", "module_roots",
+           "registered_names", "resolve"]
 
 
 def builtin(kind: str) -> dict[str, type]:
-    """raytunix's own registry of ``kind`` ("env", "agent" or "tool")."""
-    _check_kind(kind)
-    if kind == "env":
-        from raytunix.envs import ENVS as registry
-    elif kind == "agent":
-        from raytunix.agents import AGENTS as registry
-    else:
-        from raytunix.tools import TOOLS as registry
-    return dict(registry)
-
-
-def entry_points(kind: str) -> dict[str, importlib.metadata.EntryPoint]:
-    """Entry points that installed packages declare for ``kind`` (not loaded yet)."""
-    _check_kind(kind)
-    return {ep.name: ep for ep in importlib.metadata.entry_points(group=KINDS[kind][1])}
-
-
-def registered_names(kind: str) -> list[str]:
-    """Built-in names, then entry-point names (a built-in name wins over an entry point)."""
-    names = builtin(kind)
-    return sorted(names) + sorted(set(entry_points(kind)) - set(names))
+    """A copy of the registry of ``kind`` ("env", "agent" or "tool")."""
+    return dict(registry.entries(kind))
 
 
 def resolve(kind: str, spec: str) -> type:
-    """The class named by ``spec`` for ``kind``.
+    """The class named by ``spec`` for ``kind`` (``raytunix.registry.resolve`` with the
+    kind's base class).
 
     Args:
       kind: "env" (a ``BaseEnv`` subclass), "agent" (a ``ConversationAgentBase``
@@ -84,76 +67,12 @@ def resolve(kind: str, spec: str) -> type:
       spec: a registered name, an entry-point name, or ``package.module:Class``.
 
     Raises:
+      ValueError: ``kind`` is unknown.
       PluginError: unknown name, module or attribute that cannot be imported, or an object
         that is not a subclass of the kind's base class; the message lists the registered
         names.
     """
-    what, group = KINDS[_check_kind(kind)]
-    if not isinstance(spec, str) or not spec.strip():
-        raise PluginError(f"{what} {spec!r} is not a name; give a registered name "
-                          f"({', '.join(registered_names(kind))}) or package.module:Class.")
-    registry = builtin(kind)
-    if spec in registry:
-        obj = registry[spec]
-    elif spec in (eps := entry_points(kind)):
-        try:
-            obj = eps[spec].load()
-        except Exception as e:  # noqa: BLE001 - a third party's import error, reported whole
-            raise PluginError(
-                f"{what} {spec!r} is the entry point {eps[spec].value!r} (group {group!r}, "
-                f"package {_dist_name(eps[spec])}), which fails to load: "
-                f"{type(e).__name__}: {e}") from e
-    elif is_import_path(spec):
-        obj = import_object(spec, what)
-    else:
-        raise PluginError(
-            f"unknown {what} {spec!r}; registered: {', '.join(registered_names(kind))}; or "
-            f"give an import path package.module:Class (packages can also register names "
-            f"through the {group!r} entry-point group).")
-    base = _base_class(kind)
-    if not (inspect.isclass(obj) and issubclass(obj, base)):
-        raise PluginError(
-            f"{what} {spec!r} is {_describe(obj)}, not a subclass of {base.__module__}."
-            f"{base.__qualname__}.")
-    if inspect.isabstract(obj):
-        missing = ", ".join(sorted(getattr(obj, "__abstractmethods__", ())))
-        raise PluginError(f"{what} {spec!r} ({obj.__qualname__}) is abstract; implement {missing}.")
-    return obj
-
-
-def import_object(path: str, what: str = "object") -> Any:
-    """Imports ``package.module:Attribute`` (the attribute may be dotted, ``mod:Outer.Inner``).
-
-    Raises:
-      PluginError: the path is malformed, the module cannot be imported (the message says
-        where Python looked), or it has no such attribute.
-    """
-    if not is_import_path(path):
-        raise PluginError(f"{what} {path!r} is not an import path; write package.module:Class.")
-    module_name, _, attr = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name and not module_name.startswith(e.name) and not e.name.startswith(module_name):
-            # The module exists; one of its own imports is missing.
-            raise PluginError(f"{what} {path!r}: importing {module_name!r} failed: {e}") from e
-        raise PluginError(
-            f"{what} {path!r}: no module named {module_name!r} on this process's path "
-            f"(pid {os.getpid()}; cwd {os.getcwd()!r}). Run from the directory that holds it, "
-            "add that directory to PYTHONPATH, or pip install its package.") from e
-    except Exception as e:  # noqa: BLE001 - the user's module raised while importing
-        raise PluginError(f"{what} {path!r}: importing {module_name!r} raised "
-                          f"{type(e).__name__}: {e}") from e
-    obj: Any = module
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            names = sorted(n for n in vars(module) if not n.startswith("_"))
-            raise PluginError(
-                f"{what} {path!r}: module {module_name!r} has no attribute {attr!r}; it "
-                f"defines: {', '.join(names[:30])}.") from None
-    return obj
+    return registry.resolve(kind, spec, _BASES[registry.check_kind(kind)])
 
 
 def check_kwargs(cls: type, kwargs: Mapping[str, Any], *, key: str,
@@ -289,32 +208,12 @@ def add_import_paths(paths: Iterable[str]) -> None:
             sys.path.insert(0, path)
 
 
-def _check_kind(kind: str) -> str:
-    if kind not in KINDS:
-        raise ValueError(f"kind {kind!r} is not one of {', '.join(KINDS)}")
-    return kind
 
 
-def _base_class(kind: str) -> type:
-    if kind == "env":
-        from raytunix.envs.base import BaseEnv
-        return BaseEnv
-    if kind == "agent":
-        from raytunix.agents.base import ConversationAgentBase
-        return ConversationAgentBase
-    from raytunix.tools.base import Tool
-    return Tool
 
 
-def _describe(obj: Any) -> str:
-    if inspect.isclass(obj):
-        return f"the class {obj.__module__}.{obj.__qualname__}"
-    return f"a {type(obj).__name__} ({obj!r:.60})"
 
 
-def _dist_name(ep: importlib.metadata.EntryPoint) -> str:
-    dist = getattr(ep, "dist", None)
-    return repr(dist.name) if dist is not None else "unknown"
 
 
 def _type_hints(cls: type) -> dict[str, Any]:

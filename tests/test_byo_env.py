@@ -292,8 +292,9 @@ def test_from_gymnasium_says_what_is_wrong():
 def test_gymnasium_make_knows_every_registered_raytunix_env():
     from gymnasium.utils.env_checker import check_env
 
-    from raytunix.envs import ENVS
+    from raytunix.envs import ENVS, register_gymnasium_ids
 
+    register_gymnasium_ids()
     assert {f"raytunix/{name}" for name in ENVS} <= set(gymnasium.registry)
     env = gymnasium.make("raytunix/math_verifier", num_tasks=8, seed=1)
     observation, info = env.reset(seed=0)

@@ -205,3 +205,30 @@ def test_sample_tasks_spreads_over_the_dataset():
     tasks = [Task(str(i), "q", "a") for i in range(10)]
     assert [t.task_id for t in sample_tasks(tasks, 4)] == ["0", "3", "6", "9"]
     assert sample_tasks(tasks, 20) == tasks and sample_tasks(tasks, 0) == []
+
+
+def test_register_names_a_class_for_make_env_and_gymnasium():
+    from raytunix.registry import PluginError as RegistryError, register
+
+    class CoinEnv(MathVerifierEnv):
+        """A class of the test's own, named by the decorator."""
+
+    try:
+        assert register("env", "coin_test")(CoinEnv) is CoinEnv
+        assert ENVS["coin_test"] is CoinEnv  # ENVS is the registry itself
+        assert plugins.resolve("env", "coin_test") is CoinEnv
+        assert isinstance(make_env("coin_test"), CoinEnv)
+        assert "coin_test" in plugins.registered_names("env")
+        register("env", "coin_test")(CoinEnv)  # the same class again (a reload): kept
+        with pytest.raises(RegistryError, match="'coin_test' is taken by .*CoinEnv; register "
+                           ".*MathVerifierEnv under another name"):
+            register("env", "coin_test")(MathVerifierEnv)
+        assert "raytunix/coin_test" in register_gymnasium_ids()
+        assert gymnasium.make("raytunix/coin_test", num_tasks=2).reset(seed=0)[0]
+    finally:
+        ENVS.pop("coin_test", None)
+        gymnasium.registry.pop("raytunix/coin_test", None)
+    with pytest.raises(RegistryError, match="name 'a:b' must be a non-empty string without ':'"):
+        register("agent", "a:b")
+    with pytest.raises(ValueError, match="kind 'model' is not one of env, agent, tool"):
+        register("model", "m")

@@ -7,7 +7,7 @@ import reasoning_gym
 
 from raytunix.config import load_config
 from raytunix.data.tasks import dataset_splits
-from raytunix.envs import ReasoningGymEnv, make_env
+from raytunix.envs import ReasoningGymEnv, make_env, register_gymnasium_ids
 from raytunix.types import Action, EpisodeStatus, Task
 
 
@@ -67,6 +67,7 @@ def test_preset_and_gymnasium_id():
     cfg = load_config("reasoning_gym", ["env.kwargs.task=spell_backward"])
     assert (cfg.env.name, cfg.env.kwargs, cfg.warmup.enabled) == (
         "reasoning_gym", {"task": "spell_backward"}, False)
+    register_gymnasium_ids()
     env = gymnasium.make("raytunix/reasoning_gym", task="leg_counting", num_tasks=4)
     observation, info = env.reset(seed=0)
     task = next(t for t in env.unwrapped.tasks if t.task_id == info["task_id"])

@@ -468,6 +468,9 @@ def test_the_readme_lists_every_preset():
 def test_shipped_envs_run_behind_gymnasium_make():
     import gymnasium
 
+    from raytunix.envs import register_gymnasium_ids
+
+    register_gymnasium_ids()
     sql = gymnasium.make("raytunix/text_to_sql", num_tasks=4, seed=0)
     observation, info = sql.reset(seed=0)
     assert "Tables: customers" in observation and info["task_id"].startswith("train-")

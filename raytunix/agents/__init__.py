@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from raytunix import registry
 from raytunix.agents.base import ConversationAgentBase
 from raytunix.agents.encoding import ConversationEncoder
 from raytunix.agents.parsers import (
@@ -23,11 +24,8 @@ from raytunix.agents.parsers import (
 from raytunix.agents.text_agent import TextAgent
 from raytunix.agents.tool_agent import AnswerAgent, ToolAgent
 
-AGENTS: dict[str, type[ConversationAgentBase]] = {
-    "tool": ToolAgent,
-    "answer": AnswerAgent,
-    "text": TextAgent,
-}
+# The live registry: each agent registers itself (``@register("agent", name)``) on import.
+AGENTS: dict[str, type[ConversationAgentBase]] = registry.entries("agent")
 
 
 def make_agent(name: str, tokenizer: Any, **kwargs: Any) -> ConversationAgentBase:
@@ -36,12 +34,10 @@ def make_agent(name: str, tokenizer: Any, **kwargs: Any) -> ConversationAgentBas
     ``tokenizer``, with ``kwargs`` for its constructor (e.g. ``system_prompt``).
 
     Raises:
-      raytunix.plugins.PluginError (a ValueError): ``name`` does not resolve to a
+      raytunix.registry.PluginError (a ValueError): ``name`` does not resolve to a
         ``ConversationAgentBase`` subclass (the message lists the registered names).
     """
-    from raytunix.plugins import resolve
-
-    return resolve("agent", name)(tokenizer, **kwargs)
+    return registry.resolve("agent", name, ConversationAgentBase)(tokenizer, **kwargs)
 
 
 __all__ = [

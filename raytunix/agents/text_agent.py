@@ -4,9 +4,11 @@ take free text (and for benchmarks driving a random-weight model)."""
 from __future__ import annotations
 
 from raytunix.agents.base import ConversationAgentBase
+from raytunix.registry import register
 from raytunix.types import Action, FinishReason, GenerationResult
 
 
+@register("agent", "text")
 class TextAgent(ConversationAgentBase):
     """Passes the model's text through as ``Action(text=text)``; never a parse error. The
     end-of-turn token that closes a reply is not part of the action (a text environment,

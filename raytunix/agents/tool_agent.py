@@ -14,9 +14,12 @@ from raytunix.agents.parsers import (
     parse_answer_action,
 )
 from raytunix.models.chat_template import ChatTemplate, load_chat_template
+from raytunix.registry import register
+from raytunix.tools import resolve_tool
 from raytunix.types import Action
 
 
+@register("agent", "tool")
 class ToolAgent(ConversationAgentBase):
     """Multi-turn agent: each turn is one or more tool calls or a final answer, in the
     format of ``tool_parser``; anything else is a parse error the environment answers with
@@ -88,6 +91,7 @@ class ToolAgent(ConversationAgentBase):
         return self.tool_parser.parse(text)
 
 
+@register("agent", "answer")
 class AnswerAgent(ConversationAgentBase):
     """Single-turn agent: the reply must hold ``<answer>...</answer>``; otherwise
     ``Action(answer=None, parse_error=...)``."""
@@ -98,9 +102,7 @@ class AnswerAgent(ConversationAgentBase):
 
 def _schema(tool: Any) -> dict[str, Any]:
     if isinstance(tool, str):  # a registered tool name or package.module:Class, from config
-        from raytunix.plugins import resolve
-
-        cls = resolve("tool", tool)  # its schema is class-level: nothing is started
+        cls = resolve_tool(tool)  # its schema is class-level: nothing is started
         return {"type": "function", "function": {
             "name": cls.name, "description": cls.description, "parameters": cls.parameters}}
     if hasattr(tool, "function_schema"):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from raytunix.data.answers import score_answer  # noqa: F401  (its home before the shared math answer rule)
+from raytunix.data.datasets import reasoning_gym_splits
 from raytunix.types import Task
 
 DATASET_NAME = "basic_arithmetic"
@@ -46,8 +47,6 @@ def make_arithmetic_splits(
         raise ValueError(
             f"sizes must be >= 0, got train_size={train_size}, heldout_size={heldout_size}"
         )
-    from raytunix.data.datasets import reasoning_gym_splits
-
     train, heldout = reasoning_gym_splits(
         DATASET_NAME, train_size, heldout_size, seed, min_terms=min_terms,
         max_terms=max_terms, min_digits=min_digits, max_digits=max_digits)

@@ -15,6 +15,7 @@ import random
 from typing import Any, Callable
 
 from raytunix.envs.tool_task import ToolTaskEnv, draw_tasks, read_state, write_files
+from raytunix.registry import register
 from raytunix.sandbox import SandboxClient, SandboxSession
 from raytunix.tools import BashTool, PythonTool
 from raytunix.types import Task
@@ -131,6 +132,7 @@ _WHAT = {"missing": "no such file", "file": "a file", "dir": "a directory",
          "unreadable": "unreadable", "long": "a file longer than expected"}
 
 
+@register("env", "bash_terminal")
 class BashTerminalEnv(ToolTaskEnv):
     """Shell tasks in a sandbox, rewarded by a check of the work dir's final state.
 

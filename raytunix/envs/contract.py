@@ -155,11 +155,13 @@ def check_step_result(value: Any, env: Any) -> StepResult:
 def _user_method(env: Any, method: str) -> Callable | None:
     """The environment's own code behind ``method``: ``BaseEnv.reset``/``step`` call
     ``_initial_observation``/``_step_impl``, unless the class overrides them."""
-    from raytunix.envs.base import BaseEnv
-
     cls = type(env)
     inner = {"reset": "_initial_observation", "step": "_step_impl"}.get(method)
-    if inner and isinstance(env, BaseEnv) and getattr(cls, method) is getattr(BaseEnv, method):
+    # BaseEnv is found by its shape, not imported (base.py imports this module): the class
+    # that defines ``method`` and declares ``inner`` abstract.
+    owner = next((k for k in cls.__mro__ if method in vars(k)), None)
+    declared = vars(owner).get(inner) if inner and owner is not None else None
+    if getattr(declared, "__isabstractmethod__", False):
         method = inner
     return getattr(cls, method, None)
 

@@ -26,14 +26,17 @@ import numbers
 from typing import Any
 
 import gymnasium
+import numpy as np
 
 from raytunix.envs.base import BaseEnv
+from raytunix.registry import register
 from raytunix.types import TOOL_ERRORS_KEY, Action, EpisodeStatus, StepResult, Task, ToolErrorKind
 
 # Train and held-out seeds come from disjoint ranges of one 63-bit space per data seed.
 _SPLIT_OFFSET = {"train": 0, "heldout": 1 << 31}
 
 
+@register("env", "gymnasium")
 class GymnasiumEnv(BaseEnv):
     """Runs one text ``gymnasium.Env`` episode per raytunix episode.
 
@@ -132,7 +135,7 @@ class GymnasiumEnv(BaseEnv):
             raise TypeError(f"{self.env_id}: step returned reward {reward!r}; it must be a "
                             "finite real number.")
         for name, flag in (("terminated", terminated), ("truncated", truncated)):
-            if not isinstance(flag, (bool, _np_bool())):
+            if not isinstance(flag, (bool, np.bool_)):
                 raise TypeError(f"{self.env_id}: step returned {name}={flag!r}; it must be a bool.")
         done = bool(terminated) or bool(truncated)
         status = None
@@ -188,10 +191,3 @@ def _why_not_contained(text: Any, space: gymnasium.spaces.Text) -> str:
         return f"the reply has {len(text)} characters; at most {space.max_length} are allowed"
     bad = sorted(set(text) - set(space.character_set))
     return f"the reply uses characters the environment does not accept: {''.join(bad[:20])!r}"
-
-
-def _np_bool() -> type:
-    import numpy as np
-
-    return np.bool_
-

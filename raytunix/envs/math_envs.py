@@ -14,7 +14,8 @@ from typing import Sequence
 
 from raytunix.data.answers import score_answer
 from raytunix.envs.base import BaseEnv
-from raytunix.tools import Calculator, Tool, ToolResult
+from raytunix.registry import register
+from raytunix.tools import Calculator, Tool, ToolResult, resolve_tool
 from raytunix.types import (
     TOOL_ERRORS_KEY,
     Action,
@@ -29,6 +30,7 @@ from raytunix.types import (
 _TOOL_THREADS = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="tool")
 
 
+@register("env", "calculator_math")
 class CalculatorMathEnv(BaseEnv):
     """Multi-turn math with tools: tool calls get their results back, an answer ends the
     episode.
@@ -145,13 +147,12 @@ def _tool(tool: Tool | str) -> Tool:
     if isinstance(tool, Tool):
         return tool
     if isinstance(tool, str):
-        from raytunix.plugins import resolve
-
-        return resolve("tool", tool)()
+        return resolve_tool(tool)()
     raise TypeError(f"a tool must be a Tool or a tool's name, got {type(tool).__qualname__} "
                     f"({tool!r:.60})")
 
 
+@register("env", "math_verifier")
 class MathVerifierEnv(BaseEnv):
     """Single-turn math: the one action's answer is scored and the episode ends.
 

@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 from raytunix.data.answers import MAX_ANSWER_CHARS, parse_number, score_answer, unwrap
 from raytunix.envs.tool_task import ToolTaskEnv, draw_tasks
+from raytunix.registry import register
 from raytunix.sandbox import SandboxClient, SandboxSession
 from raytunix.tools import PythonTool
 from raytunix.types import Task
@@ -95,6 +96,7 @@ def numeric_answer_matches(answer: str | None, task: Task) -> bool:
     return parse_number(unwrap(answer)) == expected
 
 
+@register("env", "python_math")
 class PythonMathEnv(ToolTaskEnv):
     """Multi-turn math with the sandboxed ``python`` tool.
 

@@ -21,7 +21,9 @@ import functools
 from typing import Any, Callable
 
 from raytunix.data.answers import blank_answer
+from raytunix.data.datasets import reasoning_gym_splits
 from raytunix.envs.base import BaseEnv
+from raytunix.registry import register
 from raytunix.types import Action, EpisodeStatus, StepResult, Task
 
 # Held-out entries are drawn from seeds this far above the run's seed, away from any train
@@ -39,6 +41,7 @@ UNSCORABLE = {
 }
 
 
+@register("env", "reasoning_gym")
 class ReasoningGymEnv(BaseEnv):
     """One reasoning-gym question, one answer, reward = reasoning-gym's score for it.
 
@@ -81,8 +84,6 @@ class ReasoningGymEnv(BaseEnv):
             raise ValueError(f"partial_credit={partial_credit!r} must be true or false")
         self.partial_credit = partial_credit
         if task is not None:
-            from raytunix.data.datasets import reasoning_gym_splits
-
             reasoning_gym_splits(task, 1, 0, 0, **(dataset_kwargs or {}))  # checks both
         elif dataset_kwargs:
             raise ValueError(f"dataset_kwargs={dataset_kwargs} needs task (the reasoning-gym "
@@ -95,8 +96,6 @@ class ReasoningGymEnv(BaseEnv):
         ``seed + HELDOUT_SEED_OFFSET``), or None without a task name."""
         if self.task_name is None:
             return None
-        from raytunix.data.datasets import reasoning_gym_splits
-
         if split == "train":
             return reasoning_gym_splits(self.task_name, size, 0, seed, **self.dataset_kwargs)[0]
         return reasoning_gym_splits(self.task_name, 0, size, seed + HELDOUT_SEED_OFFSET,
@@ -145,6 +144,7 @@ def _unscorable(name: str) -> str:
 @functools.cache
 def _scorer(dataset_name: str) -> Callable[[str | None, dict[str, Any]], float]:
     # Building a dataset object is not free; one per dataset name serves every call.
+    # Deferred: importing reasoning_gym takes seconds, paid only by runs that score with it.
     import reasoning_gym
 
     return reasoning_gym.get_score_answer_fn(dataset_name)

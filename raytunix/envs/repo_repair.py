@@ -18,6 +18,7 @@ from typing import Any
 
 from raytunix.envs.hidden_tests import DEFAULT_TEST_TIMEOUT_S, run_hidden_tests
 from raytunix.envs.tool_task import ToolTaskEnv, write_files
+from raytunix.registry import register
 from raytunix.sandbox import SandboxClient, SandboxSession
 from raytunix.tools import BashTool, PythonTool
 from raytunix.types import Task
@@ -255,6 +256,7 @@ class HiddenCartTest(unittest.TestCase):
 PROJECTS: dict[str, Project] = {project.name: project for project in (TEXTSTATS, CART)}
 
 
+@register("env", "repo_repair")
 class RepoRepairEnv(ToolTaskEnv):
     """Fix a bug in a tiny Python project; reward 1.0 when its hidden tests pass.
 

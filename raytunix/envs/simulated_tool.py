@@ -18,11 +18,13 @@ import random
 import time
 
 from raytunix.envs.base import BaseEnv
+from raytunix.registry import register
 from raytunix.types import Action, EpisodeStatus, StepResult, Task
 
 LATENCY_DISTRIBUTIONS = ("uniform", "lognormal")
 
 
+@register("env", "simulated_tool")
 class SimulatedToolEnv(BaseEnv):
     """Multi-turn environment in which each action costs one tool call of random latency.
 

@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 from raytunix.envs.sql_worker import QueryFailed, SQLWorkerPool
 from raytunix.envs.tool_task import ToolTaskEnv, draw_tasks
+from raytunix.registry import register
 from raytunix.tools.base import Tool, ToolError
 from raytunix.types import Task, ToolErrorKind
 
@@ -307,6 +308,7 @@ TEMPLATES: dict[str, _Template] = {
 }
 
 
+@register("env", "text_to_sql")
 class TextToSQLEnv(ToolTaskEnv):
     """Questions about a shop database answered with SQL (SQLite).
 

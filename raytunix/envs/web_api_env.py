@@ -31,6 +31,7 @@ from typing import Any
 
 from raytunix.data.answers import score_answer
 from raytunix.envs.tool_task import ToolTaskEnv, draw_tasks
+from raytunix.registry import register
 from raytunix.rollout.faults import Backoff
 from raytunix.tools.base import Tool, ToolError
 from raytunix.types import Task, ToolErrorKind
@@ -242,6 +243,7 @@ def _message(body: str) -> str:
         return body[:200]
 
 
+@register("env", "web_api")
 class WebAPIEnv(ToolTaskEnv):
     """Shopping questions answered with prices fetched from a web API on localhost.
 

@@ -17,11 +17,9 @@ import threading
 from typing import Mapping, Sequence
 
 from raytunix.sandbox.sandbox import Sandbox
-from raytunix.sandbox.types import SandboxClient, SandboxLimits, SandboxResult
+from raytunix.sandbox.types import DEFAULT_POOL_NAME, SandboxClient, SandboxLimits, SandboxResult
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_POOL_NAME = "raytunix-sandbox"
 
 _LOCAL: dict[tuple[SandboxLimits, str, bool], Sandbox] = {}
 _LOCAL_LOCK = threading.Lock()
@@ -40,6 +38,7 @@ def connect(pool: str = DEFAULT_POOL_NAME, *, limits: SandboxLimits | None = Non
         what is missing).
     """
     if "ray" in sys.modules:
+        # Deferred: the pool module imports Ray, which a process outside a Ray job skips.
         from raytunix.sandbox.pool import find_pool
 
         client = find_pool(pool)

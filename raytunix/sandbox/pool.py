@@ -34,9 +34,9 @@ from typing import Any, Mapping, Sequence
 import ray
 
 from raytunix import heap, profiling
-from raytunix.sandbox.client import DEFAULT_POOL_NAME
 from raytunix.sandbox.sandbox import Sandbox
 from raytunix.sandbox.types import (
+    DEFAULT_POOL_NAME,
     SandboxLimits,
     SandboxResult,
     SandboxUnavailable,

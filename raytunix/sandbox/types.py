@@ -13,6 +13,9 @@ from typing import Mapping, Protocol, Sequence, runtime_checkable
 
 from raytunix.types import EnvFailure
 
+# The Ray actor name of a job's sandbox pool, where clients look for it.
+DEFAULT_POOL_NAME = "raytunix-sandbox"
+
 
 class SandboxBackend(str, enum.Enum):
     """What ran the command."""

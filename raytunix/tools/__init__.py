@@ -4,12 +4,25 @@ given a shared ``SandboxSession``."""
 
 from __future__ import annotations
 
+from raytunix import registry
 from raytunix.tools.base import Tool, ToolError, ToolResult
 from raytunix.tools.bash_tool import BashTool
 from raytunix.tools.calculator import Calculator
 from raytunix.tools.python_tool import PythonTool
 
-TOOLS: dict[str, type[Tool]] = {tool.name: tool for tool in (Calculator, PythonTool, BashTool)}
+# The live registry: each tool registers itself (``@register("tool", name)``) on import.
+TOOLS: dict[str, type[Tool]] = registry.entries("tool")
+
+
+def resolve_tool(spec: str) -> type[Tool]:
+    """The ``Tool`` subclass named by ``spec``: a registered name, a package's entry point
+    (group ``raytunix.tools``) or ``package.module:Class``.
+
+    Raises:
+      raytunix.registry.PluginError (a ValueError): ``spec`` does not resolve to a
+        concrete ``Tool`` subclass (the message lists the registered names).
+    """
+    return registry.resolve("tool", spec, Tool)
 
 
 def get_tool(name: str) -> Tool:
@@ -25,4 +38,4 @@ def get_tool(name: str) -> Tool:
 
 
 __all__ = ["BashTool", "Calculator", "PythonTool", "TOOLS", "Tool", "ToolError", "ToolResult",
-           "get_tool"]
+           "get_tool", "resolve_tool"]

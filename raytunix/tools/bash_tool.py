@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from raytunix.registry import register
 from raytunix.sandbox import SandboxLimits, SandboxSession
 from raytunix.tools.sandboxed import DEFAULT_MAX_INPUT_CHARS, SandboxedTool, render_output
 
 
+@register("tool", "bash")
 class BashTool(SandboxedTool):
     """Runs one shell command and returns its output, as a terminal would show it.
 

@@ -12,6 +12,7 @@ import math
 import operator
 from typing import Any, Callable
 
+from raytunix.registry import register
 from raytunix.tools.base import Tool, ToolError
 
 MAX_EXPRESSION_CHARS = 200
@@ -27,6 +28,7 @@ _BINARY_OPS: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
 }
 
 
+@register("tool", "calculator")
 class Calculator(Tool):
     """Evaluates one arithmetic expression on integers and decimals.
 

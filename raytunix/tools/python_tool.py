@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from raytunix.registry import register
 from raytunix.sandbox import SandboxLimits, SandboxSession
 from raytunix.tools.base import ToolError
 from raytunix.tools.sandboxed import DEFAULT_MAX_INPUT_CHARS, SandboxedTool, render_output
 
 
+@register("tool", "python")
 class PythonTool(SandboxedTool):
     """Runs a complete Python 3 program and returns what it printed.
 
