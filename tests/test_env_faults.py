@@ -93,6 +93,20 @@ def test_a_reward_that_is_not_a_finite_number_is_reported(reward, problem):
     assert isinstance(report, EnvErrorReport) and report.kind == f"ScriptedEnv.step:{problem}"
 
 
+@pytest.mark.parametrize("reward", [1e39, -1e308, np.float64(3.5e38)])
+def test_a_finite_reward_too_large_for_a_float32_batch_is_reported(reward):
+    # Batches hold rewards as float32: a larger float64 reward would turn into inf there
+    # and stop the learner's update, so it ends the episode here instead.
+    report = _step(ScriptedEnv(reward=reward))
+    assert isinstance(report, EnvErrorReport)
+    assert report.kind == "ScriptedEnv.step:reward_out_of_range" and "float32" in report.message
+
+
+def test_the_largest_float32_reward_is_taken():
+    result = _step(ScriptedEnv(reward=float(np.finfo(np.float32).max)))
+    assert isinstance(result, StepResult) and np.isfinite(np.float32(result.reward))
+
+
 @pytest.mark.parametrize("reward", [np.float32(0.5), np.int64(1), np.array(0.25), 1, True])
 def test_numpy_and_integer_rewards_are_taken_as_floats(reward):
     result = _step(ScriptedEnv(reward=reward))
@@ -183,6 +197,32 @@ def test_an_episode_whose_env_fails_ends_as_env_error_with_the_report(env_kwargs
     trajectory = _episode(**env_kwargs)
     assert trajectory.status == EpisodeStatus.ENV_ERROR and trajectory.reward == 0.0
     assert trajectory.error_report.kind == kind and kind in trajectory.error
+
+
+class _TwoHugeStepsEnv(ScriptedEnv):
+    """Two steps of 3e38 each: every step is in float32's range, their sum is not."""
+
+    def _step_impl(self, action: Action) -> StepResult:
+        self.steps = getattr(self, "steps", 0) + 1
+        return StepResult(observation="more", reward=3e38, done=self.steps >= 2,
+                          status=EpisodeStatus.COMPLETED if self.steps >= 2 else None)
+
+
+def test_an_episode_whose_rewards_sum_past_float32_ends_as_env_error():
+    from raytunix.agents import make_agent
+    from raytunix.models.tokenizer import Tokenizer
+    from raytunix.rollout.env_pool import LocalEnv
+    from raytunix.rollout.episode import run_episode
+    from raytunix.types import SamplingParams
+
+    tokenizer = Tokenizer.byte_level()
+    trajectory = asyncio.run(run_episode(
+        TASK, "g0", make_agent("answer", tokenizer),
+        LocalEnv(f"{__name__}:_TwoHugeStepsEnv", {}), _Answer(tokenizer),
+        SamplingParams(max_new_tokens=32), max_turns=2, max_context_tokens=256, seed=0,
+        timeout_s=30.0))
+    assert trajectory.status == EpisodeStatus.ENV_ERROR and trajectory.reward == 0.0
+    assert "float32" in trajectory.error
 
 
 def test_an_episode_whose_env_returns_a_numpy_reward_completes():
