@@ -299,3 +299,33 @@ def test_a_run_whose_env_returns_bad_values_and_raises_finishes_with_the_evidenc
             counted[kind] = counted.get(kind, 0) + n
     assert counted == by_kind
     assert not math.isnan(summary["heldout_success_after_rl"])
+
+
+# --- the start-up prompt check resets sampled tasks through EnvActor.first_observation ---
+
+def test_the_prompt_check_names_a_reset_that_returns_no_text():
+    # Before: the list reached the agent's template and the run died with a raw
+    # "TypeError: message content must be a str" traceback, exit 1.
+    from raytunix.envs.contract import EnvContractError
+    from raytunix.rollout.env_pool import EnvActor
+
+    actor = EnvActor(f"{__name__}:ScriptedEnv", {"reset_value": ["a", "list"]}, max_threads=1)
+    with pytest.raises(EnvContractError, match="ScriptedEnv.reset returned a list observation"):
+        actor.first_observation(TASK)
+
+
+def test_the_prompt_check_measures_a_task_whose_close_raises():
+    # The episode's close is reported (env_error, with its traceback) when the episode
+    # runs; measuring the prompt must not stop the run over it.
+    from raytunix.rollout.env_pool import EnvActor
+
+    actor = EnvActor(f"{__name__}:_CloseRaisesAfterResetEnv", {}, max_threads=1)
+    assert actor.first_observation(TASK) == TASK.question
+
+
+class _CloseRaisesAfterResetEnv(ScriptedEnv):
+    """Builds and closes cleanly; its close raises once it has been reset on a task."""
+
+    def close(self) -> None:
+        if self.task is not None:
+            raise OSError("close failed after a reset")
