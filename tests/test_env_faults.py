@@ -93,6 +93,20 @@ def test_a_reward_that_is_not_a_finite_number_is_reported(reward, problem):
     assert isinstance(report, EnvErrorReport) and report.kind == f"ScriptedEnv.step:{problem}"
 
 
+@pytest.mark.parametrize("reward", [1e39, -1e308, np.float64(3.5e38)])
+def test_a_finite_reward_too_large_for_a_float32_batch_is_reported(reward):
+    # Batches hold rewards as float32: a larger float64 reward would turn into inf there
+    # and stop the learner's update, so it ends the episode here instead.
+    report = _step(ScriptedEnv(reward=reward))
+    assert isinstance(report, EnvErrorReport)
+    assert report.kind == "ScriptedEnv.step:reward_out_of_range" and "float32" in report.message
+
+
+def test_the_largest_float32_reward_is_taken():
+    result = _step(ScriptedEnv(reward=float(np.finfo(np.float32).max)))
+    assert isinstance(result, StepResult) and np.isfinite(np.float32(result.reward))
+
+
 @pytest.mark.parametrize("reward", [np.float32(0.5), np.int64(1), np.array(0.25), 1, True])
 def test_numpy_and_integer_rewards_are_taken_as_floats(reward):
     result = _step(ScriptedEnv(reward=reward))
@@ -185,6 +199,32 @@ def test_an_episode_whose_env_fails_ends_as_env_error_with_the_report(env_kwargs
     assert trajectory.error_report.kind == kind and kind in trajectory.error
 
 
+class _TwoHugeStepsEnv(ScriptedEnv):
+    """Two steps of 3e38 each: every step is in float32's range, their sum is not."""
+
+    def _step_impl(self, action: Action) -> StepResult:
+        self.steps = getattr(self, "steps", 0) + 1
+        return StepResult(observation="more", reward=3e38, done=self.steps >= 2,
+                          status=EpisodeStatus.COMPLETED if self.steps >= 2 else None)
+
+
+def test_an_episode_whose_rewards_sum_past_float32_ends_as_env_error():
+    from raytunix.agents import make_agent
+    from raytunix.models.tokenizer import Tokenizer
+    from raytunix.rollout.env_pool import LocalEnv
+    from raytunix.rollout.episode import run_episode
+    from raytunix.types import SamplingParams
+
+    tokenizer = Tokenizer.byte_level()
+    trajectory = asyncio.run(run_episode(
+        TASK, "g0", make_agent("answer", tokenizer),
+        LocalEnv(f"{__name__}:_TwoHugeStepsEnv", {}), _Answer(tokenizer),
+        SamplingParams(max_new_tokens=32), max_turns=2, max_context_tokens=256, seed=0,
+        timeout_s=30.0))
+    assert trajectory.status == EpisodeStatus.ENV_ERROR and trajectory.reward == 0.0
+    assert "float32" in trajectory.error
+
+
 def test_an_episode_whose_env_returns_a_numpy_reward_completes():
     trajectory = _episode(reward=np.float64(1.0))
     assert trajectory.status == EpisodeStatus.COMPLETED and trajectory.reward == 1.0
@@ -260,3 +300,33 @@ def test_a_run_whose_env_returns_bad_values_and_raises_finishes_with_the_evidenc
             counted[kind] = counted.get(kind, 0) + n
     assert counted == by_kind
     assert not math.isnan(summary["heldout_success_after_rl"])
+
+
+# --- the start-up prompt check resets sampled tasks through EnvActor.first_observation ---
+
+def test_the_prompt_check_names_a_reset_that_returns_no_text():
+    # Before: the list reached the agent's template and the run died with a raw
+    # "TypeError: message content must be a str" traceback, exit 1.
+    from raytunix.envs.contract import EnvContractError
+    from raytunix.rollout.env_pool import EnvActor
+
+    actor = EnvActor(f"{__name__}:ScriptedEnv", {"reset_value": ["a", "list"]}, max_threads=1)
+    with pytest.raises(EnvContractError, match="ScriptedEnv.reset returned a list observation"):
+        actor.first_observation(TASK)
+
+
+def test_the_prompt_check_measures_a_task_whose_close_raises():
+    # The episode's close is reported (env_error, with its traceback) when the episode
+    # runs; measuring the prompt must not stop the run over it.
+    from raytunix.rollout.env_pool import EnvActor
+
+    actor = EnvActor(f"{__name__}:_CloseRaisesAfterResetEnv", {}, max_threads=1)
+    assert actor.first_observation(TASK) == TASK.question
+
+
+class _CloseRaisesAfterResetEnv(ScriptedEnv):
+    """Builds and closes cleanly; its close raises once it has been reset on a task."""
+
+    def close(self) -> None:
+        if self.task is not None:
+            raise OSError("close failed after a reset")

@@ -25,6 +25,10 @@ import numpy as np
 
 from raytunix.types import EpisodeStatus, StepResult
 
+# The largest reward in size a step may return: batches hold rewards as float32, and a
+# larger float64 value turns into inf there (and stops the update as non-finite).
+MAX_REWARD = float(np.finfo(np.float32).max)
+
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_TRACEBACK_CHARS = 20_000  # of one report; a deep recursion's traceback is cut
 
@@ -109,6 +113,11 @@ def _reward(value: Any, env: Any) -> float:
         raise EnvContractError(
             f"{name}.step returned reward {reward!r}; rewards must be finite numbers (a bug "
             "in its verifier).", f"reward_{reward!r}")
+    if abs(reward) > MAX_REWARD:
+        raise EnvContractError(
+            f"{name}.step returned reward {reward!r}; rewards must be at most {MAX_REWARD:g} "
+            "in size (batches hold them as float32, where a larger one is inf): scale the "
+            "reward down.", "reward_out_of_range")
     return reward
 
 

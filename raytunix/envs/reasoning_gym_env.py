@@ -38,6 +38,8 @@ MIN_LENGTH_CAP = 256
 UNSCORABLE = {
     "game_of_life_halting": "its scorer gives 1.0 to every non-empty answer "
                             "(bool(answer) == bool(entry['answer']))",
+    "coin_flip": "its scorer gives 1.0 to any answer that is a prefix of the probability's "
+                 "digits, so the constant answer 0 scores 1.0 on every probability below 1",
 }
 
 

@@ -28,7 +28,7 @@ import ray
 
 from raytunix import heap, profiling
 from raytunix.envs import make_env
-from raytunix.envs.contract import EnvErrorReport, guarded_call
+from raytunix.envs.contract import EnvErrorReport, check_observation, guarded_call
 from raytunix.plugins import PluginError, add_import_paths
 from raytunix.types import Action, EnvFailure, RolloutHalted, StepResult, Task
 
@@ -103,12 +103,21 @@ class EnvActor(profiling.ProfiledActor):
 
         Raises:
           Exception: whatever the environment's reset raised.
+          EnvContractError: reset returned something that is not a str (a dict, list,
+            None, ...), named as the env contract names it (not a TypeError deep in the
+            agent's template).
         """
         env = make_env(self._env_name, **self._env_kwargs)
         try:
-            return env.reset(task)
+            return check_observation(env.reset(task), env, "reset")
         finally:
-            env.close()
+            try:
+                env.close()
+            except Exception as e:  # noqa: BLE001 - the environment's code
+                # Only the observation is measured here; an episode's close that raises
+                # ends that episode as env_error (with its traceback) when it runs.
+                logger.warning("closing %s after measuring task %r's prompt raised %s: %s",
+                               type(env).__qualname__, task.task_id, type(e).__name__, e)
 
     def tasks(self, split: str, size: int, seed: int) -> list[Task] | None:
         """The environment's own tasks (``BaseEnv.tasks``, checked by

@@ -15,7 +15,7 @@ import random
 import time
 
 from raytunix import profiling
-from raytunix.envs.contract import EnvContractError, check_step_result
+from raytunix.envs.contract import MAX_REWARD, EnvContractError, check_step_result
 from raytunix.rollout.faults import Backoff, RateLimitedLog, retry_async
 from raytunix.types import (
     TOOL_ERRORS_KEY,
@@ -166,6 +166,11 @@ async def run_episode(
                     turn, t0, t1, tokens, seconds))
                 step = _check_step(step, env, task)
                 reward += step.reward
+                if not abs(reward) <= MAX_REWARD:
+                    raise EnvFailure(
+                        f"{type(env).__qualname__}: the episode's rewards sum to {reward!r}, "
+                        f"more than {MAX_REWARD:g} in size (batches hold rewards as float32, "
+                        f"where that is inf); scale the rewards down (task {task.task_id!r})")
                 for kind, count in (step.info.get(TOOL_ERRORS_KEY) or {}).items():
                     timings[TOOL_ERRORS_KEY] += count
                     key = f"{TOOL_ERRORS_KEY}/{kind}"
