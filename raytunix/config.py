@@ -707,7 +707,8 @@ def settings(schema: type[Config] | None = None) -> dict[str, Setting]:
                 raise TypeError(f"{section_type.__qualname__}.{f.name} is not declared with "
                                 "setting(default, doc, ...); declare it so it has a doc.")
             kind = hints[f.name]
-            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            default = (f.default_factory()  # type: ignore[operator]
+                       if f.default is dataclasses.MISSING else f.default)
             found[key] = Setting(
                 key=key, type=kind, default=default, doc=f.metadata["doc"],
                 bounds=f.metadata["bounds"], hint=f.metadata["hint"],

@@ -170,7 +170,7 @@ def _user_method(env: Any, method: str) -> Callable | None:
     # that defines ``method`` and declares ``inner`` abstract.
     owner = next((k for k in cls.__mro__ if method in vars(k)), None)
     declared = vars(owner).get(inner) if inner and owner is not None else None
-    if getattr(declared, "__isabstractmethod__", False):
+    if inner is not None and getattr(declared, "__isabstractmethod__", False):
         method = inner
     return getattr(cls, method, None)
 
