@@ -51,6 +51,13 @@ DataSource = Literal["auto", "env", "reasoning_gym", FileSource]
 OverlongPrompts = Literal["error", "drop"]
 SandboxBackendChoice = Literal["auto", "bwrap", "subprocess"]
 
+# Upper bounds of the sandbox's limits (raytunix.sandbox.types.SandboxLimits reads them from
+# here, so the schema stays a leaf): kernel limits are signed 64-bit, a process count cannot
+# pass the kernel's PID_MAX_LIMIT, and a bound in seconds keeps deadlines in range.
+SANDBOX_MAX_SECONDS = 1e9  # about 31 years
+SANDBOX_MAX_BYTES = (1 << 63) - 1
+SANDBOX_MAX_PROCESSES = 1 << 22
+
 _BOUNDS = re.compile(r"(>=|>|<=|<) (-?[0-9.]+)|([\[(])(-?[0-9.]+), (-?[0-9.]+)([\])])")
 
 
@@ -963,17 +970,15 @@ def _validate_data(data: DataConfig) -> None:
 
 
 def _validate_sandbox(sandbox: SandboxConfig) -> None:
-    from raytunix.sandbox.types import MAX_BYTES, MAX_PROCESSES, MAX_SECONDS
-
     for key in ("wall_time_s", "cpu_time_s"):
         value = getattr(sandbox, key)
-        if not value <= MAX_SECONDS:  # inf and nan too
+        if not value <= SANDBOX_MAX_SECONDS:  # inf and nan too
             raise ConfigError(f"sandbox.{key}={value} must be a number of seconds <= "
-                              f"{MAX_SECONDS:g}.")
-    for key, high in (("memory_mb", MAX_BYTES >> 20), ("max_file_mb", MAX_BYTES >> 20),
-                      ("tmp_mb", MAX_BYTES >> 20), ("max_output_kb", MAX_BYTES >> 10),
-                      ("max_workdir_mb", MAX_BYTES >> 20),
-                      ("max_processes", MAX_PROCESSES)):
+                              f"{SANDBOX_MAX_SECONDS:g}.")
+    mib = SANDBOX_MAX_BYTES >> 20
+    for key, high in (("memory_mb", mib), ("max_file_mb", mib), ("tmp_mb", mib),
+                      ("max_output_kb", SANDBOX_MAX_BYTES >> 10), ("max_workdir_mb", mib),
+                      ("max_processes", SANDBOX_MAX_PROCESSES)):
         if getattr(sandbox, key) > high:
             raise ConfigError(f"sandbox.{key}={getattr(sandbox, key)} must be <= {high}.")
     if sandbox.resource in ("CPU", "GPU", "TPU", "memory", "object_store_memory"):

@@ -144,10 +144,27 @@ def test_no_cycle_among_module_level_imports():
     assert cycle is None, describe(cycle)
 
 
+# The config's checks that need plugins, the cluster or the engine's sampling rules, not yet
+# moved out of the schema into the driver's preparation step (issue 22, item 1): the
+# deferred imports they take are the only ones a cycle may pass through. Remove an entry
+# once its check has moved; the test fails on an entry no longer in the code.
+DEFERRED_UNTIL_CHECKS_MOVE = {
+    ("raytunix.config", "raytunix.plugins"),
+    ("raytunix.config", "raytunix.placement"),
+    ("raytunix.config", "raytunix.inference"),
+    ("raytunix.config", "raytunix.inference.sampling_checks"),
+}
+
+
 def test_no_cycle_through_deferred_imports():
     # A deferred import still makes the two modules one unit; it only hides the cycle
     # from import time. Deferring is for an optional or heavy third-party dependency.
-    edges = imports(PACKAGE_DIR)
+    all_edges = imports(PACKAGE_DIR)
+    present = {(e.source, e.target) for e in all_edges if e.deferred}
+    gone = DEFERRED_UNTIL_CHECKS_MOVE - present
+    assert not gone, f"remove {sorted(gone)} from DEFERRED_UNTIL_CHECKS_MOVE: no longer imported"
+    edges = [e for e in all_edges
+             if not (e.deferred and (e.source, e.target) in DEFERRED_UNTIL_CHECKS_MOVE)]
     cycle = find_cycle(edges)
     deferred = sorted({f"{e.source} -> {e.target} ({e.where})" for e in edges if e.deferred})
     assert cycle is None, (describe(cycle) + "\ndeferred raytunix imports:\n  "

@@ -11,6 +11,7 @@ import enum
 import math
 from typing import Mapping, Protocol, Sequence, runtime_checkable
 
+from raytunix.config import SANDBOX_MAX_BYTES, SANDBOX_MAX_PROCESSES, SANDBOX_MAX_SECONDS
 from raytunix.types import EnvFailure
 
 # The Ray actor name of a job's sandbox pool, where clients look for it.
@@ -135,11 +136,10 @@ class SandboxLimits:
                                  f">= {low} and <= {high}.")
 
 
-# Upper bounds of SandboxLimits: kernel limits are signed 64-bit, and a process count
-# cannot pass the kernel's PID_MAX_LIMIT; a bound in seconds keeps deadlines in range.
-MAX_SECONDS = 1e9  # about 31 years
-MAX_BYTES = (1 << 63) - 1
-MAX_PROCESSES = 1 << 22
+# Upper bounds of SandboxLimits, defined with the sandbox settings they bound.
+MAX_SECONDS = SANDBOX_MAX_SECONDS
+MAX_BYTES = SANDBOX_MAX_BYTES
+MAX_PROCESSES = SANDBOX_MAX_PROCESSES
 
 
 def _is_number(value) -> bool:
