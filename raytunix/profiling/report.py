@@ -143,6 +143,15 @@ def learner_advice(learner_cfg: dict[str, Any], colocated: bool) -> list[str]:
     return advice
 
 
+def _target_engine_busy(rollout: dict[str, Any]) -> float:
+    """The engine busy fraction the run's controller aimed for (``rollout.
+    target_engine_busy``; a config.yaml without a usable one: the setting's default)."""
+    target = _number(rollout.get("target_engine_busy"))
+    if target is None or not 0 < target <= 1:
+        target = settings_of_config()["rollout.target_engine_busy"].default
+    return target
+
+
 def diagnose(means: dict[str, float], settings: dict[str, Any] | None = None) -> Verdict:
     """The verdict from a run's mean metrics (``weighted_means``).
 
@@ -150,8 +159,7 @@ def diagnose(means: dict[str, float], settings: dict[str, Any] | None = None) ->
       means: fractions and latencies as ``WindowMetrics`` names them; missing ones count
         as unknown, never as zero evidence.
       settings: the run's config as a nested dict (``config.yaml``), for the advice
-        (current ``rollout.max_concurrent_episodes``, the ``rollout.target_engine_busy``
-        its advice aims for, ``env.num_env_actors``...).
+        (``rollout.max_concurrent_episodes``, ``target_engine_busy``, ``env.num_env_actors``...).
     """
     settings = settings or {}
     rollout, env = settings.get("rollout", {}), settings.get("env", {})
@@ -173,10 +181,6 @@ def diagnose(means: dict[str, float], settings: dict[str, Any] | None = None) ->
     occupancy = means.get("engine_batch_occupancy", float("nan"))
     episodes = means.get("max_concurrent_episodes",
                          float(rollout.get("max_concurrent_episodes", 0) or 0))
-    # The busy fraction this run's controller aimed for (a config.yaml without it: the default).
-    target_busy = _number(rollout.get("target_engine_busy"))
-    if target_busy is None or not 0 < target_busy <= 1:
-        target_busy = settings_of_config()["rollout.target_engine_busy"].default
     evidence = {k: means[k] for k in (
         "engine_busy_fraction", "engine_batch_occupancy", "learner_busy_fraction",
         "learner_wait_fraction", "episode_generate_fraction", "episode_env_fraction",
@@ -187,7 +191,7 @@ def diagnose(means: dict[str, float], settings: dict[str, Any] | None = None) ->
     def more_episodes() -> str:
         if not (episodes > 0 and E > 0):
             return "raise rollout.max_concurrent_episodes"
-        wanted = max(int(math.ceil(episodes * target_busy / max(E, 0.05))),
+        wanted = max(int(math.ceil(episodes * _target_engine_busy(rollout) / max(E, 0.05))),
                      int(episodes) + 1)
         advice = (f"raise rollout.max_concurrent_episodes from {episodes:.0f} to ~{wanted}"
                   + (" (rollout.adaptive_max_episodes too: adaptive concurrency is on)"

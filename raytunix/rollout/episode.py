@@ -46,6 +46,22 @@ MAX_ERROR_CHARS = 500  # of an env failure's message kept on its trajectory (``e
 MAX_TURN_SEEDS = 1 << 16  # seeds reserved per episode, one per turn (max_turns must stay below)
 
 
+def _add_reward(total: float, reward: float, env, task) -> float:
+    """``total + reward``, the episode's return so far.
+
+    Raises:
+      EnvFailure: the sum is more than ``MAX_REWARD`` in size (batches hold rewards as
+        float32, where it would be inf).
+    """
+    total += reward
+    if not abs(total) <= MAX_REWARD:
+        raise EnvFailure(
+            f"{type(env).__qualname__}: the episode's rewards sum to {total!r}, more than "
+            f"{MAX_REWARD:g} in size (batches hold rewards as float32, where that is inf); "
+            f"scale the rewards down (task {task.task_id!r})")
+    return total
+
+
 async def run_episode(
     task: Task,
     group_id: str,
@@ -165,12 +181,7 @@ async def run_episode(
                 step = await env_call(env.step(action), lambda _, seconds: record_turn(
                     turn, t0, t1, tokens, seconds))
                 step = _check_step(step, env, task)
-                reward += step.reward
-                if not abs(reward) <= MAX_REWARD:
-                    raise EnvFailure(
-                        f"{type(env).__qualname__}: the episode's rewards sum to {reward!r}, "
-                        f"more than {MAX_REWARD:g} in size (batches hold rewards as float32, "
-                        f"where that is inf); scale the rewards down (task {task.task_id!r})")
+                reward = _add_reward(reward, step.reward, env, task)
                 for kind, count in (step.info.get(TOOL_ERRORS_KEY) or {}).items():
                     timings[TOOL_ERRORS_KEY] += count
                     key = f"{TOOL_ERRORS_KEY}/{kind}"
