@@ -336,7 +336,7 @@ def test_accumulated_gradients_of_micro_batches_equal_the_whole_batchs(model):
                                              denominator, None)
     (whole, _), whole_sums, whole_prox, _ = results[0]
     (split, _), split_sums, split_prox, _ = results[2]
-    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(split)):
+    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(split), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
     assert optax.tree.norm(whole) > 0
     for key in ("loss", "num_tokens", "clip_fraction"):
@@ -398,7 +398,7 @@ def test_keep_if_finite_returns_the_start_bit_for_bit_when_any_check_fails():
     for part in NONFINITE_PARTS:
         kept, applied = keep_if_finite({**ok, part: jnp.asarray(False)}, new, start)
         assert not bool(applied)
-        for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(start)):
+        for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(start), strict=True):
             np.testing.assert_array_equal(a, b)
 
 
@@ -432,7 +432,7 @@ def test_iterate_and_guard_drops_every_iteration_when_a_later_one_is_not_finite(
                                  {"w": jnp.array([jnp.inf, 0.0])}])
     start = _toy_state(optimizer)
     state, metrics = iterate_and_guard(jax.jit(step), start, 2)
-    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(start)):
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(start), strict=True):
         np.testing.assert_array_equal(a, b)
     assert float(metrics["update_skipped"]) == 1.0 == float(metrics["update_nonfinite"])
     assert float(metrics["nonfinite_gradients"]) == 1.0
