@@ -22,7 +22,7 @@ What is timed, each after one compiling call and one warm call, then ``--steps``
 alternating learner, bare, learner, bare... (so drift of a shared machine hits both), the
 median step reported:
 
-* **learner**: ``make_grpo_update`` with ``GRPOHyperparams`` defaults (rollout sampling
+* **learner**: ``make_policy_update`` with ``RLHyperparams`` defaults (rollout sampling
   at temperature 1, no top-k/top-p), ``make_optimizer_from`` and ``create_train_state``,
   called on the ``Batch`` with the metrics fetched to the host (as ``train_step`` does)
   and the new state ready.
@@ -69,10 +69,10 @@ from rollout_overlap import machine  # benchmarks/ is on sys.path when run as a 
 from raytunix.config import RolloutConfig
 from raytunix.learner.batch import Batch, PackedBatch
 from raytunix.learner.train_state import (
-    GRPOHyperparams,
+    RLHyperparams,
     create_train_state,
-    make_grpo_update,
     make_optimizer_from,
+    make_policy_update,
 )
 from raytunix.models.llama import ModelConfig, count_params, forward, init_model
 from raytunix.rollout.batch import TRAJECTORY_SCHEMA
@@ -200,10 +200,10 @@ def measure(name: str, args) -> dict:
     tokens = int(batch.tokens.size)
     trainable = int(batch.loss_mask[:, 1:].sum())
 
-    hp = GRPOHyperparams(temperature=RolloutConfig.temperature, top_k=RolloutConfig.top_k,
+    hp = RLHyperparams(temperature=RolloutConfig.temperature, top_k=RolloutConfig.top_k,
                          top_p=RolloutConfig.top_p)
     optimizer = make_optimizer_from(hp)
-    update = make_grpo_update(graphdef, optimizer, hp, max_seq_len=seq_len)
+    update = make_policy_update(graphdef, optimizer, hp, max_seq_len=seq_len)
     learner = {"state": create_train_state(graphdef, params, optimizer, args.seed)}
 
     def learner_step() -> float:
@@ -274,10 +274,10 @@ def measure_packing(name: str, args) -> dict:
     t1 = time.perf_counter()
     packed = PackedBatch.from_record_batch(record_batch, pad_id=0, max_seq_len=seq_len)
     t2 = time.perf_counter()
-    hp = GRPOHyperparams(temperature=RolloutConfig.temperature, top_k=RolloutConfig.top_k,
+    hp = RLHyperparams(temperature=RolloutConfig.temperature, top_k=RolloutConfig.top_k,
                          top_p=RolloutConfig.top_p)
     optimizer = make_optimizer_from(hp)
-    update = make_grpo_update(graphdef, optimizer, hp, max_seq_len=seq_len)
+    update = make_policy_update(graphdef, optimizer, hp, max_seq_len=seq_len)
     states = {k: create_train_state(graphdef, params, optimizer, args.seed)
               for k in ("padded", "packed")}
     batches = {"padded": padded, "packed": packed}

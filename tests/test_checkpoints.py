@@ -157,14 +157,14 @@ def _record_batch(step: int):
 
 
 def test_a_learner_resumed_from_an_async_checkpoint_trains_on_bit_identically(tmp_path):
-    from raytunix.learner.learner import GRPOHyperparams, Learner
+    from raytunix.learner.learner import Learner, RLHyperparams
     from raytunix.models.llama import ModelConfig
 
     config = ModelConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
                          d_ff=64, max_seq_len=32)
     # A decaying schedule, AdamW moments, weight decay and two optimizer steps per batch:
     # every piece of optimizer state must come back for the updates to match.
-    hp = GRPOHyperparams(temperature=1.0, top_k=0, top_p=1.0, rl_steps=4, learning_rate=1e-2,
+    hp = RLHyperparams(temperature=1.0, top_k=0, top_p=1.0, rl_steps=4, learning_rate=1e-2,
                          lr_schedule="cosine", weight_decay=0.01, num_iterations=2)
     batches = [_record_batch(step) for step in range(4)]
 

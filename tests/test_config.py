@@ -130,14 +130,14 @@ def test_greedy_training_rollouts_are_refused_with_what_to_do():
 
 
 def test_rollout_sampling_settings_reach_the_learner_unchanged():
-    from raytunix.learner.learner import GRPOHyperparams
+    from raytunix.learner.learner import RLHyperparams
 
     cfg = load_config("default", ["rollout.temperature=0.7", "rollout.top_k=40",
                                   "rollout.top_p=0.9", "learner.kl_coef=0.01"])
-    hp = GRPOHyperparams.from_config(cfg)
+    hp = RLHyperparams.from_config(cfg)
     assert (hp.temperature, hp.top_k, hp.top_p) == (0.7, 40, 0.9)
     assert hp.kl_coef == 0.01 and hp.clip_eps_high == cfg.learner.clip_eps_high
-    defaults = GRPOHyperparams.from_config(load_config("default"))
+    defaults = RLHyperparams.from_config(load_config("default"))
     assert (defaults.temperature, defaults.top_k, defaults.top_p) == (1.0, 0, 1.0)
 
 

@@ -146,9 +146,9 @@ def test_a_warm_start_restored_after_k_steps_trains_on_bit_identically(tmp_path)
 
 
 def _grpo_hp():
-    from raytunix.learner.learner import GRPOHyperparams
+    from raytunix.learner.learner import RLHyperparams
 
-    return GRPOHyperparams(temperature=1.0, top_k=0, top_p=1.0, rl_steps=1)
+    return RLHyperparams(temperature=1.0, top_k=0, top_p=1.0, rl_steps=1)
 
 
 # -- the steps on Ray: a run stopped in its warm start ---------------------------------------

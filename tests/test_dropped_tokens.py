@@ -211,7 +211,7 @@ def test_a_learner_step_reports_what_its_rows_cut_and_what_lies_outside_its_supp
     import os
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from raytunix.learner.learner import GRPOHyperparams, Learner
+    from raytunix.learner.learner import Learner, RLHyperparams
     from raytunix.models.llama import ModelConfig
 
     config = ModelConfig(vocab_size=TOKENIZER.vocab_size, d_model=16, n_layers=1, n_heads=2,
@@ -219,7 +219,7 @@ def test_a_learner_step_reports_what_its_rows_cut_and_what_lies_outside_its_supp
     learner = Learner(config, seed=0, pad_id=TOKENIZER.pad_id)
     # top_k=2: only the learner's two most likely tokens are in its support, so most of the
     # random tokens below are out of it and leave the loss.
-    learner.start_rl(GRPOHyperparams(temperature=1.0, top_k=2, top_p=1.0,
+    learner.start_rl(RLHyperparams(temperature=1.0, top_k=2, top_p=1.0,
                                      learning_rate=1e-3, sequence_packing=False))
     rows = [_trajectory(10, 70), _trajectory(10, 20), _trajectory(8, 30), _trajectory(8, 12)]
     for i, t in enumerate(rows):

@@ -171,10 +171,10 @@ def test_a_policy_that_emits_only_malformed_calls_stops_at_the_limit_and_gets_a_
 
 from raytunix.learner.batch import Batch  # noqa: E402
 from raytunix.learner.train_state import (  # noqa: E402
-    GRPOHyperparams,
+    RLHyperparams,
     create_train_state,
-    make_grpo_update,
     make_optimizer,
+    make_policy_update,
 )
 from raytunix.models.llama import ModelConfig, init_model  # noqa: E402
 
@@ -187,8 +187,8 @@ def _update():
     softmax scoring, on the arrays of ``record_batch_to_arrays``."""
     graphdef, params = init_model(CFG, 0)
     optimizer = make_optimizer(1e-3)
-    hp = GRPOHyperparams(temperature=1.0, top_k=0, top_p=1.0)
-    update = make_grpo_update(graphdef, optimizer, hp, max_seq_len=CFG.max_seq_len)
+    hp = RLHyperparams(temperature=1.0, top_k=0, top_p=1.0)
+    update = make_policy_update(graphdef, optimizer, hp, max_seq_len=CFG.max_seq_len)
     return (lambda state, ref, arrays: update(state, ref, Batch.from_arrays(arrays)),
             create_train_state(graphdef, params, optimizer, 0))
 

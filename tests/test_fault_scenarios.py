@@ -89,13 +89,13 @@ class TwoTurnTextEnv:
 def _policy():
     """A learner and an engine holding its weights, both from ``SEED`` (tiny model)."""
     from raytunix.inference.engine import InferenceEngine
-    from raytunix.learner.learner import GRPOHyperparams, Learner
+    from raytunix.learner.learner import Learner, RLHyperparams
     from raytunix.models.llama import ModelConfig
 
     config = ModelConfig(vocab_size=TOK.vocab_size, d_model=32, n_layers=1, n_heads=2,
                          n_kv_heads=1, d_ff=64, max_seq_len=128)
     learner = Learner(config, seed=SEED, pad_id=TOK.pad_id)
-    learner.start_rl(GRPOHyperparams(temperature=1.0, top_k=0, top_p=1.0, learning_rate=1e-2))
+    learner.start_rl(RLHyperparams(temperature=1.0, top_k=0, top_p=1.0, learning_rate=1e-2))
     engine = InferenceEngine(learner.graphdef, learner.params, config, TOK, max_batch_size=8)
     return learner, engine
 

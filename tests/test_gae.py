@@ -14,11 +14,11 @@ from raytunix.learner.advantages import gae_advantages, last_token_rewards, whit
 from raytunix.learner.batch import Batch, PackedBatch
 from raytunix.learner.losses import grpo_policy_loss, loss_normalizer
 from raytunix.learner.train_state import (
-    GRPOHyperparams,
+    RLHyperparams,
     add_value_head,
     create_train_state,
     logprobs_fn,
-    make_grpo_update,
+    make_policy_update,
 )
 from raytunix.models.llama import ModelConfig, init_model
 from raytunix.rollout.batch import trajectories_to_record_batch
@@ -105,10 +105,10 @@ def _record_batch():
 def _setup(**settings):
     graphdef, params = init_model(CONFIG, seed=0)
     optimizer = optax.adam(1e-2)
-    hp = GRPOHyperparams(**{**SAMPLING, "advantage_estimator": "gae", **settings})
+    hp = RLHyperparams(**{**SAMPLING, "advantage_estimator": "gae", **settings})
     state = add_value_head(create_train_state(graphdef, params, optimizer, seed=0), optimizer,
                            CONFIG.d_model)
-    update = make_grpo_update(graphdef, optimizer, hp, max_seq_len=CONFIG.max_seq_len)
+    update = make_policy_update(graphdef, optimizer, hp, max_seq_len=CONFIG.max_seq_len)
     return graphdef, state, update, hp
 
 
@@ -170,8 +170,8 @@ def test_micro_batches_and_packing_give_the_whole_padded_update():
 def test_update_without_a_value_head_says_how_to_add_one():
     graphdef, params = init_model(CONFIG, seed=0)
     optimizer = optax.adam(1e-2)
-    hp = GRPOHyperparams(**SAMPLING, advantage_estimator="gae")
-    update = make_grpo_update(graphdef, optimizer, hp, max_seq_len=64)
+    hp = RLHyperparams(**SAMPLING, advantage_estimator="gae")
+    update = make_policy_update(graphdef, optimizer, hp, max_seq_len=64)
     batch = Batch.from_record_batch(_record_batch(), pad_id=0, max_seq_len=64)
     with pytest.raises(ValueError, match="add_value_head"):
         update(create_train_state(graphdef, params, optimizer, seed=0), None, batch)
@@ -182,7 +182,7 @@ def test_config_keys_reach_the_hyperparameters_and_bad_values_are_named():
     cfg = load_config(None, ["learner.advantage_estimator=gae", "learner.gae_gamma=0.99",
                              "learner.gae_lambda=0.9", "learner.value_coef=0.25",
                              "learner.value_clip=0.5", "learner.gae_normalize=false"])
-    hp = GRPOHyperparams.from_config(cfg)
+    hp = RLHyperparams.from_config(cfg)
     assert (hp.advantage_estimator, hp.gae_gamma, hp.gae_lambda, hp.value_coef, hp.value_clip,
             hp.gae_normalize) == ("gae", 0.99, 0.9, 0.25, 0.5, False)
     default = load_config(None).learner
@@ -195,4 +195,4 @@ def test_config_keys_reach_the_hyperparameters_and_bad_values_are_named():
         with pytest.raises(ConfigError, match=named):
             load_config(None, ["learner.advantage_estimator=gae", override])
     with pytest.raises(ValueError, match="gae_gamma=2"):
-        GRPOHyperparams(**SAMPLING, gae_gamma=2).check()
+        RLHyperparams(**SAMPLING, gae_gamma=2).check()

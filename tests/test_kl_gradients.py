@@ -160,10 +160,10 @@ def test_the_update_weights_the_kl_term_to_the_behaviour_policy_under_decoupled_
     surrogate weight is a sequence's) make the same update."""
     from raytunix.learner.batch import Batch
     from raytunix.learner.train_state import (
-        GRPOHyperparams,
+        RLHyperparams,
         create_train_state,
         logprobs_fn,
-        make_grpo_update,
+        make_policy_update,
         make_optimizer,
     )
     from raytunix.models.llama import ModelConfig, init_model
@@ -190,9 +190,9 @@ def test_the_update_weights_the_kl_term_to_the_behaviour_policy_under_decoupled_
     results = {}
     for correction, level in [("none", "token_tis"), ("decoupled_ppo", "token_tis"),
                               ("decoupled_ppo", "sequence_tis")]:
-        hp = GRPOHyperparams(**sampling, kl_coef=0.5, off_policy_correction=correction,
+        hp = RLHyperparams(**sampling, kl_coef=0.5, off_policy_correction=correction,
                              importance_sampling=level)
-        update = make_grpo_update(graphdef, optimizer, hp, max_seq_len=config.max_seq_len)
+        update = make_policy_update(graphdef, optimizer, hp, max_seq_len=config.max_seq_len)
         state, metrics = update(create_train_state(graphdef, params, optimizer, seed=0),
                                 ref_params, batch)
         assert float(metrics["kl_ref"]) > 0.01 and float(metrics["update_skipped"]) == 0.0

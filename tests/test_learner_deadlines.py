@@ -123,12 +123,12 @@ def test_a_host_restores_only_the_steps_it_is_given(ray_session, tmp_path):
     """The host call the group makes (``LearnerActor.restore(among=...)``) on a real
     learner actor: with steps 1 and 2 on disk and ``among=[1]``, step 1 is restored."""
     from raytunix.learner.actor import LearnerActor
-    from raytunix.learner.learner import GRPOHyperparams
+    from raytunix.learner.learner import RLHyperparams
     from raytunix.models.llama import ModelConfig
     from test_learner_group import CONFIG_KW
 
     config = ModelConfig(**CONFIG_KW)
-    hp = GRPOHyperparams(temperature=1.0, top_k=0, top_p=1.0, rl_steps=4, learning_rate=1e-2)
+    hp = RLHyperparams(temperature=1.0, top_k=0, top_p=1.0, rl_steps=4, learning_rate=1e-2)
     actor = ray.remote(LearnerActor).remote(config, 3, 0)
     try:
         from test_checkpoints import _record_batch

@@ -13,7 +13,7 @@ import pyarrow as pa
 from raytunix import profiling
 from raytunix.config import load_config
 from raytunix.learner.actor import PolicyActor
-from raytunix.learner.train_state import GRPOHyperparams
+from raytunix.learner.train_state import RLHyperparams
 from raytunix.models.llama import ModelConfig
 from raytunix.models.tokenizer import Tokenizer
 from raytunix.rollout.batch import TRAJECTORY_SCHEMA
@@ -53,7 +53,7 @@ def ready(value):
 
 def test_engine_decodes_while_the_colocated_learner_updates():
     cfg = load_config(None, ["learner.mesh_data=1"])
-    hp = GRPOHyperparams.from_config(cfg)
+    hp = RLHyperparams.from_config(cfg)
     sampling = SamplingParams(max_new_tokens=48, temperature=1.0, stop_token_ids=())
 
     async def main():

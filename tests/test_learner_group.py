@@ -43,12 +43,12 @@ def test_a_two_host_group_matches_one_process_and_is_rebuilt_after_a_host_dies(
     import ray
 
     from raytunix.learner.group import LearnerGroup, LearnerHostFailure
-    from raytunix.learner.learner import GRPOHyperparams, Learner
+    from raytunix.learner.learner import Learner, RLHyperparams
     from raytunix.models.llama import ModelConfig
     from raytunix.placement import LearnerHostsSpec
 
     config = ModelConfig(**CONFIG_KW)
-    hp = GRPOHyperparams(temperature=1.0, top_k=0, top_p=1.0, rl_steps=4, learning_rate=1e-2,
+    hp = RLHyperparams(temperature=1.0, top_k=0, top_p=1.0, rl_steps=4, learning_rate=1e-2,
                          weight_decay=0.01)
     batches = [_record_batch(step) for step in range(3)]
 

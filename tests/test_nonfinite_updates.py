@@ -18,10 +18,10 @@ from raytunix.driver.steps import check_nonfinite_update  # noqa: E402
 from raytunix.learner.batch import Batch  # noqa: E402
 from raytunix.learner.learner import Learner  # noqa: E402
 from raytunix.learner.train_state import (  # noqa: E402
-    GRPOHyperparams,
+    RLHyperparams,
     create_train_state,
-    make_grpo_update,
     make_optimizer,
+    make_policy_update,
 )
 from raytunix.models.llama import ModelConfig, init_model  # noqa: E402
 from raytunix.rollout.batch import (  # noqa: E402
@@ -64,8 +64,8 @@ def model():
 def _state_and_update(model, optimizer, **settings):
     graphdef, params = model
     state = create_train_state(graphdef, params, optimizer, seed=0)
-    hp = GRPOHyperparams(**SAMPLING, **settings)
-    return state, make_grpo_update(graphdef, optimizer, hp, max_seq_len=CONFIG.max_seq_len)
+    hp = RLHyperparams(**SAMPLING, **settings)
+    return state, make_policy_update(graphdef, optimizer, hp, max_seq_len=CONFIG.max_seq_len)
 
 
 def test_nan_behaviour_logprobs_leave_params_moments_and_step_bit_identical(model):
@@ -99,7 +99,7 @@ def test_an_update_whose_new_parameters_overflow_is_not_applied(model, num_itera
 
 def test_the_learner_counts_them_and_an_applied_update_ends_the_run_of_them():
     learner = Learner(CONFIG, seed=0)
-    learner.start_rl(GRPOHyperparams(**SAMPLING, learning_rate=1e-2))
+    learner.start_rl(RLHyperparams(**SAMPLING, learning_rate=1e-2))
     before = jax.device_get(learner.params)
     bad = _trajectories(behaviour_logprob=float("nan"))
     for n in (1, 2):
@@ -119,7 +119,7 @@ def test_n_in_a_row_stop_the_run_with_one_error_naming_the_cause_and_the_key(tmp
     assert limit == 3
     run = RunDir(str(tmp_path / "run"))
     learner = Learner(CONFIG, seed=0)
-    learner.start_rl(GRPOHyperparams(**SAMPLING, learning_rate=1e-2))
+    learner.start_rl(RLHyperparams(**SAMPLING, learning_rate=1e-2))
     bad = _trajectories(behaviour_logprob=float("nan"))
     for step in range(1, limit):
         check_nonfinite_update(learner.train_step(bad), limit, step, run)  # said, not raised

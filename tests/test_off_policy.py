@@ -16,7 +16,7 @@ import pytest
 
 from raytunix.config import ConfigError, load_config
 from raytunix.learner.advantages import grpo_advantages
-from raytunix.learner.learner import GRPOHyperparams, Learner
+from raytunix.learner.learner import Learner, RLHyperparams
 from raytunix.learner.losses import (
     grpo_policy_loss,
     logprob_mismatch,
@@ -27,8 +27,8 @@ from raytunix.learner.batch import Batch
 from raytunix.learner.train_state import (
     create_train_state,
     logprobs_fn,
-    make_grpo_update,
     make_optimizer,
+    make_policy_update,
 )
 from raytunix.models.llama import ModelConfig, forward, init_model
 from raytunix.rollout.batch import record_batch_to_arrays, trajectories_to_record_batch
@@ -181,8 +181,8 @@ def model():
 
 def _grpo_update(graphdef, optimizer, **settings):
     """The GRPO update with the config's defaults but ``settings`` and plain sampling."""
-    hp = GRPOHyperparams(**{**SAMPLING, **settings})
-    return make_grpo_update(graphdef, optimizer, hp, max_seq_len=TINY.max_seq_len)
+    hp = RLHyperparams(**{**SAMPLING, **settings})
+    return make_policy_update(graphdef, optimizer, hp, max_seq_len=TINY.max_seq_len)
 
 
 def _trajectory(group, prompt, completion, reward):
@@ -328,10 +328,10 @@ def test_config_keys_reach_the_learner_and_bad_values_name_the_key():
     cfg = load_config(None, ["learner.off_policy_correction=decoupled_ppo",
                              "learner.importance_sampling=geometric_tis",
                              "learner.importance_cap=3"])
-    hp = GRPOHyperparams.from_config(cfg)
+    hp = RLHyperparams.from_config(cfg)
     assert (hp.off_policy_correction, hp.importance_sampling, hp.importance_cap) == (
         "decoupled_ppo", "geometric_tis", 3.0)
-    default = GRPOHyperparams.from_config(load_config(None))
+    default = RLHyperparams.from_config(load_config(None))
     assert default.off_policy_correction == "none"  # today's objective stays the default
     with pytest.raises(ConfigError, match="learner.off_policy_correction='aeral'"):
         load_config(None, ["learner.off_policy_correction=aeral"])
@@ -346,7 +346,7 @@ def test_config_keys_reach_the_learner_and_bad_values_name_the_key():
 @pytest.mark.parametrize("correction,level", [("none", "token_tis"), ("decoupled_ppo", "sequence_tis")])
 def test_learner_train_step_reports_the_mismatch(correction, level):
     learner = Learner(TINY, seed=0, pad_id=0)
-    learner.start_rl(GRPOHyperparams(temperature=1.0, top_k=0, top_p=1.0, learning_rate=1e-3,
+    learner.start_rl(RLHyperparams(temperature=1.0, top_k=0, top_p=1.0, learning_rate=1e-3,
                                      off_policy_correction=correction, importance_sampling=level))
     trajectories = _trajectories()
     for t in trajectories:  # behaviour logprobs an engine might have reported

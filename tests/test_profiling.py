@@ -366,7 +366,7 @@ def policy(ray_session):
     import ray
 
     from raytunix.inference.actor import EngineActor
-    from raytunix.learner.learner import GRPOHyperparams, Learner
+    from raytunix.learner.learner import Learner, RLHyperparams
     from raytunix.models.llama import ModelConfig
     from raytunix.models.tokenizer import Tokenizer
 
@@ -374,7 +374,7 @@ def policy(ray_session):
     config = ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_layers=1, n_heads=2,
                          n_kv_heads=1, d_ff=64, max_seq_len=256)
     learner = Learner(config, seed=0, pad_id=tok.pad_id)
-    learner.start_rl(GRPOHyperparams(temperature=1.0, top_k=0, top_p=1.0, learning_rate=1e-3))
+    learner.start_rl(RLHyperparams(temperature=1.0, top_k=0, top_p=1.0, learning_rate=1e-3))
     engine = ray.remote(EngineActor).options(max_concurrency=1000).remote(
         config, 0, tok, {"max_batch_size": 16})
     ray.get(engine.update_weights.remote((learner.weights_numpy(), learner.version)))

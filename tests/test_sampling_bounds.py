@@ -45,13 +45,13 @@ def test_the_config_refuses_a_temperature_float32_cannot_hold_and_accepts_the_fl
 @pytest.mark.parametrize("temperature", TINY_TEMPERATURES)
 def test_engine_and_learner_entry_points_refuse_it_too(temperature):
     from raytunix.learner.learner import Learner
-    from raytunix.learner.train_state import GRPOHyperparams
+    from raytunix.learner.train_state import RLHyperparams
     from raytunix.models.llama import ModelConfig
 
     for allow_greedy in (True, False):  # the engine's requests, the learner's scoring
         with pytest.raises(ValueError, match="below the floor 0.01"):
             check_sampling_settings(temperature, 0, 1.0, allow_greedy=allow_greedy)
-    hp = GRPOHyperparams(temperature=temperature, top_k=0, top_p=1.0)
+    hp = RLHyperparams(temperature=temperature, top_k=0, top_p=1.0)
     with pytest.raises(ValueError, match="below the floor 0.01"):
         hp.check()
     learner = Learner(ModelConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2,
@@ -109,14 +109,14 @@ def test_the_greedy_bound_is_where_the_sampler_stops_keeping_a_second_token():
 
 def test_the_learner_bounds_top_p_by_its_model_vocabulary():
     from raytunix.learner.learner import Learner
-    from raytunix.learner.train_state import GRPOHyperparams
+    from raytunix.learner.train_state import RLHyperparams
     from raytunix.models.llama import ModelConfig
 
     learner = Learner(ModelConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2,
                                   n_kv_heads=1, d_ff=32, max_seq_len=32))
     with pytest.raises(ValueError, match=r"top_p=0.06 is greedy decoding.*1/16"):
-        learner.start_rl(GRPOHyperparams(temperature=1.0, top_k=0, top_p=0.06))
-    learner.start_rl(GRPOHyperparams(temperature=1.0, top_k=0, top_p=0.07))
+        learner.start_rl(RLHyperparams(temperature=1.0, top_k=0, top_p=0.06))
+    learner.start_rl(RLHyperparams(temperature=1.0, top_k=0, top_p=0.07))
 
 
 def test_a_hugging_face_model_bounds_top_p_by_its_config_vocabulary(tmp_path):

@@ -12,10 +12,10 @@ import pytest
 
 from raytunix.learner.batch import Batch, PackedBatch, pack_batch, pack_rows, packed_width
 from raytunix.learner.train_state import (
-    GRPOHyperparams,
+    RLHyperparams,
     create_train_state,
-    make_grpo_update,
     make_optimizer,
+    make_policy_update,
     packed_row_multiple,
 )
 from raytunix.models.llama import ModelConfig, forward, init_model
@@ -166,11 +166,11 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_packed_update_equals_padded(models, record_batch, name):
     graphdef, params, ref_params = models
-    hp = GRPOHyperparams(**SAMPLING, **CASES[name])
+    hp = RLHyperparams(**SAMPLING, **CASES[name])
     # Plain SGD: Adam's first step is ~sign(g), which float rounding of a tiny gradient
     # entry could flip; SGD keeps the comparison a comparison of gradients.
     optimizer = make_optimizer(0.5, optimizer="sgd")
-    update = make_grpo_update(graphdef, optimizer, hp, max_seq_len=WIDTH)
+    update = make_policy_update(graphdef, optimizer, hp, max_seq_len=WIDTH)
     state = create_train_state(graphdef, params, optimizer, seed=0)
     ref = ref_params if hp.kl_coef > 0 else None
     padded = Batch.from_record_batch(record_batch, pad_id=0, max_seq_len=WIDTH)
@@ -195,7 +195,7 @@ def test_packed_update_equals_padded(models, record_batch, name):
 def test_packed_batch_without_trained_tokens_is_skipped(models, record_batch):
     graphdef, params, _ = models
     optimizer = make_optimizer(0.5, optimizer="sgd")
-    update = make_grpo_update(graphdef, optimizer, GRPOHyperparams(**SAMPLING),
+    update = make_policy_update(graphdef, optimizer, RLHyperparams(**SAMPLING),
                               max_seq_len=WIDTH)
     state = create_train_state(graphdef, params, optimizer, seed=0)
     packed = PackedBatch.from_record_batch(record_batch, pad_id=0, max_seq_len=WIDTH)
@@ -203,7 +203,7 @@ def test_packed_batch_without_trained_tokens_is_skipped(models, record_batch):
     same, metrics = update(state, None, empty)
     assert same is state and metrics["update_skipped"] == 1.0
     # Rows that micro-batches cannot split evenly are refused with the fix named.
-    split = make_grpo_update(graphdef, optimizer, GRPOHyperparams(**SAMPLING, micro_batch_size=3),
+    split = make_policy_update(graphdef, optimizer, RLHyperparams(**SAMPLING, micro_batch_size=3),
                              max_seq_len=WIDTH)
     with pytest.raises(ValueError, match="row_multiple=24"):
         split(state, None, packed)

@@ -36,10 +36,10 @@ from raytunix.learner.sharding import (
     tree_shardings,
 )
 from raytunix.learner.train_state import (
-    GRPOHyperparams,
+    RLHyperparams,
     create_train_state,
-    make_grpo_update,
     make_optimizer_from,
+    make_policy_update,
 )
 from raytunix.models.llama import ModelConfig, init_model
 from raytunix.rollout.batch import trajectories_to_record_batch
@@ -77,7 +77,7 @@ def _record_batch():
 
 
 def _hp(**settings):
-    return GRPOHyperparams(**SAMPLING, learning_rate=LEARNING_RATE, weight_decay=0.01, **settings)
+    return RLHyperparams(**SAMPLING, learning_rate=LEARNING_RATE, weight_decay=0.01, **settings)
 
 
 # ------------------------------------------------------------------ in this process
@@ -108,9 +108,9 @@ def test_config_keys_reach_the_hyperparameters_and_are_checked():
 
     cfg = load_config(None, ["learner.mesh_data=2", "learner.mesh_fsdp=-1",
                              "learner.mesh_tensor=2"])
-    assert GRPOHyperparams.from_config(cfg).mesh == MeshConfig(data=2, fsdp=-1, tensor=2)
+    assert RLHyperparams.from_config(cfg).mesh == MeshConfig(data=2, fsdp=-1, tensor=2)
     assert SFTHyperparams.from_config(cfg).mesh == MeshConfig(data=2, fsdp=-1, tensor=2)
-    assert GRPOHyperparams.from_config(load_config(None)).mesh == MeshConfig()
+    assert RLHyperparams.from_config(load_config(None)).mesh == MeshConfig()
     for overrides, named in [
         (["learner.mesh_fsdp=0"], "learner.mesh_fsdp=0 must be a number of devices"),
         (["learner.mesh_tensor=-1"], "at most one may be -1"),
@@ -174,7 +174,7 @@ def test_a_micro_batch_the_batch_shards_do_not_divide_is_refused():
     hp = _hp(micro_batch_size=6)
     with pytest.raises(ValueError, match=re.escape(
             "micro_batch_size=6 cannot be split over the mesh's data x fsdp = 4 devices")):
-        make_grpo_update(graphdef, make_optimizer_from(hp), hp, max_seq_len=64,
+        make_policy_update(graphdef, make_optimizer_from(hp), hp, max_seq_len=64,
                          mesh=AbstractMesh((2, 2, 2), MESH_AXES))
 
 
@@ -240,7 +240,7 @@ def _subprocess_main(directory):
         state = create_train_state(graphdef, params, optimizer, seed=0)
         if mesh is not None:
             state = shard_train_state(state, mesh)
-        update = make_grpo_update(graphdef, optimizer, hp, max_seq_len=CONFIG.max_seq_len,
+        update = make_policy_update(graphdef, optimizer, hp, max_seq_len=CONFIG.max_seq_len,
                                   mesh=mesh)
         metrics = None
         for _ in range(steps):

@@ -17,14 +17,14 @@ from raytunix.learner.advantages import grpo_advantages
 from raytunix.learner.checkpoint import Checkpointer
 from raytunix.learner.batch import Batch
 from raytunix.learner.train_state import (
-    GRPOHyperparams,
+    RLHyperparams,
     SFTHyperparams,
     TrainState,
     create_train_state,
     logprobs_fn,
     lr_schedule,
-    make_grpo_update,
     make_optimizer,
+    make_policy_update,
     make_sft_update,
 )
 from raytunix.models.llama import ModelConfig, forward, init_model
@@ -70,8 +70,8 @@ def _grpo_batch():
 
 def _grpo_update(graphdef, optimizer, **settings):
     """The GRPO update with the config's defaults but ``settings`` and plain sampling."""
-    hp = GRPOHyperparams(**{**SAMPLING, **settings})
-    return make_grpo_update(graphdef, optimizer, hp, max_seq_len=CONFIG.max_seq_len)
+    hp = RLHyperparams(**{**SAMPLING, **settings})
+    return make_policy_update(graphdef, optimizer, hp, max_seq_len=CONFIG.max_seq_len)
 
 
 def _sequence_logprob(logprobs, batch, row):
@@ -401,7 +401,7 @@ def test_iterations_with_decoupled_ppo_keep_the_proximal_policy_of_the_batch_sta
 
 
 def test_a_batch_without_trainable_tokens_changes_nothing_and_is_counted():
-    from raytunix.learner.learner import GRPOHyperparams as LearnerHyperparams
+    from raytunix.learner.learner import RLHyperparams as LearnerHyperparams
     from raytunix.learner.learner import Learner
     from raytunix.rollout.batch import trajectories_to_record_batch
 
@@ -460,20 +460,20 @@ def test_config_keys_reach_the_update_and_bad_values_are_named():
         "learner.entropy_coef=0.01", "learner.overlong_buffer_tokens=16",
         "learner.micro_batch_size=8", "learner.num_iterations=2", "learner.optimizer=sgd",
         "learner.lr_schedule=cosine", "learner.lr_warmup_steps=5"])
-    hp = GRPOHyperparams.from_config(cfg)
+    hp = RLHyperparams.from_config(cfg)
     for key, value in cfg.learner.__dict__.items():
         if hasattr(hp, key):
             assert getattr(hp, key) == value, key
     assert hp.overlong_max_tokens == cfg.env.max_turns * cfg.rollout.max_new_tokens
     hp.check()
     # The defaults are today's GRPO: token mean, std-normalised advantages, clip 0.2/0.28.
-    default = GRPOHyperparams.from_config(load_config(None))
+    default = RLHyperparams.from_config(load_config(None))
     assert (default.advantage_estimator, default.normalize_advantages_by_std,
             default.policy_loss, default.loss_aggregation, default.clip_eps_low,
             default.clip_eps_high, default.kl_coef, default.num_iterations,
             default.micro_batch_size) == ("grpo", True, "ppo_clip", "token_mean", 0.2, 0.28,
                                           0.0, 1, 0)
-    assert GRPOHyperparams(**SAMPLING).clip_eps_high == default.clip_eps_high  # one default
+    assert RLHyperparams(**SAMPLING).clip_eps_high == default.clip_eps_high  # one default
     sft = SFTHyperparams.from_config(load_config(None, [
         "warmup.learning_rate=0.01", "warmup.warmup_steps=7", "learner.max_grad_norm=0.5"]))
     assert (sft.learning_rate, sft.warmup_steps, sft.max_grad_norm) == (0.01, 7, 0.5)

@@ -33,7 +33,7 @@ from raytunix.driver.job import Job
 from raytunix.driver.prepare import Tasks
 from raytunix.driver.run_dir import RunDir, RunError, load_run_config, new_run_dir, say
 from raytunix.learner.group import LearnerHostFailure, LearnerStateDivergence
-from raytunix.learner.learner import GRPOHyperparams, SFTHyperparams
+from raytunix.learner.learner import RLHyperparams, SFTHyperparams
 from raytunix.rollout import preflight
 from raytunix.scaling import ScaleWatcher
 from raytunix.types import EpisodeStatus, RolloutHalted
@@ -270,7 +270,7 @@ def begin_rl(cfg: Config, job: Job, run: RunDir, before: dict[str, Any],
     """A fresh RL optimizer on the current weights, the KL reference policy saved (with
     ``learner.kl_coef`` > 0), and checkpoint 0 committed: a run that fails in RL step 1
     can resume. The warm start's checkpoint (``RUN_DIR/warmup``) goes then."""
-    job.learner_get(job.learner.start_rl.remote(GRPOHyperparams.from_config(cfg)), "start_rl",
+    job.learner_get(job.learner.start_rl.remote(RLHyperparams.from_config(cfg)), "start_rl",
                     slow=True)
     if cfg.learner.kl_coef > 0:
         job.learner_get(job.learner.save_reference.remote(run.reference), "save_reference",
@@ -290,7 +290,7 @@ def restore_rl(cfg: Config, job: Job, run: RunDir) -> RLStart:
     Raises:
       RunError: no checkpoint restores, or it already holds ``learner.rl_steps`` steps.
     """
-    job.learner_get(job.learner.start_rl.remote(GRPOHyperparams.from_config(cfg)), "start_rl",
+    job.learner_get(job.learner.start_rl.remote(RLHyperparams.from_config(cfg)), "start_rl",
                     slow=True)
     since = time.time()
     try:
@@ -441,7 +441,7 @@ _NONFINITE_PARTS = {"nonfinite_loss": "the loss", "nonfinite_gradients": "the gr
 def check_nonfinite_update(metrics: dict[str, float], limit: int, step: int,
                            run: RunDir) -> None:
     """After RL step ``step``'s update: says so when it was not applied because something
-    was not finite (``make_grpo_update``'s ``update_nonfinite``), and stops the run when
+    was not finite (``make_policy_update``'s ``update_nonfinite``), and stops the run when
     ``limit`` (``learner.max_consecutive_nonfinite_updates``; 0 = never) such updates came
     in a row (the learner's ``nonfinite_updates_in_a_row``).
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from raytunix import heap, profiling
 from raytunix.learner.checkpoint import Checkpointer
-from raytunix.learner.learner import GRPOHyperparams, Learner, SFTHyperparams
+from raytunix.learner.learner import Learner, RLHyperparams, SFTHyperparams
 from raytunix.models.llama import ModelConfig
 
 
@@ -70,7 +70,7 @@ class LearnerActor(profiling.ProfiledActor):
         return metrics
 
     # RL ----------------------------------------------------------------------------------
-    def start_rl(self, hp: GRPOHyperparams) -> None:
+    def start_rl(self, hp: RLHyperparams) -> None:
         self.learner.start_rl(hp)
 
     async def train_step(self, batch_refs: list) -> dict[str, float]:

@@ -93,7 +93,7 @@ def grpo_advantages(
 
     Raises:
       ValueError: a reward is NaN or infinite (checked when ``rewards`` is concrete; under
-        ``jit`` the caller checks, as ``make_grpo_update`` does).
+        ``jit`` the caller checks, as ``make_policy_update`` does).
     """
     if not isinstance(rewards, jax.core.Tracer):
         check_finite_rewards(rewards)

@@ -1,6 +1,6 @@
 """The learner's input: a padded batch of trajectories with named ``[B, T]`` arrays.
 
-A ``Batch`` is what ``make_grpo_update``'s update takes; ``Batch.from_record_batch`` builds
+A ``Batch`` is what ``make_policy_update``'s update takes; ``Batch.from_record_batch`` builds
 it from the Arrow record batch the rollout side packs (``raytunix.rollout.batch``)::
 
     batch = Batch.from_record_batch(record_batch, pad_id=0, max_seq_len=128)
@@ -185,9 +185,23 @@ class PackedBatch(NamedTuple):
             batch = batch.combine_chunks().to_batches()[0]
         lengths = np.diff(batch.column("token_ids").offsets.to_numpy())
         padded = Batch.from_record_batch(batch, pad_id=pad_id, max_seq_len=max_seq_len)
-        widest = min(pack_width or max_seq_len, max_seq_len)
+        widest = widest_packed_row(pack_width, max_seq_len)
         width = packed_width(np.minimum(lengths, widest), widest, row_multiple=row_multiple)
         return pack_batch(padded, lengths, width, pad_id=pad_id, row_multiple=row_multiple)
+
+
+def widest_packed_row(pack_width: int, max_seq_len: int) -> int:
+    """The most tokens a packed row holds: ``learner.pack_width`` (0: the model's context
+    ``max_seq_len``), never more than ``max_seq_len``. A trajectory longer than this is
+    cut to it.
+
+    Raises:
+      ValueError: a negative ``pack_width`` or a ``max_seq_len`` below 1.
+    """
+    if pack_width < 0 or max_seq_len < 1:
+        raise ValueError(f"pack_width={pack_width!r} must be >= 0 (0: the context) and "
+                         f"max_seq_len={max_seq_len!r} >= 1.")
+    return min(pack_width or max_seq_len, max_seq_len)
 
 
 def packed_width(lengths: np.ndarray, widest: int, *, row_multiple: int = ROW_MULTIPLE) -> int:

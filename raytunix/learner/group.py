@@ -57,7 +57,7 @@ import ray
 
 from raytunix import profiling
 from raytunix.learner.actor import LearnerActor
-from raytunix.learner.learner import GRPOHyperparams, SFTHyperparams
+from raytunix.learner.learner import RLHyperparams, SFTHyperparams
 from raytunix.models.llama import ModelConfig
 from raytunix.placement import (
     LearnerHosts,
@@ -308,7 +308,7 @@ class LearnerGroup:
         # What a rebuilt group replays: the phase started and where checkpoints went.
         self._demonstrations = None
         self._warmup: tuple[SFTHyperparams, str | None] | None = None
-        self._rl: GRPOHyperparams | None = None
+        self._rl: RLHyperparams | None = None
         self._checkpoints: dict[str, Any] | None = None
         self._reference: str | None = None
         self.rebuilds = 0
@@ -479,7 +479,7 @@ class LearnerGroup:
             self.shutdown()  # no update may run over hosts holding different weights
             raise
 
-    def start_rl(self, hp: GRPOHyperparams) -> None:
+    def start_rl(self, hp: RLHyperparams) -> None:
         self._rl = hp
         self._on_all("start_rl", hp, timeout_s=self.slow_call_timeout_s)
 

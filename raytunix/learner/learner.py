@@ -23,7 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 import pyarrow as pa
 
-from raytunix.learner.batch import Batch, PackedBatch, generated_tokens_cut
+from raytunix.learner.batch import (
+    Batch,
+    PackedBatch,
+    generated_tokens_cut,
+    widest_packed_row,
+)
 from raytunix.learner.checkpoint import Checkpointer
 from raytunix.learner.sharding import (
     batch_shards,
@@ -32,19 +37,19 @@ from raytunix.learner.sharding import (
     shard_tree,
 )
 from raytunix.learner.train_state import (
-    GRPOHyperparams,
+    RLHyperparams,
     SFTHyperparams,
     TrainState,
     add_value_head,
     create_train_state,
-    make_grpo_update,
     make_optimizer_from,
+    make_policy_update,
     make_sft_update,
     packed_row_multiple,
 )
 from raytunix.models.llama import ModelConfig, init_model
 
-__all__ = ["GRPOHyperparams", "Learner", "SFTHyperparams"]
+__all__ = ["Learner", "RLHyperparams", "SFTHyperparams"]
 
 
 class Learner:
@@ -74,7 +79,7 @@ class Learner:
         self._policy_lock = threading.Lock()
         self._update = None
         self._ref_params = None
-        self._hp: GRPOHyperparams | None = None
+        self._hp: RLHyperparams | None = None
         self.updates_skipped = 0
         self.updates_skipped_nonfinite = 0
         self.nonfinite_updates_in_a_row = 0
@@ -132,7 +137,7 @@ class Learner:
                 "steps_per_s": num_steps / (time.monotonic() - t0)}
 
     # ------------------------------------------------------------------ RL
-    def start_rl(self, hp: GRPOHyperparams) -> None:
+    def start_rl(self, hp: RLHyperparams) -> None:
         """Fresh optimizer for RL; the current weights become the KL reference if used.
 
         Raises:
@@ -150,14 +155,14 @@ class Learner:
         self._ref_params = (shard_tree(jax.tree.map(jnp.copy, self.params), self.mesh)
                             if hp.kl_coef > 0 else None)
         # Jitted inside; the host part checks rewards, skips empty batches, pads rows.
-        self._update = make_grpo_update(self.graphdef, optimizer, hp,
+        self._update = make_policy_update(self.graphdef, optimizer, hp,
                                         max_seq_len=self.model_config.max_seq_len,
                                         mesh=self.mesh)
 
     def train_step(self, batch: pa.RecordBatch) -> dict[str, float]:
         """One update on a trajectory batch (``hp.num_iterations`` optimizer steps); bumps
         the policy version, unless the batch has no trainable token or the update is not
-        finite (its loss, gradients or new parameters; ``make_grpo_update``): then nothing
+        finite (its loss, gradients or new parameters; ``make_policy_update``): then nothing
         changes but ``rl_step``, and ``updates_skipped`` counts it (the non-finite ones
         also ``updates_skipped_nonfinite``, and ``nonfinite_updates_in_a_row`` until an
         update is applied; the driver stops the run at
@@ -170,7 +175,7 @@ class Learner:
         rounded up to a multiple of 8, of the micro-batch size and of the mesh's batch
         shards).
 
-        Returns the update's metrics (see ``make_grpo_update``; among them the
+        Returns the update's metrics (see ``make_policy_update``; among them the
         engine-learner logprob mismatch ``mismatch_*`` and ``update_skipped``) as floats,
         plus ``update_s`` (seconds), ``policy_version``, ``updates_skipped``,
         ``updates_skipped_nonfinite`` (so far), ``nonfinite_updates_in_a_row``,
@@ -194,9 +199,8 @@ class Learner:
         else:
             arrays = Batch.from_record_batch(batch, pad_id=self.pad_id,
                                              max_seq_len=self.model_config.max_seq_len)
-        width = (min(self._hp.pack_width or self.model_config.max_seq_len,
-                     self.model_config.max_seq_len) if self._hp.sequence_packing
-                 else self.model_config.max_seq_len)
+        width = (widest_packed_row(self._hp.pack_width, self.model_config.max_seq_len)
+                 if self._hp.sequence_packing else self.model_config.max_seq_len)
         dropped = generated_tokens_cut(batch, width)
         versions = arrays.policy_versions[arrays.loss_mask > 0]
         t0 = time.monotonic()

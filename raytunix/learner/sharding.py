@@ -12,7 +12,7 @@ One code path for one CPU device, N fake CPU devices
 ``MeshConfig.from_config(cfg)`` reads ``learner.mesh_data``, ``mesh_fsdp`` and
 ``mesh_tensor``; one of them may be -1, "the rest of the devices" (the default: data
 parallel over every device, which on one device is the plain single-device update).
-``make_grpo_update(..., mesh=mesh)`` and ``make_sft_update(..., mesh=mesh)`` keep the
+``make_policy_update(..., mesh=mesh)`` and ``make_sft_update(..., mesh=mesh)`` keep the
 state sharded across steps (``with_sharding_constraint`` on the new state), and
 ``Learner`` does all of the above when its hyperparameters carry a ``MeshConfig``.
 

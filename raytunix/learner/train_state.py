@@ -6,16 +6,17 @@ close over the model's graphdef, the optimizer and the hyperparameters, so the j
 function sees only arrays and compiles once per batch shape::
 
     graphdef, params = init_model(model_config, seed=0)
-    hp = GRPOHyperparams.from_config(cfg)
+    hp = RLHyperparams.from_config(cfg)
     optimizer = make_optimizer_from(hp)
     state = create_train_state(graphdef, params, optimizer, seed=0)
-    update = make_grpo_update(graphdef, optimizer, hp, max_seq_len=model_config.max_seq_len)
+    update = make_policy_update(graphdef, optimizer, hp, max_seq_len=model_config.max_seq_len)
     state, metrics = update(state, None, Batch.from_record_batch(rb, pad_id=0, max_seq_len=128))
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable
 
@@ -69,7 +70,7 @@ OFF_POLICY_CORRECTIONS = ("none", "decoupled_ppo")
 OPTIMIZERS = ("adamw", "adam", "sgd")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
-# What the GRPO update checks before it applies a step: metrics nonfinite_<part>.
+# What the policy update checks before it applies a step: metrics nonfinite_<part>.
 NONFINITE_PARTS = ("loss", "gradients", "new_state")
 
 # A reference-policy logprob of -inf (the token is outside the reference's top-k/top-p
@@ -86,7 +87,7 @@ class TrainState:
       opt_state: the optax optimizer state for ``params``.
       step: int32 scalar, number of optimizer steps applied.
       rng: uint32 PRNG key data (``jax.random.key_data``), so it checkpoints as a plain
-        array; turn it back into a key with ``jax.random.wrap_key_data``. The GRPO and
+        array; turn it back into a key with ``jax.random.wrap_key_data``. The policy and
         SFT updates use no randomness and carry it unchanged.
       value_head: PPO's value head (``advantage_estimator="gae"``), a scalar linear map
         of the model's final hidden state, ``{"kernel": float32[d_model, 1], "bias":
@@ -105,10 +106,13 @@ class TrainState:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class GRPOHyperparams:
-    """Every number of the policy-gradient update, with the names of the config's
-    ``learner.*`` keys (``raytunix.config.LearnerConfig`` documents each and holds its
-    one default, which the fields here take). Build with ``from_config``.
+class RLHyperparams:
+    """Every number of the RL phase's update — optimizer and schedule, advantages (GRPO
+    and the other episode estimators, PPO's GAE and value head), the policy loss (PPO
+    clip, GSPO, CISPO; KL, entropy), off-policy correction, micro-batches, iterations and
+    packing — with the names of the config's ``learner.*`` keys
+    (``raytunix.config.LearnerConfig`` documents each and holds its one default, which the
+    fields here take). Build with ``from_config``.
 
     ``temperature``, ``top_k`` and ``top_p`` are the rollout's sampling settings
     (``rollout.*``) and have no default: tokens are scored under the distribution they
@@ -116,7 +120,7 @@ class GRPOHyperparams:
     ``overlong_max_tokens`` is the most tokens an episode can generate
     (``env.max_turns * rollout.max_new_tokens``), the limit of DAPO's overlong penalty.
     ``mesh`` is the learner's device mesh (``learner.mesh_*``; ``Learner`` builds it and
-    passes it to ``make_grpo_update``); it does not change the numbers.
+    passes it to ``make_policy_update``); it does not change the numbers.
     """
 
     temperature: float
@@ -156,7 +160,7 @@ class GRPOHyperparams:
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
     @classmethod
-    def from_config(cls, cfg: Config) -> GRPOHyperparams:
+    def from_config(cls, cfg: Config) -> RLHyperparams:
         """The update's numbers from a run config: every ``learner.*`` key of this class,
         the sampling settings of ``rollout.*`` and the overlong limit."""
         names = {f.name for f in dataclasses.fields(cls)}
@@ -320,7 +324,7 @@ def make_optimizer(
     return optax.chain(optax.clip_by_global_norm(max_grad_norm), inner)
 
 
-def make_optimizer_from(hp: GRPOHyperparams) -> optax.GradientTransformation:
+def make_optimizer_from(hp: RLHyperparams) -> optax.GradientTransformation:
     """The RL optimizer ``hp`` names; a decaying schedule reaches 0 after the run's
     ``rl_steps * num_iterations`` optimizer steps."""
     return make_optimizer(hp.learning_rate, optimizer=hp.optimizer, schedule=hp.lr_schedule,
@@ -362,7 +366,7 @@ def init_value_head(d_model: int) -> dict[str, jax.Array]:
 def add_value_head(state: TrainState, optimizer: optax.GradientTransformation,
                    d_model: int) -> TrainState:
     """``state`` with a fresh value head (``init_value_head``) and its optimizer state,
-    what ``make_grpo_update`` needs for ``advantage_estimator="gae"``; ``d_model`` is the
+    what ``make_policy_update`` needs for ``advantage_estimator="gae"``; ``d_model`` is the
     model's width (``ModelConfig.d_model``)."""
     head = init_value_head(d_model)
     return state.replace(value_head=head, value_opt_state=optimizer.init(head))
@@ -399,7 +403,7 @@ def _scored_tokens(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array,
                    positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
                    value_head: dict[str, jax.Array] | None = None
                    ) -> tuple[jax.Array, jax.Array] | tuple[jax.Array, jax.Array, jax.Array]:
-    """How the learner scores sampled tokens, shared by the GRPO update and
+    """How the learner scores sampled tokens, shared by the policy update and
     ``logprobs_fn``: ``(logprobs float32[B, T-1], logits float32[B, T-1, V])``, entry t
     of the logprobs scoring ``tokens[:, t + 1]`` under the sampling distribution
     (``token_logprobs``, the transformation the engine samples with). ``positions`` and
@@ -436,113 +440,491 @@ def _apply_gradients(
     )
 
 
-def make_grpo_update(
+# ------------------------------------------------------------------ the policy update
+# The update is composed of the pure pieces below, in the order the jitted program runs
+# them (optax's transforms, RLlib's compute-loss / compute-gradients / apply seams):
+# rewards -> targets and advantages -> micro-batches -> per micro-batch policy and value
+# loss -> gradients summed over micro-batches -> optimizer apply -> non-finite guard.
+
+
+def shaped_rewards(batch: Batch | PackedBatch, hp: RLHyperparams,
+                   num_rows: jax.Array) -> tuple[jax.Array, Metrics]:
+    """The rewards the advantages see: ``batch.rewards`` float32[N], plus DAPO's overlong
+    penalty (Yu et al. 2025, arXiv:2503.14476; ``overlong_penalty``) when
+    ``hp.overlong_buffer_tokens > 0``, over each trajectory's generated tokens (those
+    with a policy version >= 0; in packed rows a segment sum by ``trajectory_index``).
+
+    ``num_rows`` (float32 scalar) counts the real trajectories; rows past it are padding.
+    Returns ``(rewards float32[N], metrics)``, metrics ``overlong_penalty_mean`` (over the
+    real trajectories) with the penalty, else empty."""
+    if hp.overlong_buffer_tokens <= 0:
+        return batch.rewards, {}
+    size = batch.rewards.shape[0]
+    sampled = batch.policy_versions >= 0
+    lengths = (jax.ops.segment_sum(sampled.reshape(-1).astype(jnp.int32),
+                                   batch.trajectory_index.reshape(-1), num_segments=size)
+               if isinstance(batch, PackedBatch) else jnp.sum(sampled, axis=-1))
+    penalty = overlong_penalty(lengths, max_tokens=hp.overlong_max_tokens,
+                               buffer_tokens=hp.overlong_buffer_tokens)
+    real = (jnp.arange(size) < num_rows).astype(jnp.float32)
+    return batch.rewards + penalty, {"overlong_penalty_mean": jnp.sum(penalty * real) / num_rows}
+
+
+def split_micro_batches(tree: Any, rows: int) -> Any:
+    """Every leaf ``[R, ...]`` of ``tree`` as ``[R // rows, rows, ...]``: micro-batches of
+    ``rows`` rows along a new leading axis. ``R`` must be a multiple of ``rows`` (the
+    update pads or checks the batch before)."""
+    return jax.tree.map(lambda x: x.reshape((x.shape[0] // rows, rows) + x.shape[1:]), tree)
+
+
+def episode_advantage_targets(batch: Batch | PackedBatch, rewards: jax.Array,
+                              hp: RLHyperparams, num_rows: jax.Array
+                              ) -> tuple[dict[str, jax.Array], Metrics]:
+    """Per-episode advantages by ``hp.advantage_estimator`` (``episode_advantages``:
+    ``grpo``, ``rloo``, ``reinforce_pp``; each cites its source there) over the whole
+    batch, failed members (``valid`` 0) left out of group statistics.
+
+    Returns ``({"advantages": ...}, metrics)``: float32[N] per trajectory for a ``Batch``,
+    or gathered to the tokens, float32[R, T-1], for a ``PackedBatch``; metrics
+    ``advantage_abs_mean`` over the ``num_rows`` real trajectories."""
+    size = batch.rewards.shape[0]
+    advantages = episode_advantages(
+        hp.advantage_estimator, rewards, batch.group_ids, size, valid=batch.valid,
+        normalize_advantages_by_std=hp.normalize_advantages_by_std)
+    real = (jnp.arange(size) < num_rows).astype(jnp.float32)
+    per_token = (advantages[batch.trajectory_index[:, 1:]] if isinstance(batch, PackedBatch)
+                 else advantages)
+    return {"advantages": per_token}, {
+        "advantage_abs_mean": jnp.sum(jnp.abs(advantages) * real) / num_rows}
+
+
+def start_values(graphdef: nnx.GraphDef, params: nnx.State, value_head: dict[str, jax.Array],
+                 inputs: dict[str, jax.Array], rows: int) -> jax.Array:
+    """The value head's estimates at the batch's start, float32[R, T-1] (entry t the value
+    of the state that generates ``tokens[:, t + 1]``), without gradient: one forward pass
+    per micro-batch of ``rows`` rows. ``inputs``: ``tokens`` int32[R, T], and for packed
+    rows ``positions`` and ``segment_ids``."""
+    def values(mb):
+        packing = {k: mb[k] for k in ("positions", "segment_ids") if k in mb}
+        _, hidden = _next_token_logits(graphdef, params, mb["tokens"], **packing,
+                                       with_hidden=True)
+        return value_estimates(value_head, hidden)
+
+    tokens = inputs["tokens"]
+    old = jax.lax.stop_gradient(jax.lax.map(values, split_micro_batches(inputs, rows)))
+    return old.reshape((tokens.shape[0], tokens.shape[1] - 1))
+
+
+def gae_targets(batch: Batch | PackedBatch, rewards: jax.Array, old_values: jax.Array,
+                hp: RLHyperparams) -> tuple[dict[str, jax.Array], Metrics]:
+    """PPO's targets by GAE (Schulman et al. 2016, arXiv:1506.02438; ``gae_advantages``,
+    ``hp.gae_gamma`` / ``gae_lambda``): each episode's reward on its last generated token
+    (``last_token_rewards``), chains per segment in packed rows, over the generated tokens
+    of valid trajectories; whitened over them when ``hp.gae_normalize``.
+
+    ``old_values`` float32[R, T-1] are ``start_values``. Returns the float32[R, T-1]
+    arrays ``advantages``, ``old_values``, ``returns`` and ``value_mask`` (the tokens the
+    value loss trains), and metrics ``return_mean``, ``advantage_abs_mean`` over them."""
+    packed = isinstance(batch, PackedBatch)
+    generated = batch.loss_mask[:, 1:]
+    index = batch.trajectory_index[:, 1:] if packed else None
+    valid = (batch.valid > 0).astype(jnp.float32)
+    value_mask = generated * (valid[index] if packed else valid[:, None])
+    advantages, returns = gae_advantages(
+        last_token_rewards(rewards, value_mask, index), old_values, value_mask,
+        gamma=hp.gae_gamma, lam=hp.gae_lambda,
+        segment_ids=batch.segment_ids[:, 1:] if packed else None)
+    if hp.gae_normalize:
+        advantages = whiten(advantages, value_mask)
+    on = value_mask > 0
+    tokens = jnp.maximum(jnp.sum(on), 1)
+    return ({"advantages": advantages, "old_values": old_values, "returns": returns,
+             "value_mask": value_mask},
+            {"return_mean": jnp.sum(jnp.where(on, returns, 0.0)) / tokens,
+             "advantage_abs_mean": jnp.sum(jnp.abs(advantages) * on) / tokens})
+
+
+def micro_batches(graphdef: nnx.GraphDef, state: TrainState, batch: Batch | PackedBatch,
+                  hp: RLHyperparams, num_rows: jax.Array, *, max_seq_len: int
+                  ) -> tuple[dict[str, jax.Array], jax.Array, Metrics]:
+    """Everything the loss reads, split into micro-batches of ``hp.micro_batch_size`` rows
+    (0: one micro-batch): ``tokens``, ``generated`` (the loss mask past position 0),
+    ``old`` (behaviour logprobs), ``weights`` and the ``denominator`` of the whole batch's
+    ``loss_normalizer`` (``hp.loss_aggregation``; ``max_seq_len`` is Dr. GRPO's constant),
+    ``positions`` / ``segment_ids`` for packed rows, and the targets of
+    ``shaped_rewards`` then ``gae_targets`` or ``episode_advantage_targets``.
+
+    Returns ``(micro-batches, denominator, metrics)``: every leaf ``[M, rows, ...]``."""
+    packed = isinstance(batch, PackedBatch)
+    generated = batch.loss_mask[:, 1:]
+    # Packed rows: sequence-level sums go by trajectory (segment sums), not by row.
+    seqs = ({"sequence_index": batch.trajectory_index[:, 1:],
+             "num_sequences": batch.rewards.shape[0]} if packed else {})
+    rewards, extra = shaped_rewards(batch, hp, num_rows)
+    weights, denominator = loss_normalizer(generated, aggregation=hp.loss_aggregation,
+                                           max_tokens=max_seq_len, **seqs)
+    rows = hp.micro_batch_size or batch.tokens.shape[0]
+    mbs = {"tokens": batch.tokens, "generated": generated, "old": batch.logprobs[:, 1:],
+           "weights": weights}
+    if packed:
+        mbs.update(positions=batch.positions, segment_ids=batch.segment_ids)
+    if hp.advantage_estimator == "gae":
+        inputs = {k: v for k, v in mbs.items() if k in ("tokens", "positions", "segment_ids")}
+        old_values = start_values(graphdef, state.params, state.value_head, inputs, rows)
+        targets, metrics = gae_targets(batch, rewards, old_values, hp)
+    else:
+        targets, metrics = episode_advantage_targets(batch, rewards, hp, num_rows)
+    mbs.update(targets)
+    return split_micro_batches(mbs, rows), denominator, {**extra, **metrics}
+
+
+def packed_sequence_index(segment_ids: jax.Array) -> dict[str, Any]:
+    """For a micro-batch of packed rows (``segment_ids`` int32[B, T-1], 0 = padding): the
+    ``sequence_index`` int32[B, T-1] and ``num_sequences`` of the sequence-level loss
+    sums, each (row, segment) one trajectory. The stride exceeds the most segments a row
+    can hold, so indices never collide."""
+    stride = segment_ids.shape[1] + 2
+    return {"sequence_index": jnp.arange(segment_ids.shape[0])[:, None] * stride + segment_ids,
+            "num_sequences": segment_ids.shape[0] * stride}
+
+
+def policy_loss_terms(logprobs: jax.Array, logits: jax.Array, ref: jax.Array | None,
+                      mb: dict[str, jax.Array], denominator: jax.Array,
+                      anchor: tuple[jax.Array, jax.Array] | None, hp: RLHyperparams, *,
+                      max_seq_len: int, seqs: dict[str, Any]) -> tuple[jax.Array, dict, Any]:
+    """The policy loss of one micro-batch ``mb`` (``grpo_policy_loss``: ``hp.policy_loss``
+    ppo_clip / GSPO / CISPO, clip, KL to ``ref``, entropy bonus), normalised by the whole
+    batch's ``(mb["weights"], denominator)``, and token *sums* of its statistics.
+
+    ``logprobs`` float32[B, T-1] and ``logits`` float32[B, T-1, V] are the current
+    policy's scores (``_scored_tokens``); ``ref`` the reference's (floored at
+    ``REF_LOGPROB_FLOOR``, no gradient) or None. A token outside the current truncated
+    set (logprob -inf) leaves the loss, not the normaliser. ``anchor`` is None on the
+    first iteration, else ``(proximal logprobs, support)`` kept from it: with
+    ``decoupled_ppo`` (Hilton et al. 2021, arXiv:2110.00641) the ratio goes to the
+    proximal policy, the behaviour policy entering through ``truncated_importance_weights``
+    (the KL term's always token by token, so its gradient is KL(pi || pi_ref)'s).
+
+    Returns ``(loss, sums, (prox, support))``; ``sums["mismatch_ratio_max"]`` is a max."""
+    out_of_support = jnp.isneginf(jax.lax.stop_gradient(logprobs))  # NaN still propagates
+    support = ~out_of_support if anchor is None else ~out_of_support & anchor[1]
+    mask = jnp.where(support, mb["generated"], 0.0)
+    logprobs = jnp.where(support, logprobs, 0.0)
+    # The learner's logprobs at the batch's start: the proximal policy.
+    prox = jax.lax.stop_gradient(logprobs) if anchor is None else anchor[0]
+    decoupled = hp.off_policy_correction == "decoupled_ppo"
+    weights, weight_aux, kl_weights = None, {}, None
+    if decoupled:
+        weights, weight_aux = truncated_importance_weights(
+            prox, mb["old"], mask, level=hp.importance_sampling, cap=hp.importance_cap, **seqs)
+        if ref is not None:
+            kl_weights = weights if hp.importance_sampling == "token_tis" else (
+                truncated_importance_weights(prox, mb["old"], mask, level="token_tis",
+                                             cap=hp.importance_cap)[0])
+    sampling = {"temperature": hp.temperature, "top_k": hp.top_k, "top_p": hp.top_p}
+    entropy = token_entropy(logits if hp.entropy_coef > 0 else
+                            jax.lax.stop_gradient(logits), **sampling)
+    loss, aux = grpo_policy_loss(
+        logprobs, prox if decoupled else mb["old"], mb["advantages"], mask,
+        policy_loss=hp.policy_loss, clip_eps_low=hp.clip_eps_low,
+        clip_eps_high=hp.clip_eps_high, dual_clip=hp.dual_clip,
+        aggregation=hp.loss_aggregation, max_tokens=max_seq_len,
+        ref_logprobs=ref, kl_coef=hp.kl_coef, kl_estimator=hp.kl_estimator,
+        importance_weights=weights, kl_importance_weights=kl_weights,
+        entropy=entropy if hp.entropy_coef > 0 else None, entropy_coef=hp.entropy_coef,
+        normalizer=(mb["weights"], denominator), **seqs)
+    aux.update(weight_aux, **logprob_mismatch(prox, mb["old"], mask),
+               entropy=masked_mean(jax.lax.stop_gradient(entropy), mask))
+    tokens = aux.pop("num_tokens")
+    sums = {k: v if k == "mismatch_ratio_max" else v * tokens for k, v in aux.items()}
+    sums.update(num_tokens=tokens, generated=jnp.sum(mb["generated"] > 0),
+                out_of_support=jnp.sum((mb["generated"] > 0) & out_of_support))
+    return loss, sums, (prox, support)
+
+
+def value_loss_terms(values: jax.Array, mb: dict[str, jax.Array], denominator: jax.Array,
+                     hp: RLHyperparams) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """PPO's clipped value loss of one micro-batch (``clipped_value_loss``, Schulman et al.
+    2017, arXiv:1707.06347, as in openai/baselines; ``hp.value_clip``), aggregated like the
+    policy loss over ``mb["value_mask"]``. ``values`` float32[B, T-1] are the value head's
+    current estimates; ``mb`` holds ``old_values``, ``returns`` (``gae_targets``).
+
+    Returns ``(value_loss, sums)``, sums of ``value_loss``, ``value_clip_fraction``,
+    ``value_mean`` and ``value_tokens`` over the micro-batch's trained tokens."""
+    value_loss, clipped = clipped_value_loss(
+        values, mb["old_values"], mb["returns"], mb["value_mask"],
+        value_clip=hp.value_clip, normalizer=(mb["weights"], denominator))
+    on = mb["value_mask"] > 0
+    return value_loss, {
+        "value_loss": value_loss,
+        "value_clip_fraction": jnp.sum(clipped).astype(jnp.float32),
+        "value_mean": jnp.sum(jnp.where(on, jax.lax.stop_gradient(values), 0.0)),
+        "value_tokens": jnp.sum(on).astype(jnp.float32)}
+
+
+def micro_batch_loss(trainable: tuple[nnx.State, Any], ref_params: nnx.State | None,
+                     mb: dict[str, jax.Array], denominator: jax.Array,
+                     anchor: tuple[jax.Array, jax.Array] | None, *, graphdef: nnx.GraphDef,
+                     hp: RLHyperparams, max_seq_len: int) -> tuple[jax.Array, tuple]:
+    """The loss of one micro-batch (one row-slice of ``micro_batches``): one forward pass
+    of the policy (and of the value head on its hidden state when ``trainable`` is
+    ``(params, value_head)`` with a head), one of the reference when ``ref_params`` are
+    given, then ``policy_loss_terms`` + ``hp.value_coef`` x ``value_loss_terms``.
+    Differentiable in ``trainable``; returns ``(loss, (sums, prox, support))``."""
+    params, value_head = trainable
+    packing = {k: mb[k] for k in ("positions", "segment_ids") if k in mb}
+    seqs = packed_sequence_index(mb["segment_ids"][:, 1:]) if packing else {}
+    sampling = {"temperature": hp.temperature, "top_k": hp.top_k, "top_p": hp.top_p}
+    scored = _scored_tokens(graphdef, params, mb["tokens"], **sampling, **packing,
+                            value_head=value_head)
+    ref = None
+    if ref_params is not None:
+        ref, _ = _scored_tokens(graphdef, ref_params, mb["tokens"], **sampling, **packing)
+        ref = jax.lax.stop_gradient(jnp.maximum(ref, REF_LOGPROB_FLOOR))
+    loss, sums, anchors = policy_loss_terms(scored[0], scored[1], ref, mb, denominator,
+                                            anchor, hp, max_seq_len=max_seq_len, seqs=seqs)
+    if value_head is not None:
+        value_loss, value_sums = value_loss_terms(scored[2], mb, denominator, hp)
+        loss = loss + hp.value_coef * value_loss
+        sums.update(value_sums)
+    sums["loss"] = loss
+    return loss, (sums, *anchors)
+
+
+def accumulate_gradients(grad_fn: Callable, trainable: Any, ref_params: nnx.State | None,
+                         mbs: dict[str, jax.Array], denominator: jax.Array,
+                         anchors: Any) -> tuple[Any, dict[str, jax.Array], jax.Array, jax.Array]:
+    """Gradients and statistic sums over the micro-batches (the leading axis ``M`` of every
+    leaf of ``mbs``): ``grad_fn(trainable, ref_params, mb, denominator, anchor)`` is
+    ``jax.grad(micro_batch_loss, has_aux=True)``; each micro-batch is normalised by the
+    whole batch's denominator, so the summed gradient is the whole batch's (gradient
+    accumulation). ``sums`` add up, except ``mismatch_ratio_max``, a max.
+
+    Returns ``(grads, sums, prox float32[M, rows, T-1], support bool[M, rows, T-1])``; one
+    micro-batch runs without a ``lax.scan``."""
+    first = jax.tree.map(lambda x: x[0], mbs)
+    first_anchor = None if anchors is None else jax.tree.map(lambda x: x[0], anchors)
+    if jax.tree.leaves(mbs)[0].shape[0] == 1:
+        grads, (sums, prox, support) = grad_fn(trainable, ref_params, first, denominator,
+                                               first_anchor)
+        return grads, sums, prox[None], support[None]
+
+    def accumulate(carry, xs):
+        grads, sums = carry
+        mb, anchor = xs
+        g, (s, prox, support) = grad_fn(trainable, ref_params, mb, denominator, anchor)
+        sums = {k: jnp.maximum(sums[k], v) if k == "mismatch_ratio_max" else sums[k] + v
+                for k, v in s.items()}
+        return (jax.tree.map(jnp.add, grads, g), sums), (prox, support)
+
+    shapes = jax.eval_shape(grad_fn, trainable, ref_params, first, denominator, first_anchor)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (shapes[0], shapes[1][0]))
+    (grads, sums), (prox, support) = jax.lax.scan(accumulate, zeros, (mbs, anchors))
+    return grads, sums, prox, support
+
+
+_SUMMED = ("loss", "num_tokens", "generated", "out_of_support", "mismatch_ratio_max",
+           "value_loss", "value_clip_fraction", "value_mean", "value_tokens")
+
+
+def step_metrics(sums: dict[str, jax.Array], grads: Any, value_grads: Any) -> Metrics:
+    """An optimizer step's metrics from ``accumulate_gradients``'s sums: token means of
+    the per-token statistics, ``loss``, ``num_tokens``, ``mismatch_ratio_max``,
+    ``grad_norm`` (global, before clipping), ``out_of_support_fraction``; with a value
+    head (``value_grads`` not None) ``value_loss``, ``value_clip_fraction``,
+    ``value_mean``, ``value_grad_norm``. All float32 scalars."""
+    tokens = jnp.maximum(sums["num_tokens"], 1.0)
+    metrics = {k: v / tokens for k, v in sums.items() if k not in _SUMMED}
+    metrics.update(
+        loss=sums["loss"], num_tokens=sums["num_tokens"],
+        mismatch_ratio_max=sums["mismatch_ratio_max"], grad_norm=optax.tree.norm(grads),
+        out_of_support_fraction=sums["out_of_support"] / jnp.maximum(sums["generated"], 1))
+    if value_grads is not None:
+        value_tokens = jnp.maximum(sums["value_tokens"], 1.0)
+        metrics.update(value_loss=sums["value_loss"],
+                       value_clip_fraction=sums["value_clip_fraction"] / value_tokens,
+                       value_mean=sums["value_mean"] / value_tokens,
+                       value_grad_norm=optax.tree.norm(value_grads))
+    return metrics
+
+
+def apply_policy_gradients(optimizer: optax.GradientTransformation, state: TrainState,
+                           grads: nnx.State, value_grads: Any
+                           ) -> tuple[TrainState, jax.Array]:
+    """One optimizer step: ``grads`` on ``state.params`` (the step counter +1) and, when
+    ``value_grads`` is not None, the value head's own step with the same optimizer.
+    Returns ``(new_state, finite)``, ``finite`` a bool scalar: every float leaf of the new
+    params, optimizer states and value head is finite (``NONFINITE_PARTS``'s
+    ``new_state``); the caller decides whether to keep it (``keep_if_finite``)."""
+    new_state = _apply_gradients(optimizer, state, grads)
+    if value_grads is not None:
+        updates, value_opt_state = optimizer.update(value_grads, state.value_opt_state,
+                                                    state.value_head)
+        new_state = new_state.replace(value_head=optax.apply_updates(state.value_head, updates),
+                                      value_opt_state=value_opt_state)
+    return new_state, _all_finite((new_state.params, new_state.opt_state,
+                                   new_state.value_head, new_state.value_opt_state))
+
+
+def keep_if_finite(finite: dict[str, jax.Array], new: TrainState,
+                   start: TrainState) -> tuple[TrainState, jax.Array]:
+    """The non-finite guard: ``new`` when every check of ``finite`` (bool scalars keyed
+    by ``NONFINITE_PARTS``) holds, else ``start`` bit for bit (params, optimizer moments,
+    step), a select per leaf inside the jitted program. Returns ``(state, applied)``."""
+    applied = finite["loss"] & finite["gradients"] & finite["new_state"]
+    return jax.tree.map(lambda n, o: jnp.where(applied, n, o), new, start), applied
+
+
+def optimizer_step(state: TrainState, ref_params: nnx.State | None, mbs: dict[str, jax.Array],
+                   denominator: jax.Array, anchors: Any, *, grad_fn: Callable,
+                   optimizer: optax.GradientTransformation, gae: bool
+                   ) -> tuple[TrainState, Metrics, tuple[jax.Array, jax.Array]]:
+    """compute-gradients then apply: ``accumulate_gradients`` over ``mbs``, then
+    ``apply_policy_gradients``. Returns ``(new_state, metrics, (prox, support))``, the
+    metrics of ``step_metrics`` plus bool ``finite_<part>`` for each of
+    ``NONFINITE_PARTS`` (the new state is not yet checked against them)."""
+    trainable = (state.params, state.value_head if gae else None)
+    (grads, value_grads), sums, prox, support = accumulate_gradients(
+        grad_fn, trainable, ref_params, mbs, denominator, anchors)
+    metrics = step_metrics(sums, grads, value_grads if gae else None)
+    new_state, finite_state = apply_policy_gradients(optimizer, state, grads,
+                                                     value_grads if gae else None)
+    metrics.update(
+        finite_loss=jnp.isfinite(sums["loss"]),
+        finite_gradients=jnp.isfinite(metrics["grad_norm"]) & (
+            jnp.isfinite(metrics["value_grad_norm"]) if gae else True),
+        finite_new_state=finite_state)
+    return new_state, metrics, (prox, support)
+
+
+def iterate_and_guard(step: Callable, state: TrainState, num_iterations: int
+                      ) -> tuple[TrainState, Metrics]:
+    """``num_iterations`` optimizer steps on one batch, ``step(state, anchors) -> (state,
+    metrics, anchors)`` (``optimizer_step`` bound to its micro-batches): the first with
+    ``anchors`` None, the later ones (a ``lax.scan``) anchored at the first's proximal
+    logprobs and support. Then ``keep_if_finite`` over every iteration's checks.
+
+    Returns ``(state, metrics)``: the first iteration's metrics, ``loss_last``,
+    ``clip_fraction_last``, ``approx_kl_last`` with more than one iteration, and float32
+    ``update_skipped``, ``update_nonfinite``, ``nonfinite_<part>`` (1 = not finite in some
+    iteration)."""
+    start = state
+    state, metrics, anchors = step(state, None)
+    finite = {k: metrics.pop(f"finite_{k}") for k in NONFINITE_PARTS}
+    if num_iterations > 1:
+        def iteration(state, _):
+            state, m, _ = step(state, anchors)
+            return state, {k: m[k] for k in ("loss", "clip_fraction", "approx_kl",
+                                             *(f"finite_{p}" for p in NONFINITE_PARTS))}
+
+        state, later = jax.lax.scan(iteration, state, None, length=num_iterations - 1)
+        finite = {k: v & jnp.all(later.pop(f"finite_{k}")) for k, v in finite.items()}
+        metrics.update({f"{k}_last": v[-1] for k, v in later.items()})
+    state, applied = keep_if_finite(finite, state, start)
+    skipped = 1.0 - applied.astype(jnp.float32)
+    metrics.update(update_skipped=skipped, update_nonfinite=skipped,
+                   **{f"nonfinite_{k}": 1.0 - v.astype(jnp.float32) for k, v in finite.items()})
+    return state, metrics
+
+
+def _prepare_batch(batch: Batch | PackedBatch, hp: RLHyperparams, shards: int
+                   ) -> Batch | PackedBatch | None:
+    """The host-side checks of a batch before the jitted update: its rewards finite, its
+    rows a multiple of the micro-batch size and the mesh's batch shards (a padded
+    ``Batch`` is padded here; a packed one must come so). None: the batch has no
+    trainable token and is skipped. A traced batch (under an outer jit) is only checked
+    for its row count; the caller checks the rest."""
+    if isinstance(batch.rewards, jax.core.Tracer):
+        if len(batch.tokens) % (hp.micro_batch_size or shards):
+            raise ValueError(f"a traced batch of {len(batch.rewards)} rows must be a multiple "
+                             f"of micro_batch_size={hp.micro_batch_size} and of the mesh's "
+                             f"{shards} batch shards; pad it with Batch.pad_rows first.")
+        return batch
+    check_finite_rewards(batch.rewards)
+    if not np.any(np.asarray(batch.loss_mask)[:, 1:] > 0):
+        return None
+    if isinstance(batch, PackedBatch):
+        token_rows = len(batch.tokens)
+        if token_rows % math.lcm(hp.micro_batch_size or 1, shards):
+            raise ValueError(
+                f"a packed batch of {token_rows} rows cannot be split into micro-batches of "
+                f"{hp.micro_batch_size} rows over {shards} batch shards; pack it with "
+                f"row_multiple={packed_row_multiple(hp.micro_batch_size, shards)}.")
+        return batch
+    if hp.micro_batch_size or shards > 1:
+        return batch.pad_rows(hp.micro_batch_size or shards)
+    return batch
+
+
+def _placed_batch(batch: Batch | PackedBatch, num_rows: int, mesh: jax.sharding.Mesh | None
+                  ) -> tuple[Batch | PackedBatch, jax.Array | np.float32]:
+    """The batch as device arrays (split by rows over ``mesh``) and its real row count,
+    float32: what the jitted update takes."""
+    if mesh is None or isinstance(batch.rewards, jax.core.Tracer):
+        return jax.tree.map(jnp.asarray, batch), jnp.asarray(num_rows, jnp.float32)
+    if isinstance(batch, PackedBatch):  # token rows split over the devices, the rest whole
+        return PackedBatch(**{
+            k: _replicated(v, mesh) if k in ("rewards", "group_ids", "valid")
+            else place_rows(v, mesh) for k, v in batch._asdict().items()}), np.float32(num_rows)
+    # Global arrays, so that several processes can each pass their full copy.
+    return place_batch(batch, mesh), np.float32(num_rows)
+
+
+def _check_update_inputs(state: TrainState, ref_params: nnx.State | None,
+                         batch: Batch | PackedBatch, hp: RLHyperparams) -> None:
+    """Raises TypeError for a batch that is not a ``Batch`` / ``PackedBatch``, ValueError
+    for GAE without a value head or ``kl_coef > 0`` without ``ref_params``."""
+    if not isinstance(batch, (Batch, PackedBatch)):
+        raise TypeError(f"the policy update takes a Batch or PackedBatch, got "
+                        f"{type(batch).__name__}; build it with Batch.from_record_batch "
+                        "(or PackedBatch.from_record_batch).")
+    if hp.advantage_estimator == "gae" and state.value_head is None:
+        raise ValueError("advantage_estimator='gae' needs a value head in the TrainState; "
+                         "add one with add_value_head(state, optimizer, d_model).")
+    if hp.kl_coef > 0 and ref_params is None:
+        raise ValueError(f"kl_coef={hp.kl_coef} needs the reference policy's params; pass "
+                         "ref_params or set kl_coef=0.")
+
+
+def make_policy_update(
     graphdef: nnx.GraphDef,
     optimizer: optax.GradientTransformation,
-    hp: GRPOHyperparams,
+    hp: RLHyperparams,
     *,
     max_seq_len: int,
     mesh: jax.sharding.Mesh | None = None,
 ) -> Callable[[TrainState, nnx.State | None, Batch], tuple[TrainState, Metrics]]:
     """Builds ``update(state, ref_params, batch) -> (state, metrics)``: the policy-gradient
-    update of one ``Batch``, as ``hp`` configures it.
+    update of one ``Batch`` or ``PackedBatch`` (``hp.sequence_packing``; rows a multiple of
+    ``packed_row_multiple``), as ``hp`` configures it: GRPO / RLOO / PPO with GAE
+    (``advantage_estimator``), ppo_clip / GSPO / CISPO (``policy_loss``), decoupled PPO.
 
-    ``batch`` may also be a ``PackedBatch`` (sequence packing, ``hp.sequence_packing``):
-    the same trajectories several to a row, attention restricted to each trajectory by
-    its segment ids, advantages gathered to the tokens by ``trajectory_index`` and every
-    sequence-level quantity (the ``sequence_*`` aggregations, GSPO's ratio, the
-    ``sequence_tis`` / ``geometric_tis`` weights, the overlong penalty's lengths) a
-    segment sum per trajectory; the result equals the padded batch's up to float32
-    rounding, in fewer tokens. Micro-batches are then ``hp.micro_batch_size`` packed
-    rows, and the rows must be a multiple of it and of the mesh's batch shards
-    (``packed_row_multiple``; ``PackedBatch.from_record_batch(row_multiple=...)``). Each
-    row count compiles its own program.
+    Per batch, in one jitted program (each row count compiles once): ``micro_batches``
+    (``shaped_rewards``, then ``gae_targets`` or ``episode_advantage_targets``, the
+    normaliser), then ``iterate_and_guard``: ``hp.num_iterations`` times
+    ``optimizer_step`` (``accumulate_gradients`` of ``micro_batch_loss`` =
+    ``policy_loss_terms`` + ``value_loss_terms``, then ``apply_policy_gradients``), a
+    non-finite update never applied (``keep_if_finite``). Tokens are scored under the
+    rollout's sampling distribution (``hp.temperature``, ``top_k``, ``top_p``).
 
-    Per batch, read top to bottom:
+    A batch with no trainable token (checked on the host, for a concrete batch) is
+    skipped: state unchanged, metrics ``update_skipped`` 1, ``num_tokens`` 0,
+    ``reward_mean``. ``ref_params``: the reference policy's parameters for the KL penalty,
+    or None when ``hp.kl_coef == 0``. With a ``mesh``, ``state`` and ``ref_params`` come
+    split by ``shard_train_state`` / ``shard_tree`` and the state goes back so; the rows
+    are split over its data x fsdp devices (each micro-batch too), the result equal to
+    the single-device one up to float32 rounding.
 
-    1. Rewards, plus DAPO's overlong penalty when ``hp.overlong_buffer_tokens > 0``
-       (``overlong_penalty`` over each trajectory's generated tokens).
-    2. Advantages by ``hp.advantage_estimator`` (``episode_advantages``) over the whole
-       batch, failed members (``valid`` 0) left out of group statistics.
-       With ``advantage_estimator="gae"`` (PPO with a value head, ``state.value_head``
-       from ``add_value_head``): the values at the batch's start (one no-gradient forward
-       pass per micro-batch), each episode's reward on its last generated token, GAE
-       (``gae_advantages``, ``hp.gae_gamma``/``gae_lambda``; per segment in packed rows)
-       over the generated tokens of valid trajectories, whitened over them when
-       ``hp.gae_normalize``; the loss adds ``hp.value_coef`` x PPO's clipped value loss
-       (``clipped_value_loss``, ``hp.value_clip``, aggregated like the policy loss), whose
-       gradient reaches the value head and the shared trunk; the value head takes its own
-       optimizer step (same optimizer). Extra metrics: ``value_loss``, ``value_mean``,
-       ``value_clip_fraction``, ``value_grad_norm``, ``return_mean``.
-    3. The loss normaliser of ``hp.loss_aggregation`` over the whole batch
-       (``loss_normalizer``; ``max_seq_len`` is Dr. GRPO's constant).
-    4. ``hp.num_iterations`` optimizer steps; each sums the gradients of the micro-batches
-       (``hp.micro_batch_size`` rows each, 0 = the whole batch) of the loss
-       ``grpo_policy_loss`` (``hp.policy_loss``, clip, KL, entropy bonus), each
-       micro-batch normalised by the whole batch's normaliser, so the summed gradient is
-       the whole batch's.
-
-    Tokens are scored under the rollout's sampling distribution (``hp.temperature``,
-    ``top_k``, ``top_p``; ``token_logprobs``). With top-k/top-p on, a token the behaviour
-    policy sampled can fall outside the current policy's truncated set (logprob -inf):
-    it is left out of the loss (it still counts in the normaliser, which must not depend
-    on the parameters) and counted in ``out_of_support_fraction``. A reference logprob of
-    -inf is raised to ``REF_LOGPROB_FLOOR`` so the KL penalty stays finite. The KL
-    penalty (``kl_penalty``) is importance-weighted by the per-token ratio of the current
-    policy to the behaviour policy (with ``decoupled_ppo``: to the proximal policy, times
-    the token-level truncated ``pi_prox / pi_behav``), so its gradient is that of
-    KL(pi || pi_ref) for every ``hp.kl_estimator``.
-
-    The ratio's anchor (``old_logprobs`` of the loss) is fixed at the batch's start for
-    all iterations. ``off_policy_correction="none"``: the behaviour policy's logprobs in
-    the batch, as PPO and GRPO do. ``"decoupled_ppo"`` (Hilton et al. 2021,
-    arXiv:2110.00641; AReaL, arXiv:2505.24298): the proximal policy, the learner's
-    parameters at the batch's start, with the behaviour policy entering through the
-    weight ``pi_prox / pi_behav`` truncated at ``hp.importance_cap``
-    (``truncated_importance_weights``, at ``hp.importance_sampling``'s level). The
-    proximal logprobs are the no-grad values of the first iteration's own forward pass
-    (the parameters at the batch's start), kept for the later iterations.
-
-    A batch with no trainable token (``loss_mask`` all 0 past position 0) is skipped:
-    state returned unchanged (parameters, optimizer state, step), metrics
-    ``update_skipped`` 1, ``num_tokens`` 0 and ``reward_mean``. Checked on the host, so
-    only for a concrete batch.
-
-    A non-finite update is never applied: when the loss, the gradients (their global
-    norm) or the new parameters and optimizer state of any iteration are not finite, the
-    state at the batch's start comes back bit for bit (inside the jitted program, a
-    select per leaf), with ``update_skipped`` and ``update_nonfinite`` 1 and
-    ``nonfinite_loss``, ``nonfinite_gradients``, ``nonfinite_new_state`` saying which
-    (1 = not finite in some iteration).
-
-    ``ref_params`` are the reference policy's parameters for the KL penalty (same model),
-    or None when ``hp.kl_coef == 0`` (then they are ignored anyway).
-
-    With a ``mesh`` (``raytunix.learner.sharding``), ``state`` and ``ref_params`` are
-    expected split by ``shard_train_state`` / ``shard_tree`` on it and the new state
-    comes back split the same way; the batch's rows are padded with empty rows to a
-    multiple of the mesh's data x fsdp devices and split over them (each micro-batch
-    too). The result equals the update without a mesh up to float32 rounding.
-
-    Metrics (float32 scalars), of the first iteration: ``loss``, ``grad_norm`` (before
-    clipping), ``clip_fraction``, ``approx_kl`` (k3, to the anchor), ``ratio_mean``,
-    ``reward_mean``, ``advantage_abs_mean``, ``num_tokens``, ``entropy`` (masked mean
-    token entropy, nats), ``out_of_support_fraction``, the engine-learner logprob
-    mismatch on the trained tokens at the batch's start (``mismatch_logprob_abs_mean``
-    in nats, ``mismatch_ratio_max``, ``mismatch_kl``; ``logprob_mismatch``),
-    ``update_skipped`` and ``update_nonfinite`` (0 when applied), ``nonfinite_loss``,
-    ``nonfinite_gradients``, ``nonfinite_new_state``; ``kl_ref`` when ``kl_coef > 0``;
-    ``importance_weight_mean`` and ``importance_truncated_fraction`` with ``decoupled_ppo``;
-    ``overlong_penalty_mean`` with the overlong penalty; and with ``num_iterations > 1``
-    ``loss_last``, ``clip_fraction_last`` and ``approx_kl_last`` of the last iteration.
+    Metrics (float32 scalars), of the first iteration: those of ``step_metrics`` and of
+    ``policy_loss_terms`` (``clip_fraction``, ``approx_kl``, ``ratio_mean``, ``entropy``,
+    ``mismatch_*``, ``kl_ref``, ``importance_*``), ``reward_mean``, those of
+    ``micro_batches`` and of ``iterate_and_guard``.
 
     Raises:
-      ValueError: here, for a setting of ``hp`` outside its choices (``hp.check``), bad
-        sampling settings (a temperature below ``MIN_TEMPERATURE`` or not finite in
-        float32, ``top_k`` 1 or < 0, ``top_p`` outside (0, 1] or greedy for every
-        distribution; ``check_sampling_settings``), or a ``micro_batch_size`` that the
-        mesh's data x fsdp devices do not divide; from ``update``, for a non-finite reward or ``kl_coef > 0``
-        without ``ref_params``.
+      ValueError: here, for a setting of ``hp`` outside its choices or bad sampling
+        settings (``hp.check``), or a ``micro_batch_size`` the mesh's data x fsdp devices
+        do not divide; from ``update``, a non-finite reward, GAE without a value head,
+        ``kl_coef > 0`` without ``ref_params``, or rows that do not split.
       TypeError: from ``update``, for a batch that is not a ``Batch``.
     """
     hp.check()
@@ -552,284 +934,34 @@ def make_grpo_update(
             f"micro_batch_size={hp.micro_batch_size} cannot be split over the mesh's data x "
             f"fsdp = {shards} devices; set learner.micro_batch_size to a multiple of {shards} "
             "(or 0, the whole batch).")
-    use_ref = hp.kl_coef > 0
-    decoupled = hp.off_policy_correction == "decoupled_ppo"
-    sampling = {"temperature": hp.temperature, "top_k": hp.top_k, "top_p": hp.top_p}
-    gae = hp.advantage_estimator == "gae"
-
-    def micro_batch_loss(trainable, ref_params, mb, denominator, anchor):
-        """The loss of one micro-batch ``mb`` (a dict of its rows) and token *sums* of its
-        statistics; ``anchor`` is None on the first iteration, else the proximal logprobs
-        and support kept from it. ``trainable`` is ``(params, value_head)``, the value
-        head None without GAE."""
-        params, value_head = trainable
-        packing = {k: mb[k] for k in ("positions", "segment_ids") if k in mb}
-        seqs = {}
-        if packing:  # each (row, segment) of the micro-batch is one trajectory
-            seg = mb["segment_ids"][:, 1:]
-            stride = seg.shape[1] + 2  # > the most segments a row holds
-            seqs = {"sequence_index": jnp.arange(seg.shape[0])[:, None] * stride + seg,
-                    "num_sequences": seg.shape[0] * stride}
-        scored = _scored_tokens(graphdef, params, mb["tokens"], **sampling, **packing,
-                                value_head=value_head if gae else None)
-        logprobs, logits = scored[:2]
-        # -inf only where truncation removed the token; NaN still propagates.
-        out_of_support = jnp.isneginf(jax.lax.stop_gradient(logprobs))
-        support = ~out_of_support
-        if anchor is not None:
-            support = support & anchor[1]
-        mask = jnp.where(support, mb["generated"], 0.0)
-        logprobs = jnp.where(support, logprobs, 0.0)
-        # The learner's logprobs at the batch's start: the proximal policy.
-        prox = jax.lax.stop_gradient(logprobs) if anchor is None else anchor[0]
-        weights, weight_aux = None, {}
-        if decoupled:
-            weights, weight_aux = truncated_importance_weights(
-                prox, mb["old"], mask, level=hp.importance_sampling, cap=hp.importance_cap,
-                **seqs)
-        ref, kl_weights = None, None
-        if ref_params is not None:
-            ref, _ = _scored_tokens(graphdef, ref_params, mb["tokens"], **sampling, **packing)
-            ref = jax.lax.stop_gradient(jnp.maximum(ref, REF_LOGPROB_FLOOR))
-            if decoupled:  # the KL term's ratio goes to the behaviour policy token by token
-                kl_weights = weights if hp.importance_sampling == "token_tis" else (
-                    truncated_importance_weights(prox, mb["old"], mask, level="token_tis",
-                                                 cap=hp.importance_cap)[0])
-        entropy = token_entropy(logits if hp.entropy_coef > 0 else
-                                jax.lax.stop_gradient(logits), **sampling)
-        loss, aux = grpo_policy_loss(
-            logprobs, prox if decoupled else mb["old"], mb["advantages"], mask,
-            policy_loss=hp.policy_loss, clip_eps_low=hp.clip_eps_low,
-            clip_eps_high=hp.clip_eps_high, dual_clip=hp.dual_clip,
-            aggregation=hp.loss_aggregation, max_tokens=max_seq_len,
-            ref_logprobs=ref, kl_coef=hp.kl_coef, kl_estimator=hp.kl_estimator,
-            importance_weights=weights, kl_importance_weights=kl_weights,
-            entropy=entropy if hp.entropy_coef > 0 else None, entropy_coef=hp.entropy_coef,
-            normalizer=(mb["weights"], denominator), **seqs)
-        aux.update(weight_aux, **logprob_mismatch(prox, mb["old"], mask),
-                   entropy=masked_mean(jax.lax.stop_gradient(entropy), mask))
-        tokens = aux.pop("num_tokens")
-        sums = {k: v if k == "mismatch_ratio_max" else v * tokens for k, v in aux.items()}
-        if gae:  # PPO's value loss on the same tokens, aggregated like the policy loss
-            values = scored[2]
-            value_loss, value_clipped = clipped_value_loss(
-                values, mb["old_values"], mb["returns"], mb["value_mask"],
-                value_clip=hp.value_clip, normalizer=(mb["weights"], denominator))
-            loss = loss + hp.value_coef * value_loss
-            on = mb["value_mask"] > 0
-            sums.update(value_loss=value_loss,
-                        value_clip_fraction=jnp.sum(value_clipped).astype(jnp.float32),
-                        value_mean=jnp.sum(jnp.where(on, jax.lax.stop_gradient(values), 0.0)),
-                        value_tokens=jnp.sum(on).astype(jnp.float32))
-        sums.update(loss=loss, num_tokens=tokens, generated=jnp.sum(mb["generated"] > 0),
-                    out_of_support=jnp.sum((mb["generated"] > 0) & out_of_support))
-        return loss, (sums, prox, support)
-
-    grad_fn = jax.grad(micro_batch_loss, has_aux=True)
-
-    def gradients(params, ref_params, mbs, denominator, anchors):
-        """Gradients and statistic sums over the micro-batches (leading axis of ``mbs``)."""
-        if jax.tree.leaves(mbs)[0].shape[0] == 1:
-            first = jax.tree.map(lambda x: x[0], mbs)
-            grads, (sums, prox, support) = grad_fn(
-                params, ref_params, first, denominator,
-                None if anchors is None else jax.tree.map(lambda x: x[0], anchors))
-            return grads, sums, prox[None], support[None]
-
-        def accumulate(carry, xs):
-            grads, sums = carry
-            mb, anchor = xs
-            g, (s, prox, support) = grad_fn(params, ref_params, mb, denominator, anchor)
-            sums = {k: jnp.maximum(sums[k], v) if k == "mismatch_ratio_max" else sums[k] + v
-                    for k, v in s.items()}
-            return (jax.tree.map(jnp.add, grads, g), sums), (prox, support)
-
-        first = jax.tree.map(lambda x: x[0], mbs)
-        shapes = jax.eval_shape(grad_fn, params, ref_params, first, denominator,
-                                None if anchors is None else jax.tree.map(lambda x: x[0], anchors))
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (shapes[0], shapes[1][0]))
-        (grads, sums), (prox, support) = jax.lax.scan(accumulate, zeros, (mbs, anchors))
-        return grads, sums, prox, support
-
-    def optimizer_step(state, ref_params, mbs, denominator, anchors):
-        trainable = (state.params, state.value_head if gae else None)
-        (grads, value_grads), sums, prox, support = gradients(trainable, ref_params, mbs,
-                                                              denominator, anchors)
-        tokens = jnp.maximum(sums["num_tokens"], 1.0)
-        metrics = {k: v / tokens for k, v in sums.items()
-                   if k not in ("loss", "num_tokens", "generated", "out_of_support",
-                                "mismatch_ratio_max", "value_loss", "value_clip_fraction",
-                                "value_mean", "value_tokens")}
-        metrics.update(
-            loss=sums["loss"], num_tokens=sums["num_tokens"],
-            mismatch_ratio_max=sums["mismatch_ratio_max"], grad_norm=optax.tree.norm(grads),
-            out_of_support_fraction=sums["out_of_support"] / jnp.maximum(sums["generated"], 1))
-        new_state = _apply_gradients(optimizer, state, grads)
-        if gae:
-            value_tokens = jnp.maximum(sums["value_tokens"], 1.0)
-            metrics.update(value_loss=sums["value_loss"],
-                           value_clip_fraction=sums["value_clip_fraction"] / value_tokens,
-                           value_mean=sums["value_mean"] / value_tokens,
-                           value_grad_norm=optax.tree.norm(value_grads))
-            updates, value_opt_state = optimizer.update(value_grads, state.value_opt_state,
-                                                        state.value_head)
-            new_state = new_state.replace(
-                value_head=optax.apply_updates(state.value_head, updates),
-                value_opt_state=value_opt_state)
-        # Whether this step may be applied; the caller keeps the old state if not.
-        metrics.update(
-            finite_loss=jnp.isfinite(sums["loss"]),
-            finite_gradients=jnp.isfinite(metrics["grad_norm"]) & (
-                jnp.isfinite(metrics["value_grad_norm"]) if gae else True),
-            finite_new_state=_all_finite((new_state.params, new_state.opt_state,
-                                          new_state.value_head, new_state.value_opt_state)))
-        return new_state, metrics, (prox, support)
+    grad_fn = jax.grad(functools.partial(micro_batch_loss, graphdef=graphdef, hp=hp,
+                                         max_seq_len=max_seq_len), has_aux=True)
+    step = functools.partial(optimizer_step, grad_fn=grad_fn, optimizer=optimizer,
+                             gae=hp.advantage_estimator == "gae")
 
     @jax.jit
     def _update(state, ref_params, batch, num_rows):
-        packed = isinstance(batch, PackedBatch)
-        size = batch.rewards.shape[0]  # trajectories (padded ones included)
-        real = (jnp.arange(size) < num_rows).astype(jnp.float32)
-        generated = batch.loss_mask[:, 1:]
-        rewards = batch.rewards
-        # Packed rows: sequence-level sums go by trajectory (segment sums), not by row.
-        seqs = ({"sequence_index": batch.trajectory_index[:, 1:], "num_sequences": size}
-                if packed else {})
-        extra = {}
-        if hp.overlong_buffer_tokens > 0:
-            sampled = batch.policy_versions >= 0
-            lengths = (jax.ops.segment_sum(sampled.reshape(-1).astype(jnp.int32),
-                                           batch.trajectory_index.reshape(-1),
-                                           num_segments=size)
-                       if packed else jnp.sum(sampled, axis=-1))
-            penalty = overlong_penalty(lengths, max_tokens=hp.overlong_max_tokens,
-                                       buffer_tokens=hp.overlong_buffer_tokens)
-            rewards = rewards + penalty
-            extra["overlong_penalty_mean"] = jnp.sum(penalty * real) / num_rows
-        weights, denominator = loss_normalizer(generated, aggregation=hp.loss_aggregation,
-                                               max_tokens=max_seq_len, **seqs)
-        num_token_rows = batch.tokens.shape[0]
-        rows = hp.micro_batch_size or num_token_rows
-
-        def split(tree):  # [R, ...] -> [micro-batches, rows, ...]
-            return jax.tree.map(
-                lambda x: x.reshape((num_token_rows // rows, rows) + x.shape[1:]), tree)
-
-        mbs = {"tokens": batch.tokens, "generated": generated, "old": batch.logprobs[:, 1:],
-               "weights": weights}
-        if packed:
-            mbs.update(positions=batch.positions, segment_ids=batch.segment_ids)
-        if gae:
-            # The values at the batch's start, a forward pass per micro-batch (no gradient);
-            # then GAE over each trajectory's generated tokens.
-            def start_values(mb):
-                packing = {k: mb[k] for k in ("positions", "segment_ids") if k in mb}
-                _, hidden = _next_token_logits(graphdef, state.params, mb["tokens"], **packing,
-                                               with_hidden=True)
-                return value_estimates(state.value_head, hidden)
-
-            old_values = jax.lax.stop_gradient(jax.lax.map(start_values, split(
-                {k: v for k, v in mbs.items() if k in ("tokens", "positions", "segment_ids")})))
-            old_values = old_values.reshape(generated.shape)
-            index = batch.trajectory_index[:, 1:] if packed else None
-            valid = (batch.valid > 0).astype(jnp.float32)
-            value_mask = generated * (valid[index] if packed else valid[:, None])
-            token_advantages, returns = gae_advantages(
-                last_token_rewards(rewards, value_mask, index), old_values, value_mask,
-                gamma=hp.gae_gamma, lam=hp.gae_lambda,
-                segment_ids=batch.segment_ids[:, 1:] if packed else None)
-            if hp.gae_normalize:
-                token_advantages = whiten(token_advantages, value_mask)
-            mbs.update(advantages=token_advantages, old_values=old_values, returns=returns,
-                       value_mask=value_mask)
-            on = value_mask > 0
-            gae_tokens = jnp.maximum(jnp.sum(on), 1)
-            extra.update(
-                return_mean=jnp.sum(jnp.where(on, returns, 0.0)) / gae_tokens,
-                advantage_abs_mean=jnp.sum(jnp.abs(token_advantages) * on) / gae_tokens)
-        else:
-            advantages = episode_advantages(
-                hp.advantage_estimator, rewards, batch.group_ids, size, valid=batch.valid,
-                normalize_advantages_by_std=hp.normalize_advantages_by_std)
-            mbs["advantages"] = (advantages[batch.trajectory_index[:, 1:]] if packed
-                                 else advantages)
-            extra["advantage_abs_mean"] = jnp.sum(jnp.abs(advantages) * real) / num_rows
-        mbs = split(mbs)
+        mbs, denominator, extra = micro_batches(graphdef, state, batch, hp, num_rows,
+                                                max_seq_len=max_seq_len)
         if mesh is not None:  # each micro-batch split over the devices, not across them
             mbs = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
                 x, row_sharding(mesh, x.ndim, leading=1)), mbs)
-
-        start = state
-        state, metrics, anchors = optimizer_step(state, ref_params, mbs, denominator, None)
-        finite = {k: metrics.pop(f"finite_{k}") for k in NONFINITE_PARTS}
-        if hp.num_iterations > 1:
-            def iteration(state, _):
-                state, m, _ = optimizer_step(state, ref_params, mbs, denominator, anchors)
-                return state, {k: m[k] for k in ("loss", "clip_fraction", "approx_kl",
-                                                 *(f"finite_{p}" for p in NONFINITE_PARTS))}
-
-            state, later = jax.lax.scan(iteration, state, None, length=hp.num_iterations - 1)
-            finite = {k: v & jnp.all(later.pop(f"finite_{k}")) for k, v in finite.items()}
-            extra.update({f"{k}_last": v[-1] for k, v in later.items()})
-        # A non-finite update is never applied: every iteration's state is dropped and the
-        # batch's start kept, bit for bit (params, optimizer moments, step).
-        applied = finite["loss"] & finite["gradients"] & finite["new_state"]
-        state = jax.tree.map(lambda new, old: jnp.where(applied, new, old), state, start)
-        metrics.update(
-            extra,
-            reward_mean=jnp.sum(batch.rewards * real) / num_rows,
-            update_skipped=1.0 - applied.astype(jnp.float32),
-            update_nonfinite=1.0 - applied.astype(jnp.float32),
-            **{f"nonfinite_{k}": 1.0 - v.astype(jnp.float32) for k, v in finite.items()},
-        )
-        if mesh is not None:
-            state = constrain(state, mesh)
-        return state, metrics
+        state, metrics = iterate_and_guard(
+            lambda s, anchors: step(s, ref_params, mbs, denominator, anchors), state,
+            hp.num_iterations)
+        real = (jnp.arange(batch.rewards.shape[0]) < num_rows).astype(jnp.float32)
+        metrics.update(extra, reward_mean=jnp.sum(batch.rewards * real) / num_rows)
+        return (constrain(state, mesh) if mesh is not None else state), metrics
 
     def update(state: TrainState, ref_params: nnx.State | None, batch: Batch | PackedBatch):
-        packed = isinstance(batch, PackedBatch)
-        if not (packed or isinstance(batch, Batch)):
-            raise TypeError(f"the GRPO update takes a Batch or PackedBatch, got "
-                            f"{type(batch).__name__}; build it with Batch.from_record_batch "
-                            "(or PackedBatch.from_record_batch).")
-        if gae and state.value_head is None:
-            raise ValueError("advantage_estimator='gae' needs a value head in the TrainState; "
-                             "add one with add_value_head(state, optimizer, d_model).")
-        if use_ref and ref_params is None:
-            raise ValueError(
-                f"kl_coef={hp.kl_coef} needs the reference policy's params; pass ref_params "
-                "or set kl_coef=0."
-            )
+        _check_update_inputs(state, ref_params, batch, hp)
         num_rows = len(batch.rewards)
-        if not isinstance(batch.rewards, jax.core.Tracer):  # under an outer jit: the caller checks
-            check_finite_rewards(batch.rewards)
-            if not np.any(np.asarray(batch.loss_mask)[:, 1:] > 0):
-                return state, {"update_skipped": 1.0, "num_tokens": 0.0,
-                               "reward_mean": float(np.mean(batch.rewards))}
-            if packed:
-                token_rows = len(batch.tokens)
-                if token_rows % math.lcm(hp.micro_batch_size or 1, shards):
-                    raise ValueError(
-                        f"a packed batch of {token_rows} rows cannot be split into "
-                        f"micro-batches of {hp.micro_batch_size} rows over {shards} batch "
-                        f"shards; pack it with row_multiple="
-                        f"{packed_row_multiple(hp.micro_batch_size, shards)}.")
-            elif hp.micro_batch_size or shards > 1:
-                batch = batch.pad_rows(hp.micro_batch_size or shards)
-        elif len(batch.tokens) % (hp.micro_batch_size or shards):
-            raise ValueError(f"a traced batch of {num_rows} rows must be a multiple of "
-                             f"micro_batch_size={hp.micro_batch_size} and of the mesh's "
-                             f"{shards} batch shards; pad it with Batch.pad_rows first.")
-        if mesh is None or isinstance(batch.rewards, jax.core.Tracer):
-            batch, rows = jax.tree.map(jnp.asarray, batch), jnp.asarray(num_rows, jnp.float32)
-        elif packed:  # token rows split over the devices, per-trajectory arrays replicated
-            batch = PackedBatch(**{
-                k: _replicated(v, mesh) if k in ("rewards", "group_ids", "valid")
-                else place_rows(v, mesh) for k, v in batch._asdict().items()})
-            rows = np.float32(num_rows)
-        else:  # global arrays, so that several processes can each pass their full copy
-            batch, rows = place_batch(batch, mesh), np.float32(num_rows)
-        return _update(state, ref_params if use_ref else None, batch, rows)
+        prepared = _prepare_batch(batch, hp, shards)
+        if prepared is None:
+            return state, {"update_skipped": 1.0, "num_tokens": 0.0,
+                           "reward_mean": float(np.mean(batch.rewards))}
+        placed, rows = _placed_batch(prepared, num_rows, mesh)
+        return _update(state, ref_params if hp.kl_coef > 0 else None, placed, rows)
 
     return update
 
@@ -890,13 +1022,13 @@ def logprobs_fn(
 
     Entry ``[b, t]`` is the log-probability (nats) of ``tokens[b, t]`` given the tokens
     before it under the sampling distribution of (``temperature``, ``top_k``, ``top_p``)
-    — scored exactly as the GRPO update scores it — where ``loss_mask[b, t]`` is nonzero,
+    — scored exactly as the policy update scores it — where ``loss_mask[b, t]`` is nonzero,
     and 0.0 elsewhere (always at position 0): the layout of behaviour logprobs in a
     ``Trajectory``. -inf marks a masked-in token outside the top-k/top-p set. Used for
     reference-policy logprobs and to recompute behaviour logprobs.
 
     Raises:
-      ValueError: bad sampling settings (see ``make_grpo_update``).
+      ValueError: bad sampling settings (see ``make_policy_update``).
     """
     check_sampling_settings(temperature, top_k, top_p, allow_greedy=False)
     sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
