@@ -20,8 +20,6 @@ ALLOWED = {
     "inference/engine.py::InferenceEngine": 949,
     "inference/engine.py::InferenceEngine.__init__": 85,
     "learner/losses.py::grpo_policy_loss": 131,
-    "learner/train_state.py::make_grpo_update": 396,
-    "learner/train_state.py::make_grpo_update._update": 99,
     "models/llama.py::Transformer.__call__": 83,
     "profiling/metrics.py::WindowMetrics.combine": 98,
     "profiling/report.py::diagnose": 120,

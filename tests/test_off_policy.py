@@ -310,7 +310,7 @@ def test_on_policy_data_gives_every_mode_the_same_step(model):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=str(key))
 
 
-def test_make_grpo_update_rejects_unknown_modes_and_a_cap_below_one(model):
+def test_make_policy_update_rejects_unknown_modes_and_a_cap_below_one(model):
     graphdef, _ = model
     opt = make_optimizer(1e-3)
     with pytest.raises(ValueError, match="off_policy_correction='ppo'"):

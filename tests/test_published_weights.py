@@ -10,7 +10,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from raytunix.learner.learner import GRPOHyperparams, Learner  # noqa: E402
+from raytunix.learner.learner import RLHyperparams, Learner  # noqa: E402
 from raytunix.models.llama import ModelConfig  # noqa: E402
 from raytunix.rollout.batch import trajectories_to_record_batch  # noqa: E402
 from raytunix.types import EpisodeStatus, Trajectory  # noqa: E402
@@ -35,7 +35,7 @@ def _same(a, b) -> bool:
 
 def test_weights_read_while_an_update_finishes_are_those_of_the_version_they_carry(monkeypatch):
     learner = Learner(CONFIG, seed=0)
-    learner.start_rl(GRPOHyperparams(temperature=1.0, top_k=0, top_p=1.0, learning_rate=1e-2))
+    learner.start_rl(RLHyperparams(temperature=1.0, top_k=0, top_p=1.0, learning_rate=1e-2))
     before, version_before = learner.versioned_weights_numpy()
     seen = []
     real_device_get = jax.device_get
@@ -64,7 +64,7 @@ def test_weights_read_while_an_update_finishes_are_those_of_the_version_they_car
 
 def test_the_colocated_publish_and_the_actor_read_use_the_same_pair():
     learner = Learner(CONFIG, seed=0)
-    learner.start_rl(GRPOHyperparams(temperature=1.0, top_k=0, top_p=1.0, learning_rate=1e-2))
+    learner.start_rl(RLHyperparams(temperature=1.0, top_k=0, top_p=1.0, learning_rate=1e-2))
     learner.train_step(_batch())
     params, version = learner.policy()
     tree, numpy_version = learner.versioned_weights_numpy()

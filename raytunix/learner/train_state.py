@@ -613,7 +613,8 @@ def policy_loss_terms(logprobs: jax.Array, logits: jax.Array, ref: jax.Array | N
     # The learner's logprobs at the batch's start: the proximal policy.
     prox = jax.lax.stop_gradient(logprobs) if anchor is None else anchor[0]
     decoupled = hp.off_policy_correction == "decoupled_ppo"
-    weights, weight_aux, kl_weights = None, {}, None
+    weights, kl_weights = None, None
+    weight_aux: dict[str, jax.Array] = {}
     if decoupled:
         weights, weight_aux = truncated_importance_weights(
             prox, mb["old"], mask, level=hp.importance_sampling, cap=hp.importance_cap, **seqs)
@@ -679,12 +680,12 @@ def micro_batch_loss(trainable: tuple[nnx.State, Any], ref_params: nnx.State | N
                             value_head=value_head)
     ref = None
     if ref_params is not None:
-        ref, _ = _scored_tokens(graphdef, ref_params, mb["tokens"], **sampling, **packing)
+        ref = _scored_tokens(graphdef, ref_params, mb["tokens"], **sampling, **packing)[0]
         ref = jax.lax.stop_gradient(jnp.maximum(ref, REF_LOGPROB_FLOOR))
     loss, sums, anchors = policy_loss_terms(scored[0], scored[1], ref, mb, denominator,
                                             anchor, hp, max_seq_len=max_seq_len, seqs=seqs)
     if value_head is not None:
-        value_loss, value_sums = value_loss_terms(scored[2], mb, denominator, hp)
+        value_loss, value_sums = value_loss_terms(scored[-1], mb, denominator, hp)  # with a head
         loss = loss + hp.value_coef * value_loss
         sums.update(value_sums)
     sums["loss"] = loss
