@@ -487,9 +487,9 @@ class LearnerConfig:
     importance_cap: float = setting(2.0, "the importance weight is truncated at this (>= 1)")
     max_consecutive_nonfinite_updates: int = setting(
         3,
-        "an update whose loss, gradients or new parameters are not finite is not applied "
-        "(counted: updates_skipped_nonfinite); this many in a row stop the run with one "
-        "error; 0 = never stop",
+        "an update (RL or warm start) whose loss, gradients or new parameters are not "
+        "finite is not applied (counted: updates_skipped_nonfinite); this many in a row stop "
+        "the run with one error; 0 = never stop",
         bounds=">= 0", resume=True)
     checkpoint_every: int = setting(
         10,

@@ -149,3 +149,42 @@ def test_the_key_is_a_non_negative_int_a_resume_may_change(tmp_path):
     (run_dir / "config.yaml").write_text(load_config(None, []).to_yaml())
     resumed = load_run_config(str(run_dir), ["learner.max_consecutive_nonfinite_updates=10"])
     assert resumed.learner.max_consecutive_nonfinite_updates == 10
+
+
+def _demonstrations():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, CONFIG.vocab_size, size=(8, 12)).astype(np.int32)
+    mask = np.ones_like(tokens, dtype=np.float32)
+    mask[:, 0] = 0.0
+    return tokens, mask
+
+
+def test_a_warm_start_step_that_is_not_finite_is_not_applied_and_is_counted():
+    from raytunix.learner.learner import SFTHyperparams
+
+    learner = Learner(CONFIG, seed=0)
+    learner.start_warmup(SFTHyperparams(learning_rate=float("inf"), warmup_steps=0))
+    before = jax.device_get(learner.params)
+    tokens, mask = _demonstrations()
+    metrics = learner.sft_steps(tokens, mask, num_steps=3, batch_size=4)
+    assert metrics["updates_skipped_nonfinite"] == 3 and metrics["nonfinite_updates_in_a_row"] == 3
+    _assert_trees_equal(jax.device_get(learner.params), before)
+    # A finite learning rate trains, and a finite step ends the run of skipped ones.
+    learner.start_warmup(SFTHyperparams(learning_rate=1e-2, warmup_steps=0))
+    metrics = learner.sft_steps(tokens, mask, num_steps=2, batch_size=4)
+    assert metrics["updates_skipped_nonfinite"] == 0 and metrics["nonfinite_updates_in_a_row"] == 0
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(learner.weights_numpy()))
+
+
+def test_a_run_of_them_in_the_warm_start_stops_the_run_naming_the_learning_rate(tmp_path, capsys):
+    from raytunix.driver.steps import check_nonfinite_warmup
+
+    run = RunDir(str(tmp_path / "run"))
+    check_nonfinite_warmup({"loss": 1.0}, 3, 100, run)  # nothing skipped: silent
+    assert capsys.readouterr().out == ""
+    check_nonfinite_warmup({"loss": float("nan"), "updates_skipped_nonfinite": 2,
+                            "nonfinite_updates_in_a_row": 2}, 3, 100, run)
+    assert "2 step(s) up to step 100 were not applied" in capsys.readouterr().out
+    with pytest.raises(RunError, match=r"warmup.learning_rate"):
+        check_nonfinite_warmup({"loss": float("nan"), "updates_skipped_nonfinite": 100,
+                                "nonfinite_updates_in_a_row": 100}, 3, 200, run)

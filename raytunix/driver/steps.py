@@ -189,6 +189,8 @@ def warm_start(cfg: Config, job: Job, run: RunDir, tasks: Tasks, collector) -> d
             metrics = job.learner_get(job.learner.sft_steps.remote(n, w.batch_size),
                                       "sft_steps", slow=True)
         steps += n
+        check_nonfinite_warmup(metrics, cfg.learner.max_consecutive_nonfinite_updates, steps,
+                               run)
         job.publish_weights()
         with profiling.span("eval", "driver", {"tasks": len(tasks.dev)}):
             dev = job.evaluate(tasks.dev)
@@ -468,6 +470,31 @@ def check_nonfinite_update(metrics: dict[str, float], limit: int, step: int,
             "learner.max_consecutive_nonfinite_updates (0 = never stop) to skip more.")
     say(f"{what} ({in_a_row} in a row; the run stops at "
         f"learner.max_consecutive_nonfinite_updates={limit or 'off'}).")
+
+
+def check_nonfinite_warmup(metrics: dict[str, float], limit: int, steps: int,
+                           run: RunDir) -> None:
+    """After a chunk of warm-start steps ending at step ``steps``: says how many were not
+    applied because the loss, the gradients or the new parameters were not finite
+    (``make_sft_update``'s ``update_nonfinite``), and stops the run when the last ``limit``
+    (``learner.max_consecutive_nonfinite_updates``; 0 = never) steps in a row were such.
+
+    Raises:
+      RunError: ``limit`` such steps in a row; it names the setting to change.
+    """
+    skipped = int(metrics.get("updates_skipped_nonfinite", 0))
+    if not skipped:
+        return
+    in_a_row = int(metrics.get("nonfinite_updates_in_a_row", 0))
+    what = (f"warm start: {skipped} step(s) up to step {steps} were not applied: the loss, "
+            f"the gradients or the new parameters were not finite (mean loss "
+            f"{metrics.get('loss')}); the parameters stay those of the last finite step")
+    if limit and in_a_row >= limit:
+        raise RunError(
+            f"{what}, and the last {in_a_row} in a row were such "
+            f"(learner.max_consecutive_nonfinite_updates={limit}). Lower "
+            "warmup.learning_rate, then start the run again.")
+    say(f"{what} ({in_a_row} in a row).")
 
 
 def _close_window(run: RunDir, collector, records: list[dict[str, Any]], step: int,

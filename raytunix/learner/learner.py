@@ -83,6 +83,7 @@ class Learner:
         self.updates_skipped = 0
         self.updates_skipped_nonfinite = 0
         self.nonfinite_updates_in_a_row = 0
+        self.sft_nonfinite_in_a_row = 0
         self._sft_rng = np.random.default_rng(seed)
         self.mesh: jax.sharding.Mesh | None = None
 
@@ -116,12 +117,15 @@ class Learner:
           loss_mask: float32[N, T], 1 on the tokens to learn (the assistant's).
           batch_size: rows per step; padded with rows of zero mask (which change nothing)
             to a multiple of the mesh's data x fsdp devices.
-        Returns: mean ``loss`` over the steps and ``steps_per_s``.
+        Returns: mean ``loss`` over the steps, ``loss_last``, ``steps_per_s``,
+        ``updates_skipped_nonfinite`` (steps of this call not applied because something was
+        not finite: ``make_sft_update``'s ``update_nonfinite``) and
+        ``nonfinite_updates_in_a_row`` (such steps ending this call, across calls).
         """
         if self._update is None:
             raise RuntimeError("call start_warmup before sft_steps")
         t0 = time.monotonic()
-        losses = []
+        losses, skipped = [], []
         pad = -batch_size % batch_shards(self.mesh)
         for _ in range(num_steps):
             rows = self._sft_rng.integers(0, len(tokens), size=batch_size)
@@ -132,9 +136,14 @@ class Learner:
             self._state, metrics = self._update(self._state, place_rows(step_tokens, self.mesh),
                                                 place_rows(step_mask, self.mesh))
             losses.append(metrics["loss"])
+            skipped.append(metrics["update_nonfinite"])
         losses = [float(x) for x in jax.device_get(losses)]
+        for flag in jax.device_get(skipped):
+            self.sft_nonfinite_in_a_row = self.sft_nonfinite_in_a_row + 1 if flag else 0
         return {"loss": float(np.mean(losses)), "loss_last": losses[-1],
-                "steps_per_s": num_steps / (time.monotonic() - t0)}
+                "steps_per_s": num_steps / (time.monotonic() - t0),
+                "updates_skipped_nonfinite": float(np.sum(jax.device_get(skipped))),
+                "nonfinite_updates_in_a_row": self.sft_nonfinite_in_a_row}
 
     # ------------------------------------------------------------------ RL
     def start_rl(self, hp: RLHyperparams) -> None:

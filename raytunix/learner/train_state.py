@@ -992,7 +992,10 @@ def make_sft_update(
     token t is a target (predicted from tokens 0..t-1); position 0 is never a target.
 
     Metrics (float32 scalars): ``loss`` (nats per target token), ``grad_norm`` (before
-    clipping), ``num_tokens``, ``accuracy`` (argmax hits among targets).
+    clipping), ``num_tokens``, ``accuracy`` (argmax hits among targets), and
+    ``update_nonfinite`` (1.0: the loss, the gradients or the new parameters or optimizer
+    state were not finite, and ``state`` came back unchanged, as in the RL update's
+    ``keep_if_finite``).
 
     With a ``mesh``, ``state`` is expected split by ``shard_train_state`` and comes back
     so; pass ``tokens`` and ``loss_mask`` placed by ``sharding.place_rows`` (B a multiple
@@ -1009,8 +1012,13 @@ def make_sft_update(
             return sft_loss(logits, tokens[:, 1:], loss_mask[:, 1:])
 
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
-        state = _apply_gradients(optimizer, state, grads)
+        grad_norm = optax.tree.norm(grads)
+        new_state = _apply_gradients(optimizer, state, grads)
+        finite = {"loss": jnp.isfinite(loss), "gradients": jnp.isfinite(grad_norm),
+                  "new_state": _all_finite((new_state.params, new_state.opt_state))}
+        state, applied = keep_if_finite(finite, new_state, state)
+        metrics = {"loss": loss, "grad_norm": grad_norm, **aux,
+                   "update_nonfinite": 1.0 - applied.astype(jnp.float32)}
         return (constrain(state, mesh) if mesh is not None else state), metrics
 
     return update
