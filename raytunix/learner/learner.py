@@ -137,12 +137,14 @@ class Learner:
                                                 place_rows(step_mask, self.mesh))
             losses.append(metrics["loss"])
             skipped.append(metrics["update_nonfinite"])
-        losses = [float(x) for x in jax.device_get(losses)]
-        for flag in jax.device_get(skipped):
+        # One transfer for the chunk's metrics, not one per step.
+        losses, skipped = (np.asarray(x, dtype=np.float64)
+                           for x in jax.device_get((losses, skipped)))
+        for flag in skipped:
             self.sft_nonfinite_in_a_row = self.sft_nonfinite_in_a_row + 1 if flag else 0
-        return {"loss": float(np.mean(losses)), "loss_last": losses[-1],
+        return {"loss": float(np.mean(losses)), "loss_last": float(losses[-1]),
                 "steps_per_s": num_steps / (time.monotonic() - t0),
-                "updates_skipped_nonfinite": float(np.sum(jax.device_get(skipped))),
+                "updates_skipped_nonfinite": float(np.sum(skipped)),
                 "nonfinite_updates_in_a_row": self.sft_nonfinite_in_a_row}
 
     # ------------------------------------------------------------------ RL

@@ -1049,3 +1049,8 @@ def logprobs_fn(
         return jnp.pad(logprobs, ((0, 0), (1, 0)))
 
     return fn
+
+
+# The name before the update was split (it holds PPO and GAE settings too); kept so that
+# code outside raytunix which imports it keeps working.
+GRPOHyperparams = RLHyperparams
