@@ -32,13 +32,16 @@ ADVANTAGE_ESTIMATORS = EPISODE_ESTIMATORS + ("gae",)
 
 
 def _centered_by_group(rewards, group_ids, num_groups, valid):
-    """``(centered, on, counts, equal)``: rewards minus their group's mean over valid
-    members (0 for invalid ones), the valid indicator, each trajectory's count of valid
-    group members, and whether its group's valid rewards are all equal.
+    """``(centered, unit, on, counts, equal)``, per trajectory: its reward minus its group's
+    mean over valid members, divided by its group's valid reward spread ``2 * unit`` (0 for
+    invalid members); ``unit``, half that spread (1 where it is 0); the valid indicator; its
+    group's count of valid members; and whether that group's valid rewards are all equal.
 
-    The statistics use rewards shifted by the group's smallest valid reward: the shift
-    makes an all-equal group exactly 0 (any value, any scale) and keeps large offsets
-    from eating float32 precision."""
+    Rewards are shifted by the group's smallest valid reward (so an all-equal group is
+    exactly 0 at any value, and large offsets keep their float32 precision) and divided by
+    the spread, so ``centered`` lies in [-1, 1]: nothing overflows for any finite float32
+    rewards (a spread above ~1.8e19 overflowed the square in the std, one above ~3.4e38 the
+    shift itself). Halving before subtracting keeps ``unit`` finite."""
     rewards = jnp.asarray(rewards, jnp.float32)
     group_ids = jnp.asarray(group_ids, jnp.int32)
     on = jnp.ones_like(rewards) if valid is None else (jnp.asarray(valid) > 0).astype(jnp.float32)
@@ -47,11 +50,21 @@ def _centered_by_group(rewards, group_ids, num_groups, valid):
     big = jnp.finfo(jnp.float32).max
     low = jax.ops.segment_min(jnp.where(on > 0, rewards, big), group_ids, num_segments=num_groups)
     high = jax.ops.segment_max(jnp.where(on > 0, rewards, -big), group_ids, num_segments=num_groups)
-    shifted = jnp.where(on > 0, rewards - low[group_ids], 0.0)
+    half_spread = high * 0.5 - low * 0.5
+    unit = jnp.where(half_spread > 0, half_spread, 1.0)[group_ids]
+    shifted = jnp.where(on > 0, (rewards * 0.5 - low[group_ids] * 0.5) / unit, 0.0)
     means = jax.ops.segment_sum(shifted, group_ids, num_segments=num_groups) / counts
     centered = jnp.where(on > 0, shifted - means[group_ids], 0.0)
     equal = (high <= low)[group_ids]  # also true for groups with no valid member
-    return centered, on, counts[group_ids], equal
+    return centered, unit, on, counts[group_ids], equal
+
+
+def _in_reward_units(centered, unit):
+    """``centered * 2 * unit`` (reward units), saturated at float32's largest value: an
+    unnormalised advantage is as large as the rewards' spread, which can pass float32's
+    range (rewards of -3e38 and 3e38); saturating keeps it finite, of the right sign."""
+    big = jnp.finfo(jnp.float32).max
+    return jnp.clip(centered * unit * 2.0, -big, big)  # * 2 may overflow to inf: clipped
 
 
 def grpo_advantages(
@@ -97,13 +110,16 @@ def grpo_advantages(
     """
     if not isinstance(rewards, jax.core.Tracer):
         check_finite_rewards(rewards)
-    centered, on, counts, equal = _centered_by_group(rewards, group_ids, num_groups, valid)
+    centered, unit, on, counts, equal = _centered_by_group(rewards, group_ids, num_groups, valid)
     if normalize_advantages_by_std:
         group_ids = jnp.asarray(group_ids, jnp.int32)
         variances = jax.ops.segment_sum(centered**2, group_ids, num_segments=num_groups)
         variances = variances[group_ids] / counts
-        centered = centered / (jnp.sqrt(variances) + eps)
-    return jnp.where(equal | (on == 0), 0.0, centered)
+        # (r - mean) / (std + eps), numerator and denominator divided by the spread 2 * unit.
+        advantages = centered / (jnp.sqrt(variances) + eps / (2.0 * unit))
+    else:
+        advantages = _in_reward_units(centered, unit)
+    return jnp.where(equal | (on == 0), 0.0, advantages)
 
 
 def rloo_advantages(
@@ -134,9 +150,10 @@ def rloo_advantages(
     """
     if not isinstance(rewards, jax.core.Tracer):
         check_finite_rewards(rewards)
-    centered, on, counts, equal = _centered_by_group(rewards, group_ids, num_groups, valid)
+    centered, unit, on, counts, equal = _centered_by_group(rewards, group_ids, num_groups, valid)
     scale = counts / jnp.maximum(counts - 1.0, 1.0)
-    return jnp.where(equal | (on == 0) | (counts < 2), 0.0, centered * scale)
+    advantages = _in_reward_units(centered * scale, unit)
+    return jnp.where(equal | (on == 0) | (counts < 2), 0.0, advantages)
 
 
 def reinforce_pp_advantages(
@@ -168,13 +185,19 @@ def reinforce_pp_advantages(
     """
     if not isinstance(rewards, jax.core.Tracer):
         check_finite_rewards(rewards)
-    centered, on, _, equal = _centered_by_group(rewards, group_ids, num_groups, valid)
-    centered = jnp.where(equal, 0.0, centered)
+    centered, unit, on, _, equal = _centered_by_group(rewards, group_ids, num_groups, valid)
+    # In units of the batch's largest half-spread, so every group's a_i is in [-1, 1].
+    largest = jnp.max(jnp.where((on > 0) & ~equal, unit, 0.0))
+    largest = jnp.where(largest > 0, largest, 1.0)
+    # XLA turns a division by a scalar into a product with its reciprocal, which for a
+    # divisor above ~8.5e37 is subnormal and flushed to 0 on CPU: both sides scaled by 2^-64.
+    down = jnp.where(largest > 2.0**64, 2.0**-64, 1.0)
+    centered = jnp.where(equal, 0.0, centered * ((unit * down) / (largest * down)))
     n = jnp.maximum(jnp.sum(on), 1.0)
     mean = jnp.sum(centered * on) / n
     deviation = jnp.where(on > 0, centered - mean, 0.0)
     std = jnp.sqrt(jnp.sum(deviation**2) / n)
-    return jnp.where(on > 0, deviation / (std + eps), 0.0)
+    return jnp.where(on > 0, deviation / (std + eps / (2.0 * largest)), 0.0)
 
 
 def episode_advantages(
