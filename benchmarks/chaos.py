@@ -74,6 +74,9 @@ from pathlib import Path
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
+# The checks read the runs' checkpoints with the code the runs used (PYTHONPATH=ROOT
+# below), not whatever raytunix is installed, if any.
+sys.path.insert(0, str(ROOT))
 GROUPS_PER_BATCH = 2
 # Ray gives its raylet 30 s to come up (raised to 120 here); on a heavily loaded machine it
 # may still not, and the launch fails before the run starts: it is repeated (and counted).
