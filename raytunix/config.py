@@ -126,7 +126,8 @@ class RunConfig:
         "profiling drains every actor's spans at the end of the first RL step at least this "
         "many seconds after the last drain; shorter steps share one window (their records are "
         "written together, each with its metrics); 0 = after every step",
-        bounds=">= 0", resume=True)
+        bounds=">= 0", resume=True,
+        hint="e.g. 3: the records of a window wait for it to close")
 
 
 @dataclasses.dataclass
@@ -550,7 +551,7 @@ class LearnerConfig:
         "seconds a learner call (an update, the weights) may take before the learner counts "
         "as stuck: a multi-host group kills its hosts and is rebuilt from the newest "
         "checkpoint every host reads; one learner actor stops the run (resume it)",
-        bounds="> 0", resume=True)
+        bounds="> 0", resume=True, hint="seconds, e.g. 1800; a stuck learner host would hang")
     slow_call_timeout_s: float = setting(
         3600.0,
         "the same for calls that compile or move the whole state: the first update after a "
@@ -878,20 +879,21 @@ def validate(cfg: Config) -> Config:
         if spec.choices is not None and flat[key] not in spec.choices:
             raise ConfigError(f"{key}={flat[key]!r} is not one of {', '.join(spec.choices)}.")
     for key, spec in table.items():
-        if spec.bounds is not None and not _parse_bounds(spec.bounds)(flat[key]):
+        if spec.bounds is None:
+            continue
+        value = flat[key]
+        # A declared range is a finite one: inf passes "> 0" but no deadline, rate or size
+        # here means "unbounded" by it (it overflowed timers and kernel limits).
+        finite = not (isinstance(value, float) and math.isinf(value))
+        if not (finite and _parse_bounds(spec.bounds)(value)):
             within = spec.bounds if spec.bounds[0] in "<>" else f"in {spec.bounds}"
             hint = f" ({spec.hint})" if spec.hint else ""
-            raise ConfigError(f"{key}={flat[key]!r} must be{_a_number_if_nan(flat[key])} "
-                              f"{within}{hint}.")
+            what = " a finite number" if not finite else _a_number_if_nan(value)
+            raise ConfigError(f"{key}={value!r} must be{what} {within}{hint}.")
     if not (cfg.learner.importance_cap >= 1.0 and math.isfinite(cfg.learner.importance_cap)):
         raise ConfigError(
             f"learner.importance_cap={cfg.learner.importance_cap!r} must be a finite number "
             ">= 1 (e.g. 2.0): a cap below 1 down-weights tokens that are exactly on-policy.")
-    if not math.isfinite(cfg.run.profile_window_s):
-        raise ConfigError(
-            f"run.profile_window_s={cfg.run.profile_window_s!r} must be a finite number of "
-            "seconds >= 0 (e.g. 3): the records of the steps of a window wait for it to "
-            "close, so a window that never closes keeps them, and its spans, to the end.")
     _validate_learner(cfg)
     _validate_placement(cfg)
     m = cfg.model
@@ -1082,10 +1084,6 @@ def _validate_placement(cfg: Config) -> None:
     from raytunix.placement import check_resources
 
     learner = cfg.learner
-    for key in ("call_timeout_s", "slow_call_timeout_s"):
-        if not math.isfinite(getattr(learner, key)):  # a stuck learner host would hang the run
-            raise ConfigError(f"learner.{key}={getattr(learner, key)!r} must be a finite "
-                              "number of seconds (e.g. 1800).")
     if learner.slow_call_timeout_s < learner.call_timeout_s:
         raise ConfigError(
             f"learner.slow_call_timeout_s={learner.slow_call_timeout_s!r} is below "
@@ -1169,9 +1167,6 @@ def _validate_backoffs(rollout: RolloutConfig) -> None:
         initial = getattr(rollout, f"{prefix}_initial_delay_s")
         cap = getattr(rollout, f"{prefix}_max_delay_s")
         multiplier = getattr(rollout, f"{prefix}_multiplier")
-        if not math.isfinite(initial):
-            raise ConfigError(f"rollout.{prefix}_initial_delay_s={initial!r} must be a finite "
-                              "number of seconds.")
         if not (cap >= initial and math.isfinite(cap)):
             raise ConfigError(
                 f"rollout.{prefix}_max_delay_s={cap!r} must be finite and >= "

@@ -193,3 +193,25 @@ def test_the_readme_names_only_settings_that_exist_with_their_real_defaults():
                 "above its table says every key there may"
             checked += 1
     assert checked > 30
+
+
+FLOAT_SETTINGS = [key for key, spec in settings(Config).items() if spec.type is float]
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", ".inf", "1e400"])
+def test_every_float_setting_refuses_an_infinite_value_by_name(value):
+    # A declared range is a finite one: inf passed "> 0" and then overflowed a timer or a
+    # kernel limit deep in a run. Floats without bounds must be refused by their own rule.
+    assert len(FLOAT_SETTINGS) > 30
+    for key in FLOAT_SETTINGS:
+        with pytest.raises(ConfigError, match=re.escape(key + "=")):
+            load_config(None, [f"{key}={value}"])
+
+
+def test_a_bounded_float_names_finite_in_its_error():
+    with pytest.raises(ConfigError, match=r"rollout.episode_timeout_s=inf must be a finite "
+                                          r"number > 0"):
+        load_config(None, ["rollout.episode_timeout_s=inf"])
+    with pytest.raises(ConfigError, match=r"rollout.top_p=-inf must be a finite number in "
+                                          r"\(0, 1\]"):
+        load_config(None, ["rollout.top_p=-inf"])

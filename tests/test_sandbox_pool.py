@@ -158,7 +158,7 @@ def test_the_config_sections_sizes_become_the_sandbox_limits():
     ("sandbox.memory_mb=99999999999999", "sandbox.memory_mb=99999999999999 must be <= "),
     ("sandbox.max_file_mb=99999999999999", "sandbox.max_file_mb=99999999999999 must be <= "),
     ("sandbox.cpu_time_s=1e30", "sandbox.cpu_time_s=1e+30 must be a number of seconds <= "),
-    ("sandbox.wall_time_s=inf", "sandbox.wall_time_s=inf must be a number of seconds <= "),
+    ("sandbox.wall_time_s=inf", "sandbox.wall_time_s=inf must be a finite number > 0"),
     ("sandbox.max_processes=99999999", "sandbox.max_processes=99999999 must be <= 4194304"),
 ])
 def test_sandbox_sizes_the_kernel_cannot_take_are_config_errors(override, message):
