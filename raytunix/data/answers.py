@@ -84,6 +84,18 @@ _SUPERSCRIPTS = "\u2070\u00b9\u00b2\u00b3" + "".join(map(chr, range(0x2074, 0x20
 _SUBSCRIPTS = "".join(map(chr, range(0x2080, 0x208f)))
 _SCRIPT_RUN = re.compile(f"[{_SUPERSCRIPTS}]+|[{_SUBSCRIPTS}]+")
 _DELIMITER_TEXT = re.compile(r"\\[()\[\]]|[${}]")
+# Characters that render as blank space but are letters or symbols to Unicode (Hangul
+# fillers are Lo, the blank braille cell is So): read as a space.
+_BLANK_FILLERS = str.maketrans(dict.fromkeys("\u115f\u1160\u3164\uffa0\u2800", " "))
+# LaTeX that typesets as space or nothing: spacing commands, phantoms, ``~``; and text
+# wrappers, whose (removed) braces leave just their content.
+_LATEX_BLANK = re.compile(
+    r"\\(?:quad|qquad|enspace|enskip|thinspace|medspace|thickspace|negthinspace|displaystyle"
+    r"|textstyle|left|right|[bB]igg?[lr]?)(?![A-Za-z])"
+    r"|\\[,;:!> ]|~"
+    r"|\\(?:hspace|vspace|hphantom|vphantom|phantom|kern|hskip)\*?\s*\{[^{}]*\}"
+    r"|\\(?:text|textrm|textbf|textit|mathrm|mathbf|mathit|mathsf|mathtt|operatorname|mbox"
+    r"|hbox)(?![A-Za-z])")
 
 
 def answers_match(answer: str | None, reference: str) -> bool:
@@ -124,7 +136,7 @@ def normalize_text(text: str) -> str:
     forms: fullwidth digits and letters, ligatures, no-break spaces), and the fraction
     slash U+2044 that NFKC leaves in ``½`` as ``/``. Case and whitespace are kept (see
     ``text_key``)."""
-    text = _INVISIBLE.sub("", text)
+    text = _INVISIBLE.sub("", text).translate(_BLANK_FILLERS)
     if _SCRIPT_RUN.search(text):
         text = _SCRIPT_RUN.sub(_script_run, text)
     return unicodedata.normalize("NFKC", text).replace("\u2044", "/")
@@ -143,12 +155,16 @@ def blank_answer(text: str) -> bool:
     delimiters (``$``, ``\\(``, ``\\)``, ``\\[``, ``\\]``) and braces, no letter,
     digit or symbol (Unicode categories L, N, S) is left. ``""``, ``"  "``, ``"."``,
     ``"$$"``, ``"\\boxed{}"``, ``"\\u200b"`` and ``"..."`` are blank; ``"0"``, ``"x"``,
-    ``"+"`` and ``"∅"`` are not."""
+    ``"+"`` and ``"∅"`` are not. LaTeX that typesets as space or nothing does not count:
+    ``"\\quad"``, ``"\\,"``, ``"~"``, ``"\\hspace{1em}"``, ``"\\phantom{x}"``, an empty
+    ``"\\text{}"`` (``"\\text{yes}"`` and ``"\\pi"`` are not blank); nor do characters
+    that render blank (Hangul fillers U+115F, U+1160, U+3164, U+FFA0; the blank braille
+    cell U+2800), which ``normalize_text`` reads as spaces."""
     return _blank(unwrap(normalize_text(text)))
 
 
 def _blank(unwrapped: str) -> bool:
-    core = _DELIMITER_TEXT.sub("", unwrapped)
+    core = _DELIMITER_TEXT.sub("", _LATEX_BLANK.sub("", unwrapped))
     return not any(unicodedata.category(c)[0] in "LNS" for c in core)
 
 

@@ -25,7 +25,10 @@ same ids whatever the sizes or the seed.
 Every row needs a usable reference answer, or the policy could earn reward by answering
 nothing: a row whose answer is missing (null / None), a float NaN or infinity, or blank
 (``raytunix.data.answers.blank_answer``: empty, whitespace or invisible characters only,
-``$$``, nothing after the GSM8K mark) is refused, naming the row and the column. A text
+``$$``, LaTeX that typesets as space such as ``\\quad`` or ``\\text{}``, nothing after the
+GSM8K mark), or a float64 integer past 2^53 (where a float64 no longer holds every integer,
+so the stored value may not be the answer written), is refused, naming the row and the
+column. JSONL answers that are JSON numbers are kept as their text, digit for digit. A text
 answer that reads as a missing-value marker (``nan``, ``None``, ``null``, ``N/A``,
 ``<NA>``, ``NaT``, any case) is refused only when every other answer of the split is a
 number: that is what a numeric column turned into text (pandas' ``astype(str)``) looks
@@ -50,6 +53,7 @@ from raytunix.types import Task
 
 FILE_SOURCES: tuple[str, ...] = get_args(FileSource)  # declared with data.source
 GSM8K_ANSWER_MARK = "####"
+_FLOAT64_EXACT = 2**53  # every integer up to this is a float64
 _EXTENSIONS = {"parquet": (".parquet",), "jsonl": (".jsonl", ".json")}
 # Text a numeric column turned into strings holds where a value was missing.
 MISSING_MARKERS = frozenset({"nan", "-nan", "none", "null", "na", "n/a", "<na>", "nat"})
@@ -74,13 +78,19 @@ class DatasetSpec:
     key: str = "data.path"  # config key named in errors
 
 
-def read_table(spec: DatasetSpec) -> pa.Table:
-    """The rows of ``spec``'s split as one Arrow table.
+def read_records(spec: DatasetSpec) -> tuple[list[str], list[dict[str, Any]]]:
+    """The rows of ``spec``'s split: its column names and one dict per row.
+
+    JSONL is read with Python's ``json``, so numbers keep their exact value and a column
+    may mix types (Arrow's JSON reader turned an integer past int64, and every number of a
+    column mixing 4 and 2.5, into a float64 whose digits past 2^53 are not the file's, and
+    refused a column mixing numbers and text). The answer column's numbers come as their
+    text (``12345678901234567890``, ``2.50``), the other columns' as ``int`` or ``float``.
 
     Raises:
       DatasetError: the path does not exist, is the wrong kind for ``spec.source``, the
         split is not in the folder (the splits found are listed), or a file cannot be
-        parsed.
+        parsed (a JSONL line that is not a JSON object is named by its line number).
     """
     if spec.source not in FILE_SOURCES:
         raise DatasetError(f"data.source={spec.source!r} is not a file source; use one of "
@@ -90,11 +100,20 @@ def read_table(spec: DatasetSpec) -> pa.Table:
         raise DatasetError(f"{spec.key}={path!r} does not exist (working directory "
                            f"{os.getcwd()}); give the dataset's file or folder.")
     if spec.source == "hf":
-        return _read_saved_dataset(spec)
-    if os.path.isfile(path):
-        return _read_file(spec.source, path, spec.key)
-    return pa.concat_tables(
-        [_read_file(spec.source, f, spec.key) for f in _shards(spec)], promote_options="default")
+        table = _read_saved_dataset(spec)
+        return table.column_names, table.to_pylist()
+    files = [path] if os.path.isfile(path) else _shards(spec)
+    if spec.source == "jsonl":
+        columns: dict[str, None] = {}
+        records: list[dict[str, Any]] = []
+        for file in files:
+            records += _read_jsonl(file, spec.key, spec.answer_column)
+        for record in records:
+            columns.update(dict.fromkeys(record))
+        return list(columns), records
+    table = pa.concat_tables([_read_parquet(f, spec.key) for f in files],
+                             promote_options="default")
+    return table.column_names, table.to_pylist()
 
 
 def load_tasks(spec: DatasetSpec) -> list[Task]:
@@ -106,13 +125,12 @@ def load_tasks(spec: DatasetSpec) -> list[Task]:
       ``solution`` (GSM8K layout only) and ``columns`` (the row's other scalar columns).
 
     Raises:
-      DatasetError: see ``read_table``; a mapped column is missing (the columns that exist
+      DatasetError: see ``read_records``; a mapped column is missing (the columns that exist
         are listed); a question is empty; a row has no usable reference answer (see the
         module doc; the first such row is named, with the count and the numbers of the
         others); ids of the id column repeat.
     """
-    table = read_table(spec)
-    names = table.column_names
+    names, records = read_records(spec)
     for key, column in (("data.question_column", spec.question_column),
                         ("data.answer_column", spec.answer_column),
                         ("data.id_column", spec.id_column)):
@@ -122,8 +140,8 @@ def load_tasks(spec: DatasetSpec) -> list[Task]:
                 f"columns are {names}. Set {key} to the column that holds it.")
     used = {spec.question_column, spec.answer_column, spec.id_column}
     tasks, seen, bad, markers = [], {}, [], []
-    for row, record in enumerate(table.to_pylist()):
-        question, raw = record[spec.question_column], record[spec.answer_column]
+    for row, record in enumerate(records):
+        question, raw = record.get(spec.question_column), record.get(spec.answer_column)
         where = f"{spec.path!r} (split {spec.split!r}) row {row}"
         if not isinstance(question, str) or not text_key(question):
             raise DatasetError(f"{where}: question column {spec.question_column!r} is "
@@ -167,7 +185,7 @@ def load_tasks(spec: DatasetSpec) -> list[Task]:
         raise DatasetError(
             f"{bad[0][1]}: every row needs a reference answer the reward can be checked "
             f"against, or the policy earns reward by answering nothing. {len(rows)} of the "
-            f"{table.num_rows} rows have none (rows {shown}); fill in their "
+            f"{len(records)} rows have none (rows {shown}); fill in their "
             f"{spec.answer_column!r} or remove them from the dataset.")
     return tasks
 
@@ -186,6 +204,9 @@ def _reference(value: Any) -> tuple[str, str]:
     if isinstance(value, float):
         if not math.isfinite(value):
             return "", f"a float {value}, not an answer; write a true infinite answer as text"
+        if value.is_integer() and abs(value) > _FLOAT64_EXACT:
+            return "", ("a float64 past 2^53, where it no longer holds every integer: the "
+                        "stored value may not be the answer written; store answers as text")
         # A numeric column mixing 4 and 2.5 is read as doubles; 4.0 was written 4.
         value = str(int(value)) if value.is_integer() else str(value)
     answer = str(value)
@@ -338,21 +359,55 @@ def entry_task(task_id: str, entry: dict[str, Any], name: str = "", seed: int | 
                 answer="" if answer is None else str(answer), metadata={"entry": entry})
 
 
-def _read_file(source: str, path: str, key: str) -> pa.Table:
-    if not path.endswith(_EXTENSIONS[source]):
-        raise DatasetError(f"{key}={path!r} is not a {'/'.join(_EXTENSIONS[source])} file, "
-                           f"which data.source={source!r} reads; set data.source to match "
-                           f"the file ({', '.join(FILE_SOURCES)}).")
+class _JsonNumber(str):
+    """A JSON number's text, as ``json.loads(parse_int=, parse_float=)`` hands it over."""
+
+
+def _native(value: Any) -> Any:
+    return (float(value) if any(c in value for c in ".eE") else int(value)) \
+        if isinstance(value, _JsonNumber) else value
+
+
+def _read_jsonl(path: str, key: str, answer_column: str) -> list[dict[str, Any]]:
+    """The JSON objects of a ``.jsonl`` file's non-blank lines; numbers exact (see
+    ``read_records``)."""
+    if not path.endswith(_EXTENSIONS["jsonl"]):
+        raise DatasetError(f"{key}={path!r} is not a {'/'.join(_EXTENSIONS['jsonl'])} file, "
+                           "which data.source='jsonl' reads; set data.source to match the "
+                           f"file ({', '.join(FILE_SOURCES)}).")
+    records = []
     try:
-        if source == "parquet":
-            import pyarrow.parquet as pq
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line, parse_int=_JsonNumber, parse_float=_JsonNumber)
+                except ValueError as e:
+                    raise DatasetError(f"{key}={path!r} cannot be read as jsonl: line {number} "
+                                       f"is not JSON ({e}).") from None
+                if not isinstance(record, dict):
+                    raise DatasetError(f"{key}={path!r} cannot be read as jsonl: line {number} "
+                                       f"is a JSON {type(record).__name__}, not an object "
+                                       "(one row, {\"question\": ..., \"answer\": ...}).")
+                records.append({k: v if k == answer_column else _native(v)
+                                for k, v in record.items()})
+    except (OSError, UnicodeDecodeError) as e:
+        raise DatasetError(f"{key}={path!r} cannot be read as jsonl: {e}") from None
+    return records
 
-            return pq.read_table(path)
-        import pyarrow.json as pj
 
-        return pj.read_json(path)
+def _read_parquet(path: str, key: str) -> pa.Table:
+    if not path.endswith(_EXTENSIONS["parquet"]):
+        raise DatasetError(f"{key}={path!r} is not a {'/'.join(_EXTENSIONS['parquet'])} file, "
+                           "which data.source='parquet' reads; set data.source to match the "
+                           f"file ({', '.join(FILE_SOURCES)}).")
+    try:
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path)
     except (pa.ArrowInvalid, OSError) as e:
-        raise DatasetError(f"{key}={path!r} cannot be read as {source}: {e}") from None
+        raise DatasetError(f"{key}={path!r} cannot be read as parquet: {e}") from None
 
 
 def _shards(spec: DatasetSpec) -> list[str]:

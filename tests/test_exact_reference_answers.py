@@ -1,0 +1,102 @@
+"""A reference answer is the one the dataset file writes, digit for digit, and one that
+only looks like text (LaTeX spacing, blank-rendering characters) is no answer.
+
+Arrow's JSON reader turned ``12345678901234567890`` into ``12345678901234567168`` (a
+float64), and any integer of a column that mixes 4 and 2.5 the same way past 2^53: the
+policy was then rewarded for the wrong number. Parquet and saved datasets cannot say what
+a float64 past 2^53 was written as, so such a cell is refused by row and column."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from raytunix.data.answers import answers_match, blank_answer
+from raytunix.data.datasets import DatasetError, DatasetSpec, load_tasks
+
+EXACT = ["12345678901234567890", "9007199254740993", "-9007199254740993",
+         "123456789012345678901234567890", "2.50", "1e30", "0.1000000000000000055511151231257827"]
+
+
+def _jsonl(path, lines):
+    path.write_text("".join(line + "\n" for line in lines))
+    return DatasetSpec("jsonl", str(path))
+
+
+@pytest.mark.parametrize("number", EXACT)
+def test_a_jsonl_number_answer_is_kept_as_written(tmp_path, number):
+    spec = _jsonl(tmp_path / "rows.jsonl", [
+        f'{{"question": "q{i}?", "answer": {n}}}' for i, n in enumerate([number, "2.5", "4"])])
+    tasks = load_tasks(spec)
+    assert tasks[0].answer == number
+    assert answers_match(number, tasks[0].answer)
+    if number.isdigit() and len(number) > 16:  # the float64 of it is a different integer
+        assert not answers_match(str(int(float(number))), tasks[0].answer)
+
+
+def test_a_jsonl_answer_column_may_mix_numbers_and_text(tmp_path):
+    spec = _jsonl(tmp_path / "rows.jsonl", [
+        '{"question": "a?", "answer": 4}', '{"question": "b?", "answer": "x + 1"}',
+        '{"question": "c?", "answer": 2.5, "level": 3, "weight": 0.5}'])
+    tasks = load_tasks(spec)
+    assert [t.answer for t in tasks] == ["4", "x + 1", "2.5"]
+    # Other columns keep their JSON types in the task's metadata.
+    assert tasks[2].metadata["columns"] == {"level": 3, "weight": 0.5}
+
+
+def test_shards_of_a_jsonl_folder_keep_exact_numbers(tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "train-00000.jsonl").write_text('{"question": "a?", "answer": 12345678901234567891}\n')
+    (folder / "train-00001.jsonl").write_text('{"question": "b?", "answer": "seven"}\n')
+    tasks = load_tasks(DatasetSpec("jsonl", str(folder)))
+    assert sorted(t.answer for t in tasks) == ["12345678901234567891", "seven"]
+
+
+@pytest.mark.parametrize("line", ['[1, 2]', '"just text"', '7'])
+def test_a_jsonl_line_that_is_not_an_object_is_named(tmp_path, line):
+    spec = _jsonl(tmp_path / "rows.jsonl", ['{"question": "a?", "answer": 1}', "", line])
+    with pytest.raises(DatasetError, match=r"cannot be read as jsonl: line 3 is a JSON \w+, not "
+                                           r"an object"):
+        load_tasks(spec)
+
+
+def test_a_parquet_float64_past_2_53_is_refused_by_row_and_column(tmp_path):
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"question": ["a?", "b?", "c?"],
+                             "answer": [2.5, 1.2345678901234567e19, float(2**53)]}), path)
+    with pytest.raises(DatasetError) as e:
+        load_tasks(DatasetSpec("parquet", str(path)))
+    assert "row 1: answer column 'answer'" in str(e.value)
+    assert "float64 past 2^53" in str(e.value)
+    assert "1 of the 3 rows have none (rows 1)" in str(e.value)  # 2^53 itself is exact
+
+
+BLANK_LOOKING = ["\\text{}", "\\text{ }", "\\mathrm{}", "\\quad", "\\qquad~", "~", "$\\,$",
+                 "\\; \\!", "\\hspace{1cm}", "\\phantom{x}", "\\left(\\right)", "\\boxed{\\quad}",
+                 "\u3164", "\u2800", "\uffa0", "\u115f", "\u1160", "$\u3164$",
+                 "#### \\text{}"]
+NOT_BLANK = ["\\pi", "\\text{yes}", "\\emptyset", "~5", "\\infty", "\\left(1\\right)",
+             "\\mathbb{R}", "\\rightarrow", "\\quadrature", "\\textbackslash", "\u3164x"]
+
+
+@pytest.mark.parametrize("reference", BLANK_LOOKING)
+def test_latex_space_and_blank_rendering_characters_are_no_reference(tmp_path, reference):
+    if not reference.startswith("####"):
+        assert blank_answer(reference)
+    for answer in ("", " ", reference, "\u3164", "\\quad", "0"):
+        assert not answers_match(answer, reference)
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"question": "a?", "answer": "4"}) + "\n"
+                    + json.dumps({"question": "b?", "answer": reference}) + "\n")
+    with pytest.raises(DatasetError, match="row 1: answer column 'answer'"):
+        load_tasks(DatasetSpec("jsonl", str(path)))
+
+
+@pytest.mark.parametrize("reference", NOT_BLANK)
+def test_latex_with_content_is_still_a_reference(reference):
+    assert not blank_answer(reference)
+    assert answers_match(reference, reference)
