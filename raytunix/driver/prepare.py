@@ -32,25 +32,50 @@ ENV_READY_TIMEOUT_S = 600.0
 def connect_ray() -> None:
     """Joins the cluster in ``RAY_ADDRESS``, or starts a local one (watched, so that a
     killed driver takes it down); nothing when Ray is already up. Then SIGTERM stops the
-    run as Ctrl-C does (actors shut down, checkpoints kept)."""
+    run as Ctrl-C does (actors shut down, checkpoints kept).
+
+    Raises:
+      RunError: Ray could not start the local cluster or join ``RAY_ADDRESS``'s (the
+        message says which, Ray's reason, and what to try).
+    """
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS")
         if address:
-            ray.init(address=address, log_to_driver=True)
+            try:
+                ray.init(address=address, log_to_driver=True)
+            except Exception as e:  # noqa: BLE001  (Ray raises bare Exception and others)
+                raise RunError(
+                    f"cannot join the Ray cluster at RAY_ADDRESS={address!r}: "
+                    f"{type(e).__name__}: {_first_line(e)}. Check that the cluster is up "
+                    "(`ray status`) and the address, or unset RAY_ADDRESS to run on a local "
+                    "cluster of this machine.") from e
         else:
             from raytunix.watchdog import start_watchdog
 
             # address="local": a new cluster, even where `ray start` left one running on
             # this machine (ray.init() alone would join it); RAY_ADDRESS joins one.
-            context = ray.init(address="local", include_dashboard=False,
-                               object_store_memory=256 * 1024**2,
-                               num_cpus=max(2, os.cpu_count() or 2), log_to_driver=True)
+            try:
+                context = ray.init(address="local", include_dashboard=False,
+                                   object_store_memory=256 * 1024**2,
+                                   num_cpus=max(2, os.cpu_count() or 2), log_to_driver=True)
+            except Exception as e:  # noqa: BLE001  (Ray raises bare Exception on a timeout)
+                ray.shutdown()  # the processes it did start
+                raise RunError(
+                    f"Ray could not start a local cluster: {type(e).__name__}: "
+                    f"{_first_line(e)}. On a heavily loaded machine its raylet can miss "
+                    "Ray's 30 s start-up deadline: retry with RAY_raylet_start_wait_time_s=120 "
+                    "in the environment; nothing was trained, so there is nothing to "
+                    "resume.") from e
             # This process started the cluster: if it is killed (kill -9, OOM), the
             # cluster's processes go with it instead of outliving it for a minute.
             start_watchdog(context.address_info["session_dir"])
     if threading.current_thread() is threading.main_thread():
         # After ray.init, which installs its own SIGTERM handler.
         signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [""])[0][:300]
 
 
 def _interrupt(signum, frame):
