@@ -308,31 +308,77 @@ def pack_batch(batch: Batch, lengths: np.ndarray, width: int, *, pad_id: int = 0
         raise ValueError(f"pack_batch needs one length per trajectory: lengths "
                          f"{lengths.shape}, batch of {num}.")
     lengths = np.clip(lengths, 0, min(width, cols))
+    out = _packed_arrays(
+        {"tokens": (tokens.astype(np.int32), pad_id),
+         "loss_mask": (np.asarray(batch.loss_mask, np.float32), 0),
+         "logprobs": (np.asarray(batch.logprobs, np.float32), 0),
+         "policy_versions": (np.asarray(batch.policy_versions, np.int32), -1)},
+        lengths, width, row_multiple)
+    return PackedBatch(**out, rewards=np.asarray(batch.rewards, np.float32),
+                       group_ids=np.asarray(batch.group_ids, np.int32),
+                       valid=np.asarray(batch.valid, np.float32))
+
+
+def _packed_arrays(fields: dict[str, tuple[np.ndarray, Any]], lengths: np.ndarray, width: int,
+                   row_multiple: int) -> dict[str, np.ndarray]:
+    """Each ``[N, T]`` array of ``fields`` (name -> (array, padding value)) packed into
+    ``[R, width]`` rows by ``pack_rows``, with ``segment_ids``, ``positions`` and
+    ``trajectory_index`` (see ``PackedBatch``); R rounded up to ``row_multiple``. A
+    segment's first token gets ``loss_mask`` 0 where ``fields`` has one. ``lengths`` must
+    already be cut to ``min(width, T)``."""
     rows = pack_rows(lengths, width)
     num_rows = -(-max(len(rows), 1) // row_multiple) * row_multiple
     shape = (num_rows, width)
-    out = {"tokens": np.full(shape, pad_id, np.int32),
-           "loss_mask": np.zeros(shape, np.float32),
-           "logprobs": np.zeros(shape, np.float32),
-           "policy_versions": np.full(shape, -1, np.int32),
-           "segment_ids": np.zeros(shape, np.int32),
-           "positions": np.zeros(shape, np.int32),
-           "trajectory_index": np.zeros(shape, np.int32)}
-    fields = {key: np.asarray(getattr(batch, key))
-              for key in ("tokens", "loss_mask", "logprobs", "policy_versions")}
+    out = {key: np.full(shape, pad, array.dtype) for key, (array, pad) in fields.items()}
+    out.update({key: np.zeros(shape, np.int32)
+                for key in ("segment_ids", "positions", "trajectory_index")})
     for r, members in enumerate(rows):
         start = 0
         for k, i in enumerate(members, start=1):
             n = int(lengths[i])
             span = slice(start, start + n)
-            for key in fields:
-                out[key][r, span] = fields[key][i, :n]
-            if n:  # the segment's first token is scored from nothing: never trained
-                out["loss_mask"][r, start] = 0.0
+            for key, (array, _) in fields.items():
+                out[key][r, span] = array[i, :n]
+            if n and "loss_mask" in out:  # the segment's first token is scored from nothing
+                out["loss_mask"][r, start] = 0
             out["segment_ids"][r, span] = k
             out["positions"][r, span] = np.arange(n)
             out["trajectory_index"][r, span] = i
             start += n
-    return PackedBatch(**out, rewards=np.asarray(batch.rewards, np.float32),
-                       group_ids=np.asarray(batch.group_ids, np.int32),
-                       valid=np.asarray(batch.valid, np.float32))
+    return out
+
+
+def pack_demonstrations(tokens: np.ndarray, loss_mask: np.ndarray, *, pad_id: int = 0,
+                        row_multiple: int = ROW_MULTIPLE) -> dict[str, np.ndarray]:
+    """Supervised rows packed several to a row of the same width (sequence packing): a
+    warm start's demonstrations average under half of the widest one's tokens, so packed
+    they take about half the rows, and the step about half the compute.
+
+    Each row is cut after its last target (``loss_mask`` > 0): later tokens (padding) are
+    never predicted from, so the loss, its gradient and every metric are those of the
+    unpacked rows (up to float rounding). Rows of ``tokens`` must start at column 0
+    (right padding).
+
+    Args:
+      tokens: int32[N, T]. loss_mask: float32[N, T] (column 0 is never a target).
+      pad_id: token id of padding. row_multiple: the packed row count is a multiple of it.
+
+    Returns:
+      ``tokens``, ``loss_mask``, ``positions`` and ``segment_ids`` ([R, T]; R <= N rounded
+      up to ``row_multiple``), for ``make_sft_update``'s update.
+
+    Raises:
+      ValueError: ``tokens`` and ``loss_mask`` differ in shape, or ``row_multiple < 1``.
+    """
+    tokens, loss_mask = np.asarray(tokens), np.asarray(loss_mask)
+    if tokens.shape != loss_mask.shape or tokens.ndim != 2 or row_multiple < 1:
+        raise ValueError(f"pack_demonstrations needs tokens and loss_mask of one [N, T] shape "
+                         f"(got {tokens.shape} and {loss_mask.shape}) and row_multiple="
+                         f"{row_multiple!r} >= 1.")
+    width = max(tokens.shape[1], 2)
+    on = loss_mask > 0
+    lengths = np.where(on.any(axis=1), tokens.shape[1] - np.argmax(on[:, ::-1], axis=1), 0)
+    out = _packed_arrays({"tokens": (tokens.astype(np.int32), pad_id),
+                          "loss_mask": (loss_mask.astype(np.float32), 0)},
+                         lengths, width, row_multiple)
+    return {key: out[key] for key in ("tokens", "loss_mask", "positions", "segment_ids")}

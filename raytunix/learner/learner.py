@@ -14,6 +14,7 @@ parallel over every device, is the plain single-device update on one device.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from typing import Any
@@ -27,6 +28,7 @@ from raytunix.learner.batch import (
     Batch,
     PackedBatch,
     generated_tokens_cut,
+    pack_demonstrations,
     widest_packed_row,
 )
 from raytunix.learner.checkpoint import Checkpointer
@@ -50,6 +52,10 @@ from raytunix.learner.train_state import (
 from raytunix.models.llama import ModelConfig, init_model
 
 __all__ = ["Learner", "RLHyperparams", "SFTHyperparams"]
+
+# A warm-start step's packed rows come in multiples of this (or of its batch size, if
+# smaller): 32 demonstrations of the default task pack into 16 or 20 rows, two programs.
+SFT_ROW_MULTIPLE = 4
 
 
 class Learner:
@@ -115,8 +121,9 @@ class Learner:
         Args:
           tokens: int32[N, T] demonstration tokens (right-padded).
           loss_mask: float32[N, T], 1 on the tokens to learn (the assistant's).
-          batch_size: rows per step; padded with rows of zero mask (which change nothing)
-            to a multiple of the mesh's data x fsdp devices.
+          batch_size: demonstrations per step, drawn with replacement; packed several
+            to a row (``pack_demonstrations``: the same loss, about half the rows) and
+            padded with empty rows to a multiple of the mesh's data x fsdp devices.
         Returns: mean ``loss`` over the steps, ``loss_last``, ``steps_per_s``,
         ``updates_skipped_nonfinite`` (steps of this call not applied because something was
         not finite: ``make_sft_update``'s ``update_nonfinite``) and
@@ -126,15 +133,14 @@ class Learner:
             raise RuntimeError("call start_warmup before sft_steps")
         t0 = time.monotonic()
         losses, skipped = [], []
-        pad = -batch_size % batch_shards(self.mesh)
+        # Few packed row counts (each compiles once), rows split evenly over the devices.
+        multiple = math.lcm(batch_shards(self.mesh), min(SFT_ROW_MULTIPLE, batch_size))
         for _ in range(num_steps):
             rows = self._sft_rng.integers(0, len(tokens), size=batch_size)
-            step_tokens, step_mask = tokens[rows], loss_mask[rows]
-            if pad:
-                step_tokens = np.pad(step_tokens, ((0, pad), (0, 0)))
-                step_mask = np.pad(step_mask, ((0, pad), (0, 0)))
-            self._state, metrics = self._update(self._state, place_rows(step_tokens, self.mesh),
-                                                place_rows(step_mask, self.mesh))
+            packed = pack_demonstrations(tokens[rows], loss_mask[rows], row_multiple=multiple)
+            self._state, metrics = self._update(
+                self._state, *(place_rows(packed[key], self.mesh)
+                               for key in ("tokens", "loss_mask", "positions", "segment_ids")))
             losses.append(metrics["loss"])
             skipped.append(metrics["update_nonfinite"])
         # One transfer for the chunk's metrics, not one per step.

@@ -985,11 +985,14 @@ def make_sft_update(
     graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, *,
     mesh: jax.sharding.Mesh | None = None,
 ) -> Callable[[TrainState, jax.Array, jax.Array], tuple[TrainState, Metrics]]:
-    """Builds jitted ``update(state, tokens, loss_mask) -> (state, metrics)``: one
-    supervised step on next-token NLL.
+    """Builds jitted ``update(state, tokens, loss_mask, positions=None, segment_ids=None)
+    -> (state, metrics)``: one supervised step on next-token NLL.
 
     Args of ``update``: ``tokens`` int32[B, T]; ``loss_mask`` float32[B, T], 1 where
     token t is a target (predicted from tokens 0..t-1); position 0 is never a target.
+    Packed rows (``raytunix.learner.batch.pack_demonstrations``) also pass ``positions``
+    and ``segment_ids`` int32[B, T]: a token attends only within its segment, and a
+    segment's first token is never a target.
 
     Metrics (float32 scalars): ``loss`` (nats per target token), ``grad_norm`` (before
     clipping), ``num_tokens``, ``accuracy`` (argmax hits among targets), and
@@ -1003,12 +1006,14 @@ def make_sft_update(
     """
 
     @jax.jit
-    def update(state: TrainState, tokens: jax.Array, loss_mask: jax.Array):
+    def update(state: TrainState, tokens: jax.Array, loss_mask: jax.Array,
+               positions: jax.Array | None = None, segment_ids: jax.Array | None = None):
         if mesh is not None:
-            tokens, loss_mask = (jax.lax.with_sharding_constraint(x, row_sharding(mesh, 2))
-                                 for x in (tokens, loss_mask))
+            tokens, loss_mask, positions, segment_ids = (
+                None if x is None else jax.lax.with_sharding_constraint(x, row_sharding(mesh, 2))
+                for x in (tokens, loss_mask, positions, segment_ids))
         def loss_fn(params):
-            logits = _next_token_logits(graphdef, params, tokens)
+            logits = _next_token_logits(graphdef, params, tokens, positions, segment_ids)
             return sft_loss(logits, tokens[:, 1:], loss_mask[:, 1:])
 
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
