@@ -128,6 +128,17 @@ class RunConfig:
         "written together, each with its metrics); 0 = after every step",
         bounds=">= 0", resume=True,
         hint="e.g. 3: the records of a window wait for it to close")
+    compilation_cache_dir: str = setting(
+        "~/.cache/raytunix/jax",
+        "JAX's persistent compilation cache of the learner and engine processes: a program "
+        "compiled once is loaded from here by later runs on this machine instead of "
+        "compiled again (a multi-host learner group keeps its own); '' = off",
+        resume=True)
+    compilation_cache_min_compile_s: float = setting(
+        1.0,
+        "only programs that took at least this many seconds to compile are cached (JAX's "
+        "jax_persistent_cache_min_compile_time_secs); 0 = every program",
+        bounds=">= 0", resume=True)
 
 
 @dataclasses.dataclass

@@ -55,9 +55,10 @@ class Job:
         self.colocated = cfg.engine.placement == "colocated"
         hosts = LearnerHostsSpec.from_config(cfg.learner)  # learner.resources, num_hosts...
         self.learner_group = hosts.num_hosts > 1
+        jit_options = prepare.jit_actor_options(cfg)  # the persistent compilation cache
         if self.colocated:
             self.learner = ray.remote(PolicyActor).options(
-                max_concurrency=10_000, **hosts.actor_options()).remote(
+                max_concurrency=10_000, **hosts.actor_options(), **jit_options).remote(
                 model_config, cfg.run.seed, tokenizer, cfg.engine.engine_kwargs(), path)
             self.engine = self.learner
             self.engines = [self.learner]
@@ -73,12 +74,12 @@ class Job:
                     slow_call_timeout_s=cfg.learner.slow_call_timeout_s)
             else:
                 self.learner = ray.remote(LearnerActor).options(
-                    max_concurrency=100, **hosts.actor_options()).remote(
+                    max_concurrency=100, **hosts.actor_options(), **jit_options).remote(
                     model_config, cfg.run.seed, tokenizer.pad_id, path)
             # A crashed engine is restarted by Ray under the same handle (the orchestrator's
             # router keeps it; calls wait for it) and takes the learner's weights first.
             engine_options = {**resource_options(cfg.engine.actor_resources),
-                              "max_restarts": cfg.engine.actor_max_restarts}
+                              "max_restarts": cfg.engine.actor_max_restarts, **jit_options}
             self._new_engine = lambda: ray.remote(EngineActor).options(
                 max_concurrency=10_000, **engine_options).remote(
                 model_config, cfg.run.seed, tokenizer, cfg.engine.engine_kwargs(), path,

@@ -74,6 +74,27 @@ def connect_ray() -> None:
         signal.signal(signal.SIGTERM, _interrupt)
 
 
+def compilation_cache_env(cfg: Config) -> dict[str, str]:
+    """Environment variables that turn on JAX's persistent compilation cache in a process
+    that compiles (``run.compilation_cache_dir``, ``~`` expanded;
+    ``run.compilation_cache_min_compile_s``); empty when the cache is off (``""``). JAX
+    reads them at import, so they go into the process's environment, not its code."""
+    directory = cfg.run.compilation_cache_dir
+    if not directory:
+        return {}
+    return {"JAX_COMPILATION_CACHE_DIR": os.path.abspath(os.path.expanduser(directory)),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS":
+                repr(float(cfg.run.compilation_cache_min_compile_s))}
+
+
+def jit_actor_options(cfg: Config) -> dict[str, Any]:
+    """``.options()`` keywords for an actor that compiles (learner, engine): its runtime
+    env carries ``compilation_cache_env`` (Ray merges these ``env_vars`` with the job's);
+    empty when the cache is off."""
+    env = compilation_cache_env(cfg)
+    return {"runtime_env": {"env_vars": env}} if env else {}
+
+
 def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [""])[0][:300]
 
