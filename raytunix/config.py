@@ -57,6 +57,8 @@ SandboxBackendChoice = Literal["auto", "bwrap", "subprocess"]
 SANDBOX_MAX_SECONDS = 1e9  # about 31 years
 SANDBOX_MAX_BYTES = (1 << 63) - 1
 SANDBOX_MAX_PROCESSES = 1 << 22
+_FLOAT32_MAX = 3.4028234663852886e38
+_INT64 = (-(1 << 63), (1 << 63) - 1)
 
 _BOUNDS = re.compile(r"(>=|>|<=|<) (-?[0-9.]+)|([\[(])(-?[0-9.]+), (-?[0-9.]+)([\])])")
 
@@ -118,7 +120,8 @@ def setting(default: Any = dataclasses.MISSING, doc: str = "", *,
 class RunConfig:
     name: str = setting("default", "run name; the run directory is output_dir/name-<timestamp>")
     output_dir: str = setting("runs", "parent of run directories")
-    seed: int = setting(0, "seeds data order, model init and sampling")
+    seed: int = setting(0, "seeds data order, model init and sampling",
+                        bounds="[0, 4294967295]", hint="a 32-bit seed, as JAX's PRNG keys take")
     log_every: int = setting(
         1, "print a progress line every this many RL steps", bounds="> 0", resume=True)
     profile_window_s: float = setting(
@@ -206,7 +209,8 @@ class DataConfig:
     seed: int = setting(
         0,
         "generator seed of the training split (held-out uses another); seeds the held-out "
-        "draw off a file's training split")
+        "draw off a file's training split",
+        bounds="[0, 4294967295]", hint="a 32-bit seed")
     min_terms: int = setting(2, "basic_arithmetic: fewest terms of a question")
     max_terms: int = setting(3, "basic_arithmetic: most terms of a question")
     min_digits: int = setting(2, "basic_arithmetic: fewest digits of a term")
@@ -890,9 +894,18 @@ def validate(cfg: Config) -> Config:
         if spec.choices is not None and flat[key] not in spec.choices:
             raise ConfigError(f"{key}={flat[key]!r} is not one of {', '.join(spec.choices)}.")
     for key, spec in table.items():
+        value = flat[key]
+        # Numbers reach float32 math (the learner) and int64 (seeds, counts): beyond
+        # those, a value that passes here overflows later, deep in a run.
+        if spec.type is float and isinstance(value, float) and math.isfinite(value) \
+                and abs(value) > _FLOAT32_MAX:
+            raise ConfigError(f"{key}={value!r} must be a finite float32 number "
+                              f"(|value| <= {_FLOAT32_MAX:.4g}).")
+        if spec.type is int and isinstance(value, int) and not _INT64[0] <= value <= _INT64[1]:
+            raise ConfigError(f"{key}={value!r} must fit in a signed 64-bit integer "
+                              f"({_INT64[0]} to {_INT64[1]}).")
         if spec.bounds is None:
             continue
-        value = flat[key]
         # A declared range is a finite one: inf passes "> 0" but no deadline, rate or size
         # here means "unbounded" by it (it overflowed timers and kernel limits).
         finite = not (isinstance(value, float) and math.isinf(value))

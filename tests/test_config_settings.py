@@ -215,3 +215,32 @@ def test_a_bounded_float_names_finite_in_its_error():
     with pytest.raises(ConfigError, match=r"rollout.top_p=-inf must be a finite number in "
                                           r"\(0, 1\]"):
         load_config(None, ["rollout.top_p=-inf"])
+
+
+INT_SETTINGS = [key for key, spec in settings(Config).items() if spec.type is int]
+
+
+def test_every_int_setting_refuses_a_value_past_int64_by_name():
+    # A seed of 2^63 passed and crashed the model's init with a traceback.
+    assert len(INT_SETTINGS) > 30
+    for key in INT_SETTINGS:
+        for value in (2**63, -(2**63) - 1, 10**30):
+            with pytest.raises(ConfigError, match=re.escape(f"{key}={value}")):
+                load_config(None, [f"{key}={value}"])
+
+
+@pytest.mark.parametrize("value", ["1e39", "-1e39", "3.5e38"])
+def test_every_float_setting_refuses_a_value_past_float32(value):
+    # learner.learning_rate=1e39 passed and every update came back NaN.
+    for key in FLOAT_SETTINGS:
+        with pytest.raises(ConfigError, match=re.escape(key + "=")):
+            load_config(None, [f"{key}={value}"])
+
+
+def test_seeds_are_32_bit():
+    for key in ("run.seed", "data.seed"):
+        with pytest.raises(ConfigError, match=re.escape(f"{key}=-1 must be in [0, 4294967295]")):
+            load_config(None, [f"{key}=-1"])
+        with pytest.raises(ConfigError, match=re.escape(f"{key}=4294967296")):
+            load_config(None, [f"{key}=4294967296"])
+        assert load_config(None, [f"{key}=4294967295"]) is not None

@@ -86,16 +86,28 @@ _SCRIPT_RUN = re.compile(f"[{_SUPERSCRIPTS}]+|[{_SUBSCRIPTS}]+")
 _DELIMITER_TEXT = re.compile(r"\\[()\[\]]|[${}]")
 # Characters that render as blank space but are letters or symbols to Unicode (Hangul
 # fillers are Lo, the blank braille cell is So): read as a space.
-_BLANK_FILLERS = str.maketrans(dict.fromkeys("\u115f\u1160\u3164\uffa0\u2800", " "))
-# LaTeX that typesets as space or nothing: spacing commands, phantoms, ``~``; and text
-# wrappers, whose (removed) braces leave just their content.
+_BLANK_FILLERS = str.maketrans(dict.fromkeys(
+    "\u115f\u1160\u3164\uffa0\u2800\U0001d159", " "))
+# LaTeX that typesets as space or nothing: spacing and line-break commands, struts, size
+# and style switches, colours, phantoms and explicit skips (a braced argument may hold one
+# level of braces, \\phantom{\\frac{1}{2}}); and text and font wrappers, whose (removed)
+# braces leave just their content.
+_BRACED = r"\{(?:[^{}]|\{[^{}]*\})*\}"
 _LATEX_BLANK = re.compile(
-    r"\\(?:quad|qquad|enspace|enskip|thinspace|medspace|thickspace|negthinspace|displaystyle"
-    r"|textstyle|left|right|[bB]igg?[lr]?)(?![A-Za-z])"
-    r"|\\[,;:!> ]|~"
-    r"|\\(?:hspace|vspace|hphantom|vphantom|phantom|kern|hskip)\*?\s*\{[^{}]*\}"
-    r"|\\(?:text|textrm|textbf|textit|mathrm|mathbf|mathit|mathsf|mathtt|operatorname|mbox"
-    r"|hbox)(?![A-Za-z])")
+    r"\\(?:quad|qquad|enspace|enskip|thinspace|medspace|thickspace|negthinspace"
+    r"|negmedspace|negthickspace|hfill|hfil|vfill|vfil|hss|smallskip|medskip|bigskip"
+    r"|newline|linebreak|nolinebreak|pagebreak|space|nobreakspace|null|relax|strut"
+    r"|mathstrut|displaystyle|textstyle|scriptstyle|scriptscriptstyle|tiny|scriptsize"
+    r"|footnotesize|small|normalsize|large|Large|LARGE|huge|Huge|left|right|middle"
+    r"|[bB]igg?[lrm]?|mathord|mathbin|mathrel|mathop|mathpunct|mathinner)(?![A-Za-z])"
+    r"|\\[,;:!> ]|\\\\|~"
+    r"|\\(?:hspace|vspace|hphantom|vphantom|phantom|mspace|color|colorbox)\*?\s*" + _BRACED
+    + r"|\\textcolor\s*" + _BRACED
+    + r"|\\(?:kern|mkern|hskip|vskip|mskip|mspace)\s*(?:" + _BRACED
+    + r"|[+-]?[\d.]+\s*(?:pt|em|ex|mu|cm|mm|in|bp|pc|sp|dd|cc))"
+    r"|\\(?:text|textrm|textbf|textit|textsf|texttt|textnormal|textup|textsl|textsc|emph"
+    r"|mathrm|mathbf|mathit|mathsf|mathtt|mathbb|mathcal|mathfrak|mathscr|mathnormal"
+    r"|boldsymbol|bm|operatorname|mbox|hbox|fbox|makebox|underline|overline)(?![A-Za-z])")
 
 
 def answers_match(answer: str | None, reference: str) -> bool:

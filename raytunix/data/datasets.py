@@ -45,6 +45,7 @@ import os
 import random
 from typing import Any, Sequence, get_args
 
+import numpy as np
 import pyarrow as pa
 
 from raytunix.config import FileSource
@@ -53,7 +54,7 @@ from raytunix.types import Task
 
 FILE_SOURCES: tuple[str, ...] = get_args(FileSource)  # declared with data.source
 GSM8K_ANSWER_MARK = "####"
-_FLOAT64_EXACT = 2**53  # every integer up to this is a float64
+_FLOAT64_EXACT = 2**53  # every integer below this is a float64 of its own
 _EXTENSIONS = {"parquet": (".parquet",), "jsonl": (".jsonl", ".json")}
 # Text a numeric column turned into strings holds where a value was missing.
 MISSING_MARKERS = frozenset({"nan", "-nan", "none", "null", "na", "n/a", "<na>", "nat"})
@@ -100,8 +101,7 @@ def read_records(spec: DatasetSpec) -> tuple[list[str], list[dict[str, Any]]]:
         raise DatasetError(f"{spec.key}={path!r} does not exist (working directory "
                            f"{os.getcwd()}); give the dataset's file or folder.")
     if spec.source == "hf":
-        table = _read_saved_dataset(spec)
-        return table.column_names, table.to_pylist()
+        return _arrow_records(_read_saved_dataset(spec), spec.answer_column)
     files = [path] if os.path.isfile(path) else _shards(spec)
     if spec.source == "jsonl":
         columns: dict[str, None] = {}
@@ -113,7 +113,30 @@ def read_records(spec: DatasetSpec) -> tuple[list[str], list[dict[str, Any]]]:
         return list(columns), records
     table = pa.concat_tables([_read_parquet(f, spec.key) for f in files],
                              promote_options="default")
-    return table.column_names, table.to_pylist()
+    return _arrow_records(table, spec.answer_column)
+
+
+class _InexactNumber(str):
+    """An answer cell of a float16/float32 column whose integer value that type cannot
+    hold apart from its neighbours (past 2^11 / 2^24): what was written is unknown."""
+
+
+def _arrow_records(table: pa.Table, answer_column: str) -> tuple[list[str], list[dict[str, Any]]]:
+    """``table``'s column names and rows; a float16/float32 answer column as the shortest
+    text that reads back as the stored value (``0.1``, not the float64 widening
+    ``0.10000000149011612``)."""
+    records = table.to_pylist()
+    if answer_column in table.column_names:
+        kind = table.schema.field(answer_column).type
+        if pa.types.is_float16(kind) or pa.types.is_float32(kind):
+            narrow, exact = (np.float16, 2**11) if pa.types.is_float16(kind) else (np.float32, 2**24)
+            for record in records:
+                value = record.get(answer_column)
+                if isinstance(value, float) and math.isfinite(value):
+                    text = np.format_float_positional(narrow(value), unique=True, trim="-")
+                    inexact = value.is_integer() and abs(value) >= exact
+                    record[answer_column] = _InexactNumber(text) if inexact else text
+    return table.column_names, records
 
 
 def load_tasks(spec: DatasetSpec) -> list[Task]:
@@ -194,6 +217,10 @@ def _reference(value: Any) -> tuple[str, str]:
     """``(answer text, "")`` for a usable answer cell, else ``("", why not)``."""
     if value is None:
         return "", "missing"
+    if isinstance(value, _InexactNumber):
+        return "", ("an integer past what its float16/float32 column holds exactly (2^11 / "
+                    "2^24): the stored value may not be the answer written; store answers as "
+                    "text")
     if isinstance(value, (dict, list)):
         return "", "not a text or number"
     if isinstance(value, bytes):
@@ -204,8 +231,8 @@ def _reference(value: Any) -> tuple[str, str]:
     if isinstance(value, float):
         if not math.isfinite(value):
             return "", f"a float {value}, not an answer; write a true infinite answer as text"
-        if value.is_integer() and abs(value) > _FLOAT64_EXACT:
-            return "", ("a float64 past 2^53, where it no longer holds every integer: the "
+        if value.is_integer() and abs(value) >= _FLOAT64_EXACT:  # 2^53 + 1 reads as 2^53
+            return "", ("a float64 at or past 2^53, where it no longer holds every integer: the "
                         "stored value may not be the answer written; store answers as text")
         # A numeric column mixing 4 and 2.5 is read as doubles; 4.0 was written 4.
         value = str(int(value)) if value.is_integer() else str(value)
@@ -383,15 +410,20 @@ def _read_jsonl(path: str, key: str, answer_column: str) -> list[dict[str, Any]]
                     continue
                 try:
                     record = json.loads(line, parse_int=_JsonNumber, parse_float=_JsonNumber)
-                except ValueError as e:
+                except (ValueError, RecursionError) as e:  # RecursionError: nesting too deep
                     raise DatasetError(f"{key}={path!r} cannot be read as jsonl: line {number} "
-                                       f"is not JSON ({e}).") from None
+                                       f"is not JSON ({type(e).__name__}: {e}).") from None
                 if not isinstance(record, dict):
                     raise DatasetError(f"{key}={path!r} cannot be read as jsonl: line {number} "
                                        f"is a JSON {type(record).__name__}, not an object "
                                        "(one row, {\"question\": ..., \"answer\": ...}).")
-                records.append({k: v if k == answer_column else _native(v)
-                                for k, v in record.items()})
+                converted = {}
+                for k, v in record.items():
+                    try:
+                        converted[k] = v if k == answer_column else _native(v)
+                    except ValueError:  # an integer past Python's 4300-digit conversion limit
+                        converted[k] = str(v)
+                records.append(converted)
     except (OSError, UnicodeDecodeError) as e:
         raise DatasetError(f"{key}={path!r} cannot be read as jsonl: {e}") from None
     return records

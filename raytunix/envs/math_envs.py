@@ -12,6 +12,7 @@ import concurrent.futures
 import time
 from typing import Sequence
 
+from raytunix.config import SANDBOX_MAX_SECONDS as SECONDS_MAX
 from raytunix.data.answers import score_answer
 from raytunix.envs.base import BaseEnv
 from raytunix.registry import register
@@ -67,8 +68,13 @@ class CalculatorMathEnv(BaseEnv):
         super().__init__()
         if max_tool_errors < 0:
             raise ValueError(f"max_tool_errors must be >= 0, got {max_tool_errors}")
-        if tool_timeout_s is not None and not tool_timeout_s > 0:
-            raise ValueError(f"tool_timeout_s must be > 0 seconds or None, got {tool_timeout_s!r}")
+        # Finite: a wait of inf overflows the platform's time_t (OverflowError, not the
+        # TimeoutError a late tool raises); None is how "no deadline" is said.
+        if tool_timeout_s is not None and not (
+                isinstance(tool_timeout_s, (int, float)) and not isinstance(tool_timeout_s, bool)
+                and 0 < tool_timeout_s <= SECONDS_MAX):
+            raise ValueError(f"tool_timeout_s must be a number of seconds in (0, "
+                             f"{SECONDS_MAX:g}] or None (no deadline), got {tool_timeout_s!r}")
         self.tool_timeout_s = tool_timeout_s
         if isinstance(tools, (str, Tool)):
             tools = [tools]
