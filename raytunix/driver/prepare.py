@@ -8,6 +8,7 @@ import dataclasses
 import os
 import random
 import signal
+import socket
 import threading
 from typing import Any
 
@@ -41,6 +42,7 @@ def connect_ray() -> None:
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS")
         if address:
+            _check_reachable(address)
             try:
                 ray.init(address=address, log_to_driver=True)
             except Exception as e:  # noqa: BLE001  (Ray raises bare Exception and others)
@@ -93,6 +95,31 @@ def jit_actor_options(cfg: Config) -> dict[str, Any]:
     empty when the cache is off."""
     env = compilation_cache_env(cfg)
     return {"runtime_env": {"env_vars": env}} if env else {}
+
+
+# How long the driver waits for anything to answer at RAY_ADDRESS before it says so (Ray
+# itself retries an address where nothing listens for many minutes).
+RAY_ADDRESS_TIMEOUT_S = 15.0
+
+
+def _check_reachable(address: str) -> None:
+    """Raises ``RunError`` unless a TCP connection to ``address``'s ``host:port`` (``ray://``
+    client addresses too) opens within ``RAY_ADDRESS_TIMEOUT_S``; ``auto`` and addresses
+    without a port are left to Ray."""
+    target = address.split("://", 1)[-1].rstrip("/")
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)),
+                                 timeout=RAY_ADDRESS_TIMEOUT_S).close()
+    except (OSError, OverflowError, ValueError) as e:
+        raise RunError(
+            f"cannot join the Ray cluster at RAY_ADDRESS={address!r}: nothing answered at "
+            f"{host}:{port} within {RAY_ADDRESS_TIMEOUT_S:g} s ({type(e).__name__}: "
+            f"{_first_line(e)}). Check that the cluster is up (`ray status` on its head) and "
+            "the address, or unset RAY_ADDRESS to run on a local cluster of this "
+            "machine.") from None
 
 
 def _first_line(error: BaseException) -> str:
