@@ -81,3 +81,22 @@ def test_equal_extreme_groups_get_exactly_zero():
     for adv in (grpo_advantages(rewards, GROUPS, 2, normalize_advantages_by_std=True),
                 rloo_advantages(rewards, GROUPS, 2), reinforce_pp_advantages(rewards, GROUPS, 2)):
         assert np.all(np.asarray(adv) == 0.0)
+
+
+@pytest.mark.parametrize("reward", [3.5e38, -1e39, float("inf"), float("nan")])
+def test_rewards_past_float32_are_refused_by_position(reward):
+    rewards = np.array([0.0, 1.0, reward, 2.0], np.float64)
+    for estimator in (lambda r: grpo_advantages(r, GROUPS[:4], 1, normalize_advantages_by_std=True),
+                      lambda r: rloo_advantages(r, GROUPS[:4], 1),
+                      lambda r: reinforce_pp_advantages(r, GROUPS[:4], 1)):
+        with pytest.raises(ValueError, match=r"1 of 4 rewards are not finite \(\[2\]="):
+            estimator(rewards)
+
+
+@pytest.mark.parametrize("bad", [-1, 2])
+def test_group_ids_outside_the_groups_are_refused(bad):
+    # -1 wrapped into the last group: rloo([1, 2, 4], [0, 0, -1]) gave [-1, 1, 5].
+    for estimator in (rloo_advantages, reinforce_pp_advantages):
+        with pytest.raises(ValueError, match=rf"group_ids\[2\]={bad} is outside \[0, "
+                                             r"num_groups=2\)"):
+            estimator(np.array([1.0, 2.0, 4.0], np.float32), np.array([0, 0, bad]), 2)

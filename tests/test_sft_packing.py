@@ -102,3 +102,15 @@ def test_learner_warm_start_steps_train_on_packed_rows(batch_size):
     after = learner.sft_steps(tokens, mask, num_steps=1, batch_size=64)
     assert trained["updates_skipped_nonfinite"] == 0
     assert after["loss"] < 0.7 * before["loss"]
+
+
+def test_ids_past_int32_and_empty_inputs_are_refused():
+    with pytest.raises(ValueError, match=r"token ids in \[0, 2\^31\)"):
+        pack_demonstrations(np.array([[1, 2**40 + 5]]), np.ones((1, 2), np.float32))
+    learner = Learner(CONFIG, seed=0)
+    learner.start_warmup(SFTHyperparams(learning_rate=1e-2, warmup_steps=0))
+    tokens, mask = _demonstrations(4, 48)
+    with pytest.raises(ValueError, match=r"batch_size >= 1 \(got 0\)"):
+        learner.sft_steps(tokens, mask, num_steps=1, batch_size=0)
+    with pytest.raises(ValueError, match=r"needs demonstrations \(got 0\)"):
+        learner.sft_steps(tokens[:0], mask[:0], num_steps=1, batch_size=4)

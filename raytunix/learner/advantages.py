@@ -110,6 +110,8 @@ def grpo_advantages(
     """
     if not isinstance(rewards, jax.core.Tracer):
         check_finite_rewards(rewards)
+    if not isinstance(group_ids, jax.core.Tracer):
+        check_group_ids(group_ids, num_groups)
     centered, unit, on, counts, equal = _centered_by_group(rewards, group_ids, num_groups, valid)
     if normalize_advantages_by_std:
         group_ids = jnp.asarray(group_ids, jnp.int32)
@@ -150,6 +152,8 @@ def rloo_advantages(
     """
     if not isinstance(rewards, jax.core.Tracer):
         check_finite_rewards(rewards)
+    if not isinstance(group_ids, jax.core.Tracer):
+        check_group_ids(group_ids, num_groups)
     centered, unit, on, counts, equal = _centered_by_group(rewards, group_ids, num_groups, valid)
     scale = counts / jnp.maximum(counts - 1.0, 1.0)
     advantages = _in_reward_units(centered * scale, unit)
@@ -185,6 +189,8 @@ def reinforce_pp_advantages(
     """
     if not isinstance(rewards, jax.core.Tracer):
         check_finite_rewards(rewards)
+    if not isinstance(group_ids, jax.core.Tracer):
+        check_group_ids(group_ids, num_groups)
     centered, unit, on, _, equal = _centered_by_group(rewards, group_ids, num_groups, valid)
     # In units of the batch's largest half-spread, so every group's a_i is in [-1, 1].
     largest = jnp.max(jnp.where((on > 0) & ~equal, unit, 0.0))
@@ -363,13 +369,24 @@ def overlong_penalty(lengths: jax.Array, *, max_tokens: int, buffer_tokens: int)
 
 def check_finite_rewards(rewards) -> None:
     """Raises ValueError naming the positions and values of non-finite ``rewards``
-    (float[B], concrete), so a NaN from a verifier never reaches an update."""
+    (float[B], concrete), so a NaN from a verifier never reaches an update. Finite means
+    finite in float32, the dtype the estimators compute in (3.5e38 is inf there)."""
     values = np.asarray(rewards, np.float64)
-    bad = np.flatnonzero(~np.isfinite(values))
+    bad = np.flatnonzero(~np.isfinite(values) | (np.abs(values) > np.finfo(np.float32).max))
     if bad.size:
         shown = ", ".join(f"[{i}]={float(values[i])!r}" for i in bad[:5])
         raise ValueError(
-            f"{bad.size} of {values.size} rewards are not finite ({shown}); a reward must be a "
-            "finite number. Fix the environment's verifier (episodes with a non-finite "
-            "reward end as env_error in run_episode)."
+            f"{bad.size} of {values.size} rewards are not finite ({shown}) in float32; a "
+            "reward must be a finite number of magnitude <= 3.4e38. Fix the environment's "
+            "verifier (episodes with such a reward end as env_error in run_episode)."
         )
+
+
+def check_group_ids(group_ids, num_groups: int) -> None:
+    """Raises ValueError naming the first ``group_ids`` (int[B], concrete) outside
+    ``[0, num_groups)``: a segment op would wrap -1 into the last group or drop it."""
+    ids = np.asarray(group_ids)
+    bad = np.flatnonzero((ids < 0) | (ids >= num_groups))
+    if bad.size:
+        raise ValueError(f"group_ids[{bad[0]}]={int(ids[bad[0]])} is outside [0, num_groups="
+                         f"{num_groups}); give each trajectory its group's index.")

@@ -375,6 +375,9 @@ def pack_demonstrations(tokens: np.ndarray, loss_mask: np.ndarray, *, pad_id: in
         raise ValueError(f"pack_demonstrations needs tokens and loss_mask of one [N, T] shape "
                          f"(got {tokens.shape} and {loss_mask.shape}) and row_multiple="
                          f"{row_multiple!r} >= 1.")
+    if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(np.int32).max):
+        raise ValueError(f"pack_demonstrations needs token ids in [0, 2^31): got "
+                         f"{tokens.min()}..{tokens.max()} (the model takes int32 ids).")
     width = max(tokens.shape[1], 2)
     on = loss_mask > 0
     lengths = np.where(on.any(axis=1), tokens.shape[1] - np.argmax(on[:, ::-1], axis=1), 0)

@@ -131,6 +131,9 @@ class Learner:
         """
         if self._update is None:
             raise RuntimeError("call start_warmup before sft_steps")
+        if len(tokens) == 0 or batch_size < 1:
+            raise ValueError(f"sft_steps needs demonstrations (got {len(tokens)}) and "
+                             f"batch_size >= 1 (got {batch_size!r}).")
         t0 = time.monotonic()
         losses, skipped = [], []
         # Few packed row counts (each compiles once), rows split evenly over the devices.
