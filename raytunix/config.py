@@ -899,8 +899,8 @@ def validate(cfg: Config) -> Config:
         # those, a value that passes here overflows later, deep in a run.
         if spec.type is float and isinstance(value, float) and math.isfinite(value) \
                 and abs(value) > _FLOAT32_MAX:
-            raise ConfigError(f"{key}={value!r} must be a finite float32 number "
-                              f"(|value| <= {_FLOAT32_MAX:.4g}).")
+            raise ConfigError(f"{key}={value!r} overflows float32: it must be a finite "
+                              f"float32 number (|value| <= {_FLOAT32_MAX:.4g}).")
         if spec.type is int and isinstance(value, int) and not _INT64[0] <= value <= _INT64[1]:
             raise ConfigError(f"{key}={value!r} must fit in a signed 64-bit integer "
                               f"({_INT64[0]} to {_INT64[1]}).")
