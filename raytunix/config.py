@@ -388,6 +388,12 @@ class EngineConfig:
         resume=True)
     sessions: bool = setting(
         True, "keep an episode's KV in the engine between its turns", resume=True)
+    compile_ahead: bool = setting(
+        True,
+        "compile every step program the engine can reach on a background thread from its "
+        "start; meanwhile a step runs on a larger built program (same samples). false = "
+        "each is compiled on first use while live requests wait",
+        resume=True)
     num_replicas: int = setting(
         1, "engine actors behind the router (disaggregated placement only)", bounds="> 0")
     actor_resources: dict[str, float] = setting(
@@ -406,7 +412,8 @@ class EngineConfig:
         return {"max_batch_size": self.max_batch_size, "block_size": self.block_size,
                 "kv_cache_tokens": self.kv_cache_tokens or None,
                 "prefill_chunk_tokens": self.prefill_chunk_tokens,
-                "kv_on_weight_update": self.kv_on_weight_update, "sessions": self.sessions}
+                "kv_on_weight_update": self.kv_on_weight_update, "sessions": self.sessions,
+                "compile_ahead": self.compile_ahead}
 
 
 @dataclasses.dataclass

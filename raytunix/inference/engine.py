@@ -78,6 +78,7 @@ import numpy as np
 from raytunix.config import KVOnWeightUpdate
 from raytunix import profiling
 from raytunix.inference.kv_blocks import ROOT_KEY, BlockPool, PrefixCache, block_key
+from raytunix.inference.programs import Shape, StepPrograms, programs_in_process, shared_programs
 from raytunix.inference.sampling import check_sampling_settings, sample_tokens, split_seed
 from raytunix.inference.stops import completed_stop
 from raytunix.models.llama import (
@@ -151,12 +152,9 @@ def _on_engine_device(params):
     return jax.device_put(params)
 
 
-def _compiled_programs() -> int:
-    """Programs of the step functions compiled in this process so far (all engines)."""
-    sizes = [getattr(fn, "_cache_size", None) for fn in _STEP_FNS.values()]
-    if not all(callable(size) for size in sizes):
-        return -1
-    return sum(int(size()) for size in sizes)
+def _spec(x) -> jax.ShapeDtypeStruct:
+    """The abstract value of a device array, with its sharding (what a program is built for)."""
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
 
 
 def _wait_ready(tokens, logprobs):
@@ -285,13 +283,19 @@ class InferenceEngine:
         ``prefill_min_batch`` requests to prefill wait up to ``max_prefill_delay_steps``
         decode steps for company (one fuller prefill instead of several padded ones);
         0 steps turns the wait off.
+      compile_ahead: compile every step program the scheduler can reach on a background
+        thread from construction, largest first; a step whose own program is not built
+        yet runs on the cheapest built one that holds it (more rows, a longer span: the
+        same samples) while its own is built next. False: each program is compiled on
+        the step that first needs it, while every live request waits.
 
     Raises:
       ValueError: a setting out of range (named in the message), or a KV capacity below
         one full context.
 
-    Compiles lazily, one program per (batch bucket, tokens fed per row, block bucket)
-    shape; ``warmup()`` compiles them all up front.
+    One program per (truncation, batch bucket, tokens fed per row, block bucket) shape
+    (``raytunix.inference.programs``); ``warmup()`` compiles them all on the caller's
+    thread, and ``stats()`` counts compiles and the seconds steps waited on them.
     """
 
     def __init__(self, graphdef, params, model_config: ModelConfig, tokenizer, *,
@@ -299,7 +303,8 @@ class InferenceEngine:
                  block_size: int = 16, kv_cache_tokens: int | None = None,
                  prefill_chunk_tokens: int = 256, policy_version: int = 0,
                  kv_on_weight_update: str = "recompute", sessions: bool = True,
-                 prefill_min_batch: int = 4, max_prefill_delay_steps: int = 4):
+                 prefill_min_batch: int = 4, max_prefill_delay_steps: int = 4,
+                 compile_ahead: bool = False):
         seq_len = model_config.max_seq_len if max_seq_len is None else max_seq_len
         for name, value, low in (("max_batch_size", max_batch_size, 1),
                                  ("max_seq_len", seq_len, 2), ("block_size", block_size, 1),
@@ -348,6 +353,8 @@ class InferenceEngine:
         self._pending_weights: tuple[Any, int] | None = None
 
         self._step = _step_fn(graphdef)
+        self._programs = StepPrograms(shared_programs((self._step, self._layout())),
+                                      self._lower, self._reachable, ahead=bool(compile_ahead))
         self._pool = BlockPool(num_blocks)
         self._prefix = PrefixCache(self._pool)
         self._pages: KVPages | None = None  # None: (re)build before the next device call
@@ -516,18 +523,14 @@ class InferenceEngine:
         """Compiles every program the scheduler can call, so that serving never waits
         for the compiler; returns the number of shapes compiled. Call before serving
         (it runs on the caller's thread)."""
-        self._ensure_buffers()
-        for batch, length, span in self._all_shapes():
-            zeros = np.zeros((batch,), np.int32)
-            self._pages, self._last_tokens, _, _ = self._step(
-                False, self._params, self._pages, self._last_tokens,
-                np.zeros((batch, length), np.int32), np.full((batch, length), -1, np.int32),
-                np.zeros((batch, span), np.int32), zeros, np.ones((batch,), np.float32), zeros,
-                np.ones((batch,), np.float32), zeros.astype(np.uint32), zeros.astype(np.uint32),
-                zeros, np.full((batch,), self._max_running, np.int32), np.zeros((batch,), bool))
-            self._shapes.add((batch, length, span))
-        jax.block_until_ready((self._pages, self._last_tokens))
-        return len(self._shapes)
+        shapes = self._reachable(False)
+        self._programs.compile_now(shapes)
+        return len(shapes)
+
+    def wait_until_compiled(self, timeout_s: float | None = None) -> bool:
+        """With ``compile_ahead``: blocks until every program queued ahead is built (True),
+        or ``timeout_s`` passes (False). Without it: True at once."""
+        return self._programs.wait_until_compiled(timeout_s)
 
     def stats(self) -> dict:
         """Counters since construction, JSON-able.
@@ -550,7 +553,11 @@ class InferenceEngine:
         ``sessions_held``, ``prefix_cache_blocks``; ``stale_kv_tokens`` (tokens sampled
         over KV of older weights), ``preemptions``, ``session_evictions``;
         ``compiled_shapes`` (program shapes this engine used) and ``compiled_programs``
-        (programs compiled in this process, all engines: constant once warm).
+        (programs compiled in this process, all engines: constant once warm); compiling
+        (``raytunix.inference.programs.StepPrograms``): ``compiles``, ``compile_s``,
+        ``compiles_ahead``, ``compile_stalls`` and ``compile_stall_s`` (steps that waited
+        for a program to be built, and the seconds every live request waited with them),
+        ``steps_on_larger_program``, ``compile_queue``.
         """
         c = self._counters
         wall = 0.0 if self._first_request_t is None else time.monotonic() - self._first_request_t
@@ -590,7 +597,8 @@ class InferenceEngine:
             "preemptions": c["preemptions"],
             "session_evictions": c["session_evictions"],
             "compiled_shapes": len(self._shapes),
-            "compiled_programs": _compiled_programs(),
+            "compiled_programs": programs_in_process(),
+            **self._programs.stats(),
         }
 
     async def close(self) -> None:
@@ -604,6 +612,7 @@ class InferenceEngine:
             self._wake.set()
             await asyncio.gather(task, return_exceptions=True)
         self._executor.shutdown(wait=False)
+        self._programs.close()
 
     @property
     def max_seq_len(self) -> int:
@@ -1083,6 +1092,36 @@ class InferenceEngine:
                 rows.append((seq, 1))
         return [(s, n) for s, n in rows if s.running]
 
+    def _layout(self) -> tuple:
+        """What a step program is built for besides its shape: the weights' structure,
+        shapes, dtypes and shardings, and the KV pages' and token buffer's sizes."""
+        leaves, treedef = jax.tree.flatten(self._params)
+        return (treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves),
+                self._num_blocks, self._block_size, self._max_running)
+
+    def _lower(self, shape: Shape):
+        """The step lowered for ``shape`` (``jax.stages.Lowered``), from abstract values
+        only: safe on any thread while steps run."""
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        pages = jax.eval_shape(lambda: init_kv_pages(self._config, self._num_blocks,
+                                                     self._block_size))
+        b, t = shape.batch, shape.length
+
+        def host(dims, dtype):
+            return jax.ShapeDtypeStruct(dims, dtype, sharding=device)
+
+        i32, f32 = np.int32, np.float32
+        return self._step.lower(
+            shape.truncate, jax.tree.map(_spec, self._params),
+            jax.tree.map(lambda x: host(x.shape, x.dtype), pages),
+            host((self._max_running + 1,), i32), host((b, t), i32), host((b, t), i32),
+            host((b, shape.span), i32), host((b,), i32), host((b,), f32), host((b,), i32),
+            host((b,), f32), host((b,), np.uint32), host((b,), np.uint32), host((b,), i32),
+            host((b,), i32), host((b,), bool))
+
+    def _reachable(self, truncate: bool) -> list[Shape]:
+        return [Shape(truncate, b, t, s) for b, t, s in self._all_shapes()]
+
     def _all_shapes(self) -> list[tuple[int, int, int]]:
         shapes = [(b, 1, s) for b in self._batch_buckets for s in self._span_buckets]
         for length in self._chunk_buckets:
@@ -1101,16 +1140,20 @@ class InferenceEngine:
         rows = [(seq, n) for seq, n in rows if seq.running]
         if not rows:
             return None
-        length = _bucket(self._chunk_buckets, max(n for _, n in rows)) if prefill else 1
-        batch = _bucket(self._prefill_batch_buckets if prefill else self._batch_buckets,
-                        len(rows))
-        span = _bucket(self._span_buckets, max(len(s.blocks) for s, _ in rows))
+        samplings = [seq.request.sampling for seq, _ in rows]
+        needed = Shape(truncate=any(s.top_k > 0 or s.top_p < 1.0 for s in samplings),
+                       batch=_bucket(self._prefill_batch_buckets if prefill
+                                     else self._batch_buckets, len(rows)),
+                       length=(_bucket(self._chunk_buckets, max(n for _, n in rows))
+                               if prefill else 1),
+                       span=_bucket(self._span_buckets, max(len(s.blocks) for s, _ in rows)))
+        program, shape = self._programs.program_for(needed)
+        batch, length, span = shape.batch, shape.length, shape.span
         tokens = np.zeros((batch, length), np.int32)
         positions = np.full((batch, length), -1, np.int32)
         tables = np.zeros((batch, span), np.int32)
         # Per-row scalars as lists first: one array each, not one numpy store per row.
         pad = batch - len(rows)
-        samplings = [seq.request.sampling for seq, _ in rows]
         last = np.array([n - 1 for _, n in rows] + [0] * pad, np.int32)
         temperature = np.array([s.temperature for s in samplings] + [1.0] * pad, np.float32)
         top_k = np.array([s.top_k for s in samplings] + [0] * pad, np.int32)
@@ -1152,11 +1195,10 @@ class InferenceEngine:
             # Its KV is as good as written for every later call: others may adopt it.
             self._register_blocks(seq, version)
         self._shapes.add((batch, length, span))
-        truncate = any(s.top_k > 0 or s.top_p < 1.0 for s in samplings)
         self._ensure_buffers()
         start_s = time.perf_counter()
-        self._pages, self._last_tokens, sampled, logprobs = self._step(
-            truncate, self._params, self._pages, self._last_tokens, tokens, positions, tables,
+        self._pages, self._last_tokens, sampled, logprobs = program(
+            self._params, self._pages, self._last_tokens, tokens, positions, tables,
             last, temperature, top_k, top_p, seed_lo, seed_hi, index, slots, from_slot)
         result = asyncio.wrap_future(self._executor.submit(_wait_ready, sampled, logprobs))
         self._idle.clear()
