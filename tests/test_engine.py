@@ -672,3 +672,25 @@ def test_turns_after_a_stop_continue_from_the_right_kv_while_the_engine_runs_ahe
     reference, = _alone([_request("ref2", second_prompt, max_new_tokens=8)])
     assert second.token_ids == reference.token_ids
     assert second.num_cached_tokens >= len(prompt) + len(first.token_ids) - 1
+
+
+def test_device_work_is_counted_with_its_padding_and_idle_time_is_not_work():
+    async def main():
+        engine = _engine()
+        await engine.generate(_request("one", _prompt(5), max_new_tokens=10))
+        first = engine.stats()
+        await asyncio.sleep(0.3)  # no request held: wall time, not work time
+        idle = engine.stats()
+        await engine.close()
+        return first, idle
+
+    first, idle = asyncio.run(main())
+    # A 5-token prompt runs in a prefill program of 1 row x 8 tokens; each decode step in
+    # one of 1 row x 1 token.
+    assert first["prefill_calls"] == 1
+    assert first["padded_tokens"] == 8 + first["decode_steps"]
+    assert first["padded_tokens_per_generated_token"] == first["padded_tokens"] / 10
+    assert 0.0 <= first["host_gap_s"] <= first["work_s"] <= first["wall_s"] + 1e-3
+    assert first["host_gap_fraction"] == pytest.approx(first["host_gap_s"] / first["work_s"])
+    assert 0.0 < first["prefill_share_of_busy"] < 1.0
+    assert idle["work_s"] == first["work_s"] and idle["wall_s"] >= first["wall_s"] + 0.25

@@ -384,6 +384,7 @@ class InferenceEngine:
         self._epoch = 0  # bumped by pause/close: device results from an older epoch are dropped
 
         self._first_request_t: float | None = None
+        self._work_since: float | None = None  # perf_counter since when requests are held
         self._shapes: set[tuple[int, int, int]] = set()
         self._counters = collections.Counter()
 
@@ -412,6 +413,8 @@ class InferenceEngine:
         self._ensure_started()
         if self._first_request_t is None:
             self._first_request_t = time.monotonic()
+        if self._work_since is None:
+            self._work_since = time.perf_counter()
         lo, hi = split_seed(int(request.seed))
         session = self._sessions.get(request.session_id) if request.session_id else None
         # A session's turns keep the place of its first request: older episodes go first,
@@ -537,8 +540,13 @@ class InferenceEngine:
 
         Keys: ``busy_s`` (seconds the device had a step to run: from a step's launch,
         or the end of the step before it if later, to its samples being ready on the
-        host; ``busy_prefill_s`` and ``busy_decode_s`` split it), ``wall_s`` (seconds
-        since the first request),
+        host; ``busy_prefill_s`` and ``busy_decode_s`` split it, and
+        ``prefill_share_of_busy`` is the first over ``busy_s``), ``wall_s`` (seconds
+        since the first request), ``work_s`` (seconds the engine held at least one
+        request), ``host_gap_s`` (``work_s - busy_s``: time with requests held and no step
+        on the device: host work, compiles, pauses) and ``host_gap_fraction`` (over
+        ``work_s``), ``padded_tokens`` (rows x tokens per row of every program run,
+        padding included) and ``padded_tokens_per_generated_token``,
         ``busy_fraction``, ``decode_steps``, ``prefill_calls``,
         ``tokens_generated``, ``mean_active_slots`` (rows per decode step),
         ``requests_finished``, ``policy_version`` (of the weights in use) and
@@ -561,6 +569,9 @@ class InferenceEngine:
         """
         c = self._counters
         wall = 0.0 if self._first_request_t is None else time.monotonic() - self._first_request_t
+        work = c["work_s"] + (0.0 if self._work_since is None
+                              else time.perf_counter() - self._work_since)
+        gap = max(0.0, work - c["busy_s"])
         token_bytes = kv_bytes_per_token(self._config)
         prompt = c["prompt_tokens"]
         return {
@@ -569,6 +580,13 @@ class InferenceEngine:
             "busy_fraction": c["busy_s"] / wall if wall > 0 else 0.0,
             "busy_prefill_s": c["busy_prefill_s"],
             "busy_decode_s": c["busy_decode_s"],
+            "prefill_share_of_busy": c["busy_prefill_s"] / c["busy_s"] if c["busy_s"] else 0.0,
+            "work_s": work,
+            "host_gap_s": gap,
+            "host_gap_fraction": gap / work if work > 0 else 0.0,
+            "padded_tokens": c["padded_tokens"],
+            "padded_tokens_per_generated_token": (c["padded_tokens"] / c["tokens_generated"]
+                                                  if c["tokens_generated"] else 0.0),
             "decode_steps": c["decode_steps"],
             "prefill_calls": c["prefill_calls"],
             "tokens_generated": c["tokens_generated"],
@@ -724,6 +742,9 @@ class InferenceEngine:
             except ValueError:
                 pass
         self._stop_computing(seq)
+        if not self._running and not self._waiting and self._work_since is not None:
+            self._counters["work_s"] += time.perf_counter() - self._work_since
+            self._work_since = None
         session_id = seq.request.session_id
         keep = (session_id is not None and reason != FinishReason.ABORT
                 and not seq.future.done() and session_id not in self._ended_sessions)
@@ -1195,6 +1216,7 @@ class InferenceEngine:
             # Its KV is as good as written for every later call: others may adopt it.
             self._register_blocks(seq, version)
         self._shapes.add((batch, length, span))
+        self._counters["padded_tokens"] += batch * length
         self._ensure_buffers()
         start_s = time.perf_counter()
         self._pages, self._last_tokens, sampled, logprobs = program(
