@@ -68,6 +68,11 @@ def _parse_args():
                         help="import raytunix from this directory (e.g. an older checkout)")
     parser.add_argument("--model-scale", choices=["default", "0.5b"], default="default",
                         help="0.5b: a ~0.5B-parameter config, for an accelerator")
+    parser.add_argument("--cold-start", type=int, default=1,
+                        help="1: also measure the first episodes of a fresh engine process "
+                             "(default engine settings) against later repeats; 0 = skip")
+    parser.add_argument("--cold-start-only", choices=["ahead", "lazy"], default=None,
+                        help=argparse.SUPPRESS)  # the fresh process of that measurement
     return parser.parse_args()
 
 
@@ -182,6 +187,29 @@ async def run_workload(engine, concurrency: int, latency_s: float, seed: int = 0
             / max(1, after["decode_steps"] - before["decode_steps"]), 1),
         "compiled_during_run": (after["compiled_programs"] - before["compiled_programs"]
                                 if "compiled_programs" in after else None),
+        **_device_accounting(before, after),
+    }
+
+
+def _device_accounting(before: dict, after: dict) -> dict:
+    """What the device did in the run, padding counted: tokens through the model (rows x
+    tokens per row of every program, pad rows included) per generated token, the prefill
+    share of device time, and host gaps (requests held, no step on the device). {} for an
+    engine that does not count them."""
+    if "padded_tokens" not in after:
+        return {}
+    d = {k: after[k] - before[k] for k in ("padded_tokens", "tokens_generated", "busy_s",
+                                           "busy_prefill_s", "work_s", "compile_stall_s",
+                                           "compile_stalls", "compiles")}
+    return {
+        "padded_tokens_per_generated_token": round(
+            d["padded_tokens"] / max(1, d["tokens_generated"]), 3),
+        "prefill_share_of_device_time": round(d["busy_prefill_s"] / max(1e-9, d["busy_s"]), 3),
+        "host_gap_fraction": round(max(0.0, d["work_s"] - d["busy_s"]) / max(1e-9, d["work_s"]),
+                                   3),
+        "compiles": d["compiles"],
+        "compile_stalls": d["compile_stalls"],
+        "compile_stall_s": round(d["compile_stall_s"], 3),
     }
 
 
@@ -234,9 +262,75 @@ async def measure(graphdef, params, config, max_seq_len, concurrency, latency_s)
         await engine.close()
 
 
+async def cold_start_process(mode: str) -> dict:
+    """In a fresh process: an engine with the training run's default settings
+    (``EngineConfig``, compiling ahead or lazily) serves the 64-episode workload at once
+    after it is built (cold), then twice more once its compiler is idle (warm)."""
+    from raytunix.config import EngineConfig
+
+    config = model_config(ARGS.max_seq_len)
+    graphdef, params = init_model(config, seed=0)
+    kwargs = {**EngineConfig().engine_kwargs(), "compile_ahead": mode == "ahead"}
+    engine = InferenceEngine(graphdef, params, config, IdText(), max_seq_len=ARGS.max_seq_len,
+                             **kwargs)
+    top = max(ARGS.concurrency)
+    try:
+        cold = await run_workload(engine, top, 0.0, seed=0)
+        await asyncio.to_thread(engine.wait_until_compiled, 1800)
+        # Other prompts (seeds): the prefix cache helps the repeats no more than the first.
+        warm = [await run_workload(engine, top, 0.0, seed=seed) for seed in (1, 2)]
+        stats = engine.stats()
+    finally:
+        await engine.close()
+    rates = [w["generated_tokens_per_s"] for w in warm]
+    return {"compile_ahead": mode == "ahead", "concurrency": top,
+            "max_batch_size": kwargs["max_batch_size"],
+            "cold_tokens_per_s": cold["generated_tokens_per_s"],
+            "warm_tokens_per_s": rates, "cold_over_warm": round(
+                cold["generated_tokens_per_s"] / float(np.mean(rates)), 3),
+            "cold_wall_s": cold["wall_s"], "cold_compile_stall_s": cold.get("compile_stall_s"),
+            "cold_compile_stalls": cold.get("compile_stalls"),
+            "warm_compile_stalls": [w.get("compile_stalls") for w in warm],
+            "programs_compiled": stats["compiles"],
+            "programs_compiled_ahead": stats["compiles_ahead"],
+            "compile_s": round(stats["compile_s"], 1)}
+
+
+def measure_cold_start() -> dict:
+    """``cold_start_process`` for each mode in fresh processes: first with an empty
+    persistent compilation cache (a first run on a machine), then again with the cache the
+    first left (every later run: ``run.compilation_cache_dir`` is on by default)."""
+    import subprocess
+    import tempfile
+
+    out: dict = {}
+    for mode in ("ahead", "lazy"):
+        with tempfile.TemporaryDirectory(prefix="raytunix-bench-jax-cache-") as cache:
+            env = {k: v for k, v in os.environ.items()
+                   if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
+            env.update(JAX_COMPILATION_CACHE_DIR=cache,
+                       JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                       JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+            argv = [sys.executable, os.path.abspath(__file__), "--cold-start-only", mode,
+                    "--max-seq-len", str(ARGS.max_seq_len), "--vocab", str(ARGS.vocab),
+                    "--model-scale", ARGS.model_scale, "--concurrency",
+                    *map(str, ARGS.concurrency)]
+            if ARGS.engine_path:
+                argv += ["--engine-path", ARGS.engine_path]
+            runs = {}
+            for disk in ("empty_compilation_cache", "warm_compilation_cache"):
+                done = subprocess.run(argv, env=env, capture_output=True, text=True,
+                                      check=True)
+                runs[disk] = json.loads(done.stdout)
+            out["compile_ahead" if mode == "ahead" else "lazy"] = runs
+    ahead = out["compile_ahead"]["empty_compilation_cache"]
+    return {"cold_over_warm": ahead["cold_over_warm"], **out}
+
+
 async def main() -> dict:
     config = model_config(ARGS.max_seq_len)
     graphdef, params = init_model(config, seed=0)
+    cold_start = measure_cold_start() if ARGS.cold_start else None
     t0 = time.monotonic()
     # Warm-up: every run once, so the programs each needs are compiled before timing.
     for latency_ms in ARGS.latencies_ms:
@@ -291,8 +385,12 @@ async def main() -> dict:
         "warmup_s": round(warmup_s, 1),
         "runs": results,
         "long_context": long_run,
+        "cold_start": cold_start,
     }
 
 
 if __name__ == "__main__":
-    print(json.dumps(asyncio.run(main()), indent=2))
+    if ARGS.cold_start_only:
+        print(json.dumps(asyncio.run(cold_start_process(ARGS.cold_start_only))))
+    else:
+        print(json.dumps(asyncio.run(main()), indent=2))
