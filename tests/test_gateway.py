@@ -8,7 +8,9 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import asyncio
+import concurrent.futures
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -118,6 +120,24 @@ def test_prompts_are_the_agents_pieces_and_a_tool_call_reply_goes_back_as_its_ow
     assert TOKENIZER.decode(second[len(first) + len(reply_ids):]) == "<|tool|>5<|end|><|assistant|>"
 
 
+def test_results_of_parallel_calls_are_rendered_as_the_template_renders_them():
+    renderer = EncoderRenderer(TOKENIZER)
+    calls = [{"id": f"c{i}", "type": "function",
+              "function": {"name": "add", "arguments": f'{{"a": {i}}}'}} for i in (1, 2)]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Go."},
+                {"role": "assistant", "content": "", "tool_calls": calls},
+                {"role": "tool", "tool_call_id": "c1", "content": "1"},
+                {"role": "tool", "tool_call_id": "c2", "content": "2"}]
+    ids = renderer.chat_prompt(parse_chat({"messages": messages}, 1).messages, (), {})
+    # Not a reply of this episode: the calls are written as the parser reads them.
+    written = ('<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+               '<tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>')
+    expected = render_chat([*messages[:2], {"role": "assistant", "content": written},
+                            *({"role": "tool", "content": m["content"]} for m in messages[3:])],
+                           add_generation_prompt=True)
+    assert ids == TOKENIZER.encode(expected)
+
+
 def test_a_named_tool_choice_opens_the_call_for_the_model_and_is_parsed_with_it():
     renderer = EncoderRenderer(TOKENIZER)
     forced = renderer.forced_prefix("add")
@@ -181,6 +201,8 @@ def test_unknown_and_closed_keys_get_401_and_bad_fields_400_naming_them(served):
     with pytest.raises(urllib.error.HTTPError) as raw:
         _post(f"{base_url}/chat/completions", key, b"{oops")
     assert raw.value.code == 400 and b"not valid JSON" in raw.value.read()
+    with pytest.raises(openai.NotFoundError):
+        client.get("/nowhere", cast_to=object)
     with pytest.raises(openai.BadRequestError, match=r"prompt\[0\]"):
         client.completions.create(model="tiny", prompt=[[1, 99999]])
     assert thread.gateway.close_episode(key) == []  # refused calls are not recorded
@@ -315,6 +337,28 @@ def test_n_samples_stop_strings_and_max_tokens_are_served_and_recorded(served):
 
 
 @pytest.mark.slow
+def test_concurrent_calls_of_one_episode_are_all_served_and_one_holds_the_session(served):
+    thread, engine = served
+    base_url, key = thread.gateway.open_episode()
+
+    async def both():
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0)
+        replies = await asyncio.gather(*(client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": text}], temperature=0,
+            max_tokens=4) for text in ("One?", "Two?")))
+        await client.close()
+        return replies
+
+    replies = asyncio.run(both())
+    calls = thread.gateway.close_episode(key)
+    requests = {r.request_id: r for r, _ in engine.seen[-2:]}
+    assert len(replies) == 2 and len(calls) == 2
+    sessions = [requests[c.choices[0].request_id].session_id for c in calls]
+    assert sorted(s is None for s in sessions) == [False, True]  # one request per session
+    assert {c.prompt_ids for c in calls} == {r.prompt_ids for r in requests.values()}
+
+
+@pytest.mark.slow
 def test_deadline_engine_failure_and_long_prompts_are_answered_and_serving_goes_on(served):
     thread, engine = served
     gateway = thread.gateway
@@ -330,6 +374,17 @@ def test_deadline_engine_failure_and_long_prompts_are_answered_and_serving_goes_
     finally:
         thread.loop.call_soon_threadsafe(engine.engine.resume)
         gateway.call_timeout_s = 120.0
+    # A call in flight when its episode is closed is refused and not recorded.
+    other_url, other_key = gateway.open_episode()
+    thread.run(engine.engine.pause())
+    pending = concurrent.futures.ThreadPoolExecutor(1).submit(
+        _greedy, _client(other_url, other_key), user)
+    while not engine.engine.stats()["waiting"] and not pending.done():
+        time.sleep(0.01)
+    assert gateway.close_episode(other_key) == []
+    thread.loop.call_soon_threadsafe(engine.engine.resume)
+    with pytest.raises(openai.AuthenticationError, match="ended while this call ran"):
+        pending.result(timeout=120)
     with pytest.raises(openai.BadRequestError, match="context"):
         _greedy(client, [{"role": "user", "content": "x" * 400}])
     assert _greedy(client, user, max_tokens=2).usage.completion_tokens >= 1

@@ -286,7 +286,7 @@ class Gateway:
             started = time.time()
             ids = (self.renderer.encode_text(prompt) if isinstance(prompt, str)
                    else list(prompt))
-            index, results = await self._generate(episode, ids, call.sampling, session=False)
+            index, results = await self._generate(episode, ids, call.sampling)
             self._record(episode, index, "completions", ids, results, started)
             usage["prompt_tokens"] += len(ids)
             for result in results:
@@ -314,8 +314,7 @@ class Gateway:
             stop_token_ids=self.renderer.stop_token_ids, stop_strings=sampling.stop)
 
     async def _generate(self, episode: _Episode, prompt: Sequence[int],
-                        sampling: protocol.Sampling, session: bool = True
-                        ) -> tuple[int, list[GenerationResult]]:
+                        sampling: protocol.Sampling) -> tuple[int, list[GenerationResult]]:
         """``(the call's index in the episode, the engine's results)`` for ``sampling.n``
         samples of ``prompt``; the first uses the episode's session when no other call of
         the episode holds it.
@@ -327,7 +326,7 @@ class Gateway:
         params = self._sampling(len(prompt), sampling)
         index = episode.next_index
         episode.next_index += 1
-        use_session = session and not episode.session_busy
+        use_session = not episode.session_busy
         base = episode.seed if sampling.seed is None else sampling.seed
         requests = [GenerationRequest(
             request_id=f"{episode.episode_id}/{index}/{j}", prompt_ids=tuple(prompt),
