@@ -177,7 +177,7 @@ def test_a_hugging_face_tokenizer_renders_with_its_own_chat_template_and_tools()
 
 
 def test_unknown_and_closed_keys_get_401_and_bad_fields_400_naming_them(served):
-    thread, _ = served
+    thread, engine = served
     base_url, key = thread.gateway.open_episode()
     with pytest.raises(openai.AuthenticationError, match="is not known"):
         _client(base_url, "rtx-nope").models.list()
@@ -206,6 +206,12 @@ def test_unknown_and_closed_keys_get_401_and_bad_fields_400_naming_them(served):
     with pytest.raises(openai.BadRequestError, match=r"prompt\[0\]"):
         client.completions.create(model="tiny", prompt=[[1, 99999]])
     assert thread.gateway.close_episode(key) == []  # refused calls are not recorded
+    with pytest.raises(KeyError, match="not the key of an open episode"):
+        thread.gateway.close_episode(key)
+    with pytest.raises(RuntimeError, match="not running"):
+        Gateway(engine, make_renderer(TOKENIZER)).open_episode()
+    with pytest.raises(ValueError, match="call_timeout_s"):
+        Gateway(engine, make_renderer(TOKENIZER), call_timeout_s=0)
     with pytest.raises(openai.AuthenticationError, match="ended"):
         client.models.list()
 

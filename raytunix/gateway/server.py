@@ -159,7 +159,11 @@ class Gateway:
 
         Raises:
           ValueError: ``episode_id`` is already open.
+          RuntimeError: the server has not been started (``start``).
         """
+        if self._runner is None:
+            raise RuntimeError("Gateway.open_episode: the server is not running; await "
+                               "Gateway.start() (or use GatewayThread) first.")
         episode_id = episode_id or uuid.uuid4().hex[:12]
         key = "rtx-" + secrets.token_urlsafe(24)
         with self._lock:
