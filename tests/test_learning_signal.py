@@ -143,12 +143,12 @@ def test_the_driver_warns_once_after_k_steps_without_signal_and_again_after_it_c
     watch, run = SignalWatch.from_config(cfg), RunDir(str(tmp_path / "run"))
     shares = [1.0, 0.95, 1.0, 1.0, 0.5, 1.0, 1.0]  # warned at 2, cleared at 5, warned at 7
     for n, share in enumerate(shares, start=1):
-        steps.watch_learning_signal(watch, run, n, _step(n, share))
+        steps.watch_learning_signal(watch, run, n, _step(n, share, reward=0.1 * (n % 2)))
     out = capsys.readouterr().out.splitlines()
     warnings = [line for line in out if "NO LEARNING SIGNAL" in line]
     assert len(warnings) == 2 and len(out) == 3
     assert ("at least 90% of groups had equal rewards on the last 2 RL steps (steps 1-2; "
-            "mean reward 0.000)") in warnings[0]
+            "mean reward 0.050)") in warnings[0]  # over those steps
     assert "every group's rewards were equal on the last 2 RL steps (steps 6-7" in warnings[1]
     assert "enable dynamic sampling (rollout.dynamic_sampling=true)" in warnings[0]
     assert "The run goes on" in warnings[0]

@@ -101,7 +101,9 @@ class SignalWatch:
     dynamic_sampling: bool = False
     in_a_row: int = dataclasses.field(default=0, init=False)
     warned: bool = dataclasses.field(default=False, init=False)
-    _shares: list[float] = dataclasses.field(default_factory=list, init=False, repr=False)
+    # (zero-variance share, mean reward) of the steps in a row without signal, newest last
+    _recent: list[tuple[float, float]] = dataclasses.field(default_factory=list, init=False,
+                                                           repr=False)
 
     @classmethod
     def from_config(cls, cfg: Any) -> SignalWatch:
@@ -121,21 +123,23 @@ class SignalWatch:
         share = float(record[ZERO_VARIANCE])
         if none:
             self.in_a_row += 1
-            self._shares = (self._shares + [share])[-self.steps:]
+            reward = _finite(record.get("reward_mean"))
+            self._recent = (self._recent + [(share, math.nan if reward is None else reward)]
+                            )[-self.steps:]
             if self.warned or self.in_a_row < self.steps:
                 return None
             self.warned = True
-            reward = _finite(record.get("reward_mean"))
+            shares, rewards = zip(*self._recent)
             message = (
-                f"NO LEARNING SIGNAL: {_equal_rewards(self._shares, self.threshold)} on the "
+                f"NO LEARNING SIGNAL: {_equal_rewards(list(shares), self.threshold)} on the "
                 f"last {self.in_a_row} RL steps (steps {step - self.in_a_row + 1}-{step}; "
-                f"mean reward {reward if reward is not None else float('nan'):.3f}): every "
+                f"mean reward {sum(rewards) / len(rewards):.3f}): every "
                 f"advantage in those groups is 0, so the updates learn nothing. "
                 f"{_capital(remedies(self.dynamic_sampling))}. The run goes on; report.txt "
                 f"says more (run.no_signal_fraction={self.threshold:g}, "
                 f"run.no_signal_steps={self.steps}).")
             return self._record(step, False, share, message)
-        self.in_a_row, self._shares = 0, []
+        self.in_a_row, self._recent = 0, []
         if not self.warned:
             return None
         self.warned = False
@@ -156,7 +160,8 @@ class LearningVerdict:
 
     Attributes:
       signal: ``"none"`` (no learning signal), ``"ok"``, or ``"unknown"`` (no RL step
-        record says: none logged, or a run from before these metrics).
+        record says: none logged, or a run from before these metrics; or a GAE run, whose
+        advantages equal rewards within a group do not zero).
       summary: one sentence: the verdict, the deciding numbers, what to change.
       evidence: ``{name: value}``: shares in [0, 1] (means over the RL steps), rewards,
         the gradient norm, step counts.
