@@ -142,6 +142,18 @@ class RunConfig:
         "only programs that took at least this many seconds to compile are cached (JAX's "
         "jax_persistent_cache_min_compile_time_secs); 0 = every program",
         bounds=">= 0", resume=True)
+    no_signal_fraction: float = setting(
+        0.9,
+        "an RL step has no learning signal when at least this share of its batch's groups got "
+        "equal rewards (zero variance: every group-relative advantage 0); read by the console "
+        "warning and the report's learning verdict",
+        bounds="(0, 1]", resume=True, hint="a share of groups, e.g. 0.9")
+    no_signal_steps: int = setting(
+        3,
+        "the driver warns once (a console line and a learning_signal record in metrics.jsonl) "
+        "when this many RL steps in a row had no learning signal, again only after it came "
+        "back; 0 = never",
+        bounds=">= 0", resume=True)
 
 
 @dataclasses.dataclass

@@ -164,6 +164,7 @@ def test_a_policy_that_emits_only_malformed_calls_stops_at_the_limit_and_gets_a_
     adv = np.asarray(grpo_advantages(arrays["rewards"], arrays["group_ids"], 2, **STD, valid=arrays["valid"]))
     assert adv[trajectories.index(bad)] < 0 < adv[trajectories.index(good)]
     assert info["valid_trajectories"] == 2 and info["tool_errors_mean"] == 1.5
+    assert info["tool_error_fraction"] == 0.5 and info["zero_variance_group_fraction"] == 0.0
     assert counters["episodes_failed_policy"] == 1 and counters["tool_errors_bad_json"] == 3
 
 

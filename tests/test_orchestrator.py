@@ -215,6 +215,8 @@ def test_batches_hold_whole_groups_with_exact_tokens_and_loss_mask():
     assert info["batch_id"] == 0 and info["consume_version"] == 0
     assert info["num_trajectories"] == 6
     assert info["reward_mean"] == 1.0 and info["tool_use_rate"] == 1.0
+    # every sample solved its task: each group's rewards are equal, so no advantage
+    assert info["zero_variance_group_fraction"] == 1.0 and info["truncated_fraction"] == 0.0
     assert info["statuses"] == {"completed": 6}
     # Each sample of a group gets its own seed, or every sample would be identical.
     for group_id in groups:
@@ -642,6 +644,7 @@ def test_evaluate_reports_success_and_tool_use_rates():
     engine, result = run(main())
     assert result["num_tasks"] == 6
     assert result["success_rate"] == pytest.approx(0.5)
+    assert result["reward_mean"] == pytest.approx(0.5)  # rewards are 1 or 0 here
     assert result["tool_use_rate"] == pytest.approx(0.5)
     assert result["tool_path_accuracy"] == 1.0
     assert result["direct_accuracy"] == 0.0

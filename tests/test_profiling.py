@@ -5,15 +5,18 @@ learner) made of the real orchestrator, engine, env actors and learner."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import threading
 import time
+import zlib
 
 import pytest
 import yaml
 
 from raytunix import profiling
+from raytunix.envs import SimulatedToolEnv
 from raytunix.profiling.collect import Collector
 from raytunix.profiling.metrics import WindowMetrics, percentiles
 from raytunix.profiling.collect import read_jsonl
@@ -390,7 +393,6 @@ async def _scripted_run(run_dir, policy, *, tool_latency_s: float, max_new_token
     ``update_delay_s`` of learner time), weights to the engine, mark trained, one metrics
     window per step."""
     from raytunix.agents import TextAgent
-    from raytunix.envs import SimulatedToolEnv
     from raytunix.rollout.orchestrator import RolloutOrchestrator
     from raytunix.types import SamplingParams, Task
 
@@ -399,7 +401,7 @@ async def _scripted_run(run_dir, policy, *, tool_latency_s: float, max_new_token
     tok, learner, engine = policy
 
     def env_provider(group_id):
-        return _ThreadEnv(SimulatedToolEnv(tool_latency_s=tool_latency_s, turns=2)), lambda: None
+        return _ThreadEnv(_ScoredToolEnv(tool_latency_s=tool_latency_s, turns=2)), lambda: None
 
     tasks = [Task(task_id=f"t{i}", question=f"task {i}", answer="") for i in range(200)]
     orchestrator = RolloutOrchestrator(
@@ -439,6 +441,18 @@ async def _scripted_run(run_dir, policy, *, tool_latency_s: float, max_new_token
         await orchestrator.stop()
 
 
+class _ScoredToolEnv(SimulatedToolEnv):
+    """``SimulatedToolEnv`` whose episode reward is a checksum bit of the last reply: the
+    samples of a group differ, so the run has a learning signal and its report gives
+    throughput advice (a constant reward would hold that advice back)."""
+
+    def _step_impl(self, action):
+        result = super()._step_impl(action)
+        if not result.done:
+            return result
+        return dataclasses.replace(result, reward=float(zlib.crc32(action.text.encode()) % 2))
+
+
 class _ThreadEnv:
     """An env client running the environment's calls in a worker thread, as an env actor
     does, without the trip to another process."""
@@ -472,6 +486,7 @@ def test_bottleneck_report_names_what_was_made_slow(ray_session, tmp_path, polic
     report = open(path).read()
     assert verdict.resource == expected, report
     assert f"Bounded by: {expected}" in report
+    assert verdict.learning.signal == "ok", report
     if expected == "environment/tools":
         assert verdict.evidence["episode_env_fraction"] > verdict.evidence["episode_generate_fraction"]
         assert "max_concurrent_episodes from 16" in verdict.summary

@@ -34,6 +34,7 @@ from raytunix.driver.prepare import Tasks
 from raytunix.driver.run_dir import RunDir, RunError, load_run_config, new_run_dir, say
 from raytunix.learner.group import LearnerHostFailure, LearnerStateDivergence
 from raytunix.learner.learner import RLHyperparams, SFTHyperparams
+from raytunix.profiling.learning import SignalWatch
 from raytunix.rollout import preflight
 from raytunix.scaling import ScaleWatcher
 from raytunix.types import EpisodeStatus, RolloutHalted
@@ -236,8 +237,9 @@ def evaluate(job: Job, run: RunDir, heldout, collector, when: str, step: int) ->
     (``before_rl`` / ``after_rl``) with the spans up to here under RL step ``step``.
 
     Returns:
-      ``RolloutOrchestrator.evaluate``'s result: ``success_rate``, ``tool_use_rate``,
-      ``num_tasks``, ``statuses``...
+      ``RolloutOrchestrator.evaluate``'s result: ``success_rate`` (episodes with reward
+      >= ``SUCCESS_REWARD``, 1.0), ``reward_mean``, ``tool_use_rate``, ``num_tasks``,
+      ``statuses``...
     """
     with profiling.span("eval", "driver", {"tasks": len(heldout)}):
         result = job.evaluate(heldout)
@@ -245,8 +247,8 @@ def evaluate(job: Job, run: RunDir, heldout, collector, when: str, step: int) ->
     collector.drain("eval", step)
     run.log({"phase": "eval", "when": when, **result})
     say(f"held-out {when.replace('_rl', ' RL')}: success {result['success_rate']:.1%}"
-        f"{unfinished_episodes(result)} (tool use {result['tool_use_rate']:.1%}) on "
-        f"{result['num_tasks']} tasks")
+        f"{unfinished_episodes(result)}, mean reward {result['reward_mean']:.3f} (tool use "
+        f"{result['tool_use_rate']:.1%}) on {result['num_tasks']} tasks")
     return result
 
 
@@ -387,6 +389,7 @@ def rl_steps(cfg: Config, job: Job, run: RunDir, start: RLStart, collector) -> f
     collector.drain("rl", start.step)  # what came before RL stays out of step 1's window
     collector.start_window()
     scaler = ScaleWatcher(run.path, job.env_pool, job.sandbox_pool, say=say)
+    watch = SignalWatch.from_config(cfg)
     waiting: list[dict[str, Any]] = []  # records of the steps of the open profiling window
     try:
         for step in range(start.step + 1, cfg.learner.rl_steps + 1):
@@ -408,6 +411,7 @@ def rl_steps(cfg: Config, job: Job, run: RunDir, start: RLStart, collector) -> f
                       "statuses": info["statuses"], "env_actors": job.env_pool.size,
                       "time": time.time()}
             waiting.append(record)
+            watch_learning_signal(watch, run, step, record)
             check_nonfinite_update(metrics, cfg.learner.max_consecutive_nonfinite_updates,
                                    step, run)
             saving = step % cfg.learner.checkpoint_every == 0 or step == cfg.learner.rl_steps
@@ -432,6 +436,19 @@ def rl_steps(cfg: Config, job: Job, run: RunDir, start: RLStart, collector) -> f
     finish_checkpoints(job, run)
     ray.get(job.orchestrator.stop.remote())
     return time.monotonic() - t0
+
+
+def watch_learning_signal(watch: SignalWatch, run: RunDir, step: int,
+                          record: dict[str, Any]) -> None:
+    """After RL step ``step``: when ``watch`` (``raytunix.profiling.learning``) sees the
+    learning signal go (``run.no_signal_steps`` steps in a row without) or come back, says
+    so in one line and logs its ``{"phase": "learning_signal"}`` record to metrics.jsonl
+    at once (the step's own record waits for its profiling window). Advice only: the run
+    goes on."""
+    change = watch.observe(step, record)
+    if change is not None:
+        say(change["message"])
+        run.log(change)
 
 
 CLOSING_DRAIN_TIMEOUT_S = 5.0  # the drain of a window closed by an error or interrupt
@@ -620,6 +637,9 @@ def summarise(cfg: Config, job: Job, run: RunDir, start: RLStart, after: dict[st
         "heldout_success_before_rl": before["success_rate"],
         "heldout_success_after_rl": after["success_rate"],
         "improvement_points": 100 * (after["success_rate"] - before["success_rate"]),
+        # None from a checkpoint taken before the evaluation reported it
+        "heldout_reward_mean_before_rl": before.get("reward_mean"),
+        "heldout_reward_mean_after_rl": after["reward_mean"],
         "tool_use_before_rl": before["tool_use_rate"],
         "tool_use_after_rl": after["tool_use_rate"],
         "rl_steps": cfg.learner.rl_steps,
@@ -633,6 +653,8 @@ def summarise(cfg: Config, job: Job, run: RunDir, start: RLStart, after: dict[st
         "eval_decoding": "greedy",
         "bottleneck": artifacts.get("bottleneck", "unknown"),
         "bottleneck_summary": artifacts.get("bottleneck_summary", ""),
+        "learning_signal": artifacts.get("learning_signal", "unknown"),
+        "learning_signal_summary": artifacts.get("learning_signal_summary", ""),
         "profile": {k: v for k, v in artifacts.items() if k.endswith("_path")},
         "rl_engine_busy_fraction": rl_mean(run, "engine_busy_fraction"),
         "tasks_dropped": dict(tasks_dropped or {}),

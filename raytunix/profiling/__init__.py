@@ -33,8 +33,10 @@ def write_artifacts(run_dir: str, out_dir: str | None = None, log_errors: bool =
 
     Returns:
       ``{"report_path", "trace_path", "plot_path"}`` for those written; ``"report_text"``,
-      ``"bottleneck"`` (the verdict's resource) and ``"bottleneck_summary"`` when the
-      report could be made (also if it could not be written); ``"errors"``: ``{file
+      ``"bottleneck"`` (the verdict's resource), ``"bottleneck_summary"``,
+      ``"learning_signal"`` (``"none"``, ``"ok"`` or ``"unknown"``) and
+      ``"learning_signal_summary"`` when the report could be made (also if it could not be
+      written); ``"errors"``: ``{file
       name: why it was not written}``, each also logged as a warning unless
       ``log_errors`` is false (a caller that prints them itself).
     """
@@ -63,6 +65,9 @@ def write_artifacts(run_dir: str, out_dir: str | None = None, log_errors: bool =
         text, verdict = render_report(run_dir)
         out.update(report_text=text, bottleneck=verdict.resource,
                    bottleneck_summary=verdict.summary)
+        if verdict.learning is not None:
+            out.update(learning_signal=verdict.learning.signal,
+                       learning_signal_summary=verdict.learning.summary)
         with open(path, "w") as f:
             f.write(text)
         return path

@@ -19,6 +19,12 @@ calls in ``profile/spans.jsonl``. The verdict follows where the waiting is, in t
 
 Fractions are means over the RL steps weighted by step length, leaving out the first
 step when there are three or more (it includes compiling).
+
+Before any of this comes the learning signal (``raytunix.profiling.learning``): a run whose
+groups (almost) all got equal rewards learns nothing, so its report leads with "no learning
+signal" and what to change for it, and holds the throughput advice back — more throughput
+would only make more batches with nothing to learn, and advice such as fewer trajectories
+per batch works against the signal.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import Any
 
 from raytunix.config import settings as settings_of_config
 from raytunix.profiling.collect import is_rl_step, read_jsonl, rl_steps
+from raytunix.profiling.learning import LearningVerdict, judge_learning, learning_lines
 from raytunix.profiling.metrics import percentiles
 
 LEARNER_WAIT_LOW = 0.3
@@ -51,12 +58,27 @@ class Verdict:
       summary: one sentence: the resource, the deciding numbers, what to change.
       evidence: ``{metric: value}`` the decision read (fractions in [0, 1], seconds).
       advice: what to change, most useful first.
+      learning: the learning verdict (``judge_learning``); when it is ``"none"`` the
+        summary says the throughput advice is held back and ``advice`` is empty.
     """
 
     resource: str
     summary: str
     evidence: dict[str, float]
     advice: list[str]
+    learning: LearningVerdict | None = None
+
+
+def with_learning(verdict: Verdict, learning: LearningVerdict) -> Verdict:
+    """``verdict`` with ``learning`` attached; without learning signal, its advice is held
+    back (faster steps would only make more batches with nothing to learn)."""
+    if learning.signal != "none":
+        return dataclasses.replace(verdict, learning=learning)
+    return dataclasses.replace(
+        verdict, learning=learning, advice=[], summary=(
+            f"{verdict.resource} bounded throughput, but its advice is held back while there "
+            "is no learning signal: faster steps would only make more batches with nothing "
+            "to learn (see \"Learning signal\"; the evidence is below)."))
 
 
 def compile_steps(records: list[dict[str, Any]]) -> set[int]:
@@ -354,7 +376,9 @@ def render_report(run_dir: str) -> tuple[str, Verdict]:
                 settings = {}
     compiling = compile_steps(records)
     means = weighted_means(steps, compiling)
-    verdict = diagnose(means, settings if isinstance(settings, dict) else {})
+    settings = settings if isinstance(settings, dict) else {}
+    verdict = with_learning(diagnose(means, settings), judge_learning(
+        steps, settings, warm_started=any(r.get("phase") == "warmup" for r in records)))
     no_step = sum(r.get("phase") == "rl" and not is_rl_step(r.get("step")) for r in records)
     if not steps and (skipped or no_step):  # not "before RL": the lines that would say are
         verdict = dataclasses.replace(verdict, summary=(  # unreadable
@@ -366,7 +390,7 @@ def render_report(run_dir: str) -> tuple[str, Verdict]:
     tools = tool_latency_table(spans_path, spans_skipped)
     spans_note = _spans_file_note(spans_path, spans_skipped)
     left_out = sorted(compiling) if len(steps) - len(compiling) >= 2 else []
-    learner_cfg = settings.get("learner") if isinstance(settings, dict) else None
+    learner_cfg = settings.get("learner")
     planned = learner_cfg.get("rl_steps") if isinstance(learner_cfg, dict) else None
     last = steps[-1]["step"] if steps else 0
     lines = [f"raytunix bottleneck report: {os.path.abspath(run_dir)}",
@@ -385,7 +409,24 @@ def render_report(run_dir: str) -> tuple[str, Verdict]:
                      f"skipped: {no_step}")
     if spans_note:
         lines.append(spans_note)
-    lines += ["", f"Bounded by: {verdict.resource}", f"  {verdict.summary}", ""]
+    lines += _verdict_lines(verdict, means, bool(steps))
+    lines += _losses_section(steps, run_dir)
+    if tools:
+        lines += ["", "Tool latency in RL steps and evaluations (seconds):",
+                  f"  {'tool':<20} {'calls':>7} {'p50':>9} {'p90':>9} {'p99':>9}"]
+        for tool, row in sorted(tools.items()):
+            lines.append(f"  {tool:<20} {row['calls']:>7.0f} {row.get('p50', 0):>9.4f} "
+                         f"{row.get('p90', 0):>9.4f} {row.get('p99', 0):>9.4f}")
+    return "\n".join(lines) + "\n", verdict
+
+
+def _verdict_lines(verdict: Verdict, means: dict[str, float], any_steps: bool) -> list[str]:
+    """The report's verdicts: the learning signal first when there is none, then what
+    bounded throughput, its advice and evidence; else the learning signal after them."""
+    learning = learning_lines(verdict.learning) if verdict.learning and any_steps else []
+    none = verdict.learning is not None and verdict.learning.signal == "none"
+    lines = [""] + (learning if none else [])
+    lines += [f"Bounded by: {verdict.resource}", f"  {verdict.summary}", ""]
     if verdict.advice:
         lines.append("What to change:")
         lines += [f"  - {a}" for a in verdict.advice]
@@ -395,14 +436,9 @@ def render_report(run_dir: str) -> tuple[str, Verdict]:
         lines.append("Evidence (means over RL steps, weighted by step time; maxima for "
                      "staleness and dropped spans):")
         lines += [f"  {key:<34} {value}" for key, value in rows]
-    lines += _losses_section(steps, run_dir)
-    if tools:
-        lines += ["", "Tool latency in RL steps and evaluations (seconds):",
-                  f"  {'tool':<20} {'calls':>7} {'p50':>9} {'p90':>9} {'p99':>9}"]
-        for tool, row in sorted(tools.items()):
-            lines.append(f"  {tool:<20} {row['calls']:>7.0f} {row.get('p50', 0):>9.4f} "
-                         f"{row.get('p90', 0):>9.4f} {row.get('p99', 0):>9.4f}")
-    return "\n".join(lines) + "\n", verdict
+    if learning and not none:
+        lines += [""] + learning[:-1]
+    return lines
 
 
 def write_report(run_dir: str, out_dir: str | None = None) -> tuple[str, Verdict]:

@@ -74,6 +74,7 @@ from raytunix.types import (
     RolloutHalted,
     SamplingParams,
     Task,
+    ToolErrorKind,
     Trajectory,
     is_infrastructure_failure,
 )
@@ -624,7 +625,7 @@ class RolloutOrchestrator:
             with profiling.span("batch_pack", "batches", {"batch_id": batch_id,
                                                           "trajectories": len(trajectories)}):
                 record_batch = trajectories_to_record_batch(trajectories)
-                info = self._batch_info(batch_id, consume_version, trajectories)
+                info = self._batch_info(batch_id, consume_version, [g for _, g in chosen])
             with profiling.span("object_store_put", "batches",
                                 {"batch_id": batch_id, "bytes": record_batch.nbytes}):
                 handle = self._put(record_batch)
@@ -649,8 +650,8 @@ class RolloutOrchestrator:
         self.counters["stale_tokens_masked"] += stale
         return any(any(t.loss_mask) for t in group)
 
-    def _batch_info(self, batch_id: int, consume_version: int, trajectories: list[Trajectory]) -> dict:
-        rewards = np.array([t.reward for t in trajectories], np.float32)
+    def _batch_info(self, batch_id: int, consume_version: int, groups: list[list[Trajectory]]) -> dict:
+        trajectories = [t for group in groups for t in group]
         statuses = collections.Counter(t.status.value for t in trajectories)
         infra_failed = sum(is_infrastructure_failure(t.status) for t in trajectories)
         staleness = [consume_version - v for t in trajectories
@@ -660,7 +661,7 @@ class RolloutOrchestrator:
             "batch_id": batch_id,
             "consume_version": consume_version,
             "num_trajectories": len(trajectories),
-            "reward_mean": float(rewards.mean()),
+            **learning_signal_metrics(groups),
             "tool_use_rate": float(np.mean(used_tool)),
             "turns_mean": float(np.mean([t.num_turns for t in trajectories])),
             "generated_tokens_mean": float(np.mean([t.metrics.get("generated_tokens", 0.0) for t in trajectories])),
@@ -806,13 +807,10 @@ class RolloutOrchestrator:
     # ----------------------------------------------------------------- evaluation
     async def evaluate(self, tasks: Sequence[Task], max_new_tokens: int,
                        max_concurrent: int | None = None) -> dict[str, Any]:
-        """Greedy episodes on ``tasks`` (one each); returns success and tool-use rates.
-
-        ``tool_path_accuracy`` is the success rate among episodes that called a tool;
-        ``statuses`` counts episodes by how they ended; ``error`` is the first env_error
-        episode's ``Trajectory.error`` ("" when none failed so); ``env_error_reports``
-        and ``env_errors`` are as in ``next_batch``'s info (training's errors not yet
-        taken included).
+        """Greedy episodes on ``tasks`` (one each); returns ``evaluation_result``'s
+        success rate (an episode succeeds when its reward is at least ``SUCCESS_REWARD``,
+        1.0), mean reward and tool-use rates, with ``env_error_reports`` and ``env_errors``
+        as in ``next_batch``'s info (training's errors not yet taken included).
         """
         sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
                                   stop_token_ids=self.sampling.stop_token_ids,
@@ -828,19 +826,75 @@ class RolloutOrchestrator:
             if t.error_report is not None:
                 self._env_errors.add(t.error_report)
         reports, by_kind = self._env_errors.take()
-        success = np.array([t.reward >= 1.0 for t in trajectories])
-        used_tool = np.array([t.metrics.get("tool_calls", 0) > 0 for t in trajectories])
-        return {
-            "num_tasks": len(tasks),
-            "success_rate": float(success.mean()),
-            "tool_use_rate": float(used_tool.mean()),
-            "tool_path_accuracy": float(success[used_tool].mean()) if used_tool.any() else 0.0,
-            "direct_accuracy": float(success[~used_tool].mean()) if (~used_tool).any() else 0.0,
-            "statuses": dict(collections.Counter(t.status.value for t in trajectories)),
-            "error": next((t.error for t in trajectories if t.error), ""),
-            "env_error_reports": reports,
-            "env_errors": by_kind,
-        }
+        return {**evaluation_result(trajectories), "env_error_reports": reports,
+                "env_errors": by_kind}
+
+
+SUCCESS_REWARD = 1.0
+"""The held-out evaluation's success rule: an episode succeeds when its reward is at least
+this (the shipped environments give 1.0 for a solved task; partial credit counts in the
+mean reward only)."""
+
+
+def evaluation_result(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
+    """The numbers of a held-out evaluation, one greedy episode per task.
+
+    Returns:
+      ``num_tasks``; ``success_rate`` (share of episodes with reward >= ``SUCCESS_REWARD``);
+      ``reward_mean`` (mean episode reward, in the environment's units); ``tool_use_rate``
+      (share that called a tool); ``tool_path_accuracy`` / ``direct_accuracy`` (success
+      rate among the episodes that did / did not call one, 0.0 when there are none);
+      ``statuses`` (``{EpisodeStatus value: episodes}``); ``error`` (the first failed
+      episode's ``Trajectory.error``, "" when none).
+    """
+    rewards = np.array([t.reward for t in trajectories], np.float64)
+    success = rewards >= SUCCESS_REWARD
+    used_tool = np.array([t.metrics.get("tool_calls", 0) > 0 for t in trajectories], bool)
+    return {
+        "num_tasks": len(trajectories),
+        "success_rate": float(success.mean()) if len(rewards) else 0.0,
+        "reward_mean": float(rewards.mean()) if len(rewards) else 0.0,
+        "tool_use_rate": float(used_tool.mean()) if len(rewards) else 0.0,
+        "tool_path_accuracy": float(success[used_tool].mean()) if used_tool.any() else 0.0,
+        "direct_accuracy": float(success[~used_tool].mean()) if (~used_tool).any() else 0.0,
+        "statuses": dict(collections.Counter(t.status.value for t in trajectories)),
+        "error": next((t.error for t in trajectories if t.error), ""),
+    }
+
+
+def rewards_all_equal(group: Sequence[Trajectory]) -> bool:
+    """Whether the valid members of ``group`` (those not ended by an infrastructure
+    failure) all got the same reward: then every group-relative advantage is 0 (GRPO,
+    RLOO) and the group gives no policy gradient. True for a group with no valid member."""
+    rewards = [t.reward for t in group if not is_infrastructure_failure(t.status)]
+    return not rewards or max(rewards) == min(rewards)
+
+
+def learning_signal_metrics(groups: Sequence[Sequence[Trajectory]]) -> dict[str, float]:
+    """The learning signal of one batch (``raytunix.profiling.learning`` judges it).
+
+    Returns (floats; shares in [0, 1], 0.0 for an empty batch):
+      ``reward_mean``: mean episode reward over the batch's trajectories.
+      ``zero_variance_group_fraction``: share of groups whose rewards were all equal
+        (``rewards_all_equal``).
+      ``format_error_fraction``: share of trajectories with at least one
+        ``ToolErrorKind.FORMAT`` error (a turn with no call and no answer, both, or several).
+      ``tool_error_fraction``: share with at least one tool error of any kind (format,
+        malformed or failing tool calls: ``TOOL_ERRORS_KEY``).
+      ``truncated_fraction``: share that ended ``truncated`` (turns, tokens or context ran out).
+    """
+    trajectories = [t for group in groups for t in group]
+    n = max(len(trajectories), 1)
+    format_key = f"{TOOL_ERRORS_KEY}/{ToolErrorKind.FORMAT.value}"
+    return {
+        "reward_mean": sum(t.reward for t in trajectories) / n,
+        "zero_variance_group_fraction": (sum(map(rewards_all_equal, groups)) / len(groups)
+                                         if groups else 0.0),
+        "format_error_fraction": sum(t.metrics.get(format_key, 0) > 0 for t in trajectories) / n,
+        "tool_error_fraction": sum(t.metrics.get(TOOL_ERRORS_KEY, 0) > 0
+                                   for t in trajectories) / n,
+        "truncated_fraction": sum(t.status == EpisodeStatus.TRUNCATED for t in trajectories) / n,
+    }
 
 
 def _count_stale(t: Trajectory, oldest_allowed: int) -> int:
