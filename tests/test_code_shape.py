@@ -17,14 +17,14 @@ MAX_CLASS_LINES = 500
 # last line of the body, docstring included). Shrink these; never raise them.
 ALLOWED = {
     "envs/sql_worker.py::run_one": 82,
-    "inference/engine.py::InferenceEngine": 949,
+    "inference/engine.py::InferenceEngine": 935,
     "inference/engine.py::InferenceEngine.__init__": 85,
     "learner/losses.py::grpo_policy_loss": 131,
     "models/llama.py::Transformer.__call__": 83,
     "profiling/metrics.py::WindowMetrics.combine": 98,
     "profiling/report.py::diagnose": 120,
     "rollout/episode.py::run_episode": 173,
-    "rollout/orchestrator.py::RolloutOrchestrator": 704,
+    "rollout/orchestrator.py::RolloutOrchestrator": 690,
     "rollout/orchestrator.py::RolloutOrchestrator.__init__": 114,
 }
 

@@ -77,6 +77,7 @@ import numpy as np
 
 from raytunix.config import KVOnWeightUpdate
 from raytunix import profiling
+from raytunix.inference.accounting import DeviceAccounting
 from raytunix.inference.kv_blocks import ROOT_KEY, BlockPool, PrefixCache, block_key
 from raytunix.inference.programs import Shape, StepPrograms, programs_in_process, shared_programs
 from raytunix.inference.sampling import check_sampling_settings, sample_tokens, split_seed
@@ -152,9 +153,35 @@ def _on_engine_device(params):
     return jax.device_put(params)
 
 
-def _spec(x) -> jax.ShapeDtypeStruct:
-    """The abstract value of a device array, with its sharding (what a program is built for)."""
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+def _layout_key(params, config: ModelConfig, num_blocks: int, block_size: int,
+                max_running: int) -> tuple:
+    """What a step program is built for besides its shape: the weights' structure,
+    shapes, dtypes and shardings, and the KV pages' and token buffer's sizes."""
+    leaves, treedef = jax.tree.flatten(params)
+    return (treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves), config,
+            num_blocks, block_size, max_running)
+
+
+def _lower_step(step, params, config: ModelConfig, num_blocks: int, block_size: int,
+                max_running: int, shape: Shape):
+    """``step`` lowered for ``shape`` (``jax.stages.Lowered``) from abstract values only:
+    safe on any thread while steps run. ``params`` gives only its shapes and shardings
+    (later weights have the same: ``update_weights`` checks)."""
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    def host(dims, dtype):
+        return jax.ShapeDtypeStruct(dims, dtype, sharding=device)
+
+    pages = jax.eval_shape(lambda: init_kv_pages(config, num_blocks, block_size))
+    b, t, i32, f32, u32 = shape.batch, shape.length, np.int32, np.float32, np.uint32
+    return step.lower(
+        shape.truncate,
+        jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                     params),
+        jax.tree.map(lambda x: host(x.shape, x.dtype), pages), host((max_running + 1,), i32),
+        host((b, t), i32), host((b, t), i32), host((b, shape.span), i32), host((b,), i32),
+        host((b,), f32), host((b,), i32), host((b,), f32), host((b,), u32), host((b,), u32),
+        host((b,), i32), host((b,), i32), host((b,), bool))
 
 
 def _wait_ready(tokens, logprobs):
@@ -189,6 +216,16 @@ def _powers_of_four(cap: int) -> tuple[int, ...]:
         values.append(v)
         v *= 4
     return (*values, cap)
+
+
+def _all_buckets(max_batch_size: int, max_blocks: int, block_size: int,
+                 longest_chunk: int) -> tuple[tuple[int, ...], ...]:
+    """Decode rows, prefill rows, span blocks and tokens per prefill row a program may
+    have. Prefill calls take coarser row counts (they are few, and each shape compiles);
+    tokens per prefill row go 8, 32, 128, ... (x4) up to the chunk."""
+    chunks = {t for t in (8, 32, 128, 512, 2048, 8192) if t < longest_chunk} | {longest_chunk}
+    return (_row_buckets(max_batch_size), _powers_of_four(max_batch_size),
+            _span_buckets(max_blocks, block_size), tuple(sorted(chunks)))
 
 
 def _bucket(buckets: Sequence[int], n: int) -> int:
@@ -340,21 +377,18 @@ class InferenceEngine:
         self._keep_sessions = bool(sessions)
         self._prefill_min_batch = prefill_min_batch
         self._max_prefill_delay = max_prefill_delay_steps
-        self._batch_buckets = _row_buckets(max_batch_size)
-        # Prefill calls take coarser row counts: they are few, and each shape compiles.
-        self._prefill_batch_buckets = _powers_of_four(max_batch_size)
-        self._span_buckets = _span_buckets(self._max_blocks, block_size)
-        # Tokens fed per prefill row: 8, 32, 128, ... (x4) up to the chunk.
-        longest_chunk = min(prefill_chunk_tokens, seq_len)
-        self._chunk_buckets = tuple(sorted(
-            {t for t in (8, 32, 128, 512, 2048, 8192) if t < longest_chunk} | {longest_chunk}))
+        (self._batch_buckets, self._prefill_batch_buckets, self._span_buckets,
+         self._chunk_buckets) = _all_buckets(max_batch_size, self._max_blocks, block_size,
+                                             min(prefill_chunk_tokens, seq_len))
         self._params = _on_engine_device(params)
         self._version = int(policy_version)
         self._pending_weights: tuple[Any, int] | None = None
 
         self._step = _step_fn(graphdef)
-        self._programs = StepPrograms(shared_programs((self._step, self._layout())),
-                                      self._lower, self._reachable, ahead=bool(compile_ahead))
+        layout = (self._params, model_config, num_blocks, block_size, self._max_running)
+        self._programs = StepPrograms(shared_programs((self._step, _layout_key(*layout))),
+                                      functools.partial(_lower_step, self._step, *layout),
+                                      self._reachable, ahead=bool(compile_ahead))
         self._pool = BlockPool(num_blocks)
         self._prefix = PrefixCache(self._pool)
         self._pages: KVPages | None = None  # None: (re)build before the next device call
@@ -362,7 +396,6 @@ class InferenceEngine:
         self._last_tokens: jax.Array | None = None
         self._free_slots = list(range(self._max_running))
         self._launched: collections.deque[list[_Launch]] = collections.deque()  # by step
-        self._last_ready = 0.0  # perf_counter when the last step taken in was done
         self._running: list[_Sequence] = []
         self._waiting: collections.deque[_Sequence] = collections.deque()
         self._by_id: dict[str, _Sequence] = {}
@@ -384,7 +417,7 @@ class InferenceEngine:
         self._epoch = 0  # bumped by pause/close: device results from an older epoch are dropped
 
         self._first_request_t: float | None = None
-        self._work_since: float | None = None  # perf_counter since when requests are held
+        self._device = DeviceAccounting()
         self._shapes: set[tuple[int, int, int]] = set()
         self._counters = collections.Counter()
 
@@ -413,8 +446,7 @@ class InferenceEngine:
         self._ensure_started()
         if self._first_request_t is None:
             self._first_request_t = time.monotonic()
-        if self._work_since is None:
-            self._work_since = time.perf_counter()
+        self._device.request_arrived()
         lo, hi = split_seed(int(request.seed))
         session = self._sessions.get(request.session_id) if request.session_id else None
         # A session's turns keep the place of its first request: older episodes go first,
@@ -538,71 +570,41 @@ class InferenceEngine:
     def stats(self) -> dict:
         """Counters since construction, JSON-able.
 
-        Keys: ``busy_s`` (seconds the device had a step to run: from a step's launch,
-        or the end of the step before it if later, to its samples being ready on the
-        host; ``busy_prefill_s`` and ``busy_decode_s`` split it, and
-        ``prefill_share_of_busy`` is the first over ``busy_s``), ``wall_s`` (seconds
-        since the first request), ``work_s`` (seconds the engine held at least one
-        request), ``host_gap_s`` (``work_s - busy_s``: time with requests held and no step
-        on the device: host work, compiles, pauses) and ``host_gap_fraction`` (over
-        ``work_s``), ``padded_tokens`` (rows x tokens per row of every program run,
-        padding included) and ``padded_tokens_per_generated_token``,
-        ``busy_fraction``, ``decode_steps``, ``prefill_calls``,
-        ``tokens_generated``, ``mean_active_slots`` (rows per decode step),
-        ``requests_finished``, ``policy_version`` (of the weights in use) and
-        ``policy_version_received`` (newest weights handed over, swapped in at the next
-        step), ``active_slots`` and ``waiting`` (now);
-        prompt accounting in tokens: ``prompt_tokens`` (requested), ``prompt_tokens_computed``
-        (fed through the model), ``prompt_tokens_from_sessions`` and
-        ``prompt_tokens_from_prefix_cache`` (reused KV), ``generated_tokens_recomputed``
-        (re-fed after a weight update or preemption), ``prefix_cache_hit_rate``
+        The device's work (``DeviceAccounting.stats``: busy, work and host-gap seconds,
+        padded tokens, steps, tokens fed), ``wall_s`` (seconds since the first request),
+        ``tokens_generated``, ``requests_finished``, ``policy_version`` (of the weights in
+        use) and ``policy_version_received`` (newest weights handed over, swapped in at the
+        next step), ``active_slots`` and ``waiting`` (now); prompt accounting in tokens:
+        ``prompt_tokens`` (requested), ``prompt_tokens_from_sessions`` and
+        ``prompt_tokens_from_prefix_cache`` (reused KV), ``prefix_cache_hit_rate``
         (prefix-cache tokens / prompt tokens); memory: ``kv_bytes_in_use``,
         ``kv_bytes_capacity``, ``kv_blocks_in_use``, ``kv_blocks_total``,
         ``sessions_held``, ``prefix_cache_blocks``; ``stale_kv_tokens`` (tokens sampled
         over KV of older weights), ``preemptions``, ``session_evictions``;
         ``compiled_shapes`` (program shapes this engine used) and ``compiled_programs``
         (programs compiled in this process, all engines: constant once warm); compiling
-        (``raytunix.inference.programs.StepPrograms``): ``compiles``, ``compile_s``,
-        ``compiles_ahead``, ``compile_stalls`` and ``compile_stall_s`` (steps that waited
-        for a program to be built, and the seconds every live request waited with them),
+        (``StepPrograms``): ``compiles``, ``compile_s``, ``compiles_ahead``,
+        ``compile_stalls`` and ``compile_stall_s`` (steps that waited for a program to be
+        built, and the seconds every live request waited with them),
         ``steps_on_larger_program``, ``compile_queue``.
         """
         c = self._counters
         wall = 0.0 if self._first_request_t is None else time.monotonic() - self._first_request_t
-        work = c["work_s"] + (0.0 if self._work_since is None
-                              else time.perf_counter() - self._work_since)
-        gap = max(0.0, work - c["busy_s"])
         token_bytes = kv_bytes_per_token(self._config)
         prompt = c["prompt_tokens"]
+        pending = self._pending_weights
         return {
-            "busy_s": c["busy_s"],
+            **self._device.stats(wall, c["tokens_generated"]),
             "wall_s": wall,
-            "busy_fraction": c["busy_s"] / wall if wall > 0 else 0.0,
-            "busy_prefill_s": c["busy_prefill_s"],
-            "busy_decode_s": c["busy_decode_s"],
-            "prefill_share_of_busy": c["busy_prefill_s"] / c["busy_s"] if c["busy_s"] else 0.0,
-            "work_s": work,
-            "host_gap_s": gap,
-            "host_gap_fraction": gap / work if work > 0 else 0.0,
-            "padded_tokens": c["padded_tokens"],
-            "padded_tokens_per_generated_token": (c["padded_tokens"] / c["tokens_generated"]
-                                                  if c["tokens_generated"] else 0.0),
-            "decode_steps": c["decode_steps"],
-            "prefill_calls": c["prefill_calls"],
             "tokens_generated": c["tokens_generated"],
-            "mean_active_slots": (c["decode_rows"] / c["decode_steps"]
-                                  if c["decode_steps"] else 0.0),
             "requests_finished": c["requests_finished"],
             "policy_version": self._version,
-            "policy_version_received": (self._version if self._pending_weights is None
-                                        else self._pending_weights[1]),
+            "policy_version_received": self._version if pending is None else pending[1],
             "active_slots": len(self._running),
             "waiting": len(self._waiting),
             "prompt_tokens": prompt,
-            "prompt_tokens_computed": c["prompt_tokens_computed"],
             "prompt_tokens_from_sessions": c["prompt_tokens_from_sessions"],
             "prompt_tokens_from_prefix_cache": c["prompt_tokens_from_prefix_cache"],
-            "generated_tokens_recomputed": c["generated_tokens_recomputed"],
             "prefix_cache_hit_rate": (c["prompt_tokens_from_prefix_cache"] / prompt
                                       if prompt else 0.0),
             "kv_bytes_in_use": self._pool.num_used * self._block_size * token_bytes,
@@ -742,9 +744,8 @@ class InferenceEngine:
             except ValueError:
                 pass
         self._stop_computing(seq)
-        if not self._running and not self._waiting and self._work_since is not None:
-            self._counters["work_s"] += time.perf_counter() - self._work_since
-            self._work_since = None
+        if not self._running and not self._waiting:
+            self._device.requests_all_done()
         session_id = seq.request.session_id
         keep = (session_id is not None and reason != FinishReason.ABORT
                 and not seq.future.done() and session_id not in self._ended_sessions)
@@ -1113,33 +1114,6 @@ class InferenceEngine:
                 rows.append((seq, 1))
         return [(s, n) for s, n in rows if s.running]
 
-    def _layout(self) -> tuple:
-        """What a step program is built for besides its shape: the weights' structure,
-        shapes, dtypes and shardings, and the KV pages' and token buffer's sizes."""
-        leaves, treedef = jax.tree.flatten(self._params)
-        return (treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves),
-                self._num_blocks, self._block_size, self._max_running)
-
-    def _lower(self, shape: Shape):
-        """The step lowered for ``shape`` (``jax.stages.Lowered``), from abstract values
-        only: safe on any thread while steps run."""
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        pages = jax.eval_shape(lambda: init_kv_pages(self._config, self._num_blocks,
-                                                     self._block_size))
-        b, t = shape.batch, shape.length
-
-        def host(dims, dtype):
-            return jax.ShapeDtypeStruct(dims, dtype, sharding=device)
-
-        i32, f32 = np.int32, np.float32
-        return self._step.lower(
-            shape.truncate, jax.tree.map(_spec, self._params),
-            jax.tree.map(lambda x: host(x.shape, x.dtype), pages),
-            host((self._max_running + 1,), i32), host((b, t), i32), host((b, t), i32),
-            host((b, shape.span), i32), host((b,), i32), host((b,), f32), host((b,), i32),
-            host((b,), f32), host((b,), np.uint32), host((b,), np.uint32), host((b,), i32),
-            host((b,), i32), host((b,), bool))
-
     def _reachable(self, truncate: bool) -> list[Shape]:
         return [Shape(truncate, b, t, s) for b, t, s in self._all_shapes()]
 
@@ -1216,7 +1190,7 @@ class InferenceEngine:
             # Its KV is as good as written for every later call: others may adopt it.
             self._register_blocks(seq, version)
         self._shapes.add((batch, length, span))
-        self._counters["padded_tokens"] += batch * length
+        self._device.launched(batch, length)
         self._ensure_buffers()
         start_s = time.perf_counter()
         self._pages, self._last_tokens, sampled, logprobs = program(
@@ -1234,27 +1208,10 @@ class InferenceEngine:
         try:
             for launch in step:
                 sampled, logprobs, ready = await launch.result
-                # The device ran this call from its launch, or from the end of the call
-                # before it, to its samples being ready.
-                began = max(launch.start, self._last_ready)
-                busy = max(0.0, ready - began)
-                self._last_ready = max(self._last_ready, ready)
-                profiling.add("prefill" if launch.prefill else "decode", began,
-                              max(began, ready), "steps",
-                              {"rows": len(launch.rows),
-                               "tokens": launch.prompt_fed + launch.generated_fed
-                               if launch.prefill else len(launch.rows)})
                 # Counted when done, so stats() describes steps the device has finished.
-                c = self._counters
-                c["busy_s"] += busy
-                c["busy_prefill_s" if launch.prefill else "busy_decode_s"] += busy
-                c["prompt_tokens_computed"] += launch.prompt_fed
-                c["generated_tokens_recomputed"] += launch.generated_fed
-                if launch.prefill:
-                    c["prefill_calls"] += 1
-                else:
-                    c["decode_steps"] += 1
-                    c["decode_rows"] += len(launch.rows)
+                self._device.step_done(prefill=launch.prefill, start=launch.start, ready=ready,
+                                       rows=len(launch.rows), prompt_fed=launch.prompt_fed,
+                                       generated_fed=launch.generated_fed)
                 if launch.epoch != self._epoch:
                     continue  # a pause or close happened meanwhile
                 for row, (seq, n, epoch, samples) in enumerate(launch.rows):
