@@ -20,8 +20,25 @@ Bare limit: ``jax.lax.fori_loop`` over decode steps of the same model, all 64 ro
 lockstep over a dense KV cache of 640 positions, sampling at temperature 1, no Python
 between steps: the tokens/s no scheduler can beat on this machine.
 
-Prints one JSON object. Run: ``python benchmarks/engine_throughput.py`` (about 5 minutes
-on 2 CPU cores). ``--engine-path`` lets another checkout's engine run the same workload.
+A ladder of limits, measured in the same run (``limits``): the bare loop above; a
+*matched* loop (the engine's own step function at its row and span buckets for this
+workload, no scheduler); a *tuned* loop (``tuned_step_fn``: per-layer KV arrays, attention
+over the live span only, one random number per row, unrolled steps; its greedy tokens are
+checked against the model's); a large fp32 matmul (``gemm_gflops``) and copy
+(``copy_gb_per_s``); and the model's FLOPs and bytes per generated token. Each run reports
+``fraction_of_tuned_limit`` beside ``fraction_of_bare_limit``, and the device work counted
+with its padding (``padded_tokens_per_generated_token``), the prefill share of device time
+and the host gaps (``host_gap_fraction``).
+
+Cold start (``cold_start``): fresh processes with the training run's default engine
+settings serve the 64-episode workload once at start and twice more later; lazily
+compiled, compiling ahead with the workload sent at once, and compiling ahead with the
+workload sent after start-up; each with an empty and with a warm persistent compilation
+cache (``cold_over_warm`` for each).
+
+Prints one JSON object. Run: ``python benchmarks/engine_throughput.py`` (about 15 minutes
+on 2 CPU cores; ``--cold-start 0`` skips the cold start). ``--engine-path`` lets another
+checkout's engine run the same workload.
 """
 
 from __future__ import annotations
@@ -71,7 +88,8 @@ def _parse_args():
     parser.add_argument("--cold-start", type=int, default=1,
                         help="1: also measure the first episodes of a fresh engine process "
                              "(default engine settings) against later repeats; 0 = skip")
-    parser.add_argument("--cold-start-only", choices=["ahead", "lazy"], default=None,
+    parser.add_argument("--cold-start-only", choices=["ahead_after_startup", "ahead", "lazy"],
+                        default=None,
                         help=argparse.SUPPRESS)  # the fresh process of that measurement
     return parser.parse_args()
 
@@ -84,9 +102,17 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from machine_rates import best_rate, machine_rates  # noqa: E402 - benchmarks/ is on sys.path
+
 from raytunix.inference.engine import InferenceEngine  # noqa: E402
 from raytunix.inference.sampling import sample_tokens  # noqa: E402
-from raytunix.models.llama import ModelConfig, forward, init_kv_cache, init_model  # noqa: E402
+from raytunix.models.llama import (  # noqa: E402
+    ModelConfig,
+    apply_rope,
+    forward,
+    init_kv_cache,
+    init_model,
+)
 from raytunix.types import GenerationRequest, SamplingParams  # noqa: E402
 
 
@@ -254,6 +280,197 @@ def make_bare_loop(graphdef, params, config):
     return measure
 
 
+def work_per_token(config: ModelConfig, params, context: int, rows: int) -> dict:
+    """FLOPs and bytes one decode step spends per generated token at ``context`` positions
+    attended and ``rows`` rows sharing the weights: 2 FLOPs per weight of every matmul
+    (the embedding table is a lookup unless tied), 4 per attended position per head and
+    head dimension (scores and values); bytes = the weights once per step over the rows,
+    plus the keys and values attended."""
+    total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    embed = config.vocab_size * config.d_model
+    matmul_weights = total - (0 if config.tie_embeddings else embed)
+    attn = 4 * config.n_layers * config.n_heads * config.head_dim * context
+    kv_bytes = 2 * config.n_layers * config.n_kv_heads * config.head_dim * context * 4
+    return {"flops_per_token": 2 * matmul_weights + attn,
+            "bytes_per_token": round(4 * matmul_weights / rows + kv_bytes),
+            "context": context, "rows": rows}
+
+
+def make_matched_loop(graphdef, params, config, rows: int, span_blocks: int,
+                      block_size: int = 16):
+    """``measure() -> tokens/s`` of the engine's own step (``_forward_step``: paged KV,
+    block tables of ``span_blocks`` blocks, its sampler) for ``rows`` rows in a jitted loop:
+    the engine's kernel with no scheduler and no host work between steps."""
+    from raytunix.inference.engine import _forward_step
+    from raytunix.models.llama import init_kv_pages
+
+    steps = ARGS.bare_steps
+    start_pos = ARGS.system_tokens + ARGS.question_tokens
+    pages = init_kv_pages(config, rows * span_blocks + 1, block_size)
+    tables = jnp.arange(rows * span_blocks, dtype=jnp.int32).reshape(rows, span_blocks)
+
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def loop(params, pages, last_tokens):
+        def body(i, carry):
+            pages, last = carry
+            zeros = jnp.zeros((rows,), jnp.int32)
+            pages, last, _, _ = _forward_step(
+                graphdef, False, params, pages, last, zeros[:, None],
+                jnp.full((rows, 1), start_pos, jnp.int32) + i, tables, zeros,
+                jnp.ones((rows,), jnp.float32), zeros, jnp.ones((rows,), jnp.float32),
+                zeros.astype(jnp.uint32), zeros.astype(jnp.uint32), zeros + i,
+                jnp.arange(rows, dtype=jnp.int32), jnp.ones((rows,), bool))
+            return pages, last
+        return jax.lax.fori_loop(0, steps, body, (pages, last_tokens))
+
+    state = {"pages": pages, "last": jnp.zeros((rows + 1,), jnp.int32)}
+
+    def run():
+        state["pages"], state["last"] = loop(params, state["pages"], state["last"])
+        return state["last"]
+
+    return lambda: best_rate(run, rows * steps)
+
+
+def tuned_step_fn(graphdef, config, rows: int, span: int, unroll: int):
+    """A decode loop built for speed rather than generality: each layer's keys and values
+    are an array of their own (``[rows, kv_heads, span, head_dim]``, written in place at
+    the step's position), attention reads only the ``span`` live positions, and sampling
+    draws one uniform number per row (inverse CDF over the softmax) instead of one per
+    vocabulary entry. Same weights, same arithmetic per token otherwise."""
+    from flax import nnx
+
+    groups = config.n_heads // config.n_kv_heads
+    hd = config.head_dim
+
+    def step(model, caches, tokens, pos, u, temperature):
+        x = model.embed_tokens(tokens[:, None])  # [B, 1, d]
+        positions = jnp.full((rows, 1), pos, jnp.int32)
+        new = []
+        for layer, (block, (ck, cv)) in enumerate(zip(model.layers, caches)):
+            attn = block.self_attn
+            h = block.input_layernorm(x)
+            q = attn.q_proj(h).reshape(rows, 1, config.n_heads, hd)
+            k = attn.k_proj(h).reshape(rows, 1, config.n_kv_heads, hd)
+            v = attn.v_proj(h).reshape(rows, 1, config.n_kv_heads, hd)
+            if attn.q_norm is not None:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q = apply_rope(q, positions, config.rope_theta, config.rope_scaling)
+            k = apply_rope(k, positions, config.rope_theta, config.rope_scaling)
+            ck = jax.lax.dynamic_update_slice(ck, k.transpose(0, 2, 1, 3), (0, 0, pos, 0))
+            cv = jax.lax.dynamic_update_slice(cv, v.transpose(0, 2, 1, 3), (0, 0, pos, 0))
+            new.append((ck, cv))
+            qg = q.reshape(rows, config.n_kv_heads, groups, hd)
+            scores = jnp.einsum("bkgd,bksd->bkgs", qg, ck) / np.sqrt(hd)
+            scores = jnp.where(jnp.arange(span) <= pos, scores, -1e30)
+            out = jnp.einsum("bkgs,bksd->bkgd", jax.nn.softmax(scores, axis=-1), cv)
+            x = x + attn.o_proj(out.reshape(rows, 1, config.n_heads * hd))
+            x = x + block.mlp(block.post_attention_layernorm(x))
+        logits = model.logits(model.norm(x))[:, 0]
+        probs = jax.nn.softmax(logits / temperature[:, None], axis=-1)
+        cdf = jnp.cumsum(probs, axis=-1)
+        sampled = jnp.argmax(cdf >= u[:, None] * cdf[:, -1:], axis=-1).astype(jnp.int32)
+        greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return new, jnp.where(temperature > 0, sampled, greedy)
+
+    @functools.partial(jax.jit, static_argnums=(4,), donate_argnums=(1,))
+    def loop(params, caches, tokens, temperature, steps, start_pos, key):
+        model = nnx.merge(graphdef, params)
+        draws = jax.random.uniform(key, (steps, rows))  # one number per row per step
+
+        def body(i, carry):
+            caches, tokens = carry
+            caches, tokens = step(model, caches, tokens, start_pos + i, draws[i], temperature)
+            return caches, tokens
+        return jax.lax.fori_loop(0, steps, body, (caches, tokens), unroll=unroll)
+
+    def caches():
+        shape = (rows, config.n_kv_heads, span, hd)
+        return [(jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
+                for _ in range(config.n_layers)]
+
+    return loop, caches
+
+
+def check_tuned_loop(graphdef, params, config) -> int:
+    """Greedy tokens of the tuned loop against the model's own dense forward, 6 steps
+    from a 5-token prompt on 2 rows; returns how many agree (12 when the loop is right)."""
+    rows, prompt, steps, span = 2, 5, 6, 16
+    tokens = jnp.array([[3, 9, 27, 81, 243 % config.vocab_size]] * rows, jnp.int32)
+    cache = init_kv_cache(config, rows, span)
+    logits, cache = forward(graphdef, params, tokens, jnp.tile(jnp.arange(prompt), (rows, 1)),
+                            cache)
+    ref, nxt = [], jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
+    for t in range(steps):
+        ref.append(nxt)
+        logits, cache = forward(graphdef, params, nxt[:, None],
+                                jnp.full((rows, 1), prompt + t, jnp.int32), cache)
+        nxt = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+    loop, _ = tuned_step_fn(graphdef, config, rows, span, unroll=1)
+    # The dense pass's KV; the loop writes each position before it attends to it.
+    kv = [(cache.k[i], cache.v[i]) for i in range(config.n_layers)]
+    got, fed = [], ref[0]
+    for t in range(steps - 1):
+        kv, fed = loop(params, kv, fed, jnp.zeros((rows,), jnp.float32), 1, prompt + t,
+                       jax.random.PRNGKey(0))
+        got.append(fed)
+    agree = rows + sum(int((a == b).sum()) for a, b in zip(got, ref[1:]))
+    return agree
+
+
+def make_tuned_loop(graphdef, params, config, rows: int, span: int, unroll: int = 4):
+    """``measure() -> tokens/s`` of ``tuned_step_fn``'s loop: ``rows`` rows decoding
+    ``bare_steps`` tokens from the workload's prompt length, attending over ``span``."""
+    steps = ARGS.bare_steps
+    start_pos = ARGS.system_tokens + ARGS.question_tokens
+    loop, caches = tuned_step_fn(graphdef, config, rows, span, unroll)
+    state = {"kv": caches()}
+    tokens = jnp.zeros((rows,), jnp.int32)
+    temperature = jnp.ones((rows,), jnp.float32)
+
+    def run():
+        state["kv"], out = loop(params, state["kv"], tokens, temperature, steps, start_pos,
+                                jax.random.PRNGKey(1))
+        return out
+
+    return lambda: best_rate(run, rows * steps)
+
+
+def limit_ladder(graphdef, params, config, bare) -> dict:
+    """The limits the engine is held against, measured here, fastest of 3 each: today's
+    bare loop (dense 640-position cache, 64 rows, the engine's sampler), a *matched* loop
+    (the engine's own step at its row bucket and span bucket for this workload), a *tuned*
+    loop (``tuned_step_fn``, at the bare loop's rows, attending the live span), and the
+    machine's matmul and copy rates; with the model's FLOPs and bytes per generated token
+    at the tuned loop's settings, and the GFLOP/s each loop reaches."""
+    from raytunix.inference.engine import _bucket, _row_buckets, _span_buckets
+
+    block = 16
+    longest = ARGS.system_tokens + ARGS.question_tokens + ARGS.turns * (
+        ARGS.new_tokens + ARGS.tool_tokens)
+    rows = _bucket(_row_buckets(ARGS.max_batch_size), ARGS.max_batch_size)
+    span_blocks = _bucket(_span_buckets(-(-ARGS.max_seq_len // block), block),
+                          -(-longest // block))
+    live_span = -(-(ARGS.system_tokens + ARGS.question_tokens + ARGS.bare_steps) // 8) * 8
+    tuned_rows = ARGS.max_batch_size_bare
+    agree = check_tuned_loop(graphdef, params, config)
+    out = {"bare_tokens_per_s": round(bare(), 1),
+           "matched_bare_tokens_per_s": round(
+               make_matched_loop(graphdef, params, config, rows, span_blocks, block)(), 1),
+           "tuned_bare_tokens_per_s": round(
+               make_tuned_loop(graphdef, params, config, tuned_rows, live_span)(), 1),
+           **machine_rates(),
+           "matched": {"rows": rows, "span_positions": span_blocks * block},
+           "tuned": {"rows": tuned_rows, "span_positions": live_span, "unroll": 4,
+                     "greedy_tokens_agreeing_with_the_model": f"{agree}/12"},
+           "work_per_token": work_per_token(config, params, live_span, tuned_rows)}
+    out["tuned_over_bare"] = round(out["tuned_bare_tokens_per_s"] / out["bare_tokens_per_s"], 2)
+    flops = out["work_per_token"]["flops_per_token"]
+    out["gflops"] = {k: round(out[f"{k}_tokens_per_s"] * flops / 1e9, 2)
+                     for k in ("bare", "matched_bare", "tuned_bare")}
+    return out
+
+
 async def measure(graphdef, params, config, max_seq_len, concurrency, latency_s) -> dict:
     engine = make_engine(graphdef, params, config, max_seq_len)
     try:
@@ -264,15 +481,23 @@ async def measure(graphdef, params, config, max_seq_len, concurrency, latency_s)
 
 async def cold_start_process(mode: str) -> dict:
     """In a fresh process: an engine with the training run's default settings
-    (``EngineConfig``, compiling ahead or lazily) serves the 64-episode workload at once
-    after it is built (cold), then twice more once its compiler is idle (warm)."""
+    (``EngineConfig``) serves the 64-episode workload (cold), then twice more once its
+    compiler is idle (warm). ``lazy``: compiling on first use; ``ahead``: compiling ahead,
+    the workload sent the moment the engine is built; ``ahead_after_startup``: the
+    workload sent once the engine's start-up compile is done (``startup_s`` from its
+    construction), as in ``raytunix train``, whose warm start runs meanwhile."""
     from raytunix.config import EngineConfig
 
     config = model_config(ARGS.max_seq_len)
     graphdef, params = init_model(config, seed=0)
-    kwargs = {**EngineConfig().engine_kwargs(), "compile_ahead": mode == "ahead"}
+    kwargs = {**EngineConfig().engine_kwargs(), "compile_ahead": mode != "lazy"}
+    t0 = time.perf_counter()
     engine = InferenceEngine(graphdef, params, config, IdText(), max_seq_len=ARGS.max_seq_len,
                              **kwargs)
+    startup_s = None
+    if mode == "ahead_after_startup":
+        await asyncio.to_thread(engine.wait_until_compiled, 1800)
+        startup_s = round(time.perf_counter() - t0, 2)
     top = max(ARGS.concurrency)
     try:
         cold = await run_workload(engine, top, 0.0, seed=0)
@@ -283,7 +508,7 @@ async def cold_start_process(mode: str) -> dict:
     finally:
         await engine.close()
     rates = [w["generated_tokens_per_s"] for w in warm]
-    return {"compile_ahead": mode == "ahead", "concurrency": top,
+    return {"mode": mode, "startup_s": startup_s, "concurrency": top,
             "max_batch_size": kwargs["max_batch_size"],
             "cold_tokens_per_s": cold["generated_tokens_per_s"],
             "warm_tokens_per_s": rates, "cold_over_warm": round(
@@ -304,7 +529,7 @@ def measure_cold_start() -> dict:
     import tempfile
 
     out: dict = {}
-    for mode in ("ahead", "lazy"):
+    for mode in ("lazy", "ahead", "ahead_after_startup"):
         with tempfile.TemporaryDirectory(prefix="raytunix-bench-jax-cache-") as cache:
             env = {k: v for k, v in os.environ.items()
                    if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
@@ -312,9 +537,11 @@ def measure_cold_start() -> dict:
                        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
             argv = [sys.executable, os.path.abspath(__file__), "--cold-start-only", mode,
-                    "--max-seq-len", str(ARGS.max_seq_len), "--vocab", str(ARGS.vocab),
                     "--model-scale", ARGS.model_scale, "--concurrency",
                     *map(str, ARGS.concurrency)]
+            for name in ("prompts", "group_size", "system_tokens", "question_tokens", "turns",
+                         "new_tokens", "tool_tokens", "vocab", "max_seq_len"):
+                argv += ["--" + name.replace("_", "-"), str(getattr(ARGS, name))]
             if ARGS.engine_path:
                 argv += ["--engine-path", ARGS.engine_path]
             runs = {}
@@ -322,9 +549,11 @@ def measure_cold_start() -> dict:
                 done = subprocess.run(argv, env=env, capture_output=True, text=True,
                                       check=True)
                 runs[disk] = json.loads(done.stdout)
-            out["compile_ahead" if mode == "ahead" else "lazy"] = runs
-    ahead = out["compile_ahead"]["empty_compilation_cache"]
-    return {"cold_over_warm": ahead["cold_over_warm"], **out}
+            out[mode] = runs
+    return {"cold_over_warm": out["ahead"]["empty_compilation_cache"]["cold_over_warm"],
+            "cold_over_warm_after_startup":
+                out["ahead_after_startup"]["empty_compilation_cache"]["cold_over_warm"],
+            **out}
 
 
 async def main() -> dict:
@@ -339,6 +568,7 @@ async def main() -> dict:
                           latency_ms / 1000)
     warmup_s = time.monotonic() - t0
     bare = make_bare_loop(graphdef, params, config)
+    ladder = limit_ladder(graphdef, params, config, bare)
     limits = []
 
     results: dict = {}
@@ -354,6 +584,8 @@ async def main() -> dict:
             limits.append(limit)
             run["bare_limit_tokens_per_s"] = round(limit, 1)
             run["fraction_of_bare_limit"] = round(run["generated_tokens_per_s"] / limit, 3)
+            run["fraction_of_tuned_limit"] = round(
+                run["generated_tokens_per_s"] / ladder["tuned_bare_tokens_per_s"], 3)
             per[str(concurrency)] = run
         results[f"tool_latency_{latency_ms:g}ms"] = per
     limit = float(np.median(limits))
@@ -382,6 +614,7 @@ async def main() -> dict:
             "new_tokens", "tool_tokens", "vocab", "max_seq_len", "max_batch_size",
             "max_batch_size_bare", "model_scale")},
         "bare_limit_tokens_per_s": round(limit, 1),  # median of the per-run limits
+        "limits": ladder,
         "warmup_s": round(warmup_s, 1),
         "runs": results,
         "long_context": long_run,

@@ -64,7 +64,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pyarrow as pa
-from rollout_overlap import machine  # benchmarks/ is on sys.path when run as a script
+from machine_rates import gemm_gflops  # benchmarks/ is on sys.path when run as a script
+from rollout_overlap import machine
 
 from raytunix.config import RolloutConfig
 from raytunix.learner.batch import Batch, PackedBatch
@@ -176,6 +177,19 @@ def make_bare_step(graphdef, learning_rate: float, clip_low: float, clip_high: f
     return optimizer, step
 
 
+def update_flops(config: ModelConfig, params, rows: int, length: int) -> int:
+    """FLOPs of one forward and backward pass over a ``rows x length`` batch: 6 per matmul
+    weight per token (2 forward, 4 backward; the embedding table counts only when tied,
+    as the LM head) and 12 per position pair per head dimension per layer for attention
+    over the full square the program computes (Kaplan et al. 2020, arXiv:2001.08361).
+    A lower bound of the update's work: optimizer, softmax and norms are left out."""
+    total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    embed = config.vocab_size * config.d_model
+    weights = total - (0 if config.tie_embeddings else embed)
+    attention = 12 * config.n_layers * config.n_heads * config.head_dim * length * length
+    return 6 * weights * rows * length + attention * rows
+
+
 def group_advantages(batch: Batch) -> np.ndarray:
     """GRPO advantages float32[B, 1] on the host: (reward - group mean) / (group std + 1e-6)."""
     adv = np.zeros(len(batch.rewards), np.float32)
@@ -234,7 +248,11 @@ def measure(name: str, args) -> dict:
         times["learner"].append(learner_step())
         times["bare"].append(bare_step())
     median = {k: statistics.median(v) for k, v in times.items()}
+    flops = update_flops(model_config, params, *batch.tokens.shape)
     return {
+        "flops_per_update": flops,
+        "update_gflops": round(flops / median["learner"] / 1e9, 2),
+        "bare_gflops": round(flops / median["bare"] / 1e9, 2),
         "model": {k: getattr(model_config, k) for k in (
             "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
             "max_seq_len", "tie_embeddings")},
@@ -321,9 +339,14 @@ def main(argv=None) -> dict:
         for name in names:
             results[name]["packing"] = measure_packing(name, args)
     headline = results.get("100m", results.get("tiny"))
+    gemm = gemm_gflops()  # the machine's matmul rate, in this run
+    for result in results.values():
+        result["fraction_of_gemm_rate"] = round(result["update_gflops"] / gemm, 3)
     return {
         "benchmark": "learner_step",
         "ratio_vs_bare": headline["ratio_vs_bare"],
+        "fraction_of_gemm_rate": headline["fraction_of_gemm_rate"],
+        "gemm_gflops": round(gemm, 1),
         "tokens_counted": "padded batch tokens (B x T); trainable_tokens per config",
         "configs": results,
         "steps": args.steps,

@@ -22,8 +22,15 @@ group handling, packing into Arrow record batches, admission and accounting. Ray
 per-call costs (serialization, RPC) are not in it: they depend on the deployment, not on
 this code.
 
-Prints one JSON object; the key ``cpu_ms_per_turn`` is the claim's number (target < 0.5).
-``--profile`` adds the top functions of a cProfile run of the measured window.
+With ``--ray 1`` (the default) the same workload also runs the way ``raytunix train``
+runs it: an ``OrchestratorActor`` whose engine is an actor answering as ``InstantEngine``
+does (``InstantEngineActor``) and whose environments are ``simulated_tool`` env actors of
+an ``EnvPool`` with zero latency. Then the orchestrator actor's process CPU seconds
+(``psutil``) per turn are its cost with Ray's calls in: ``ray_cpu_ms_per_turn``.
+
+Prints one JSON object; the key ``cpu_ms_per_turn`` is the claim's number (target < 0.5),
+``ray_cpu_ms_per_turn`` the same with Ray in the loop. ``--profile`` adds the top
+functions of a cProfile run of the measured window (in-process).
 
     python benchmarks/orchestrator_overhead.py
 """
@@ -119,6 +126,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true",
                    help="also print the top functions (cProfile) of one more window")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ray", type=int, default=1,
+                   help="1: also measure the OrchestratorActor with an instant engine actor "
+                        "and instant env actors (ray_cpu_ms_per_turn)")
+    p.add_argument("--ray-concurrency", type=int, default=256,
+                   help="episodes in flight in the Ray measurement")
+    p.add_argument("--env-actors", type=int, default=2, help="env actors (Ray measurement)")
     args = p.parse_args(argv)
     for name in ("turns_measured", "warmup_turns"):
         if getattr(args, name) < 1:
@@ -196,14 +209,105 @@ async def measure(args) -> dict:
     return {"runs": runs, "profile": profile, "counters": dict(orchestrator.counters)}
 
 
+class InstantEngineActor:
+    """``InstantEngine`` as a Ray actor, with the calls the orchestrator makes of an engine
+    actor (``generate``, ``end_session``, ``abort``, ``engine_stats``)."""
+
+    def __init__(self, max_new_tokens: int, seed: int):
+        self.engine = InstantEngine(Tokenizer.byte_level(), max_new_tokens, seed=seed)
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        return await self.engine.generate(request)
+
+    def end_session(self, session_id: str) -> None:
+        self.engine.end_session(session_id)
+
+    def abort(self, request_id: str) -> bool:
+        return False
+
+    def engine_stats(self) -> dict:
+        return {"requests": self.engine.requests, "busy_s": 0.0, "wall_s": 0.0,
+                "active_slots": 0, "waiting": 0}
+
+
+def measure_ray(args) -> dict:
+    """The orchestrator actor's CPU per turn with Ray in the loop (see module docstring)."""
+    import psutil
+    import ray
+
+    from raytunix.rollout.actor import OrchestratorActor
+    from raytunix.rollout.env_pool import EnvPool
+
+    env_vars = {"env_vars": {"JAX_PLATFORMS": "cpu"}}
+    ray.init(address="local", include_dashboard=False, num_cpus=os.cpu_count() or 2,
+             object_store_memory=128 * 1024**2, log_to_driver=False, runtime_env=env_vars)
+    try:
+        tokenizer = Tokenizer.byte_level()
+        engine = ray.remote(InstantEngineActor).options(
+            num_cpus=0, max_concurrency=10_000).remote(args.max_new_tokens, args.seed)
+        pool = EnvPool("simulated_tool", {"tool_latency_s": 0.0, "turns": args.turns},
+                       num_actors=args.env_actors)
+        pool.wait_ready()
+        tasks = [Task(task_id=f"r{i}", question=f"Task {i}: look it up.", answer="")
+                 for i in range(10_000)]
+        orchestrator = ray.remote(OrchestratorActor).options(
+            num_cpus=0, max_concurrency=10_000).remote(
+            tasks=tasks, tokenizer=tokenizer, agent_name="text", env_pool=pool, engine=engine,
+            group_size=args.group_size, groups_per_batch=args.groups_per_batch,
+            max_concurrent_episodes=args.ray_concurrency, max_staleness=10**9,
+            max_turns=args.turns, max_context_tokens=4096,
+            sampling=SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0),
+            episode_timeout_s=600.0, batch_queue_size=64, seed=args.seed)
+        process = psutil.Process(ray.get(orchestrator.__ray_call__.remote(
+            lambda self: os.getpid())))
+
+        def consume(turns: int) -> dict:
+            done, trajectories = 0.0, 0
+            while done < turns:
+                _, info = ray.get(orchestrator.next_batch.remote())
+                orchestrator.mark_trained.remote(info["batch_id"], 0)
+                done += info["turns_mean"] * info["num_trajectories"]
+                trajectories += info["num_trajectories"]
+            return {"turns": done, "trajectories": trajectories}
+
+        consume(args.warmup_turns // 4)
+        runs = []
+        for _ in range(args.repeats):
+            cpu0 = sum(process.cpu_times()[:2])
+            wall0 = time.perf_counter()
+            got = consume(args.turns_measured // 4)
+            cpu = sum(process.cpu_times()[:2]) - cpu0
+            wall = time.perf_counter() - wall0
+            runs.append({**got, "cpu_s": cpu, "wall_s": wall,
+                         "cpu_ms_per_turn": 1000 * cpu / got["turns"],
+                         "turns_per_s": got["turns"] / wall})
+        ray.get(orchestrator.stop.remote())
+        return {"runs": runs, "concurrency": args.ray_concurrency,
+                "env_actors": args.env_actors}
+    finally:
+        ray.shutdown()
+
+
+def _spread(values: list[float]) -> dict:
+    return {"mean": statistics.fmean(values), "median": statistics.median(values),
+            "worst": max(values)}
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     load_before = os.getloadavg()
     result = asyncio.run(measure(args))
+    ray_result = measure_ray(args) if args.ray else None
     runs = result["runs"]
     report = {
         "benchmark": "orchestrator_overhead",
         "cpu_ms_per_turn": statistics.median(r["cpu_ms_per_turn"] for r in runs),
+        "cpu_ms_per_turn_repeats": _spread([r["cpu_ms_per_turn"] for r in runs]),
+        "ray_cpu_ms_per_turn": (None if ray_result is None else statistics.median(
+            r["cpu_ms_per_turn"] for r in ray_result["runs"])),
+        "ray_cpu_ms_per_turn_repeats": (None if ray_result is None else _spread(
+            [r["cpu_ms_per_turn"] for r in ray_result["runs"]])),
+        "ray": ray_result,
         "turns_per_s": statistics.median(r["turns_per_s"] for r in runs),
         "mean_episodes_in_flight": statistics.median(r["mean_episodes_in_flight"] for r in runs),
         "machine": {"cpu_count": os.cpu_count(), "processor": platform.processor(),

@@ -60,6 +60,7 @@ from raytunix.models.tokenizer import Tokenizer  # noqa: E402
 from raytunix.rollout.actor import OrchestratorActor, RayEngineClient  # noqa: E402
 from raytunix.rollout.batch import trajectories_to_record_batch  # noqa: E402
 from raytunix.rollout.env_pool import EnvPool  # noqa: E402
+from raytunix.rollout.episode import run_episode  # noqa: E402
 from raytunix.types import EpisodeStatus, FinishReason, SamplingParams, Task  # noqa: E402
 
 _ACTOR_ENV = {"env_vars": {"JAX_PLATFORMS": "cpu"}}
@@ -112,6 +113,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--n-layers", type=int, default=3)
     p.add_argument("--max-seq-len", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-sync", type=int, default=1,
+                   help="1: also run the batch-synchronous baseline at the async run's "
+                        "concurrency, with and without stragglers (and async without them)")
     args = p.parse_args(argv)
     b = args.max_batch_size
     if args.trajectories < b or args.trajectories % b:
@@ -253,6 +257,52 @@ def measure_lockstep(tasks, tokenizer, engine, pool, args) -> dict:
             **engine_window(before, after, wall)}
 
 
+# ----------------------------------------------------------------------- batch-synchronous baseline
+
+async def run_batch_sync(tasks, tokenizer, engine, pool, args, size: int) -> list:
+    """Batch-synchronous rollout with ``size`` episodes in flight: each batch's episodes
+    run as independent coroutines through ``run_episode`` (the engine batches their turns
+    continuously, as in the async run), and the next batch starts only once the slowest
+    episode of this one has ended: a synchronous RL loop that collects a batch, then
+    trains. The async run's concurrency, so only the waiting for stragglers differs."""
+    client = RayEngineClient(engine)
+    trajectories: list = []
+    for start in range(0, len(tasks), size):
+        chunk = tasks[start:start + size]
+        group = f"b{start}"
+        leases = [pool.lease(group) for _ in chunk]
+
+        async def one(i: int, task: Task, env):
+            return await run_episode(task, group, make_agent(AGENT, tokenizer), env, client,
+                                     sampling(args), max_turns=args.turns,
+                                     max_context_tokens=args.max_seq_len,
+                                     seed=args.seed + start + i, timeout_s=600.0)
+
+        try:
+            batch = await asyncio.gather(*(one(i, t, env)
+                                           for i, (t, (env, _)) in enumerate(zip(chunk, leases))))
+        finally:
+            for _, index in leases:
+                pool.release(index)
+        ray.put(trajectories_to_record_batch(batch))  # what the orchestrator hands on, too
+        trajectories += batch
+    return trajectories
+
+
+def measure_batch_sync(tasks, tokenizer, engine, pool, args) -> dict:
+    before = ray.get(engine.engine_stats.remote())
+    start = time.perf_counter()
+    trajectories = asyncio.run(run_batch_sync(tasks, tokenizer, engine, pool, args,
+                                              args.concurrency))
+    wall = time.perf_counter() - start
+    after = ray.get(engine.engine_stats.remote())
+    tokens = sum(sum(t.loss_mask) for t in trajectories)
+    turns = sum(t.num_turns for t in trajectories)
+    statuses = collections.Counter(t.status.value for t in trajectories)
+    return {**run_summary(wall, len(trajectories), tokens, turns, statuses),
+            "concurrency": args.concurrency, **engine_window(before, after, wall)}
+
+
 # ----------------------------------------------------------------------- async orchestrator
 
 def start_orchestrator(tasks, tokenizer, engine, pool, args, groups_per_batch: int):
@@ -310,8 +360,13 @@ def wait_engine_idle(engine, timeout_s: float = 60.0) -> None:
 # ----------------------------------------------------------------------- main
 
 def summarize(runs: list[dict]) -> dict:
+    """Medians of the repeats at the top (what ratios use), and per key the mean, median
+    and worst (lowest rate, longest wall)."""
     keys = ("trajectories_per_s", "generated_tokens_per_s", "engine_busy_fraction", "wall_s")
-    return {**{k: statistics.median(r[k] for r in runs) for k in keys}, "runs": runs}
+    spread = {k: {"mean": statistics.fmean(r[k] for r in runs),
+                  "median": statistics.median(r[k] for r in runs),
+                  "worst": (max if k == "wall_s" else min)(r[k] for r in runs)} for k in keys}
+    return {**{k: spread[k]["median"] for k in keys}, "repeats": spread, "runs": runs}
 
 
 def calibrate(tokenizer, engine, args) -> float:
@@ -365,13 +420,19 @@ def main(argv=None) -> dict:
     if warmup is None:
         warmup = -(-args.concurrency // args.max_batch_size) * args.max_batch_size
 
+    smooth = {**env_kwargs(args, latency), "straggler_fraction": 0.0}
     pools = {"slow": EnvPool("simulated_tool", env_kwargs(args, latency),
                              num_actors=args.env_actors),
+             "no_stragglers": EnvPool("simulated_tool", smooth, num_actors=args.env_actors),
              "instant": EnvPool("simulated_tool", env_kwargs(args, 0.0),
                                 num_actors=args.env_actors)}
     for pool in pools.values():
         pool.wait_ready()
-    results: dict[str, list[dict]] = {"lockstep": [], "async": [], "async_zero_latency": []}
+    # Whole batches of the async run's concurrency, at least as many as one async window.
+    sync_n = max(1, -(-args.trajectories // args.concurrency)) * args.concurrency
+    results: dict[str, list[dict]] = {
+        "lockstep": [], "async": [], "async_zero_latency": [], "batch_sync": [],
+        "async_no_stragglers": [], "batch_sync_no_stragglers": []}
     for r in range(args.repeats):
         # Fresh task ids per run: a task's straggler draw is seeded by its id.
         results["async"].append(measure_async(
@@ -383,14 +444,32 @@ def main(argv=None) -> dict:
         results["lockstep"].append(measure_lockstep(
             make_tasks(args.lockstep_trajectories, f"l{r}/"), tokenizer, engine,
             pools["slow"], args))
-    summary = {mode: summarize(runs) for mode, runs in results.items()}
+        if args.batch_sync:
+            results["batch_sync"].append(measure_batch_sync(
+                make_tasks(sync_n, f"b{r}/"), tokenizer, engine, pools["slow"], args))
+            results["async_no_stragglers"].append(measure_async(
+                make_tasks(warmup + 2 * args.trajectories, f"n{r}/"), tokenizer, engine,
+                pools["no_stragglers"], args, warmup))
+            results["batch_sync_no_stragglers"].append(measure_batch_sync(
+                make_tasks(sync_n, f"m{r}/"), tokenizer, engine, pools["no_stragglers"], args))
+    summary = {mode: summarize(runs) for mode, runs in results.items() if runs}
+
+    def speedup(fast: str, slow: str):
+        if fast not in summary or slow not in summary:
+            return None
+        return summary[fast]["trajectories_per_s"] / summary[slow]["trajectories_per_s"]
+
     report = {
         "benchmark": "rollout_overlap",
         "engine_busy_fraction": summary["async"]["engine_busy_fraction"],
         "throughput_ratio_vs_zero_latency": (summary["async"]["trajectories_per_s"]
                                              / summary["async_zero_latency"]["trajectories_per_s"]),
-        "speedup_trajectories_per_s": (summary["async"]["trajectories_per_s"]
-                                       / summary["lockstep"]["trajectories_per_s"]),
+        # Equal settings: the same concurrency, engine, env actors and tools.
+        "speedup_vs_batch_sync": speedup("async", "batch_sync"),
+        "speedup_vs_batch_sync_no_stragglers": speedup("async_no_stragglers",
+                                                       "batch_sync_no_stragglers"),
+        # Not equal settings: lockstep runs max_batch_size episodes at a time.
+        "speedup_trajectories_per_s": speedup("async", "lockstep"),
         "machine": {**machine(), "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
         "parameters": {**vars(args), "tool_latency_s": latency,
                        "mean_tool_latency_s": mean_latency,

@@ -35,10 +35,16 @@ def _run(script: str, *args: str, timeout_s: float) -> dict:
 def test_orchestrator_overhead_runs_and_reports_cpu_per_turn():
     report = _run("orchestrator_overhead.py", "--concurrency", "32", "--group-size", "4",
                   "--groups-per-batch", "2", "--turns", "3", "--turns-measured", "300",
-                  "--warmup-turns", "100", "--repeats", "2", timeout_s=120)
+                  "--warmup-turns", "100", "--repeats", "2", "--ray-concurrency", "32",
+                  "--env-actors", "1", timeout_s=300)
     assert report["benchmark"] == "orchestrator_overhead"
     assert report["cpu_ms_per_turn"] > 0
     assert len(report["runs"]) == 2
+    # With Ray in the loop: the orchestrator actor's own process CPU over its turns.
+    assert len(report["ray"]["runs"]) == 2 and report["ray_cpu_ms_per_turn"] > 0
+    for run in report["ray"]["runs"]:
+        assert run["turns"] >= 300 // 4 and run["trajectories"] > 0
+    assert report["ray_cpu_ms_per_turn_repeats"]["worst"] >= report["ray_cpu_ms_per_turn"]
     for run in report["runs"]:
         assert run["turns"] >= 300 and run["trajectories"] > 0
         assert 0 < run["mean_episodes_in_flight"] <= 32
@@ -56,14 +62,22 @@ def test_rollout_overlap_runs_and_reports_its_three_keys():
                   "--straggler-fraction", "0.5", "--straggler-factor", "3",
                   "--concurrency", "4", "--repeats", "1", timeout_s=300)
     for key in ("engine_busy_fraction", "throughput_ratio_vs_zero_latency",
-                "speedup_trajectories_per_s"):
+                "speedup_trajectories_per_s", "speedup_vs_batch_sync",
+                "speedup_vs_batch_sync_no_stragglers"):
         assert report[key] > 0, key
-    for mode in ("lockstep", "async", "async_zero_latency"):
+    for mode in ("lockstep", "async", "async_zero_latency", "batch_sync",
+                 "async_no_stragglers", "batch_sync_no_stragglers"):
         run, = report[mode]["runs"]
         assert run["statuses"] == {"completed": run["trajectories"]}
         assert run["compiled_during_run"] == 0  # warmed up before the clock
+        spread = report[mode]["repeats"]["trajectories_per_s"]  # one repeat: all agree
+        assert spread["worst"] == spread["median"] == run["trajectories_per_s"]
+        assert spread["mean"] == pytest.approx(run["trajectories_per_s"])
     assert report["async"]["runs"][0]["trajectories"] == 4
     assert report["lockstep"]["runs"][0]["trajectories"] == 2
+    # The batch-synchronous baseline runs whole batches of the async run's concurrency.
+    assert report["batch_sync"]["runs"][0]["trajectories"] == 4
+    assert report["batch_sync"]["runs"][0]["concurrency"] == 4
 
 
 @pytest.mark.benchmark
@@ -81,6 +95,9 @@ def test_profiling_overhead_alternates_profiling_and_reports_its_cost():
     # off-on, then on-off: the order alternates so that drift hits both alike
     assert [block["profiled"] for block in report["blocks"]] == [False, True, True, False]
     assert len(report["overhead_fraction_per_pair"]) == 2
+    assert report["overhead_pooled"] == report["overhead_fraction_pooled"]
+    low_mean, high_mean = report["overhead_fraction_mean_ci95"]
+    assert report["overhead_mean_upper95"] == high_mean >= report["overhead_fraction_mean"]
     for block in report["blocks"]:
         assert block["trajectories"] == 2 * 4  # --block-batches x --batch, timed
         assert block["cpu_s"] > 0
@@ -138,6 +155,10 @@ def test_learner_step_compares_the_update_with_a_bare_train_step():
     assert tiny["batch"]["padded_tokens"] == 8 * 32  # the longest trajectory fills the width
     assert 0 < tiny["batch"]["trainable_tokens"] < 8 * 32  # prompts are not trained on
     assert len(tiny["step_s"]["learner"]) == len(tiny["step_s"]["bare"]) == 2
+    assert report["gemm_gflops"] > 0
+    assert report["fraction_of_gemm_rate"] == tiny["fraction_of_gemm_rate"] == round(
+        tiny["update_gflops"] / report["gemm_gflops"], 3)
+    assert tiny["flops_per_update"] > 6 * 8 * 32  # at least 6 FLOPs per token per weight
 
 
 @pytest.mark.benchmark
