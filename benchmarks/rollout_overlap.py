@@ -244,10 +244,12 @@ async def run_lockstep(tasks, tokenizer, engine, pool, args, turn_times=None) ->
     return trajectories
 
 
-def measure_lockstep(tasks, tokenizer, engine, pool, args) -> dict:
+def measure_rollout(engine, rollout) -> dict:
+    """Runs the coroutine ``rollout`` (returns trajectories) with the clock and the
+    engine's counters around it."""
     before = ray.get(engine.engine_stats.remote())
     start = time.perf_counter()
-    trajectories = asyncio.run(run_lockstep(tasks, tokenizer, engine, pool, args))
+    trajectories = asyncio.run(rollout)
     wall = time.perf_counter() - start
     after = ray.get(engine.engine_stats.remote())
     tokens = sum(sum(t.loss_mask) for t in trajectories)
@@ -255,6 +257,10 @@ def measure_lockstep(tasks, tokenizer, engine, pool, args) -> dict:
     statuses = collections.Counter(t.status.value for t in trajectories)
     return {**run_summary(wall, len(trajectories), tokens, turns, statuses),
             **engine_window(before, after, wall)}
+
+
+def measure_lockstep(tasks, tokenizer, engine, pool, args) -> dict:
+    return measure_rollout(engine, run_lockstep(tasks, tokenizer, engine, pool, args))
 
 
 # ----------------------------------------------------------------------- batch-synchronous baseline
@@ -290,17 +296,9 @@ async def run_batch_sync(tasks, tokenizer, engine, pool, args, size: int) -> lis
 
 
 def measure_batch_sync(tasks, tokenizer, engine, pool, args) -> dict:
-    before = ray.get(engine.engine_stats.remote())
-    start = time.perf_counter()
-    trajectories = asyncio.run(run_batch_sync(tasks, tokenizer, engine, pool, args,
-                                              args.concurrency))
-    wall = time.perf_counter() - start
-    after = ray.get(engine.engine_stats.remote())
-    tokens = sum(sum(t.loss_mask) for t in trajectories)
-    turns = sum(t.num_turns for t in trajectories)
-    statuses = collections.Counter(t.status.value for t in trajectories)
-    return {**run_summary(wall, len(trajectories), tokens, turns, statuses),
-            "concurrency": args.concurrency, **engine_window(before, after, wall)}
+    return {**measure_rollout(engine, run_batch_sync(tasks, tokenizer, engine, pool, args,
+                                                     args.concurrency)),
+            "concurrency": args.concurrency}
 
 
 # ----------------------------------------------------------------------- async orchestrator

@@ -132,11 +132,42 @@ def test_a_narrow_float_column_gives_the_shortest_text_and_refuses_inexact_integ
 def test_jsonl_lines_that_python_cannot_convert_are_named_not_raised(tmp_path):
     huge = "9" * 5000  # past Python's 4300-digit int conversion limit
     spec = _jsonl(tmp_path / "rows.jsonl", [
-        f'{{"question": "a?", "answer": {huge}, "extra": {huge}}}',
+        f'{{"question": "a?", "answer": 7, "extra": {huge}}}',
         '{"question": "b?", "answer": "6"}'])
     tasks = load_tasks(spec)
-    assert tasks[0].answer == huge and tasks[0].metadata["columns"]["extra"] == huge
+    assert tasks[0].answer == "7" and tasks[0].metadata["columns"]["extra"] == huge
+    # As an answer it is read too, and refused for its length (never compared), by row.
+    as_answer = _jsonl(tmp_path / "answer.jsonl", [f'{{"question": "a?", "answer": {huge}}}'])
+    with pytest.raises(DatasetError, match="5000 characters"):
+        load_tasks(as_answer)
     deep = _jsonl(tmp_path / "deep.jsonl", ['{"question": "a?", "answer": "1", "x": '
                                             + "[" * 100_000 + "]" * 100_000 + "}"])
     with pytest.raises(DatasetError, match="line 1 is not JSON .RecursionError"):
         load_tasks(deep)
+
+
+def test_a_reference_longer_than_answers_are_compared_is_refused(tmp_path):
+    long = "x" * 257
+    spec = _jsonl(tmp_path / "rows.jsonl", [
+        json.dumps({"question": "a?", "answer": "4"}),
+        json.dumps({"question": "b?", "answer": long}),
+        json.dumps({"question": "c?", "answer": "work " * 80 + "#### 7"})])  # 7 is compared
+    with pytest.raises(DatasetError, match=r"257 characters, over the 256.*rows 1\b"):
+        load_tasks(spec)
+    assert not answers_match(long, long)  # why: such a row could never be rewarded
+    ok = _jsonl(tmp_path / "ok.jsonl", [json.dumps({"question": "a?", "answer": "x" * 256})])
+    assert load_tasks(ok)[0].answer == "x" * 256
+
+
+def test_a_jsonl_file_with_a_byte_order_mark_reads_its_first_row(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"question": "a?", "answer": 4}\n'
+                     b'{"question": "b?", "answer": 5}\n')
+    tasks = load_tasks(DatasetSpec("jsonl", str(path)))
+    assert [(t.question, t.answer) for t in tasks] == [("a?", "4"), ("b?", "5")]
+
+
+def test_json_booleans_read_as_written(tmp_path):
+    spec = _jsonl(tmp_path / "rows.jsonl", ['{"question": "a?", "answer": true}',
+                                            '{"question": "b?", "answer": false}'])
+    assert [t.answer for t in load_tasks(spec)] == ["true", "false"]

@@ -26,9 +26,11 @@ Every row needs a usable reference answer, or the policy could earn reward by an
 nothing: a row whose answer is missing (null / None), a float NaN or infinity, or blank
 (``raytunix.data.answers.blank_answer``: empty, whitespace or invisible characters only,
 ``$$``, LaTeX that typesets as space such as ``\\quad`` or ``\\text{}``, nothing after the
-GSM8K mark), or a float64 integer past 2^53 (where a float64 no longer holds every integer,
-so the stored value may not be the answer written), is refused, naming the row and the
-column. JSONL answers that are JSON numbers are kept as their text, digit for digit. A text
+GSM8K mark), a reference longer than ``MAX_ANSWER_CHARS`` (256: answers that long are never
+compared, so the row could never be rewarded), or a float64 integer past 2^53 (where a
+float64 no longer holds every integer, so the stored value may not be the answer written),
+is refused, naming the row and the column. JSON ``true``/``false`` answers read as written;
+a UTF-8 byte-order mark before a JSONL file's first line is not part of it. JSONL answers that are JSON numbers are kept as their text, digit for digit. A text
 answer that reads as a missing-value marker (``nan``, ``None``, ``null``, ``N/A``,
 ``<NA>``, ``NaT``, any case) is refused only when every other answer of the split is a
 number: that is what a numeric column turned into text (pandas' ``astype(str)``) looks
@@ -49,7 +51,7 @@ import numpy as np
 import pyarrow as pa
 
 from raytunix.config import FileSource
-from raytunix.data.answers import blank_answer, parse_number, text_key, unwrap
+from raytunix.data.answers import MAX_ANSWER_CHARS, blank_answer, parse_number, text_key, unwrap
 from raytunix.types import Task
 
 FILE_SOURCES: tuple[str, ...] = get_args(FileSource)  # declared with data.source
@@ -223,6 +225,8 @@ def _reference(value: Any) -> tuple[str, str]:
                     "text")
     if isinstance(value, (dict, list)):
         return "", "not a text or number"
+    if isinstance(value, bool):  # JSON true/false as written, not Python's True/False
+        value = "true" if value else "false"
     if isinstance(value, bytes):
         try:
             value = value.decode("utf-8")
@@ -239,6 +243,11 @@ def _reference(value: Any) -> tuple[str, str]:
     answer = str(value)
     if GSM8K_ANSWER_MARK not in answer and blank_answer(answer):
         return "", "blank: nothing to compare an answer with"
+    compared = answer.rsplit(GSM8K_ANSWER_MARK, 1)[-1].strip()
+    if len(compared) > MAX_ANSWER_CHARS:
+        return "", (f"{len(compared)} characters, over the {MAX_ANSWER_CHARS} an answer is "
+                    "compared up to (longer ones never match, so the row could never be "
+                    "rewarded); shorten the reference or drop the row")
     return answer, ""
 
 
@@ -404,7 +413,8 @@ def _read_jsonl(path: str, key: str, answer_column: str) -> list[dict[str, Any]]
                            f"file ({', '.join(FILE_SOURCES)}).")
     records = []
     try:
-        with open(path, encoding="utf-8") as f:
+        # utf-8-sig: a byte-order mark (Windows editors write one) is not part of row 1.
+        with open(path, encoding="utf-8-sig") as f:
             for number, line in enumerate(f, 1):
                 if not line.strip():
                     continue
