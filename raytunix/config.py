@@ -1261,12 +1261,29 @@ def preset_names() -> list[str]:
                   if p.name.endswith(".yaml"))
 
 
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, but ``1e1`` and ``2E-3`` are numbers as in YAML 1.2 and JSON
+    (YAML 1.1 wants a dot, ``1.0e1``, and reads ``1e1`` as text): a float written in
+    scientific notation reaches a free mapping such as ``env.kwargs`` as a float."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
+
+
+def load_yaml(text: str) -> Any:
+    """``text`` parsed as a config's YAML (``_Loader``). Raises ``yaml.YAMLError``."""
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+
+
 def _read_yaml(text: str, source: str) -> dict[str, Any]:
     try:
-        tree = yaml.safe_load(text)
+        tree = load_yaml(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"{source} is not valid YAML: {e}") from None
-    return tree or {}
+    return {} if tree is None else tree  # an empty file; [] or a scalar is refused by name
 
 
 def parse_override(item: str, schema: type[Config] | None = None) -> tuple[str, str, Any]:
@@ -1283,7 +1300,7 @@ def parse_override(item: str, schema: type[Config] | None = None) -> tuple[str, 
         raise ConfigError(f"override key {dotted!r} must be section.key, e.g. rollout.group_size "
                           f"(or {' / '.join(sorted(mappings))}.name for one entry of a mapping).")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = load_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return parts[0], parts[1], value

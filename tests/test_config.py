@@ -87,6 +87,9 @@ def test_bad_value_in_a_file_names_the_file_key_and_value(tmp_path):
 @pytest.mark.parametrize("text, named", [
     ("rollout: [1, 2\n", "not valid YAML"),
     ("- rollout\n- env\n", "top level must be a mapping"),
+    ("[]\n", "top level must be a mapping of sections, got list"),  # empty, not a mapping
+    ("0\n", "mapping of sections, got int"),
+    ("false\n", "mapping of sections, got bool"),
     ("rollout: 3\n", "'rollout'"),
     ("training:\n  steps: 3\n", "'training'"),
     ("env:\n  nme: x\n", "env.nme"),
@@ -188,3 +191,22 @@ def test_fault_settings_reach_the_orchestrator_as_backoff_schedules():
                   if k.startswith(("max_episode", "max_group", "max_consecutive",
                                    "engine_retry", "retry_"))}
     assert len(fault_keys) == 12 and fault_keys <= RESUME_OVERRIDABLE
+
+
+def test_scientific_notation_is_a_number_in_files_and_overrides(tmp_path):
+    from raytunix.config import load_yaml, parse_override
+
+    # YAML 1.1 reads 1e1 as text; configs read it as YAML 1.2 and JSON do.
+    assert load_yaml("a: 1e1\nb: -2E-3\nc: 1.5e+2\nd: 1e\ne: 12\nf: v1e1\n") == {
+        "a": 10.0, "b": -0.002, "c": 150.0, "d": "1e", "e": 12, "f": "v1e1"}
+    assert parse_override("env.kwargs.scale=1e1") == ("env", "kwargs.scale", 10.0)
+    assert load_config(None, ["learner.learning_rate=3e-5"]).learner.learning_rate == 3e-5
+    path = tmp_path / "run.yaml"
+    path.write_text("learner:\n  learning_rate: 2e-4\n")
+    assert load_config(str(path)).learner.learning_rate == 2e-4
+
+
+def test_an_empty_file_is_the_defaults(tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("# nothing set\n")
+    assert load_config(str(path)) == load_config(None)

@@ -34,6 +34,7 @@ from raytunix.config import (
     ConfigError,
     apply_override,
     config_from_dict,
+    load_yaml,
     resumable_keys,
     validate,
 )
@@ -228,7 +229,7 @@ def load_run_config(run_dir: str, overrides: Sequence[str] = (),
             "directory `raytunix train` printed at start (under runs/).")
     with open(path) as f:
         try:
-            tree = yaml.safe_load(f)
+            tree = load_yaml(f.read())
         except yaml.YAMLError as e:
             raise ConfigError(f"{path} is not valid YAML ({e}); restore it from a copy or start a new run.") from None
     if not isinstance(tree, dict):
