@@ -116,7 +116,7 @@ def test_a_helper_that_does_not_answer_in_time_is_killed_and_replaced():
         grace, sql_worker.KILL_GRACE_S = sql_worker.KILL_GRACE_S, -0.5
         try:
             with pytest.raises(sql_worker.QueryFailed, match="deadline") as caught:
-                pool.execute(path, "SELECT COUNT(*) FROM orders a, orders b, orders c",
+                pool.execute(path, "SELECT COUNT(*) FROM orders a, orders b, orders c, orders d",
                              timeout_s=1.0, max_rows=10, max_result_bytes=1000)
             assert caught.value.kind == "timeout"
         finally:
