@@ -25,6 +25,7 @@ decides from the ids either way).
 
 from __future__ import annotations
 
+import abc
 import collections
 import json
 import re
@@ -71,17 +72,19 @@ class Reply:
         return assistant_key(self.content, self.tool_calls)
 
 
-class _Renderer:
+class _Renderer(abc.ABC):
     """What both renderers share: reply parsing with the configured tool-call parser."""
 
     parser: ToolCallParser
     stop_token_ids: tuple[int, ...]
 
+    @abc.abstractmethod
     def decode(self, ids: Sequence[int]) -> str:
-        raise NotImplementedError
+        """Text of token ids."""
 
+    @abc.abstractmethod
     def encode_text(self, text: str) -> list[int]:
-        raise NotImplementedError
+        """Token ids of plain text (no special tokens)."""
 
     def forced_prefix(self, tool_choice: str) -> list[int]:
         """Ids put after the generation prompt so that the reply is a call:
