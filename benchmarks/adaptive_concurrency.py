@@ -68,26 +68,47 @@ from rollout_overlap import (  # noqa: E402  (benchmarks/ is on sys.path when ru
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=16, help="learner steps of the adaptive run")
-    p.add_argument("--baseline-steps", type=int, default=1,
-                   help="steps with the budget fixed at the start value, run first (0: none)")
-    p.add_argument("--start-concurrency", type=int, default=4,
-                   help="max_concurrent_episodes at start")
-    p.add_argument("--max-concurrency", type=int, default=0,
-                   help="the controller's upper bound (0: what admission can ever let in, "
-                        "(max_staleness + 1) x groups_per_batch x group_size)")
+    p.add_argument(
+        "--baseline-steps",
+        type=int,
+        default=1,
+        help="steps with the budget fixed at the start value, run first (0: none)",
+    )
+    p.add_argument(
+        "--start-concurrency", type=int, default=4, help="max_concurrent_episodes at start"
+    )
+    p.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=0,
+        help="the controller's upper bound (0: what admission can ever let in, "
+        "(max_staleness + 1) x groups_per_batch x group_size)",
+    )
     p.add_argument("--target-busy", type=float, default=0.9)
     p.add_argument("--dead-band", type=float, default=0.05)
-    p.add_argument("--interval-s", type=float, default=1.0,
-                   help="seconds between two engine stats readings of the controller")
+    p.add_argument(
+        "--interval-s",
+        type=float,
+        default=1.0,
+        help="seconds between two engine stats readings of the controller",
+    )
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--groups-per-batch", type=int, default=16)
-    p.add_argument("--max-staleness", type=int, default=2,
-                   help="admission lets at most (max_staleness + 1) x groups_per_batch groups be "
-                        "in flight or waiting for the learner; 2 leaves room for the ~24 groups "
-                        "in flight that slow tools need on 16 rows")
+    p.add_argument(
+        "--max-staleness",
+        type=int,
+        default=2,
+        help="admission lets at most (max_staleness + 1) x groups_per_batch groups be "
+        "in flight or waiting for the learner; 2 leaves room for the ~24 groups "
+        "in flight that slow tools need on 16 rows",
+    )
     p.add_argument("--train-s", type=float, default=0.3, help="the stand-in learner's update time")
-    p.add_argument("--tool-latency-s", type=float, default=None,
-                   help="median tool latency L (s); default: latency factor x calibrated turn")
+    p.add_argument(
+        "--tool-latency-s",
+        type=float,
+        default=None,
+        help="median tool latency L (s); default: latency factor x calibrated turn",
+    )
     p.add_argument("--latency-factor", type=float, default=5.0)
     add_latency_shape_args(p, dist="uniform", sigma=1.0, jitter=0.5, straggler_fraction=0.0)
     p.add_argument("--turns", type=int, default=3, help="turns (tool calls) per episode")
@@ -105,20 +126,44 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def run_steps(args, tokenizer, engine, pool, params, version: int, steps: int,
-              controller: ConcurrencyController | None, prefix: str) -> tuple[list[dict], int]:
+def run_steps(
+    args,
+    tokenizer,
+    engine,
+    pool,
+    params,
+    version: int,
+    steps: int,
+    controller: ConcurrencyController | None,
+    prefix: str,
+) -> tuple[list[dict], int]:
     """``steps`` learner steps against a fresh orchestrator; returns one record per step
     and the policy version reached."""
     batch = args.group_size * args.groups_per_batch
-    orchestrator = ray.remote(OrchestratorActor).options(
-        num_cpus=0, max_concurrency=10_000, runtime_env=_ACTOR_ENV).remote(
-        tasks=make_tasks(batch * (steps + args.max_staleness + 4), prefix), tokenizer=tokenizer,
-        agent_name=AGENT, env_pool=pool, engine=engine, group_size=args.group_size,
-        groups_per_batch=args.groups_per_batch, max_concurrent_episodes=args.start_concurrency,
-        max_staleness=args.max_staleness, max_turns=args.turns,
-        max_context_tokens=args.max_seq_len, sampling=sampling(args), episode_timeout_s=600.0,
-        batch_queue_size=2, concurrency=controller, concurrency_interval_s=args.interval_s,
-        seed=args.seed, policy_version=version)
+    orchestrator = (
+        ray.remote(OrchestratorActor)
+        .options(num_cpus=0, max_concurrency=10_000, runtime_env=_ACTOR_ENV)
+        .remote(
+            tasks=make_tasks(batch * (steps + args.max_staleness + 4), prefix),
+            tokenizer=tokenizer,
+            agent_name=AGENT,
+            env_pool=pool,
+            engine=engine,
+            group_size=args.group_size,
+            groups_per_batch=args.groups_per_batch,
+            max_concurrent_episodes=args.start_concurrency,
+            max_staleness=args.max_staleness,
+            max_turns=args.turns,
+            max_context_tokens=args.max_seq_len,
+            sampling=sampling(args),
+            episode_timeout_s=600.0,
+            batch_queue_size=2,
+            concurrency=controller,
+            concurrency_interval_s=args.interval_s,
+            seed=args.seed,
+            policy_version=version,
+        )
+    )
     ray.get(orchestrator.stats.remote())  # constructed before the clock starts
     records = []
     start = previous_t = time.perf_counter()
@@ -131,19 +176,21 @@ def run_steps(args, tokenizer, engine, pool, params, version: int, steps: int,
         ray.get(orchestrator.mark_trained.remote(info["batch_id"], version))
         now_t, now = time.perf_counter(), ray.get(engine.engine_stats.remote())
         window = engine_window(previous, now, now_t - previous_t)
-        records.append({
-            "step": step,
-            "max_concurrent_episodes": info["max_concurrent_episodes"],
-            "episodes_in_flight": info["episodes_in_flight"],
-            "engine_busy_fraction": window["engine_busy_fraction"],
-            "controller_busy_reading": info.get("engine_busy_fraction_last_window"),
-            "staleness_max": info["staleness_max"],
-            "step_s": now_t - previous_t,
-            "elapsed_s": now_t - start,
-            "trajectories_per_s": info["num_trajectories"] / (now_t - previous_t),
-            "engine_mean_decode_rows": window["engine_mean_decode_rows"],
-            "engine_preemptions": window["engine_preemptions"],
-        })
+        records.append(
+            {
+                "step": step,
+                "max_concurrent_episodes": info["max_concurrent_episodes"],
+                "episodes_in_flight": info["episodes_in_flight"],
+                "engine_busy_fraction": window["engine_busy_fraction"],
+                "controller_busy_reading": info.get("engine_busy_fraction_last_window"),
+                "staleness_max": info["staleness_max"],
+                "step_s": now_t - previous_t,
+                "elapsed_s": now_t - start,
+                "trajectories_per_s": info["num_trajectories"] / (now_t - previous_t),
+                "engine_mean_decode_rows": window["engine_mean_decode_rows"],
+                "engine_preemptions": window["engine_preemptions"],
+            }
+        )
         previous_t, previous = now_t, now
     ray.get(orchestrator.stop.remote())
     ray.kill(orchestrator)
@@ -161,27 +208,36 @@ def main(argv=None) -> dict:
     shapes = ray.get(engine.warmup.remote())  # no compilation inside a measurement
     compile_s = time.perf_counter() - t0
     turn_s = calibrate(tokenizer, engine, args)
-    latency = args.tool_latency_s if args.tool_latency_s is not None else args.latency_factor * turn_s
+    latency = (
+        args.tool_latency_s if args.tool_latency_s is not None else args.latency_factor * turn_s
+    )
     pool = EnvPool("simulated_tool", env_kwargs(args, latency), num_actors=args.env_actors)
     pool.wait_ready()
 
     maximum = args.max_concurrency or max(
-        args.start_concurrency,
-        (args.max_staleness + 1) * args.groups_per_batch * args.group_size)
+        args.start_concurrency, (args.max_staleness + 1) * args.groups_per_batch * args.group_size
+    )
     version = 0
     baseline = []
     if args.baseline_steps:
-        baseline, version = run_steps(args, tokenizer, engine, pool, params, version,
-                                      args.baseline_steps, None, "fixed/")
+        baseline, version = run_steps(
+            args, tokenizer, engine, pool, params, version, args.baseline_steps, None, "fixed/"
+        )
     controller = ConcurrencyController(
-        initial=args.start_concurrency, minimum=min(args.group_size, args.start_concurrency),
-        maximum=maximum, target_busy=args.target_busy, granularity=args.group_size,
-        dead_band=args.dead_band)
-    steps, version = run_steps(args, tokenizer, engine, pool, params, version, args.steps,
-                               controller, "adaptive/")
+        initial=args.start_concurrency,
+        minimum=min(args.group_size, args.start_concurrency),
+        maximum=maximum,
+        target_busy=args.target_busy,
+        granularity=args.group_size,
+        dead_band=args.dead_band,
+    )
+    steps, version = run_steps(
+        args, tokenizer, engine, pool, params, version, args.steps, controller, "adaptive/"
+    )
 
-    reached = next((r for r in steps
-                    if r["engine_busy_fraction"] >= args.target_busy - args.dead_band), None)
+    reached = next(
+        (r for r in steps if r["engine_busy_fraction"] >= args.target_busy - args.dead_band), None
+    )
     after = [r["engine_busy_fraction"] for r in steps if reached and r["step"] >= reached["step"]]
     staleness_seen = max(r["staleness_max"] for r in steps)
     report = {
@@ -200,19 +256,32 @@ def main(argv=None) -> dict:
         "steps": steps,
         "fixed_start_baseline": {
             "steps": baseline,
-            "engine_busy_fraction_median": (statistics.median(
-                r["engine_busy_fraction"] for r in baseline) if baseline else None),
-            "trajectories_per_s_median": (statistics.median(
-                r["trajectories_per_s"] for r in baseline) if baseline else None),
+            "engine_busy_fraction_median": (
+                statistics.median(r["engine_busy_fraction"] for r in baseline) if baseline else None
+            ),
+            "trajectories_per_s_median": (
+                statistics.median(r["trajectories_per_s"] for r in baseline) if baseline else None
+            ),
         },
         "adaptive_trajectories_per_s_last_half_median": statistics.median(
-            r["trajectories_per_s"] for r in steps[len(steps) // 2:]),
+            r["trajectories_per_s"] for r in steps[len(steps) // 2 :]
+        ),
         "machine": {**machine(), "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
-        "parameters": {**vars(args), "tool_latency_s": latency, "model": {
-            "d_model": model_config.d_model, "n_layers": model_config.n_layers,
-            "vocab_size": model_config.vocab_size, "max_seq_len": model_config.max_seq_len}},
-        "calibration": {"generation_turn_s": turn_s, "compiled_shapes": shapes,
-                        "compile_s": compile_s},
+        "parameters": {
+            **vars(args),
+            "tool_latency_s": latency,
+            "model": {
+                "d_model": model_config.d_model,
+                "n_layers": model_config.n_layers,
+                "vocab_size": model_config.vocab_size,
+                "max_seq_len": model_config.max_seq_len,
+            },
+        },
+        "calibration": {
+            "generation_turn_s": turn_s,
+            "compiled_shapes": shapes,
+            "compile_s": compile_s,
+        },
     }
     ray.shutdown()
     return report

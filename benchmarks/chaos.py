@@ -84,8 +84,11 @@ RAY_STARTUP_TIMEOUT = "The current node timed out during startup"
 MAX_STARTUP_RETRIES = 3
 KINDS = ("env_actor", "sandbox_actor", "engine_replica", "driver")
 # Ray names a worker process after the actor class it hosts ("ray::EnvActor.step").
-PROCESS_TITLE = {"env_actor": "ray::EnvActor", "sandbox_actor": "ray::SandboxActor",
-                 "engine_replica": "ray::EngineActor"}
+PROCESS_TITLE = {
+    "env_actor": "ray::EnvActor",
+    "sandbox_actor": "ray::SandboxActor",
+    "engine_replica": "ray::EngineActor",
+}
 
 # Runs a short program in the episode's sandbox work dir at every step, so a sandbox actor
 # serves every episode; the reward is the reply's share of digits (a random tiny model
@@ -129,21 +132,39 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, default=10, help="seeds to run")
     p.add_argument("--first-seed", type=int, default=0)
-    p.add_argument("--kinds", default=",".join(KINDS),
-                   help=f"comma-separated kinds to kill, each once per seed ({', '.join(KINDS)})")
+    p.add_argument(
+        "--kinds",
+        default=",".join(KINDS),
+        help=f"comma-separated kinds to kill, each once per seed ({', '.join(KINDS)})",
+    )
     p.add_argument("--rl-steps", type=int, default=6)
-    p.add_argument("--max-delay-s", type=float, default=6.0,
-                   help="a kill comes up to this long after its RL step was logged")
+    p.add_argument(
+        "--max-delay-s",
+        type=float,
+        default=6.0,
+        help="a kill comes up to this long after its RL step was logged",
+    )
     p.add_argument("--env-actors", type=int, default=2)
     p.add_argument("--sandbox-actors", type=int, default=2)
     p.add_argument("--engine-replicas", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--seed-timeout-s", type=float, default=2400.0,
-                   help="a seed whose runs take longer is stopped and counted as not finished")
-    p.add_argument("--reap-timeout-s", type=float, default=30.0,
-                   help="how long the processes of a run may take to go after it ends")
-    p.add_argument("--keep", action="store_true",
-                   help="keep each seed's run directory (a seed that did not finish keeps its own)")
+    p.add_argument(
+        "--seed-timeout-s",
+        type=float,
+        default=2400.0,
+        help="a seed whose runs take longer is stopped and counted as not finished",
+    )
+    p.add_argument(
+        "--reap-timeout-s",
+        type=float,
+        default=30.0,
+        help="how long the processes of a run may take to go after it ends",
+    )
+    p.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep each seed's run directory (a seed that did not finish keeps its own)",
+    )
     args = p.parse_args(argv)
     kinds = [k for k in args.kinds.split(",") if k]
     unknown = sorted(set(kinds) - set(KINDS))
@@ -157,20 +178,35 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def train_overrides(args, output_dir: str) -> list[str]:
     return [
-        "env.name=chaos_env:SandboxDigitsEnv", "env.max_turns=2",
-        f"env.num_env_actors={args.env_actors}", f"sandbox.num_actors={args.sandbox_actors}",
+        "env.name=chaos_env:SandboxDigitsEnv",
+        "env.max_turns=2",
+        f"env.num_env_actors={args.env_actors}",
+        f"sandbox.num_actors={args.sandbox_actors}",
         "sandbox.num_cpus_per_actor=0",
-        "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
-        "model.d_ff=64", "model.max_seq_len=128", "model.tokenizer_vocab_size=300",
-        "data.train_size=200", "data.heldout_size=2", "eval.heldout_size=2",
-        "eval.max_new_tokens=8", "warmup.enabled=false",
-        "rollout.group_size=2", f"rollout.groups_per_batch={GROUPS_PER_BATCH}",
-        "rollout.max_concurrent_episodes=8", f"rollout.max_new_tokens={args.max_new_tokens}",
+        "model.d_model=32",
+        "model.n_layers=1",
+        "model.n_heads=2",
+        "model.n_kv_heads=1",
+        "model.d_ff=64",
+        "model.max_seq_len=128",
+        "model.tokenizer_vocab_size=300",
+        "data.train_size=200",
+        "data.heldout_size=2",
+        "eval.heldout_size=2",
+        "eval.max_new_tokens=8",
+        "warmup.enabled=false",
+        "rollout.group_size=2",
+        f"rollout.groups_per_batch={GROUPS_PER_BATCH}",
+        "rollout.max_concurrent_episodes=8",
+        f"rollout.max_new_tokens={args.max_new_tokens}",
         # a killed actor's episodes wait for its restart; keep the backoff short
-        "rollout.retry_initial_delay_s=0.2", "rollout.retry_max_delay_s=2",
-        "engine.max_batch_size=4", "engine.placement=disaggregated",
+        "rollout.retry_initial_delay_s=0.2",
+        "rollout.retry_max_delay_s=2",
+        "engine.max_batch_size=4",
+        "engine.placement=disaggregated",
         f"engine.num_replicas={args.engine_replicas}",
-        f"learner.rl_steps={args.rl_steps}", "learner.checkpoint_every=1",
+        f"learner.rl_steps={args.rl_steps}",
+        "learner.checkpoint_every=1",
         f"learner.max_checkpoints={args.rl_steps + 2}",  # every checkpoint stays: none may go
         f"run.output_dir={output_dir}",
     ]
@@ -178,13 +214,20 @@ def train_overrides(args, output_dir: str) -> list[str]:
 
 def schedule(seed: int, kinds: list[str], rl_steps: int, max_delay_s: float) -> list[dict]:
     rng = random.Random(seed)
-    kills = [{"kind": kind, "after_step": rng.randint(0, rl_steps - 2),
-              "delay_s": round(rng.uniform(0.0, max_delay_s), 2), "pick": rng.random()}
-             for kind in kinds]
+    kills = [
+        {
+            "kind": kind,
+            "after_step": rng.randint(0, rl_steps - 2),
+            "delay_s": round(rng.uniform(0.0, max_delay_s), 2),
+            "pick": rng.random(),
+        }
+        for kind in kinds
+    ]
     return sorted(kills, key=lambda k: (k["after_step"], k["delay_s"]))
 
 
 # -- watching a run ------------------------------------------------------------------------
+
 
 def _read_json(path: str):
     try:
@@ -245,8 +288,11 @@ def named_processes(marker: str) -> dict[tuple[int, float], str]:
     found = {}
     for p in psutil.process_iter():
         try:
-            if p.pid != os.getpid() and marker in _cmdline(p) and \
-                    p.status() != psutil.STATUS_ZOMBIE:
+            if (
+                p.pid != os.getpid()
+                and marker in _cmdline(p)
+                and p.status() != psutil.STATUS_ZOMBIE
+            ):
                 found[(p.pid, p.create_time())] = _cmdline(p)[:120]
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
@@ -274,6 +320,7 @@ def kill_left(left: dict) -> None:
 
 # -- one seed ------------------------------------------------------------------------------
 
+
 def run_seed(seed: int, args) -> dict:
     t0 = time.monotonic()
     # Short: Ray's socket paths live under it (a Unix socket path has ~107 bytes).
@@ -281,8 +328,12 @@ def run_seed(seed: int, args) -> dict:
     ray_tmp = os.path.join(work, "r")
     output_dir = os.path.join(work, "runs")
     Path(work, "chaos_env.py").write_text(CHAOS_ENV)
-    env = dict(os.environ, JAX_PLATFORMS="cpu", RAY_TMPDIR=ray_tmp,
-               RAY_raylet_start_wait_time_s=os.environ.get("RAY_raylet_start_wait_time_s", "120"))
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        RAY_TMPDIR=ray_tmp,
+        RAY_raylet_start_wait_time_s=os.environ.get("RAY_raylet_start_wait_time_s", "120"),
+    )
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     env.pop("RAY_ADDRESS", None)  # a cluster of its own, which the driver's death takes down
     plan = schedule(seed, args.kinds, args.rl_steps, args.max_delay_s)
@@ -294,8 +345,10 @@ def run_seed(seed: int, args) -> dict:
     launches = 0
     run_dir = None
     log_path = os.path.join(work, "driver.log")
-    row: dict = {"seed": seed, "schedule": [{k: v for k, v in kill.items() if k != "pick"}
-                                            for kill in plan]}
+    row: dict = {
+        "seed": seed,
+        "schedule": [{k: v for k, v in kill.items() if k != "pick"} for kill in plan],
+    }
 
     startup_retries = 0
     current: list[str] = []
@@ -307,9 +360,14 @@ def run_seed(seed: int, args) -> dict:
         log = open(log_path, "a")
         log.write(f"\n==== launch {launches}: {' '.join(cmd_args)}\n")
         log.flush()
-        proc = subprocess.Popen([sys.executable, "-m", "raytunix.cli", *cmd_args], cwd=work,
-                                env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "raytunix.cli", *cmd_args],
+            cwd=work,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         log.close()
         return proc
 
@@ -361,24 +419,37 @@ def run_seed(seed: int, args) -> dict:
                 driver.wait()
                 # Its tree (Ray's processes, the actors) must go on its own: the watchdog.
                 left = wait_gone(seen, ray_tmp, args.reap_timeout_s)
-                kills_done.append({"kind": "driver", "at_rl_step": progress,
-                                   "t_s": round(now - t0, 1), "committed_at_kill": at_kill,
-                                   "left_after_kill": sorted(set(left.values()))})
+                kills_done.append(
+                    {
+                        "kind": "driver",
+                        "at_rl_step": progress,
+                        "t_s": round(now - t0, 1),
+                        "committed_at_kill": at_kill,
+                        "left_after_kill": sorted(set(left.values())),
+                    }
+                )
                 kill_left(left)
                 todo.remove(kill)
                 resumes.append({"committed_at_kill": at_kill, "launch": launches + 1})
                 driver = launch(["train", "--resume", run_dir])
                 continue
             title = PROCESS_TITLE[kill["kind"]]
-            targets = sorted((p for p in tree(driver.pid) if _cmdline(p).startswith(title)),
-                             key=lambda p: p.pid)
+            targets = sorted(
+                (p for p in tree(driver.pid) if _cmdline(p).startswith(title)), key=lambda p: p.pid
+            )
             if targets:  # else not up yet, or restarting: try again at the next poll
                 target = targets[int(kill["pick"] * len(targets))]
                 try:
                     target.send_signal(signal.SIGKILL)
-                    kills_done.append({"kind": kill["kind"], "at_rl_step": progress,
-                                       "t_s": round(now - t0, 1), "pid": target.pid,
-                                       "of": len(targets)})
+                    kills_done.append(
+                        {
+                            "kind": kill["kind"],
+                            "at_rl_step": progress,
+                            "t_s": round(now - t0, 1),
+                            "pid": target.pid,
+                            "of": len(targets),
+                        }
+                    )
                     todo.remove(kill)
                 except psutil.NoSuchProcess:
                     pass
@@ -407,14 +478,19 @@ def run_seed(seed: int, args) -> dict:
     return row
 
 
-def check_run(run_dir: str | None, committed: set[int], resumes: list[dict], log_path: str,
-              args) -> dict:
+def check_run(
+    run_dir: str | None, committed: set[int], resumes: list[dict], log_path: str, args
+) -> dict:
     """The ledger and checkpoint checks of one seed's run (see the module docstring)."""
     from raytunix.learner.checkpoint import Checkpointer
     from raytunix.rollout.ledger import TaskLedger
 
-    out = {"committed_steps": sorted(committed), "tasks_lost": None, "tasks_duplicated": None,
-           "checkpoints_lost": None}
+    out = {
+        "committed_steps": sorted(committed),
+        "tasks_lost": None,
+        "tasks_duplicated": None,
+        "checkpoints_lost": None,
+    }
     if run_dir is None or not os.path.isdir(os.path.join(run_dir, "checkpoints")):
         out["checkpoints_lost"] = len(committed)
         return out
@@ -429,22 +505,32 @@ def check_run(run_dir: str | None, committed: set[int], resumes: list[dict], log
                 out.setdefault("unreadable", {})[step] = f"{type(e).__name__}: {e}"[:300]
     finally:
         checkpoints.close()
-    corrupt = sorted(os.listdir(os.path.join(run_dir, "checkpoints-corrupt"))) \
-        if os.path.isdir(os.path.join(run_dir, "checkpoints-corrupt")) else []
+    corrupt = (
+        sorted(os.listdir(os.path.join(run_dir, "checkpoints-corrupt")))
+        if os.path.isdir(os.path.join(run_dir, "checkpoints-corrupt"))
+        else []
+    )
     lost_steps = sorted(s for s in committed if s not in extras)
     # A resume must start at (or after) the newest checkpoint committed before the kill.
     with open(log_path) as f:
         text = f.read()
-    resumed_at = [int(line.split("resumed at RL step ")[1].split(",")[0])
-                  for line in text.splitlines() if "resumed at RL step " in line]
+    resumed_at = [
+        int(line.split("resumed at RL step ")[1].split(",")[0])
+        for line in text.splitlines()
+        if "resumed at RL step " in line
+    ]
     skipped = 0
     for resume, step in zip(resumes, resumed_at):
         resume["resumed_at"] = step
         if resume["committed_at_kill"] is not None and step < resume["committed_at_kill"]:
             skipped += resume["committed_at_kill"] - step
-    out.update(checkpoint_steps=sorted(extras), checkpoints_corrupt=corrupt, resumes=resumes,
-               checkpoints_lost_steps=lost_steps,
-               checkpoints_lost=len(lost_steps) + len(corrupt) + skipped)
+    out.update(
+        checkpoint_steps=sorted(extras),
+        checkpoints_corrupt=corrupt,
+        resumes=resumes,
+        checkpoints_lost_steps=lost_steps,
+        checkpoints_lost=len(lost_steps) + len(corrupt) + skipped,
+    )
     if not extras:
         return out
     final = extras[max(extras)]["orchestrator"]
@@ -461,20 +547,38 @@ def check_run(run_dir: str | None, committed: set[int], resumes: list[dict], log
     groups_trained = int(final["counters"].get("groups_trained", 0))
     rl_step = int(extras[max(extras)]["rl_step"])
     duplicated = max(0, groups_trained - trained) + max(0, trained - rl_step * GROUPS_PER_BATCH)
-    out.update(final_checkpoint=max(extras), data_position=next_index,
-               tasks_trained=trained, tasks_filtered={r: len(i) for r, i in ledger.filtered.items()},
-               tasks_pending=len(pending), tasks_lost=len(lost), tasks_lost_indices=sorted(lost)[:20],
-               tasks_duplicated=duplicated, counters=final["counters"])
+    out.update(
+        final_checkpoint=max(extras),
+        data_position=next_index,
+        tasks_trained=trained,
+        tasks_filtered={r: len(i) for r, i in ledger.filtered.items()},
+        tasks_pending=len(pending),
+        tasks_lost=len(lost),
+        tasks_lost_indices=sorted(lost)[:20],
+        tasks_duplicated=duplicated,
+        counters=final["counters"],
+    )
     return out
 
 
 def machine() -> dict:
-    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                  if line.startswith("model name")), platform.processor())
+    model = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in open("/proc/cpuinfo")
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
     import ray
 
-    return {"cpu_count": os.cpu_count(), "cpu_model": model, "platform": platform.platform(),
-            "python": platform.python_version(), "ray": ray.__version__}
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpu_model": model,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "ray": ray.__version__,
+    }
 
 
 def main(argv=None) -> dict:
@@ -484,12 +588,19 @@ def main(argv=None) -> dict:
     rows = []
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         rows.append(run_seed(seed, args))
-        print(f"seed {seed}: finished={rows[-1]['finished']} tasks_lost={rows[-1]['tasks_lost']} "
-              f"checkpoints_lost={rows[-1]['checkpoints_lost']} "
-              f"left={len(rows[-1]['processes_left'])} {rows[-1]['wall_s']} s", file=sys.stderr)
+        print(
+            f"seed {seed}: finished={rows[-1]['finished']} tasks_lost={rows[-1]['tasks_lost']} "
+            f"checkpoints_lost={rows[-1]['checkpoints_lost']} "
+            f"left={len(rows[-1]['processes_left'])} {rows[-1]['wall_s']} s",
+            file=sys.stderr,
+        )
         if not rows[-1]["finished"]:
-            print(f"seed {seed} did not finish; its run is kept in {rows[-1]['work_dir']}; "
-                  f"the driver log ends:\n{rows[-1]['log_tail']}", file=sys.stderr, flush=True)
+            print(
+                f"seed {seed} did not finish; its run is kept in {rows[-1]['work_dir']}; "
+                f"the driver log ends:\n{rows[-1]['log_tail']}",
+                file=sys.stderr,
+                flush=True,
+            )
     kills: dict[str, int] = {kind: 0 for kind in args.kinds}
     for row in rows:
         for kill in row["kills"]:

@@ -70,27 +70,56 @@ def _parse_args():
     parser.add_argument("--tool-tokens", type=int, default=20)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--max-seq-len", type=int, default=640)
-    parser.add_argument("--long-max-seq-len", type=int, default=2048,
-                        help="also run the 64-concurrency, no-latency workload with this "
-                             "max_seq_len (0 = skip)")
-    parser.add_argument("--max-batch-size", type=int, default=24,
-                        help="the engine's decode rows; fewer than the concurrency makes "
-                             "older episodes finish first")
-    parser.add_argument("--max-batch-size-bare", type=int, default=64,
-                        help="rows of the bare decode loop (the limit)")
+    parser.add_argument(
+        "--long-max-seq-len",
+        type=int,
+        default=2048,
+        help="also run the 64-concurrency, no-latency workload with this max_seq_len (0 = skip)",
+    )
+    parser.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=24,
+        help="the engine's decode rows; fewer than the concurrency makes "
+        "older episodes finish first",
+    )
+    parser.add_argument(
+        "--max-batch-size-bare",
+        type=int,
+        default=64,
+        help="rows of the bare decode loop (the limit)",
+    )
     parser.add_argument("--bare-steps", type=int, default=96)
-    parser.add_argument("--max-prefill-delay-steps", type=int, default=None,
-                        help="the engine's setting (default: the engine's default)")
-    parser.add_argument("--engine-path", default=None,
-                        help="import raytunix from this directory (e.g. an older checkout)")
-    parser.add_argument("--model-scale", choices=["default", "0.5b"], default="default",
-                        help="0.5b: a ~0.5B-parameter config, for an accelerator")
-    parser.add_argument("--cold-start", type=int, default=1,
-                        help="1: also measure the first episodes of a fresh engine process "
-                             "(default engine settings) against later repeats; 0 = skip")
-    parser.add_argument("--cold-start-only", choices=["ahead_after_startup", "ahead", "lazy"],
-                        default=None,
-                        help=argparse.SUPPRESS)  # the fresh process of that measurement
+    parser.add_argument(
+        "--max-prefill-delay-steps",
+        type=int,
+        default=None,
+        help="the engine's setting (default: the engine's default)",
+    )
+    parser.add_argument(
+        "--engine-path",
+        default=None,
+        help="import raytunix from this directory (e.g. an older checkout)",
+    )
+    parser.add_argument(
+        "--model-scale",
+        choices=["default", "0.5b"],
+        default="default",
+        help="0.5b: a ~0.5B-parameter config, for an accelerator",
+    )
+    parser.add_argument(
+        "--cold-start",
+        type=int,
+        default=1,
+        help="1: also measure the first episodes of a fresh engine process "
+        "(default engine settings) against later repeats; 0 = skip",
+    )
+    parser.add_argument(
+        "--cold-start-only",
+        choices=["ahead_after_startup", "ahead", "lazy"],
+        default=None,
+        help=argparse.SUPPRESS,
+    )  # the fresh process of that measurement
     return parser.parse_args()
 
 
@@ -126,8 +155,15 @@ class IdText:
 
 def model_config(max_seq_len: int) -> ModelConfig:
     if ARGS.model_scale == "0.5b":
-        return ModelConfig(vocab_size=ARGS.vocab, d_model=1024, n_layers=24, n_heads=16,
-                           n_kv_heads=4, d_ff=4096, max_seq_len=max_seq_len)
+        return ModelConfig(
+            vocab_size=ARGS.vocab,
+            d_model=1024,
+            n_layers=24,
+            n_heads=16,
+            n_kv_heads=4,
+            d_ff=4096,
+            max_seq_len=max_seq_len,
+        )
     return ModelConfig(vocab_size=ARGS.vocab, max_seq_len=max_seq_len)
 
 
@@ -145,10 +181,14 @@ def make_engine(graphdef, params, config, max_seq_len):
 def workload(seed: int = 0):
     rng = random.Random(seed)
     system = [rng.randrange(ARGS.vocab) for _ in range(ARGS.system_tokens)]
-    prompts = [system + [rng.randrange(ARGS.vocab) for _ in range(ARGS.question_tokens)]
-               for _ in range(ARGS.prompts)]
-    tool_replies = [[rng.randrange(ARGS.vocab) for _ in range(ARGS.tool_tokens)]
-                    for _ in range(ARGS.prompts * ARGS.group_size * ARGS.turns)]
+    prompts = [
+        system + [rng.randrange(ARGS.vocab) for _ in range(ARGS.question_tokens)]
+        for _ in range(ARGS.prompts)
+    ]
+    tool_replies = [
+        [rng.randrange(ARGS.vocab) for _ in range(ARGS.tool_tokens)]
+        for _ in range(ARGS.prompts * ARGS.group_size * ARGS.turns)
+    ]
     return prompts, tool_replies
 
 
@@ -170,9 +210,12 @@ async def run_workload(engine, concurrency: int, latency_s: float, seed: int = 0
             for turn in range(ARGS.turns):
                 extra = {"session_id": f"ep{index}"} if has_sessions else {}
                 request = GenerationRequest(
-                    request_id=f"ep{index}/t{turn}", prompt_ids=tuple(context),
+                    request_id=f"ep{index}/t{turn}",
+                    prompt_ids=tuple(context),
                     sampling=SamplingParams(max_new_tokens=ARGS.new_tokens, temperature=1.0),
-                    seed=index * 1000 + turn, **extra)
+                    seed=index * 1000 + turn,
+                    **extra,
+                )
                 result = await engine.generate(request)
                 generated += len(result.token_ids)
                 context += result.token_ids
@@ -193,15 +236,19 @@ async def run_workload(engine, concurrency: int, latency_s: float, seed: int = 0
     if computed is None:  # the old engine re-prefilled every prompt in full
         computed_prompt = None
     else:
-        computed_prompt = (computed - before["prompt_tokens_computed"]
-                           + after["generated_tokens_recomputed"]
-                           - before["generated_tokens_recomputed"])
+        computed_prompt = (
+            computed
+            - before["prompt_tokens_computed"]
+            + after["generated_tokens_recomputed"]
+            - before["generated_tokens_recomputed"]
+        )
     return {
         "generated_tokens": generated,
         "wall_s": round(wall, 3),
         "generated_tokens_per_s": round(generated / wall, 1),
-        "prompt_tokens_per_generated_token": (None if computed_prompt is None
-                                              else round(computed_prompt / generated, 3)),
+        "prompt_tokens_per_generated_token": (
+            None if computed_prompt is None else round(computed_prompt / generated, 3)
+        ),
         "first_group_fraction": round(min(group_done.values()) / wall, 3),
         "engine_busy_fraction": round((after["busy_s"] - before["busy_s"]) / wall, 3),
         "prefill_s": _delta(before, after, "busy_prefill_s"),
@@ -210,9 +257,14 @@ async def run_workload(engine, concurrency: int, latency_s: float, seed: int = 0
         "decode_steps": _delta(before, after, "decode_steps"),
         "mean_decode_rows": round(
             (after["tokens_generated"] - before["tokens_generated"])
-            / max(1, after["decode_steps"] - before["decode_steps"]), 1),
-        "compiled_during_run": (after["compiled_programs"] - before["compiled_programs"]
-                                if "compiled_programs" in after else None),
+            / max(1, after["decode_steps"] - before["decode_steps"]),
+            1,
+        ),
+        "compiled_during_run": (
+            after["compiled_programs"] - before["compiled_programs"]
+            if "compiled_programs" in after
+            else None
+        ),
         **_device_accounting(before, after),
     }
 
@@ -224,15 +276,25 @@ def _device_accounting(before: dict, after: dict) -> dict:
     engine that does not count them."""
     if "padded_tokens" not in after:
         return {}
-    d = {k: after[k] - before[k] for k in ("padded_tokens", "tokens_generated", "busy_s",
-                                           "busy_prefill_s", "work_s", "compile_stall_s",
-                                           "compile_stalls", "compiles")}
+    d = {
+        k: after[k] - before[k]
+        for k in (
+            "padded_tokens",
+            "tokens_generated",
+            "busy_s",
+            "busy_prefill_s",
+            "work_s",
+            "compile_stall_s",
+            "compile_stalls",
+            "compiles",
+        )
+    }
     return {
         "padded_tokens_per_generated_token": round(
-            d["padded_tokens"] / max(1, d["tokens_generated"]), 3),
+            d["padded_tokens"] / max(1, d["tokens_generated"]), 3
+        ),
         "prefill_share_of_device_time": round(d["busy_prefill_s"] / max(1e-9, d["busy_s"]), 3),
-        "host_gap_fraction": round(max(0.0, d["work_s"] - d["busy_s"]) / max(1e-9, d["work_s"]),
-                                   3),
+        "host_gap_fraction": round(max(0.0, d["work_s"] - d["busy_s"]) / max(1e-9, d["work_s"]), 3),
         "compiles": d["compiles"],
         "compile_stalls": d["compile_stalls"],
         "compile_stall_s": round(d["compile_stall_s"], 3),
@@ -258,9 +320,15 @@ def make_bare_loop(graphdef, params, config):
             positions = jnp.full((batch, 1), start_pos, jnp.int32) + i
             logits, cache = forward(graphdef, params, tokens[:, None], positions, cache)
             seeds = jnp.arange(batch, dtype=jnp.uint32)
-            tokens, _ = sample_tokens(logits[:, 0], jnp.ones((batch,), jnp.float32), seeds,
-                                      seeds, jnp.full((batch,), i, jnp.int32))
+            tokens, _ = sample_tokens(
+                logits[:, 0],
+                jnp.ones((batch,), jnp.float32),
+                seeds,
+                seeds,
+                jnp.full((batch,), i, jnp.int32),
+            )
             return cache, tokens
+
         return jax.lax.fori_loop(0, steps, body, (cache, tokens))
 
     tokens = jnp.zeros((batch,), jnp.int32)
@@ -291,13 +359,15 @@ def work_per_token(config: ModelConfig, params, context: int, rows: int) -> dict
     matmul_weights = total - (0 if config.tie_embeddings else embed)
     attn = 4 * config.n_layers * config.n_heads * config.head_dim * context
     kv_bytes = 2 * config.n_layers * config.n_kv_heads * config.head_dim * context * 4
-    return {"flops_per_token": 2 * matmul_weights + attn,
-            "bytes_per_token": round(4 * matmul_weights / rows + kv_bytes),
-            "context": context, "rows": rows}
+    return {
+        "flops_per_token": 2 * matmul_weights + attn,
+        "bytes_per_token": round(4 * matmul_weights / rows + kv_bytes),
+        "context": context,
+        "rows": rows,
+    }
 
 
-def make_matched_loop(graphdef, params, config, rows: int, span_blocks: int,
-                      block_size: int = 16):
+def make_matched_loop(graphdef, params, config, rows: int, span_blocks: int, block_size: int = 16):
     """``measure() -> tokens/s`` of the engine's own step (``_forward_step``: paged KV,
     block tables of ``span_blocks`` blocks, its sampler) for ``rows`` rows in a jitted loop:
     the engine's kernel with no scheduler and no host work between steps."""
@@ -315,12 +385,26 @@ def make_matched_loop(graphdef, params, config, rows: int, span_blocks: int,
             pages, last = carry
             zeros = jnp.zeros((rows,), jnp.int32)
             pages, last, _, _ = _forward_step(
-                graphdef, False, params, pages, last, zeros[:, None],
-                jnp.full((rows, 1), start_pos, jnp.int32) + i, tables, zeros,
-                jnp.ones((rows,), jnp.float32), zeros, jnp.ones((rows,), jnp.float32),
-                zeros.astype(jnp.uint32), zeros.astype(jnp.uint32), zeros + i,
-                jnp.arange(rows, dtype=jnp.int32), jnp.ones((rows,), bool))
+                graphdef,
+                False,
+                params,
+                pages,
+                last,
+                zeros[:, None],
+                jnp.full((rows, 1), start_pos, jnp.int32) + i,
+                tables,
+                zeros,
+                jnp.ones((rows,), jnp.float32),
+                zeros,
+                jnp.ones((rows,), jnp.float32),
+                zeros.astype(jnp.uint32),
+                zeros.astype(jnp.uint32),
+                zeros + i,
+                jnp.arange(rows, dtype=jnp.int32),
+                jnp.ones((rows,), bool),
+            )
             return pages, last
+
         return jax.lax.fori_loop(0, steps, body, (pages, last_tokens))
 
     state = {"pages": pages, "last": jnp.zeros((rows + 1,), jnp.int32)}
@@ -382,12 +466,15 @@ def tuned_step_fn(graphdef, config, rows: int, span: int, unroll: int):
             caches, tokens = carry
             caches, tokens = step(model, caches, tokens, start_pos + i, draws[i], temperature)
             return caches, tokens
+
         return jax.lax.fori_loop(0, steps, body, (caches, tokens), unroll=unroll)
 
     def caches():
         shape = (rows, config.n_kv_heads, span, hd)
-        return [(jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
-                for _ in range(config.n_layers)]
+        return [
+            (jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
+            for _ in range(config.n_layers)
+        ]
 
     return loop, caches
 
@@ -398,21 +485,24 @@ def check_tuned_loop(graphdef, params, config) -> int:
     rows, prompt, steps, span = 2, 5, 6, 16
     tokens = jnp.array([[3, 9, 27, 81, 243 % config.vocab_size]] * rows, jnp.int32)
     cache = init_kv_cache(config, rows, span)
-    logits, cache = forward(graphdef, params, tokens, jnp.tile(jnp.arange(prompt), (rows, 1)),
-                            cache)
+    logits, cache = forward(
+        graphdef, params, tokens, jnp.tile(jnp.arange(prompt), (rows, 1)), cache
+    )
     ref, nxt = [], jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
     for t in range(steps):
         ref.append(nxt)
-        logits, cache = forward(graphdef, params, nxt[:, None],
-                                jnp.full((rows, 1), prompt + t, jnp.int32), cache)
+        logits, cache = forward(
+            graphdef, params, nxt[:, None], jnp.full((rows, 1), prompt + t, jnp.int32), cache
+        )
         nxt = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
     loop, _ = tuned_step_fn(graphdef, config, rows, span, unroll=1)
     # The dense pass's KV; the loop writes each position before it attends to it.
     kv = [(cache.k[i], cache.v[i]) for i in range(config.n_layers)]
     got, fed = [], ref[0]
     for t in range(steps - 1):
-        kv, fed = loop(params, kv, fed, jnp.zeros((rows,), jnp.float32), 1, prompt + t,
-                       jax.random.PRNGKey(0))
+        kv, fed = loop(
+            params, kv, fed, jnp.zeros((rows,), jnp.float32), 1, prompt + t, jax.random.PRNGKey(0)
+        )
         got.append(fed)
     agree = rows + sum(int((a == b).sum()) for a, b in zip(got, ref[1:]))
     return agree
@@ -429,8 +519,9 @@ def make_tuned_loop(graphdef, params, config, rows: int, span: int, unroll: int 
     temperature = jnp.ones((rows,), jnp.float32)
 
     def run():
-        state["kv"], out = loop(params, state["kv"], tokens, temperature, steps, start_pos,
-                                jax.random.PRNGKey(1))
+        state["kv"], out = loop(
+            params, state["kv"], tokens, temperature, steps, start_pos, jax.random.PRNGKey(1)
+        )
         return out
 
     return lambda: best_rate(run, rows * steps)
@@ -446,28 +537,40 @@ def limit_ladder(graphdef, params, config, bare) -> dict:
     from raytunix.inference.engine import _bucket, _row_buckets, _span_buckets
 
     block = 16
-    longest = ARGS.system_tokens + ARGS.question_tokens + ARGS.turns * (
-        ARGS.new_tokens + ARGS.tool_tokens)
+    longest = (
+        ARGS.system_tokens
+        + ARGS.question_tokens
+        + ARGS.turns * (ARGS.new_tokens + ARGS.tool_tokens)
+    )
     rows = _bucket(_row_buckets(ARGS.max_batch_size), ARGS.max_batch_size)
-    span_blocks = _bucket(_span_buckets(-(-ARGS.max_seq_len // block), block),
-                          -(-longest // block))
+    span_blocks = _bucket(_span_buckets(-(-ARGS.max_seq_len // block), block), -(-longest // block))
     live_span = -(-(ARGS.system_tokens + ARGS.question_tokens + ARGS.bare_steps) // 8) * 8
     tuned_rows = ARGS.max_batch_size_bare
     agree = check_tuned_loop(graphdef, params, config)
-    out = {"bare_tokens_per_s": round(bare(), 1),
-           "matched_bare_tokens_per_s": round(
-               make_matched_loop(graphdef, params, config, rows, span_blocks, block)(), 1),
-           "tuned_bare_tokens_per_s": round(
-               make_tuned_loop(graphdef, params, config, tuned_rows, live_span)(), 1),
-           **machine_rates(),
-           "matched": {"rows": rows, "span_positions": span_blocks * block},
-           "tuned": {"rows": tuned_rows, "span_positions": live_span, "unroll": 4,
-                     "greedy_tokens_agreeing_with_the_model": f"{agree}/12"},
-           "work_per_token": work_per_token(config, params, live_span, tuned_rows)}
+    out = {
+        "bare_tokens_per_s": round(bare(), 1),
+        "matched_bare_tokens_per_s": round(
+            make_matched_loop(graphdef, params, config, rows, span_blocks, block)(), 1
+        ),
+        "tuned_bare_tokens_per_s": round(
+            make_tuned_loop(graphdef, params, config, tuned_rows, live_span)(), 1
+        ),
+        **machine_rates(),
+        "matched": {"rows": rows, "span_positions": span_blocks * block},
+        "tuned": {
+            "rows": tuned_rows,
+            "span_positions": live_span,
+            "unroll": 4,
+            "greedy_tokens_agreeing_with_the_model": f"{agree}/12",
+        },
+        "work_per_token": work_per_token(config, params, live_span, tuned_rows),
+    }
     out["tuned_over_bare"] = round(out["tuned_bare_tokens_per_s"] / out["bare_tokens_per_s"], 2)
     flops = out["work_per_token"]["flops_per_token"]
-    out["gflops"] = {k: round(out[f"{k}_tokens_per_s"] * flops / 1e9, 2)
-                     for k in ("bare", "matched_bare", "tuned_bare")}
+    out["gflops"] = {
+        k: round(out[f"{k}_tokens_per_s"] * flops / 1e9, 2)
+        for k in ("bare", "matched_bare", "tuned_bare")
+    }
     return out
 
 
@@ -492,8 +595,9 @@ async def cold_start_process(mode: str) -> dict:
     graphdef, params = init_model(config, seed=0)
     kwargs = {**EngineConfig().engine_kwargs(), "compile_ahead": mode != "lazy"}
     t0 = time.perf_counter()
-    engine = InferenceEngine(graphdef, params, config, IdText(), max_seq_len=ARGS.max_seq_len,
-                             **kwargs)
+    engine = InferenceEngine(
+        graphdef, params, config, IdText(), max_seq_len=ARGS.max_seq_len, **kwargs
+    )
     startup_s = None
     if mode == "ahead_after_startup":
         await asyncio.to_thread(engine.wait_until_compiled, 1800)
@@ -508,17 +612,22 @@ async def cold_start_process(mode: str) -> dict:
     finally:
         await engine.close()
     rates = [w["generated_tokens_per_s"] for w in warm]
-    return {"mode": mode, "startup_s": startup_s, "concurrency": top,
-            "max_batch_size": kwargs["max_batch_size"],
-            "cold_tokens_per_s": cold["generated_tokens_per_s"],
-            "warm_tokens_per_s": rates, "cold_over_warm": round(
-                cold["generated_tokens_per_s"] / float(np.mean(rates)), 3),
-            "cold_wall_s": cold["wall_s"], "cold_compile_stall_s": cold.get("compile_stall_s"),
-            "cold_compile_stalls": cold.get("compile_stalls"),
-            "warm_compile_stalls": [w.get("compile_stalls") for w in warm],
-            "programs_compiled": stats["compiles"],
-            "programs_compiled_ahead": stats["compiles_ahead"],
-            "compile_s": round(stats["compile_s"], 1)}
+    return {
+        "mode": mode,
+        "startup_s": startup_s,
+        "concurrency": top,
+        "max_batch_size": kwargs["max_batch_size"],
+        "cold_tokens_per_s": cold["generated_tokens_per_s"],
+        "warm_tokens_per_s": rates,
+        "cold_over_warm": round(cold["generated_tokens_per_s"] / float(np.mean(rates)), 3),
+        "cold_wall_s": cold["wall_s"],
+        "cold_compile_stall_s": cold.get("compile_stall_s"),
+        "cold_compile_stalls": cold.get("compile_stalls"),
+        "warm_compile_stalls": [w.get("compile_stalls") for w in warm],
+        "programs_compiled": stats["compiles"],
+        "programs_compiled_ahead": stats["compiles_ahead"],
+        "compile_s": round(stats["compile_s"], 1),
+    }
 
 
 def measure_cold_start() -> dict:
@@ -531,29 +640,52 @@ def measure_cold_start() -> dict:
     out: dict = {}
     for mode in ("lazy", "ahead", "ahead_after_startup"):
         with tempfile.TemporaryDirectory(prefix="raytunix-bench-jax-cache-") as cache:
-            env = {k: v for k, v in os.environ.items()
-                   if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
-            env.update(JAX_COMPILATION_CACHE_DIR=cache,
-                       JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                       JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-            argv = [sys.executable, os.path.abspath(__file__), "--cold-start-only", mode,
-                    "--model-scale", ARGS.model_scale, "--concurrency",
-                    *map(str, ARGS.concurrency)]
-            for name in ("prompts", "group_size", "system_tokens", "question_tokens", "turns",
-                         "new_tokens", "tool_tokens", "vocab", "max_seq_len"):
+            env = {
+                k: v
+                for k, v in os.environ.items()
+                if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))
+            }
+            env.update(
+                JAX_COMPILATION_CACHE_DIR=cache,
+                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+            )
+            argv = [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--cold-start-only",
+                mode,
+                "--model-scale",
+                ARGS.model_scale,
+                "--concurrency",
+                *map(str, ARGS.concurrency),
+            ]
+            for name in (
+                "prompts",
+                "group_size",
+                "system_tokens",
+                "question_tokens",
+                "turns",
+                "new_tokens",
+                "tool_tokens",
+                "vocab",
+                "max_seq_len",
+            ):
                 argv += ["--" + name.replace("_", "-"), str(getattr(ARGS, name))]
             if ARGS.engine_path:
                 argv += ["--engine-path", ARGS.engine_path]
             runs = {}
             for disk in ("empty_compilation_cache", "warm_compilation_cache"):
-                done = subprocess.run(argv, env=env, capture_output=True, text=True,
-                                      check=True)
+                done = subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
                 runs[disk] = json.loads(done.stdout)
             out[mode] = runs
-    return {"cold_over_warm": out["ahead"]["empty_compilation_cache"]["cold_over_warm"],
-            "cold_over_warm_after_startup":
-                out["ahead_after_startup"]["empty_compilation_cache"]["cold_over_warm"],
-            **out}
+    return {
+        "cold_over_warm": out["ahead"]["empty_compilation_cache"]["cold_over_warm"],
+        "cold_over_warm_after_startup": out["ahead_after_startup"]["empty_compilation_cache"][
+            "cold_over_warm"
+        ],
+        **out,
+    }
 
 
 async def main() -> dict:
@@ -564,8 +696,9 @@ async def main() -> dict:
     # Warm-up: every run once, so the programs each needs are compiled before timing.
     for latency_ms in ARGS.latencies_ms:
         for concurrency in ARGS.concurrency:
-            await measure(graphdef, params, config, ARGS.max_seq_len, concurrency,
-                          latency_ms / 1000)
+            await measure(
+                graphdef, params, config, ARGS.max_seq_len, concurrency, latency_ms / 1000
+            )
     warmup_s = time.monotonic() - t0
     bare = make_bare_loop(graphdef, params, config)
     ladder = limit_ladder(graphdef, params, config, bare)
@@ -578,14 +711,16 @@ async def main() -> dict:
             # The limit is measured right before and after each run (the machine's speed
             # drifts), and the faster of the two counts: the fraction errs low.
             before = bare()
-            run = await measure(graphdef, params, config, ARGS.max_seq_len, concurrency,
-                                latency_ms / 1000)
+            run = await measure(
+                graphdef, params, config, ARGS.max_seq_len, concurrency, latency_ms / 1000
+            )
             limit = max(before, bare())
             limits.append(limit)
             run["bare_limit_tokens_per_s"] = round(limit, 1)
             run["fraction_of_bare_limit"] = round(run["generated_tokens_per_s"] / limit, 3)
             run["fraction_of_tuned_limit"] = round(
-                run["generated_tokens_per_s"] / ladder["tuned_bare_tokens_per_s"], 3)
+                run["generated_tokens_per_s"] / ladder["tuned_bare_tokens_per_s"], 3
+            )
             per[str(concurrency)] = run
         results[f"tool_latency_{latency_ms:g}ms"] = per
     limit = float(np.median(limits))
@@ -598,21 +733,39 @@ async def main() -> dict:
         long_run = await measure(graphdef, params, long_config, ARGS.long_max_seq_len, top, 0.0)
         short = results[f"tool_latency_{ARGS.latencies_ms[0]:g}ms"][str(top)]
         long_run["ratio_to_max_seq_len_%d" % ARGS.max_seq_len] = round(
-            long_run["generated_tokens_per_s"] / short["generated_tokens_per_s"], 3)
+            long_run["generated_tokens_per_s"] / short["generated_tokens_per_s"], 3
+        )
         long_run["max_seq_len"] = ARGS.long_max_seq_len
         long_run["concurrency"] = top
 
     return {
         "benchmark": "engine_throughput",
         "engine": ARGS.engine_path or "this checkout",
-        "machine": {"processor": platform.processor() or platform.machine(),
-                    "cpus": os.cpu_count(), "python": platform.python_version(),
-                    "jax": jax.__version__, "backend": jax.default_backend(),
-                    "load_average_1min": round(os.getloadavg()[0], 2)},
-        "workload": {k: getattr(ARGS, k) for k in (
-            "prompts", "group_size", "system_tokens", "question_tokens", "turns",
-            "new_tokens", "tool_tokens", "vocab", "max_seq_len", "max_batch_size",
-            "max_batch_size_bare", "model_scale")},
+        "machine": {
+            "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "jax": jax.__version__,
+            "backend": jax.default_backend(),
+            "load_average_1min": round(os.getloadavg()[0], 2),
+        },
+        "workload": {
+            k: getattr(ARGS, k)
+            for k in (
+                "prompts",
+                "group_size",
+                "system_tokens",
+                "question_tokens",
+                "turns",
+                "new_tokens",
+                "tool_tokens",
+                "vocab",
+                "max_seq_len",
+                "max_batch_size",
+                "max_batch_size_bare",
+                "model_scale",
+            )
+        },
         "bare_limit_tokens_per_s": round(limit, 1),  # median of the per-run limits
         "limits": ladder,
         "warmup_s": round(warmup_s, 1),

@@ -80,10 +80,30 @@ from raytunix.rollout.batch import TRAJECTORY_SCHEMA
 
 # name -> (model, default trajectories per batch)
 CONFIGS = {
-    "tiny": (ModelConfig(vocab_size=384, d_model=128, n_layers=3, n_heads=4, n_kv_heads=2,
-                         d_ff=384, max_seq_len=128), 128),
-    "100m": (ModelConfig(vocab_size=32000, d_model=768, n_layers=12, n_heads=12, n_kv_heads=4,
-                         d_ff=2048, max_seq_len=256), 4),
+    "tiny": (
+        ModelConfig(
+            vocab_size=384,
+            d_model=128,
+            n_layers=3,
+            n_heads=4,
+            n_kv_heads=2,
+            d_ff=384,
+            max_seq_len=128,
+        ),
+        128,
+    ),
+    "100m": (
+        ModelConfig(
+            vocab_size=32000,
+            d_model=768,
+            n_layers=12,
+            n_heads=12,
+            n_kv_heads=4,
+            d_ff=2048,
+            max_seq_len=256,
+        ),
+        4,
+    ),
 }
 GROUP_SIZE = 8
 
@@ -91,23 +111,49 @@ GROUP_SIZE = 8
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", choices=("tiny", "100m", "both"), default="both")
-    p.add_argument("--steps", type=int, default=5,
-                   help="timed steps of each (learner and bare alternate), after 2 untimed")
-    p.add_argument("--batch-size", type=int, default=None,
-                   help="trajectories per batch (default: 128 for tiny, 4 for 100m)")
-    p.add_argument("--seq-len", type=int, default=None,
-                   help="padded tokens per trajectory and the model's context (default: 128 "
-                        "for tiny, 256 for 100m)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=5,
+        help="timed steps of each (learner and bare alternate), after 2 untimed",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="trajectories per batch (default: 128 for tiny, 4 for 100m)",
+    )
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="padded tokens per trajectory and the model's context (default: 128 "
+        "for tiny, 256 for 100m)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--packing", action="store_true",
-                   help="also time the update padded vs sequence-packed on a batch with "
-                        "lengths over 15/64 of the context to all of it")
-    p.add_argument("--pack-lengths", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
-                   help="with --packing: trajectory lengths uniform over [MIN, MAX] tokens "
-                        "instead (MAX <= the context; the padded batch is then MAX's bucket)")
-    p.add_argument("--pack-longest", type=int, default=None, metavar="N",
-                   help="with --packing: the first trajectory has N tokens (default MAX), "
-                        "e.g. one long episode among short ones, as in the default run")
+    p.add_argument(
+        "--packing",
+        action="store_true",
+        help="also time the update padded vs sequence-packed on a batch with "
+        "lengths over 15/64 of the context to all of it",
+    )
+    p.add_argument(
+        "--pack-lengths",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("MIN", "MAX"),
+        help="with --packing: trajectory lengths uniform over [MIN, MAX] tokens "
+        "instead (MAX <= the context; the padded batch is then MAX's bucket)",
+    )
+    p.add_argument(
+        "--pack-longest",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --packing: the first trajectory has N tokens (default MAX), "
+        "e.g. one long episode among short ones, as in the default run",
+    )
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
@@ -120,9 +166,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def synthetic_record_batch(batch_size: int, seq_len: int, vocab: int, seed: int,
-                           min_length: int | None = None, max_length: int | None = None,
-                           longest: int | None = None) -> pa.RecordBatch:
+def synthetic_record_batch(
+    batch_size: int,
+    seq_len: int,
+    vocab: int,
+    seed: int,
+    min_length: int | None = None,
+    max_length: int | None = None,
+    longest: int | None = None,
+) -> pa.RecordBatch:
     """``batch_size`` trajectories of ``min_length`` (default ``seq_len // 2``) to
     ``max_length`` (default ``seq_len``) tokens in ``TRAJECTORY_SCHEMA`` (see the module
     docstring); the first is exactly ``longest`` (default ``max_length``) long, so the
@@ -214,8 +266,9 @@ def measure(name: str, args) -> dict:
     tokens = int(batch.tokens.size)
     trainable = int(batch.loss_mask[:, 1:].sum())
 
-    hp = RLHyperparams(temperature=RolloutConfig.temperature, top_k=RolloutConfig.top_k,
-                         top_p=RolloutConfig.top_p)
+    hp = RLHyperparams(
+        temperature=RolloutConfig.temperature, top_k=RolloutConfig.top_k, top_p=RolloutConfig.top_p
+    )
     optimizer = make_optimizer_from(hp)
     update = make_policy_update(graphdef, optimizer, hp, max_seq_len=seq_len)
     learner = {"state": create_train_state(graphdef, params, optimizer, args.seed)}
@@ -227,17 +280,23 @@ def measure(name: str, args) -> dict:
         jax.block_until_ready(learner["state"])
         return time.perf_counter() - t0
 
-    bare_optimizer, bare_fn = make_bare_step(graphdef, hp.learning_rate, hp.clip_eps_low,
-                                             hp.clip_eps_high)
+    bare_optimizer, bare_fn = make_bare_step(
+        graphdef, hp.learning_rate, hp.clip_eps_low, hp.clip_eps_high
+    )
     bare = {"params": params, "opt_state": bare_optimizer.init(params)}
     # Host arrays, as the learner's update gets them: each call copies them in.
-    bare_inputs = (batch.tokens, np.ascontiguousarray(batch.loss_mask[:, 1:]),
-                   np.ascontiguousarray(batch.logprobs[:, 1:]), group_advantages(batch))
+    bare_inputs = (
+        batch.tokens,
+        np.ascontiguousarray(batch.loss_mask[:, 1:]),
+        np.ascontiguousarray(batch.logprobs[:, 1:]),
+        group_advantages(batch),
+    )
 
     def bare_step() -> float:
         t0 = time.perf_counter()
-        bare["params"], bare["opt_state"], loss = bare_fn(bare["params"], bare["opt_state"],
-                                                          *bare_inputs)
+        bare["params"], bare["opt_state"], loss = bare_fn(
+            bare["params"], bare["opt_state"], *bare_inputs
+        )
         jax.block_until_ready((bare["params"], bare["opt_state"], loss))
         return time.perf_counter() - t0
 
@@ -253,12 +312,25 @@ def measure(name: str, args) -> dict:
         "flops_per_update": flops,
         "update_gflops": round(flops / median["learner"] / 1e9, 2),
         "bare_gflops": round(flops / median["bare"] / 1e9, 2),
-        "model": {k: getattr(model_config, k) for k in (
-            "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
-            "max_seq_len", "tie_embeddings")},
+        "model": {
+            k: getattr(model_config, k)
+            for k in (
+                "vocab_size",
+                "d_model",
+                "n_layers",
+                "n_heads",
+                "n_kv_heads",
+                "d_ff",
+                "max_seq_len",
+                "tie_embeddings",
+            )
+        },
         "params": count_params(params),
-        "batch": {"trajectories": batch_size, "padded_tokens": tokens,
-                  "trainable_tokens": trainable},
+        "batch": {
+            "trajectories": batch_size,
+            "padded_tokens": tokens,
+            "trainable_tokens": trainable,
+        },
         "batch_build_s": round(batch_build_s, 4),
         "first_call_s": {k: round(v, 2) for k, v in compile_s.items()},
         "step_s": {k: [round(x, 4) for x in v] for k, v in times.items()},
@@ -270,7 +342,8 @@ def measure(name: str, args) -> dict:
         "ratio_vs_bare": round(median["bare"] / median["learner"], 3),
         # Learner.train_step also builds the Batch from Arrow on the host each step.
         "ratio_vs_bare_with_batch_build": round(
-            median["bare"] / (median["learner"] + batch_build_s), 3),
+            median["bare"] / (median["learner"] + batch_build_s), 3
+        ),
     }
 
 
@@ -283,21 +356,28 @@ def measure_packing(name: str, args) -> dict:
     model_config = dataclasses.replace(model_config, max_seq_len=seq_len)
     graphdef, params = init_model(model_config, seed=args.seed)
     low, high = args.pack_lengths or (max(2, seq_len * 15 // 64), seq_len)
-    record_batch = synthetic_record_batch(batch_size, seq_len, model_config.vocab_size,
-                                          args.seed, min_length=low, max_length=min(high, seq_len),
-                                          longest=args.pack_longest and min(args.pack_longest,
-                                                                            seq_len))
+    record_batch = synthetic_record_batch(
+        batch_size,
+        seq_len,
+        model_config.vocab_size,
+        args.seed,
+        min_length=low,
+        max_length=min(high, seq_len),
+        longest=args.pack_longest and min(args.pack_longest, seq_len),
+    )
     t0 = time.perf_counter()
     padded = Batch.from_record_batch(record_batch, pad_id=0, max_seq_len=seq_len)
     t1 = time.perf_counter()
     packed = PackedBatch.from_record_batch(record_batch, pad_id=0, max_seq_len=seq_len)
     t2 = time.perf_counter()
-    hp = RLHyperparams(temperature=RolloutConfig.temperature, top_k=RolloutConfig.top_k,
-                         top_p=RolloutConfig.top_p)
+    hp = RLHyperparams(
+        temperature=RolloutConfig.temperature, top_k=RolloutConfig.top_k, top_p=RolloutConfig.top_p
+    )
     optimizer = make_optimizer_from(hp)
     update = make_policy_update(graphdef, optimizer, hp, max_seq_len=seq_len)
-    states = {k: create_train_state(graphdef, params, optimizer, args.seed)
-              for k in ("padded", "packed")}
+    states = {
+        k: create_train_state(graphdef, params, optimizer, args.seed) for k in ("padded", "packed")
+    }
     batches = {"padded": padded, "packed": packed}
 
     def step(kind: str) -> float:
@@ -317,10 +397,13 @@ def measure_packing(name: str, args) -> dict:
     median = {k: statistics.median(v) for k, v in times.items()}
     lengths = np.diff(record_batch.column("token_ids").offsets.to_numpy())
     return {
-        "trajectories": batch_size, "tokens": int(lengths.sum()),
+        "trajectories": batch_size,
+        "tokens": int(lengths.sum()),
         "length_min_max": [int(lengths.min()), int(lengths.max())],
-        "padded_shape": list(padded.tokens.shape), "packed_shape": list(packed.tokens.shape),
-        "batch_build_s": round(t1 - t0, 4), "pack_build_s": round(t2 - t1, 4),
+        "padded_shape": list(padded.tokens.shape),
+        "packed_shape": list(packed.tokens.shape),
+        "batch_build_s": round(t1 - t0, 4),
+        "pack_build_s": round(t2 - t1, 4),
         "first_call_s": {k: round(v, 2) for k, v in first.items()},
         "step_s": {k: [round(x, 4) for x in v] for k, v in times.items()},
         "padded_update_s": round(median["padded"], 4),
@@ -351,8 +434,13 @@ def main(argv=None) -> dict:
         "configs": results,
         "steps": args.steps,
         "wall_s": round(time.monotonic() - t0, 1),
-        "machine": {**machine(), "jax": jax.__version__, "backend": jax.default_backend(),
-                    "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+        "machine": {
+            **machine(),
+            "jax": jax.__version__,
+            "backend": jax.default_backend(),
+            "loadavg_before": load_before,
+            "loadavg_after": os.getloadavg(),
+        },
     }
 
 

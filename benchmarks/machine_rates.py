@@ -28,7 +28,7 @@ def gemm_gflops(n: int = 2048) -> float:
     a = jnp.ones((n, n), jnp.float32)
     b = jnp.full((n, n), 0.5, jnp.float32)
     matmul = jax.jit(lambda a, b: a @ b)
-    return best_rate(lambda: matmul(a, b), 2 * n ** 3) / 1e9
+    return best_rate(lambda: matmul(a, b), 2 * n**3) / 1e9
 
 
 def copy_gb_per_s(megabytes: int = 256) -> float:

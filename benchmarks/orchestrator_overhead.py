@@ -73,10 +73,13 @@ class InstantEngine:
       seed: seeds the replies.
     """
 
-    def __init__(self, tokenizer: Tokenizer, max_new_tokens: int, policy_version: int = 0,
-                 seed: int = 0):
-        ids = sorted({tokenizer.encode(chr(c))[0] for c in range(ord("a"), ord("z") + 1)}
-                     | {tokenizer.encode(" ")[0]})
+    def __init__(
+        self, tokenizer: Tokenizer, max_new_tokens: int, policy_version: int = 0, seed: int = 0
+    ):
+        ids = sorted(
+            {tokenizer.encode(chr(c))[0] for c in range(ord("a"), ord("z") + 1)}
+            | {tokenizer.encode(" ")[0]}
+        )
         rng = random.Random(seed)
         self._replies = [tuple(rng.choices(ids, k=max_new_tokens)) for _ in range(1024)]
         self._logprobs = (-1.0,) * max_new_tokens
@@ -104,11 +107,15 @@ class InstantEngine:
             if future.done():  # the episode was cancelled
                 continue
             n = request.sampling.max_new_tokens
-            future.set_result(GenerationResult(
-                request_id=request.request_id,
-                token_ids=self._replies[request.seed % len(self._replies)][:n],
-                logprobs=self._logprobs[:n], policy_versions=self._versions[:n],
-                finish_reason=FinishReason.LENGTH))
+            future.set_result(
+                GenerationResult(
+                    request_id=request.request_id,
+                    token_ids=self._replies[request.seed % len(self._replies)][:n],
+                    logprobs=self._logprobs[:n],
+                    policy_versions=self._versions[:n],
+                    finish_reason=FinishReason.LENGTH,
+                )
+            )
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -118,27 +125,45 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--groups-per-batch", type=int, default=16)
     p.add_argument("--turns", type=int, default=4, help="turns (tool calls) per episode")
     p.add_argument("--max-new-tokens", type=int, default=32, help="generated tokens per turn")
-    p.add_argument("--turns-measured", type=int, default=20_000,
-                   help="turns (engine calls) per measured window")
-    p.add_argument("--warmup-turns", type=int, default=5_000,
-                   help="turns before the first window (the start-up ramp)")
+    p.add_argument(
+        "--turns-measured",
+        type=int,
+        default=20_000,
+        help="turns (engine calls) per measured window",
+    )
+    p.add_argument(
+        "--warmup-turns",
+        type=int,
+        default=5_000,
+        help="turns before the first window (the start-up ramp)",
+    )
     p.add_argument("--repeats", type=int, default=3, help="measured windows (median taken)")
-    p.add_argument("--profile", action="store_true",
-                   help="also print the top functions (cProfile) of one more window")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also print the top functions (cProfile) of one more window",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ray", type=int, default=1,
-                   help="1: also measure the OrchestratorActor with an instant engine actor "
-                        "and instant env actors (ray_cpu_ms_per_turn)")
-    p.add_argument("--ray-concurrency", type=int, default=256,
-                   help="episodes in flight in the Ray measurement")
+    p.add_argument(
+        "--ray",
+        type=int,
+        default=1,
+        help="1: also measure the OrchestratorActor with an instant engine actor "
+        "and instant env actors (ray_cpu_ms_per_turn)",
+    )
+    p.add_argument(
+        "--ray-concurrency", type=int, default=256, help="episodes in flight in the Ray measurement"
+    )
     p.add_argument("--env-actors", type=int, default=2, help="env actors (Ray measurement)")
     args = p.parse_args(argv)
     for name in ("turns_measured", "warmup_turns"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
     if args.concurrency < args.group_size:
-        p.error(f"--concurrency ({args.concurrency}) must hold one group "
-                f"(--group-size {args.group_size}).")
+        p.error(
+            f"--concurrency ({args.concurrency}) must hold one group "
+            f"(--group-size {args.group_size})."
+        )
     return args
 
 
@@ -146,17 +171,25 @@ async def measure(args) -> dict:
     tokenizer = Tokenizer.byte_level()
     engine = InstantEngine(tokenizer, args.max_new_tokens, seed=args.seed)
     env_kwargs = {"tool_latency_s": 0.0, "turns": args.turns}
-    tasks = [Task(task_id=f"t{i}", question=f"Task {i}: look it up.", answer="")
-             for i in range(10_000)]
+    tasks = [
+        Task(task_id=f"t{i}", question=f"Task {i}: look it up.", answer="") for i in range(10_000)
+    ]
     orchestrator = RolloutOrchestrator(
-        tasks=tasks, agent_factory=lambda: make_agent("text", tokenizer), engine=engine,
+        tasks=tasks,
+        agent_factory=lambda: make_agent("text", tokenizer),
+        engine=engine,
         env_provider=lambda group_id: (LocalEnv("simulated_tool", env_kwargs), lambda: None),
-        group_size=args.group_size, groups_per_batch=args.groups_per_batch,
+        group_size=args.group_size,
+        groups_per_batch=args.groups_per_batch,
         max_concurrent_episodes=args.concurrency,
         max_staleness=10**9,  # no learner: admission never waits for one
-        max_turns=args.turns, max_context_tokens=4096,
+        max_turns=args.turns,
+        max_context_tokens=4096,
         sampling=SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0),
-        episode_timeout_s=600.0, batch_queue_size=64, seed=args.seed)
+        episode_timeout_s=600.0,
+        batch_queue_size=64,
+        seed=args.seed,
+    )
     consumed = {"trajectories": 0, "batches": 0}
 
     async def consume() -> None:
@@ -186,10 +219,15 @@ async def measure(args) -> dict:
             profiler.disable()
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
         turns = engine.requests - requests0
-        return {"turns": turns, "trajectories": consumed["trajectories"] - trajectories0,
-                "cpu_s": cpu, "wall_s": wall, "cpu_ms_per_turn": 1000 * cpu / turns,
-                "turns_per_s": turns / wall,
-                "mean_episodes_in_flight": statistics.mean(in_flight) if in_flight else None}
+        return {
+            "turns": turns,
+            "trajectories": consumed["trajectories"] - trajectories0,
+            "cpu_s": cpu,
+            "wall_s": wall,
+            "cpu_ms_per_turn": 1000 * cpu / turns,
+            "turns_per_s": turns / wall,
+            "mean_episodes_in_flight": statistics.mean(in_flight) if in_flight else None,
+        }
 
     # The learner side is instant too, but a consumer runs only when the event loop gets
     # to it; a few of them keep the batch queue from filling and stopping admission.
@@ -226,8 +264,13 @@ class InstantEngineActor:
         return False
 
     def engine_stats(self) -> dict:
-        return {"requests": self.engine.requests, "busy_s": 0.0, "wall_s": 0.0,
-                "active_slots": 0, "waiting": 0}
+        return {
+            "requests": self.engine.requests,
+            "busy_s": 0.0,
+            "wall_s": 0.0,
+            "active_slots": 0,
+            "waiting": 0,
+        }
 
 
 def measure_ray(args) -> dict:
@@ -239,27 +282,55 @@ def measure_ray(args) -> dict:
     from raytunix.rollout.env_pool import EnvPool
 
     env_vars = {"env_vars": {"JAX_PLATFORMS": "cpu"}}
-    ray.init(address="local", include_dashboard=False, num_cpus=os.cpu_count() or 2,
-             object_store_memory=128 * 1024**2, log_to_driver=False, runtime_env=env_vars)
+    ray.init(
+        address="local",
+        include_dashboard=False,
+        num_cpus=os.cpu_count() or 2,
+        object_store_memory=128 * 1024**2,
+        log_to_driver=False,
+        runtime_env=env_vars,
+    )
     try:
         tokenizer = Tokenizer.byte_level()
-        engine = ray.remote(InstantEngineActor).options(
-            num_cpus=0, max_concurrency=10_000).remote(args.max_new_tokens, args.seed)
-        pool = EnvPool("simulated_tool", {"tool_latency_s": 0.0, "turns": args.turns},
-                       num_actors=args.env_actors)
+        engine = (
+            ray.remote(InstantEngineActor)
+            .options(num_cpus=0, max_concurrency=10_000)
+            .remote(args.max_new_tokens, args.seed)
+        )
+        pool = EnvPool(
+            "simulated_tool",
+            {"tool_latency_s": 0.0, "turns": args.turns},
+            num_actors=args.env_actors,
+        )
         pool.wait_ready()
-        tasks = [Task(task_id=f"r{i}", question=f"Task {i}: look it up.", answer="")
-                 for i in range(10_000)]
-        orchestrator = ray.remote(OrchestratorActor).options(
-            num_cpus=0, max_concurrency=10_000).remote(
-            tasks=tasks, tokenizer=tokenizer, agent_name="text", env_pool=pool, engine=engine,
-            group_size=args.group_size, groups_per_batch=args.groups_per_batch,
-            max_concurrent_episodes=args.ray_concurrency, max_staleness=10**9,
-            max_turns=args.turns, max_context_tokens=4096,
-            sampling=SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0),
-            episode_timeout_s=600.0, batch_queue_size=64, seed=args.seed)
-        process = psutil.Process(ray.get(orchestrator.__ray_call__.remote(
-            lambda self: os.getpid())))
+        tasks = [
+            Task(task_id=f"r{i}", question=f"Task {i}: look it up.", answer="")
+            for i in range(10_000)
+        ]
+        orchestrator = (
+            ray.remote(OrchestratorActor)
+            .options(num_cpus=0, max_concurrency=10_000)
+            .remote(
+                tasks=tasks,
+                tokenizer=tokenizer,
+                agent_name="text",
+                env_pool=pool,
+                engine=engine,
+                group_size=args.group_size,
+                groups_per_batch=args.groups_per_batch,
+                max_concurrent_episodes=args.ray_concurrency,
+                max_staleness=10**9,
+                max_turns=args.turns,
+                max_context_tokens=4096,
+                sampling=SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0),
+                episode_timeout_s=600.0,
+                batch_queue_size=64,
+                seed=args.seed,
+            )
+        )
+        process = psutil.Process(
+            ray.get(orchestrator.__ray_call__.remote(lambda self: os.getpid()))
+        )
 
         def consume(turns: int) -> dict:
             done, trajectories = 0.0, 0
@@ -278,19 +349,27 @@ def measure_ray(args) -> dict:
             got = consume(args.turns_measured // 4)
             cpu = sum(process.cpu_times()[:2]) - cpu0
             wall = time.perf_counter() - wall0
-            runs.append({**got, "cpu_s": cpu, "wall_s": wall,
-                         "cpu_ms_per_turn": 1000 * cpu / got["turns"],
-                         "turns_per_s": got["turns"] / wall})
+            runs.append(
+                {
+                    **got,
+                    "cpu_s": cpu,
+                    "wall_s": wall,
+                    "cpu_ms_per_turn": 1000 * cpu / got["turns"],
+                    "turns_per_s": got["turns"] / wall,
+                }
+            )
         ray.get(orchestrator.stop.remote())
-        return {"runs": runs, "concurrency": args.ray_concurrency,
-                "env_actors": args.env_actors}
+        return {"runs": runs, "concurrency": args.ray_concurrency, "env_actors": args.env_actors}
     finally:
         ray.shutdown()
 
 
 def _spread(values: list[float]) -> dict:
-    return {"mean": statistics.fmean(values), "median": statistics.median(values),
-            "worst": max(values)}
+    return {
+        "mean": statistics.fmean(values),
+        "median": statistics.median(values),
+        "worst": max(values),
+    }
 
 
 def main(argv=None) -> dict:
@@ -303,16 +382,27 @@ def main(argv=None) -> dict:
         "benchmark": "orchestrator_overhead",
         "cpu_ms_per_turn": statistics.median(r["cpu_ms_per_turn"] for r in runs),
         "cpu_ms_per_turn_repeats": _spread([r["cpu_ms_per_turn"] for r in runs]),
-        "ray_cpu_ms_per_turn": (None if ray_result is None else statistics.median(
-            r["cpu_ms_per_turn"] for r in ray_result["runs"])),
-        "ray_cpu_ms_per_turn_repeats": (None if ray_result is None else _spread(
-            [r["cpu_ms_per_turn"] for r in ray_result["runs"]])),
+        "ray_cpu_ms_per_turn": (
+            None
+            if ray_result is None
+            else statistics.median(r["cpu_ms_per_turn"] for r in ray_result["runs"])
+        ),
+        "ray_cpu_ms_per_turn_repeats": (
+            None
+            if ray_result is None
+            else _spread([r["cpu_ms_per_turn"] for r in ray_result["runs"]])
+        ),
         "ray": ray_result,
         "turns_per_s": statistics.median(r["turns_per_s"] for r in runs),
         "mean_episodes_in_flight": statistics.median(r["mean_episodes_in_flight"] for r in runs),
-        "machine": {"cpu_count": os.cpu_count(), "processor": platform.processor(),
-                    "platform": platform.platform(), "python": platform.python_version(),
-                    "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "processor": platform.processor(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "loadavg_before": load_before,
+            "loadavg_after": os.getloadavg(),
+        },
         "parameters": vars(args),
         "runs": runs,
         "counters": result["counters"],

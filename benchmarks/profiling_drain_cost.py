@@ -55,8 +55,9 @@ class ShapedActor(ProfiledActor):
     def pid(self) -> int:
         return os.getpid()
 
-    def record_batch(self, episodes: int, turns: int, tokens: int, env_actors: int,
-                     index: int) -> int:
+    def record_batch(
+        self, episodes: int, turns: int, tokens: int, env_actors: int, index: int
+    ) -> int:
         """Records one batch's spans of this process's kind; returns how many."""
         before = recorder()._recorded
         t = time.perf_counter()
@@ -67,18 +68,46 @@ class ShapedActor(ProfiledActor):
             if self.kind == "orchestrator":
                 record("env_reset", t, t + 0.01, "episodes", None, flow)
                 for turn in range(turns):
-                    record("turn", t, t + 0.15, "episodes",
-                           {"turn": turn, "tokens": tokens, "generate_s": 0.1, "env_s": 0.05},
-                           flow)
-                record("episode", t, t + 0.5, "episodes",
-                       {"task_id": f"t/{e}", "status": "success", "turns": turns,
-                        "reward": 1.0, "generate_s": 0.3, "env_s": 0.15}, flow)
+                    record(
+                        "turn",
+                        t,
+                        t + 0.15,
+                        "episodes",
+                        {"turn": turn, "tokens": tokens, "generate_s": 0.1, "env_s": 0.05},
+                        flow,
+                    )
+                record(
+                    "episode",
+                    t,
+                    t + 0.5,
+                    "episodes",
+                    {
+                        "task_id": f"t/{e}",
+                        "status": "success",
+                        "turns": turns,
+                        "reward": 1.0,
+                        "generate_s": 0.3,
+                        "env_s": 0.15,
+                    },
+                    flow,
+                )
             elif self.kind == "engine":
                 for turn in range(turns):
-                    record("request", t, t + 0.1, f"slot {e % 32}",
-                           {"request_id": f"{flow}/{turn}", "reason": "stop",
-                            "prompt_tokens": 40 + 20 * turn, "cached_tokens": 20 * turn,
-                            "generated": tokens, "queued_s": 0.001}, flow)
+                    record(
+                        "request",
+                        t,
+                        t + 0.1,
+                        f"slot {e % 32}",
+                        {
+                            "request_id": f"{flow}/{turn}",
+                            "reason": "stop",
+                            "prompt_tokens": 40 + 20 * turn,
+                            "cached_tokens": 20 * turn,
+                            "generated": tokens,
+                            "queued_s": 0.001,
+                        },
+                        flow,
+                    )
                 # ~1.9 decode steps and ~1 prefill per episode (32 rows, 3 x 16 tokens)
                 record("decode", t, t + 0.005, "steps", {"rows": 31, "tokens": 31})
                 if e % 10:
@@ -92,16 +121,22 @@ class ShapedActor(ProfiledActor):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--rounds", type=int, default=200,
-                   help="rounds of each kind (baseline, drain), alternated")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument(
+        "--rounds", type=int, default=200, help="rounds of each kind (baseline, drain), alternated"
+    )
     p.add_argument("--batch", type=int, default=128, help="episodes per batch (per round)")
     p.add_argument("--turns", type=int, default=3, help="turns per episode")
     p.add_argument("--tokens", type=int, default=16, help="tokens generated per turn")
     p.add_argument("--env-actors", type=int, default=2, help="env actors")
-    p.add_argument("--interval-s", type=float, default=1.4,
-                   help="seconds between two drains, for machine_fraction_at_interval")
+    p.add_argument(
+        "--interval-s",
+        type=float,
+        default=1.4,
+        help="seconds between two drains, for machine_fraction_at_interval",
+    )
     args = p.parse_args(argv)
     for name in ("rounds", "batch", "turns", "tokens", "env_actors"):
         if getattr(args, name) < 1:
@@ -109,9 +144,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not 0 < args.interval_s < float("inf"):
         p.error(f"--interval-s must be a finite number of seconds > 0, got {args.interval_s}")
     if args.rounds < 50:
-        print(f"profiling_drain_cost: {args.rounds} rounds of each kind resolve ~1 ms at best; "
-              "a process's CPU clock ticks in 10 ms, so use 200 or more for the numbers",
-              file=sys.stderr)
+        print(
+            f"profiling_drain_cost: {args.rounds} rounds of each kind resolve ~1 ms at best; "
+            "a process's CPU clock ticks in 10 ms, so use 200 or more for the numbers",
+            file=sys.stderr,
+        )
     return args
 
 
@@ -146,25 +183,43 @@ def cpu_seconds(processes: dict[str, psutil.Process]) -> dict[str, float]:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    ray.init(address="local", include_dashboard=False, num_cpus=os.cpu_count() or 2,
-             object_store_memory=128 * 1024**2, log_to_driver=False)
+    ray.init(
+        address="local",
+        include_dashboard=False,
+        num_cpus=os.cpu_count() or 2,
+        object_store_memory=128 * 1024**2,
+        log_to_driver=False,
+    )
     shaped = ray.remote(ShapedActor).options(num_cpus=0)
-    actors = [("engine 0", shaped.remote("engine 0", "engine")),
-              ("orchestrator", shaped.remote("orchestrator", "orchestrator"))]
-    actors += [(f"env actor {i}", shaped.remote(f"env actor {i}", "env"))
-               for i in range(args.env_actors)]
+    actors = [
+        ("engine 0", shaped.remote("engine 0", "engine")),
+        ("orchestrator", shaped.remote("orchestrator", "orchestrator")),
+    ]
+    actors += [
+        (f"env actor {i}", shaped.remote(f"env actor {i}", "env")) for i in range(args.env_actors)
+    ]
     processes = {"driver": psutil.Process()}
-    processes.update((name, psutil.Process(pid)) for (name, _), pid in
-                     zip(actors, ray.get([handle.pid.remote() for _, handle in actors])))
+    processes.update(
+        (name, psutil.Process(pid))
+        for (name, _), pid in zip(actors, ray.get([handle.pid.remote() for _, handle in actors]))
+    )
     processes.update(ray_processes())
 
     def record_batch() -> int:
-        return sum(ray.get([handle.record_batch.remote(args.batch, args.turns, args.tokens,
-                                                       args.env_actors, i - 2)
-                            for i, (_, handle) in enumerate(actors)]))
+        return sum(
+            ray.get(
+                [
+                    handle.record_batch.remote(
+                        args.batch, args.turns, args.tokens, args.env_actors, i - 2
+                    )
+                    for i, (_, handle) in enumerate(actors)
+                ]
+            )
+        )
 
-    totals = {kind: dict.fromkeys(processes, 0.0) | {"machine": 0.0}
-              for kind in ("baseline", "drain")}
+    totals = {
+        kind: dict.fromkeys(processes, 0.0) | {"machine": 0.0} for kind in ("baseline", "drain")
+    }
     spans, window_s, step = 0, 0.0, 0
     with tempfile.TemporaryDirectory() as run_dir:
         collector = Collector(run_dir, lambda: actors, max_batch_size=32)
@@ -191,8 +246,10 @@ def main(argv=None) -> dict:
                 ray.get([handle.profile_drain.remote() for _, handle in actors])  # untimed
         spans_bytes = os.path.getsize(os.path.join(run_dir, "profile", "spans.jsonl"))
     ray.shutdown()
-    by_process = {name: 1e3 * (totals["drain"][name] - totals["baseline"][name]) / args.rounds
-                  for name in processes}
+    by_process = {
+        name: 1e3 * (totals["drain"][name] - totals["baseline"][name]) / args.rounds
+        for name in processes
+    }
     machine_ms = 1e3 * (totals["drain"]["machine"] - totals["baseline"]["machine"]) / args.rounds
     cores = os.cpu_count() or 1
     report = {
@@ -205,8 +262,7 @@ def main(argv=None) -> dict:
         "cpu_us_per_span": 1e3 * machine_ms / (spans / args.rounds),
         "spans_jsonl_bytes_per_drain": spans_bytes / (args.rounds + 1),
         "machine_fraction_at_interval": machine_ms / (1e3 * args.interval_s * cores),
-        "machine": {"cpu_count": cores, "python": sys.version.split()[0],
-                    "ray": ray.__version__},
+        "machine": {"cpu_count": cores, "python": sys.version.split()[0], "ray": ray.__version__},
         "parameters": vars(args),
     }
     print(json.dumps(report, indent=2))

@@ -70,40 +70,76 @@ from raytunix.profiling.collect import Collector, spans_path  # noqa: E402
 from raytunix.rollout.env_pool import EnvPool  # noqa: E402
 
 from rollout_overlap import (  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
-    add_latency_shape_args, env_kwargs, machine, make_tasks, start_engine, start_orchestrator,
-    wait_engine_idle)
+    add_latency_shape_args,
+    env_kwargs,
+    machine,
+    make_tasks,
+    start_engine,
+    start_orchestrator,
+    wait_engine_idle,
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0] + " Prints one JSON object on stdout; the "
         "defaults take about 11 minutes on 2 cores (--pairs 200: about 21).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--pairs", type=int, default=100,
-                   help="(off, on) pairs of blocks; the interval is a 95%% one from 6 pairs on")
-    p.add_argument("--null-test", action="store_true",
-                   help="keep profiling off in the 'on' blocks too: the noise floor")
-    p.add_argument("--drain", choices=("per-batch", "between-blocks", "rpc-only"),
-                   default="per-batch",
-                   help="what the driver does in an 'on' block: drain and collect at the end of "
-                        "a batch once --window-s has passed (what `raytunix train` does at the "
-                        "end of a step); only after the block's clock stops (the block times "
-                        "recording alone); or drain every actor after every batch but neither "
-                        "write spans.jsonl nor compute metrics")
-    p.add_argument("--window-s", type=float, default=RunConfig().profile_window_s,
-                   help="profiled seconds between two drains (run.profile_window_s); 0: after "
-                        "every batch")
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--pairs",
+        type=int,
+        default=100,
+        help="(off, on) pairs of blocks; the interval is a 95%% one from 6 pairs on",
+    )
+    p.add_argument(
+        "--null-test",
+        action="store_true",
+        help="keep profiling off in the 'on' blocks too: the noise floor",
+    )
+    p.add_argument(
+        "--drain",
+        choices=("per-batch", "between-blocks", "rpc-only"),
+        default="per-batch",
+        help="what the driver does in an 'on' block: drain and collect at the end of "
+        "a batch once --window-s has passed (what `raytunix train` does at the "
+        "end of a step); only after the block's clock stops (the block times "
+        "recording alone); or drain every actor after every batch but neither "
+        "write spans.jsonl nor compute metrics",
+    )
+    p.add_argument(
+        "--window-s",
+        type=float,
+        default=RunConfig().profile_window_s,
+        help="profiled seconds between two drains (run.profile_window_s); 0: after every batch",
+    )
     p.add_argument("--block-batches", type=int, default=2, help="timed batches per block")
-    p.add_argument("--settle-batches", type=int, default=0,
-                   help="untimed batches at the start of each block, after the switch")
-    p.add_argument("--warmup-batches", type=int, default=2,
-                   help="untimed batches (profiling on) before the first block")
+    p.add_argument(
+        "--settle-batches",
+        type=int,
+        default=0,
+        help="untimed batches at the start of each block, after the switch",
+    )
+    p.add_argument(
+        "--warmup-batches",
+        type=int,
+        default=2,
+        help="untimed batches (profiling on) before the first block",
+    )
     p.add_argument("--concurrency", type=int, default=64, help="episodes in flight")
-    p.add_argument("--batch", type=int, default=128,
-                   help="trajectories per batch (the default run's 16 groups x 8): the driver "
-                        "drains the actors once per batch, as `raytunix train` does per step")
-    p.add_argument("--tasks", type=int, default=4096,
-                   help="distinct tasks (the orchestrator cycles through them)")
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=128,
+        help="trajectories per batch (the default run's 16 groups x 8): the driver "
+        "drains the actors once per batch, as `raytunix train` does per step",
+    )
+    p.add_argument(
+        "--tasks",
+        type=int,
+        default=4096,
+        help="distinct tasks (the orchestrator cycles through them)",
+    )
     p.add_argument("--tool-latency-s", type=float, default=0.05, help="median tool latency (s)")
     p.add_argument("--turns", type=int, default=3, help="turns (tool calls) per episode")
     p.add_argument("--max-new-tokens", type=int, default=16, help="tokens generated per turn")
@@ -112,14 +148,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--d-model", type=int, default=64, help="model width")
     p.add_argument("--n-layers", type=int, default=2, help="model depth")
     p.add_argument("--env-actors", type=int, default=2, help="env actors (EnvPool)")
-    p.add_argument("--kv-cache-tokens", type=int, default=None,
-                   help="engine KV cache size in tokens (default: the engine's)")
+    p.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=None,
+        help="engine KV cache size in tokens (default: the engine's)",
+    )
     p.add_argument("--seed", type=int, default=0, help="tool latencies and sampling")
     add_latency_shape_args(p, dist="lognormal", sigma=0.5, jitter=0.0, straggler_fraction=0.0)
     args = p.parse_args(argv)
-    for name in ("pairs", "block_batches", "batch", "tasks", "concurrency", "turns",
-                 "max_new_tokens", "env_actors", "max_batch_size", "max_seq_len", "d_model",
-                 "n_layers"):
+    for name in (
+        "pairs",
+        "block_batches",
+        "batch",
+        "tasks",
+        "concurrency",
+        "turns",
+        "max_new_tokens",
+        "env_actors",
+        "max_batch_size",
+        "max_seq_len",
+        "d_model",
+        "n_layers",
+    ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.kv_cache_tokens is not None and args.kv_cache_tokens < 1:
@@ -130,13 +181,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.jitter and args.latency_dist != "uniform":
-        p.error(f"--jitter {args.jitter} shapes --latency-dist uniform only; "
-                "add --latency-dist uniform or drop --jitter")
+        p.error(
+            f"--jitter {args.jitter} shapes --latency-dist uniform only; "
+            "add --latency-dist uniform or drop --jitter"
+        )
     try:  # the env's own checks, before Ray starts (names are its constructor's)
         SimulatedToolEnv(**env_kwargs(args, args.tool_latency_s))
     except ValueError as e:
-        p.error(f"the simulated tool refuses the latency flags (--tool-latency-s, --latency-*, "
-                f"--jitter, --straggler-*): {e}")
+        p.error(
+            f"the simulated tool refuses the latency flags (--tool-latency-s, --latency-*, "
+            f"--jitter, --straggler-*): {e}"
+        )
     return args
 
 
@@ -161,12 +216,12 @@ def median_ci95(values: list[float]) -> tuple[float, float, float]:
     xs, n = sorted(values), len(values)
     k, below = 0, 0.0  # below: P(Binomial(n, 1/2) < k + 1)
     while True:
-        below += math.comb(n, k) / 2 ** n
+        below += math.comb(n, k) / 2**n
         if below > 0.025:
             break
         k += 1
     k = max(k, 1)
-    tail = sum(math.comb(n, i) for i in range(k)) / 2 ** n
+    tail = sum(math.comb(n, i) for i in range(k)) / 2**n
     return xs[k - 1], xs[n - k], 1 - 2 * tail
 
 
@@ -176,8 +231,11 @@ class Stream:
 
     def __init__(self, tasks, tokenizer, engine, pool: EnvPool, args, run_dir: str):
         self.orchestrator = start_orchestrator(tasks, tokenizer, engine, pool, args, args.batch)
-        self.actors = [("engine 0", engine), ("orchestrator", self.orchestrator),
-                       *[(f"env actor {i}", a) for i, a in enumerate(pool.actors)]]
+        self.actors = [
+            ("engine 0", engine),
+            ("orchestrator", self.orchestrator),
+            *[(f"env actor {i}", a) for i, a in enumerate(pool.actors)],
+        ]
         self.engine = engine
         self.collector = Collector(run_dir, lambda: self.actors)
         self.profiled = True
@@ -197,18 +255,21 @@ class Stream:
         garbage collector since its first reading (``ProfiledActor.profile_gc``)."""
         readings = ray.get([h.profile_gc.remote() for _, h in self.actors])
         readings.append(spans.gc_stats())
-        return {name: sum(v for k, v in reading.items() if k.endswith("_s"))
-                for name, reading in zip([n for n, _ in self.actors] + ["driver"], readings)}
+        return {
+            name: sum(v for k, v in reading.items() if k.endswith("_s"))
+            for name, reading in zip([n for n, _ in self.actors] + ["driver"], readings)
+        }
 
     def cpu_seconds(self) -> dict[str, float]:
         """CPU seconds so far of every process of the run, this driver included, by
         process."""
         cpu = ray.get([h.profile_cpu_s.remote() for _, h in self.actors])
-        return {**{name: s for (name, _), s in zip(self.actors, cpu)},
-                "driver": time.process_time()}
+        return {
+            **{name: s for (name, _), s in zip(self.actors, cpu)},
+            "driver": time.process_time(),
+        }
 
-    def consume(self, batches: int, block: dict | None = None, drain: str = "per-batch"
-                ) -> int:
+    def consume(self, batches: int, block: dict | None = None, drain: str = "per-batch") -> int:
         """Takes ``batches`` batches; with profiling on, does after each what ``drain``
         (``--drain``) says: drain and collect once ``--window-s`` profiled seconds have
         passed (``per-batch``, what the driver of ``raytunix train`` does at the end of a
@@ -225,13 +286,16 @@ class Stream:
             n += info["num_trajectories"]
             self.batches += 1
             if self.profiled and drain == "rpc-only":
-                chunks = [spans.decode_chunk(encoded) for encoded in ray.get(
-                    [h.profile_drain.remote() for _, h in self.actors])]
+                chunks = [
+                    spans.decode_chunk(encoded)
+                    for encoded in ray.get([h.profile_drain.remote() for _, h in self.actors])
+                ]
                 spans.recorder().drain()
                 if block is not None:
                     for (name, _), chunk in zip(self.actors, chunks):
-                        block["spans_recorded"][name] = (
-                            block["spans_recorded"].get(name, 0) + len(chunk["spans"]))
+                        block["spans_recorded"][name] = block["spans_recorded"].get(name, 0) + len(
+                            chunk["spans"]
+                        )
             elif self.profiled and drain == "per-batch" and self.profiled_s >= self.window_s:
                 self.collect(block)
         return n
@@ -251,8 +315,12 @@ class Stream:
         label."""
         self.set_profiled(profiled and not args.null_test)
         self.consume(args.settle_batches)
-        block = {"profiled": profiled, "recording": self.profiled, "spans_recorded": {},
-                 "drain_and_collect_s": 0.0}
+        block = {
+            "profiled": profiled,
+            "recording": self.profiled,
+            "spans_recorded": {},
+            "drain_and_collect_s": 0.0,
+        }
         cpu0, gc0 = self.cpu_seconds(), self.gc_seconds()
         engine0 = ray.get(self.engine.engine_stats.remote())
         start = time.perf_counter()
@@ -265,27 +333,34 @@ class Stream:
                 f"profiling_overhead: a block of {n} trajectories generated no tokens, so no "
                 f"cost per token can be measured: --max-seq-len {args.max_seq_len} leaves no "
                 "room after the prompts (the default is 256), or --max-new-tokens is too "
-                "small; raise them")
+                "small; raise them"
+            )
         steps = engine1["decode_steps"] - engine0["decode_steps"]
-        rows = (engine1["mean_active_slots"] * engine1["decode_steps"]
-                - engine0["mean_active_slots"] * engine0["decode_steps"])
+        rows = (
+            engine1["mean_active_slots"] * engine1["decode_steps"]
+            - engine0["mean_active_slots"] * engine0["decode_steps"]
+        )
         cpu1, gc1 = self.cpu_seconds(), self.gc_seconds()
         by_process = {name: cpu1[name] - cpu0[name] for name in cpu1}
         cpu = sum(by_process.values())
         if self.profiled and args.drain == "between-blocks":
             self.collect(block)  # after the clock: the block timed recording alone
-        block.update(cpu_ms_per_token_by_process={
-                         name: 1e3 * s / tokens for name, s in by_process.items()},
-                     wall_s=wall, trajectories=n, trajectories_per_s=n / wall,
-                     tokens_generated=tokens, tokens_per_s=tokens / wall,
-                     engine_decode_steps=steps,
-                     engine_mean_active_slots=rows / steps if steps else 0.0,
-                     engine_busy_fraction=(engine1["busy_s"] - engine0["busy_s"]) / wall,
-                     cpu_s=cpu,
-                     cpu_ms_per_trajectory=1e3 * cpu / n, cpu_ms_per_token=1e3 * cpu / tokens,
-                     gc_fraction_by_process={name: (gc1[name] - gc0[name]) / wall
-                                             for name in gc1},
-                     spans_per_s=sum(block["spans_recorded"].values()) / wall)
+        block.update(
+            cpu_ms_per_token_by_process={name: 1e3 * s / tokens for name, s in by_process.items()},
+            wall_s=wall,
+            trajectories=n,
+            trajectories_per_s=n / wall,
+            tokens_generated=tokens,
+            tokens_per_s=tokens / wall,
+            engine_decode_steps=steps,
+            engine_mean_active_slots=rows / steps if steps else 0.0,
+            engine_busy_fraction=(engine1["busy_s"] - engine0["busy_s"]) / wall,
+            cpu_s=cpu,
+            cpu_ms_per_trajectory=1e3 * cpu / n,
+            cpu_ms_per_token=1e3 * cpu / tokens,
+            gc_fraction_by_process={name: (gc1[name] - gc0[name]) / wall for name in gc1},
+            spans_per_s=sum(block["spans_recorded"].values()) / wall,
+        )
         return block
 
     def close(self) -> None:
@@ -297,8 +372,10 @@ def gc_fractions(blocks: list[dict]) -> dict[str, float]:
     """Each process's time in the garbage collector over the blocks' wall time (pooled:
     a full collection is a rare, long event)."""
     wall = sum(b["wall_s"] for b in blocks)
-    return {name: sum(b["gc_fraction_by_process"][name] * b["wall_s"] for b in blocks) / wall
-            for name in blocks[0]["gc_fraction_by_process"]}
+    return {
+        name: sum(b["gc_fraction_by_process"][name] * b["wall_s"] for b in blocks) / wall
+        for name in blocks[0]["gc_fraction_by_process"]
+    }
 
 
 def summarize(blocks: list[dict], cores: int) -> dict:
@@ -315,24 +392,35 @@ def summarize(blocks: list[dict], cores: int) -> dict:
         return [cost(on) / cost(off) - 1 for off, on in pairs]
 
     def pooled(num, den):
-        return (sum(b[num] for b in on_blocks) / sum(b[den] for b in on_blocks)
-                / (sum(b[num] for b in off_blocks) / sum(b[den] for b in off_blocks)) - 1)
+        return (
+            sum(b[num] for b in on_blocks)
+            / sum(b[den] for b in on_blocks)
+            / (sum(b[num] for b in off_blocks) / sum(b[den] for b in off_blocks))
+            - 1
+        )
 
     per_token = ratios(lambda b: b["wall_s"] / b["tokens_generated"])
     per_trajectory = ratios(lambda b: b["wall_s"] / b["trajectories"])
     cpu_per_token = ratios(lambda b: b["cpu_ms_per_token"])
     low, high, coverage = median_ci95(per_token)
     mean = statistics.fmean(per_token)
-    half_width = (1.96 * statistics.stdev(per_token) / len(per_token) ** 0.5
-                  if len(per_token) > 1 else float("nan"))
+    half_width = (
+        1.96 * statistics.stdev(per_token) / len(per_token) ** 0.5
+        if len(per_token) > 1
+        else float("nan")
+    )
     cost = span_cost_s()
     # pooled over the "on" blocks: a window's spans are drained in whichever block closes it
     on_wall = sum(b["wall_s"] for b in on_blocks)
     spans_per_s = sum(b["spans_per_s"] * b["wall_s"] for b in on_blocks) / on_wall
     own_per_s = sum(b["drain_and_collect_s"] for b in on_blocks) / on_wall
-    per_process = {name: statistics.median(
-        on["cpu_ms_per_token_by_process"][name] / off["cpu_ms_per_token_by_process"][name] - 1
-        for off, on in pairs) for name in on_blocks[0]["cpu_ms_per_token_by_process"]}
+    per_process = {
+        name: statistics.median(
+            on["cpu_ms_per_token_by_process"][name] / off["cpu_ms_per_token_by_process"][name] - 1
+            for off, on in pairs
+        )
+        for name in on_blocks[0]["cpu_ms_per_token_by_process"]
+    }
     return {
         # The acceptance keys: all "on" time over all "off" time, and the upper end of
         # the mean's normal 95% interval.
@@ -369,13 +457,17 @@ def summarize(blocks: list[dict], cores: int) -> dict:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.pairs < 6:
-        print(f"profiling_overhead: with {args.pairs} pairs the median's interval covers less "
-              "than 95% (overhead_fraction_ci_coverage); use 6 or more", file=sys.stderr)
+        print(
+            f"profiling_overhead: with {args.pairs} pairs the median's interval covers less "
+            "than 95% (overhead_fraction_ci_coverage); use 6 or more",
+            file=sys.stderr,
+        )
     load_before = os.getloadavg()
     tokenizer, model_config, engine = start_engine(args)
     ray.get(engine.warmup.remote())
-    pool = EnvPool("simulated_tool", env_kwargs(args, args.tool_latency_s),
-                   num_actors=args.env_actors)
+    pool = EnvPool(
+        "simulated_tool", env_kwargs(args, args.tool_latency_s), num_actors=args.env_actors
+    )
     pool.wait_ready()
     blocks = []
     with tempfile.TemporaryDirectory() as run_dir:
@@ -394,9 +486,15 @@ def main(argv=None) -> dict:
         **summarize(blocks, os.cpu_count() or 1),
         "spans_jsonl_bytes": spans_bytes,
         "machine": {**machine(), "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
-        "parameters": {**vars(args), "model": {
-            "d_model": model_config.d_model, "n_layers": model_config.n_layers,
-            "vocab_size": model_config.vocab_size, "max_seq_len": model_config.max_seq_len}},
+        "parameters": {
+            **vars(args),
+            "model": {
+                "d_model": model_config.d_model,
+                "n_layers": model_config.n_layers,
+                "vocab_size": model_config.vocab_size,
+                "max_seq_len": model_config.max_seq_len,
+            },
+        },
         "blocks": blocks,
     }
     wait_engine_idle(engine)

@@ -34,8 +34,26 @@ from raytunix.models.tokenizer import Tokenizer  # noqa: E402
 from raytunix.rollout import preflight  # noqa: E402
 from raytunix.types import Task  # noqa: E402
 
-WORDS = ("apples", "pencils", "a train", "leaves", "the market", "every", "bag", "holds",
-         "friend", "school", "how", "many", "does", "she", "have", "left", "after", "buys")
+WORDS = (
+    "apples",
+    "pencils",
+    "a train",
+    "leaves",
+    "the market",
+    "every",
+    "bag",
+    "holds",
+    "friend",
+    "school",
+    "how",
+    "many",
+    "does",
+    "she",
+    "have",
+    "left",
+    "after",
+    "buys",
+)
 
 
 class _Method:
@@ -51,6 +69,7 @@ class _InProcessActor:
                 return env.reset(task)
             finally:
                 env.close()
+
         self.first_observation = _Method(first_observation)
 
 
@@ -65,8 +84,7 @@ def _tasks(rows: int, long_rows: int, seed: int) -> tuple[list[Task], list[int]]
     tasks = []
     for i in range(rows):
         words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 70)))
-        tasks.append(Task(f"train-{i:06d}", f"{rng.randint(2, 99)} {words}?", str(i),
-                          {"row": i}))
+        tasks.append(Task(f"train-{i:06d}", f"{rng.randint(2, 99)} {words}?", str(i), {"row": i}))
     long = sorted(rng.sample(range(rows), long_rows))
     for i in long:
         tasks[i] = Task(f"train-{i:06d}", "Compute " + "17 + " * 2000 + "1.", "1", {"row": i})
@@ -88,9 +106,11 @@ def main() -> None:
     parser.add_argument("--long-rows", type=int, default=5)
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--max-seq-len", type=int, default=512)
-    parser.add_argument("--tokenize-all", action="store_true",
-                        help="also time tokenizing every question (the check without the "
-                             "byte bound)")
+    parser.add_argument(
+        "--tokenize-all",
+        action="store_true",
+        help="also time tokenizing every question (the check without the byte bound)",
+    )
     args = parser.parse_args()
     tasks, long = _tasks(args.rows, args.long_rows, 0)
     tokenizer = Tokenizer.train((t.question for t in tasks[:3000]), args.vocab)
@@ -103,20 +123,34 @@ def main() -> None:
         tokenize_s = round(time.perf_counter() - start, 3)
     start = time.perf_counter()
     check = preflight.check_prompt_lengths(
-        _Pool("math_verifier"), tasks, samples, lambda: make_agent("answer", tokenizer),
-        tokenizer, args.max_seq_len)
+        _Pool("math_verifier"),
+        tasks,
+        samples,
+        lambda: make_agent("answer", tokenizer),
+        tokenizer,
+        args.max_seq_len,
+    )
     seconds = time.perf_counter() - start
     found = sorted(t.metadata["row"] for t, _ in check.too_long)
-    print(json.dumps({
-        "rows": args.rows, "vocab_size": tokenizer.vocab_size,
-        "max_seq_len": args.max_seq_len, "check_s": round(seconds, 3),
-        "tokenize_all_questions_s": tokenize_s,
-        "questions_tokenized": check.tokenized,
-        "measured_exactly": check.measured_exactly, "bound_applies": check.bound_applies,
-        "overlong_rows_planted": long, "overlong_rows_found": found,
-        "all_found": found == long, "load_average_1min": os.getloadavg()[0],
-        "python_10m_additions_s": _python_speed_s(),
-    }))
+    print(
+        json.dumps(
+            {
+                "rows": args.rows,
+                "vocab_size": tokenizer.vocab_size,
+                "max_seq_len": args.max_seq_len,
+                "check_s": round(seconds, 3),
+                "tokenize_all_questions_s": tokenize_s,
+                "questions_tokenized": check.tokenized,
+                "measured_exactly": check.measured_exactly,
+                "bound_applies": check.bound_applies,
+                "overlong_rows_planted": long,
+                "overlong_rows_found": found,
+                "all_found": found == long,
+                "load_average_1min": os.getloadavg()[0],
+                "python_10m_additions_s": _python_speed_s(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -55,8 +55,11 @@ from raytunix.models.tokenizer import Tokenizer
 
 
 def _stats(values: list[float]) -> dict[str, float]:
-    return {"mean": statistics.fmean(values), "median": statistics.median(values),
-            "worst": max(values)}
+    return {
+        "mean": statistics.fmean(values),
+        "median": statistics.median(values),
+        "worst": max(values),
+    }
 
 
 def main() -> None:
@@ -66,15 +69,17 @@ def main() -> None:
     args = p.parse_args()
 
     cfg = load_config(None, [])
-    train, _ = generator_splits(dataclasses.replace(cfg.data, train_size=args.tasks,
-                                                    heldout_size=10))
+    train, _ = generator_splits(
+        dataclasses.replace(cfg.data, train_size=args.tasks, heldout_size=10)
+    )
     tokenizer = Tokenizer.train(tokenizer_corpus(train[:3000]), cfg.model.tokenizer_vocab_size)
     tokens, mask = prepare.demonstration_arrays(cfg, train, tokenizer)
     model_config = prepare.model_config(cfg, tokenizer)
     graphdef, params = init_model(model_config, seed=0)
     w = cfg.warmup
-    optimizer = SFTHyperparams(learning_rate=w.learning_rate,
-                               warmup_steps=w.warmup_steps).optimizer()
+    optimizer = SFTHyperparams(
+        learning_rate=w.learning_rate, warmup_steps=w.warmup_steps
+    ).optimizer()
     update = make_sft_update(graphdef, optimizer)
     state = create_train_state(graphdef, params, optimizer, seed=0)
     rng = np.random.default_rng(0)
@@ -90,19 +95,29 @@ def main() -> None:
         t0 = time.perf_counter()
         packed = pack_demonstrations(tokens[rows], mask[rows], row_multiple=multiple)
         built = time.perf_counter() - t0
-        out, metrics = update(state, packed["tokens"], packed["loss_mask"],
-                              packed["positions"], packed["segment_ids"])
+        out, metrics = update(
+            state, packed["tokens"], packed["loss_mask"], packed["positions"], packed["segment_ids"]
+        )
         jax.block_until_ready((out, metrics))
-        return (time.perf_counter() - t0, float(metrics["loss"]), packed["tokens"].size,
-                built, packed["tokens"].shape[0])
+        return (
+            time.perf_counter() - t0,
+            float(metrics["loss"]),
+            packed["tokens"].size,
+            built,
+            packed["tokens"].shape[0],
+        )
 
     # Compile every shape the timed steps will meet (packed row counts vary a little).
     draws = [rng.integers(0, len(tokens), size=w.batch_size) for _ in range(args.steps)]
     t0 = time.perf_counter()
     padded_step(draws[0])
     compile_padded = time.perf_counter() - t0
-    row_counts = sorted({pack_demonstrations(tokens[r], mask[r], row_multiple=multiple)
-                         ["tokens"].shape[0] for r in draws})
+    row_counts = sorted(
+        {
+            pack_demonstrations(tokens[r], mask[r], row_multiple=multiple)["tokens"].shape[0]
+            for r in draws
+        }
+    )
     t0 = time.perf_counter()
     seen = set()
     for r in draws:
@@ -125,17 +140,26 @@ def main() -> None:
     result = {
         "benchmark": "warm_start_step",
         "machine": machine(),
-        "command": "python benchmarks/warm_start_step.py" + (
-            f" --steps {args.steps}" if args.steps != 40 else ""),
-        "demonstrations": {"count": int(len(tokens)), "width": int(tokens.shape[1]),
-                           "mean_tokens": float((mask.shape[1] - np.argmax(
-                               (mask > 0)[:, ::-1], axis=1)).mean())},
+        "command": "python benchmarks/warm_start_step.py"
+        + (f" --steps {args.steps}" if args.steps != 40 else ""),
+        "demonstrations": {
+            "count": int(len(tokens)),
+            "width": int(tokens.shape[1]),
+            "mean_tokens": float((mask.shape[1] - np.argmax((mask > 0)[:, ::-1], axis=1)).mean()),
+        },
         "batch_size": w.batch_size,
-        "padded": {"step_ms": _stats(padded), "tokens_per_step": statistics.fmean(padded_tokens),
-                   "compile_s": compile_padded},
-        "packed": {"step_ms": _stats(packed), "tokens_per_step": statistics.fmean(packed_tokens),
-                   "pack_build_ms": _stats(build), "row_counts": row_counts,
-                   "compile_s": compile_packed},
+        "padded": {
+            "step_ms": _stats(padded),
+            "tokens_per_step": statistics.fmean(padded_tokens),
+            "compile_s": compile_padded,
+        },
+        "packed": {
+            "step_ms": _stats(packed),
+            "tokens_per_step": statistics.fmean(packed_tokens),
+            "pack_build_ms": _stats(build),
+            "row_counts": row_counts,
+            "compile_s": compile_packed,
+        },
         "speedup": statistics.median(padded) / statistics.median(packed),
         "loss_gap": max(gaps),
     }

@@ -1,13 +1,13 @@
 """raytunix command line.
 
-  raytunix train [--config PRESET|FILE] [section.key=value ...]
-  raytunix train --resume RUN_DIR [learner.rl_steps=N ...]
-  raytunix config [--config PRESET|FILE] [section.key=value ...]
-  raytunix config --explain [SECTION|KEY] [--markdown]   each setting: type, default, bounds, doc
-  raytunix profile RUN_DIR [--out DIR]   report.txt, trace.json and profile.png of a run, again
-  raytunix submit [--address ADDR] [--config PRESET|FILE] [section.key=value ...]
-  raytunix status [--address ADDR] [JOB_ID]
-  raytunix scale RUN_DIR --env-actors N [--sandbox-actors M]   resize a running run's pools
+raytunix train [--config PRESET|FILE] [section.key=value ...]
+raytunix train --resume RUN_DIR [learner.rl_steps=N ...]
+raytunix config [--config PRESET|FILE] [section.key=value ...]
+raytunix config --explain [SECTION|KEY] [--markdown]   each setting: type, default, bounds, doc
+raytunix profile RUN_DIR [--out DIR]   report.txt, trace.json and profile.png of a run, again
+raytunix submit [--address ADDR] [--config PRESET|FILE] [section.key=value ...]
+raytunix status [--address ADDR] [JOB_ID]
+raytunix scale RUN_DIR --env-actors N [--sandbox-actors M]   resize a running run's pools
 """
 
 from __future__ import annotations
@@ -22,67 +22,122 @@ from raytunix.config import ConfigError, load_config, preset_names
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="raytunix", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        prog="raytunix", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser(
-        "train", help="warm start, then asynchronous GRPO on Ray; prints a summary",
-        description="Runs the main job on local Ray (or the cluster in RAY_ADDRESS).")
-    train.add_argument("--config", help=f"a preset ({', '.join(preset_names())}) or a YAML "
-                                        "file (default: default); not with --resume")
-    train.add_argument("--resume", metavar="RUN_DIR",
-                       help="continue a stopped run (from its newest checkpoint, or its warm "
-                            "start's) with the run's own config (overrides apply on top, e.g. "
-                            "learner.rl_steps=80)")
-    train.add_argument("overrides", nargs="*", metavar="section.key=value",
-                       help="config overrides, e.g. rollout.max_concurrent_episodes=64")
-    show = sub.add_parser("config", help="print the resolved config as YAML, or explain settings",
-                          description="Prints the config a run would use, as YAML; with "
-                                      "--explain, what each setting is.")
-    show.add_argument("--explain", nargs="?", const="", metavar="SECTION|KEY",
-                      help="print each setting's key, type, default, bounds or choices, "
-                           "whether --resume may change it, and its doc: all of them, a "
-                           "section's (e.g. rollout) or one (e.g. rollout.group_size)")
-    show.add_argument("--markdown", action="store_true",
-                      help="with --explain: Markdown tables, one per section")
-    show.add_argument("--config", default="default",
-                      help=f"a preset ({', '.join(preset_names())}) or a YAML file")
-    show.add_argument("overrides", nargs="*", metavar="section.key=value",
-                      help="config overrides, e.g. learner.rl_steps=20")
+        "train",
+        help="warm start, then asynchronous GRPO on Ray; prints a summary",
+        description="Runs the main job on local Ray (or the cluster in RAY_ADDRESS).",
+    )
+    train.add_argument(
+        "--config",
+        help=f"a preset ({', '.join(preset_names())}) or a YAML "
+        "file (default: default); not with --resume",
+    )
+    train.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue a stopped run (from its newest checkpoint, or its warm "
+        "start's) with the run's own config (overrides apply on top, e.g. "
+        "learner.rl_steps=80)",
+    )
+    train.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="section.key=value",
+        help="config overrides, e.g. rollout.max_concurrent_episodes=64",
+    )
+    show = sub.add_parser(
+        "config",
+        help="print the resolved config as YAML, or explain settings",
+        description="Prints the config a run would use, as YAML; with "
+        "--explain, what each setting is.",
+    )
+    show.add_argument(
+        "--explain",
+        nargs="?",
+        const="",
+        metavar="SECTION|KEY",
+        help="print each setting's key, type, default, bounds or choices, "
+        "whether --resume may change it, and its doc: all of them, a "
+        "section's (e.g. rollout) or one (e.g. rollout.group_size)",
+    )
+    show.add_argument(
+        "--markdown", action="store_true", help="with --explain: Markdown tables, one per section"
+    )
+    show.add_argument(
+        "--config", default="default", help=f"a preset ({', '.join(preset_names())}) or a YAML file"
+    )
+    show.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="section.key=value",
+        help="config overrides, e.g. learner.rl_steps=20",
+    )
     profile = sub.add_parser(
-        "profile", help="write a run's trace.json, report.txt and profile.png again",
+        "profile",
+        help="write a run's trace.json, report.txt and profile.png again",
         description="Makes the Perfetto trace (open it at ui.perfetto.dev), the bottleneck "
-                    "report and the plots of a run from its files, and prints the report. "
-                    "Works on a run that is still going or one that crashed.")
+        "report and the plots of a run from its files, and prints the report. "
+        "Works on a run that is still going or one that crashed.",
+    )
     profile.add_argument("run_dir", metavar="RUN_DIR", help="a run directory under runs/")
-    profile.add_argument("--out", metavar="DIR",
-                         help="write the three files here instead of into RUN_DIR (for a "
-                              "run directory you cannot write to)")
+    profile.add_argument(
+        "--out",
+        metavar="DIR",
+        help="write the three files here instead of into RUN_DIR (for a "
+        "run directory you cannot write to)",
+    )
     submit = sub.add_parser(
-        "submit", help="run `raytunix train` as a Ray job on a cluster and follow its logs",
+        "submit",
+        help="run `raytunix train` as a Ray job on a cluster and follow its logs",
         description="Validates the config here, ships the working dir to the cluster and runs "
-                    "`raytunix train` there as a Ray job; prints its logs until it ends (Ctrl-C "
-                    "stops the job) and exits with its status. See deploy/README.md.")
-    submit.add_argument("--address", help="the job server, http://HEAD:8265 (default: "
-                                           "RAY_API_SERVER_ADDRESS, else the local head)")
-    submit.add_argument("--config", default="default",
-                        help=f"a preset ({', '.join(preset_names())}) or a YAML file inside "
-                             "the working dir")
-    submit.add_argument("--working-dir", default=".",
-                        help="directory shipped to the cluster, less runs/, .git and caches")
-    submit.add_argument("--no-follow", action="store_true",
-                        help="print the job id and return once it is submitted")
-    submit.add_argument("overrides", nargs="*", metavar="section.key=value",
-                        help="config overrides, e.g. learner.rl_steps=200")
-    status = sub.add_parser("status", help="list the cluster's raytunix jobs, or show one",
-                            description="Lists raytunix jobs on a cluster, or shows one job's "
-                                        "status, times, entrypoint and run directory.")
-    status.add_argument("--address", help="the job server, http://HEAD:8265 (default: "
-                                           "RAY_API_SERVER_ADDRESS, else the local head)")
+        "`raytunix train` there as a Ray job; prints its logs until it ends (Ctrl-C "
+        "stops the job) and exits with its status. See deploy/README.md.",
+    )
+    submit.add_argument(
+        "--address",
+        help="the job server, http://HEAD:8265 (default: "
+        "RAY_API_SERVER_ADDRESS, else the local head)",
+    )
+    submit.add_argument(
+        "--config",
+        default="default",
+        help=f"a preset ({', '.join(preset_names())}) or a YAML file inside the working dir",
+    )
+    submit.add_argument(
+        "--working-dir",
+        default=".",
+        help="directory shipped to the cluster, less runs/, .git and caches",
+    )
+    submit.add_argument(
+        "--no-follow", action="store_true", help="print the job id and return once it is submitted"
+    )
+    submit.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="section.key=value",
+        help="config overrides, e.g. learner.rl_steps=200",
+    )
+    status = sub.add_parser(
+        "status",
+        help="list the cluster's raytunix jobs, or show one",
+        description="Lists raytunix jobs on a cluster, or shows one job's "
+        "status, times, entrypoint and run directory.",
+    )
+    status.add_argument(
+        "--address",
+        help="the job server, http://HEAD:8265 (default: "
+        "RAY_API_SERVER_ADDRESS, else the local head)",
+    )
     status.add_argument("job_id", nargs="?", metavar="JOB_ID", help="one job to show")
     scale = sub.add_parser(
-        "scale", help="grow or shrink a running run's env (and sandbox) actor pools",
+        "scale",
+        help="grow or shrink a running run's env (and sandbox) actor pools",
         description="Writes RUN_DIR/scale.json; the run applies it before its next RL step: "
-                    "new actors take episodes once ready, removed ones finish theirs first.")
+        "new actors take episodes once ready, removed ones finish theirs first.",
+    )
     scale.add_argument("run_dir", metavar="RUN_DIR", help="the run directory of a running run")
     scale.add_argument("--env-actors", metavar="N", help="env actors wanted (>= 1)")
     scale.add_argument("--sandbox-actors", metavar="M", help="sandbox actors wanted (>= 1)")
@@ -92,18 +147,27 @@ def _parser() -> argparse.ArgumentParser:
 def _run_dir_problem(run_dir: str) -> str | None:
     """Why ``run_dir`` is not a run directory, with what to pass instead; None if it is."""
     if not os.path.exists(run_dir):
-        return f"{run_dir!r} does not exist; pass the run directory `raytunix train` printed at start."
+        return (
+            f"{run_dir!r} does not exist; pass the run directory `raytunix train` printed at start."
+        )
     if not os.path.isdir(run_dir):
         return f"{run_dir!r} is a file; pass the run directory that holds it."
     if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
         return None
-    runs = sorted(name for name in os.listdir(run_dir)
-                  if os.path.exists(os.path.join(run_dir, name, "metrics.jsonl")))
+    runs = sorted(
+        name
+        for name in os.listdir(run_dir)
+        if os.path.exists(os.path.join(run_dir, name, "metrics.jsonl"))
+    )
     if runs:
-        return (f"{run_dir!r} holds run directories, it is not one; pass one of them, e.g. "
-                f"{os.path.join(run_dir, runs[-1])}")
-    return (f"{run_dir!r} has no metrics.jsonl, so it is not a run directory (or its run "
-            "stopped before it logged anything).")
+        return (
+            f"{run_dir!r} holds run directories, it is not one; pass one of them, e.g. "
+            f"{os.path.join(run_dir, runs[-1])}"
+        )
+    return (
+        f"{run_dir!r} has no metrics.jsonl, so it is not a run directory (or its run "
+        "stopped before it logged anything)."
+    )
 
 
 def _profile(run_dir: str, out_dir: str | None) -> int:
@@ -114,8 +178,10 @@ def _profile(run_dir: str, out_dir: str | None) -> int:
         try:
             os.makedirs(out_dir, exist_ok=True)
         except OSError as e:  # a file in the way, no permission, a read-only place
-            problem = (f"--out {out_dir!r} is not a directory and cannot be made ({e}); "
-                       "pass a directory you can write to.")
+            problem = (
+                f"--out {out_dir!r} is not a directory and cannot be made ({e}); "
+                "pass a directory you can write to."
+            )
     if problem:
         print(f"raytunix: {problem}", file=sys.stderr)
         return 2
@@ -127,10 +193,12 @@ def _profile(run_dir: str, out_dir: str | None) -> int:
     for name, why in artifacts["errors"].items():
         print(f"raytunix: {name} not written: {why}", file=sys.stderr)
     if any("Permission" in why or "Read-only" in why for why in artifacts["errors"].values()):
-        where = (f"--out {out_dir!r} is" if out_dir is not None
-                 else "the run directory is")
-        print(f"raytunix: {where} not writable; pass --out DIR (a directory you can write "
-              "to) to write elsewhere.", file=sys.stderr)
+        where = f"--out {out_dir!r} is" if out_dir is not None else "the run directory is"
+        print(
+            f"raytunix: {where} not writable; pass --out DIR (a directory you can write "
+            "to) to write elsewhere.",
+            file=sys.stderr,
+        )
     return 1 if artifacts["errors"] else 0
 
 
@@ -138,23 +206,32 @@ def _scale(run_dir: str, env_actors: str | None, sandbox_actors: str | None) -> 
     from raytunix.scaling import ScaleRequestError, write_scale_request
 
     try:
-        counts = [_whole_number(flag, value) for flag, value in
-                  (("--env-actors", env_actors), ("--sandbox-actors", sandbox_actors))]
+        counts = [
+            _whole_number(flag, value)
+            for flag, value in (("--env-actors", env_actors), ("--sandbox-actors", sandbox_actors))
+        ]
         request = write_scale_request(run_dir, *counts)
     except (ScaleRequestError, OSError) as e:
         print(f"raytunix: {e}", file=sys.stderr)
         return 2
-    wanted = ", ".join(f"{n} {what} actors" for what, n in
-                       (("env", request.env_actors), ("sandbox", request.sandbox_actors))
-                       if n is not None)
+    wanted = ", ".join(
+        f"{n} {what} actors"
+        for what, n in (("env", request.env_actors), ("sandbox", request.sandbox_actors))
+        if n is not None
+    )
     from raytunix.driver.run_dir import RunDir
 
     driver = RunDir(run_dir).running_driver()
-    when = (f"the run ({driver}) applies it before its next RL step" if driver else
-            "no driver runs it now: it is applied at the first RL step after `raytunix train "
-            "--resume`")
-    print(f"asked {run_dir} for {wanted} (request {request.request_id}); {when}, and logged "
-          "in metrics.jsonl (phase scale).")
+    when = (
+        f"the run ({driver}) applies it before its next RL step"
+        if driver
+        else "no driver runs it now: it is applied at the first RL step after `raytunix train "
+        "--resume`"
+    )
+    print(
+        f"asked {run_dir} for {wanted} (request {request.request_id}); {when}, and logged "
+        "in metrics.jsonl (phase scale)."
+    )
     return 0
 
 
@@ -177,7 +254,9 @@ def _whole_number(flag: str, value: str | None) -> int | None:
     try:
         return int(value)
     except ValueError:
-        raise ScaleRequestError(f"{flag} {value!r} is not a whole number; pass an int >= 1.") from None
+        raise ScaleRequestError(
+            f"{flag} {value!r} is not a whole number; pass an int >= 1."
+        ) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,9 +271,12 @@ def main(argv: list[str] | None = None) -> int:
         return _profile(args.run_dir, args.out)
     if args.command == "config" and (args.explain is not None or args.markdown):
         if args.overrides:  # --explain describes the settings, not one run's values
-            print(f"raytunix: config --explain takes one SECTION or KEY, not overrides "
-                  f"({' '.join(args.overrides)}); drop them, or run `raytunix config "
-                  f"{' '.join(args.overrides)}` for the resolved values.", file=sys.stderr)
+            print(
+                f"raytunix: config --explain takes one SECTION or KEY, not overrides "
+                f"({' '.join(args.overrides)}); drop them, or run `raytunix config "
+                f"{' '.join(args.overrides)}` for the resolved values.",
+                file=sys.stderr,
+            )
             return 2
         return _explain(args.explain or "", args.markdown)
     if args.command == "scale":
@@ -204,21 +286,32 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.command == "status":
             return jobs.status_command(args.address, args.job_id)
-        return jobs.submit_command(args.address, args.config, args.overrides,
-                                   args.working_dir, follow_logs=not args.no_follow)
+        return jobs.submit_command(
+            args.address,
+            args.config,
+            args.overrides,
+            args.working_dir,
+            follow_logs=not args.no_follow,
+        )
     # `env.name=my_envs:MyEnv` names a module in the working directory, as `python -m`
     # would find it; the console script's own path does not include it.
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
     if getattr(args, "resume", None) and args.config is not None:
-        print(f"raytunix: --config {args.config} cannot be combined with --resume: a resumed run "
-              f"keeps its own config ({os.path.join(args.resume, 'config.yaml')}); pass the "
-              "settings a resume may change as overrides (e.g. learner.rl_steps=80), or start "
-              "a new run with --config.", file=sys.stderr)
+        print(
+            f"raytunix: --config {args.config} cannot be combined with --resume: a resumed run "
+            f"keeps its own config ({os.path.join(args.resume, 'config.yaml')}); pass the "
+            "settings a resume may change as overrides (e.g. learner.rl_steps=80), or start "
+            "a new run with --config.",
+            file=sys.stderr,
+        )
         return 2
     try:
-        cfg = (None if getattr(args, "resume", None)
-               else load_config(args.config or "default", args.overrides))
+        cfg = (
+            None
+            if getattr(args, "resume", None)
+            else load_config(args.config or "default", args.overrides)
+        )
     except ConfigError as e:
         print(f"raytunix: config error: {e}", file=sys.stderr)
         return 2
@@ -248,14 +341,25 @@ def interrupted_message(run_dir: str | None) -> str:
     removed as empty)."""
     if run_dir is None:
         return "raytunix: interrupted before the run had trained anything; nothing to resume."
-    kept = [what for what, sub in (("RL checkpoints", "checkpoints"),
-                                   ("the warm start's progress", "warmup"))
-            if os.path.isdir(os.path.join(run_dir, sub)) and os.listdir(os.path.join(run_dir, sub))]
-    kept_text = (f"kept: {' and '.join(kept)} in {run_dir}" if kept else
-                 f"no checkpoint was written yet, so a resume of {run_dir} starts over")
-    return (f"raytunix: interrupted; {kept_text}. Continue with `raytunix train --resume "
-            f"{run_dir}`; `raytunix profile {run_dir}` writes the report, trace and plots of "
-            f"what ran.")
+    kept = [
+        what
+        for what, sub in (
+            ("RL checkpoints", "checkpoints"),
+            ("the warm start's progress", "warmup"),
+        )
+        if os.path.isdir(os.path.join(run_dir, sub)) and os.listdir(os.path.join(run_dir, sub))
+    ]
+    kept_text = (
+        f"kept: {' and '.join(kept)} in {run_dir}"
+        if kept
+        else f"no checkpoint was written yet, so a resume of {run_dir} starts over"
+    )
+    return (
+        f"raytunix: interrupted; {kept_text}. Continue with `raytunix train --resume "
+        f"{run_dir}`; `raytunix profile {run_dir}` writes the report, trace and plots of "
+        f"what ran."
+    )
+
 
 if __name__ == "__main__":
     sys.exit(main())

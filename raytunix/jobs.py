@@ -50,8 +50,18 @@ DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 # Never shipped with the working directory: run outputs, version control, caches and build
 # products (gitignore syntax, as Ray's runtime_env "excludes" reads it).
 WORKING_DIR_EXCLUDES = (
-    "runs/", ".git/", "__pycache__/", "*.pyc", ".pytest_cache/", ".ruff_cache/",
-    ".mypy_cache/", ".benchmarks/", "*.egg-info/", ".venv/", "build/", "dist/",
+    "runs/",
+    ".git/",
+    "__pycache__/",
+    "*.pyc",
+    ".pytest_cache/",
+    ".ruff_cache/",
+    ".mypy_cache/",
+    ".benchmarks/",
+    "*.egg-info/",
+    ".venv/",
+    "build/",
+    "dist/",
 )
 
 # Set in a job whose shipped working dir holds a raytunix/ package: the job then refuses to
@@ -78,9 +88,12 @@ def resolve_address(address: str | None) -> str:
     ``http(s)://`` ``RAY_ADDRESS``, else ``DEFAULT_ADDRESS``; ``http://`` is added when the
     address has no scheme (``HEAD:8265``)."""
     env_address = os.environ.get("RAY_ADDRESS", "")
-    address = (address or os.environ.get("RAY_API_SERVER_ADDRESS")
-               or (env_address if env_address.startswith(("http://", "https://")) else "")
-               or DEFAULT_ADDRESS)
+    address = (
+        address
+        or os.environ.get("RAY_API_SERVER_ADDRESS")
+        or (env_address if env_address.startswith(("http://", "https://")) else "")
+        or DEFAULT_ADDRESS
+    )
     return address if "://" in address else f"http://{address}"
 
 
@@ -129,12 +142,14 @@ def connect(address: str | None = None):
             f"cannot reach a Ray job server at {address}. Start one on the head with "
             "`ray start --head --include-dashboard=true` (dashboard port 8265 by default), or "
             "pass --address http://HEAD:PORT (on GKE: `kubectl port-forward "
-            "svc/CLUSTER-head-svc 8265` first).") from None
+            "svc/CLUSTER-head-svc 8265` first)."
+        ) from None
     except AuthenticationError as e:
         raise JobError(
             f"the Ray cluster at {address} refused our authentication token ({e}). Set "
             "RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) to the cluster's token, with "
-            "RAY_AUTH_MODE=token.") from None
+            "RAY_AUTH_MODE=token."
+        ) from None
 
 
 def train_entrypoint(config: str, overrides: Sequence[str], working_dir: str) -> str:
@@ -154,7 +169,8 @@ def train_entrypoint(config: str, overrides: Sequence[str], working_dir: str) ->
             raise ConfigError(
                 f"config file {config!r} is outside the working dir {working_dir!r} that is "
                 "shipped to the cluster; move it into that directory or pass --working-dir "
-                "a directory that holds it.")
+                "a directory that holds it."
+            )
         config = relative
     return shlex.join(["python", "-m", "raytunix.cli", "train", "--config", config, *overrides])
 
@@ -171,10 +187,12 @@ def check_shipped_package(environ=os.environ, cwd: str | None = None) -> str | N
     imported = os.path.realpath(os.path.dirname(raytunix.__file__))
     if imported == shipped:
         return None
-    return (f"this job shipped raytunix in {shipped}, but Python imported {imported} (another "
-            "install first on sys.path, e.g. a PYTHONPATH or a .pth of the cluster's image); "
-            "run the entrypoint as `python -m raytunix.cli` from the working dir, or remove "
-            "the other install.")
+    return (
+        f"this job shipped raytunix in {shipped}, but Python imported {imported} (another "
+        "install first on sys.path, e.g. a PYTHONPATH or a .pth of the cluster's image); "
+        "run the entrypoint as `python -m raytunix.cli` from the working dir, or remove "
+        "the other install."
+    )
 
 
 def stage_working_dir(working_dir: str, into: str) -> tuple[list[str], list[str]]:
@@ -209,13 +227,21 @@ def stage_working_dir(working_dir: str, into: str) -> tuple[list[str], list[str]
             shutil.copy2(path, target)
             shipped.append(str(relative))
 
-    packaging._dir_travel(root, [packaging._get_excludes(root, list(WORKING_DIR_EXCLUDES))],
-                          copy, include_gitignore=include_gitignore)
-    every = [os.path.relpath(os.path.join(d, f), root)
-             for d, _, files in os.walk(root) for f in files]
+    packaging._dir_travel(
+        root,
+        [packaging._get_excludes(root, list(WORKING_DIR_EXCLUDES))],
+        copy,
+        include_gitignore=include_gitignore,
+    )
+    every = [
+        os.path.relpath(os.path.join(d, f), root) for d, _, files in os.walk(root) for f in files
+    ]
     kept = set(shipped)
-    return sorted(shipped), sorted(p for p in every if p not in kept
-                                   and os.path.basename(p) not in (".gitignore", ".rayignore"))
+    return sorted(shipped), sorted(
+        p
+        for p in every
+        if p not in kept and os.path.basename(p) not in (".gitignore", ".rayignore")
+    )
 
 
 def describe_left_out(left_out: Sequence[str], limit: int = 8) -> str:
@@ -225,8 +251,10 @@ def describe_left_out(left_out: Sequence[str], limit: int = 8) -> str:
         head, sep, _ = path.partition(os.sep)
         key = head + "/" if sep else head
         groups[key] = groups.get(key, 0) + 1
-    parts = [f"{name} ({n} file{'s' if n != 1 else ''})" if name.endswith("/") else name
-             for name, n in sorted(groups.items())]
+    parts = [
+        f"{name} ({n} file{'s' if n != 1 else ''})" if name.endswith("/") else name
+        for name, n in sorted(groups.items())
+    ]
     more = f", and {len(parts) - limit} more" if len(parts) > limit else ""
     return ", ".join(parts[:limit]) + more
 
@@ -245,18 +273,27 @@ def check_staged_config(staged: str, config: str, overrides: Sequence[str]) -> N
     if os.path.isfile(os.path.join(staged, "raytunix", "__init__.py")):
         env[SHIPPED_PACKAGE_ENV] = "1"
     try:
-        done = subprocess.run([sys.executable, "-m", "raytunix.cli", "config", "--config",
-                               config, *overrides], cwd=staged, env=env, capture_output=True,
-                              text=True, timeout=STAGED_CHECK_TIMEOUT_S, check=False)
+        done = subprocess.run(
+            [sys.executable, "-m", "raytunix.cli", "config", "--config", config, *overrides],
+            cwd=staged,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=STAGED_CHECK_TIMEOUT_S,
+            check=False,
+        )
     except subprocess.TimeoutExpired:
-        raise ConfigError(f"checking the config in the copy of the working dir to ship took "
-                          f"over {STAGED_CHECK_TIMEOUT_S:.0f} s; nothing was submitted.") from None
+        raise ConfigError(
+            f"checking the config in the copy of the working dir to ship took "
+            f"over {STAGED_CHECK_TIMEOUT_S:.0f} s; nothing was submitted."
+        ) from None
     if done.returncode != 0:
         lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
         raise ConfigError(
             "the config does not validate in the working dir as it would be shipped (files "
             "excluded, .gitignore, .rayignore left out): "
-            + (lines[-1] if lines else f"exit status {done.returncode}"))
+            + (lines[-1] if lines else f"exit status {done.returncode}")
+        )
 
 
 def check_config(config: str, overrides: Sequence[str], working_dir: str = "."):
@@ -267,8 +304,10 @@ def check_config(config: str, overrides: Sequence[str], working_dir: str = "."):
       ConfigError: an unknown key, a bad value, or ``working_dir`` is not a directory.
     """
     if not os.path.isdir(working_dir):
-        raise ConfigError(f"--working-dir {working_dir!r} is not a directory; pass the "
-                          "directory to ship to the cluster (default: the current one).")
+        raise ConfigError(
+            f"--working-dir {working_dir!r} is not a directory; pass the "
+            "directory to ship to the cluster (default: the current one)."
+        )
     working_dir = os.path.abspath(working_dir)
     added = working_dir not in sys.path
     if added:
@@ -282,8 +321,14 @@ def check_config(config: str, overrides: Sequence[str], working_dir: str = "."):
     return cfg
 
 
-def submit(client, config: str, overrides: Sequence[str], working_dir: str = ".",
-           agent_wait_s: float = 60.0, out: TextIO = sys.stderr) -> str:
+def submit(
+    client,
+    config: str,
+    overrides: Sequence[str],
+    working_dir: str = ".",
+    agent_wait_s: float = 60.0,
+    out: TextIO = sys.stderr,
+) -> str:
     """Validates the config locally, snapshots the working dir as it will ship
     (``stage_working_dir``; what is left out is printed to ``out``), validates the config
     again in the snapshot (``check_staged_config``), then submits ``python -m raytunix.cli
@@ -310,14 +355,16 @@ def submit(client, config: str, overrides: Sequence[str], working_dir: str = "."
     entrypoint = train_entrypoint(config, overrides, working_dir)
     staged = tempfile.mkdtemp(prefix="raytunix-submit-")
     try:
-        return _submit_staged(client, cfg, config, overrides, working_dir, staged, entrypoint,
-                              agent_wait_s, out)
+        return _submit_staged(
+            client, cfg, config, overrides, working_dir, staged, entrypoint, agent_wait_s, out
+        )
     finally:
         shutil.rmtree(staged, ignore_errors=True)  # Ray has uploaded its own zip of it
 
 
-def _submit_staged(client, cfg, config, overrides, working_dir, staged, entrypoint,
-                   agent_wait_s, out) -> str:
+def _submit_staged(
+    client, cfg, config, overrides, working_dir, staged, entrypoint, agent_wait_s, out
+) -> str:
     shipped, left_out = stage_working_dir(working_dir, staged)
     job_config = config  # as the job names it, in its copy of the working dir
     if os.path.isfile(config):
@@ -326,13 +373,21 @@ def _submit_staged(client, cfg, config, overrides, working_dir, staged, entrypoi
             raise ConfigError(
                 f"config file {config!r} would not be shipped: WORKING_DIR_EXCLUDES, a "
                 ".gitignore or a .rayignore in the working dir leaves it out; move it or "
-                "change that ignore file.")
+                "change that ignore file."
+            )
     if left_out:
-        print(f"raytunix: not shipped with the working dir ({len(left_out)} files: excludes, "
-              f".gitignore, .rayignore): {describe_left_out(left_out)}", file=out, flush=True)
+        print(
+            f"raytunix: not shipped with the working dir ({len(left_out)} files: excludes, "
+            f".gitignore, .rayignore): {describe_left_out(left_out)}",
+            file=out,
+            flush=True,
+        )
     check_staged_config(staged, job_config, overrides)
-    env_vars = ({SHIPPED_PACKAGE_ENV: "1"}
-                if os.path.isfile(os.path.join(staged, "raytunix", "__init__.py")) else {})
+    env_vars = (
+        {SHIPPED_PACKAGE_ENV: "1"}
+        if os.path.isfile(os.path.join(staged, "raytunix", "__init__.py"))
+        else {}
+    )
     stamp = time.strftime("%Y%m%d-%H%M%S")
     name = re.sub(r"[^A-Za-z0-9_.-]", "-", cfg.run.name)
     submission_id = f"raytunix-{name}-{stamp}-{uuid.uuid4().hex[:4]}"
@@ -340,17 +395,21 @@ def _submit_staged(client, cfg, config, overrides, working_dir, staged, entrypoi
     while True:
         try:
             return client.submit_job(
-                entrypoint=entrypoint, submission_id=submission_id,
+                entrypoint=entrypoint,
+                submission_id=submission_id,
                 runtime_env={"working_dir": staged, "env_vars": env_vars},
-                metadata={METADATA_KEY: "train", "config": config, "run_name": cfg.run.name})
+                metadata={METADATA_KEY: "train", "config": config, "run_name": cfg.run.name},
+            )
         except RuntimeError as e:  # the SDK raises RuntimeError for a refused request
             # A head that has just started answers before its job agent is up.
             if "No available agent" in str(e) and time.monotonic() < deadline:
                 time.sleep(2.0)
                 continue
-            raise JobError(f"the cluster at {client.get_address()} refused the job: {e}. If "
-                           "it has no job agent, see the head's logs/dashboard_agent.log (a "
-                           "port taken by another Ray cluster on that machine?).") from None
+            raise JobError(
+                f"the cluster at {client.get_address()} refused the job: {e}. If "
+                "it has no job agent, see the head's logs/dashboard_agent.log (a "
+                "port taken by another Ray cluster on that machine?)."
+            ) from None
 
 
 def follow(client, job_id: str, out: TextIO = sys.stdout) -> str:
@@ -411,11 +470,15 @@ def describe(client, job_id: str) -> dict[str, Any]:
     except RuntimeError:
         raise JobError(
             f"no job {job_id!r} on the cluster at {client.get_address()}; "
-            "`raytunix status` lists them.") from None
+            "`raytunix status` lists them."
+        ) from None
     return {
-        "job_id": info.submission_id or job_id, "status": str(info.status),
-        "start": _when(info.start_time), "end": _when(info.end_time),
-        "entrypoint": info.entrypoint, "message": info.message or "",
+        "job_id": info.submission_id or job_id,
+        "status": str(info.status),
+        "start": _when(info.start_time),
+        "end": _when(info.end_time),
+        "entrypoint": info.entrypoint,
+        "message": info.message or "",
         "run_dir": run_dir_from_logs(client.get_job_logs(job_id)),
     }
 
@@ -424,11 +487,17 @@ def _when(ms: int | None) -> str:
     if not ms:
         return "-"
     return datetime.datetime.fromtimestamp(ms / 1000, datetime.UTC).strftime(
-        "%Y-%m-%d %H:%M:%S UTC")
+        "%Y-%m-%d %H:%M:%S UTC"
+    )
 
 
-def submit_command(address: str | None, config: str, overrides: Sequence[str],
-                   working_dir: str = ".", follow_logs: bool = True) -> int:
+def submit_command(
+    address: str | None,
+    config: str,
+    overrides: Sequence[str],
+    working_dir: str = ".",
+    follow_logs: bool = True,
+) -> int:
     """``raytunix submit``: validate, submit, print how to follow, follow unless told not
     to; Ctrl-C stops the job. Returns the exit status (2: config or cluster error)."""
     try:
@@ -443,14 +512,19 @@ def submit_command(address: str | None, config: str, overrides: Sequence[str],
         return 2
     where = client.get_address()
     if not os.path.isabs(cfg.run.output_dir):
-        print(f"raytunix: note: run.output_dir={cfg.run.output_dir!r} is relative, so the run "
-              "directory lands in the job's copy of the working dir on the head, which Ray "
-              "deletes in time; pass an absolute path on lasting storage to keep it.",
-              file=sys.stderr)
-    print(f"raytunix: submitted job {job_id} to {where}\n"
-          f"  follow: ray job logs --follow {job_id} --address {where}\n"
-          f"  status: raytunix status --address {where} {job_id}\n"
-          f"  stop:   ray job stop {job_id} --address {where}", flush=True)
+        print(
+            f"raytunix: note: run.output_dir={cfg.run.output_dir!r} is relative, so the run "
+            "directory lands in the job's copy of the working dir on the head, which Ray "
+            "deletes in time; pass an absolute path on lasting storage to keep it.",
+            file=sys.stderr,
+        )
+    print(
+        f"raytunix: submitted job {job_id} to {where}\n"
+        f"  follow: ray job logs --follow {job_id} --address {where}\n"
+        f"  status: raytunix status --address {where} {job_id}\n"
+        f"  stop:   ray job stop {job_id} --address {where}",
+        flush=True,
+    )
     if not follow_logs:
         return 0
     try:
@@ -458,13 +532,11 @@ def submit_command(address: str | None, config: str, overrides: Sequence[str],
     except KeyboardInterrupt:
         status = stop(client, job_id)
     message = client.get_job_info(job_id).message if status == "FAILED" else ""
-    print(f"raytunix: job {job_id} {status}" + (f": {message}" if message else ""),
-          file=sys.stderr)
+    print(f"raytunix: job {job_id} {status}" + (f": {message}" if message else ""), file=sys.stderr)
     return exit_code(status)
 
 
-def status_command(address: str | None, job_id: str | None = None,
-                   out: TextIO = sys.stdout) -> int:
+def status_command(address: str | None, job_id: str | None = None, out: TextIO = sys.stdout) -> int:
     """``raytunix status``: one job's details, or a table of the cluster's raytunix jobs.
     Returns the exit status (2: cluster unreachable or no such job)."""
     try:
@@ -482,6 +554,9 @@ def status_command(address: str | None, job_id: str | None = None,
         return 0
     print(f"{'JOB ID':<44}{'STATUS':<11}{'START':<25}{'END':<25}ENTRYPOINT", file=out)
     for job in jobs:
-        print(f"{job.submission_id or job.job_id:<44}{job.status!s:<11}"
-              f"{_when(job.start_time):<25}{_when(job.end_time):<25}{job.entrypoint}", file=out)
+        print(
+            f"{job.submission_id or job.job_id:<44}{job.status!s:<11}"
+            f"{_when(job.start_time):<25}{_when(job.end_time):<25}{job.entrypoint}",
+            file=out,
+        )
     return 0

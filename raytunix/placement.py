@@ -81,20 +81,26 @@ class LearnerHostsSpec:
         if self.num_hosts < 1:
             raise ValueError(f"num_hosts={self.num_hosts}: the learner needs at least one host.")
         if self.strategy not in PLACEMENT_STRATEGIES:
-            raise ValueError(f"strategy={self.strategy!r} is not one of "
-                             f"{', '.join(PLACEMENT_STRATEGIES)}.")
+            raise ValueError(
+                f"strategy={self.strategy!r} is not one of {', '.join(PLACEMENT_STRATEGIES)}."
+            )
         check_resources("learner.resources", self.resources)
         if bool(self.tpu_topology) != bool(self.tpu_version):
             raise ValueError(
                 f"tpu_topology={self.tpu_topology!r} and tpu_version={self.tpu_version!r}: "
-                "give both (e.g. 4x4 and v6e) to reserve a TPU slice, or neither.")
+                "give both (e.g. 4x4 and v6e) to reserve a TPU slice, or neither."
+            )
 
     @classmethod
     def from_config(cls, learner) -> LearnerHostsSpec:
         """From the config's ``learner`` section (``raytunix.config.LearnerConfig``)."""
-        return cls(num_hosts=learner.num_hosts, resources=dict(learner.resources),
-                   strategy=learner.placement_strategy, tpu_topology=learner.tpu_topology,
-                   tpu_version=learner.tpu_version)
+        return cls(
+            num_hosts=learner.num_hosts,
+            resources=dict(learner.resources),
+            strategy=learner.placement_strategy,
+            tpu_topology=learner.tpu_topology,
+            tpu_version=learner.tpu_version,
+        )
 
     @property
     def bundle(self) -> dict[str, float]:
@@ -122,8 +128,10 @@ def check_resources(key: str, resources: Any, *, allow_accelerators: bool = True
     """Raises ``ValueError`` naming ``key`` unless ``resources`` maps resource names to
     positive numbers (and, with ``allow_accelerators=False``, names no TPU or GPU)."""
     if not isinstance(resources, dict):
-        raise TypeError(f"{key}={resources!r} must be a mapping of Ray resource names to "
-                         "amounts, e.g. {raytunix_env: 1}.")
+        raise TypeError(
+            f"{key}={resources!r} must be a mapping of Ray resource names to "
+            "amounts, e.g. {raytunix_env: 1}."
+        )
     for name, amount in resources.items():
         if not isinstance(name, str) or not name:
             raise ValueError(f"{key}: resource name {name!r} must be a non-empty string.")
@@ -133,7 +141,8 @@ def check_resources(key: str, resources: Any, *, allow_accelerators: bool = True
             raise ValueError(
                 f"{key} asks for {name}: these actors run with JAX_PLATFORMS=cpu and must "
                 "never hold an accelerator; ask for a custom resource that only CPU nodes "
-                "offer (e.g. {raytunix_env: 1}).")
+                "offer (e.g. {raytunix_env: 1})."
+            )
 
 
 def cpu_actor_options(resources: dict[str, float] | None = None, **options) -> dict[str, Any]:
@@ -145,8 +154,12 @@ def cpu_actor_options(resources: dict[str, float] | None = None, **options) -> d
       ValueError: ``resources`` names TPU or GPU, or an amount is not positive.
     """
     check_resources("resources", dict(resources or {}), allow_accelerators=False)
-    return {"num_cpus": 0, **options, "resources": dict(resources or {}),
-            "runtime_env": CPU_ONLY_RUNTIME_ENV}
+    return {
+        "num_cpus": 0,
+        **options,
+        "resources": dict(resources or {}),
+        "runtime_env": CPU_ONLY_RUNTIME_ENV,
+    }
 
 
 def tpu_worker_id() -> int | None:
@@ -162,14 +175,18 @@ def tpu_worker_id() -> int | None:
     labels = {}
     if ray.is_initialized():
         labels = ray.get_runtime_context().get_node_labels() or {}
-    for source, value in ((f"node label {TPU_WORKER_ID_LABEL}", labels.get(TPU_WORKER_ID_LABEL)),
-                          (f"${TPU_WORKER_ID_ENV}", os.environ.get(TPU_WORKER_ID_ENV))):
+    for source, value in (
+        (f"node label {TPU_WORKER_ID_LABEL}", labels.get(TPU_WORKER_ID_LABEL)),
+        (f"${TPU_WORKER_ID_ENV}", os.environ.get(TPU_WORKER_ID_ENV)),
+    ):
         if value not in (None, ""):
             try:
                 return int(value)
             except ValueError:
-                raise ValueError(f"{source}={value!r} is not a TPU worker id (an integer); "
-                                 "check the node's TPU setup.") from None
+                raise ValueError(
+                    f"{source}={value!r} is not a TPU worker id (an integer); "
+                    "check the node's TPU setup."
+                ) from None
     return None
 
 
@@ -191,13 +208,15 @@ def assign_ranks(worker_ids: list[int | None]) -> list[int]:
     if len(known) != n:
         raise ValueError(
             f"learner hosts' TPU worker ids {worker_ids} (by bundle): some hosts have one and "
-            "some not; the learner's hosts must all be TPU hosts of one slice, or none.")
+            "some not; the learner's hosts must all be TPU hosts of one slice, or none."
+        )
     if sorted(known) != list(range(n)):
         raise ValueError(
             f"learner hosts' TPU worker ids {worker_ids} (by bundle) are not 0..{n - 1} each "
             "once: the learner needs one actor on every host of one slice. Set "
             "learner.num_hosts to the slice's host count and learner.resources to all of a "
-            "host's chips (e.g. {TPU: 4}).")
+            "host's chips (e.g. {TPU: 4})."
+        )
     return list(known)
 
 
@@ -224,10 +243,12 @@ class LearnerHosts:
         """``.options()`` placing an actor in bundle ``bundle_index``, holding all of its
         resources (its CPUs, TPU chips...)."""
         bundle = self.spec.bundle if self._slice is None else dict(self._slice.bundle_resources)
-        return {**resource_options(bundle),
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                    placement_group=self.placement_group,
-                    placement_group_bundle_index=bundle_index)}
+        return {
+            **resource_options(bundle),
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=self.placement_group, placement_group_bundle_index=bundle_index
+            ),
+        }
 
     def release(self) -> None:
         """Removes the placement group (the actors in it die with it). Idempotent."""
@@ -253,21 +274,24 @@ def reserve_learner_hosts(spec: LearnerHostsSpec, timeout_s: float = 600.0) -> L
         from ray.util.tpu import SlicePlacementGroup
 
         tpu_slice = SlicePlacementGroup(
-            topology=spec.tpu_topology, accelerator_version=spec.tpu_version,
-            resources_per_bundle=dict(spec.resources) or None, strategy=spec.strategy,
-            head_reservation_timeout_s=timeout_s)
+            topology=spec.tpu_topology,
+            accelerator_version=spec.tpu_version,
+            resources_per_bundle=dict(spec.resources) or None,
+            strategy=spec.strategy,
+            head_reservation_timeout_s=timeout_s,
+        )
         if tpu_slice.num_bundles != spec.num_hosts:
             tpu_slice.shutdown()
             raise ValueError(
                 f"a {spec.tpu_version} slice of topology {spec.tpu_topology} has "
                 f"{tpu_slice.num_hosts} hosts and makes {tpu_slice.num_bundles} bundles of "
                 f"{tpu_slice.bundle_resources}, but learner.num_hosts={spec.num_hosts}; set "
-                f"learner.num_hosts={tpu_slice.num_bundles} (one learner actor per host).")
+                f"learner.num_hosts={tpu_slice.num_bundles} (one learner actor per host)."
+            )
         pg = tpu_slice.placement_group
         asked = f"{spec.num_hosts} bundles of {tpu_slice.bundle_resources} on one TPU slice"
     else:
-        pg = placement_group([spec.bundle for _ in range(spec.num_hosts)],
-                             strategy=spec.strategy)
+        pg = placement_group([spec.bundle for _ in range(spec.num_hosts)], strategy=spec.strategy)
         asked = f"{spec.num_hosts} bundles of {spec.bundle} ({spec.strategy})"
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
@@ -278,10 +302,15 @@ def reserve_learner_hosts(spec: LearnerHostsSpec, timeout_s: float = 600.0) -> L
         raise TimeoutError(
             f"the learner's hosts ({asked}) were not reserved within {timeout_s} s; free "
             f"resources: {ray.available_resources()}. Check learner.num_hosts, "
-            "learner.resources and the cluster's nodes (`ray status`).")
+            "learner.resources and the cluster's nodes (`ray status`)."
+        )
     if tpu_slice is not None:
         tpu_slice.release_head_pgs()  # the worker group holds the slice now
     table = ray.util.placement_group_table(pg)
     nodes = table["bundles_to_node_id"]
-    return LearnerHosts(placement_group=pg, spec=spec,
-                        node_ids=[nodes[i] for i in range(len(nodes))], _slice=tpu_slice)
+    return LearnerHosts(
+        placement_group=pg,
+        spec=spec,
+        node_ids=[nodes[i] for i in range(len(nodes))],
+        _slice=tpu_slice,
+    )

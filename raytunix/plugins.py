@@ -47,9 +47,20 @@ from raytunix.tools import Tool
 
 _BASES: dict[str, type] = {"env": BaseEnv, "agent": ConversationAgentBase, "tool": Tool}
 
-__all__ = ["KINDS", "PluginError", "add_import_paths", "builtin", "check_kwargs",
-           "entry_points", "import_object", "import_root", "is_import_path", "module_roots",
-           "registered_names", "resolve"]
+__all__ = [
+    "KINDS",
+    "PluginError",
+    "add_import_paths",
+    "builtin",
+    "check_kwargs",
+    "entry_points",
+    "import_object",
+    "import_root",
+    "is_import_path",
+    "module_roots",
+    "registered_names",
+    "resolve",
+]
 
 
 def builtin(kind: str) -> dict[str, type]:
@@ -75,8 +86,9 @@ def resolve(kind: str, spec: str) -> type:
     return registry.resolve(kind, spec, _BASES[registry.check_kind(kind)])
 
 
-def check_kwargs(cls: type, kwargs: Mapping[str, Any], *, key: str,
-                 provided: Iterable[str] = ()) -> None:
+def check_kwargs(
+    cls: type, kwargs: Mapping[str, Any], *, key: str, provided: Iterable[str] = ()
+) -> None:
     """Checks ``cls(**provided, **kwargs)`` against the constructor's signature without
     calling it.
 
@@ -97,8 +109,10 @@ def check_kwargs(cls: type, kwargs: Mapping[str, Any], *, key: str,
         has the wrong type.
     """
     if not isinstance(kwargs, Mapping):
-        raise PluginError(f"{key}={kwargs!r} must be a mapping of argument names to values, "
-                          f"e.g. {key}={{turns: 2}}.")
+        raise PluginError(
+            f"{key}={kwargs!r} must be a mapping of argument names to values, "
+            f"e.g. {key}={{turns: 2}}."
+        )
     bad_names = [k for k in kwargs if not isinstance(k, str)]
     if bad_names:
         raise PluginError(f"{key} has non-string argument names {bad_names!r}.")
@@ -107,8 +121,11 @@ def check_kwargs(cls: type, kwargs: Mapping[str, Any], *, key: str,
     except (TypeError, ValueError):  # a constructor in C: nothing to check against
         return
     provided = set(provided)
-    params = {name: p for name, p in signature.parameters.items()
-              if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    params = {
+        name: p
+        for name, p in signature.parameters.items()
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    }
     takes_any = any(p.kind == p.VAR_KEYWORD for p in signature.parameters.values())
     accepted = [name for name in params if name not in provided]
     for name in kwargs:
@@ -117,15 +134,23 @@ def check_kwargs(cls: type, kwargs: Mapping[str, Any], *, key: str,
         if name not in params and not takes_any:
             raise PluginError(
                 f"{key}.{name}: {cls.__qualname__} takes no argument {name!r}; it accepts "
-                f"{', '.join(accepted) or 'no arguments'}.")
-    missing = [name for name, p in params.items() if p.default is p.empty
-               and name not in kwargs and name not in provided]
-    positional_only = [name for name, p in signature.parameters.items()
-                       if p.kind == p.POSITIONAL_ONLY and p.default is p.empty]
+                f"{', '.join(accepted) or 'no arguments'}."
+            )
+    missing = [
+        name
+        for name, p in params.items()
+        if p.default is p.empty and name not in kwargs and name not in provided
+    ]
+    positional_only = [
+        name
+        for name, p in signature.parameters.items()
+        if p.kind == p.POSITIONAL_ONLY and p.default is p.empty
+    ]
     if missing or positional_only:
         raise PluginError(
             f"{key}: {cls.__qualname__} needs {', '.join(missing + positional_only)}, which "
-            f"{key} does not give; add {'it' if len(missing) == 1 else 'them'} to {key}.")
+            f"{key} does not give; add {'it' if len(missing) == 1 else 'them'} to {key}."
+        )
     hints = _type_hints(cls)
     for name, value in kwargs.items():
         expected = _scalar_types(hints.get(name))
@@ -142,8 +167,9 @@ def check_kwargs(cls: type, kwargs: Mapping[str, Any], *, key: str,
         if value is None and type(None) in expected:
             continue
         names = " or ".join(t.__name__ for t in expected)
-        raise PluginError(f"{key}.{name}={value!r} must be {names} "
-                          f"({cls.__qualname__}.__init__ says so).")
+        raise PluginError(
+            f"{key}.{name}={value!r} must be {names} ({cls.__qualname__}.__init__ says so)."
+        )
 
 
 def import_root(obj: Any) -> str | None:
@@ -206,14 +232,6 @@ def add_import_paths(paths: Iterable[str]) -> None:
     for path in reversed(list(paths)):
         if path and path not in sys.path:
             sys.path.insert(0, path)
-
-
-
-
-
-
-
-
 
 
 def _type_hints(cls: type) -> dict[str, Any]:

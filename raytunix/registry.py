@@ -57,16 +57,20 @@ def register(kind: str, name: str) -> Callable[[C], C]:
     """
     what = KINDS[check_kind(kind)][0]
     if not isinstance(name, str) or not name.strip() or ":" in name:
-        raise PluginError(f"{what} name {name!r} must be a non-empty string without ':' "
-                          "(a ':' marks an import path package.module:Class).")
+        raise PluginError(
+            f"{what} name {name!r} must be a non-empty string without ':' "
+            "(a ':' marks an import path package.module:Class)."
+        )
 
     def decorator(cls: C) -> C:
         if not inspect.isclass(cls):
             raise PluginError(f"register({kind!r}, {name!r}) decorates a class, got {cls!r:.60}.")
         taken = _REGISTRY[kind].get(name)
         if taken is not None and _qualified(taken) != _qualified(cls):
-            raise PluginError(f"{what} name {name!r} is taken by {_qualified(taken)}; register "
-                              f"{_qualified(cls)} under another name.")
+            raise PluginError(
+                f"{what} name {name!r} is taken by {_qualified(taken)}; register "
+                f"{_qualified(cls)} under another name."
+            )
         _REGISTRY[kind][name] = cls
         return cls
 
@@ -112,8 +116,10 @@ def resolve(kind: str, spec: str, base: type) -> type:
     """
     what, group = KINDS[check_kind(kind)]
     if not isinstance(spec, str) or not spec.strip():
-        raise PluginError(f"{what} {spec!r} is not a name; give a registered name "
-                          f"({', '.join(registered_names(kind))}) or package.module:Class.")
+        raise PluginError(
+            f"{what} {spec!r} is not a name; give a registered name "
+            f"({', '.join(registered_names(kind))}) or package.module:Class."
+        )
     registry = entries(kind)
     if spec in registry:
         obj = registry[spec]
@@ -124,18 +130,21 @@ def resolve(kind: str, spec: str, base: type) -> type:
             raise PluginError(
                 f"{what} {spec!r} is the entry point {eps[spec].value!r} (group {group!r}, "
                 f"package {_dist_name(eps[spec])}), which fails to load: "
-                f"{type(e).__name__}: {e}") from e
+                f"{type(e).__name__}: {e}"
+            ) from e
     elif is_import_path(spec):
         obj = import_object(spec, what)
     else:
         raise PluginError(
             f"unknown {what} {spec!r}; registered: {', '.join(registered_names(kind))}; or "
             f"give an import path package.module:Class (packages can also register names "
-            f"through the {group!r} entry-point group).")
+            f"through the {group!r} entry-point group)."
+        )
     if not (inspect.isclass(obj) and issubclass(obj, base)):
         raise PluginError(
             f"{what} {spec!r} is {_describe(obj)}, not a subclass of {base.__module__}."
-            f"{base.__qualname__}.")
+            f"{base.__qualname__}."
+        )
     if inspect.isabstract(obj):
         missing = ", ".join(sorted(getattr(obj, "__abstractmethods__", ())))
         raise PluginError(f"{what} {spec!r} ({obj.__qualname__}) is abstract; implement {missing}.")
@@ -161,10 +170,12 @@ def import_object(path: str, what: str = "object") -> Any:
         raise PluginError(
             f"{what} {path!r}: no module named {module_name!r} on this process's path "
             f"(pid {os.getpid()}; cwd {os.getcwd()!r}). Run from the directory that holds it, "
-            "add that directory to PYTHONPATH, or pip install its package.") from e
+            "add that directory to PYTHONPATH, or pip install its package."
+        ) from e
     except Exception as e:  # noqa: BLE001 - the user's module raised while importing
-        raise PluginError(f"{what} {path!r}: importing {module_name!r} raised "
-                          f"{type(e).__name__}: {e}") from e
+        raise PluginError(
+            f"{what} {path!r}: importing {module_name!r} raised {type(e).__name__}: {e}"
+        ) from e
     obj: Any = module
     for part in attr.split("."):
         try:
@@ -173,7 +184,8 @@ def import_object(path: str, what: str = "object") -> Any:
             names = sorted(n for n in vars(module) if not n.startswith("_"))
             raise PluginError(
                 f"{what} {path!r}: module {module_name!r} has no attribute {attr!r}; it "
-                f"defines: {', '.join(names[:30])}.") from None
+                f"defines: {', '.join(names[:30])}."
+            ) from None
     return obj
 
 

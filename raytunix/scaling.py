@@ -63,8 +63,9 @@ def _check_count(flag: str, value: Any) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ScaleRequestError(f"{flag} {value!r} is not a whole number; pass an int >= 1.")
     if value < 1:
-        raise ScaleRequestError(f"{flag} {value} is below 1; a pool needs at least one actor "
-                                "(pass an int >= 1).")
+        raise ScaleRequestError(
+            f"{flag} {value} is below 1; a pool needs at least one actor (pass an int >= 1)."
+        )
     return value
 
 
@@ -72,8 +73,9 @@ def scale_path(run_dir: str) -> str:
     return os.path.join(run_dir, SCALE_FILE)
 
 
-def write_scale_request(run_dir: str, env_actors: int | None = None,
-                        sandbox_actors: int | None = None) -> ScaleRequest:
+def write_scale_request(
+    run_dir: str, env_actors: int | None = None, sandbox_actors: int | None = None
+) -> ScaleRequest:
     """Writes ``RUN_DIR/scale.json`` atomically; returns the request written.
 
     Raises:
@@ -84,20 +86,24 @@ def write_scale_request(run_dir: str, env_actors: int | None = None,
     env_actors = _check_count("--env-actors", env_actors)
     sandbox_actors = _check_count("--sandbox-actors", sandbox_actors)
     if env_actors is None and sandbox_actors is None:
-        raise ScaleRequestError("nothing to scale; pass --env-actors N and/or "
-                                "--sandbox-actors M.")
+        raise ScaleRequestError("nothing to scale; pass --env-actors N and/or --sandbox-actors M.")
     if not os.path.isdir(run_dir):
-        raise ScaleRequestError(f"run directory {run_dir!r} does not exist; pass the "
-                                "directory `raytunix train` printed at start (under runs/).")
+        raise ScaleRequestError(
+            f"run directory {run_dir!r} does not exist; pass the "
+            "directory `raytunix train` printed at start (under runs/)."
+        )
     if not os.path.exists(os.path.join(run_dir, "config.yaml")):
-        raise ScaleRequestError(f"{run_dir!r} has no config.yaml, so it is not a raytunix run "
-                                "directory; pass the directory `raytunix train` printed at "
-                                "start (under runs/).")
+        raise ScaleRequestError(
+            f"{run_dir!r} has no config.yaml, so it is not a raytunix run "
+            "directory; pass the directory `raytunix train` printed at "
+            "start (under runs/)."
+        )
     if os.path.exists(os.path.join(run_dir, "summary.json")):
         raise ScaleRequestError(
             f"{run_dir!r} has finished (it has its summary.json), so nothing would apply the "
             "request; to train it further at another size, resume it with "
-            "`raytunix train --resume RUN_DIR learner.rl_steps=N env.num_env_actors=K`.")
+            "`raytunix train --resume RUN_DIR learner.rl_steps=N env.num_env_actors=K`."
+        )
     request = ScaleRequest(env_actors, sandbox_actors, uuid.uuid4().hex, time.time())
     fd, tmp = tempfile.mkstemp(prefix=".scale-", suffix=".tmp", dir=run_dir)
     try:
@@ -126,7 +132,9 @@ def read_scale_request(run_dir: str) -> ScaleRequest | None:
     try:
         tree = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ScaleRequestError(f"{path} is not JSON ({e}); write it with `raytunix scale`.") from None
+        raise ScaleRequestError(
+            f"{path} is not JSON ({e}); write it with `raytunix scale`."
+        ) from None
     if not isinstance(tree, dict) or not isinstance(tree.get("request_id"), str):
         raise ScaleRequestError(f"{path} holds no request_id; write it with `raytunix scale`.")
     env = _check_count("env_actors", tree.get("env_actors"))
@@ -148,8 +156,9 @@ class ScaleWatcher:
       say: prints a line for the user (the driver's log).
     """
 
-    def __init__(self, run_dir: str, env_pool, sandbox_pool=None,
-                 say: Callable[[str], None] = print) -> None:
+    def __init__(
+        self, run_dir: str, env_pool, sandbox_pool=None, say: Callable[[str], None] = print
+    ) -> None:
         self.run_dir = run_dir
         self.env_pool = env_pool
         self.sandbox_pool = sandbox_pool
@@ -183,9 +192,12 @@ class ScaleWatcher:
         if request is None or request.request_id == self._applied:
             return None
         self._applied = request.request_id
-        record: dict[str, Any] = {"phase": "scale", "step": step,
-                                  "request_id": request.request_id,
-                                  "requested_at": request.requested_at}
+        record: dict[str, Any] = {
+            "phase": "scale",
+            "step": step,
+            "request_id": request.request_id,
+            "requested_at": request.requested_at,
+        }
         notes = []
         if request.env_actors is not None:
             record.update(self._resize_env(orchestrator, request.env_actors))
@@ -213,13 +225,18 @@ class ScaleWatcher:
         except ray.exceptions.RayError as e:
             return {"env_actors_before": before, "env_error": f"{type(e).__name__}: {e}"}
         self.env_pool.adopt(membership)
-        return {"env_actors_before": before, "env_actors": n,
-                **{f"env_{k}": membership[k] for k in ("active", "starting", "retiring", "retired")}}
+        return {
+            "env_actors_before": before,
+            "env_actors": n,
+            **{f"env_{k}": membership[k] for k in ("active", "starting", "retiring", "retired")},
+        }
 
     def _resize_sandbox(self, n: int) -> dict[str, Any]:
         if self.sandbox_pool is None:
-            return {"sandbox_error": "this run has no sandbox pool (its environment runs no "
-                                     "sandboxed tools); --sandbox-actors has no effect"}
+            return {
+                "sandbox_error": "this run has no sandbox pool (its environment runs no "
+                "sandboxed tools); --sandbox-actors has no effect"
+            }
         import ray
 
         before = self.sandbox_pool.size
@@ -227,8 +244,11 @@ class ScaleWatcher:
             membership = self.sandbox_pool.resize(n)
         except ray.exceptions.RayError as e:
             return {"sandbox_actors_before": before, "sandbox_error": f"{type(e).__name__}: {e}"}
-        return {"sandbox_actors_before": before, "sandbox_actors": n,
-                **{f"sandbox_{k}": v for k, v in membership.items()}}
+        return {
+            "sandbox_actors_before": before,
+            "sandbox_actors": n,
+            **{f"sandbox_{k}": v for k, v in membership.items()},
+        }
 
     @staticmethod
     def _note(what: str, record: dict[str, Any], prefix: str) -> str:

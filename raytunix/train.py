@@ -43,8 +43,9 @@ __all__ = [
 ]
 
 
-def train(cfg: Config | None, resume: str | None = None,
-          resume_overrides: Sequence[str] = ()) -> dict[str, Any]:
+def train(
+    cfg: Config | None, resume: str | None = None, resume_overrides: Sequence[str] = ()
+) -> dict[str, Any]:
     """Runs the main job; returns the summary (also saved as ``summary.json``).
 
     Args:
@@ -64,8 +65,10 @@ def train(cfg: Config | None, resume: str | None = None,
     try:
         with contextlib.closing(run), removed_if_left_empty(run, new=not resume):
             connect_ray()
-            with started_job(cfg, run, dataset) as (job, tasks), \
-                    steps.profiled(cfg, job, run) as collector:
+            with (
+                started_job(cfg, run, dataset) as (job, tasks),
+                steps.profiled(cfg, job, run) as collector,
+            ):
                 if run.has_rl_checkpoint():
                     start = steps.restore_rl(cfg, job, run)
                 else:
@@ -75,19 +78,22 @@ def train(cfg: Config | None, resume: str | None = None,
                     start = steps.begin_rl(cfg, job, run, before, warm)
                 rl_s = steps.rl_loop(cfg, job, run, start, collector)
                 engine_stats = job.engine_stats()  # before the evaluation adds its own decoding
-                after = steps.evaluate(job, run, tasks.heldout, collector, "after_rl",
-                                       step=cfg.learner.rl_steps)
+                after = steps.evaluate(
+                    job, run, tasks.heldout, collector, "after_rl", step=cfg.learner.rl_steps
+                )
                 steps.export_policy(cfg, job, run)
-                return steps.summarise(cfg, job, run, start, after, engine_stats, rl_s, wall0,
-                                       tasks.dropped)
+                return steps.summarise(
+                    cfg, job, run, start, after, engine_stats, rl_s, wall0, tasks.dropped
+                )
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (driver.prepare turns it into this)
         # The CLI's message names the directory to resume, or none when it was removed.
         e.run_dir = run.path if os.path.isdir(run.path) else None
         raise
 
 
-def main_train(cfg: Config | None, resume: str | None = None,
-               resume_overrides: Sequence[str] = ()) -> int:
+def main_train(
+    cfg: Config | None, resume: str | None = None, resume_overrides: Sequence[str] = ()
+) -> int:
     """``train``, then Ray shut down whatever happened; 0 once the run has its summary."""
     try:
         summary = train(cfg, resume, resume_overrides)

@@ -82,7 +82,9 @@ class ToolErrorKind(str, enum.Enum):
     UNKNOWN_TOOL = "unknown_tool"  # the call names a tool the environment does not offer
     BAD_JSON = "bad_json"  # the call is not a JSON object {"name": str, "arguments": {...}}, or its tag is unclosed
     BAD_ARGUMENTS = "bad_arguments"  # the arguments do not fit the tool's parameter schema
-    TOOL_EXCEPTION = "tool_exception"  # the tool ran and failed (input it cannot handle, or a bug in it)
+    TOOL_EXCEPTION = (
+        "tool_exception"  # the tool ran and failed (input it cannot handle, or a bug in it)
+    )
     TIMEOUT = "timeout"  # the tool did not answer within its deadline
     FORMAT = "format"  # the turn holds no call and no answer, both, or more than one answer
 
@@ -371,14 +373,22 @@ class Agent(Protocol):
 
     def reset(self, task: Task, observation: str) -> None: ...
 
-    def next_request(self, request_id: str, sampling: SamplingParams, seed: int) -> GenerationRequest: ...
+    def next_request(
+        self, request_id: str, sampling: SamplingParams, seed: int
+    ) -> GenerationRequest: ...
 
     def on_generation(self, result: GenerationResult) -> Action: ...
 
     def on_observation(self, text: str) -> None: ...
 
-    def to_trajectory(self, task_id: str, group_id: str, reward: float, status: EpisodeStatus,
-                      metrics: dict[str, float] | None = None) -> Trajectory: ...
+    def to_trajectory(
+        self,
+        task_id: str,
+        group_id: str,
+        reward: float,
+        status: EpisodeStatus,
+        metrics: dict[str, float] | None = None,
+    ) -> Trajectory: ...
 
     @property
     def num_turns(self) -> int: ...

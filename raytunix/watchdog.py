@@ -39,8 +39,9 @@ import psutil
 _started: list[subprocess.Popen] = []  # keeps the pipe's write end open while the driver lives
 
 
-def start_watchdog(session_dir: str, grace_s: float = 2.0,
-                   interval_s: float = 0.5) -> subprocess.Popen:
+def start_watchdog(
+    session_dir: str, grace_s: float = 2.0, interval_s: float = 0.5
+) -> subprocess.Popen:
     """Starts the watchdog for this process (the driver) and the Ray session whose
     directory is ``session_dir``; returns its process.
 
@@ -59,10 +60,23 @@ def start_watchdog(session_dir: str, grace_s: float = 2.0,
         raise ValueError(f"grace_s={grace_s!r} and interval_s={interval_s!r} must be > 0 s")
     process = subprocess.Popen(
         # -P: this file's directory (raytunix/, which holds a types.py) stays off sys.path.
-        [sys.executable, "-P", os.path.abspath(__file__), "--driver-pid", str(os.getpid()),
-         "--session-dir", session_dir, "--grace-s", str(grace_s), "--interval-s", str(interval_s)],
-        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-        start_new_session=True)  # Ctrl-C in the terminal is the driver's to handle
+        [
+            sys.executable,
+            "-P",
+            os.path.abspath(__file__),
+            "--driver-pid",
+            str(os.getpid()),
+            "--session-dir",
+            session_dir,
+            "--grace-s",
+            str(grace_s),
+            "--interval-s",
+            str(interval_s),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,
+    )  # Ctrl-C in the terminal is the driver's to handle
     _started.append(process)
     return process
 
@@ -132,10 +146,14 @@ def watch(driver_pid: int, session_dir: str, grace_s: float, interval_s: float) 
         alive = _wait_exit(alive, 1.0)
         if not alive:
             break
-    print(f"raytunix watchdog: the driver (pid {driver_pid}) is gone; ended the "
-          f"{len(targets)} process(es) of its Ray session {session_dir} that outlived it"
-          + (f" ({len(alive)} would not stop)" if alive else "") + ".",
-          file=sys.stderr, flush=True)
+    print(
+        f"raytunix watchdog: the driver (pid {driver_pid}) is gone; ended the "
+        f"{len(targets)} process(es) of its Ray session {session_dir} that outlived it"
+        + (f" ({len(alive)} would not stop)" if alive else "")
+        + ".",
+        file=sys.stderr,
+        flush=True,
+    )
     return len(targets)
 
 

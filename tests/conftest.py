@@ -25,12 +25,20 @@ import pytest  # noqa: E402
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "benchmark: runs a benchmarks/ script end to end with tiny settings, in "
-        "a subprocess (10 s to a minute each on 2 cores); -m 'not benchmark' skips them")
+        "markers",
+        "benchmark: runs a benchmarks/ script end to end with tiny settings, in "
+        "a subprocess (10 s to a minute each on 2 cores); -m 'not benchmark' skips them",
+    )
 
 
-_RAY_INIT = dict(address="local", num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024**2,
-                 runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu"}}, log_to_driver=False)
+_RAY_INIT = dict(
+    address="local",
+    num_cpus=2,
+    include_dashboard=False,
+    object_store_memory=200 * 1024**2,
+    runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu"}},
+    log_to_driver=False,
+)
 _started_here = []
 
 

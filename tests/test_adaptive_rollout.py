@@ -62,10 +62,17 @@ class LoadReportingEngine(FakeEngine):
 
 
 def adaptive(engine, leases=None, *, initial=4, minimum=4, maximum=32, target=0.9, **kwargs):
-    controller = ConcurrencyController(initial=initial, minimum=minimum, maximum=maximum,
-                                       target_busy=target, granularity=2)
-    args = dict(group_size=2, groups_per_batch=2, max_staleness=15, batch_queue_size=2,
-                concurrency=controller, concurrency_interval_s=0.01)
+    controller = ConcurrencyController(
+        initial=initial, minimum=minimum, maximum=maximum, target_busy=target, granularity=2
+    )
+    args = dict(
+        group_size=2,
+        groups_per_batch=2,
+        max_staleness=15,
+        batch_queue_size=2,
+        concurrency=controller,
+        concurrency_interval_s=0.01,
+    )
     args.update(kwargs)
     return make_orchestrator(engine, leases, max_concurrent_episodes=initial, **args)
 
@@ -94,8 +101,9 @@ def test_budget_rises_while_the_engine_reports_idle_and_never_exceeds_the_maximu
         engine = LoadReportingEngine(delay=lambda r: 0.02)
         leases = EnvLeases()
         orchestrator = adaptive(engine, leases, maximum=32)
-        infos = await consume_until(orchestrator, engine,
-                                    lambda info: info["max_concurrent_episodes"] == 32)
+        infos = await consume_until(
+            orchestrator, engine, lambda info: info["max_concurrent_episodes"] == 32
+        )
         # Keep going at the maximum a while: it must hold there.
         infos += await consume_until(orchestrator, engine, lambda info: False, max_batches=40)
         stats = orchestrator.stats()
@@ -109,8 +117,11 @@ def test_budget_rises_while_the_engine_reports_idle_and_never_exceeds_the_maximu
     assert max(budgets) == 32 and leases.max_outstanding <= 32
     assert leases.max_outstanding > 16  # the raised budget was used
     assert all(info["staleness_max"] <= 15 for info in infos)  # admission still applies
-    readings = [info["engine_busy_fraction_last_window"] for info in infos
-                if "engine_busy_fraction_last_window" in info]
+    readings = [
+        info["engine_busy_fraction_last_window"]
+        for info in infos
+        if "engine_busy_fraction_last_window" in info
+    ]
     assert readings and all(r == pytest.approx(0.2, abs=0.05) for r in readings)
     assert stats["max_concurrent_episodes"] == 32 and stats["concurrency_changes"] == 3
 
@@ -134,11 +145,11 @@ def test_budget_does_not_wind_up_while_the_staleness_rule_holds_groups_back():
 
 def test_budget_falls_to_the_minimum_when_the_engine_is_saturated():
     async def main():
-        engine = LoadReportingEngine(busy=(lambda: 1.0,), waiting=lambda: 5,
-                                     delay=lambda r: 0.002)
+        engine = LoadReportingEngine(busy=(lambda: 1.0,), waiting=lambda: 5, delay=lambda r: 0.002)
         orchestrator = adaptive(engine, initial=32, minimum=8, maximum=64)
-        infos = await consume_until(orchestrator, engine,
-                                    lambda info: info["max_concurrent_episodes"] == 8)
+        infos = await consume_until(
+            orchestrator, engine, lambda info: info["max_concurrent_episodes"] == 8
+        )
         infos += await consume_until(orchestrator, engine, lambda info: False, max_batches=20)
         await orchestrator.stop()
         return infos
@@ -150,8 +161,7 @@ def test_budget_falls_to_the_minimum_when_the_engine_is_saturated():
 
 def test_engine_queueing_stops_a_raise_even_below_the_target():
     async def main():
-        engine = LoadReportingEngine(busy=(lambda: 0.6,), waiting=lambda: 3,
-                                     delay=lambda r: 0.002)
+        engine = LoadReportingEngine(busy=(lambda: 0.6,), waiting=lambda: 3, delay=lambda r: 0.002)
         orchestrator = adaptive(engine, initial=8, maximum=64)
         infos = await consume_until(orchestrator, engine, lambda info: False, max_batches=60)
         await orchestrator.stop()
@@ -173,8 +183,11 @@ def test_several_replicas_are_averaged_and_a_fleet_at_target_holds_the_budget():
     # Two replicas at 0.88 and 0.92: the fleet is at its target, nothing moves.
     held = run(main((lambda: 0.88, lambda: 0.92)))
     assert {info["max_concurrent_episodes"] for info in held} == {8}
-    readings = [info["engine_busy_fraction_last_window"] for info in held
-                if "engine_busy_fraction_last_window" in info]
+    readings = [
+        info["engine_busy_fraction_last_window"]
+        for info in held
+        if "engine_busy_fraction_last_window" in info
+    ]
     assert readings and all(r == pytest.approx(0.9, abs=0.01) for r in readings)
     # One replica busy, one idle: the mean (0.5) is below target, so the budget grows.
     grown = run(main((lambda: 0.9, lambda: 0.1)))
@@ -243,8 +256,12 @@ class RewardScriptedEngine(FakeEngine):
         answer = a + b if self.correct(index_of(group_id), member) else a + b + 1
         ids = TOKENIZER.encode(f"<answer>{answer}</answer>") + [TOKENIZER.end_id]
         return GenerationResult(
-            request_id=request.request_id, token_ids=tuple(ids), logprobs=(-0.25,) * len(ids),
-            policy_versions=(self.version,) * len(ids), finish_reason=FinishReason.STOP)
+            request_id=request.request_id,
+            token_ids=tuple(ids),
+            logprobs=(-0.25,) * len(ids),
+            policy_versions=(self.version,) * len(ids),
+            finish_reason=FinishReason.STOP,
+        )
 
 
 def degenerate(index: int) -> bool:
@@ -262,8 +279,9 @@ def mixed_rewards(index: int, member: int) -> bool:
 
 def ledger(consumed, state) -> tuple[set[int], set[int], set[int]]:
     """(trained, filtered, pending) task indices; checks each handed-out task is exactly one."""
-    trained = [index_of(g) for trajectories, _, _ in consumed
-               for g in {t.group_id for t in trajectories}]
+    trained = [
+        index_of(g) for trajectories, _, _ in consumed for g in {t.group_id for t in trajectories}
+    ]
     assert len(trained) == len(set(trained)), "a task was trained twice"
     pending = set(state["pending"])
     handed_out = set(range(state["next_index"]))
@@ -275,9 +293,14 @@ def ledger(consumed, state) -> tuple[set[int], set[int], set[int]]:
 def test_dynamic_sampling_drops_zero_variance_groups_and_still_fills_every_batch():
     async def main():
         engine = RewardScriptedEngine(mixed_rewards, group_size=3)
-        orchestrator = make_orchestrator(engine, group_size=3, groups_per_batch=2,
-                                         max_concurrent_episodes=6, max_staleness=1,
-                                         dynamic_sampling=True)
+        orchestrator = make_orchestrator(
+            engine,
+            group_size=3,
+            groups_per_batch=2,
+            max_concurrent_episodes=6,
+            max_staleness=1,
+            dynamic_sampling=True,
+        )
         consumed = await learner_loop(orchestrator, engine, 4)
         await orchestrator.stop()
         return consumed, orchestrator.state()
@@ -295,7 +318,10 @@ def test_dynamic_sampling_drops_zero_variance_groups_and_still_fills_every_batch
     counters = state["counters"]
     assert counters["groups_filtered_zero_variance"] == len(filtered)
     assert sum(v for k, v in counters.items() if k.startswith("groups_filtered_")) == len(filtered)
-    assert consumed[-1][1]["groups_filtered_zero_variance"] == counters["groups_filtered_zero_variance"]
+    assert (
+        consumed[-1][1]["groups_filtered_zero_variance"]
+        == counters["groups_filtered_zero_variance"]
+    )
     # Filtered tasks are final, with their reason in the saved ledger: a resumed run does
     # not start them again.
     assert not filtered & set(state["pending"])
@@ -307,9 +333,15 @@ def test_dynamic_sampling_drops_zero_variance_groups_and_still_fills_every_batch
 def test_every_group_degenerate_is_capped_warned_and_trained_not_looped_forever(caplog):
     async def main():
         engine = RewardScriptedEngine(lambda index, member: True, group_size=2)
-        orchestrator = make_orchestrator(engine, group_size=2, groups_per_batch=2,
-                                         max_concurrent_episodes=4, max_staleness=1,
-                                         dynamic_sampling=True, dynamic_sampling_max_filtered=3)
+        orchestrator = make_orchestrator(
+            engine,
+            group_size=2,
+            groups_per_batch=2,
+            max_concurrent_episodes=4,
+            max_staleness=1,
+            dynamic_sampling=True,
+            dynamic_sampling_max_filtered=3,
+        )
         consumed = await asyncio.wait_for(learner_loop(orchestrator, engine, 3), timeout=30)
         await orchestrator.stop()
         return consumed, orchestrator.state(), orchestrator.stats()["batches_formed"]
@@ -334,9 +366,14 @@ def test_a_failed_member_adds_no_variance_and_off_by_default_nothing_is_filtered
 
     async def main(dynamic_sampling):
         engine = RewardScriptedEngine(lambda index, member: index % 2 == 0, group_size=3)
-        orchestrator = make_orchestrator(engine, EnvLeases(flaky), group_size=3,
-                                         groups_per_batch=2, max_concurrent_episodes=6,
-                                         dynamic_sampling=dynamic_sampling)
+        orchestrator = make_orchestrator(
+            engine,
+            EnvLeases(flaky),
+            group_size=3,
+            groups_per_batch=2,
+            max_concurrent_episodes=6,
+            dynamic_sampling=dynamic_sampling,
+        )
         consumed = await learner_loop(orchestrator, engine, 2)
         await orchestrator.stop()
         return consumed, orchestrator.state()

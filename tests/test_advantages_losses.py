@@ -33,8 +33,12 @@ def test_dr_grpo_advantages_only_subtract_group_mean():
 
 
 def test_equal_rewards_and_singleton_groups_get_zero_advantage():
-    adv = grpo_advantages(np.array([0.5, 0.5, 7.0]), np.array([1, 1, 0]), num_groups=3,
-                          normalize_advantages_by_std=True)
+    adv = grpo_advantages(
+        np.array([0.5, 0.5, 7.0]),
+        np.array([1, 1, 0]),
+        num_groups=3,
+        normalize_advantages_by_std=True,
+    )
     np.testing.assert_array_equal(adv, [0.0, 0.0, 0.0])
 
 
@@ -42,7 +46,8 @@ def test_grpo_advantages_jit_with_static_num_groups():
     fn = jax.jit(grpo_advantages, static_argnums=2, static_argnames="normalize_advantages_by_std")
     np.testing.assert_allclose(
         fn(REWARDS, GROUPS, 5, normalize_advantages_by_std=True),
-        grpo_advantages(REWARDS, GROUPS, 5, normalize_advantages_by_std=True), rtol=1e-6
+        grpo_advantages(REWARDS, GROUPS, 5, normalize_advantages_by_std=True),
+        rtol=1e-6,
     )
 
 
@@ -52,8 +57,9 @@ OFF = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}  # plain softmax of the log
 def test_token_logprobs_hand_computed_with_temperature():
     logits = jnp.array([[[0.0, math.log(3.0)]]])  # probs 1/4, 3/4
     targets = jnp.array([[1]])
-    np.testing.assert_allclose(token_logprobs(logits, targets, **OFF), [[math.log(0.75)]],
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        token_logprobs(logits, targets, **OFF), [[math.log(0.75)]], rtol=1e-6
+    )
     # Temperature 2 halves the logits: probs 1/(1+sqrt 3), sqrt 3/(1+sqrt 3).
     expected = math.log(math.sqrt(3) / (1 + math.sqrt(3)))
     got = token_logprobs(logits, targets, temperature=2.0, top_k=0, top_p=1.0)
@@ -68,8 +74,14 @@ ADV = np.array([1.0, -1.0], np.float32)
 OLD = np.full((2, 3), -1.0, np.float32)
 NEW = OLD + np.log(RATIOS)
 # The update's defaults (learner.* in the config) but a symmetric clip.
-PPO = {"policy_loss": "ppo_clip", "clip_eps_low": 0.2, "clip_eps_high": 0.2, "dual_clip": 0.0,
-       "aggregation": "token_mean", "max_tokens": 3}
+PPO = {
+    "policy_loss": "ppo_clip",
+    "clip_eps_low": 0.2,
+    "clip_eps_high": 0.2,
+    "dual_clip": 0.0,
+    "aggregation": "token_mean",
+    "max_tokens": 3,
+}
 
 
 def test_clipped_surrogate_token_mean_hand_computed():
@@ -85,8 +97,9 @@ def test_clipped_surrogate_token_mean_hand_computed():
 
 
 def test_clipped_surrogate_sequence_mean_hand_computed():
-    loss, _ = grpo_policy_loss(NEW, OLD, ADV, MASK,
-                               **{**PPO, "aggregation": "sequence_mean_token_mean"})
+    loss, _ = grpo_policy_loss(
+        NEW, OLD, ADV, MASK, **{**PPO, "aggregation": "sequence_mean_token_mean"}
+    )
     # Sequence means: (-1.2 - 0.5) / 2 = -0.85 and (0.8 + 1.5 + 1.0) / 3 = 1.1.
     np.testing.assert_allclose(loss, (-0.85 + 1.1) / 2, rtol=1e-5)
 
@@ -94,8 +107,9 @@ def test_clipped_surrogate_sequence_mean_hand_computed():
 def test_sequence_mean_ignores_sequences_without_tokens():
     mask = MASK.copy()
     mask[1] = 0.0
-    loss, aux = grpo_policy_loss(NEW, OLD, ADV, mask,
-                                 **{**PPO, "aggregation": "sequence_mean_token_mean"})
+    loss, aux = grpo_policy_loss(
+        NEW, OLD, ADV, mask, **{**PPO, "aggregation": "sequence_mean_token_mean"}
+    )
     np.testing.assert_allclose(loss, -0.85, rtol=1e-5)
     np.testing.assert_allclose(aux["num_tokens"], 2.0)
 
@@ -151,8 +165,13 @@ def test_perturbing_masked_logits_changes_neither_loss_nor_grads(aggregation):
     def loss_fn(lg):
         lp = token_logprobs(lg, targets, **OFF)
         return grpo_policy_loss(
-            lp, old, adv, mask, **{**PPO, "aggregation": aggregation, "max_tokens": t},
-            ref_logprobs=ref, kl_coef=0.05,
+            lp,
+            old,
+            adv,
+            mask,
+            **{**PPO, "aggregation": aggregation, "max_tokens": t},
+            ref_logprobs=ref,
+            kl_coef=0.05,
         )[0]
 
     noise = 50.0 * rng.normal(size=logits.shape).astype(np.float32)

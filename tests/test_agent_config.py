@@ -11,29 +11,37 @@ from raytunix.types import Task
 
 
 def test_template_parser_and_tools_are_chosen_by_config():
-    cfg = load_config(None, ["env.agent_kwargs.chat_template=chatml",
-                             "env.agent_kwargs.tool_parser=react",
-                             "env.agent_kwargs.tools=[calculator]",
-                             "env.agent_kwargs.system_prompt=Solve it."])
+    cfg = load_config(
+        None,
+        [
+            "env.agent_kwargs.chat_template=chatml",
+            "env.agent_kwargs.tool_parser=react",
+            "env.agent_kwargs.tools=[calculator]",
+            "env.agent_kwargs.system_prompt=Solve it.",
+        ],
+    )
     from raytunix.agents import make_agent
 
     tokenizer = Tokenizer.byte_level(("<|im_start|>", "<|im_end|>"))
     agent = make_agent("tool", tokenizer, **cfg.env.agent_kwargs)
     agent.reset(Task("t", "Calculate 1 + 1.", "2"), "Calculate 1 + 1.")
     prompt = tokenizer.decode(agent.token_ids)
-    assert prompt.startswith("<|im_start|>system\nSolve it.\n\nYou can use these tools:\n\n"
-                             "calculator: ")
-    assert prompt.endswith("<|im_start|>user\nCalculate 1 + 1.<|im_end|>\n"
-                           "<|im_start|>assistant\n")
+    assert prompt.startswith(
+        "<|im_start|>system\nSolve it.\n\nYou can use these tools:\n\ncalculator: "
+    )
+    assert prompt.endswith("<|im_start|>user\nCalculate 1 + 1.<|im_end|>\n<|im_start|>assistant\n")
 
 
-@pytest.mark.parametrize("override, fragment", [
-    ("env.agent_kwargs.chat_template=nope", "chat template 'nope' is neither a built-in"),
-    ("env.agent_kwargs.tool_parser=xml", "tool_parser='xml' is not one of hermes"),
-    ("env.agent_kwargs.tools=[nope]", "tools: unknown tool 'nope'"),
-    ("env.agent_kwargs.tools=calculator", "must be a list of tool names"),
-    ("env.agent_kwargs.template_kwargs=3", "must be a mapping of template variables"),
-])
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("env.agent_kwargs.chat_template=nope", "chat template 'nope' is neither a built-in"),
+        ("env.agent_kwargs.tool_parser=xml", "tool_parser='xml' is not one of hermes"),
+        ("env.agent_kwargs.tools=[nope]", "tools: unknown tool 'nope'"),
+        ("env.agent_kwargs.tools=calculator", "must be a list of tool names"),
+        ("env.agent_kwargs.template_kwargs=3", "must be a mapping of template variables"),
+    ],
+)
 def test_a_bad_agent_setting_stops_at_config_time(override, fragment):
     with pytest.raises(ConfigError, match="env.agent_kwargs") as raised:
         load_config(None, [override])

@@ -42,11 +42,13 @@ ROW_4_FAILED = np.array([1, 1, 1, 1, 0], np.float32)
 
 def test_grpo_with_and_without_std_and_a_failed_member():
     # Group 0 without row 4: mean 1.5, std 0.5; group 1: mean 2, std 2.
-    with_std = grpo_advantages(REWARDS, GROUPS, 5, normalize_advantages_by_std=True, eps=0.0,
-                               valid=ROW_4_FAILED)
+    with_std = grpo_advantages(
+        REWARDS, GROUPS, 5, normalize_advantages_by_std=True, eps=0.0, valid=ROW_4_FAILED
+    )
     np.testing.assert_allclose(with_std, [-1.0, -1.0, 1.0, 1.0, 0.0], rtol=1e-6)
-    dr_grpo = grpo_advantages(REWARDS, GROUPS, 5, normalize_advantages_by_std=False,
-                              valid=ROW_4_FAILED)
+    dr_grpo = grpo_advantages(
+        REWARDS, GROUPS, 5, normalize_advantages_by_std=False, valid=ROW_4_FAILED
+    )
     np.testing.assert_allclose(dr_grpo, [-0.5, -2.0, 0.5, 2.0, 0.0], rtol=1e-6)
 
 
@@ -71,8 +73,10 @@ def test_reinforce_pp_subtracts_the_group_mean_then_normalises_over_the_batch():
 
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_pp"])
 def test_all_equal_rewards_and_single_members_give_zero_advantage(estimator):
-    for rewards, groups in [(np.full(4, 1e6, np.float32), np.array([0, 0, 1, 1])),
-                            (np.array([0.3, 7.0], np.float32), np.array([0, 1]))]:
+    for rewards, groups in [
+        (np.full(4, 1e6, np.float32), np.array([0, 0, 1, 1])),
+        (np.array([0.3, 7.0], np.float32), np.array([0, 1])),
+    ]:
         for std in (True, False):
             adv = episode_advantages(estimator, rewards, groups, 4, normalize_advantages_by_std=std)
             np.testing.assert_array_equal(adv, np.zeros(len(rewards)))
@@ -80,14 +84,23 @@ def test_all_equal_rewards_and_single_members_give_zero_advantage(estimator):
 
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_pp"])
 def test_estimators_jit_and_reject_non_finite_rewards(estimator):
-    fn = jax.jit(lambda r, g, v: episode_advantages(estimator, r, g, 5, valid=v,
-                                                    normalize_advantages_by_std=True))
-    eager = episode_advantages(estimator, REWARDS, GROUPS, 5, valid=ROW_4_FAILED,
-                               normalize_advantages_by_std=True)
+    fn = jax.jit(
+        lambda r, g, v: episode_advantages(
+            estimator, r, g, 5, valid=v, normalize_advantages_by_std=True
+        )
+    )
+    eager = episode_advantages(
+        estimator, REWARDS, GROUPS, 5, valid=ROW_4_FAILED, normalize_advantages_by_std=True
+    )
     np.testing.assert_allclose(fn(REWARDS, GROUPS, ROW_4_FAILED), eager, rtol=1e-6)
     with pytest.raises(ValueError, match=r"\[1\]=nan"):
-        episode_advantages(estimator, np.array([0.0, np.nan]), np.array([0, 0]), 1,
-                           normalize_advantages_by_std=True)
+        episode_advantages(
+            estimator,
+            np.array([0.0, np.nan]),
+            np.array([0, 0]),
+            1,
+            normalize_advantages_by_std=True,
+        )
 
 
 def test_unknown_estimator_names_the_value_and_the_choices():
@@ -114,8 +127,9 @@ def test_gae_skips_tokens_the_policy_did_not_generate():
 
 
 def test_gae_single_token_response_is_reward_minus_value():
-    adv, ret = gae_advantages(np.array([[0.0, 2.0]]), np.array([[5.0, 0.5]]),
-                              np.array([[0.0, 1.0]]), gamma=0.99, lam=0.95)
+    adv, ret = gae_advantages(
+        np.array([[0.0, 2.0]]), np.array([[5.0, 0.5]]), np.array([[0.0, 1.0]]), gamma=0.99, lam=0.95
+    )
     np.testing.assert_allclose(adv, [[0.0, 1.5]], rtol=1e-6)
     np.testing.assert_allclose(ret, [[0.0, 2.0]], rtol=1e-6)
 
@@ -133,11 +147,14 @@ PER_TOKEN = np.array([[1.0, 2.0, np.nan], [3.0, 100.0, 100.0]], np.float32)
 AGG_MASK = np.array([[1, 1, 0], [1, 0, 0]], np.float32)
 
 
-@pytest.mark.parametrize("aggregation,want", [
-    ("token_mean", (1 + 2 + 3) / 3),
-    ("sequence_mean_token_mean", ((1 + 2) / 2 + 3 / 1) / 2),
-    ("sequence_mean_token_sum_norm", ((1 + 2) / 4 + 3 / 4) / 2),  # Dr. GRPO, max_tokens 4
-])
+@pytest.mark.parametrize(
+    "aggregation,want",
+    [
+        ("token_mean", (1 + 2 + 3) / 3),
+        ("sequence_mean_token_mean", ((1 + 2) / 2 + 3 / 1) / 2),
+        ("sequence_mean_token_sum_norm", ((1 + 2) / 4 + 3 / 4) / 2),  # Dr. GRPO, max_tokens 4
+    ],
+)
 def test_aggregations_hand_computed(aggregation, want):
     got = aggregate_loss(PER_TOKEN, AGG_MASK, aggregation=aggregation, max_tokens=4)
     np.testing.assert_allclose(got, want, rtol=1e-6)
@@ -146,8 +163,9 @@ def test_aggregations_hand_computed(aggregation, want):
     mask[1] = 0
     alone = aggregate_loss(PER_TOKEN, mask, aggregation=aggregation, max_tokens=4)
     np.testing.assert_allclose(alone, 0.75 if aggregation.endswith("norm") else 1.5, rtol=1e-6)
-    assert aggregate_loss(PER_TOKEN, np.zeros_like(mask), aggregation=aggregation,
-                          max_tokens=4) == 0.0
+    assert (
+        aggregate_loss(PER_TOKEN, np.zeros_like(mask), aggregation=aggregation, max_tokens=4) == 0.0
+    )
 
 
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
@@ -157,10 +175,16 @@ def test_rows_summed_with_the_whole_batch_normalizer_equal_the_whole_batch(aggre
     mask = (rng.random((8, 6)) < 0.6).astype(np.float32)
     mask[3] = 0
     weights, denominator = loss_normalizer(mask, aggregation=aggregation, max_tokens=6)
-    parts = [jnp.sum(jnp.where(mask[i:i + 2] > 0, per_token[i:i + 2], 0.0) * weights[i:i + 2])
-             / denominator for i in range(0, 8, 2)]
-    np.testing.assert_allclose(sum(parts), aggregate_loss(per_token, mask, aggregation=aggregation,
-                                                          max_tokens=6), rtol=1e-6)
+    parts = [
+        jnp.sum(jnp.where(mask[i : i + 2] > 0, per_token[i : i + 2], 0.0) * weights[i : i + 2])
+        / denominator
+        for i in range(0, 8, 2)
+    ]
+    np.testing.assert_allclose(
+        sum(parts),
+        aggregate_loss(per_token, mask, aggregation=aggregation, max_tokens=6),
+        rtol=1e-6,
+    )
 
 
 def test_single_token_responses_make_the_sequence_modes_a_token_mean():
@@ -168,7 +192,8 @@ def test_single_token_responses_make_the_sequence_modes_a_token_mean():
     mask = np.array([[0, 1], [0, 1], [0, 1]], np.float32)
     for aggregation in ("token_mean", "sequence_mean_token_mean"):
         np.testing.assert_allclose(
-            aggregate_loss(per_token, mask, aggregation=aggregation, max_tokens=1), 2.0, rtol=1e-6)
+            aggregate_loss(per_token, mask, aggregation=aggregation, max_tokens=1), 2.0, rtol=1e-6
+        )
 
 
 # -- policy losses -------------------------------------------------------------------------------
@@ -180,8 +205,13 @@ MASK = np.array([[1, 1, 0], [1, 1, 1]], np.float32)
 ADV = np.array([1.0, -1.0], np.float32)
 OLD = np.full((2, 3), -1.0, np.float32)
 NEW = OLD + np.log(RATIOS)
-COMMON = {"clip_eps_low": 0.2, "clip_eps_high": 0.28, "dual_clip": 0.0,
-          "aggregation": "token_mean", "max_tokens": 3}
+COMMON = {
+    "clip_eps_low": 0.2,
+    "clip_eps_high": 0.28,
+    "dual_clip": 0.0,
+    "aggregation": "token_mean",
+    "max_tokens": 3,
+}
 
 
 def _loss(policy_loss, new=NEW, **kwargs):
@@ -207,15 +237,18 @@ def test_gspo_clips_the_length_normalised_sequence_ratio():
     # Seq 0: geometric mean of 2 and 0.5 is 1 -> -1 on each token. Seq 1: (5*2*0.5)^(1/3)
     # = 5^(1/3) = 1.70998, A < 0 -> -min(-1.70998, -1.28) = 1.70998 on each token.
     s1 = 5 ** (1 / 3)
-    for aggregation, want in [("sequence_mean_token_mean", (-1 + s1) / 2),
-                              ("token_mean", (-2 + 3 * s1) / 5)]:
+    for aggregation, want in [
+        ("sequence_mean_token_mean", (-1 + s1) / 2),
+        ("token_mean", (-2 + 3 * s1) / 5),
+    ]:
         loss, aux = _loss("gspo", aggregation=aggregation)
         np.testing.assert_allclose(loss, want, rtol=1e-5)
         assert aux["clip_fraction"] == 0.0
     # The gradient reaches every token of a sequence through the mean log ratio:
     # d(-s A)/dlogp_t = -s A / n, then the sequence mean halves it.
     grads = jax.grad(lambda lp: _loss("gspo", lp, aggregation="sequence_mean_token_mean")[0])(
-        jnp.asarray(NEW))
+        jnp.asarray(NEW)
+    )
     np.testing.assert_allclose(grads[0, :2], [-0.25, -0.25], rtol=1e-5)
     np.testing.assert_allclose(grads[1], [s1 / 6] * 3, rtol=1e-5)
     assert grads[0, 2] == 0.0
@@ -257,9 +290,16 @@ def test_masked_junk_and_an_empty_mask_leave_loss_and_gradients_finite(policy_lo
     ref[0, 2] = np.inf
 
     def loss_fn(lp, mask):
-        return grpo_policy_loss(lp, OLD, ADV, mask, policy_loss=policy_loss,
-                                **{**COMMON, "aggregation": aggregation},
-                                ref_logprobs=ref, kl_coef=0.1)[0]
+        return grpo_policy_loss(
+            lp,
+            OLD,
+            ADV,
+            mask,
+            policy_loss=policy_loss,
+            **{**COMMON, "aggregation": aggregation},
+            ref_logprobs=ref,
+            kl_coef=0.1,
+        )[0]
 
     loss, grads = jax.value_and_grad(loss_fn)(jnp.asarray(new), MASK)
     assert np.isfinite(loss) and np.all(np.isfinite(grads)) and grads[0, 2] == 0.0
@@ -288,9 +328,17 @@ def test_kl_estimators_hand_computed():
     for estimator, want in [("k1", -log2), ("k2", log2**2 / 2), ("k3", 2 - 1 - log2)]:
         got = kl_estimate(logprobs, ref, mask, estimator=estimator)
         np.testing.assert_allclose(got, [[want, 0.0]], rtol=1e-6, atol=1e-7)
-        loss, aux = grpo_policy_loss(logprobs, logprobs, np.zeros(1), mask, policy_loss="ppo_clip",
-                                     **COMMON, ref_logprobs=ref, kl_coef=0.1,
-                                     kl_estimator=estimator)
+        loss, aux = grpo_policy_loss(
+            logprobs,
+            logprobs,
+            np.zeros(1),
+            mask,
+            policy_loss="ppo_clip",
+            **COMMON,
+            ref_logprobs=ref,
+            kl_coef=0.1,
+            kl_estimator=estimator,
+        )
         np.testing.assert_allclose(aux["kl_ref"], want / 2, rtol=1e-5)
         np.testing.assert_allclose(loss, 0.1 * want / 2, rtol=1e-5)
 
@@ -298,10 +346,27 @@ def test_kl_estimators_hand_computed():
 def test_entropy_bonus_lowers_the_loss_by_the_aggregated_entropy():
     logprobs = np.array([[-1.0, -1.0]], np.float32)
     entropy = jnp.array([[0.5, 1.0]], jnp.float32)
-    loss, _ = grpo_policy_loss(logprobs, logprobs, np.zeros(1), np.ones((1, 2)),
-                               policy_loss="ppo_clip", **COMMON, entropy=entropy, entropy_coef=0.1)
+    loss, _ = grpo_policy_loss(
+        logprobs,
+        logprobs,
+        np.zeros(1),
+        np.ones((1, 2)),
+        policy_loss="ppo_clip",
+        **COMMON,
+        entropy=entropy,
+        entropy_coef=0.1,
+    )
     np.testing.assert_allclose(loss, -0.1 * 0.75, rtol=1e-6)
-    grad = jax.grad(lambda h: grpo_policy_loss(
-        logprobs, logprobs, np.zeros(1), np.ones((1, 2)), policy_loss="ppo_clip", **COMMON,
-        entropy=h, entropy_coef=0.1)[0])(entropy)
+    grad = jax.grad(
+        lambda h: grpo_policy_loss(
+            logprobs,
+            logprobs,
+            np.zeros(1),
+            np.ones((1, 2)),
+            policy_loss="ppo_clip",
+            **COMMON,
+            entropy=h,
+            entropy_coef=0.1,
+        )[0]
+    )(entropy)
     np.testing.assert_allclose(grad, [[-0.05, -0.05]], rtol=1e-6)

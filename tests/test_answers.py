@@ -50,8 +50,9 @@ def test_number_format_rule(answer, reference, match):
 def test_rule_holds_off_the_main_thread():
     # Env actors step in threads, where math-verify's signal timeout cannot run.
     results = []
-    thread = threading.Thread(target=lambda: results.extend(
-        answers_match(a, r) is m for a, r, m in RULE_TABLE))
+    thread = threading.Thread(
+        target=lambda: results.extend(answers_match(a, r) is m for a, r, m in RULE_TABLE)
+    )
     thread.start()
     thread.join()
     assert results and all(results)
@@ -61,7 +62,9 @@ def test_a_symbolic_comparison_without_end_is_cut_off():
     # 9^(9^9) has 370 million digits; sympy would compute it. The helper process is killed
     # at its deadline, the answer does not match, and the next comparison gets a new one.
     result = []
-    thread = threading.Thread(target=lambda: result.append(answers_match("9^{9^{9}}", "\\frac{1}{2}")))
+    thread = threading.Thread(
+        target=lambda: result.append(answers_match("9^{9^{9}}", "\\frac{1}{2}"))
+    )
     thread.start()
     thread.join()
     assert result == [False]

@@ -11,8 +11,15 @@ from raytunix.rollout.batch import (
 from raytunix.types import EpisodeStatus, Trajectory
 
 
-def trajectory(group_id, n_prompt, n_generated, reward=1.0, status=EpisodeStatus.COMPLETED,
-               version=3, first_token=20):
+def trajectory(
+    group_id,
+    n_prompt,
+    n_generated,
+    reward=1.0,
+    status=EpisodeStatus.COMPLETED,
+    version=3,
+    first_token=20,
+):
     n = n_prompt + n_generated
     return Trajectory(
         task_id=f"task-{group_id}",
@@ -66,8 +73,9 @@ def test_empty_list_is_an_error():
 
 def test_arrays_are_right_padded_to_a_multiple():
     trajectories = sample()
-    arrays = record_batch_to_arrays(trajectories_to_record_batch(trajectories),
-                                    pad_to_multiple=16, pad_id=9)
+    arrays = record_batch_to_arrays(
+        trajectories_to_record_batch(trajectories), pad_to_multiple=16, pad_id=9
+    )
     assert arrays["tokens"].shape == (4, 48)  # longest is 35 tokens -> 48
     assert arrays["tokens"].dtype == np.int32
     assert arrays["loss_mask"].dtype == np.float32
@@ -88,8 +96,9 @@ def test_arrays_are_right_padded_to_a_multiple():
 
 
 def test_short_batches_pad_to_at_least_one_multiple():
-    arrays = record_batch_to_arrays(trajectories_to_record_batch([trajectory("a", 1, 1)]),
-                                    pad_to_multiple=32)
+    arrays = record_batch_to_arrays(
+        trajectories_to_record_batch([trajectory("a", 1, 1)]), pad_to_multiple=32
+    )
     assert arrays["tokens"].shape == (1, 32)
 
 
@@ -102,8 +111,12 @@ def test_group_ids_are_dense_in_order_of_first_appearance():
 
 def test_a_table_of_several_chunks_reads_like_one_batch():
     trajectories = sample()
-    table = pa.Table.from_batches([trajectories_to_record_batch(trajectories[:2]),
-                                   trajectories_to_record_batch(trajectories[2:])])
+    table = pa.Table.from_batches(
+        [
+            trajectories_to_record_batch(trajectories[:2]),
+            trajectories_to_record_batch(trajectories[2:]),
+        ]
+    )
     from_table = record_batch_to_arrays(table)
     from_batch = record_batch_to_arrays(trajectories_to_record_batch(trajectories))
     for key in from_batch:
@@ -133,9 +146,17 @@ def test_arrays_from_read_only_buffers_are_writable_copies():
 
 @pytest.mark.parametrize("field", ["loss_mask", "logprobs", "policy_versions"])
 def test_trajectory_rejects_per_token_lists_of_another_length(field):
-    kwargs = dict(task_id="t", group_id="g", token_ids=[1, 2, 3], loss_mask=[0, 1, 1],
-                  logprobs=[0.0, -1.0, -1.0], policy_versions=[-1, 0, 0], reward=0.0,
-                  status=EpisodeStatus.COMPLETED, num_turns=1)
+    kwargs = dict(
+        task_id="t",
+        group_id="g",
+        token_ids=[1, 2, 3],
+        loss_mask=[0, 1, 1],
+        logprobs=[0.0, -1.0, -1.0],
+        policy_versions=[-1, 0, 0],
+        reward=0.0,
+        status=EpisodeStatus.COMPLETED,
+        num_turns=1,
+    )
     kwargs[field] = kwargs[field][:2]
     with pytest.raises(ValueError) as e:
         Trajectory(**kwargs)

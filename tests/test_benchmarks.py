@@ -23,20 +23,47 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(script: str, *args: str, timeout_s: float) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]), "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args],
-                          capture_output=True, text=True, timeout=timeout_s, env=env, cwd=ROOT)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+        "JAX_PLATFORMS": "cpu",
+    }
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=env,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
 
 
 @pytest.mark.benchmark
 def test_orchestrator_overhead_runs_and_reports_cpu_per_turn():
-    report = _run("orchestrator_overhead.py", "--concurrency", "32", "--group-size", "4",
-                  "--groups-per-batch", "2", "--turns", "3", "--turns-measured", "300",
-                  "--warmup-turns", "100", "--repeats", "2", "--ray-concurrency", "32",
-                  "--env-actors", "1", timeout_s=300)
+    report = _run(
+        "orchestrator_overhead.py",
+        "--concurrency",
+        "32",
+        "--group-size",
+        "4",
+        "--groups-per-batch",
+        "2",
+        "--turns",
+        "3",
+        "--turns-measured",
+        "300",
+        "--warmup-turns",
+        "100",
+        "--repeats",
+        "2",
+        "--ray-concurrency",
+        "32",
+        "--env-actors",
+        "1",
+        timeout_s=300,
+    )
     assert report["benchmark"] == "orchestrator_overhead"
     assert report["cpu_ms_per_turn"] > 0
     assert len(report["runs"]) == 2
@@ -55,19 +82,55 @@ def test_orchestrator_overhead_runs_and_reports_cpu_per_turn():
 @pytest.mark.benchmark
 def test_rollout_overlap_runs_and_reports_its_three_keys():
     # One engine row and a short context: 4 programs to compile, the bulk of the time.
-    report = _run("rollout_overlap.py", "--d-model", "32", "--n-layers", "1",
-                  "--max-seq-len", "96", "--max-batch-size", "1", "--trajectories", "4",
-                  "--lockstep-trajectories", "2", "--warmup-trajectories", "2",
-                  "--turns", "2", "--max-new-tokens", "4", "--tool-latency-s", "0.02",
-                  "--straggler-fraction", "0.5", "--straggler-factor", "3",
-                  "--concurrency", "4", "--repeats", "1", timeout_s=300)
-    for key in ("engine_busy_fraction", "throughput_ratio_vs_zero_latency",
-                "speedup_trajectories_per_s", "speedup_vs_batch_sync",
-                "speedup_vs_batch_sync_no_stragglers"):
+    report = _run(
+        "rollout_overlap.py",
+        "--d-model",
+        "32",
+        "--n-layers",
+        "1",
+        "--max-seq-len",
+        "96",
+        "--max-batch-size",
+        "1",
+        "--trajectories",
+        "4",
+        "--lockstep-trajectories",
+        "2",
+        "--warmup-trajectories",
+        "2",
+        "--turns",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--tool-latency-s",
+        "0.02",
+        "--straggler-fraction",
+        "0.5",
+        "--straggler-factor",
+        "3",
+        "--concurrency",
+        "4",
+        "--repeats",
+        "1",
+        timeout_s=300,
+    )
+    for key in (
+        "engine_busy_fraction",
+        "throughput_ratio_vs_zero_latency",
+        "speedup_trajectories_per_s",
+        "speedup_vs_batch_sync",
+        "speedup_vs_batch_sync_no_stragglers",
+    ):
         assert report[key] > 0, key
-    for mode in ("lockstep", "async", "async_zero_latency", "batch_sync",
-                 "async_no_stragglers", "batch_sync_no_stragglers"):
-        run, = report[mode]["runs"]
+    for mode in (
+        "lockstep",
+        "async",
+        "async_zero_latency",
+        "batch_sync",
+        "async_no_stragglers",
+        "batch_sync_no_stragglers",
+    ):
+        (run,) = report[mode]["runs"]
         assert run["statuses"] == {"completed": run["trajectories"]}
         assert run["compiled_during_run"] == 0  # warmed up before the clock
         spread = report[mode]["repeats"]["trajectories_per_s"]  # one repeat: all agree
@@ -82,12 +145,42 @@ def test_rollout_overlap_runs_and_reports_its_three_keys():
 
 @pytest.mark.benchmark
 def test_profiling_overhead_alternates_profiling_and_reports_its_cost():
-    report = _run("profiling_overhead.py", "--d-model", "32", "--n-layers", "1",
-                  "--max-seq-len", "96", "--max-batch-size", "4", "--pairs", "2",
-                  "--block-batches", "2", "--settle-batches", "1", "--warmup-batches", "1",
-                  "--batch", "4", "--tasks", "16", "--concurrency", "8", "--turns", "2",
-                  "--max-new-tokens", "4", "--tool-latency-s", "0.01", "--env-actors", "1",
-                  "--window-s", "0", timeout_s=300)  # a drain after every batch
+    report = _run(
+        "profiling_overhead.py",
+        "--d-model",
+        "32",
+        "--n-layers",
+        "1",
+        "--max-seq-len",
+        "96",
+        "--max-batch-size",
+        "4",
+        "--pairs",
+        "2",
+        "--block-batches",
+        "2",
+        "--settle-batches",
+        "1",
+        "--warmup-batches",
+        "1",
+        "--batch",
+        "4",
+        "--tasks",
+        "16",
+        "--concurrency",
+        "8",
+        "--turns",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--tool-latency-s",
+        "0.01",
+        "--env-actors",
+        "1",
+        "--window-s",
+        "0",
+        timeout_s=300,
+    )  # a drain after every batch
     assert report["benchmark"] == "profiling_overhead"
     assert isinstance(report["overhead_fraction"], float)
     low, high = report["overhead_fraction_ci95"]
@@ -111,22 +204,36 @@ def test_profiling_overhead_alternates_profiling_and_reports_its_cost():
 
 @pytest.mark.benchmark
 def test_profiling_drain_cost_drains_the_shaped_spans_and_reports_cpu_per_drain():
-    report = _run("profiling_drain_cost.py", "--rounds", "4", "--batch", "8",
-                  "--env-actors", "1", timeout_s=120)
+    report = _run(
+        "profiling_drain_cost.py",
+        "--rounds",
+        "4",
+        "--batch",
+        "8",
+        "--env-actors",
+        "1",
+        timeout_s=120,
+    )
     assert report["benchmark"] == "profiling_drain_cost"
     # per episode of 3 turns: 5 orchestrator spans (a reset, 3 turns, the episode); 3
     # requests, 2 decode steps (1 on every 10th episode) and a prefill in the engine; 4
     # env spans
     assert 8 * 14 < report["spans_per_drain"] <= 8 * 15
     assert set(report["cpu_ms_per_drain_by_process"]) >= {
-        "driver", "engine 0", "orchestrator", "env actor 0"}
+        "driver",
+        "engine 0",
+        "orchestrator",
+        "env actor 0",
+    }
     assert report["wall_ms_per_drain"] > 0 and report["spans_jsonl_bytes_per_drain"] > 0
     assert report["machine_fraction_at_interval"] == pytest.approx(
-        report["cpu_ms_per_drain"] / (1e3 * 1.4 * report["machine"]["cpu_count"]))
+        report["cpu_ms_per_drain"] / (1e3 * 1.4 * report["machine"]["cpu_count"])
+    )
 
 
 def test_median_interval_is_the_sign_test_interval():
     import sys
+
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         from profiling_overhead import median_ci95
@@ -147,8 +254,18 @@ def test_median_interval_is_the_sign_test_interval():
 
 @pytest.mark.benchmark
 def test_learner_step_compares_the_update_with_a_bare_train_step():
-    report = _run("learner_step.py", "--config", "tiny", "--steps", "2", "--batch-size", "8",
-                  "--seq-len", "32", timeout_s=300)
+    report = _run(
+        "learner_step.py",
+        "--config",
+        "tiny",
+        "--steps",
+        "2",
+        "--batch-size",
+        "8",
+        "--seq-len",
+        "32",
+        timeout_s=300,
+    )
     assert report["benchmark"] == "learner_step"
     tiny = report["configs"]["tiny"]
     assert report["ratio_vs_bare"] == tiny["ratio_vs_bare"] > 0
@@ -156,29 +273,51 @@ def test_learner_step_compares_the_update_with_a_bare_train_step():
     assert 0 < tiny["batch"]["trainable_tokens"] < 8 * 32  # prompts are not trained on
     assert len(tiny["step_s"]["learner"]) == len(tiny["step_s"]["bare"]) == 2
     assert report["gemm_gflops"] > 0
-    assert report["fraction_of_gemm_rate"] == tiny["fraction_of_gemm_rate"] == round(
-        tiny["update_gflops"] / report["gemm_gflops"], 3)
+    assert (
+        report["fraction_of_gemm_rate"]
+        == tiny["fraction_of_gemm_rate"]
+        == round(tiny["update_gflops"] / report["gemm_gflops"], 3)
+    )
     assert tiny["flops_per_update"] > 6 * 8 * 32  # at least 6 FLOPs per token per weight
 
 
 @pytest.mark.benchmark
-@pytest.mark.timeout(2700)  # three launches of raytunix train: past the suite's 600 s on a loaded machine
+@pytest.mark.timeout(
+    2700
+)  # three launches of raytunix train: past the suite's 600 s on a loaded machine
 def test_chaos_kills_every_kind_and_the_run_survives_with_nothing_lost():
     # One actor of each kind, 3 RL steps, kills at most 1 s after their step: the driver's
     # kill (after step 0 or 1) always comes before the run ends.
-    report = _run("chaos.py", "--seeds", "1", "--rl-steps", "3", "--max-delay-s", "1",
-                  "--env-actors", "1", "--sandbox-actors", "1", "--engine-replicas", "1",
-                  "--seed-timeout-s", "2400", timeout_s=2700)
+    report = _run(
+        "chaos.py",
+        "--seeds",
+        "1",
+        "--rl-steps",
+        "3",
+        "--max-delay-s",
+        "1",
+        "--env-actors",
+        "1",
+        "--sandbox-actors",
+        "1",
+        "--engine-replicas",
+        "1",
+        "--seed-timeout-s",
+        "2400",
+        timeout_s=2700,
+    )
     assert report["benchmark"] == "chaos" and report["seeds"] == [0]
-    row, = report["runs"]
+    (row,) = report["runs"]
     assert row["finished"], row.get("log_tail")
     assert report["runs_survived"] == 1 and report["seeds_unchecked"] == []
     assert report["tasks_lost"] == report["tasks_duplicated"] == 0, row
     assert report["checkpoints_lost"] == report["processes_left"] == 0, row
     assert set(report["kills"]) == {"env_actor", "sandbox_actor", "engine_replica", "driver"}
     assert sum(report["kills"].values()) + report["kills_missed"] == 4
-    assert report["kills"]["driver"] == 1 and row["launches"] - row["ray_startup_retries"] == 2  # killed, resumed
-    resume, = row["resumes"]
+    assert (
+        report["kills"]["driver"] == 1 and row["launches"] - row["ray_startup_retries"] == 2
+    )  # killed, resumed
+    (resume,) = row["resumes"]
     assert resume["resumed_at"] >= resume["committed_at_kill"]
     # the final checkpoint holds every RL step's batch: 2 tasks a step, each trained once
     assert row["final_checkpoint"] == 3 and row["tasks_trained"] == 3 * 2

@@ -39,16 +39,17 @@ class ParityEnv(BaseEnv):
     def tasks(self, split: str, size: int, seed: int) -> list[Task]:
         rng = random.Random(f"{split}/{seed}")
         numbers = [rng.randint(0, self.max_number) for _ in range(size)]
-        return [Task(f"{split}-{i}", f"Is {n} even or odd? {self.instructions}",
-                     "even" if n % 2 == 0 else "odd") for i, n in enumerate(numbers)]
+        questions = [f"Is {n} even or odd? {self.instructions}" for n in numbers]
+        parity = ["even" if n % 2 == 0 else "odd" for n in numbers]
+        return [Task(f"{split}-{i}", q, a) for i, (q, a) in enumerate(zip(questions, parity))]
 
     def _initial_observation(self, task: Task) -> str:
         return task.question
 
     def _step_impl(self, action: Action) -> StepResult:
         correct = (action.answer or "").strip().lower() == self.task.answer
-        return StepResult(observation="", reward=float(correct), done=True,
-                          status=EpisodeStatus.COMPLETED, info={"correct": correct})
+        info = {"correct": correct}
+        return StepResult("", float(correct), True, EpisodeStatus.COMPLETED, info)
 
 
 # --- a plain text gymnasium environment ------------------------------------------------------
@@ -101,25 +102,54 @@ class NumberObservationEnv(RepeatWordEnv):
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS_DIR)
 TINY = [
-    "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
-    "model.d_ff=64", "model.max_seq_len=128", "model.tokenizer_vocab_size=300",
-    "data.train_size=200", "data.heldout_size=8", "eval.heldout_size=8",
-    "rollout.group_size=2", "rollout.groups_per_batch=2", "rollout.max_concurrent_episodes=8",
-    "rollout.max_new_tokens=16", "engine.max_batch_size=8", "env.num_env_actors=1",
-    "learner.checkpoint_every=1", "learner.rl_steps=2",
+    "model.d_model=32",
+    "model.n_layers=1",
+    "model.n_heads=2",
+    "model.n_kv_heads=1",
+    "model.d_ff=64",
+    "model.max_seq_len=128",
+    "model.tokenizer_vocab_size=300",
+    "data.train_size=200",
+    "data.heldout_size=8",
+    "eval.heldout_size=8",
+    "rollout.group_size=2",
+    "rollout.groups_per_batch=2",
+    "rollout.max_concurrent_episodes=8",
+    "rollout.max_new_tokens=16",
+    "engine.max_batch_size=8",
+    "env.num_env_actors=1",
+    "learner.checkpoint_every=1",
+    "learner.rl_steps=2",
 ]
 
 
 def _cli_train(ray_session, tmp_path, *overrides):
     """``python -m raytunix.cli train ...`` in a new process, as a user runs it, joined to
     the test session's Ray cluster (RAY_ADDRESS) so that no second cluster starts."""
-    env = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address,
-           "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": os.pathsep.join(p for p in (REPO, TESTS_DIR,
-                                                     os.environ.get("PYTHONPATH")) if p)}
+    env = {
+        **os.environ,
+        "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address,
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": os.pathsep.join(
+            p for p in (REPO, TESTS_DIR, os.environ.get("PYTHONPATH")) if p
+        ),
+    }
     return subprocess.run(
-        [sys.executable, "-m", "raytunix.cli", "train", *TINY, f"run.output_dir={tmp_path}",
-         *overrides], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "raytunix.cli",
+            "train",
+            *TINY,
+            f"run.output_dir={tmp_path}",
+            *overrides,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def _run_dirs(tmp_path):
@@ -136,8 +166,13 @@ def _rl_steps(run_dir):
 
 @pytest.mark.slow
 def test_own_env_trains_by_import_path_from_the_command_line(ray_session, tmp_path):
-    result = _cli_train(ray_session, tmp_path, "env.name=test_byo_env:ParityEnv",
-                        "env.kwargs.max_number=50", "env.max_turns=1")
+    result = _cli_train(
+        ray_session,
+        tmp_path,
+        "env.name=test_byo_env:ParityEnv",
+        "env.kwargs.max_number=50",
+        "env.max_turns=1",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "warm start: skipped" in result.stdout
     assert "tasks: the environment's own" in result.stdout
@@ -155,8 +190,9 @@ def test_own_env_trains_by_import_path_from_the_command_line(ray_session, tmp_pa
 def test_env_that_cannot_be_built_in_the_actors_stops_before_training(ray_session, tmp_path):
     # The signature accepts max_number, so the config passes; the constructor refuses the
     # value in the env actor, and that is the one error the run ends with.
-    result = _cli_train(ray_session, tmp_path, "env.name=test_byo_env:ParityEnv",
-                        "env.kwargs.max_number=0")
+    result = _cli_train(
+        ray_session, tmp_path, "env.name=test_byo_env:ParityEnv", "env.kwargs.max_number=0"
+    )
     assert result.returncode == 2
     (message,) = [line for line in result.stderr.splitlines() if line.startswith("raytunix: ")]
     assert "env actors are not ready" in message
@@ -167,8 +203,12 @@ def test_env_that_cannot_be_built_in_the_actors_stops_before_training(ray_sessio
 @pytest.mark.slow
 def test_prompts_longer_than_the_context_stop_before_training(ray_session, tmp_path):
     long_instructions = " ".join(str(i) for i in range(200))  # ~700 characters
-    result = _cli_train(ray_session, tmp_path, "env.name=test_byo_env:ParityEnv",
-                        f"env.kwargs.instructions={long_instructions}")
+    result = _cli_train(
+        ray_session,
+        tmp_path,
+        "env.name=test_byo_env:ParityEnv",
+        f"env.kwargs.instructions={long_instructions}",
+    )
     assert result.returncode == 2
     (message,) = [line for line in result.stderr.splitlines() if line.startswith("raytunix: ")]
     assert "have a first prompt that leaves no room for a reply in model.max_seq_len=128" in message
@@ -179,18 +219,30 @@ def test_prompts_longer_than_the_context_stop_before_training(ray_session, tmp_p
 def test_bad_env_kwargs_are_refused_at_config_time_naming_the_key():
     from raytunix.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match="env.kwargs.max_numbr: ParityEnv takes no argument "
-                                          "'max_numbr'; it accepts max_number, instructions"):
+    with pytest.raises(
+        ConfigError,
+        match="env.kwargs.max_numbr: ParityEnv takes no argument "
+        "'max_numbr'; it accepts max_number, instructions",
+    ):
         load_config(None, ["env.name=test_byo_env:ParityEnv", "env.kwargs.max_numbr=5"])
     with pytest.raises(ConfigError, match="env.kwargs.max_number='many' must be int"):
         load_config(None, ["env.name=test_byo_env:ParityEnv", "env.kwargs.max_number=many"])
-    with pytest.raises(ConfigError, match="env.agent_kwargs.temperature: AnswerAgent takes no "
-                                          "argument 'temperature'"):
+    with pytest.raises(
+        ConfigError,
+        match="env.agent_kwargs.temperature: AnswerAgent takes no argument 'temperature'",
+    ):
         load_config(None, ["env.name=test_byo_env:ParityEnv", "env.agent_kwargs.temperature=1"])
     with pytest.raises(ConfigError, match="has no attribute 'Parity'; it defines: .*ParityEnv"):
         load_config(None, ["env.name=test_byo_env:Parity"])
-    cfg = load_config(None, ["env.name=test_byo_env:ParityEnv", "env.kwargs.max_number=5",
-                             "env.agent=text", "env.agent_kwargs.system_prompt=Be brief."])
+    cfg = load_config(
+        None,
+        [
+            "env.name=test_byo_env:ParityEnv",
+            "env.kwargs.max_number=5",
+            "env.agent=text",
+            "env.agent_kwargs.system_prompt=Be brief.",
+        ],
+    )
     assert cfg.env.kwargs == {"max_number": 5}
     assert cfg.env.agent_kwargs == {"system_prompt": "Be brief."}
 
@@ -200,9 +252,17 @@ def test_text_gymnasium_env_trains_through_the_adapter(ray_session, tmp_path):
     from raytunix.config import load_config
     from raytunix.train import train
 
-    cfg = load_config(None, TINY + [f"run.output_dir={tmp_path}", "env.name=gymnasium",
-                                    "env.kwargs.env_id=test_byo_env:RepeatWordEnv",
-                                    "env.kwargs.make_kwargs={max_misses: 1}", "env.max_turns=2"])
+    cfg = load_config(
+        None,
+        TINY
+        + [
+            f"run.output_dir={tmp_path}",
+            "env.name=gymnasium",
+            "env.kwargs.env_id=test_byo_env:RepeatWordEnv",
+            "env.kwargs.make_kwargs={max_misses: 1}",
+            "env.max_turns=2",
+        ],
+    )
     summary = train(cfg)
     assert _rl_steps(summary["run_dir"]) == [1, 2]
     assert summary["warm_start_steps"] == 0  # the adapter brings its own tasks: reset seeds
@@ -218,8 +278,7 @@ def test_env_actors_import_the_users_module_and_keep_jax_out(ray_session):
 
     roots = [plugins.import_root(ParityEnv)]
     assert roots == [TESTS_DIR]
-    pool = EnvPool("test_byo_env:ParityEnv", {"max_number": 7}, num_actors=1,
-                   import_paths=roots)
+    pool = EnvPool("test_byo_env:ParityEnv", {"max_number": 7}, num_actors=1, import_paths=roots)
     try:
         pool.wait_ready(timeout_s=120)
         actor = pool.actors[0]
@@ -252,7 +311,8 @@ def test_from_gymnasium_runs_a_text_env_episode():
     assert (last.done, last.status) == (True, EpisodeStatus.TRUNCATED)
     heldout = env.tasks("heldout", 4, seed=3)
     assert {t.metadata["seed"] for t in heldout}.isdisjoint(
-        {t.metadata["seed"] for t in env.tasks("train", 4, seed=3)})
+        {t.metadata["seed"] for t in env.tasks("train", 4, seed=3)}
+    )
 
 
 def test_from_gymnasium_takes_ids_and_import_paths():
@@ -302,10 +362,10 @@ def test_gymnasium_make_knows_every_registered_raytunix_env():
     _, reward, terminated, truncated, info = env.step("<answer>1</answer>")
     assert terminated and not truncated and info["status"] == "completed"
     assert reward in (0.0, 1.0)
-    check_env(gymnasium.make("raytunix/calculator_math", num_tasks=4).unwrapped,
-              skip_render_check=True)
-    tool_env = gymnasium.make("raytunix/simulated_tool", num_tasks=2, tool_latency_s=0.0,
-                              turns=1)
+    check_env(
+        gymnasium.make("raytunix/calculator_math", num_tasks=4).unwrapped, skip_render_check=True
+    )
+    tool_env = gymnasium.make("raytunix/simulated_tool", num_tasks=2, tool_latency_s=0.0, turns=1)
     tool_env.reset(seed=0)
     assert tool_env.step("anything")[1] == 1.0  # the simulated tool env's text format
 

@@ -18,9 +18,18 @@ from raytunix.models.tokenizer import SPECIAL_TOKENS, Tokenizer
 from raytunix.tools import Calculator
 from raytunix.types import FinishReason, GenerationResult, Task
 
-EXTRA = ("<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
-         "<|end_header_id|>", "<|eot_id|>", "<bos>", "<start_of_turn>", "<end_of_turn>",
-         "<eos>")
+EXTRA = (
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|begin_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<bos>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<eos>",
+)
 TOK = Tokenizer.byte_level(EXTRA)
 SPECIAL_IDS = {TOK.token_to_id(t) for t in (*SPECIAL_TOKENS, *EXTRA)}
 TASK = Task("t", "Calculate 95 - 21 * 3.", "32")
@@ -54,11 +63,13 @@ def test_tokens_decode_to_the_rendered_conversation_and_never_change(name):
     for earlier, later in zip(snapshots, snapshots[1:]):
         assert later[: len(earlier)] == earlier  # tokens of earlier turns never change
 
-    messages = [{"role": "system", "content": "Use the calculator."},
-                {"role": "user", "content": TASK.question},
-                {"role": "assistant", "content": CALL},
-                {"role": agent._encoder.tool_role, "content": HOSTILE},
-                {"role": "assistant", "content": "<answer>32</answer>"}]
+    messages = [
+        {"role": "system", "content": "Use the calculator."},
+        {"role": "user", "content": TASK.question},
+        {"role": "assistant", "content": CALL},
+        {"role": agent._encoder.tool_role, "content": HOSTILE},
+        {"role": "assistant", "content": "<answer>32</answer>"},
+    ]
     assert TOK.decode(agent.token_ids) == template.render(messages)
     assert TOK.decode(snapshots[0]) == template.render(messages[:2], add_generation_prompt=True)
     assert TOK.decode(snapshots[2]) == template.render(messages[:4], add_generation_prompt=True)
@@ -71,22 +82,27 @@ def test_tokens_decode_to_the_rendered_conversation_and_never_change(name):
     assert not SPECIAL_IDS & set(hostile_ids)
     # Only the model's tokens are trained on, and they are exactly what it generated.
     trained = [t for t, m in zip(agent.token_ids, agent.loss_mask) if m]
-    assert trained == (TOK.encode(CALL) + [agent.end_id]
-                       + TOK.encode("<answer>32</answer>") + [agent.end_id])
+    assert trained == (
+        TOK.encode(CALL) + [agent.end_id] + TOK.encode("<answer>32</answer>") + [agent.end_id]
+    )
 
 
 def _contains(haystack: list[int], needle: list[int]) -> bool:
-    return any(haystack[i: i + len(needle)] == needle for i in range(len(haystack)))
+    return any(haystack[i : i + len(needle)] == needle for i in range(len(haystack)))
 
 
 def test_raytunix_pieces_equal_tokenizing_the_rendered_string():
     agent = ToolAgent(TOK, "Use <tool_call> tags.")
     _episode(agent, "32", [CALL, "<answer>32</answer>"])
-    rendered = BUILTIN_TEMPLATES["raytunix"].render([
-        {"role": "system", "content": "Use <tool_call> tags."},
-        {"role": "user", "content": TASK.question}, {"role": "assistant", "content": CALL},
-        {"role": "tool", "content": "32"},
-        {"role": "assistant", "content": "<answer>32</answer>"}])
+    rendered = BUILTIN_TEMPLATES["raytunix"].render(
+        [
+            {"role": "system", "content": "Use <tool_call> tags."},
+            {"role": "user", "content": TASK.question},
+            {"role": "assistant", "content": CALL},
+            {"role": "tool", "content": "32"},
+            {"role": "assistant", "content": "<answer>32</answer>"},
+        ]
+    )
     assert agent.token_ids == TOK.encode(rendered)
 
 
@@ -96,7 +112,7 @@ def test_chatml_trailer_follows_the_end_of_turn_as_context():
     before = len(agent.token_ids)
     agent.on_generation(_result(CALL, agent.end_id))
     newline = TOK.encode("\n")
-    assert agent.token_ids[-1 - len(newline):] == [agent.end_id] + newline
+    assert agent.token_ids[-1 - len(newline) :] == [agent.end_id] + newline
     assert agent.loss_mask[before:] == [1] * (len(TOK.encode(CALL)) + 1) + [0] * len(newline)
     assert agent.turn_finished
 
@@ -135,9 +151,12 @@ def test_the_end_of_turn_token_is_the_stop_token():
 
 @pytest.mark.parametrize("name", ["chatml", "llama3", "gemma"])
 def test_demonstrations_take_the_same_token_path_as_episodes(name):
-    messages = [{"role": "user", "content": TASK.question},
-                {"role": "assistant", "content": CALL}, {"role": "tool", "content": "32"},
-                {"role": "assistant", "content": "<answer>32</answer>"}]
+    messages = [
+        {"role": "user", "content": TASK.question},
+        {"role": "assistant", "content": CALL},
+        {"role": "tool", "content": "32"},
+        {"role": "assistant", "content": "<answer>32</answer>"},
+    ]
     episode = ToolAgent(TOK, chat_template=name)
     _episode(episode, "32", [CALL, "<answer>32</answer>"])
     ids, mask = ToolAgent(TOK, chat_template=name).render_demonstration(TASK, messages)
@@ -149,7 +168,9 @@ def test_gemma_sends_observations_as_user_turns_when_a_template_has_no_tool_role
         "{% for m in messages %}{% if m.role not in ['user', 'assistant'] %}"
         "{{ raise_exception('no ' ~ m.role) }}{% endif %}<start_of_turn>{{ m.role }}\n"
         "{{ m.content }}<end_of_turn>\n{% endfor %}"
-        "{% if add_generation_prompt %}<start_of_turn>assistant\n{% endif %}", name="strict")
+        "{% if add_generation_prompt %}<start_of_turn>assistant\n{% endif %}",
+        name="strict",
+    )
     agent = AnswerAgent(TOK, chat_template=strict)
     assert agent.observation_message("x") == {"role": "user", "content": "x"}
     assert ToolAgent(TOK, chat_template="chatml").observation_message("x")["role"] == "tool"
@@ -159,7 +180,8 @@ def test_a_template_that_rewrites_history_is_refused():
     reversed_order = ChatTemplate(
         "{% for m in messages | reverse %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
-        name="reversed")
+        name="reversed",
+    )
     agent = ToolAgent(TOK, chat_template=reversed_order)
     agent.reset(TASK, TASK.question)
     agent.on_generation(_result(CALL, agent.end_id))
@@ -171,7 +193,9 @@ def test_a_template_whose_headers_depend_on_the_content_is_refused():
     moody = ChatTemplate(
         "{% for m in messages %}<|im_start|>{{ 'urgent' if '!' in m.content else m.role }}\n"
         "{{ m.content }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}", name="moody")
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+        name="moody",
+    )
     agent = AnswerAgent(TOK, chat_template=moody)
     agent.reset(TASK, "calm")
     with pytest.raises(ChatTemplateError, match="'moody'.*differently"):
@@ -193,7 +217,8 @@ def test_the_date_is_pinned_for_one_conversation():
     ticking = ChatTemplate(
         "{% for m in messages %}[{{ strftime_now('%H:%M:%S.%f') }}] {{ m.role }}: {{ m.content }}"
         "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}",
-        name="ticking")
+        name="ticking",
+    )
     agent = ToolAgent(TOK, chat_template=ticking)
     _episode(agent, "32", [CALL, CALL, "<answer>32</answer>"])  # would fail if time moved
 
@@ -204,8 +229,9 @@ def test_tools_reach_the_template_or_the_system_prompt():
     prompt = TOK.decode(chatml.token_ids)
     assert "<tools>\n" + json.dumps(Calculator().function_schema()) + "\n</tools>" in prompt
 
-    react = ToolAgent(TOK, "Be brief.", chat_template="chatml", tool_parser="react",
-                      tools=[Calculator()])
+    react = ToolAgent(
+        TOK, "Be brief.", chat_template="chatml", tool_parser="react", tools=[Calculator()]
+    )
     react.reset(TASK, TASK.question)
     prompt = TOK.decode(react.token_ids)
     assert "<tools>" not in prompt  # ReAct describes the tools itself
@@ -235,17 +261,29 @@ class ScriptedEngine:
     async def generate(self, request):
         self.prompts.append(list(request.prompt_ids))
         ids = TOK.encode(self.replies[len(self.prompts) - 1]) + [self.end_id]
-        return GenerationResult(request.request_id, tuple(ids), (-0.1,) * len(ids),
-                                (0,) * len(ids), FinishReason.STOP)
+        return GenerationResult(
+            request.request_id, tuple(ids), (-0.1,) * len(ids), (0,) * len(ids), FinishReason.STOP
+        )
 
 
-@pytest.mark.parametrize("template, parser, call", [
-    ("chatml", "hermes", CALL),
-    ("llama3", "llama3_json", '{"name": "calculator", "parameters": {"expression": "95 - 21 * 3"}}'),
-    ("gemma", "gemma", '[calculator(expression="95 - 21 * 3")]'),
-    ("chatml", "react", 'Thought: use the tool\nAction: calculator\nAction Input: '
-                        '{"expression": "95 - 21 * 3"}'),
-])
+@pytest.mark.parametrize(
+    "template, parser, call",
+    [
+        ("chatml", "hermes", CALL),
+        (
+            "llama3",
+            "llama3_json",
+            '{"name": "calculator", "parameters": {"expression": "95 - 21 * 3"}}',
+        ),
+        ("gemma", "gemma", '[calculator(expression="95 - 21 * 3")]'),
+        (
+            "chatml",
+            "react",
+            'Thought: use the tool\nAction: calculator\nAction Input: '
+            '{"expression": "95 - 21 * 3"}',
+        ),
+    ],
+)
 def test_an_episode_runs_in_each_template_and_format_by_name(template, parser, call):
     import asyncio
 
@@ -254,23 +292,45 @@ def test_an_episode_runs_in_each_template_and_format_by_name(template, parser, c
     from raytunix.rollout.episode import run_episode
     from raytunix.types import EpisodeStatus, SamplingParams
 
-    agent = make_agent("tool", TOK, system_prompt="Solve it.", chat_template=template,
-                       tool_parser=parser, tools=["calculator"])
+    agent = make_agent(
+        "tool",
+        TOK,
+        system_prompt="Solve it.",
+        chat_template=template,
+        tool_parser=parser,
+        tools=["calculator"],
+    )
     answer = "Final Answer: 32" if parser == "react" else "<answer>32</answer>"
     engine = ScriptedEngine([call, answer], agent.end_id)
-    trajectory = asyncio.run(run_episode(
-        TASK, "g", agent, LocalEnv("calculator_math", {}), engine, SamplingParams(),
-        max_turns=3, max_context_tokens=4096, seed=0, timeout_s=30))
+    trajectory = asyncio.run(
+        run_episode(
+            TASK,
+            "g",
+            agent,
+            LocalEnv("calculator_math", {}),
+            engine,
+            SamplingParams(),
+            max_turns=3,
+            max_context_tokens=4096,
+            seed=0,
+            timeout_s=30,
+        )
+    )
     assert trajectory.status == EpisodeStatus.COMPLETED and trajectory.reward == 1.0
     assert trajectory.num_turns == 2
     # The second prompt extends the first with the model's turn and the tool's result.
     first, second = engine.prompts
     assert second[: len(first)] == first
     rendered = BUILTIN_TEMPLATES[template].render(
-        [{"role": "system", "content": agent.system_prompt},
-         {"role": "user", "content": TASK.question}, {"role": "assistant", "content": call},
-         {"role": agent._encoder.tool_role, "content": "32"}],
-        add_generation_prompt=True, tools=agent._template_tools)
+        [
+            {"role": "system", "content": agent.system_prompt},
+            {"role": "user", "content": TASK.question},
+            {"role": "assistant", "content": call},
+            {"role": agent._encoder.tool_role, "content": "32"},
+        ],
+        add_generation_prompt=True,
+        tools=agent._template_tools,
+    )
     assert TOK.decode(second) == rendered
     assert trajectory.token_ids[: len(second)] == second
 

@@ -139,46 +139,60 @@ Today Date: {{ date_string }}
 {%- endif %}
 """
 
-TOOLS = [{
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate + - * / & parentheses; 'floor' division <for integers>.",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string", "description": "e.g. 1 + 2"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
+CALL = {
     "type": "function",
-    "function": {
-        "name": "calculator",
-        "description": "Evaluate + - * / & parentheses; 'floor' division <for integers>.",
-        "parameters": {"type": "object",
-                       "properties": {"expression": {"type": "string", "description": "e.g. 1 + 2"}},
-                       "required": ["expression"]},
-    },
-}]
-CALL = {"type": "function",
-        "function": {"name": "calculator", "arguments": {"expression": "95 - 21 * 3"}}}
+    "function": {"name": "calculator", "arguments": {"expression": "95 - 21 * 3"}},
+}
 
 CONVERSATIONS = {
     "user only": [{"role": "user", "content": "Calculate 95 - 21 * 3."}],
     "system and user": [
         {"role": "system", "content": "Answer in <answer> tags & be brief."},
-        {"role": "user", "content": "  Wie viel ist 2 + 2? ✓ 数学\n"}],
+        {"role": "user", "content": "  Wie viel ist 2 + 2? ✓ 数学\n"},
+    ],
     "tool round trip": [
         {"role": "system", "content": "Use the calculator."},
         {"role": "user", "content": "Calculate 95 - 21 * 3."},
         {"role": "assistant", "content": "", "tool_calls": [CALL]},
         {"role": "tool", "content": "32"},
         {"role": "assistant", "content": "<answer>32</answer>"},
-        {"role": "user", "content": "And 1 + 1?"}],
+        {"role": "user", "content": "And 1 + 1?"},
+    ],
     "two tool results": [
         {"role": "user", "content": "x"},
         {"role": "assistant", "content": "", "tool_calls": [CALL]},
         {"role": "tool", "content": "error: <|im_end|> \"quoted\""},
-        {"role": "tool", "content": "32"}],
+        {"role": "tool", "content": "32"},
+    ],
 }
 
 
-def _model_folder(tmp_path, name: str, template: str, bos: str | None, eos: str,
-                  extra_tokens: tuple[str, ...]):
+def _model_folder(
+    tmp_path, name: str, template: str, bos: str | None, eos: str, extra_tokens: tuple[str, ...]
+):
     folder = tmp_path / name
     folder.mkdir()
     Tokenizer.byte_level(extra_tokens).save(str(folder / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template,
-              "bos_token": bos, "eos_token": {"__type": "AddedToken", "content": eos, "special": True}}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": template,
+        "bos_token": bos,
+        "eos_token": {"__type": "AddedToken", "content": eos, "special": True},
+    }
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
 
@@ -187,35 +201,52 @@ def _model_folder(tmp_path, name: str, template: str, bos: str | None, eos: str,
 def folders(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("models")
     return {
-        "qwen": _model_folder(tmp_path, "qwen", QWEN_STYLE, None, "<|im_end|>",
-                              ("<|im_start|>", "<|im_end|>", "<|endoftext|>")),
-        "llama3": _model_folder(tmp_path, "llama3", LLAMA3_STYLE, "<|begin_of_text|>",
-                                "<|eot_id|>", ("<|begin_of_text|>", "<|start_header_id|>",
-                                               "<|end_header_id|>", "<|eot_id|>")),
+        "qwen": _model_folder(
+            tmp_path,
+            "qwen",
+            QWEN_STYLE,
+            None,
+            "<|im_end|>",
+            ("<|im_start|>", "<|im_end|>", "<|endoftext|>"),
+        ),
+        "llama3": _model_folder(
+            tmp_path,
+            "llama3",
+            LLAMA3_STYLE,
+            "<|begin_of_text|>",
+            "<|eot_id|>",
+            ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+        ),
     }
 
 
 @pytest.fixture(scope="module")
 def hf_tokenizers(folders):
     transformers = pytest.importorskip(
-        "transformers", reason="transformers is not installed (pip install -e '.[test]'); "
-        "the comparison with Hugging Face rendering needs it")
-    return {name: transformers.PreTrainedTokenizerFast.from_pretrained(str(folder))
-            for name, folder in folders.items()}
+        "transformers",
+        reason="transformers is not installed (pip install -e '.[test]'); "
+        "the comparison with Hugging Face rendering needs it",
+    )
+    return {
+        name: transformers.PreTrainedTokenizerFast.from_pretrained(str(folder))
+        for name, folder in folders.items()
+    }
 
 
 @pytest.mark.parametrize("model", ["qwen", "llama3"])
 @pytest.mark.parametrize("conversation", list(CONVERSATIONS))
 @pytest.mark.parametrize("with_tools", [False, True])
 @pytest.mark.parametrize("add_generation_prompt", [False, True])
-def test_rendering_matches_transformers(folders, hf_tokenizers, model, conversation, with_tools,
-                                        add_generation_prompt):
+def test_rendering_matches_transformers(
+    folders, hf_tokenizers, model, conversation, with_tools, add_generation_prompt
+):
     messages = CONVERSATIONS[conversation]
     tools = TOOLS if with_tools else None
     ours = load_chat_template(str(folders[model]))
     before = ours.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
     theirs = hf_tokenizers[model].apply_chat_template(
-        messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False)
+        messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
+    )
     after = ours.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
     assert theirs in (before, after)  # strftime_now may cross midnight between the calls
     if model == "llama3":
@@ -231,10 +262,16 @@ def test_template_variables_and_errors_match_transformers(folders, hf_tokenizers
     messages = CONVERSATIONS["tool round trip"][:3]
     kwargs = {"date_string": "26 Jul 2024"}  # a template variable overrides the default
     assert ours.render(messages, **kwargs) == hf_tokenizers[model].apply_chat_template(
-        messages, tokenize=False, **kwargs)
-    bad = ([{"role": "robot", "content": "beep"}] if model == "qwen" else
-           [{"role": "user", "content": "x"},
-            {"role": "assistant", "content": "", "tool_calls": [CALL, CALL]}])
+        messages, tokenize=False, **kwargs
+    )
+    bad = (
+        [{"role": "robot", "content": "beep"}]
+        if model == "qwen"
+        else [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": "", "tool_calls": [CALL, CALL]},
+        ]
+    )
     import jinja2
 
     with pytest.raises(jinja2.TemplateError) as theirs:
@@ -247,20 +284,29 @@ def test_template_variables_and_errors_match_transformers(folders, hf_tokenizers
 def test_generation_block_and_loop_controls_match_transformers(tmp_path, hf_tokenizers):
     import transformers
 
-    template = ("{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}"
-                "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}{% endgeneration %}"
-                "{% else %}[{{ m.role }}] {{ m.content }}\n{% endif %}{% endfor %}")
+    template = (
+        "{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}"
+        "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}{% endgeneration %}"
+        "{% else %}[{{ m.role }}] {{ m.content }}\n{% endif %}{% endfor %}"
+    )
     folder = _model_folder(tmp_path, "m", template, None, "<|im_end|>", ("<|im_end|>",))
-    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-                {"role": "user", "content": "never shown"}]
+    messages = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "never shown"},
+    ]
     theirs = transformers.PreTrainedTokenizerFast.from_pretrained(str(folder))
-    assert load_chat_template(str(folder)).render(messages) == theirs.apply_chat_template(
-        messages, tokenize=False) == "[user] a\nb"
+    assert (
+        load_chat_template(str(folder)).render(messages)
+        == theirs.apply_chat_template(messages, tokenize=False)
+        == "[user] a\nb"
+    )
 
 
 def test_folder_loading_order_and_special_tokens(tmp_path):
-    folder = _model_folder(tmp_path, "m", "config:{{ bos_token }}{{ eos_token }}", "<s>",
-                           "</s>", ())
+    folder = _model_folder(
+        tmp_path, "m", "config:{{ bos_token }}{{ eos_token }}", "<s>", "</s>", ()
+    )
     assert chat_template_from_folder(str(folder)).render([]) == "config:<s></s>"
     (folder / "chat_template.json").write_text(json.dumps({"chat_template": "json"}))
     assert chat_template_from_folder(str(folder)).render([]) == "json"
@@ -268,15 +314,23 @@ def test_folder_loading_order_and_special_tokens(tmp_path):
     assert chat_template_from_folder(str(folder)).render([]) == "jinja:</s>"
     # the file itself may be named
     assert chat_template_from_folder(str(folder / "tokenizer_config.json")).render([]) == (
-        "config:<s></s>")
+        "config:<s></s>"
+    )
 
 
 def test_named_templates_pick_tool_use_when_tools_are_given(tmp_path):
     folder = tmp_path / "m"
     folder.mkdir()
-    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
-        {"name": "default", "template": "plain"},
-        {"name": "tool_use", "template": "tools:{{ tools | length }}"}]}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "chat_template": [
+                    {"name": "default", "template": "plain"},
+                    {"name": "tool_use", "template": "tools:{{ tools | length }}"},
+                ]
+            }
+        )
+    )
     template = chat_template_from_folder(str(folder))
     assert template.render([]) == "plain"
     assert template.render([], tools=TOOLS) == "tools:1"
@@ -309,21 +363,39 @@ def test_strftime_now_can_be_pinned():
     assert template.render([], now=datetime.datetime(2024, 7, 26, 9, 30)) == "2024-07-26 09:30"
 
 
-@pytest.mark.parametrize("name, expected", [
-    ("raytunix", "<|system|>S<|end|><|user|>U<|end|><|assistant|>A<|end|><|tool|>7<|end|>"
-                 "<|assistant|>"),
-    ("chatml", "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n"
-               "<|im_start|>assistant\nA<|im_end|>\n<|im_start|>user\n<tool_response>\n7\n"
-               "</tool_response><|im_end|>\n<|im_start|>assistant\n"),
-    ("llama3", "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nS<|eot_id|>"
-               "<|start_header_id|>user<|end_header_id|>\n\nU<|eot_id|>"
-               "<|start_header_id|>assistant<|end_header_id|>\n\nA<|eot_id|>"
-               "<|start_header_id|>ipython<|end_header_id|>\n\n7<|eot_id|>"
-               "<|start_header_id|>assistant<|end_header_id|>\n\n"),
-    ("gemma", "<bos><start_of_turn>user\nS\n\nU<end_of_turn>\n<start_of_turn>model\nA"
-              "<end_of_turn>\n<start_of_turn>user\n7<end_of_turn>\n<start_of_turn>model\n"),
-])
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        (
+            "raytunix",
+            "<|system|>S<|end|><|user|>U<|end|><|assistant|>A<|end|><|tool|>7<|end|><|assistant|>",
+        ),
+        (
+            "chatml",
+            "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n"
+            "<|im_start|>assistant\nA<|im_end|>\n<|im_start|>user\n<tool_response>\n7\n"
+            "</tool_response><|im_end|>\n<|im_start|>assistant\n",
+        ),
+        (
+            "llama3",
+            "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nS<|eot_id|>"
+            "<|start_header_id|>user<|end_header_id|>\n\nU<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\nA<|eot_id|>"
+            "<|start_header_id|>ipython<|end_header_id|>\n\n7<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\n",
+        ),
+        (
+            "gemma",
+            "<bos><start_of_turn>user\nS\n\nU<end_of_turn>\n<start_of_turn>model\nA"
+            "<end_of_turn>\n<start_of_turn>user\n7<end_of_turn>\n<start_of_turn>model\n",
+        ),
+    ],
+)
 def test_builtin_templates_render_their_documented_formats(name, expected):
-    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
-                {"role": "assistant", "content": "A"}, {"role": "tool", "content": "7"}]
+    messages = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "U"},
+        {"role": "assistant", "content": "A"},
+        {"role": "tool", "content": "7"},
+    ]
     assert BUILTIN_TEMPLATES[name].render(messages, add_generation_prompt=True) == expected

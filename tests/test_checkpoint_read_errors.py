@@ -30,10 +30,12 @@ FAST = Backoff(initial_delay_s=0.001, max_delay_s=0.002, max_attempts=4, jitter=
 
 
 def _state(value: float, size: int = 4) -> TrainState:
-    return TrainState(params={"w": jnp.full((size,), value, jnp.float32)},
-                      opt_state={"count": jnp.asarray(int(value), jnp.int32)},
-                      step=jnp.asarray(int(value), jnp.int32),
-                      rng=jax.random.key_data(jax.random.key(0)))
+    return TrainState(
+        params={"w": jnp.full((size,), value, jnp.float32)},
+        opt_state={"count": jnp.asarray(int(value), jnp.int32)},
+        step=jnp.asarray(int(value), jnp.int32),
+        rng=jax.random.key_data(jax.random.key(0)),
+    )
 
 
 @pytest.fixture
@@ -79,7 +81,8 @@ TRANSIENT = {
     "connection_reset": lambda: ConnectionResetError(errno.ECONNRESET, "Connection reset"),
     "device_oom": lambda: MemoryError("RESOURCE_EXHAUSTED: out of memory while restoring"),
     "tensorstore_unavailable": lambda: _TensorstoreError(
-        'UNAVAILABLE: Error reading "params.w/.zarray" in OCDBT database at gs://b/c/20/state'),
+        'UNAVAILABLE: Error reading "params.w/.zarray" in OCDBT database at gs://b/c/20/state'
+    ),
     "tensorstore_deadline": lambda: _TensorstoreError("DEADLINE_EXCEEDED: CURL error"),
 }
 
@@ -97,15 +100,19 @@ def test_transient_read_errors_are_retried_without_rollback_or_quarantine(two_ch
 def test_a_transient_error_that_persists_raises_and_moves_nothing(two_checkpoints):
     ck, directory = two_checkpoints
     _fail_reads_of(ck, 20, [OSError(errno.ESTALE, "Stale file handle")] * 10)
-    with pytest.raises(CheckpointUnavailable,
-                       match=r"step 20 .* 4 attempts .*Stale file handle.*left in place"):
+    with pytest.raises(
+        CheckpointUnavailable, match=r"step 20 .* 4 attempts .*Stale file handle.*left in place"
+    ):
         ck.restore(None, _state(0.0))
     assert _moved(directory) == [] and ck.all_steps() == [10, 20]
 
 
 def _damage(directory, step, how):
-    files = [os.path.join(root, f) for root, _, names in os.walk(os.path.join(directory, str(step)))
-             for f in names]
+    files = [
+        os.path.join(root, f)
+        for root, _, names in os.walk(os.path.join(directory, str(step)))
+        for f in names
+    ]
     assert files
     for path in files:
         if how == "truncate":
@@ -175,7 +182,8 @@ def test_the_error_classes():
     assert is_transient(wrapped) and not is_corruption(wrapped)
     assert is_corruption(_TensorstoreError("DATA_LOSS: checksum mismatch in chunk"))
     assert is_corruption(json.JSONDecodeError("Expecting value", "", 0))
-    structure = ValueError("User-provided restore item and on-disk value metadata tree "
-                           "structures do not match")
+    structure = ValueError(
+        "User-provided restore item and on-disk value metadata tree structures do not match"
+    )
     assert not is_corruption(structure) and not is_transient(structure)
     assert not is_corruption(PermissionError(errno.EACCES, "Permission denied"))

@@ -21,9 +21,12 @@ from raytunix.learner.train_state import TrainState  # noqa: E402
 
 def _state(value: float, size: int = 4) -> TrainState:
     """A small TrainState whose every number is ``value`` (enough to tell saves apart)."""
-    return TrainState(params={"w": jnp.full((size,), value, jnp.float32)},
-                      opt_state={"count": jnp.asarray(int(value), jnp.int32)},
-                      step=jnp.asarray(int(value), jnp.int32), rng=jax.random.key_data(jax.random.key(0)))
+    return TrainState(
+        params={"w": jnp.full((size,), value, jnp.float32)},
+        opt_state={"count": jnp.asarray(int(value), jnp.int32)},
+        step=jnp.asarray(int(value), jnp.int32),
+        rng=jax.random.key_data(jax.random.key(0)),
+    )
 
 
 def _assert_trees_equal(a, b):
@@ -62,8 +65,12 @@ CRASH_MID_SAVE = textwrap.dedent('''
 
 def test_a_process_killed_mid_save_leaves_the_previous_checkpoint_usable(tmp_path):
     directory = str(tmp_path / "checkpoints")
-    proc = subprocess.run([sys.executable, "-c", CRASH_MID_SAVE, directory],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", CRASH_MID_SAVE, directory],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == -9, proc.stderr[-2000:]
     # The save had returned while its files were still in orbax's temporary directory:
     # the learner trains on while a checkpoint is written.
@@ -96,6 +103,7 @@ def test_an_async_save_holds_the_state_of_its_step_while_training_goes_on(tmp_pa
 
 # -- which checkpoints stay ----------------------------------------------------------------------
 
+
 def test_keep_last_n_never_deletes_the_best_checkpoint(tmp_path):
     ckpt = Checkpointer(str(tmp_path), max_to_keep=2, keep_best_by="reward_mean")
     ckpt.save(0, _state(0.0), {})  # before RL: no metrics
@@ -119,8 +127,9 @@ def test_keep_last_n_never_deletes_the_best_checkpoint(tmp_path):
 
 
 def test_keep_best_by_a_metric_to_minimise_and_plain_keep_last_n(tmp_path):
-    ckpt = Checkpointer(str(tmp_path / "min"), max_to_keep=1, keep_best_by="loss",
-                        keep_best_mode="min")
+    ckpt = Checkpointer(
+        str(tmp_path / "min"), max_to_keep=1, keep_best_by="loss", keep_best_mode="min"
+    )
     for step, loss in [(1, 0.5), (2, 0.2), (3, 0.7), (4, 0.9)]:
         ckpt.save(step, _state(float(step)), {}, metrics={"loss": loss})
     assert ckpt.all_steps() == [2, 4] and ckpt.best_step() == 2
@@ -137,6 +146,7 @@ def test_keep_best_by_a_metric_to_minimise_and_plain_keep_last_n(tmp_path):
 
 # -- a resumed learner trains on bit-identically -------------------------------------------------
 
+
 def _record_batch(step: int):
     """A batch of two groups of two with rewards that differ within each group, so every
     update moves the weights; tokens differ from step to step."""
@@ -147,12 +157,19 @@ def _record_batch(step: int):
     for i, (group, reward) in enumerate([("a", 1.0), ("a", 0.0), ("b", 0.0), ("b", 1.0)]):
         prompt = [1 + (step + i) % 5, 2]
         completion = [(3 + step * 3 + i * 5 + t) % 14 + 1 for t in range(3 + i % 2)]
-        rows.append(Trajectory(
-            task_id=group, group_id=f"{group}{step}", token_ids=prompt + completion,
-            loss_mask=[0] * len(prompt) + [1] * len(completion),
-            logprobs=[0.0] * len(prompt) + [-1.5] * len(completion),
-            policy_versions=[-1] * len(prompt) + [step] * len(completion),
-            reward=reward, status=EpisodeStatus.COMPLETED, num_turns=1))
+        rows.append(
+            Trajectory(
+                task_id=group,
+                group_id=f"{group}{step}",
+                token_ids=prompt + completion,
+                loss_mask=[0] * len(prompt) + [1] * len(completion),
+                logprobs=[0.0] * len(prompt) + [-1.5] * len(completion),
+                policy_versions=[-1] * len(prompt) + [step] * len(completion),
+                reward=reward,
+                status=EpisodeStatus.COMPLETED,
+                num_turns=1,
+            )
+        )
     return trajectories_to_record_batch(rows)
 
 
@@ -160,12 +177,21 @@ def test_a_learner_resumed_from_an_async_checkpoint_trains_on_bit_identically(tm
     from raytunix.learner.learner import Learner, RLHyperparams
     from raytunix.models.llama import ModelConfig
 
-    config = ModelConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
-                         d_ff=64, max_seq_len=32)
+    config = ModelConfig(
+        vocab_size=16, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64, max_seq_len=32
+    )
     # A decaying schedule, AdamW moments, weight decay and two optimizer steps per batch:
     # every piece of optimizer state must come back for the updates to match.
-    hp = RLHyperparams(temperature=1.0, top_k=0, top_p=1.0, rl_steps=4, learning_rate=1e-2,
-                         lr_schedule="cosine", weight_decay=0.01, num_iterations=2)
+    hp = RLHyperparams(
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        rl_steps=4,
+        learning_rate=1e-2,
+        lr_schedule="cosine",
+        weight_decay=0.01,
+        num_iterations=2,
+    )
     batches = [_record_batch(step) for step in range(4)]
 
     uninterrupted = Learner(config, seed=3)
@@ -189,8 +215,9 @@ def test_a_learner_resumed_from_an_async_checkpoint_trains_on_bit_identically(tm
     got = [resumed.train_step(batch) for batch in batches[2:]]
     _assert_trees_equal(resumed._state, uninterrupted._state)  # params, moments, count, rng
     for step, (a, b) in enumerate(zip(got, expected[2:]), start=3):
-        assert {k: v for k, v in a.items() if k != "update_s"} == \
-            {k: v for k, v in b.items() if k != "update_s"}, f"step {step}"
+        assert {k: v for k, v in a.items() if k != "update_s"} == {
+            k: v for k, v in b.items() if k != "update_s"
+        }, f"step {step}"
 
 
 def test_keep_best_by_names_a_number_of_the_rl_step_metrics():
@@ -198,8 +225,14 @@ def test_keep_best_by_names_a_number_of_the_rl_step_metrics():
     from raytunix.driver.steps import best_metric as _best_metric
     from raytunix.train import RunError
 
-    record = {"phase": "rl", "step": 3, "reward_mean": 0.25, "loss": -0.1, "update_skipped": 0.0,
-              "statuses": {"completed": 4}}
+    record = {
+        "phase": "rl",
+        "step": 3,
+        "reward_mean": 0.25,
+        "loss": -0.1,
+        "update_skipped": 0.0,
+        "statuses": {"completed": 4},
+    }
     assert _best_metric(load_config(None), record) is None  # off by default
     cfg = load_config(None, ["learner.keep_best_by=reward_mean", "learner.keep_best_mode=max"])
     assert _best_metric(cfg, record) == {"reward_mean": 0.25}

@@ -14,18 +14,35 @@ MAX_FUNCTION_LINES = 80
 MAX_CLASS_LINES = 500
 
 # "path relative to raytunix/::qualified name" -> lines (from the `def`/`class` line to the
-# last line of the body, docstring included). Shrink these; never raise them.
+# last line of the body, docstring included), as `ruff format` lays the code out: the sizes
+# were re-measured when the code was first formatted, which added about a fifth to every
+# block and brought 15 more over the limit. Shrink these; never raise them.
 ALLOWED = {
-    "envs/sql_worker.py::run_one": 82,
-    "inference/engine.py::InferenceEngine": 935,
-    "inference/engine.py::InferenceEngine.__init__": 85,
-    "learner/losses.py::grpo_policy_loss": 131,
-    "models/llama.py::Transformer.__call__": 83,
-    "profiling/metrics.py::WindowMetrics.combine": 98,
-    "profiling/report.py::diagnose": 120,
-    "rollout/episode.py::run_episode": 173,
-    "rollout/orchestrator.py::RolloutOrchestrator": 690,
-    "rollout/orchestrator.py::RolloutOrchestrator.__init__": 114,
+    "cli.py::_parser": 122,
+    "config.py::_validate_placement": 82,
+    "config.py::validate": 93,
+    "data/datasets.py::load_tasks": 95,
+    "driver/prepare.py::check_prompts": 84,
+    "driver/steps.py::rl_steps": 83,
+    "envs/sql_worker.py::run_one": 92,
+    "inference/engine.py::InferenceEngine": 1062,
+    "inference/engine.py::InferenceEngine.__init__": 111,
+    "inference/engine.py::InferenceEngine._launch": 97,
+    "learner/learner.py::Learner.train_step": 83,
+    "learner/losses.py::grpo_policy_loss": 149,
+    "learner/train_state.py::make_policy_update": 92,
+    "learner/train_state.py::policy_loss_terms": 87,
+    "models/hf.py::export_checkpoint": 84,
+    "models/llama.py::Transformer.__call__": 96,
+    "plugins.py::check_kwargs": 84,
+    "profiling/metrics.py::WindowMetrics.combine": 103,
+    "profiling/report.py::diagnose": 181,
+    "profiling/report.py::render_report": 93,
+    "rollout/episode.py::run_episode": 214,
+    "rollout/orchestrator.py::RolloutOrchestrator": 802,
+    "rollout/orchestrator.py::RolloutOrchestrator.__init__": 120,
+    "rollout/preflight.py::check_prompt_lengths": 86,
+    "sandbox/sandbox.py::Sandbox": 576,
 }
 
 
@@ -68,15 +85,21 @@ def ratchet_problems(over: dict[str, int], allowed: dict[str, int]) -> list[str]
     problems = []
     for key, lines in sorted(over.items()):
         if key not in allowed:
-            problems.append(f"{key} is {lines} lines, over the limit ({MAX_FUNCTION_LINES} "
-                            f"per function, {MAX_CLASS_LINES} per class): split it into "
-                            "smaller pieces rather than adding it to ALLOWED")
+            problems.append(
+                f"{key} is {lines} lines, over the limit ({MAX_FUNCTION_LINES} "
+                f"per function, {MAX_CLASS_LINES} per class): split it into "
+                "smaller pieces rather than adding it to ALLOWED"
+            )
         elif lines > allowed[key]:
-            problems.append(f"{key} grew from {allowed[key]} to {lines} lines; it is on the "
-                            "list to shrink: split it instead of growing it")
+            problems.append(
+                f"{key} grew from {allowed[key]} to {lines} lines; it is on the "
+                "list to shrink: split it instead of growing it"
+            )
     for key in sorted(set(allowed) - set(over)):
-        problems.append(f"{key} is now within the limit (or gone): remove its entry from "
-                        "ALLOWED in tests/test_code_shape.py so it stays there")
+        problems.append(
+            f"{key} is now within the limit (or gone): remove its entry from "
+            "ALLOWED in tests/test_code_shape.py so it stays there"
+        )
     return problems
 
 
@@ -88,7 +111,8 @@ def test_no_function_or_class_in_raytunix_is_over_the_limit_unless_listed_and_no
 def test_the_ratchet_catches_a_new_a_grown_and_a_fixed_offender(tmp_path):
     long_body = "\n".join(f"        x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
     (tmp_path / "mod.py").write_text(
-        f"def short():\n    return 1\n\n\nclass Box:\n    def grown(self):\n{long_body}\n")
+        f"def short():\n    return 1\n\n\nclass Box:\n    def grown(self):\n{long_body}\n"
+    )
     over = oversized(tmp_path)
     assert over == {"mod.py::Box.grown": MAX_FUNCTION_LINES + 1}
     assert ratchet_problems(over, {"mod.py::Box.grown": MAX_FUNCTION_LINES + 1}) == []

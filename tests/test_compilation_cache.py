@@ -43,18 +43,28 @@ LEARNER_PROCESS = textwrap.dedent("""
 
 
 def _run_learner(env_vars: dict[str, str]) -> dict[str, int]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")
-           and not k.startswith("JAX_PERSISTENT_CACHE")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("JAX_COMPILATION_CACHE") and not k.startswith("JAX_PERSISTENT_CACHE")
+    }
     env.update(env_vars, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-c", LEARNER_PROCESS], env=env, capture_output=True,
-                         text=True, timeout=600, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", LEARNER_PROCESS],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_the_default_cache_is_under_the_users_cache_dir():
     env = compilation_cache_env(load_config(None, []))
     assert env["JAX_COMPILATION_CACHE_DIR"] == os.path.join(
-        os.path.expanduser("~"), ".cache", "raytunix", "jax")
+        os.path.expanduser("~"), ".cache", "raytunix", "jax"
+    )
     assert float(env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]) == 1.0
 
 
@@ -65,8 +75,13 @@ def test_an_empty_dir_turns_the_cache_off():
 
 
 def test_a_second_process_with_the_same_cache_dir_compiles_nothing(tmp_path):
-    cfg = load_config(None, [f"run.compilation_cache_dir={tmp_path / 'cache'}",
-                             "run.compilation_cache_min_compile_s=0"])
+    cfg = load_config(
+        None,
+        [
+            f"run.compilation_cache_dir={tmp_path / 'cache'}",
+            "run.compilation_cache_min_compile_s=0",
+        ],
+    )
     env = compilation_cache_env(cfg)
     first = _run_learner(env)
     assert first.get("cache_misses", 0) > 0  # it compiled, and stored what it compiled
@@ -93,8 +108,13 @@ class _Compiler:
 
 
 def test_actors_started_with_the_jit_options_use_the_cache(ray_session, tmp_path):
-    cfg = load_config(None, [f"run.compilation_cache_dir={tmp_path / 'cache'}",
-                             "run.compilation_cache_min_compile_s=0"])
+    cfg = load_config(
+        None,
+        [
+            f"run.compilation_cache_dir={tmp_path / 'cache'}",
+            "run.compilation_cache_min_compile_s=0",
+        ],
+    )
     actor = _Compiler.options(**jit_actor_options(cfg)).remote()
     try:
         assert ray.get(actor.compile_once.remote(), timeout=300) == str(tmp_path / "cache")

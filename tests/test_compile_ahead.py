@@ -27,22 +27,39 @@ from raytunix.types import GenerationRequest, SamplingParams
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = Tokenizer.byte_level()
 # Its own sizes (d_model 24): the programs of other test modules' engines are not shared.
-CONFIG = ModelConfig(vocab_size=TOKENIZER.vocab_size, d_model=24, n_layers=1, n_heads=2,
-                     n_kv_heads=1, d_ff=48, max_seq_len=64)
+CONFIG = ModelConfig(
+    vocab_size=TOKENIZER.vocab_size,
+    d_model=24,
+    n_layers=1,
+    n_heads=2,
+    n_kv_heads=1,
+    d_ff=48,
+    max_seq_len=64,
+)
 GRAPHDEF, PARAMS = init_model(CONFIG, seed=0)
 
 
 def _engine(**kwargs):
-    return InferenceEngine(GRAPHDEF, PARAMS, CONFIG, TOKENIZER, max_batch_size=8,
-                           block_size=8, prefill_chunk_tokens=32, **kwargs)
+    return InferenceEngine(
+        GRAPHDEF,
+        PARAMS,
+        CONFIG,
+        TOKENIZER,
+        max_batch_size=8,
+        block_size=8,
+        prefill_chunk_tokens=32,
+        **kwargs,
+    )
 
 
-def _request(rid, prompt, max_new_tokens=8, temperature=0.0, seed=0, session_id=None,
-             **sampling):
+def _request(rid, prompt, max_new_tokens=8, temperature=0.0, seed=0, session_id=None, **sampling):
     return GenerationRequest(
-        request_id=rid, prompt_ids=tuple(prompt), seed=seed, session_id=session_id,
-        sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
-                                **sampling))
+        request_id=rid,
+        prompt_ids=tuple(prompt),
+        seed=seed,
+        session_id=session_id,
+        sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, **sampling),
+    )
 
 
 def _mixed_workload(seed, n=120):
@@ -53,10 +70,16 @@ def _mixed_workload(seed, n=120):
     while done < n:
         wave = []
         for i in range(rng.randint(1, 12)):  # above the 8 rows at times: requests queue
-            wave.append(_request(
-                f"m{done + i}", [rng.randrange(3, 250) for _ in range(rng.randint(1, 50))],
-                max_new_tokens=rng.randint(1, 12), temperature=rng.choice([0.0, 1.0]),
-                seed=done + i, top_p=rng.choice([1.0, 1.0, 0.9])))
+            wave.append(
+                _request(
+                    f"m{done + i}",
+                    [rng.randrange(3, 250) for _ in range(rng.randint(1, 50))],
+                    max_new_tokens=rng.randint(1, 12),
+                    temperature=rng.choice([0.0, 1.0]),
+                    seed=done + i,
+                    top_p=rng.choice([1.0, 1.0, 0.9]),
+                )
+            )
         waves.append(wave)
         done += len(wave)
     return waves
@@ -94,8 +117,15 @@ def test_after_start_up_no_step_waits_for_a_compile():
 
 def test_a_lazy_engine_counts_the_seconds_steps_waited_for_the_compiler():
     async def main():
-        engine = InferenceEngine(GRAPHDEF, PARAMS, CONFIG, TOKENIZER, max_batch_size=4,
-                                 block_size=8, prefill_chunk_tokens=16)
+        engine = InferenceEngine(
+            GRAPHDEF,
+            PARAMS,
+            CONFIG,
+            TOKENIZER,
+            max_batch_size=4,
+            block_size=8,
+            prefill_chunk_tokens=16,
+        )
         await engine.generate(_request("a", list(range(3, 20)), max_new_tokens=4))
         stats = engine.stats()
         await engine.close()
@@ -144,12 +174,14 @@ def _lower_for(fn):
     def lower(shape):
         x = jax.ShapeDtypeStruct((shape.batch, shape.length, shape.span), jnp.float32)
         return fn.lower(x)
+
     return lower
 
 
 def _shapes(truncate):
     return [Shape(truncate, b, 1, s) for b in (1, 4) for s in (2, 4)] + [
-        Shape(truncate, 1, 8, s) for s in (2, 4)]
+        Shape(truncate, 1, 8, s) for s in (2, 4)
+    ]
 
 
 def test_the_cheapest_built_program_that_holds_a_step_runs_it_while_its_own_is_built():
@@ -227,16 +259,28 @@ ENGINE_PROCESS = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_a_second_engine_process_with_the_same_cache_dir_compiles_nothing(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")
-           and not k.startswith("JAX_PERSISTENT_CACHE")}
-    env.update(PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
-               JAX_COMPILATION_CACHE_DIR=str(tmp_path / "cache"),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("JAX_COMPILATION_CACHE") and not k.startswith("JAX_PERSISTENT_CACHE")
+    }
+    env.update(
+        PYTHONPATH=ROOT,
+        JAX_PLATFORMS="cpu",
+        JAX_COMPILATION_CACHE_DIR=str(tmp_path / "cache"),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    )
 
     def run():
-        out = subprocess.run([sys.executable, "-c", ENGINE_PROCESS], env=env,
-                             capture_output=True, text=True, timeout=600, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", ENGINE_PROCESS],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=True,
+        )
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     first, second = run(), run()

@@ -100,16 +100,19 @@ def test_budget_moves_in_whole_groups_within_the_bounds():
         assert budget % 8 == 0 or budget == 40
 
 
-@pytest.mark.parametrize("kwargs,name", [
-    (dict(initial=0), "initial"),
-    (dict(minimum=8, initial=4), "minimum <= initial"),
-    (dict(maximum=2), "initial <= maximum"),
-    (dict(target_busy=1.5), "target_busy"),
-    (dict(target_busy=0.0), "target_busy"),
-    (dict(dead_band=0.95), "dead_band"),
-    (dict(max_step=1.0), "max_step"),
-    (dict(patience=0), "patience"),
-])
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [
+        (dict(initial=0), "initial"),
+        (dict(minimum=8, initial=4), "minimum <= initial"),
+        (dict(maximum=2), "initial <= maximum"),
+        (dict(target_busy=1.5), "target_busy"),
+        (dict(target_busy=0.0), "target_busy"),
+        (dict(dead_band=0.95), "dead_band"),
+        (dict(max_step=1.0), "max_step"),
+        (dict(patience=0), "patience"),
+    ],
+)
 def test_bad_arguments_are_named(kwargs, name):
     with pytest.raises(ValueError, match=name):
         controller(**kwargs)
@@ -126,8 +129,13 @@ def test_a_busy_fraction_outside_zero_one_is_refused():
 
 
 def stats(busy_s, wall_s, waiting=0, preemptions=0):
-    return {"busy_s": busy_s, "wall_s": wall_s, "waiting": waiting, "preemptions": preemptions,
-            "busy_fraction": busy_s / wall_s if wall_s else 0.0}
+    return {
+        "busy_s": busy_s,
+        "wall_s": wall_s,
+        "waiting": waiting,
+        "preemptions": preemptions,
+        "busy_fraction": busy_s / wall_s if wall_s else 0.0,
+    }
 
 
 def test_meter_reports_the_window_mean_over_replicas_not_the_run_average():
@@ -170,9 +178,14 @@ def test_meter_rejects_stats_without_the_counters_it_needs():
 def test_from_config_starts_at_max_concurrent_episodes_with_bounds_from_the_run():
     from raytunix.config import load_config
 
-    rollout = load_config(overrides=["rollout.max_concurrent_episodes=16",
-                                     "rollout.group_size=4", "rollout.groups_per_batch=8",
-                                     "rollout.max_staleness=2"]).rollout
+    rollout = load_config(
+        overrides=[
+            "rollout.max_concurrent_episodes=16",
+            "rollout.group_size=4",
+            "rollout.groups_per_batch=8",
+            "rollout.max_staleness=2",
+        ]
+    ).rollout
     c = ConcurrencyController.from_config(rollout)
     assert (c.budget, c.minimum, c.granularity, c.target_busy) == (16, 4, 4, 0.9)
     assert c.maximum == 3 * 8 * 4  # the most the staleness rule ever admits
@@ -181,14 +194,17 @@ def test_from_config_starts_at_max_concurrent_episodes_with_bounds_from_the_run(
     assert (c.minimum, c.maximum) == (8, 40)
 
 
-@pytest.mark.parametrize("override,message", [
-    ("rollout.target_engine_busy=1.2", "rollout.target_engine_busy=1.2"),
-    ("rollout.target_engine_busy=0", "rollout.target_engine_busy=0"),
-    ("rollout.adaptive_min_episodes=512", "rollout.adaptive_min_episodes=512"),
-    ("rollout.adaptive_max_episodes=64", "rollout.adaptive_max_episodes=64"),
-    ("rollout.adaptive_interval_s=0", "rollout.adaptive_interval_s=0"),
-    ("rollout.dynamic_sampling_max_filtered=-1", "rollout.dynamic_sampling_max_filtered=-1"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("rollout.target_engine_busy=1.2", "rollout.target_engine_busy=1.2"),
+        ("rollout.target_engine_busy=0", "rollout.target_engine_busy=0"),
+        ("rollout.adaptive_min_episodes=512", "rollout.adaptive_min_episodes=512"),
+        ("rollout.adaptive_max_episodes=64", "rollout.adaptive_max_episodes=64"),
+        ("rollout.adaptive_interval_s=0", "rollout.adaptive_interval_s=0"),
+        ("rollout.dynamic_sampling_max_filtered=-1", "rollout.dynamic_sampling_max_filtered=-1"),
+    ],
+)
 def test_bad_adaptive_and_dynamic_sampling_keys_are_named(override, message):
     from raytunix.config import ConfigError, load_config
 

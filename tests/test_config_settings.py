@@ -30,8 +30,7 @@ README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 @dataclasses.dataclass
 class ProbeConfig:
     rate: float = setting(0.5, "a test-only fraction", bounds="(0, 1]", resume=True)
-    width: int = setting(4, "a test-only count of things", bounds="> 0",
-                         hint="at least one thing")
+    width: int = setting(4, "a test-only count of things", bounds="> 0", hint="at least one thing")
     mode: Literal["fast", "slow"] = setting("fast", "a test-only choice")
 
 
@@ -57,15 +56,18 @@ def test_a_new_sections_settings_load_coerce_and_keep_their_defaults():
     assert load_config(None, schema=ProbeRunConfig).probe == ProbeConfig()
 
 
-@pytest.mark.parametrize("override, message", [
-    ("probe.rate=0", "probe.rate=0.0 must be in (0, 1]"),
-    ("probe.rate=1.5", "probe.rate=1.5 must be in (0, 1]"),
-    ("probe.rate=nan", "probe.rate=nan must be a number in (0, 1]"),
-    ("probe.width=0", "probe.width=0 must be > 0 (at least one thing)."),
-    ("probe.width=2.5", "probe.width=2.5 is not an integer"),
-    ("probe.mode=medium", "probe.mode='medium' is not one of fast, slow"),
-    ("probe.depth=3", "unknown key 'probe.depth'; valid keys in 'probe': rate, width, mode"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("probe.rate=0", "probe.rate=0.0 must be in (0, 1]"),
+        ("probe.rate=1.5", "probe.rate=1.5 must be in (0, 1]"),
+        ("probe.rate=nan", "probe.rate=nan must be a number in (0, 1]"),
+        ("probe.width=0", "probe.width=0 must be > 0 (at least one thing)."),
+        ("probe.width=2.5", "probe.width=2.5 is not an integer"),
+        ("probe.mode=medium", "probe.mode='medium' is not one of fast, slow"),
+        ("probe.depth=3", "unknown key 'probe.depth'; valid keys in 'probe': rate, width, mode"),
+    ],
+)
 def test_a_new_sections_bounds_and_choices_are_enforced_from_the_field(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, [override], schema=ProbeRunConfig)
@@ -73,15 +75,23 @@ def test_a_new_sections_bounds_and_choices_are_enforced_from_the_field(override,
 
 def test_a_new_sections_settings_are_explained_from_the_field():
     text = explain("probe.rate", schema=ProbeRunConfig)
-    assert text.splitlines() == ["probe.rate: float = 0.5", "  allowed: (0, 1]",
-                                 "  resume:  may change on --resume", "  a test-only fraction"]
+    assert text.splitlines() == [
+        "probe.rate: float = 0.5",
+        "  allowed: (0, 1]",
+        "  resume:  may change on --resume",
+        "  a test-only fraction",
+    ]
     section = explain("probe", schema=ProbeRunConfig)
-    assert [line.split(":")[0] for line in section.splitlines() if line.startswith("probe.")] \
-        == ["probe.rate", "probe.width", "probe.mode"]
+    assert [line.split(":")[0] for line in section.splitlines() if line.startswith("probe.")] == [
+        "probe.rate",
+        "probe.width",
+        "probe.mode",
+    ]
     assert "allowed: one of fast | slow" in section and "fixed once the run starts" in section
     assert "allowed: > 0 (at least one thing)" in section
-    assert "| `probe.width` | int | `4` | > 0 | fixed | a test-only count of things |" in \
-        explain("probe", schema=ProbeRunConfig, markdown=True)
+    assert "| `probe.width` | int | `4` | > 0 | fixed | a test-only count of things |" in explain(
+        "probe", schema=ProbeRunConfig, markdown=True
+    )
     with pytest.raises(ConfigError, match="did you mean probe.rate"):
         explain("probe.rat", schema=ProbeRunConfig)
 
@@ -120,13 +130,15 @@ def test_every_shipped_setting_has_a_doc_and_a_default_within_its_bounds():
 def test_the_command_line_explains_a_key_and_names_close_matches_for_a_bad_one(capsys):
     assert cli.main(["config", "--explain", "rollout.group_size"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("rollout.group_size: int = 8\n  allowed: >= 2 (GRPO needs at least 2 "
-                          "samples per task)\n")
+    assert out.startswith(
+        "rollout.group_size: int = 8\n  allowed: >= 2 (GRPO needs at least 2 samples per task)\n"
+    )
     assert cli.main(["config", "--explain", "rollout.grup_size"]) == 2
     assert "did you mean rollout.group_size" in capsys.readouterr().err
     assert cli.main(["config", "--explain", "rollout", "rollout.group_size=4"]) == 2
-    assert "takes one SECTION or KEY, not overrides (rollout.group_size=4)" in \
-        capsys.readouterr().err
+    assert (
+        "takes one SECTION or KEY, not overrides (rollout.group_size=4)" in capsys.readouterr().err
+    )
     assert cli.main(["config", "--explain", "--markdown"]) == 0
     tables = capsys.readouterr().out
     assert tables.count("| key | type | default |") == len({k.split(".")[0] for k in settings()})
@@ -165,7 +177,7 @@ def test_the_readme_names_only_settings_that_exist_with_their_real_defaults():
         if line.startswith("| key | default |"):
             # The prose above a table of bare keys names their section ("`engine.*` keys"),
             # and may say they all may change on --resume.
-            above = " ".join(lines[max(0, number - 4):number])
+            above = " ".join(lines[max(0, number - 4) : number])
             named = re.findall(r"`([a-z]+)\.\*`", above)
             all_resume = bool(re.search(r"(all|each) may change on `--resume`", above))
             in_table = True
@@ -185,12 +197,14 @@ def test_the_readme_names_only_settings_that_exist_with_their_real_defaults():
                 section = name.split(".")[0]
             full = name if "." in name else f"{section}.{name}"
             assert full in table, f"README line {number + 1} names {full!r}, which is no setting"
-            assert _readme_default(default) == table[full].default, \
-                f"README line {number + 1} says {full} defaults to {default.strip()!r}; the " \
+            assert _readme_default(default) == table[full].default, (
+                f"README line {number + 1} says {full} defaults to {default.strip()!r}; the "
                 f"field says {table[full].default!r}"
-            assert table[full].resume or not all_resume, \
-                f"README line {number + 1}: {full} cannot change on --resume, but the text " \
+            )
+            assert table[full].resume or not all_resume, (
+                f"README line {number + 1}: {full} cannot change on --resume, but the text "
                 "above its table says every key there may"
+            )
             checked += 1
     assert checked > 30
 
@@ -209,11 +223,17 @@ def test_every_float_setting_refuses_an_infinite_value_by_name(value):
 
 
 def test_a_bounded_float_names_finite_in_its_error():
-    with pytest.raises(ConfigError, match=r"rollout.episode_timeout_s=inf must be a finite "
-                                          r"number > 0"):
+    with pytest.raises(
+        ConfigError,
+        match=r"rollout.episode_timeout_s=inf must be a finite "
+        r"number > 0",
+    ):
         load_config(None, ["rollout.episode_timeout_s=inf"])
-    with pytest.raises(ConfigError, match=r"rollout.top_p=-inf must be a finite number in "
-                                          r"\(0, 1\]"):
+    with pytest.raises(
+        ConfigError,
+        match=r"rollout.top_p=-inf must be a finite number in "
+        r"\(0, 1\]",
+    ):
         load_config(None, ["rollout.top_p=-inf"])
 
 

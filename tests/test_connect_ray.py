@@ -11,8 +11,10 @@ from raytunix import cli
 from raytunix.driver import prepare
 from raytunix.driver.run_dir import RunError
 
-TIMEOUT = ("The current node timed out during startup. This could happen because some of "
-           "the Ray processes failed to startup.\nmore lines")
+TIMEOUT = (
+    "The current node timed out during startup. This could happen because some of "
+    "the Ray processes failed to startup.\nmore lines"
+)
 
 
 @pytest.fixture
@@ -26,6 +28,7 @@ def ray_down(monkeypatch):
 def _raise(error):
     def init(*args, **kwargs):
         raise error
+
     return init
 
 
@@ -41,14 +44,23 @@ def test_a_local_cluster_that_times_out_is_a_run_error(monkeypatch, ray_down):
     assert ray_down == [1]  # what it had started is shut down
 
 
-@pytest.mark.parametrize("error", [ConnectionError("could not connect to 10.0.0.9:6379"),
-                                   RuntimeError("version mismatch"), Exception("")])
+@pytest.mark.parametrize(
+    "error",
+    [
+        ConnectionError("could not connect to 10.0.0.9:6379"),
+        RuntimeError("version mismatch"),
+        Exception(""),
+    ],
+)
 def test_a_cluster_that_cannot_be_joined_names_the_address(monkeypatch, ray_down, error):
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.9:6379")
     monkeypatch.setattr(prepare, "_check_reachable", lambda address: None)  # something answers
     monkeypatch.setattr(ray, "init", _raise(error))
-    with pytest.raises(RunError, match=r"cannot join the Ray cluster at "
-                                       r"RAY_ADDRESS='10.0.0.9:6379': " + type(error).__name__):
+    with pytest.raises(
+        RunError,
+        match=r"cannot join the Ray cluster at "
+        r"RAY_ADDRESS='10.0.0.9:6379': " + type(error).__name__,
+    ):
         prepare.connect_ray()
 
 
@@ -67,11 +79,15 @@ def test_the_cli_prints_it_on_one_line_and_exits_2(monkeypatch, ray_down, tmp_pa
 
 
 @pytest.mark.parametrize("address", ["127.0.0.1:1", "ray://127.0.0.1:1", "nosuchhost.invalid:6379"])
-def test_an_address_where_nothing_listens_is_named_before_ray_retries_it(monkeypatch, ray_down,
-                                                                         address):
+def test_an_address_where_nothing_listens_is_named_before_ray_retries_it(
+    monkeypatch, ray_down, address
+):
     # Ray retried such an address for over 10 minutes without a word.
     monkeypatch.setenv("RAY_ADDRESS", address)
     monkeypatch.setattr(ray, "init", _raise(AssertionError("ray.init must not be reached")))
-    with pytest.raises(RunError, match=r"cannot join the Ray cluster at RAY_ADDRESS=.*nothing "
-                                       r"answered at"):
+    with pytest.raises(
+        RunError,
+        match=r"cannot join the Ray cluster at RAY_ADDRESS=.*nothing "
+        r"answered at",
+    ):
         prepare.connect_ray()

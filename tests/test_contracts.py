@@ -38,14 +38,16 @@ IMPLEMENTATIONS = [
 ]
 
 
-@pytest.mark.parametrize("protocol,impl", IMPLEMENTATIONS,
-                         ids=[f"{p.__name__}-{i.__name__}" for p, i in IMPLEMENTATIONS])
+@pytest.mark.parametrize(
+    "protocol,impl", IMPLEMENTATIONS, ids=[f"{p.__name__}-{i.__name__}" for p, i in IMPLEMENTATIONS]
+)
 def test_implementation_has_every_protocol_member(protocol, impl):
     for name, spec in _members(protocol).items():
         if spec is None:  # a data attribute: set in __init__ or a property
             source = inspect.getsource(impl)
             assert hasattr(impl, name) or f"self.{name} =" in source or f"self.{name}:" in source, (
-                f"{impl.__name__} lacks attribute {name!r} of {protocol.__name__}")
+                f"{impl.__name__} lacks attribute {name!r} of {protocol.__name__}"
+            )
             continue
         assert hasattr(impl, name), f"{impl.__name__} lacks {name!r} of {protocol.__name__}"
         got = inspect.getattr_static(impl, name)
@@ -53,31 +55,45 @@ def test_implementation_has_every_protocol_member(protocol, impl):
             assert isinstance(got, property), f"{impl.__name__}.{name} should be a property"
             continue
         assert inspect.iscoroutinefunction(got) == inspect.iscoroutinefunction(spec), (
-            f"{impl.__name__}.{name}: async-ness differs from {protocol.__name__}.{name}")
-        assert _params(got)[:len(_params(spec))] == _params(spec), (
+            f"{impl.__name__}.{name}: async-ness differs from {protocol.__name__}.{name}"
+        )
+        assert _params(got)[: len(_params(spec))] == _params(spec), (
             f"{impl.__name__}.{name}{inspect.signature(got)} does not take the parameters of "
-            f"{protocol.__name__}.{name}{inspect.signature(spec)}")
+            f"{protocol.__name__}.{name}{inspect.signature(spec)}"
+        )
 
 
 def _calls_on(tree: ast.AST, receiver: str) -> set[str]:
-    return {node.attr for node in ast.walk(tree)
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-            and node.value.id == receiver}
+    return {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == receiver
+    }
 
 
 def test_episode_loop_uses_only_protocol_members_and_the_docstring_shows_them():
     tree = ast.parse(inspect.getsource(episode.run_episode))
     optional = {"end_session"}  # looked up with getattr: an engine client may lack it
-    for receiver, protocol in (("agent", types.Agent), ("env", types.EnvClient),
-                               ("engine", types.EngineClient)):
+    for receiver, protocol in (
+        ("agent", types.Agent),
+        ("env", types.EnvClient),
+        ("engine", types.EngineClient),
+    ):
         used = _calls_on(tree, receiver)
         assert used, f"run_episode no longer calls anything on {receiver!r}"
         unknown = used - set(_members(protocol)) - optional
-        assert not unknown, f"run_episode uses {sorted(unknown)} on {receiver}, not in {protocol.__name__}"
+        assert not unknown, (
+            f"run_episode uses {sorted(unknown)} on {receiver}, not in {protocol.__name__}"
+        )
         for name in used - {"token_ids", "num_generated_tokens", "turn_finished"}:
             assert f"{receiver}.{name}" in types.__doc__, (
-                f"the loop in raytunix.types' docstring does not show {receiver}.{name}")
-    end_session = [n for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value == "end_session"]
+                f"the loop in raytunix.types' docstring does not show {receiver}.{name}"
+            )
+    end_session = [
+        n for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value == "end_session"
+    ]
     assert end_session and "end_session" in types.__doc__
 
 

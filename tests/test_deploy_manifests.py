@@ -66,9 +66,15 @@ def core_errors(obj: dict) -> list[str]:
     if obj["apiVersion"] != "ray.io/v1":
         checks = {obj["kind"]: obj}
     else:
-        checks = {where: {"apiVersion": "v1", "kind": "PodTemplate",
-                          "metadata": {"name": "check"}, "template": template}
-                  for where, template in pod_templates(obj).items()}
+        checks = {
+            where: {
+                "apiVersion": "v1",
+                "kind": "PodTemplate",
+                "metadata": {"name": "check"},
+                "template": template,
+            }
+            for where, template in pod_templates(obj).items()
+        }
     errors = []
     for where, data in checks.items():
         try:
@@ -79,13 +85,15 @@ def core_errors(obj: dict) -> list[str]:
 
 
 def kuberay_errors(obj: dict) -> list[str]:
-    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
-            for e in KUBERAY.iter_errors(obj)]
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in KUBERAY.iter_errors(obj)]
 
 
 def _container(group: dict) -> dict:
-    (container,) = [c for c in group["template"]["spec"]["containers"]
-                    if c["name"] in ("ray-worker", "ray-head")]
+    (container,) = [
+        c
+        for c in group["template"]["spec"]["containers"]
+        if c["name"] in ("ray-worker", "ray-head")
+    ]
     return container
 
 
@@ -99,8 +107,10 @@ def tpu_errors(obj: dict) -> list[str]:
             continue
         name = group["groupName"]
         if str(requests.get("google.com/tpu")) != str(limits.get("google.com/tpu")):
-            errors.append(f"{name}: google.com/tpu requests {requests.get('google.com/tpu')} "
-                          f"!= limits {limits.get('google.com/tpu')}")
+            errors.append(
+                f"{name}: google.com/tpu requests {requests.get('google.com/tpu')} "
+                f"!= limits {limits.get('google.com/tpu')}"
+            )
             continue
         selector = group["template"]["spec"].get("nodeSelector", {})
         accelerator = selector.get("cloud.google.com/gke-tpu-accelerator")
@@ -109,22 +119,26 @@ def tpu_errors(obj: dict) -> list[str]:
             errors.append(f"{name}: accelerator selector {accelerator!r} is not v5e/v6e")
             continue
         if topology not in TPU_TOPOLOGIES[accelerator]:
-            errors.append(f"{name}: topology selector {topology!r} is not one of "
-                          f"{accelerator}'s")
+            errors.append(f"{name}: topology selector {topology!r} is not one of {accelerator}'s")
             continue
         chips = math.prod(int(n) for n in topology.split("x"))
         per_host, hosts = int(limits["google.com/tpu"]), group.get("numOfHosts", 1)
         if hosts * per_host != chips:
-            errors.append(f"{name}: numOfHosts {hosts} x {per_host} chips != {chips} chips "
-                          f"of {topology}")
+            errors.append(
+                f"{name}: numOfHosts {hosts} x {per_host} chips != {chips} chips of {topology}"
+            )
         elif hosts > 1 and per_host != 4:
             errors.append(f"{name}: multi-host VMs have 4 chips, not {per_host}")
     return errors
 
 
 MANIFESTS = {os.path.basename(path): render(path) for path in GKE_FILES}
-RAY_OBJECTS = {name: obj for name, docs in MANIFESTS.items() for obj in docs
-               if obj["apiVersion"] == "ray.io/v1"}
+RAY_OBJECTS = {
+    name: obj
+    for name, docs in MANIFESTS.items()
+    for obj in docs
+    if obj["apiVersion"] == "ray.io/v1"
+}
 
 
 def test_deploy_holds_clusters_and_jobs_for_v5e_and_v6e_single_and_multi_host():
@@ -133,10 +147,14 @@ def test_deploy_holds_clusters_and_jobs_for_v5e_and_v6e_single_and_multi_host():
         for group in cluster_spec(obj)["workerGroupSpecs"]:
             selector = group["template"]["spec"]["nodeSelector"]
             if "cloud.google.com/gke-tpu-accelerator" in selector:
-                shapes.add((obj["kind"], selector["cloud.google.com/gke-tpu-accelerator"],
-                            group.get("numOfHosts", 1) > 1))
-    assert {(a, m) for _, a, m in shapes} == {(a, m) for a in TPU_TOPOLOGIES
-                                             for m in (False, True)}
+                shapes.add(
+                    (
+                        obj["kind"],
+                        selector["cloud.google.com/gke-tpu-accelerator"],
+                        group.get("numOfHosts", 1) > 1,
+                    )
+                )
+    assert {(a, m) for _, a, m in shapes} == {(a, m) for a in TPU_TOPOLOGIES for m in (False, True)}
     assert {kind for kind, _, _ in shapes} == {"RayCluster", "RayJob"}
 
 
@@ -155,8 +173,11 @@ def test_ray_cluster_has_token_auth_a_zero_cpu_head_and_an_autoscaled_env_group(
     assert spec["authOptions"]["mode"] == "token"
     assert spec["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
     assert spec["enableInTreeAutoscaling"] is True
-    (env,) = [g for g in spec["workerGroupSpecs"] if "raytunix_env" in
-              g["rayStartParams"].get("resources", "")]
+    (env,) = [
+        g
+        for g in spec["workerGroupSpecs"]
+        if "raytunix_env" in g["rayStartParams"].get("resources", "")
+    ]
     custom = json.loads(json.loads(env["rayStartParams"]["resources"]))  # KubeRay's quoting
     assert custom["raytunix_env"] > 0
     assert env["minReplicas"] <= env["replicas"] <= env["maxReplicas"]
@@ -166,13 +187,18 @@ def test_ray_cluster_has_token_auth_a_zero_cpu_head_and_an_autoscaled_env_group(
     assert {"name": "JAX_PLATFORMS", "value": "cpu"} in container["env"]
     # every pod mounts the shared run directory the entrypoints write to
     for template in pod_templates(RAY_OBJECTS[name]).values():
-        assert any(v.get("persistentVolumeClaim", {}).get("claimName") == "raytunix-runs"
-                   for v in template["spec"]["volumes"])
+        assert any(
+            v.get("persistentVolumeClaim", {}).get("claimName") == "raytunix-runs"
+            for v in template["spec"]["volumes"]
+        )
 
 
 def _tpu_group(obj: dict) -> dict:
-    return next(g for g in cluster_spec(obj)["workerGroupSpecs"]
-                if "google.com/tpu" in _container(g)["resources"]["limits"])
+    return next(
+        g
+        for g in cluster_spec(obj)["workerGroupSpecs"]
+        if "google.com/tpu" in _container(g)["resources"]["limits"]
+    )
 
 
 def test_the_checks_reject_broken_manifests():
@@ -186,7 +212,8 @@ def test_the_checks_reject_broken_manifests():
 
     no_topology = copy.deepcopy(RAY_OBJECTS["raycluster-v5e-2x4.yaml"])
     del _tpu_group(no_topology)["template"]["spec"]["nodeSelector"][
-        "cloud.google.com/gke-tpu-topology"]
+        "cloud.google.com/gke-tpu-topology"
+    ]
     assert "topology selector None" in " ".join(tpu_errors(no_topology))
 
     typo = copy.deepcopy(RAY_OBJECTS["rayjob-v6e-2x4.yaml"])
@@ -217,11 +244,16 @@ def placement_errors(job: dict) -> list[str]:
     """The entrypoint's learner spans every host of the TPU group with all its chips, as one
     slice, and env actors ask for what the env group offers (never a TPU)."""
     cfg, tpu = entrypoint_config(job), _tpu_group(job)
-    hosts, chips = tpu.get("numOfHosts", 1), int(_container(tpu)["resources"]["limits"][
-        "google.com/tpu"])
+    hosts, chips = (
+        tpu.get("numOfHosts", 1),
+        int(_container(tpu)["resources"]["limits"]["google.com/tpu"]),
+    )
     selector = tpu["template"]["spec"]["nodeSelector"]
-    (env,) = [g for g in cluster_spec(job)["workerGroupSpecs"] if "raytunix_env" in
-              g["rayStartParams"].get("resources", "")]
+    (env,) = [
+        g
+        for g in cluster_spec(job)["workerGroupSpecs"]
+        if "raytunix_env" in g["rayStartParams"].get("resources", "")
+    ]
     offered = json.loads(json.loads(env["rayStartParams"]["resources"]))
     learner, errors = cfg.learner, []
     if learner.num_hosts != hosts:
@@ -229,13 +261,18 @@ def placement_errors(job: dict) -> list[str]:
     if learner.resources != {"TPU": chips}:
         errors.append(f"learner.resources={learner.resources} != {{TPU: {chips}}}")
     if (learner.tpu_topology, learner.tpu_version) != (
-            selector["cloud.google.com/gke-tpu-topology"],
-            TPU_VERSIONS[selector["cloud.google.com/gke-tpu-accelerator"]]):
-        errors.append(f"learner.tpu_topology/tpu_version {learner.tpu_topology}/"
-                      f"{learner.tpu_version} is not the group's slice {selector}")
+        selector["cloud.google.com/gke-tpu-topology"],
+        TPU_VERSIONS[selector["cloud.google.com/gke-tpu-accelerator"]],
+    ):
+        errors.append(
+            f"learner.tpu_topology/tpu_version {learner.tpu_topology}/"
+            f"{learner.tpu_version} is not the group's slice {selector}"
+        )
     if not cfg.env.actor_resources or not set(cfg.env.actor_resources) <= set(offered):
-        errors.append(f"env.actor_resources={cfg.env.actor_resources} not offered by the env "
-                      f"group ({offered})")
+        errors.append(
+            f"env.actor_resources={cfg.env.actor_resources} not offered by the env "
+            f"group ({offered})"
+        )
     return errors
 
 
@@ -243,10 +280,12 @@ def placement_errors(job: dict) -> list[str]:
 def test_rayjob_entrypoint_places_the_learner_on_its_slice_and_env_actors_on_the_env_group(name):
     assert placement_errors(RAY_OBJECTS[name]) == []
     single = copy.deepcopy(RAY_OBJECTS[name])
-    single["spec"]["entrypoint"] = re.sub(r" learner\.num_hosts=\d+", "",
-                                          single["spec"]["entrypoint"])
-    single["spec"]["entrypoint"] = re.sub(r" env\.actor_resources\.\S+", "",
-                                          single["spec"]["entrypoint"])
+    single["spec"]["entrypoint"] = re.sub(
+        r" learner\.num_hosts=\d+", "", single["spec"]["entrypoint"]
+    )
+    single["spec"]["entrypoint"] = re.sub(
+        r" env\.actor_resources\.\S+", "", single["spec"]["entrypoint"]
+    )
     if _tpu_group(single).get("numOfHosts", 1) > 1:  # the slice's host count is checked
         from raytunix.config import ConfigError
 
@@ -259,8 +298,9 @@ def test_rayjob_entrypoint_places_the_learner_on_its_slice_and_env_actors_on_the
 def test_rendering_leaves_no_placeholder_but_the_image():
     for path in GKE_FILES:
         with open(path) as f:
-            names = {m.group(1) or m.group(2)
-                     for m in re.finditer(r"\$\{(\w+)\}|\$(\w+)", f.read())}
+            names = {
+                m.group(1) or m.group(2) for m in re.finditer(r"\$\{(\w+)\}|\$(\w+)", f.read())
+            }
         assert names <= {"IMAGE"}, (path, names)
 
 
@@ -277,8 +317,9 @@ def test_tpu_vm_launcher_config():
     nodes = cfg["available_node_types"]
     assert nodes[cfg["head_node_type"]]["resources"] == {"CPU": 0}
     tpu = [n for n in nodes.values() if "acceleratorType" in n["node_config"]]
-    assert tpu and all(re.fullmatch(r"(v5litepod|v6e)-\d+", n["node_config"]["acceleratorType"])
-                       for n in tpu)
+    assert tpu and all(
+        re.fullmatch(r"(v5litepod|v6e)-\d+", n["node_config"]["acceleratorType"]) for n in tpu
+    )
     env = [n for n in nodes.values() if "raytunix_env" in n["resources"]]
     assert env and all(n["max_workers"] > n["min_workers"] for n in env)
     assert cfg["max_workers"] >= sum(n["max_workers"] for n in nodes.values())

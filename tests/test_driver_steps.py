@@ -26,6 +26,7 @@ def _run_dir_with_config(tmp_path, overrides=()):
 
 # -- resume's promises, before anything starts ---------------------------------------------
 
+
 def test_resume_with_config_is_refused_before_anything_runs(tmp_path, capsys):
     from raytunix.cli import main
 
@@ -60,6 +61,7 @@ def test_an_unknown_key_on_resume_is_reported_as_unknown(tmp_path):
 
 
 # -- start or restore: the run directory -----------------------------------------------------
+
 
 def test_open_run_makes_a_new_directory_or_reopens_a_stopped_run(tmp_path):
     cfg = load_config(None, TINY + [f"run.output_dir={tmp_path / 'runs'}", "learner.rl_steps=3"])
@@ -106,6 +108,7 @@ def test_new_run_dir_names_do_not_collide_and_a_bad_output_dir_is_named(tmp_path
 
 # -- warm start: the learner's part of resuming it -----------------------------------------
 
+
 def test_a_warm_start_restored_after_k_steps_trains_on_bit_identically(tmp_path):
     """k SFT steps, a warm-start checkpoint, k more: a learner restored from it (another
     init, another seed) ends where the uninterrupted one does, rows drawn included."""
@@ -115,8 +118,9 @@ def test_a_warm_start_restored_after_k_steps_trains_on_bit_identically(tmp_path)
     from raytunix.learner.learner import Learner, SFTHyperparams
     from raytunix.models.llama import ModelConfig
 
-    config = ModelConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
-                         d_ff=64, max_seq_len=16)
+    config = ModelConfig(
+        vocab_size=16, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64, max_seq_len=16
+    )
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, 16, size=(12, 16)).astype(np.int32)
     mask = (rng.random((12, 16)) > 0.3).astype(np.float32)
@@ -155,9 +159,17 @@ def _grpo_hp():
 
 # Two warm-start checks of 10 steps, single-turn episodes, few and short evaluations, and
 # no RL step (checkpoint 0 only): the cheapest run that has a warm start to stop in.
-WARM = TINY + ["env.name=math_verifier", "env.max_turns=1", "warmup.max_steps=20",
-               "warmup.min_steps=20", "warmup.eval_every=10", "warmup.eval_size=4",
-               "eval.heldout_size=4", "eval.max_new_tokens=16", "learner.rl_steps=0"]
+WARM = TINY + [
+    "env.name=math_verifier",
+    "env.max_turns=1",
+    "warmup.max_steps=20",
+    "warmup.min_steps=20",
+    "warmup.eval_every=10",
+    "warmup.eval_size=4",
+    "eval.heldout_size=4",
+    "eval.max_new_tokens=16",
+    "learner.rl_steps=0",
+]
 
 
 def _records(run_dir):
@@ -213,7 +225,8 @@ def test_a_run_stopped_in_its_warm_start_resumes_from_it(ray_session, tmp_path, 
 
 @pytest.mark.slow
 def test_a_run_interrupted_in_rl_leaves_state_json_at_its_newest_checkpoint(
-        ray_session, tmp_path, monkeypatch):
+    ray_session, tmp_path, monkeypatch
+):
     """Ctrl-C as RL step 4's record is about to be written, with checkpoints every 2
     steps: checkpoint 2 may still be being written (saves are asynchronous); the shutdown
     finishes it and state.json names it (it said 0 before); step 4's record is written on
@@ -221,11 +234,21 @@ def test_a_run_interrupted_in_rl_leaves_state_json_at_its_newest_checkpoint(
     from raytunix.train import train
 
     runs = tmp_path / "runs"
-    cfg = load_config(None, TINY + ["env.name=math_verifier", "env.max_turns=1",
-                                    "warmup.enabled=false", "eval.heldout_size=4",
-                                    "eval.max_new_tokens=16", "learner.rl_steps=6",
-                                    "learner.checkpoint_every=2", "run.profile_window_s=0",
-                                    f"run.output_dir={runs}"])
+    cfg = load_config(
+        None,
+        TINY
+        + [
+            "env.name=math_verifier",
+            "env.max_turns=1",
+            "warmup.enabled=false",
+            "eval.heldout_size=4",
+            "eval.max_new_tokens=16",
+            "learner.rl_steps=6",
+            "learner.checkpoint_every=2",
+            "run.profile_window_s=0",
+            f"run.output_dir={runs}",
+        ],
+    )
     log = RunDir.log
 
     def interrupt_before_step_4(self, record):
@@ -259,11 +282,13 @@ def test_a_finished_warm_start_is_not_redone(ray_session, tmp_path):
     with started_job(cfg, run, dataset) as (job, tasks):
         # The warm start's end as a stopped run left it: a finished checkpoint at step 20
         # of a learner like the run's (same model and seed), its weights moved off the init.
-        learner = Learner(prepare.model_config(cfg, job.tokenizer), seed=cfg.run.seed,
-                          pad_id=job.tokenizer.pad_id)
+        learner = Learner(
+            prepare.model_config(cfg, job.tokenizer), seed=cfg.run.seed, pad_id=job.tokenizer.pad_id
+        )
         learner.start_warmup(SFTHyperparams.from_config(cfg))
         learner._state = learner._state.replace(
-            params=jax.tree.map(lambda x: x + 0.5, learner._state.params))
+            params=jax.tree.map(lambda x: x + 0.5, learner._state.params)
+        )
         ckpt = Checkpointer(run.warmup, max_to_keep=1)
         learner.save_warmup(ckpt, 20, {"warmup_steps": 20, "warmup_s": 12.5, "done": True})
         ckpt.close()

@@ -50,8 +50,9 @@ def test_every_batch_says_how_many_generated_tokens_of_each_kind_it_lost():
 def test_a_failed_member_s_zeroed_loss_mask_is_counted_by_its_status():
     async def main():
         engine = FakeEngine()
-        orchestrator = make_orchestrator(engine, EnvLeases(lambda g, member: member == 0),
-                                         group_size=3, groups_per_batch=1)
+        orchestrator = make_orchestrator(
+            engine, EnvLeases(lambda g, member: member == 0), group_size=3, groups_per_batch=1
+        )
         [batch], info = await orchestrator.next_batch()
         await orchestrator.stop()
         return batch, info, orchestrator.stats()["counters"]
@@ -72,9 +73,14 @@ def test_a_failed_member_s_zeroed_loss_mask_is_counted_by_its_status():
 def test_a_dropped_failed_group_and_a_group_whose_members_all_failed_are_counted():
     async def main(**kwargs):
         engine = FakeEngine()
-        orchestrator = make_orchestrator(engine, group_size=2, groups_per_batch=1,
-                                         max_concurrent_episodes=2, max_group_retries=0,
-                                         **kwargs)
+        orchestrator = make_orchestrator(
+            engine,
+            group_size=2,
+            groups_per_batch=1,
+            max_concurrent_episodes=2,
+            max_group_retries=0,
+            **kwargs,
+        )
         await learner_loop(orchestrator, engine, 2)
         await orchestrator.stop()
         return orchestrator.stats()["counters"]
@@ -87,16 +93,24 @@ def test_a_dropped_failed_group_and_a_group_whose_members_all_failed_are_counted
     counters = run(main(env_provider=all_fail))
     assert counters["groups_filtered_env_error"] >= 1
     # Each member generated its tool call before its step failed.
-    tool_call = len(TOKENIZER.encode('<tool_call>{"name": "calculator", "arguments": '
-                                     '{"expression": "10 + 20"}}</tool_call>')) + 1
+    tool_call = (
+        len(
+            TOKENIZER.encode(
+                '<tool_call>{"name": "calculator", "arguments": '
+                '{"expression": "10 + 20"}}</tool_call>'
+            )
+        )
+        + 1
+    )
     assert counters[KEY + "group_failed"] >= 2 * tool_call
 
 
 def test_groups_filtered_by_dynamic_sampling_are_counted():
     async def main():
         engine = FakeEngine()  # always right: every group has one reward
-        orchestrator = make_orchestrator(engine, dynamic_sampling=True,
-                                         dynamic_sampling_max_filtered=2)
+        orchestrator = make_orchestrator(
+            engine, dynamic_sampling=True, dynamic_sampling_max_filtered=2
+        )
         consumed = await learner_loop(orchestrator, engine, 1)
         await orchestrator.stop()
         return consumed, orchestrator.stats()["counters"]
@@ -117,11 +131,21 @@ def test_stale_tokens_dropped_or_masked_are_counted(policy, kind):
 
 def test_tokens_of_an_episode_restarted_for_new_weights_are_counted():
     consumed, counters, _ = _partial_run(
-        False, lambda g, turn, v: straggler(g, turn, v, until=1), num_batches=6,
-        delay=lambda r: 0.0 if r.request_id.startswith("g0/") else 0.003)
+        False,
+        lambda g, turn, v: straggler(g, turn, v, until=1),
+        num_batches=6,
+        delay=lambda r: 0.0 if r.request_id.startswith("g0/") else 0.003,
+    )
     # g0's members each threw away their tool call (turn 0) and their answer (turn 1).
-    tool_call = len(TOKENIZER.encode('<tool_call>{"name": "calculator", "arguments": '
-                                     '{"expression": "10 + 20"}}</tool_call>')) + 1
+    tool_call = (
+        len(
+            TOKENIZER.encode(
+                '<tool_call>{"name": "calculator", "arguments": '
+                '{"expression": "10 + 20"}}</tool_call>'
+            )
+        )
+        + 1
+    )
     answer = len(TOKENIZER.encode("<answer>30</answer>")) + 1
     assert counters["episodes_restarted_weight_update"] >= 2
     assert counters[KEY + "restarted_weight_update"] >= 2 * (tool_call + answer)
@@ -133,8 +157,10 @@ class _HostDiesOnce(EnvLeases):
     def __call__(self, group_id):
         env, release = super().__call__(group_id)
         if group_id == "g0" and self.leases_per_group[group_id] == 1:
+
             async def step(action):
                 raise EnvFailure("the env actor died", retryable=True)
+
             env.step = step
         return env, release
 
@@ -142,15 +168,21 @@ class _HostDiesOnce(EnvLeases):
 def test_tokens_of_an_episode_re_run_after_its_env_actor_died_are_counted():
     async def main():
         engine = FakeEngine()
-        orchestrator = make_orchestrator(engine, _HostDiesOnce(), group_size=2,
-                                         groups_per_batch=1)
+        orchestrator = make_orchestrator(engine, _HostDiesOnce(), group_size=2, groups_per_batch=1)
         await learner_loop(orchestrator, engine, 1)
         await orchestrator.stop()
         return orchestrator.stats()["counters"]
 
     counters = run(main())
-    tool_call = len(TOKENIZER.encode('<tool_call>{"name": "calculator", "arguments": '
-                                     '{"expression": "10 + 20"}}</tool_call>')) + 1
+    tool_call = (
+        len(
+            TOKENIZER.encode(
+                '<tool_call>{"name": "calculator", "arguments": '
+                '{"expression": "10 + 20"}}</tool_call>'
+            )
+        )
+        + 1
+    )
     assert counters["episodes_restarted_env_error"] == 1
     assert counters[KEY + "restarted_env_failure"] == tool_call
 
@@ -160,13 +192,26 @@ def _trajectory(n_prompt: int, n_generated: int, first_generated: bool = False) 
     if first_generated:
         mask[0] = 1
     n = len(mask)
-    return Trajectory("t", "g", list(range(10, 10 + n)), mask, [-0.5 * m for m in mask],
-                      [0 if m else -1 for m in mask], 1.0, EpisodeStatus.COMPLETED, 1)
+    return Trajectory(
+        "t",
+        "g",
+        list(range(10, 10 + n)),
+        mask,
+        [-0.5 * m for m in mask],
+        [0 if m else -1 for m in mask],
+        1.0,
+        EpisodeStatus.COMPLETED,
+        1,
+    )
 
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_the_learner_counts_generated_tokens_its_rows_cannot_hold(packed):
-    trajectories = [_trajectory(10, 30), _trajectory(20, 60), _trajectory(4, 4, first_generated=True)]
+    trajectories = [
+        _trajectory(10, 30),
+        _trajectory(20, 60),
+        _trajectory(4, 4, first_generated=True),
+    ]
     batch = trajectories_to_record_batch(trajectories)
     width = 48
     cut = generated_tokens_cut(batch, width)
@@ -187,14 +232,24 @@ def test_the_report_shows_dropped_tokens_and_env_errors_by_kind(tmp_path):
     def step(n, **extra):
         return {"phase": "rl", "step": n, "window_s": 1.0, **extra}
 
-    records = [step(1, generated_tokens_dropped_failed_env_error=12,
-                    generated_tokens_dropped_seq_len=0, env_errors={"MyEnv.step:KeyError": 2}),
-               step(2, generated_tokens_dropped_failed_env_error=5,
-                    generated_tokens_dropped_stale_group=7,
-                    env_errors={"MyEnv.step:KeyError": 1, "MyEnv.step:reward_NoneType": 4})]
+    records = [
+        step(
+            1,
+            generated_tokens_dropped_failed_env_error=12,
+            generated_tokens_dropped_seq_len=0,
+            env_errors={"MyEnv.step:KeyError": 2},
+        ),
+        step(
+            2,
+            generated_tokens_dropped_failed_env_error=5,
+            generated_tokens_dropped_stale_group=7,
+            env_errors={"MyEnv.step:KeyError": 1, "MyEnv.step:reward_NoneType": 4},
+        ),
+    ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    (tmp_path / "env_errors.jsonl").write_text(json.dumps(
-        {"kind": "MyEnv.step:KeyError", "location": "/src/my_env.py:42"}) + "\n")
+    (tmp_path / "env_errors.jsonl").write_text(
+        json.dumps({"kind": "MyEnv.step:KeyError", "location": "/src/my_env.py:42"}) + "\n"
+    )
     text, _ = render_report(str(tmp_path))
     assert "Generated tokens kept from the loss, over the RL steps: 24" in text
     assert "  failed_env_error                   17" in text
@@ -214,13 +269,23 @@ def test_a_learner_step_reports_what_its_rows_cut_and_what_lies_outside_its_supp
     from raytunix.learner.learner import Learner, RLHyperparams
     from raytunix.models.llama import ModelConfig
 
-    config = ModelConfig(vocab_size=TOKENIZER.vocab_size, d_model=16, n_layers=1, n_heads=2,
-                         n_kv_heads=1, d_ff=32, max_seq_len=64)
+    config = ModelConfig(
+        vocab_size=TOKENIZER.vocab_size,
+        d_model=16,
+        n_layers=1,
+        n_heads=2,
+        n_kv_heads=1,
+        d_ff=32,
+        max_seq_len=64,
+    )
     learner = Learner(config, seed=0, pad_id=TOKENIZER.pad_id)
     # top_k=2: only the learner's two most likely tokens are in its support, so most of the
     # random tokens below are out of it and leave the loss.
-    learner.start_rl(RLHyperparams(temperature=1.0, top_k=2, top_p=1.0,
-                                     learning_rate=1e-3, sequence_packing=False))
+    learner.start_rl(
+        RLHyperparams(
+            temperature=1.0, top_k=2, top_p=1.0, learning_rate=1e-3, sequence_packing=False
+        )
+    )
     rows = [_trajectory(10, 70), _trajectory(10, 20), _trajectory(8, 30), _trajectory(8, 12)]
     for i, t in enumerate(rows):
         t.group_id, t.reward = f"g{i // 2}", float(i % 2)

@@ -13,17 +13,32 @@ from raytunix.models.tokenizer import Tokenizer
 from raytunix.types import FinishReason, GenerationRequest, SamplingParams
 
 TOKENIZER = Tokenizer.byte_level()
-CONFIG = ModelConfig(vocab_size=TOKENIZER.vocab_size, d_model=32, n_layers=2, n_heads=4,
-                     n_kv_heads=2, d_ff=64, max_seq_len=64)
+CONFIG = ModelConfig(
+    vocab_size=TOKENIZER.vocab_size,
+    d_model=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    d_ff=64,
+    max_seq_len=64,
+)
 GRAPHDEF, PARAMS = init_model(CONFIG, seed=0)
 _, OTHER_PARAMS = init_model(CONFIG, seed=1)
 
 
 def _engine(params=PARAMS, version=0, **kwargs):
     # Same rows, blocks and chunk everywhere so the jitted steps compile once per module.
-    return InferenceEngine(GRAPHDEF, params, CONFIG, TOKENIZER, max_batch_size=8,
-                           block_size=8, prefill_chunk_tokens=32, policy_version=version,
-                           **kwargs)
+    return InferenceEngine(
+        GRAPHDEF,
+        params,
+        CONFIG,
+        TOKENIZER,
+        max_batch_size=8,
+        block_size=8,
+        prefill_chunk_tokens=32,
+        policy_version=version,
+        **kwargs,
+    )
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -34,9 +49,11 @@ def _compiled_once():
 
 def _request(rid, prompt, max_new_tokens=8, temperature=0.0, seed=0, **sampling):
     return GenerationRequest(
-        request_id=rid, prompt_ids=tuple(prompt), seed=seed,
-        sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
-                                **sampling))
+        request_id=rid,
+        prompt_ids=tuple(prompt),
+        seed=seed,
+        sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, **sampling),
+    )
 
 
 def _prompt(n, start=11):
@@ -49,8 +66,9 @@ async def _wait_for_decode_steps(engine, n):
 
 
 def test_batched_greedy_equals_one_at_a_time():
-    requests = [_request(f"r{i}", _prompt(2 + 5 * i, start=11 + i), max_new_tokens=10)
-                for i in range(6)]
+    requests = [
+        _request(f"r{i}", _prompt(2 + 5 * i, start=11 + i), max_new_tokens=10) for i in range(6)
+    ]
 
     async def main():
         engine = _engine()
@@ -109,13 +127,16 @@ def test_sampling_is_seeded_per_request():
 
     async def main():
         engine = _engine()
-        results = await engine.generate_many([
-            _request("a", prompt, max_new_tokens=12, temperature=1.0, seed=1),
-            _request("b", prompt, max_new_tokens=12, temperature=1.0, seed=2),
-            _request("c", prompt, max_new_tokens=12, temperature=1.0, seed=1),
-        ])
+        results = await engine.generate_many(
+            [
+                _request("a", prompt, max_new_tokens=12, temperature=1.0, seed=1),
+                _request("b", prompt, max_new_tokens=12, temperature=1.0, seed=2),
+                _request("c", prompt, max_new_tokens=12, temperature=1.0, seed=1),
+            ]
+        )
         alone = await engine.generate(
-            _request("d", prompt, max_new_tokens=12, temperature=1.0, seed=1))
+            _request("d", prompt, max_new_tokens=12, temperature=1.0, seed=1)
+        )
         await engine.close()
         return results, alone
 
@@ -137,21 +158,21 @@ def test_stop_token_stop_string_and_lengths():
         gen = list(reference.token_ids)
         stop_token = gen[4]
         by_token = await engine.generate(
-            _request("tok", prompt, max_new_tokens=12, stop_token_ids=(stop_token,)))
+            _request("tok", prompt, max_new_tokens=12, stop_token_ids=(stop_token,))
+        )
         stop_string = TOKENIZER.decode(gen[:5])[-2:]
         by_string = await engine.generate(
-            _request("str", prompt, max_new_tokens=12, stop_strings=("never there",
-                                                                     stop_string)))
+            _request("str", prompt, max_new_tokens=12, stop_strings=("never there", stop_string))
+        )
         by_length = await engine.generate(_request("len", prompt, max_new_tokens=3))
         # 60 prompt tokens + 4 generated fill the 64-position cache.
         context_full = await engine.generate(_request("ctx", _prompt(60), max_new_tokens=50))
         await engine.close()
         return gen, stop_token, by_token, stop_string, by_string, by_length, context_full
 
-    gen, stop_token, by_token, stop_string, by_string, by_length, context_full = (
-        asyncio.run(main()))
+    gen, stop_token, by_token, stop_string, by_string, by_length, context_full = asyncio.run(main())
     first = gen.index(stop_token)
-    assert by_token.token_ids == tuple(gen[:first + 1])
+    assert by_token.token_ids == tuple(gen[: first + 1])
     assert by_token.finish_reason == FinishReason.STOP
 
     end = next(k for k in range(1, 13) if TOKENIZER.decode(gen[:k]).endswith(stop_string))
@@ -201,7 +222,8 @@ def test_update_weights_stamps_versions_and_reprefills():
         k = swapped.policy_versions.index(3)
         fresh = _engine(OTHER_PARAMS, version=3)
         continued = await fresh.generate(
-            _request("cont", prompt + list(swapped.token_ids[:k]), max_new_tokens=30 - k))
+            _request("cont", prompt + list(swapped.token_ids[:k]), max_new_tokens=30 - k)
+        )
         from_scratch = await fresh.generate(_request("new", prompt, max_new_tokens=10))
         await fresh.close()
         return swapped, k, continued, after_swap, from_scratch, version
@@ -219,9 +241,12 @@ def test_update_weights_stamps_versions_and_reprefills():
 def test_pause_aborts_with_partial_tokens_and_resume_continues():
     async def main():
         engine = _engine()
-        tasks = [asyncio.create_task(engine.generate(_request(f"r{i}", _prompt(4 + i),
-                                                              max_new_tokens=50)))
-                 for i in range(3)]
+        tasks = [
+            asyncio.create_task(
+                engine.generate(_request(f"r{i}", _prompt(4 + i), max_new_tokens=50))
+            )
+            for i in range(3)
+        ]
         await _wait_for_decode_steps(engine, 3)
         await engine.pause(timeout_s=5.0)
         done_at_return = [t.done() for t in tasks]
@@ -247,12 +272,18 @@ def test_pause_aborts_with_partial_tokens_and_resume_continues():
 
 def _session_request(rid, prompt, session, **kwargs):
     request = _request(rid, prompt, **kwargs)
-    return GenerationRequest(request_id=request.request_id, prompt_ids=request.prompt_ids,
-                             sampling=request.sampling, seed=request.seed, session_id=session)
+    return GenerationRequest(
+        request_id=request.request_id,
+        prompt_ids=request.prompt_ids,
+        sampling=request.sampling,
+        seed=request.seed,
+        session_id=session,
+    )
 
 
 def _alone(requests, **kwargs):
     """Each request on a fresh engine of its own: the reference output."""
+
     async def main():
         out = []
         for request in requests:
@@ -260,12 +291,14 @@ def _alone(requests, **kwargs):
             out.append(await engine.generate(request))
             await engine.close()
         return out
+
     return asyncio.run(main())
 
 
 def test_greedy_output_is_the_same_alone_batched_joining_and_in_reused_blocks():
-    requests = [_request(f"r{i}", _prompt(3 + 9 * i, start=5 + i), max_new_tokens=12)
-                for i in range(5)]
+    requests = [
+        _request(f"r{i}", _prompt(3 + 9 * i, start=5 + i), max_new_tokens=12) for i in range(5)
+    ]
     reference = _alone(requests)
 
     async def main():
@@ -297,8 +330,9 @@ def test_session_turns_prefill_only_their_new_tokens():
         context, per_turn = _prompt(9), []
         for turn in range(5):
             before = engine.stats()["prompt_tokens_computed"]
-            result = await engine.generate(_session_request(f"t{turn}", context, "ep",
-                                                             max_new_tokens=4))
+            result = await engine.generate(
+                _session_request(f"t{turn}", context, "ep", max_new_tokens=4)
+            )
             computed = engine.stats()["prompt_tokens_computed"] - before
             per_turn.append((list(context), result, computed))
             context += list(result.token_ids) + [rng.randrange(3, 200) for _ in range(3)]
@@ -309,8 +343,9 @@ def test_session_turns_prefill_only_their_new_tokens():
         return per_turn, stats, after_end
 
     per_turn, stats, after_end = asyncio.run(main())
-    references = _alone([_request(f"ref{i}", prompt, max_new_tokens=4)
-                         for i, (prompt, _, _) in enumerate(per_turn)])
+    references = _alone(
+        [_request(f"ref{i}", prompt, max_new_tokens=4) for i, (prompt, _, _) in enumerate(per_turn)]
+    )
     previous = None
     for (prompt, result, computed), reference in zip(per_turn, references):
         assert result.token_ids == reference.token_ids
@@ -329,8 +364,9 @@ def test_session_turns_prefill_only_their_new_tokens():
 
 def test_group_samples_prefill_their_prompt_once():
     prompt = _prompt(45)
-    group = [_request(f"g{i}", prompt, max_new_tokens=6, temperature=1.0, seed=100 + i)
-             for i in range(4)]
+    group = [
+        _request(f"g{i}", prompt, max_new_tokens=6, temperature=1.0, seed=100 + i) for i in range(4)
+    ]
     reference = _alone(group)
 
     async def main():
@@ -387,11 +423,16 @@ def test_no_compilation_after_warmup_across_mixed_requests():
             requests = []
             for i in range(wave):
                 session = f"s{rng.randrange(6)}" if rng.random() < 0.3 else None
-                requests.append(_session_request(
-                    f"m{done + i}", [rng.randrange(3, 250) for _ in range(rng.randint(1, 60))],
-                    session if session not in {r.session_id for r in requests} else None,
-                    max_new_tokens=rng.randint(1, 20), temperature=rng.choice([0.0, 1.0]),
-                    seed=done + i))
+                requests.append(
+                    _session_request(
+                        f"m{done + i}",
+                        [rng.randrange(3, 250) for _ in range(rng.randint(1, 60))],
+                        session if session not in {r.session_id for r in requests} else None,
+                        max_new_tokens=rng.randint(1, 20),
+                        temperature=rng.choice([0.0, 1.0]),
+                        seed=done + i,
+                    )
+                )
             await engine.generate_many(requests)
             done += wave
         stats = engine.stats()
@@ -421,14 +462,16 @@ def test_weight_update_in_keep_mode_counts_stale_tokens():
 
     async def main():
         engine = _engine(kv_on_weight_update="keep")
-        task = asyncio.create_task(engine.generate(_session_request("r", prompt, "s",
-                                                                    max_new_tokens=30)))
+        task = asyncio.create_task(
+            engine.generate(_session_request("r", prompt, "s", max_new_tokens=30))
+        )
         await _wait_for_decode_steps(engine, 4)
         engine.update_weights(OTHER_PARAMS, version=2)
         result = await task
         # The session's KV survives the update in keep mode.
-        follow = await engine.generate(_session_request(
-            "r2", prompt + list(result.token_ids) + [9], "s", max_new_tokens=3))
+        follow = await engine.generate(
+            _session_request("r2", prompt + list(result.token_ids) + [9], "s", max_new_tokens=3)
+        )
         stats = engine.stats()
         await engine.close()
         return result, follow, stats
@@ -450,14 +493,14 @@ def test_session_is_recomputed_after_a_weight_update_by_default():
         first = await engine.generate(_session_request("a", prompt, "s", max_new_tokens=4))
         engine.update_weights(OTHER_PARAMS, version=1)
         follow_prompt = prompt + list(first.token_ids) + [7, 8]
-        follow = await engine.generate(_session_request("b", follow_prompt, "s",
-                                                         max_new_tokens=4))
+        follow = await engine.generate(_session_request("b", follow_prompt, "s", max_new_tokens=4))
         await engine.close()
         return follow, follow_prompt
 
     follow, follow_prompt = asyncio.run(main())
-    reference, = _alone([_request("ref", follow_prompt, max_new_tokens=4)],
-                        params=OTHER_PARAMS, version=1)
+    (reference,) = _alone(
+        [_request("ref", follow_prompt, max_new_tokens=4)], params=OTHER_PARAMS, version=1
+    )
     assert follow.num_cached_tokens == 0 and follow.stale_kv_tokens == 0
     assert follow.token_ids == reference.token_ids
     assert follow.policy_versions == (1,) * 4
@@ -495,12 +538,15 @@ def test_top_k_one_and_tiny_top_p_sample_the_argmax():
     async def main():
         engine = _engine()
         greedy = await engine.generate(_request("g", prompt, max_new_tokens=10))
-        top_k = await engine.generate(_request("k", prompt, max_new_tokens=10, temperature=1.0,
-                                               seed=3, top_k=1))
-        top_p = await engine.generate(_request("p", prompt, max_new_tokens=10, temperature=0.7,
-                                               seed=4, top_p=1e-6))
-        free = await engine.generate(_request("f", prompt, max_new_tokens=10, temperature=1.0,
-                                              seed=3))
+        top_k = await engine.generate(
+            _request("k", prompt, max_new_tokens=10, temperature=1.0, seed=3, top_k=1)
+        )
+        top_p = await engine.generate(
+            _request("p", prompt, max_new_tokens=10, temperature=0.7, seed=4, top_p=1e-6)
+        )
+        free = await engine.generate(
+            _request("f", prompt, max_new_tokens=10, temperature=1.0, seed=3)
+        )
         await engine.close()
         return greedy, top_k, top_p, free
 
@@ -513,21 +559,22 @@ def test_top_k_one_and_tiny_top_p_sample_the_argmax():
 
 def test_memory_pressure_evicts_sessions_and_preempts_without_changing_outputs():
     # 12 blocks of 8 tokens: less than the four 40-token requests need at once.
-    requests = [_request(f"p{i}", _prompt(10 + i, start=20 + i), max_new_tokens=30)
-                for i in range(4)]
+    requests = [
+        _request(f"p{i}", _prompt(10 + i, start=20 + i), max_new_tokens=30) for i in range(4)
+    ]
     kwargs = {"kv_cache_tokens": 96}
     reference = _alone(requests, **kwargs)
 
     async def main():
         engine = _engine(**kwargs)
-        first = await engine.generate(_session_request("s1", _prompt(30), "old",
-                                                       max_new_tokens=2))
+        first = await engine.generate(_session_request("s1", _prompt(30), "old", max_new_tokens=2))
         results = await engine.generate_many(requests)
         stats = engine.stats()
         # The evicted session's next turn is prefilled again, transparently.
         follow_prompt = _prompt(30) + list(first.token_ids) + [5]
-        follow = await engine.generate(_session_request("s2", follow_prompt, "old",
-                                                        max_new_tokens=5))
+        follow = await engine.generate(
+            _session_request("s2", follow_prompt, "old", max_new_tokens=5)
+        )
         await engine.close()
         return results, stats, follow, follow_prompt
 
@@ -536,15 +583,16 @@ def test_memory_pressure_evicts_sessions_and_preempts_without_changing_outputs()
         assert result.token_ids == ref.token_ids
     assert stats["session_evictions"] == 1 and stats["preemptions"] >= 1
     assert follow.num_cached_tokens < 30
-    follow_ref, = _alone([_request("ref", follow_prompt, max_new_tokens=5)], **kwargs)
+    (follow_ref,) = _alone([_request("ref", follow_prompt, max_new_tokens=5)], **kwargs)
     assert follow.token_ids == follow_ref.token_ids
 
 
 def test_bad_requests_get_clear_errors_and_the_engine_keeps_serving():
     async def main():
         engine = _engine()
-        running = asyncio.create_task(engine.generate(_session_request("x", _prompt(5), "s",
-                                                                       max_new_tokens=20)))
+        running = asyncio.create_task(
+            engine.generate(_session_request("x", _prompt(5), "s", max_new_tokens=20))
+        )
         await asyncio.sleep(0)
         with pytest.raises(ValueError, match="already in flight"):
             await engine.generate(_request("x", _prompt(5)))
@@ -588,13 +636,12 @@ def test_a_session_continues_from_its_kv_after_another_session_was_evicted():
         await engine.generate(_request("big", _prompt(40, start=80), max_new_tokens=10))
         evicted = engine.stats()["session_evictions"]
         follow_prompt = b_prompt + list(b.token_ids) + [9, 10]
-        follow = await engine.generate(_session_request("b2", follow_prompt, "b",
-                                                        max_new_tokens=6))
+        follow = await engine.generate(_session_request("b2", follow_prompt, "b", max_new_tokens=6))
         await engine.close()
         return evicted, follow, follow_prompt
 
     evicted, follow, follow_prompt = asyncio.run(main())
-    reference, = _alone([_request("ref", follow_prompt, max_new_tokens=6)], **kwargs)
+    (reference,) = _alone([_request("ref", follow_prompt, max_new_tokens=6)], **kwargs)
     assert evicted == 1  # session "a"
     assert follow.num_cached_tokens == len(b_prompt) + 2 - 1  # "b" kept all its KV
     assert follow.token_ids == reference.token_ids
@@ -607,14 +654,21 @@ def test_a_waiting_session_turn_never_blocks_a_running_request():
 
     async def main():
         engine = _engine(**kwargs)
-        first = await engine.generate(_session_request("s1", _prompt(30), "S",
-                                                       max_new_tokens=2))
-        running = asyncio.create_task(engine.generate(_request("R", _prompt(10, 3),
-                                                               max_new_tokens=50)))
+        first = await engine.generate(_session_request("s1", _prompt(30), "S", max_new_tokens=2))
+        running = asyncio.create_task(
+            engine.generate(_request("R", _prompt(10, 3), max_new_tokens=50))
+        )
         await _wait_for_decode_steps(engine, engine.stats()["decode_steps"] + 3)
-        turn = asyncio.create_task(engine.generate(_session_request(
-            "s2", _prompt(30) + list(first.token_ids) + _prompt(25, 5), "S",
-            max_new_tokens=5)))
+        turn = asyncio.create_task(
+            engine.generate(
+                _session_request(
+                    "s2",
+                    _prompt(30) + list(first.token_ids) + _prompt(25, 5),
+                    "S",
+                    max_new_tokens=5,
+                )
+            )
+        )
         done, _ = await asyncio.wait([running, turn], timeout=60)
         results = [t.result() for t in done]
         await engine.close()
@@ -632,8 +686,9 @@ def test_a_cancelled_request_frees_its_id_and_session_at_once():
         await asyncio.sleep(0)
         task.cancel()
         await asyncio.sleep(0)
-        again = asyncio.create_task(engine.generate(_session_request("c", _prompt(5), "Z",
-                                                                     max_new_tokens=3)))
+        again = asyncio.create_task(
+            engine.generate(_session_request("c", _prompt(5), "Z", max_new_tokens=3))
+        )
         await asyncio.sleep(0)
         engine.resume()
         result = await again
@@ -656,20 +711,27 @@ def test_turns_after_a_stop_continue_from_the_right_kv_while_the_engine_runs_ahe
         engine = _engine()
         gen = list((await engine.generate(_request("ref", prompt, max_new_tokens=12))).token_ids)
         stop = gen[5]
-        others = [engine.generate(_request(f"o{i}", _prompt(4 + i, start=3 + i),
-                                           max_new_tokens=12)) for i in range(3)]
-        first, *_ = await asyncio.gather(engine.generate(_session_request(
-            "t0", prompt, "ep", max_new_tokens=12, stop_token_ids=(stop,))), *others)
+        others = [
+            engine.generate(_request(f"o{i}", _prompt(4 + i, start=3 + i), max_new_tokens=12))
+            for i in range(3)
+        ]
+        first, *_ = await asyncio.gather(
+            engine.generate(
+                _session_request("t0", prompt, "ep", max_new_tokens=12, stop_token_ids=(stop,))
+            ),
+            *others,
+        )
         second_prompt = prompt + list(first.token_ids) + [41, 42, 43]
-        second = await engine.generate(_session_request("t1", second_prompt, "ep",
-                                                        max_new_tokens=8))
+        second = await engine.generate(
+            _session_request("t1", second_prompt, "ep", max_new_tokens=8)
+        )
         await engine.close()
         return gen, stop, first, second_prompt, second
 
     gen, stop, first, second_prompt, second = asyncio.run(main())
-    assert first.token_ids == tuple(gen[:gen.index(stop) + 1])
+    assert first.token_ids == tuple(gen[: gen.index(stop) + 1])
     assert first.finish_reason == FinishReason.STOP
-    reference, = _alone([_request("ref2", second_prompt, max_new_tokens=8)])
+    (reference,) = _alone([_request("ref2", second_prompt, max_new_tokens=8)])
     assert second.token_ids == reference.token_ids
     assert second.num_cached_tokens >= len(prompt) + len(first.token_ids) - 1
 

@@ -18,23 +18,36 @@ from raytunix.types import GenerationRequest, SamplingParams  # noqa: E402
 pytestmark = pytest.mark.slow
 
 TOKENIZER = Tokenizer.byte_level()
-CONFIG = ModelConfig(vocab_size=TOKENIZER.vocab_size, d_model=32, n_layers=2, n_heads=4,
-                     n_kv_heads=2, d_ff=64, max_seq_len=512)
+CONFIG = ModelConfig(
+    vocab_size=TOKENIZER.vocab_size,
+    d_model=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    d_ff=64,
+    max_seq_len=512,
+)
 
 
 @pytest.fixture(scope="module")
 def engine_actor(ray_session):
-    actor = ray_session.remote(EngineActor).options(num_cpus=0, max_concurrency=100).remote(
-        CONFIG, 0, TOKENIZER, {"max_batch_size": 4, "block_size": 16})
+    actor = (
+        ray_session.remote(EngineActor)
+        .options(num_cpus=0, max_concurrency=100)
+        .remote(CONFIG, 0, TOKENIZER, {"max_batch_size": 4, "block_size": 16})
+    )
     yield actor
     ray_session.kill(actor)
 
 
 def _request(rid, session=None, max_new_tokens=500):
-    return GenerationRequest(request_id=rid, prompt_ids=tuple(range(5, 25)), seed=1,
-                             sampling=SamplingParams(max_new_tokens=max_new_tokens,
-                                                     temperature=1.0),
-                             session_id=session)
+    return GenerationRequest(
+        request_id=rid,
+        prompt_ids=tuple(range(5, 25)),
+        seed=1,
+        sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0),
+        session_id=session,
+    )
 
 
 def test_a_cancelled_generation_is_aborted_in_the_engine(engine_actor):

@@ -25,8 +25,15 @@ from raytunix.types import GenerationRequest, SamplingParams  # noqa: E402
 pytestmark = pytest.mark.slow
 
 TOKENIZER = Tokenizer.byte_level()
-CONFIG = ModelConfig(vocab_size=TOKENIZER.vocab_size, d_model=32, n_layers=1, n_heads=2,
-                     n_kv_heads=1, d_ff=64, max_seq_len=64)
+CONFIG = ModelConfig(
+    vocab_size=TOKENIZER.vocab_size,
+    d_model=32,
+    n_layers=1,
+    n_heads=2,
+    n_kv_heads=1,
+    d_ff=64,
+    max_seq_len=64,
+)
 ENGINE_KWARGS = {"max_batch_size": 2, "block_size": 16}
 LEARNER_SEED, ENGINE_SEED = 1, 2  # the engine's own first weights differ from the learner's
 
@@ -34,8 +41,12 @@ LEARNER_SEED, ENGINE_SEED = 1, 2  # the engine's own first weights differ from t
 def _greedy(ray, engine) -> tuple:
     """A greedy reply's tokens and their logprobs (a tiny random model's greedy tokens
     repeat alike under many weights; the logprobs tell the weights apart)."""
-    request = GenerationRequest(request_id="r", prompt_ids=tuple(range(5, 21)), seed=0,
-                                sampling=SamplingParams(max_new_tokens=6, temperature=0.0))
+    request = GenerationRequest(
+        request_id="r",
+        prompt_ids=tuple(range(5, 21)),
+        seed=0,
+        sampling=SamplingParams(max_new_tokens=6, temperature=0.0),
+    )
     deadline = time.monotonic() + 300
     while True:  # a restarting actor fails calls at once, as the episode's retries expect
         try:
@@ -48,24 +59,33 @@ def _greedy(ray, engine) -> tuple:
 
 
 def _engine(ray, weights_source, max_restarts):
-    return ray.remote(EngineActor).options(num_cpus=0, max_concurrency=100,
-                                           max_restarts=max_restarts).remote(
-        CONFIG, ENGINE_SEED, TOKENIZER, ENGINE_KWARGS, weights_source=weights_source)
+    return (
+        ray.remote(EngineActor)
+        .options(num_cpus=0, max_concurrency=100, max_restarts=max_restarts)
+        .remote(CONFIG, ENGINE_SEED, TOKENIZER, ENGINE_KWARGS, weights_source=weights_source)
+    )
 
 
 def _driver_job(learner, engines):
     """What ``Job.publish_weights`` reads of a disaggregated run's ``Job``."""
-    job = types.SimpleNamespace(colocated=False, learner=learner, engines=engines,
-                                learner_group=False,
-                                cfg=load_config(None, ["engine.actor_max_restarts=1"]))
+    job = types.SimpleNamespace(
+        colocated=False,
+        learner=learner,
+        engines=engines,
+        learner_group=False,
+        cfg=load_config(None, ["engine.actor_max_restarts=1"]),
+    )
     job.learner_get = types.MethodType(Job.learner_get, job)  # the real deadline-bound wait
     return job
 
 
 @pytest.fixture(scope="module")
 def learner(ray_session):
-    actor = ray_session.remote(LearnerActor).options(num_cpus=0, max_concurrency=10).remote(
-        CONFIG, LEARNER_SEED, TOKENIZER.pad_id)
+    actor = (
+        ray_session.remote(LearnerActor)
+        .options(num_cpus=0, max_concurrency=10)
+        .remote(CONFIG, LEARNER_SEED, TOKENIZER.pad_id)
+    )
     yield actor
     ray_session.kill(actor)
 
@@ -83,7 +103,8 @@ def learner_reply(ray_session, learner):
 
 
 def test_a_restarted_engine_replica_serves_the_learners_weights_not_its_first_ones(
-        ray_session, learner, learner_reply):
+    ray_session, learner, learner_reply
+):
     engine = _engine(ray_session, learner, max_restarts=1)
     try:
         before = _greedy(ray_session, engine)
@@ -96,7 +117,8 @@ def test_a_restarted_engine_replica_serves_the_learners_weights_not_its_first_on
 
 
 def test_a_weight_publish_to_a_replica_that_crashed_reaches_it_once_restarted(
-        ray_session, learner, learner_reply):
+    ray_session, learner, learner_reply
+):
     engine = _engine(ray_session, None, max_restarts=1)  # no source: only the publish helps
     try:
         ray_session.get(engine.engine_stats.remote(), timeout=300)  # up
@@ -108,7 +130,8 @@ def test_a_weight_publish_to_a_replica_that_crashed_reaches_it_once_restarted(
 
 
 def test_a_replica_dead_for_good_stops_the_publish_with_an_error_naming_the_key(
-        ray_session, learner):
+    ray_session, learner
+):
     engine = _engine(ray_session, learner, max_restarts=0)
     ray_session.get(engine.engine_stats.remote(), timeout=300)
     ray_session.kill(engine)

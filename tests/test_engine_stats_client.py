@@ -66,8 +66,10 @@ def test_stats_of_every_replica_come_back_in_replica_order(ray_session):
 
 def test_an_engine_actor_without_stats_is_named(ray_session):
     replica_stats, no_stats = stand_in_classes()
-    replicas = [ray_session.remote(replica_stats).options(num_cpus=0).remote(0.0),
-                ray_session.remote(no_stats).options(num_cpus=0).remote()]
+    replicas = [
+        ray_session.remote(replica_stats).options(num_cpus=0).remote(0.0),
+        ray_session.remote(no_stats).options(num_cpus=0).remote(),
+    ]
     with pytest.raises(TypeError, match=r"replicas \[1\].*adaptive_concurrency=false"):
         asyncio.run(RayEngineClient(replicas).engine_stats())
     for r in replicas:

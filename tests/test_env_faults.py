@@ -33,8 +33,15 @@ class ScriptedEnv(BaseEnv):
 
     default_agent = "answer"
 
-    def __init__(self, observation="fine", reward=1.0, result=None, raises=None,
-                 reset_value=None, close_raises=None):
+    def __init__(
+        self,
+        observation="fine",
+        reward=1.0,
+        result=None,
+        raises=None,
+        reset_value=None,
+        close_raises=None,
+    ):
         super().__init__()
         self.observation, self.reward, self.result = observation, reward, result
         self.raises, self.reset_value, self.close_raises = raises, reset_value, close_raises
@@ -49,8 +56,12 @@ class ScriptedEnv(BaseEnv):
             raise self.raises
         if self.result is not None:
             return self.result
-        return StepResult(observation=self.observation, reward=self.reward, done=True,
-                          status=EpisodeStatus.COMPLETED)
+        return StepResult(
+            observation=self.observation,
+            reward=self.reward,
+            done=True,
+            status=EpisodeStatus.COMPLETED,
+        )
 
     def close(self) -> None:
         if self.close_raises is not None:
@@ -72,9 +83,15 @@ def _step(env, action=Action(text="<answer>4</answer>", answer="4")):
     return guarded_call(env, "step", TASK.task_id, action)
 
 
-@pytest.mark.parametrize("observation, problem", [
-    ({"board": [1, 2]}, "observation_dict"), ([1, 2], "observation_list"),
-    (b"bytes", "observation_bytes"), (None, "observation_NoneType")])
+@pytest.mark.parametrize(
+    "observation, problem",
+    [
+        ({"board": [1, 2]}, "observation_dict"),
+        ([1, 2], "observation_list"),
+        (b"bytes", "observation_bytes"),
+        (None, "observation_NoneType"),
+    ],
+)
 def test_an_observation_that_is_not_text_is_reported_with_its_kind(observation, problem):
     report = _step(ScriptedEnv(observation=observation))
     assert isinstance(report, EnvErrorReport)
@@ -85,9 +102,16 @@ def test_an_observation_that_is_not_text_is_reported_with_its_kind(observation, 
     assert path == THIS_FILE and int(line) == ScriptedEnv._step_impl.__code__.co_firstlineno
 
 
-@pytest.mark.parametrize("reward, problem", [
-    (None, "reward_NoneType"), ("1.0", "reward_str"), (float("nan"), "reward_nan"),
-    (float("inf"), "reward_inf"), (np.array([1.0, 2.0]), "reward_ndarray")])
+@pytest.mark.parametrize(
+    "reward, problem",
+    [
+        (None, "reward_NoneType"),
+        ("1.0", "reward_str"),
+        (float("nan"), "reward_nan"),
+        (float("inf"), "reward_inf"),
+        (np.array([1.0, 2.0]), "reward_ndarray"),
+    ],
+)
 def test_a_reward_that_is_not_a_finite_number_is_reported(reward, problem):
     report = _step(ScriptedEnv(reward=reward))
     assert isinstance(report, EnvErrorReport) and report.kind == f"ScriptedEnv.step:{problem}"
@@ -142,12 +166,18 @@ def test_reset_and_close_are_checked_too():
 
 def test_the_first_report_of_each_kind_is_kept_and_the_others_counted():
     tally = EnvErrorTally()
-    for env in (ScriptedEnv(reward=None), ScriptedEnv(reward=None), OwnStepEnv(),
-                ScriptedEnv(reward=None)):
+    for env in (
+        ScriptedEnv(reward=None),
+        ScriptedEnv(reward=None),
+        OwnStepEnv(),
+        ScriptedEnv(reward=None),
+    ):
         tally.add(_step(env))
     reports, counts = tally.take()
-    assert [r["kind"] for r in reports] == ["ScriptedEnv.step:reward_NoneType",
-                                            "OwnStepEnv.step:KeyError"]
+    assert [r["kind"] for r in reports] == [
+        "ScriptedEnv.step:reward_NoneType",
+        "OwnStepEnv.step:KeyError",
+    ]
     assert counts == {"ScriptedEnv.step:reward_NoneType": 3, "OwnStepEnv.step:KeyError": 1}
     tally.add(_step(OwnStepEnv()))
     assert tally.take() == ([], {"OwnStepEnv.step:KeyError": 1})  # seen: counted only
@@ -166,9 +196,13 @@ class _Answer:
         from raytunix.types import FinishReason, GenerationResult
 
         ids = (*self.tokenizer.encode("<answer>4</answer>"), self.tokenizer.end_id)
-        return GenerationResult(request_id=request.request_id, token_ids=ids,
-                                logprobs=(-0.5,) * len(ids), policy_versions=(0,) * len(ids),
-                                finish_reason=FinishReason.STOP)
+        return GenerationResult(
+            request_id=request.request_id,
+            token_ids=ids,
+            logprobs=(-0.5,) * len(ids),
+            policy_versions=(0,) * len(ids),
+            finish_reason=FinishReason.STOP,
+        )
 
 
 def _episode(**env_kwargs):
@@ -179,20 +213,33 @@ def _episode(**env_kwargs):
     from raytunix.types import SamplingParams
 
     tokenizer = Tokenizer.byte_level()
-    return asyncio.run(run_episode(
-        TASK, "g0", make_agent("answer", tokenizer),
-        LocalEnv(f"{__name__}:ScriptedEnv", env_kwargs), _Answer(tokenizer),
-        SamplingParams(max_new_tokens=32), max_turns=1, max_context_tokens=256, seed=0,
-        timeout_s=30.0))
+    return asyncio.run(
+        run_episode(
+            TASK,
+            "g0",
+            make_agent("answer", tokenizer),
+            LocalEnv(f"{__name__}:ScriptedEnv", env_kwargs),
+            _Answer(tokenizer),
+            SamplingParams(max_new_tokens=32),
+            max_turns=1,
+            max_context_tokens=256,
+            seed=0,
+            timeout_s=30.0,
+        )
+    )
 
 
-@pytest.mark.parametrize("env_kwargs, kind", [
-    ({"observation": {"a": 1}}, "ScriptedEnv.step:observation_dict"),
-    ({"reward": None}, "ScriptedEnv.step:reward_NoneType"),
-    ({"reward": float("nan")}, "ScriptedEnv.step:reward_nan"),
-    ({"raises": RuntimeError("boom")}, "ScriptedEnv.step:RuntimeError"),
-    ({"reset_value": ["a", "list"]}, "ScriptedEnv.reset:observation_list"),
-    ({"close_raises": ValueError("leak")}, "ScriptedEnv.close:ValueError")])
+@pytest.mark.parametrize(
+    "env_kwargs, kind",
+    [
+        ({"observation": {"a": 1}}, "ScriptedEnv.step:observation_dict"),
+        ({"reward": None}, "ScriptedEnv.step:reward_NoneType"),
+        ({"reward": float("nan")}, "ScriptedEnv.step:reward_nan"),
+        ({"raises": RuntimeError("boom")}, "ScriptedEnv.step:RuntimeError"),
+        ({"reset_value": ["a", "list"]}, "ScriptedEnv.reset:observation_list"),
+        ({"close_raises": ValueError("leak")}, "ScriptedEnv.close:ValueError"),
+    ],
+)
 def test_an_episode_whose_env_fails_ends_as_env_error_with_the_report(env_kwargs, kind):
     trajectory = _episode(**env_kwargs)
     assert trajectory.status == EpisodeStatus.ENV_ERROR and trajectory.reward == 0.0
@@ -204,8 +251,12 @@ class _TwoHugeStepsEnv(ScriptedEnv):
 
     def _step_impl(self, action: Action) -> StepResult:
         self.steps = getattr(self, "steps", 0) + 1
-        return StepResult(observation="more", reward=3e38, done=self.steps >= 2,
-                          status=EpisodeStatus.COMPLETED if self.steps >= 2 else None)
+        return StepResult(
+            observation="more",
+            reward=3e38,
+            done=self.steps >= 2,
+            status=EpisodeStatus.COMPLETED if self.steps >= 2 else None,
+        )
 
 
 def test_an_episode_whose_rewards_sum_past_float32_ends_as_env_error():
@@ -216,11 +267,20 @@ def test_an_episode_whose_rewards_sum_past_float32_ends_as_env_error():
     from raytunix.types import SamplingParams
 
     tokenizer = Tokenizer.byte_level()
-    trajectory = asyncio.run(run_episode(
-        TASK, "g0", make_agent("answer", tokenizer),
-        LocalEnv(f"{__name__}:_TwoHugeStepsEnv", {}), _Answer(tokenizer),
-        SamplingParams(max_new_tokens=32), max_turns=2, max_context_tokens=256, seed=0,
-        timeout_s=30.0))
+    trajectory = asyncio.run(
+        run_episode(
+            TASK,
+            "g0",
+            make_agent("answer", tokenizer),
+            LocalEnv(f"{__name__}:_TwoHugeStepsEnv", {}),
+            _Answer(tokenizer),
+            SamplingParams(max_new_tokens=32),
+            max_turns=2,
+            max_context_tokens=256,
+            seed=0,
+            timeout_s=30.0,
+        )
+    )
     assert trajectory.status == EpisodeStatus.ENV_ERROR and trajectory.reward == 0.0
     assert "float32" in trajectory.error
 
@@ -246,8 +306,14 @@ class FlakyEnv(BaseEnv):
     def tasks(self, split: str, size: int, seed: int) -> list[Task]:
         rng = random.Random(f"{split}/{seed}")
         numbers = [rng.randint(0, 50) for _ in range(size)]
-        return [Task(f"{split}-{i}", f"Is {n} even or odd? Reply even or odd.",
-                     "even" if n % 2 == 0 else "odd") for i, n in enumerate(numbers)]
+        return [
+            Task(
+                f"{split}-{i}",
+                f"Is {n} even or odd? Reply even or odd.",
+                "even" if n % 2 == 0 else "odd",
+            )
+            for i, n in enumerate(numbers)
+        ]
 
     def _initial_observation(self, task: Task) -> str:
         return task.question
@@ -261,24 +327,34 @@ class FlakyEnv(BaseEnv):
         if turn == 3:
             return {"even": 0, "odd": 1}[action.text]  # KeyError for any other reply
         correct = action.text.strip().lower() == self.task.answer
-        return StepResult(observation="", reward=float(correct), done=True,
-                          status=EpisodeStatus.COMPLETED)
+        return StepResult(
+            observation="", reward=float(correct), done=True, status=EpisodeStatus.COMPLETED
+        )
 
 
 @pytest.mark.slow
 def test_a_run_whose_env_returns_bad_values_and_raises_finishes_with_the_evidence(
-        ray_session, tmp_path):
+    ray_session, tmp_path
+):
     from test_byo_env import _cli_train, _rl_steps, _run_dirs
 
-    result = _cli_train(ray_session, tmp_path, f"env.name={__name__}:FlakyEnv",
-                        "env.max_turns=2", "learner.checkpoint_every=2")
+    result = _cli_train(
+        ray_session,
+        tmp_path,
+        f"env.name={__name__}:FlakyEnv",
+        "env.max_turns=2",
+        "learner.checkpoint_every=2",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     (run_dir,) = _run_dirs(tmp_path)
     assert _rl_steps(run_dir) == [1, 2]
     with open(os.path.join(run_dir, "summary.json")) as f:
         summary = json.load(f)
-    kinds = {"FlakyEnv.step:observation_dict", "FlakyEnv.step:reward_NoneType",
-             "FlakyEnv.step:KeyError"}
+    kinds = {
+        "FlakyEnv.step:observation_dict",
+        "FlakyEnv.step:reward_NoneType",
+        "FlakyEnv.step:KeyError",
+    }
     by_kind = summary["env_errors_by_kind"]
     assert set(by_kind) == kinds
     assert summary["orchestrator"]["episodes_env_error"] >= 3
@@ -303,6 +379,7 @@ def test_a_run_whose_env_returns_bad_values_and_raises_finishes_with_the_evidenc
 
 
 # --- the start-up prompt check resets sampled tasks through EnvActor.first_observation ---
+
 
 def test_the_prompt_check_names_a_reset_that_returns_no_text():
     # Before: the list reached the agent's template and the run died with a raw

@@ -44,14 +44,29 @@ class TwoTurnEngine:
             self.before_answer()
         text = CALL if turn == 0 else "<answer>74</answer>"
         ids = tuple(TOKENIZER.encode(text) + [TOKENIZER.end_id])
-        return GenerationResult(request.request_id, ids, (-0.5,) * len(ids), (0,) * len(ids),
-                                FinishReason.STOP, text + "<|end|>")
+        return GenerationResult(
+            request.request_id,
+            ids,
+            (-0.5,) * len(ids),
+            (0,) * len(ids),
+            FinishReason.STOP,
+            text + "<|end|>",
+        )
 
 
 async def episode(env, engine):
-    return await run_episode(TASK, "g0", ToolAgent(TOKENIZER), env, engine,
-                             SamplingParams(max_new_tokens=128), max_turns=4,
-                             max_context_tokens=1024, seed=0, timeout_s=120.0)
+    return await run_episode(
+        TASK,
+        "g0",
+        ToolAgent(TOKENIZER),
+        env,
+        engine,
+        SamplingParams(max_new_tokens=128),
+        max_turns=4,
+        max_context_tokens=1024,
+        seed=0,
+        timeout_s=120.0,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +87,9 @@ def test_reset_and_step_through_remote_env(pool):
         hosted_before = await actor.num_envs.remote()
         observation = await env.reset(TASK)
         hosted_during = await actor.num_envs.remote()
-        tool = await env.step(Action(text=CALL, tool_calls=(
-            ToolCall("calculator", {"expression": "95 - 21"}),)))
+        tool = await env.step(
+            Action(text=CALL, tool_calls=(ToolCall("calculator", {"expression": "95 - 21"}),))
+        )
         answer = await env.step(Action(text="<answer>74</answer>", answer="74"))
         await env.close()
         hosted_after = await actor.num_envs.remote()
@@ -130,8 +146,10 @@ def test_an_env_actor_killed_mid_episode_ends_it_as_env_error_and_restarts(pool,
             try:
                 if ray_session.get(actor.pid.remote(), timeout=60) != pid_before:
                     return
-            except (ray_session.exceptions.RayActorError,
-                    ray_session.exceptions.ActorUnavailableError):
+            except (
+                ray_session.exceptions.RayActorError,
+                ray_session.exceptions.ActorUnavailableError,
+            ):
                 pass
             time.sleep(0.1)
         raise AssertionError("the killed env actor did not restart")
@@ -171,11 +189,24 @@ def test_orchestrator_actor_streams_batches_it_owns_to_the_learner(pool, ray_ses
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # tests/ is not on workers' path
     engine = ray_session.remote(TwoTurnEngine).options(num_cpus=0, max_concurrency=100).remote()
-    orchestrator = ray_session.remote(OrchestratorActor).options(
-        num_cpus=0, max_concurrency=100).remote(
-        tasks=[TASK], tokenizer=TOKENIZER, agent_name="tool", env_pool=pool, engine=engine,
-        group_size=2, groups_per_batch=1, max_concurrent_episodes=4, max_staleness=0,
-        max_turns=4, max_context_tokens=1024, sampling=SamplingParams(max_new_tokens=128))
+    orchestrator = (
+        ray_session.remote(OrchestratorActor)
+        .options(num_cpus=0, max_concurrency=100)
+        .remote(
+            tasks=[TASK],
+            tokenizer=TOKENIZER,
+            agent_name="tool",
+            env_pool=pool,
+            engine=engine,
+            group_size=2,
+            groups_per_batch=1,
+            max_concurrent_episodes=4,
+            max_staleness=0,
+            max_turns=4,
+            max_context_tokens=1024,
+            sampling=SamplingParams(max_new_tokens=128),
+        )
+    )
     try:
         refs, info = ray_session.get(orchestrator.next_batch.remote(), timeout=120)
         assert isinstance(refs[0], ray_session.ObjectRef)

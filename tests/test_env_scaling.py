@@ -35,8 +35,9 @@ ENV_RESOURCE = "raytunix_env"
 
 def _result(request, text: str) -> GenerationResult:
     ids = TOK.encode(text) + [TOK.end_id]
-    return GenerationResult(request.request_id, tuple(ids), (-0.1,) * len(ids),
-                            (0,) * len(ids), FinishReason.STOP)
+    return GenerationResult(
+        request.request_id, tuple(ids), (-0.1,) * len(ids), (0,) * len(ids), FinishReason.STOP
+    )
 
 
 class SlowEngine:
@@ -56,10 +57,19 @@ class SlowEngine:
 
 
 def _orchestrator_kwargs() -> dict:
-    return {"tasks": TASKS, "tokenizer": TOK, "agent_name": "tool", "group_size": 2,
-            "groups_per_batch": 2, "max_concurrent_episodes": 8, "max_staleness": 1000,
-            "max_turns": 3, "max_context_tokens": 512,
-            "sampling": SamplingParams(max_new_tokens=64), "episode_timeout_s": 60.0}
+    return {
+        "tasks": TASKS,
+        "tokenizer": TOK,
+        "agent_name": "tool",
+        "group_size": 2,
+        "groups_per_batch": 2,
+        "max_concurrent_episodes": 8,
+        "max_staleness": 1000,
+        "max_turns": 3,
+        "max_context_tokens": 512,
+        "sampling": SamplingParams(max_new_tokens=64),
+        "episode_timeout_s": 60.0,
+    }
 
 
 def _statuses(infos) -> dict[str, int]:
@@ -88,9 +98,11 @@ def test_env_pool_grown_then_shrunk_mid_run_loses_and_fails_no_episode(ray_sessi
     pool.wait_ready(timeout_s=120)
     watcher = ScaleWatcher(str(tmp_path), pool, say=said.append)
     engine = ray_session.remote(SlowEngine).options(num_cpus=0, max_concurrency=1000).remote()
-    orchestrator = ray_session.remote(OrchestratorActor).options(
-        num_cpus=0, max_concurrency=1000).remote(env_pool=pool, engine=engine,
-                                                 **_orchestrator_kwargs())
+    orchestrator = (
+        ray_session.remote(OrchestratorActor)
+        .options(num_cpus=0, max_concurrency=1000)
+        .remote(env_pool=pool, engine=engine, **_orchestrator_kwargs())
+    )
     infos, records, version = [], [], 0
 
     def rl_step() -> dict:
@@ -244,12 +256,14 @@ def test_scale_cli_writes_the_request_atomically_and_rejects_bad_input(tmp_path,
     assert second.request_id != first.request_id
     assert sorted(os.listdir(run_dir)) == ["config.yaml", SCALE_FILE]  # no temp file left
 
-    for argv, named in [(["--env-actors", "0"], "--env-actors 0"),
-                        (["--env-actors", "-3"], "--env-actors -3"),
-                        (["--env-actors", "four"], "--env-actors 'four'"),
-                        (["--env-actors", "2.5"], "--env-actors '2.5'"),
-                        (["--sandbox-actors", "0"], "--sandbox-actors 0"),
-                        ([], "nothing to scale")]:
+    for argv, named in [
+        (["--env-actors", "0"], "--env-actors 0"),
+        (["--env-actors", "-3"], "--env-actors -3"),
+        (["--env-actors", "four"], "--env-actors 'four'"),
+        (["--env-actors", "2.5"], "--env-actors '2.5'"),
+        (["--sandbox-actors", "0"], "--sandbox-actors 0"),
+        ([], "nothing to scale"),
+    ]:
         assert main(["scale", str(run_dir), *argv]) == 2
         assert named in capsys.readouterr().err
     assert read_scale_request(str(run_dir)) == second  # a bad request leaves the file alone
@@ -333,9 +347,16 @@ def test_env_actors_land_only_on_env_nodes_and_a_run_grows_and_shrinks_there(tmp
     out = tmp_path / "result.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu", RAY_ADDRESS="")
     env["PYTHONPATH"] = os.pathsep.join(
-        [os.path.dirname(__file__), *filter(None, [env.get("PYTHONPATH")])])
-    done = subprocess.run([sys.executable, __file__, str(out)], env=env, capture_output=True,
-                          check=False, text=True, timeout=300)
+        [os.path.dirname(__file__), *filter(None, [env.get("PYTHONPATH")])]
+    )
+    done = subprocess.run(
+        [sys.executable, __file__, str(out)],
+        env=env,
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     result = json.loads(out.read_text())
     env_nodes, other = set(result["env_nodes"]), result["other_node"]
@@ -366,11 +387,14 @@ def _cluster_scenario(out_path: str) -> None:
     env_nodes = [cluster.add_node(**small, resources={ENV_RESOURCE: 2}) for _ in range(2)]
     ray.init(address=cluster.address, log_to_driver=False)
     try:
-        pool = EnvPool("calculator_math", {}, num_actors=2, max_restarts=0,
-                       resources={ENV_RESOURCE: 1})
+        pool = EnvPool(
+            "calculator_math", {}, num_actors=2, max_restarts=0, resources={ENV_RESOURCE: 1}
+        )
         pool.wait_ready(timeout_s=120)
-        result = {"env_nodes": [n.node_id for n in env_nodes],
-                  "other_node": cluster.head_node.node_id}
+        result = {
+            "env_nodes": [n.node_id for n in env_nodes],
+            "other_node": cluster.head_node.node_id,
+        }
         result["placed_at_start"] = ray.get([a.node_id.remote() for a in pool.actors])
 
         def env_provider(group_id):
@@ -381,8 +405,12 @@ def _cluster_scenario(out_path: str) -> None:
             kwargs = _orchestrator_kwargs()
             for key in ("tokenizer", "agent_name"):
                 kwargs.pop(key)
-            orch = RolloutOrchestrator(agent_factory=lambda: ToolAgent(TOK), engine=SlowEngine(),
-                                       env_provider=env_provider, **kwargs)
+            orch = RolloutOrchestrator(
+                agent_factory=lambda: ToolAgent(TOK),
+                engine=SlowEngine(),
+                env_provider=env_provider,
+                **kwargs,
+            )
             infos = []
 
             async def steps(n):
@@ -399,7 +427,8 @@ def _cluster_scenario(out_path: str) -> None:
             await steps(2)
             grown = pool.membership()
             result["placed_after_growth"] = ray.get(
-                [pool.actors[i].node_id.remote() for i in grown["active"]])
+                [pool.actors[i].node_id.remote() for i in grown["active"]]
+            )
             result["new_actor_leases"] = sum(grown["leases"][2:3])
             pool.resize(5)  # 4 fit on the env nodes: 1 waits for a node (none comes)
             await steps(1)

@@ -69,13 +69,23 @@ def test_several_calls_give_one_line_each():
 @pytest.mark.parametrize(
     "text, fragment, kind",
     [
-        ('<tool_call>{"name": "calculator", "arguments": {"expression": </tool_call>', "not valid JSON",
-         "bad_json"),
+        (
+            '<tool_call>{"name": "calculator", "arguments": {"expression": </tool_call>',
+            "not valid JSON",
+            "bad_json",
+        ),
         ('<tool_call>{"arguments": {"expression": "1"}}</tool_call>', '"name"', "bad_json"),
-        ('<tool_call>{"name": "calculator", "arguments": {"expression": "1"}}', "unclosed", "bad_json"),
+        (
+            '<tool_call>{"name": "calculator", "arguments": {"expression": "1"}}',
+            "unclosed",
+            "bad_json",
+        ),
         (call("1 + 1", name="python"), "unknown tool 'python'", "unknown_tool"),
-        ('<tool_call>{"name": "calculator", "arguments": {"expr": "1"}}</tool_call>', "unknown argument",
-         "bad_arguments"),
+        (
+            '<tool_call>{"name": "calculator", "arguments": {"expr": "1"}}</tool_call>',
+            "unknown argument",
+            "bad_arguments",
+        ),
         ("the answer is 74", "no <tool_call> or <answer> found", "format"),
         ("<answer>74</answer><answer>75</answer>", "give exactly one answer", "format"),
     ],

@@ -45,8 +45,15 @@ def _memorized_engine(tokenizer, task):
     """A tiny model trained until it reproduces one tool-using demonstration greedily."""
     agent = make_agent("tool", tokenizer)
     ids, mask = agent.render_demonstration(task, make_demonstration(task, use_tool=True))
-    config = ModelConfig(vocab_size=tokenizer.vocab_size, d_model=64, n_layers=2, n_heads=4,
-                         n_kv_heads=2, d_ff=128, max_seq_len=128)
+    config = ModelConfig(
+        vocab_size=tokenizer.vocab_size,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=128,
+        max_seq_len=128,
+    )
     learner = Learner(config, seed=0, pad_id=tokenizer.pad_id)
     learner.start_warmup(SFTHyperparams(learning_rate=3e-3, warmup_steps=0))
     tokens = np.array([ids], np.int32)
@@ -60,24 +67,38 @@ def test_multi_turn_trajectory_is_exactly_engine_inputs_plus_outputs():
     task = train[0]
     tokenizer = Tokenizer.byte_level()
     engine = RecordingEngine(_memorized_engine(tokenizer, task))
-    sampling = SamplingParams(max_new_tokens=80, temperature=0.0, stop_token_ids=(tokenizer.end_id,))
+    sampling = SamplingParams(
+        max_new_tokens=80, temperature=0.0, stop_token_ids=(tokenizer.end_id,)
+    )
 
-    trajectory = asyncio.run(run_episode(
-        task, "g0", make_agent("tool", tokenizer), LocalEnv("calculator_math", {}), engine,
-        sampling, max_turns=3, max_context_tokens=128, seed=0, timeout_s=60.0))
+    trajectory = asyncio.run(
+        run_episode(
+            task,
+            "g0",
+            make_agent("tool", tokenizer),
+            LocalEnv("calculator_math", {}),
+            engine,
+            sampling,
+            max_turns=3,
+            max_context_tokens=128,
+            seed=0,
+            timeout_s=60.0,
+        )
+    )
 
     assert trajectory.status == EpisodeStatus.COMPLETED and trajectory.reward == 1.0
     assert len(engine.calls) == 2  # a tool call, then the answer
     # Each prompt extends the previous prompt + generation (plus the tool observation).
     (prompt1, result1), (prompt2, result2) = engine.calls
     assert prompt2[: len(prompt1) + len(result1.token_ids)] == prompt1 + list(result1.token_ids)
-    observation = prompt2[len(prompt1) + len(result1.token_ids):]
+    observation = prompt2[len(prompt1) + len(result1.token_ids) :]
     assert tokenizer.decode(observation) == f"<|tool|>{task.answer}<|end|><|assistant|>"
     # The trajectory is the last prompt plus the last generation, token for token.
     assert trajectory.token_ids == prompt2 + list(result2.token_ids)
     # Loss mask 1 exactly on generated tokens, with their logprobs and versions.
     generated = set(range(len(prompt1), len(prompt1) + len(result1.token_ids))) | set(
-        range(len(prompt2), len(trajectory.token_ids)))
+        range(len(prompt2), len(trajectory.token_ids))
+    )
     assert [i for i, m in enumerate(trajectory.loss_mask) if m] == sorted(generated)
     expected_logprobs = list(result1.logprobs) + list(result2.logprobs)
     got = [lp for lp, m in zip(trajectory.logprobs, trajectory.loss_mask) if m]
@@ -108,10 +129,15 @@ class AnsweringEngine:
 
         self.requests.append(request)
         ids = tuple(self.tokenizer.encode(f"<answer>{self.answer}</answer>")) + (
-            self.tokenizer.end_id,)
-        return GenerationResult(request_id=request.request_id, token_ids=ids,
-                                logprobs=(-0.5,) * len(ids), policy_versions=(0,) * len(ids),
-                                finish_reason=FinishReason.STOP)
+            self.tokenizer.end_id,
+        )
+        return GenerationResult(
+            request_id=request.request_id,
+            token_ids=ids,
+            logprobs=(-0.5,) * len(ids),
+            policy_versions=(0,) * len(ids),
+            finish_reason=FinishReason.STOP,
+        )
 
 
 def test_every_sampling_setting_reaches_the_engine():
@@ -120,12 +146,29 @@ def test_every_sampling_setting_reaches_the_engine():
     train, _ = make_arithmetic_splits(4, 2, seed=3)
     tokenizer = Tokenizer.byte_level()
     engine = AnsweringEngine(tokenizer, train[0].answer)
-    sampling = SamplingParams(max_new_tokens=4096, temperature=0.7, top_k=40, top_p=0.9,
-                              stop_token_ids=(tokenizer.end_id,), stop_strings=("</answer>",))
+    sampling = SamplingParams(
+        max_new_tokens=4096,
+        temperature=0.7,
+        top_k=40,
+        top_p=0.9,
+        stop_token_ids=(tokenizer.end_id,),
+        stop_strings=("</answer>",),
+    )
 
-    trajectory = asyncio.run(run_episode(
-        train[0], "g0", make_agent("answer", tokenizer), LocalEnv("math_verifier", {}), engine,
-        sampling, max_turns=1, max_context_tokens=256, seed=0, timeout_s=60.0))
+    trajectory = asyncio.run(
+        run_episode(
+            train[0],
+            "g0",
+            make_agent("answer", tokenizer),
+            LocalEnv("math_verifier", {}),
+            engine,
+            sampling,
+            max_turns=1,
+            max_context_tokens=256,
+            seed=0,
+            timeout_s=60.0,
+        )
+    )
 
     assert trajectory.status == EpisodeStatus.COMPLETED
     (request,) = engine.requests

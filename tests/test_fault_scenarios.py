@@ -79,8 +79,9 @@ class TwoTurnTextEnv:
         self.turns += 1
         reward = (sum(action.text.encode()) % 97) / 96
         done = self.turns >= 2 or reward >= 0.5
-        return StepResult("" if done else "Say more.", reward, done,
-                          EpisodeStatus.COMPLETED if done else None)
+        return StepResult(
+            "" if done else "Say more.", reward, done, EpisodeStatus.COMPLETED if done else None
+        )
 
     async def close(self):
         pass
@@ -92,8 +93,15 @@ def _policy():
     from raytunix.learner.learner import Learner, RLHyperparams
     from raytunix.models.llama import ModelConfig
 
-    config = ModelConfig(vocab_size=TOK.vocab_size, d_model=32, n_layers=1, n_heads=2,
-                         n_kv_heads=1, d_ff=64, max_seq_len=128)
+    config = ModelConfig(
+        vocab_size=TOK.vocab_size,
+        d_model=32,
+        n_layers=1,
+        n_heads=2,
+        n_kv_heads=1,
+        d_ff=64,
+        max_seq_len=128,
+    )
     learner = Learner(config, seed=SEED, pad_id=TOK.pad_id)
     learner.start_rl(RLHyperparams(temperature=1.0, top_k=0, top_p=1.0, learning_rate=1e-2))
     engine = InferenceEngine(learner.graphdef, learner.params, config, TOK, max_batch_size=8)
@@ -112,11 +120,19 @@ async def _async_run():
     """The orchestrator, as the driver uses it: next batch, update, mark trained."""
     learner, engine = _policy()
     orchestrator = RolloutOrchestrator(
-        tasks=SYNC_TASKS, agent_factory=lambda: TextAgent(TOK), engine=engine,
+        tasks=SYNC_TASKS,
+        agent_factory=lambda: TextAgent(TOK),
+        engine=engine,
         env_provider=lambda group_id: (TwoTurnTextEnv(int(group_id[1:])), lambda: None),
-        group_size=GROUP_SIZE, groups_per_batch=GROUPS_PER_BATCH, max_concurrent_episodes=64,
-        max_staleness=0, max_turns=3, max_context_tokens=128, sampling=SYNC_SAMPLING,
-        seed=SEED)
+        group_size=GROUP_SIZE,
+        groups_per_batch=GROUPS_PER_BATCH,
+        max_concurrent_episodes=64,
+        max_staleness=0,
+        max_turns=3,
+        max_context_tokens=128,
+        sampling=SYNC_SAMPLING,
+        seed=SEED,
+    )
     steps = []
     for _ in range(STEPS):
         [batch], info = await orchestrator.next_batch()
@@ -138,11 +154,21 @@ async def _synchronous_run():
     steps = []
     for step in range(STEPS):
         episodes = [
-            run_episode(SYNC_TASKS[index], f"g{index}", TextAgent(TOK), TwoTurnTextEnv(index),
-                        engine, SYNC_SAMPLING, max_turns=3, max_context_tokens=128,
-                        seed=(SEED * 1_000_003 + index * GROUP_SIZE + j) % 2**31, timeout_s=120)
+            run_episode(
+                SYNC_TASKS[index],
+                f"g{index}",
+                TextAgent(TOK),
+                TwoTurnTextEnv(index),
+                engine,
+                SYNC_SAMPLING,
+                max_turns=3,
+                max_context_tokens=128,
+                seed=(SEED * 1_000_003 + index * GROUP_SIZE + j) % 2**31,
+                timeout_s=120,
+            )
             for index in range(step * GROUPS_PER_BATCH, (step + 1) * GROUPS_PER_BATCH)
-            for j in range(GROUP_SIZE)]
+            for j in range(GROUP_SIZE)
+        ]
         trajectories = await asyncio.gather(*episodes)
         batch = trajectories_to_record_batch(trajectories)
         steps.append((record_batch_to_trajectories(batch), await _update(learner, engine, batch)))
@@ -164,8 +190,13 @@ def test_async_at_zero_staleness_with_one_engine_matches_the_synchronous_loop():
         for ta, ts in zip(a, s):
             np.testing.assert_allclose(ta.logprobs, ts.logprobs, atol=1e-5)
         for key in ("loss", "grad_norm"):
-            np.testing.assert_allclose(a_metrics[key], s_metrics[key], rtol=1e-4, atol=1e-6,
-                                       err_msg=f"{key} at step {step + 1}")
+            np.testing.assert_allclose(
+                a_metrics[key],
+                s_metrics[key],
+                rtol=1e-4,
+                atol=1e-6,
+                err_msg=f"{key} at step {step + 1}",
+            )
     # The trace is not trivially zero: rewards differ within groups, so the update moved.
     assert all(m["grad_norm"] > 1e-3 for _, m in async_steps)
     assert any(abs(m["loss"]) > 1e-4 for _, m in async_steps)
@@ -208,18 +239,25 @@ class ReplyEngine:
 
     async def generate(self, request):
         ids = TOK.encode("done") + [TOK.end_id]
-        return GenerationResult(request.request_id, tuple(ids), (-0.5,) * len(ids),
-                                (0,) * len(ids), FinishReason.STOP)
+        return GenerationResult(
+            request.request_id, tuple(ids), (-0.5,) * len(ids), (0,) * len(ids), FinishReason.STOP
+        )
 
 
 def test_an_env_actor_that_exits_mid_episode_is_restarted_and_its_episode_re_run(
-        ray_session, tmp_path):
+    ray_session, tmp_path
+):
     from raytunix.rollout.env_pool import EnvPool
 
     (tmp_path / "crash_once_env.py").write_text(CRASH_ONCE_ENV)
     marker = tmp_path / "crashed"
-    pool = EnvPool("crash_once_env:CrashOnceEnv", {"marker": str(marker)}, num_actors=1,
-                   max_restarts=2, import_paths=[str(tmp_path)])
+    pool = EnvPool(
+        "crash_once_env:CrashOnceEnv",
+        {"marker": str(marker)},
+        num_actors=1,
+        max_restarts=2,
+        import_paths=[str(tmp_path)],
+    )
     deadline_s = 60.0  # each episode attempt's budget: a death noticed later is a TIMEOUT
     try:
         pool.wait_ready(timeout_s=120)
@@ -231,12 +269,21 @@ def test_an_env_actor_that_exits_mid_episode_is_restarted_and_its_episode_re_run
 
         async def main():
             orchestrator = RolloutOrchestrator(
-                tasks=SYNC_TASKS, agent_factory=lambda: TextAgent(TOK), engine=ReplyEngine(),
-                env_provider=env_provider, group_size=2, groups_per_batch=1,
-                max_concurrent_episodes=2, max_staleness=0, max_turns=2,
-                max_context_tokens=256, sampling=SamplingParams(max_new_tokens=8),
-                episode_timeout_s=deadline_s, max_episode_restarts=3,
-                retry_backoff=Backoff(initial_delay_s=0.5, max_delay_s=4.0))
+                tasks=SYNC_TASKS,
+                agent_factory=lambda: TextAgent(TOK),
+                engine=ReplyEngine(),
+                env_provider=env_provider,
+                group_size=2,
+                groups_per_batch=1,
+                max_concurrent_episodes=2,
+                max_staleness=0,
+                max_turns=2,
+                max_context_tokens=256,
+                sampling=SamplingParams(max_new_tokens=8),
+                episode_timeout_s=deadline_s,
+                max_episode_restarts=3,
+                retry_backoff=Backoff(initial_delay_s=0.5, max_delay_s=4.0),
+            )
             [batch], info = await asyncio.wait_for(orchestrator.next_batch(), 4 * deadline_s)
             await orchestrator.stop()
             return info, orchestrator.state()
@@ -257,13 +304,26 @@ def test_an_env_actor_that_exits_mid_episode_is_restarted_and_its_episode_re_run
 # -- the CLI as a user runs it ------------------------------------------------------------------
 
 TINY_RUN = [
-    "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
-    "model.d_ff=64", "model.max_seq_len=64", "model.tokenizer_vocab_size=300",
-    "data.train_size=300", "data.heldout_size=2", "eval.heldout_size=2",
-    "eval.max_new_tokens=16", "warmup.enabled=false", "rollout.group_size=2",
-    "rollout.groups_per_batch=2", "rollout.max_concurrent_episodes=8",
-    "rollout.max_new_tokens=16", "engine.max_batch_size=4", "env.num_env_actors=1",
-    "env.max_turns=2", "learner.checkpoint_every=1",
+    "model.d_model=32",
+    "model.n_layers=1",
+    "model.n_heads=2",
+    "model.n_kv_heads=1",
+    "model.d_ff=64",
+    "model.max_seq_len=64",
+    "model.tokenizer_vocab_size=300",
+    "data.train_size=300",
+    "data.heldout_size=2",
+    "eval.heldout_size=2",
+    "eval.max_new_tokens=16",
+    "warmup.enabled=false",
+    "rollout.group_size=2",
+    "rollout.groups_per_batch=2",
+    "rollout.max_concurrent_episodes=8",
+    "rollout.max_new_tokens=16",
+    "engine.max_batch_size=4",
+    "env.num_env_actors=1",
+    "env.max_turns=2",
+    "learner.checkpoint_every=1",
 ]
 
 
@@ -305,16 +365,28 @@ class AlwaysFailingEnv(BaseEnv):
 
 
 def test_an_always_failing_environment_stops_raytunix_train_with_one_clear_error(
-        ray_session, tmp_path):
+    ray_session, tmp_path
+):
     (tmp_path / "failing_env.py").write_text(ALWAYS_FAILING_ENV)
     output_dir = tmp_path / "runs"
     # Joins the session's cluster (RAY_ADDRESS, as on a cluster a user submits to) rather
     # than starting one of its own: what is checked is how the run ends.
     env = dict(_cli_env(), RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)
     proc = subprocess.run(
-        _cli("train", *TINY_RUN, f"run.output_dir={output_dir}", "learner.rl_steps=3",
-             "env.name=failing_env:AlwaysFailingEnv", "rollout.max_consecutive_failures=4"),
-        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=480)
+        _cli(
+            "train",
+            *TINY_RUN,
+            f"run.output_dir={output_dir}",
+            "learner.rl_steps=3",
+            "env.name=failing_env:AlwaysFailingEnv",
+            "rollout.max_consecutive_failures=4",
+        ),
+        cwd=str(tmp_path),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=480,
+    )
     errors = [line for line in proc.stderr.splitlines() if line.startswith("raytunix: ")]
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert len(errors) == 1, proc.stderr[-3000:]  # one error, not one per failed episode
@@ -334,8 +406,9 @@ def test_an_always_failing_environment_stops_raytunix_train_with_one_clear_error
     finally:
         checkpoints.close()
     orchestrator = extras["orchestrator"]
-    TaskLedger.from_json(orchestrator["ledger"]).check(orchestrator["next_index"],
-                                                       orchestrator["pending"])
+    TaskLedger.from_json(orchestrator["ledger"]).check(
+        orchestrator["next_index"], orchestrator["pending"]
+    )
 
 
 # -- 5 and 6. SIGKILL of the driver, then --resume ----------------------------------------------
@@ -366,9 +439,14 @@ def killed_run(tmp_path_factory):
     output_dir = root / "runs"
     log = open(root / "driver.log", "w")
     driver = subprocess.Popen(
-        _cli("train", *TINY_RUN, f"run.output_dir={output_dir}",
-             f"learner.rl_steps={KILL_RUN_STEPS}"),
-        cwd=str(root), env=_cli_env(), stdout=log, stderr=subprocess.STDOUT)
+        _cli(
+            "train", *TINY_RUN, f"run.output_dir={output_dir}", f"learner.rl_steps={KILL_RUN_STEPS}"
+        ),
+        cwd=str(root),
+        env=_cli_env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 480
         checkpoint_step = 0
@@ -406,9 +484,13 @@ def killed_run(tmp_path_factory):
         checkpoint_step = checkpoints.latest_step()
     finally:
         checkpoints.close()
-    return {"run_dir": _run_dir(str(output_dir)), "checkpoint_step_at_kill": checkpoint_step,
-            "tree": names, "left": {p.pid: names[p.pid] for p in left},
-            "log": str(root / "driver.log")}
+    return {
+        "run_dir": _run_dir(str(output_dir)),
+        "checkpoint_step_at_kill": checkpoint_step,
+        "tree": names,
+        "left": {p.pid: names[p.pid] for p in left},
+        "log": str(root / "driver.log"),
+    }
 
 
 def test_after_sigkill_of_the_driver_no_process_of_the_run_is_left_within_30_s(killed_run):
@@ -420,7 +502,8 @@ def test_after_sigkill_of_the_driver_no_process_of_the_run_is_left_within_30_s(k
 
 
 def test_a_run_killed_mid_run_resumes_and_its_ledger_holds_every_task_exactly_once(
-        ray_session, killed_run):
+    ray_session, killed_run
+):
     from raytunix.learner.checkpoint import Checkpointer
 
     run_dir = killed_run["run_dir"]
@@ -431,8 +514,14 @@ def test_a_run_killed_mid_run_resumes_and_its_ledger_holds_every_task_exactly_on
         checkpoints.close()
     # The resume joins the session's cluster (the killed run's went with its driver).
     env = dict(_cli_env(), RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)
-    proc = subprocess.run(_cli("train", "--resume", run_dir), cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=480)
+    proc = subprocess.run(
+        _cli("train", "--resume", run_dir),
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=480,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resumed at RL step {killed_run['checkpoint_step_at_kill']}" in proc.stdout
 
@@ -448,7 +537,8 @@ def test_a_run_killed_mid_run_resumes_and_its_ledger_holds_every_task_exactly_on
     resume = next(i for i, r in enumerate(records) if r["phase"] == "resume")
     assert records[resume]["rl_step"] == killed_run["checkpoint_step_at_kill"]
     assert [r["step"] for r in records[resume:] if r["phase"] == "rl"] == list(
-        range(killed_run["checkpoint_step_at_kill"] + 1, KILL_RUN_STEPS + 1))
+        range(killed_run["checkpoint_step_at_kill"] + 1, KILL_RUN_STEPS + 1)
+    )
     orchestrator = final["orchestrator"]
     ledger = TaskLedger.from_json(orchestrator["ledger"])
     # Every task handed out is trained, filtered or pending, exactly one of them.

@@ -18,8 +18,11 @@ from raytunix.types import FinishReason, GenerationResult, SamplingParams, Task,
 
 TOK = Tokenizer.byte_level()
 TASK = Task("x", "q", "12")
-HEDGES = ["<answer>12</answer><answer>13</answer>", "<answer>13</answer><answer>12</answer>",
-          "<answer>12</answer> or maybe <answer>12</answer>"]
+HEDGES = [
+    "<answer>12</answer><answer>13</answer>",
+    "<answer>13</answer><answer>12</answer>",
+    "<answer>12</answer> or maybe <answer>12</answer>",
+]
 
 
 @pytest.mark.parametrize("parse", [parse_action, parse_answer_action])
@@ -45,18 +48,29 @@ def test_both_environments_pay_nothing_for_several_answers(reply):
 class HedgingEngine:
     async def generate(self, request):
         ids = TOK.encode("<answer>12</answer><answer>13</answer>") + [TOK.end_id]
-        return GenerationResult(request.request_id, tuple(ids), (0.0,) * len(ids),
-                                (0,) * len(ids), FinishReason.STOP)
+        return GenerationResult(
+            request.request_id, tuple(ids), (0.0,) * len(ids), (0,) * len(ids), FinishReason.STOP
+        )
 
 
 def test_evaluation_scores_a_hedged_reply_as_wrong():
     async def main():
         orchestrator = RolloutOrchestrator(
-            tasks=[TASK], agent_factory=lambda: ToolAgent(TOK), engine=HedgingEngine(),
-            env_provider=lambda g: (LocalEnv("calculator_math", {"max_tool_errors": 0}),
-                                    lambda: None),
-            group_size=2, groups_per_batch=1, max_concurrent_episodes=2, max_staleness=0,
-            max_turns=2, max_context_tokens=512, sampling=SamplingParams(max_new_tokens=64))
+            tasks=[TASK],
+            agent_factory=lambda: ToolAgent(TOK),
+            engine=HedgingEngine(),
+            env_provider=lambda g: (
+                LocalEnv("calculator_math", {"max_tool_errors": 0}),
+                lambda: None,
+            ),
+            group_size=2,
+            groups_per_batch=1,
+            max_concurrent_episodes=2,
+            max_staleness=0,
+            max_turns=2,
+            max_context_tokens=512,
+            sampling=SamplingParams(max_new_tokens=64),
+        )
         return await orchestrator.evaluate([TASK, TASK], max_new_tokens=64)
 
     result = asyncio.run(main())

@@ -25,8 +25,9 @@ from raytunix.rollout.batch import trajectories_to_record_batch
 from raytunix.types import EpisodeStatus, Trajectory
 
 SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
-CONFIG = ModelConfig(vocab_size=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
-                     max_seq_len=64)
+CONFIG = ModelConfig(
+    vocab_size=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=64
+)
 
 
 # ---------------------------------------------------------------- the estimator by hand
@@ -75,8 +76,9 @@ def test_packed_segments_are_separate_chains():
     rewards = last_token_rewards(np.array([1.0, -1.0]), mask, index)
     np.testing.assert_array_equal(rewards, [[0, 0, 1.0, 0, 0, -1.0, 0]])
     adv, _ = gae_advantages(rewards, values, mask, gamma=0.9, lam=0.8, segment_ids=seg)
-    alone, _ = gae_advantages(rewards.reshape(1, 7)[:, :3], values[:, :3], mask[:, :3],
-                              gamma=0.9, lam=0.8)
+    alone, _ = gae_advantages(
+        rewards.reshape(1, 7)[:, :3], values[:, :3], mask[:, :3], gamma=0.9, lam=0.8
+    )
     second, _ = gae_advantages(rewards[:, 3:6], values[:, 3:6], mask[:, 3:6], gamma=0.9, lam=0.8)
     np.testing.assert_allclose(adv[:, :3], alone, rtol=1e-6)
     np.testing.assert_allclose(adv[:, 3:6], second, rtol=1e-6)
@@ -87,27 +89,37 @@ def test_packed_segments_are_separate_chains():
 
 # ---------------------------------------------------------------- the update
 def _trajectory(group, tokens, mask, reward):
-    return Trajectory(task_id=group, group_id=group, token_ids=tokens, loss_mask=mask,
-                      logprobs=[-2.5 * m for m in mask],
-                      policy_versions=[0 if m else -1 for m in mask], reward=reward,
-                      status=EpisodeStatus.COMPLETED, num_turns=2)
+    return Trajectory(
+        task_id=group,
+        group_id=group,
+        token_ids=tokens,
+        loss_mask=mask,
+        logprobs=[-2.5 * m for m in mask],
+        policy_versions=[0 if m else -1 for m in mask],
+        reward=reward,
+        status=EpisodeStatus.COMPLETED,
+        num_turns=2,
+    )
 
 
 def _record_batch():
-    return trajectories_to_record_batch([
-        _trajectory("a", [1, 2, 5, 6, 3, 3, 7], [0, 0, 1, 1, 0, 0, 1], 1.0),  # two turns
-        _trajectory("a", [1, 2, 8], [0, 0, 1], 0.0),  # one generated token
-        _trajectory("b", [3, 9, 10, 11], [0, 1, 1, 1], 0.5),
-        _trajectory("b", [3, 4, 4], [0, 1, 1], 0.0),
-    ])
+    return trajectories_to_record_batch(
+        [
+            _trajectory("a", [1, 2, 5, 6, 3, 3, 7], [0, 0, 1, 1, 0, 0, 1], 1.0),  # two turns
+            _trajectory("a", [1, 2, 8], [0, 0, 1], 0.0),  # one generated token
+            _trajectory("b", [3, 9, 10, 11], [0, 1, 1, 1], 0.5),
+            _trajectory("b", [3, 4, 4], [0, 1, 1], 0.0),
+        ]
+    )
 
 
 def _setup(**settings):
     graphdef, params = init_model(CONFIG, seed=0)
     optimizer = optax.adam(1e-2)
     hp = RLHyperparams(**{**SAMPLING, "advantage_estimator": "gae", **settings})
-    state = add_value_head(create_train_state(graphdef, params, optimizer, seed=0), optimizer,
-                           CONFIG.d_model)
+    state = add_value_head(
+        create_train_state(graphdef, params, optimizer, seed=0), optimizer, CONFIG.d_model
+    )
     update = make_policy_update(graphdef, optimizer, hp, max_seq_len=CONFIG.max_seq_len)
     return graphdef, state, update, hp
 
@@ -119,23 +131,33 @@ def test_first_update_loss_is_ppo_on_gae_advantages_plus_the_value_loss():
     # By hand: the value head starts at 0, so the returns are the (gamma = 1) rewards,
     # the advantages the whitened returns, and the value loss 0.5 * mean(R^2).
     mask = batch.loss_mask[:, 1:]
-    logprobs = np.asarray(logprobs_fn(graphdef, **SAMPLING)(state.params, batch.tokens,
-                                                           batch.loss_mask))[:, 1:]
+    logprobs = np.asarray(
+        logprobs_fn(graphdef, **SAMPLING)(state.params, batch.tokens, batch.loss_mask)
+    )[:, 1:]
     rewards = last_token_rewards(batch.rewards, mask)
     adv, ret = gae_advantages(rewards, np.zeros(mask.shape), mask, gamma=1.0, lam=0.95)
     adv = whiten(adv, mask)
     normalizer = loss_normalizer(mask, aggregation="token_mean", max_tokens=64)
-    policy, _ = grpo_policy_loss(logprobs, batch.logprobs[:, 1:], adv, mask,
-                                 policy_loss="ppo_clip", clip_eps_low=0.2, clip_eps_high=0.28,
-                                 dual_clip=0.0, aggregation="token_mean", max_tokens=64,
-                                 normalizer=normalizer)
+    policy, _ = grpo_policy_loss(
+        logprobs,
+        batch.logprobs[:, 1:],
+        adv,
+        mask,
+        policy_loss="ppo_clip",
+        clip_eps_low=0.2,
+        clip_eps_high=0.28,
+        dual_clip=0.0,
+        aggregation="token_mean",
+        max_tokens=64,
+        normalizer=normalizer,
+    )
     value_loss = 0.5 * np.sum(np.asarray(ret) ** 2 * mask) / mask.sum()
     np.testing.assert_allclose(float(metrics["value_loss"]), value_loss, rtol=1e-5)
-    np.testing.assert_allclose(float(metrics["loss"]), float(policy) + 0.5 * value_loss,
-                               rtol=1e-4)
+    np.testing.assert_allclose(float(metrics["loss"]), float(policy) + 0.5 * value_loss, rtol=1e-4)
     assert float(metrics["value_mean"]) == 0.0
-    np.testing.assert_allclose(float(metrics["return_mean"]),
-                               np.sum(np.asarray(ret) * mask) / mask.sum(), rtol=1e-6)
+    np.testing.assert_allclose(
+        float(metrics["return_mean"]), np.sum(np.asarray(ret) * mask) / mask.sum(), rtol=1e-6
+    )
 
 
 def test_value_head_moves_toward_the_returns():
@@ -161,10 +183,15 @@ def test_micro_batches_and_packing_give_the_whole_padded_update():
     got_p, got_pm = packed_update(state, None, packed)
     for other, metrics in ((got, got_m), (got_p, got_pm)):
         for key in ("loss", "value_loss", "return_mean", "advantage_abs_mean"):
-            np.testing.assert_allclose(float(metrics[key]), float(want_m[key]), rtol=2e-5,
-                                       atol=1e-6, err_msg=key)
-        np.testing.assert_allclose(np.asarray(other.value_head["kernel"]),
-                                   np.asarray(want.value_head["kernel"]), rtol=1e-4, atol=1e-6)
+            np.testing.assert_allclose(
+                float(metrics[key]), float(want_m[key]), rtol=2e-5, atol=1e-6, err_msg=key
+            )
+        np.testing.assert_allclose(
+            np.asarray(other.value_head["kernel"]),
+            np.asarray(want.value_head["kernel"]),
+            rtol=1e-4,
+            atol=1e-6,
+        )
 
 
 def test_update_without_a_value_head_says_how_to_add_one():
@@ -179,19 +206,40 @@ def test_update_without_a_value_head_says_how_to_add_one():
 
 # ---------------------------------------------------------------- config
 def test_config_keys_reach_the_hyperparameters_and_bad_values_are_named():
-    cfg = load_config(None, ["learner.advantage_estimator=gae", "learner.gae_gamma=0.99",
-                             "learner.gae_lambda=0.9", "learner.value_coef=0.25",
-                             "learner.value_clip=0.5", "learner.gae_normalize=false"])
+    cfg = load_config(
+        None,
+        [
+            "learner.advantage_estimator=gae",
+            "learner.gae_gamma=0.99",
+            "learner.gae_lambda=0.9",
+            "learner.value_coef=0.25",
+            "learner.value_clip=0.5",
+            "learner.gae_normalize=false",
+        ],
+    )
     hp = RLHyperparams.from_config(cfg)
-    assert (hp.advantage_estimator, hp.gae_gamma, hp.gae_lambda, hp.value_coef, hp.value_clip,
-            hp.gae_normalize) == ("gae", 0.99, 0.9, 0.25, 0.5, False)
+    assert (
+        hp.advantage_estimator,
+        hp.gae_gamma,
+        hp.gae_lambda,
+        hp.value_coef,
+        hp.value_clip,
+        hp.gae_normalize,
+    ) == ("gae", 0.99, 0.9, 0.25, 0.5, False)
     default = load_config(None).learner
-    assert (default.gae_gamma, default.gae_lambda, default.value_coef, default.value_clip,
-            default.gae_normalize) == (1.0, 0.95, 0.5, 0.2, True)
-    for override, named in [("learner.gae_gamma=1.5", "learner.gae_gamma=1.5 must be in"),
-                            ("learner.gae_lambda=-0.1", "learner.gae_lambda=-0.1 must be in"),
-                            ("learner.value_coef=0", "learner.value_coef=0.0 must be > 0"),
-                            ("learner.value_clip=-1", "learner.value_clip=-1.0 must be > 0")]:
+    assert (
+        default.gae_gamma,
+        default.gae_lambda,
+        default.value_coef,
+        default.value_clip,
+        default.gae_normalize,
+    ) == (1.0, 0.95, 0.5, 0.2, True)
+    for override, named in [
+        ("learner.gae_gamma=1.5", "learner.gae_gamma=1.5 must be in"),
+        ("learner.gae_lambda=-0.1", "learner.gae_lambda=-0.1 must be in"),
+        ("learner.value_coef=0", "learner.value_coef=0.0 must be > 0"),
+        ("learner.value_clip=-1", "learner.value_clip=-1.0 must be > 0"),
+    ]:
         with pytest.raises(ConfigError, match=named):
             load_config(None, ["learner.advantage_estimator=gae", override])
     with pytest.raises(ValueError, match="gae_gamma=2"):

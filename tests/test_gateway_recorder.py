@@ -15,18 +15,25 @@ from raytunix.types import EpisodeStatus
 
 
 def _choice(ids, version=0, reason="stop"):
-    return RecordedChoice(token_ids=tuple(ids), logprobs=tuple(-0.5 - i for i in range(len(ids))),
-                          policy_versions=(version,) * len(ids), finish_reason=reason)
+    return RecordedChoice(
+        token_ids=tuple(ids),
+        logprobs=tuple(-0.5 - i for i in range(len(ids))),
+        policy_versions=(version,) * len(ids),
+        finish_reason=reason,
+    )
 
 
 def _call(index, prompt, *completions, version=0):
-    return RecordedCall(index=index, endpoint="chat.completions", prompt_ids=tuple(prompt),
-                        choices=tuple(_choice(c, version) for c in completions))
+    return RecordedCall(
+        index=index,
+        endpoint="chat.completions",
+        prompt_ids=tuple(prompt),
+        choices=tuple(_choice(c, version) for c in completions),
+    )
 
 
 def test_calls_that_extend_one_another_are_one_segment_with_observations_masked():
-    calls = [_call(0, [1, 2, 3], [10, 11]),
-             _call(1, [1, 2, 3, 10, 11, 4, 5], [12], version=1)]
+    calls = [_call(0, [1, 2, 3], [10, 11]), _call(1, [1, 2, 3, 10, 11, 4, 5], [12], version=1)]
     [segment] = segment_calls(calls)
     assert segment.token_ids == [1, 2, 3, 10, 11, 4, 5, 12]
     assert segment.loss_mask == [0, 0, 0, 1, 1, 0, 0, 1]
@@ -36,9 +43,11 @@ def test_calls_that_extend_one_another_are_one_segment_with_observations_masked(
 
 
 def test_a_call_with_rewritten_history_starts_a_second_segment():
-    calls = [_call(0, [1, 2, 3], [10, 11]),
-             _call(1, [1, 2, 3, 10, 11, 4], [12]),
-             _call(2, [1, 2, 3, 9, 4], [13])]  # the first reply was summarised as [9]
+    calls = [
+        _call(0, [1, 2, 3], [10, 11]),
+        _call(1, [1, 2, 3, 10, 11, 4], [12]),
+        _call(2, [1, 2, 3, 9, 4], [13]),
+    ]  # the first reply was summarised as [9]
     first, second = segment_calls(calls)
     assert first.token_ids == [1, 2, 3, 10, 11, 4, 12]
     assert second.token_ids == [1, 2, 3, 9, 4, 13]
@@ -46,30 +55,41 @@ def test_a_call_with_rewritten_history_starts_a_second_segment():
 
 
 def test_calls_are_taken_in_arrival_order_and_a_parallel_sibling_starts_its_own_segment():
-    calls = [_call(2, [1, 2, 10, 5], [21]),  # recorded out of order
-             _call(0, [1, 2], [10]),
-             _call(1, [1, 2, 10, 4], [20])]
+    calls = [
+        _call(2, [1, 2, 10, 5], [21]),  # recorded out of order
+        _call(0, [1, 2], [10]),
+        _call(1, [1, 2, 10, 4], [20]),
+    ]
     first, second = segment_calls(calls)
     assert first.token_ids == [1, 2, 10, 4, 20]
     assert second.token_ids == [1, 2, 10, 5, 21] and second.loss_mask == [0, 0, 0, 0, 1]
 
 
 def test_the_other_choices_of_an_n_call_start_segments_that_the_next_call_may_extend():
-    calls = [_call(0, [1, 2], [10], [11]),
-             _call(1, [1, 2, 11, 3], [12])]  # the program went on with choice 1
+    calls = [
+        _call(0, [1, 2], [10], [11]),
+        _call(1, [1, 2, 11, 3], [12]),
+    ]  # the program went on with choice 1
     first, second = segment_calls(calls)
     assert first.token_ids == [1, 2, 10] and first.calls == [(0, 0)]
     assert second.token_ids == [1, 2, 11, 3, 12] and second.calls == [(0, 1), (1, 0)]
 
 
 def test_latest_rule_starts_a_new_segment_when_the_main_agent_resumes_after_a_sub_agent():
-    calls = [_call(0, [1, 2], [10]),
-             _call(1, [7, 8], [20]),  # a sub-agent with its own system prompt
-             _call(2, [1, 2, 10, 3], [11])]  # the main agent goes on
+    calls = [
+        _call(0, [1, 2], [10]),
+        _call(1, [7, 8], [20]),  # a sub-agent with its own system prompt
+        _call(2, [1, 2, 10, 3], [11]),
+    ]  # the main agent goes on
     assert [s.token_ids for s in segment_calls(calls, extend="latest")] == [
-        [1, 2, 10], [7, 8, 20], [1, 2, 10, 3, 11]]
+        [1, 2, 10],
+        [7, 8, 20],
+        [1, 2, 10, 3, 11],
+    ]
     assert [s.token_ids for s in segment_calls(calls, extend="any")] == [
-        [1, 2, 10, 3, 11], [7, 8, 20]]
+        [1, 2, 10, 3, 11],
+        [7, 8, 20],
+    ]
 
 
 def test_a_segment_becomes_a_trajectory_with_the_fields_an_agent_builds():
@@ -91,8 +111,10 @@ def test_every_segment_of_an_episode_shares_its_reward_and_status():
     assert [t.token_ids for t in trajectories] == [[1, 2, 10], [5, 11]]
     assert {t.reward for t in trajectories} == {2.0}
     assert {t.status for t in trajectories} == {EpisodeStatus.TRUNCATED}
-    assert [t.metrics for t in trajectories] == [{"segment": 0.0, "segments": 2.0},
-                                                 {"segment": 1.0, "segments": 2.0}]
+    assert [t.metrics for t in trajectories] == [
+        {"segment": 0.0, "segments": 2.0},
+        {"segment": 1.0, "segments": 2.0},
+    ]
 
 
 def test_bad_rules_statuses_and_choices_are_refused_by_name():
@@ -101,7 +123,8 @@ def test_bad_rules_statuses_and_choices_are_refused_by_name():
     with pytest.raises(ValueError, match="'won'"):
         episode_trajectories([_call(0, [1], [2])], "t", "g", 0.0, "won")
     with pytest.raises(ValueError, match="2 token_ids, 1 logprobs"):
-        RecordedChoice(token_ids=(1, 2), logprobs=(0.0,), policy_versions=(0, 0),
-                       finish_reason="stop")
+        RecordedChoice(
+            token_ids=(1, 2), logprobs=(0.0,), policy_versions=(0, 0), finish_reason="stop"
+        )
     with pytest.raises(ValueError, match="'done'"):
         RecordedChoice(token_ids=(), logprobs=(), policy_versions=(), finish_reason="done")

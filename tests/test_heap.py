@@ -58,9 +58,11 @@ def test_an_env_actor_process_runs_with_the_settled_collector(ray_session):
 
     actor = ray.remote(EnvActor).remote("calculator_math", {})
     try:
-        threshold, frozen = ray.get(actor.__ray_call__.remote(
-            lambda self: (__import__("gc").get_threshold(),
-                          __import__("gc").get_freeze_count())))
+        threshold, frozen = ray.get(
+            actor.__ray_call__.remote(
+                lambda self: (__import__("gc").get_threshold(), __import__("gc").get_freeze_count())
+            )
+        )
     finally:
         ray.kill(actor)
     assert threshold[0] == heap.YOUNG_THRESHOLD

@@ -44,35 +44,86 @@ from raytunix.types import GenerationRequest, SamplingParams  # noqa: E402
 VOCAB = 320  # the tokenizer's ids; the models' embeddings are padded past it
 
 CHATML_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-LLAMA3_TOKENS = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-                 "<|eot_id|>", "<|end_of_text|>")
+LLAMA3_TOKENS = (
+    "<|begin_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<|end_of_text|>",
+)
 
-SMALL = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+SMALL = dict(
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
 
 FAMILIES = {
     # GQA, tied embeddings, Llama 3.1 RoPE: with head_dim 8 and theta 10^4 the four
     # wavelengths (6, 63, 628, 6283 positions) fall on all three sides of the rule's
     # bounds (16 and 64 positions).
-    "llama3-tied": ("LlamaConfig", "LlamaForCausalLM", dict(
-        SMALL, vocab_size=336, tie_word_embeddings=True, rms_norm_eps=1e-5,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
-    "llama-linear-bias": ("LlamaConfig", "LlamaForCausalLM", dict(
-        SMALL, vocab_size=320, tie_word_embeddings=False, attention_bias=True,
-        rope_theta=500000.0, rope_scaling={"rope_type": "linear", "factor": 4.0})),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(
-        SMALL, vocab_size=352, tie_word_embeddings=False, rope_theta=1000000.0)),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(
-        SMALL, vocab_size=336, head_dim=16, tie_word_embeddings=True, rms_norm_eps=1e-6)),
+    "llama3-tied": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            SMALL,
+            vocab_size=336,
+            tie_word_embeddings=True,
+            rms_norm_eps=1e-5,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
+    "llama-linear-bias": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            SMALL,
+            vocab_size=320,
+            tie_word_embeddings=False,
+            attention_bias=True,
+            rope_theta=500000.0,
+            rope_scaling={"rope_type": "linear", "factor": 4.0},
+        ),
+    ),
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(SMALL, vocab_size=352, tie_word_embeddings=False, rope_theta=1000000.0),
+    ),
+    "qwen3": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(SMALL, vocab_size=336, head_dim=16, tie_word_embeddings=True, rms_norm_eps=1e-6),
+    ),
 }
 
-TOOLS = [{"type": "function", "function": {
-    "name": "calculator", "description": "Evaluates + - * / and parentheses.",
-    "parameters": {"type": "object", "required": ["expression"],
-                   "properties": {"expression": {"type": "string"}}}}}]
-CALL = {"type": "function",
-        "function": {"name": "calculator", "arguments": {"expression": "95 - 21 * 3"}}}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluates + - * / and parentheses.",
+            "parameters": {
+                "type": "object",
+                "required": ["expression"],
+                "properties": {"expression": {"type": "string"}},
+            },
+        },
+    }
+]
+CALL = {
+    "type": "function",
+    "function": {"name": "calculator", "arguments": {"expression": "95 - 21 * 3"}},
+}
 CONVERSATION = [
     {"role": "system", "content": "Use the calculator, then answer in <answer> tags."},
     {"role": "user", "content": "What is 95 - 21 * 3?"},
@@ -91,17 +142,28 @@ def _tokenizer_folder(folder, family: str) -> None:
     raw = RawTokenizer(models.BPE())
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     raw.decoder = decoders.ByteLevel()
-    corpus = [json.dumps(TOOLS), *(m["content"] for m in CONVERSATION),
-              "system user assistant tool calculator answer expression function"] * 4
-    raw.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=VOCAB, special_tokens=list(special), show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    corpus = [
+        json.dumps(TOOLS),
+        *(m["content"] for m in CONVERSATION),
+        "system user assistant tool calculator answer expression function",
+    ] * 4
+    raw.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=VOCAB,
+            special_tokens=list(special),
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     template = BUILTIN_TEMPLATES["llama3" if llama else "chatml"].source
     fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=raw, chat_template=template,
+        tokenizer_object=raw,
+        chat_template=template,
         eos_token="<|eot_id|>" if llama else "<|im_end|>",
         bos_token="<|begin_of_text|>" if llama else None,
-        pad_token=None if llama else "<|endoftext|>")
+        pad_token=None if llama else "<|endoftext|>",
+    )
     fast.save_pretrained(str(folder))
 
 
@@ -119,8 +181,11 @@ def _write_checkpoint(folder, family: str, seed: int = 0, **save_kwargs):
             else:
                 param.copy_(0.15 * torch.randn_like(param))
     _tokenizer_folder(folder, family)
-    eos = ["<|eot_id|>", "<|end_of_text|>"] if family.startswith("llama") else [
-        "<|im_end|>", "<|endoftext|>"]
+    eos = (
+        ["<|eot_id|>", "<|end_of_text|>"]
+        if family.startswith("llama")
+        else ["<|im_end|>", "<|endoftext|>"]
+    )
     tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(str(folder))
     model.generation_config.eos_token_id = [tokenizer.convert_tokens_to_ids(t) for t in eos]
     model.save_pretrained(str(folder), safe_serialization=True, **save_kwargs)
@@ -178,8 +243,9 @@ def test_a_wrong_feature_changes_the_logits(checkpoints):
         ckpt = load_checkpoint(folder, max_seq_len=128)
         config = dataclasses.replace(ckpt.config, **change)
         graphdef, _ = init_model(config, 0)
-        params = nnx.from_flat_state([(path, var) for path, var in nnx.to_flat_state(ckpt.params)
-                                      if path[-1] != "bias"])
+        params = nnx.from_flat_state(
+            [(path, var) for path, var in nnx.to_flat_state(ckpt.params) if path[-1] != "bias"]
+        )
         tokens = _tokens(config.vocab_size, length=16)
         positions = np.arange(16, dtype=np.int32)[None] + np.array([[0], [40]], np.int32)
         ours, _ = forward(graphdef, params, jnp.asarray(tokens), jnp.asarray(positions))
@@ -196,8 +262,11 @@ def test_paged_engine_greedy_equals_plain_forward(checkpoints, family):
     new_tokens = 10
     # A full causal forward over a fixed-width row: what follows a token does not change
     # its logits, so one compiled shape serves every length.
-    full = jax.jit(lambda tokens: forward(ckpt.graphdef, ckpt.params, tokens,
-                                          jnp.arange(32, dtype=jnp.int32)[None])[0])
+    full = jax.jit(
+        lambda tokens: forward(
+            ckpt.graphdef, ckpt.params, tokens, jnp.arange(32, dtype=jnp.int32)[None]
+        )[0]
+    )
 
     expected = []
     for prompt in prompts:
@@ -205,15 +274,27 @@ def test_paged_engine_greedy_equals_plain_forward(checkpoints, family):
         for _ in range(new_tokens):
             logits = full(jnp.asarray([seq + [0] * (32 - len(seq))], jnp.int32))
             seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
-        expected.append(seq[len(prompt):])
+        expected.append(seq[len(prompt) :])
 
     async def generate():
-        engine = InferenceEngine(ckpt.graphdef, ckpt.params, ckpt.config, ckpt.tokenizer,
-                                 max_batch_size=2, block_size=4, prefill_chunk_tokens=8)
-        requests = [GenerationRequest(
-            request_id=f"r{i}", prompt_ids=tuple(p), seed=0,
-            sampling=SamplingParams(max_new_tokens=new_tokens, temperature=0.0))
-            for i, p in enumerate(prompts)]
+        engine = InferenceEngine(
+            ckpt.graphdef,
+            ckpt.params,
+            ckpt.config,
+            ckpt.tokenizer,
+            max_batch_size=2,
+            block_size=4,
+            prefill_chunk_tokens=8,
+        )
+        requests = [
+            GenerationRequest(
+                request_id=f"r{i}",
+                prompt_ids=tuple(p),
+                seed=0,
+                sampling=SamplingParams(max_new_tokens=new_tokens, temperature=0.0),
+            )
+            for i, p in enumerate(prompts)
+        ]
         results = await engine.generate_many(requests)
         await engine.close()
         return results
@@ -223,12 +304,12 @@ def test_paged_engine_greedy_equals_plain_forward(checkpoints, family):
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
-def test_export_then_import_is_bit_exact_and_transformers_reads_it(checkpoints, tmp_path,
-                                                                  family):
+def test_export_then_import_is_bit_exact_and_transformers_reads_it(checkpoints, tmp_path, family):
     folder, model = checkpoints[family]
     ckpt = load_checkpoint(folder, max_seq_len=128)
-    written = export_checkpoint(str(tmp_path), ckpt.config, ckpt.params, source=folder,
-                                max_shard_bytes=50_000)
+    written = export_checkpoint(
+        str(tmp_path), ckpt.config, ckpt.params, source=folder, max_shard_bytes=50_000
+    )
     assert "model.safetensors.index.json" in written and "tokenizer.json" in written
     again = load_checkpoint(str(tmp_path), max_seq_len=128)
     assert again.config == ckpt.config
@@ -242,10 +323,12 @@ def test_export_then_import_is_bit_exact_and_transformers_reads_it(checkpoints, 
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
     tokens = _tokens(ckpt.config.vocab_size, length=10, seed=3)
     positions = np.broadcast_to(np.arange(10, dtype=np.int32), tokens.shape)
-    np.testing.assert_array_equal(_torch_logits(reloaded, tokens, positions),
-                                  _torch_logits(model, tokens, positions))
+    np.testing.assert_array_equal(
+        _torch_logits(reloaded, tokens, positions), _torch_logits(model, tokens, positions)
+    )
     ids = transformers.AutoTokenizer.from_pretrained(str(tmp_path)).apply_chat_template(
-        CONVERSATION, tools=TOOLS, tokenize=False)
+        CONVERSATION, tools=TOOLS, tokenize=False
+    )
     assert ids == ckpt.chat_template.render(CONVERSATION, tools=TOOLS)
 
 
@@ -266,8 +349,9 @@ def test_bfloat16_export_round_trips(checkpoints, tmp_path):
 
 def test_raytunix_model_exports_as_a_llama_transformers_runs(tmp_path):
     """A model raytunix made itself (no source folder) becomes a Llama checkpoint."""
-    config = ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                         d_ff=48, max_seq_len=64)
+    config = ModelConfig(
+        vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, max_seq_len=64
+    )
     graphdef, params = init_model(config, seed=3)
     export_checkpoint(str(tmp_path), config, params)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
@@ -275,8 +359,9 @@ def test_raytunix_model_exports_as_a_llama_transformers_runs(tmp_path):
     tokens = _tokens(61, length=9)
     positions = np.broadcast_to(np.arange(9, dtype=np.int32), tokens.shape)
     ours, _ = forward(graphdef, params, jnp.asarray(tokens), jnp.asarray(positions))
-    np.testing.assert_allclose(np.asarray(ours), _torch_logits(model, tokens, positions),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(ours), _torch_logits(model, tokens, positions), rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("family", ["llama3-tied", "qwen3"])
@@ -287,16 +372,24 @@ def test_folder_tokenizer_and_template_give_transformers_ids(checkpoints, family
     ckpt = load_checkpoint(folder, max_seq_len=64)
     hf = transformers.AutoTokenizer.from_pretrained(folder)
     for add_generation_prompt in (False, True):
-        text = ckpt.chat_template.render(CONVERSATION, tools=TOOLS,
-                                         add_generation_prompt=add_generation_prompt)
-        theirs = hf.apply_chat_template(CONVERSATION, tools=TOOLS, tokenize=True,
-                                        add_generation_prompt=add_generation_prompt,
-                                        return_dict=False)
+        text = ckpt.chat_template.render(
+            CONVERSATION, tools=TOOLS, add_generation_prompt=add_generation_prompt
+        )
+        theirs = hf.apply_chat_template(
+            CONVERSATION,
+            tools=TOOLS,
+            tokenize=True,
+            add_generation_prompt=add_generation_prompt,
+            return_dict=False,
+        )
         assert ckpt.tokenizer.encode(text) == list(theirs)
         assert ckpt.tokenizer.decode(theirs) == text
     assert len(set(ckpt.tokenizer.encode(text))) > 20  # the BPE merges are in use
-    eos = ["<|eot_id|>", "<|end_of_text|>"] if family.startswith("llama") else [
-        "<|im_end|>", "<|endoftext|>"]
+    eos = (
+        ["<|eot_id|>", "<|end_of_text|>"]
+        if family.startswith("llama")
+        else ["<|im_end|>", "<|endoftext|>"]
+    )
     assert ckpt.tokenizer.end_id == hf.convert_tokens_to_ids(eos[0])
     assert ckpt.tokenizer.stop_ids == tuple(hf.convert_tokens_to_ids(t) for t in eos)
     pad = eos[0] if family.startswith("llama") else "<|endoftext|>"  # no pad token: eos pads
@@ -307,9 +400,13 @@ def test_folder_tokenizer_and_template_give_transformers_ids(checkpoints, family
     # Ray ships the tokenizer to actors by pickling it.
     shipped = pickle.loads(pickle.dumps(ckpt.tokenizer))
     assert (shipped.pad_id, shipped.end_id, shipped.stop_ids) == (
-        ckpt.tokenizer.pad_id, ckpt.tokenizer.end_id, ckpt.tokenizer.stop_ids)
+        ckpt.tokenizer.pad_id,
+        ckpt.tokenizer.end_id,
+        ckpt.tokenizer.stop_ids,
+    )
     assert shipped.encode("<|im_end|>", special_tokens=False) == ckpt.tokenizer.encode(
-        "<|im_end|>", special_tokens=False)
+        "<|im_end|>", special_tokens=False
+    )
 
 
 # -- errors name the file, the key and what to do -------------------------------------
@@ -329,8 +426,11 @@ def test_unsupported_architecture_is_named(checkpoints, tmp_path):
     (target / "config.json").write_text(json.dumps(dict(config, model_type="gpt2")))
     with pytest.raises(CheckpointError, match=r"config.json: model_type 'gpt2' is not supported"):
         load_checkpoint(str(target))
-    (target / "config.json").write_text(json.dumps(dict(
-        config, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6})))
+    (target / "config.json").write_text(
+        json.dumps(
+            dict(config, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6})
+        )
+    )
     with pytest.raises(CheckpointError, match="rope type 'yarn' is not supported"):
         load_checkpoint(str(target))
 
@@ -339,16 +439,22 @@ def test_missing_tensor_and_shape_mismatch_are_named(checkpoints, tmp_path):
     target = _copy(checkpoints["qwen2"][0], tmp_path)
     weights = load_file(str(target / "model.safetensors"))
     name = "model.layers.1.self_attn.k_proj.bias"
-    save_file({k: v for k, v in weights.items() if k != name}, str(target / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v for k, v in weights.items() if k != name},
+        str(target / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     with pytest.raises(CheckpointError, match=f"tensor '{name}' is missing"):
         load_checkpoint(str(target))
 
     save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((target / "config.json").read_text())
     (target / "config.json").write_text(json.dumps(dict(config, intermediate_size=40)))
-    with pytest.raises(CheckpointError, match=r"mlp.down_proj.weight' in model.safetensors has "
-                                              r"shape \(32, 48\); .* needs \(32, 40\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"mlp.down_proj.weight' in model.safetensors has "
+        r"shape \(32, 48\); .* needs \(32, 40\)",
+    ):
         load_checkpoint(str(target))
 
 
@@ -372,17 +478,33 @@ def test_train_with_model_path_trains_the_checkpoint_and_exports_it(ray_session,
 
     folder = tmp_path / "qwen3"
     _write_checkpoint(folder, "qwen3", seed=5)
-    cfg = load_config(None, [
-        f"model.path={folder}", "model.max_seq_len=128", f"run.output_dir={tmp_path / 'runs'}",
-        "env.name=math_verifier", "env.max_turns=1", "warmup.enabled=false",
-        "data.train_size=64", "data.heldout_size=4", "eval.heldout_size=4", "eval.max_new_tokens=8",
-        "rollout.group_size=2", "rollout.groups_per_batch=2", "rollout.max_concurrent_episodes=4",
-        "rollout.max_new_tokens=8", "rollout.adaptive_concurrency=false",
-        "engine.max_batch_size=4", "env.num_env_actors=1", "learner.rl_steps=2",
-        "learner.checkpoint_every=2",
-        # A random policy seldom earns a reward; weight decay moves the weights anyway, so
-        # the export shows whether it holds the trained policy or the folder's.
-        "learner.weight_decay=0.5"])
+    cfg = load_config(
+        None,
+        [
+            f"model.path={folder}",
+            "model.max_seq_len=128",
+            f"run.output_dir={tmp_path / 'runs'}",
+            "env.name=math_verifier",
+            "env.max_turns=1",
+            "warmup.enabled=false",
+            "data.train_size=64",
+            "data.heldout_size=4",
+            "eval.heldout_size=4",
+            "eval.max_new_tokens=8",
+            "rollout.group_size=2",
+            "rollout.groups_per_batch=2",
+            "rollout.max_concurrent_episodes=4",
+            "rollout.max_new_tokens=8",
+            "rollout.adaptive_concurrency=false",
+            "engine.max_batch_size=4",
+            "env.num_env_actors=1",
+            "learner.rl_steps=2",
+            "learner.checkpoint_every=2",
+            # A random policy seldom earns a reward; weight decay moves the weights anyway, so
+            # the export shows whether it holds the trained policy or the folder's.
+            "learner.weight_decay=0.5",
+        ],
+    )
     summary = train(cfg)
 
     run_dir = summary["run_dir"]
@@ -406,7 +528,9 @@ def test_train_with_model_path_trains_the_checkpoint_and_exports_it(ray_session,
     assert type(model).__name__ == "Qwen3ForCausalLM"
     tokens = _tokens(exported.config.vocab_size, length=8, seed=1)
     positions = np.broadcast_to(np.arange(8, dtype=np.int32), tokens.shape)
-    ours, _ = forward(exported.graphdef, exported.params, jnp.asarray(tokens),
-                      jnp.asarray(positions))
-    np.testing.assert_allclose(np.asarray(ours), _torch_logits(model, tokens, positions),
-                               rtol=1e-5, atol=2e-5)
+    ours, _ = forward(
+        exported.graphdef, exported.params, jnp.asarray(tokens), jnp.asarray(positions)
+    )
+    np.testing.assert_allclose(
+        np.asarray(ours), _torch_logits(model, tokens, positions), rtol=1e-5, atol=2e-5
+    )

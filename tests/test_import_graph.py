@@ -43,7 +43,8 @@ def module_files(package_dir: pathlib.Path) -> dict[str, pathlib.Path]:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _ancestors(name: str) -> list[str]:
@@ -61,8 +62,9 @@ def imports(package_dir: pathlib.Path) -> list[Import]:
     return found
 
 
-def _imports_in(source: str, path: pathlib.Path, modules: dict[str, pathlib.Path],
-                package_dir: pathlib.Path) -> list[Import]:
+def _imports_in(
+    source: str, path: pathlib.Path, modules: dict[str, pathlib.Path], package_dir: pathlib.Path
+) -> list[Import]:
     top = package_dir.name
     is_package = path.name == "__init__.py"
     enclosing = set(_ancestors(source))
@@ -91,15 +93,17 @@ def _imports_in(source: str, path: pathlib.Path, modules: dict[str, pathlib.Path
             elif isinstance(child, ast.ImportFrom):
                 if child.level:
                     base = source.split(".")
-                    base = base[:len(base) - child.level + is_package]
+                    base = base[: len(base) - child.level + is_package]
                     module = ".".join(base + ([child.module] if child.module else []))
                 else:
                     module = child.module or ""
                 if module.split(".")[0] == top:
                     for alias in child.names:
                         add(f"{module}.{alias.name}", child, deferred)
-            visit(child, deferred or isinstance(
-                child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+            visit(
+                child,
+                deferred or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)),
+            )
 
     visit(ast.parse(path.read_text(), filename=str(path)), False)
     return found
@@ -134,8 +138,11 @@ def find_cycle(edges: list[Import]) -> list[Import] | None:
 
 
 def describe(cycle: list[Import]) -> str:
-    steps = "\n".join(f"  {e.source} -> {e.target}  ({e.where}"
-                      f"{', deferred into a function' if e.deferred else ''})" for e in cycle)
+    steps = "\n".join(
+        f"  {e.source} -> {e.target}  ({e.where}"
+        f"{', deferred into a function' if e.deferred else ''})"
+        for e in cycle
+    )
     return f"import cycle {' -> '.join([cycle[0].source] + [e.target for e in cycle])}:\n{steps}"
 
 
@@ -163,12 +170,16 @@ def test_no_cycle_through_deferred_imports():
     present = {(e.source, e.target) for e in all_edges if e.deferred}
     gone = DEFERRED_UNTIL_CHECKS_MOVE - present
     assert not gone, f"remove {sorted(gone)} from DEFERRED_UNTIL_CHECKS_MOVE: no longer imported"
-    edges = [e for e in all_edges
-             if not (e.deferred and (e.source, e.target) in DEFERRED_UNTIL_CHECKS_MOVE)]
+    edges = [
+        e
+        for e in all_edges
+        if not (e.deferred and (e.source, e.target) in DEFERRED_UNTIL_CHECKS_MOVE)
+    ]
     cycle = find_cycle(edges)
     deferred = sorted({f"{e.source} -> {e.target} ({e.where})" for e in edges if e.deferred})
-    assert cycle is None, (describe(cycle) + "\ndeferred raytunix imports:\n  "
-                           + "\n  ".join(deferred))
+    assert cycle is None, (
+        describe(cycle) + "\ndeferred raytunix imports:\n  " + "\n  ".join(deferred)
+    )
 
 
 def test_the_registry_is_a_leaf():
@@ -182,7 +193,7 @@ def test_the_graph_sees_cycles_and_leaves_out_type_checking(tmp_path):
         "__init__.py": "",
         "a.py": "from pkg import b\n",
         "b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import c\n"
-                "def f():\n    from .sub.d import g\n",
+        "def f():\n    from .sub.d import g\n",
         "c.py": "import pkg.b\n",
         "sub/__init__.py": "",
         "sub/d.py": "from ..a import x\n",
@@ -191,8 +202,12 @@ def test_the_graph_sees_cycles_and_leaves_out_type_checking(tmp_path):
         (pkg / name).write_text(text)
     edges = imports(pkg)
     assert {(e.source, e.target, e.deferred) for e in edges} == {
-        ("pkg.a", "pkg.b", False), ("pkg.b", "pkg.sub", True), ("pkg.b", "pkg.sub.d", True),
-        ("pkg.c", "pkg.b", False), ("pkg.sub.d", "pkg.a", False)}
+        ("pkg.a", "pkg.b", False),
+        ("pkg.b", "pkg.sub", True),
+        ("pkg.b", "pkg.sub.d", True),
+        ("pkg.c", "pkg.b", False),
+        ("pkg.sub.d", "pkg.a", False),
+    }
     assert find_cycle([e for e in edges if not e.deferred]) is None
     cycle = find_cycle(edges)
     assert cycle is not None and {e.source for e in cycle} == {"pkg.a", "pkg.b", "pkg.sub.d"}
@@ -203,8 +218,14 @@ def test_the_graph_sees_cycles_and_leaves_out_type_checking(tmp_path):
 
 
 def _fresh_python(code: str) -> str:
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], check=False,
-                          capture_output=True, text=True, timeout=300, cwd=PACKAGE_DIR.parent)
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=PACKAGE_DIR.parent,
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout
 

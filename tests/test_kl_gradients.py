@@ -41,11 +41,21 @@ def _penalty(theta, action, estimator, *, anchor=None, kl_weight=None, policy_lo
     logp = jax.nn.log_softmax(theta)[action]
     old = jax.lax.stop_gradient(logp) if anchor is None else anchor[action]
     loss, _ = grpo_policy_loss(
-        logp[None, None], old[None, None], jnp.zeros((1,)), jnp.ones((1, 1)),
-        policy_loss=policy_loss, clip_eps_low=0.2, clip_eps_high=0.2, dual_clip=0.0,
-        aggregation="token_mean", max_tokens=1, ref_logprobs=REF[action][None, None],
-        kl_coef=1.0, kl_estimator=estimator,
-        kl_importance_weights=None if kl_weight is None else kl_weight[action][None, None])
+        logp[None, None],
+        old[None, None],
+        jnp.zeros((1,)),
+        jnp.ones((1, 1)),
+        policy_loss=policy_loss,
+        clip_eps_low=0.2,
+        clip_eps_high=0.2,
+        dual_clip=0.0,
+        aggregation="token_mean",
+        max_tokens=1,
+        ref_logprobs=REF[action][None, None],
+        kl_coef=1.0,
+        kl_estimator=estimator,
+        kl_importance_weights=None if kl_weight is None else kl_weight[action][None, None],
+    )
     return loss
 
 
@@ -66,8 +76,12 @@ def test_every_estimator_the_config_accepts_is_checked_here_and_the_default_amon
     assert tuple(ACCEPTED) == KL_ESTIMATORS
     assert LearnerConfig().kl_estimator in ACCEPTED
     for estimator in ACCEPTED:  # accepted with a penalty on, no warning needed
-        assert load_config(None, ["learner.kl_coef=0.1",
-                                  f"learner.kl_estimator={estimator}"]).learner.kl_coef == 0.1
+        assert (
+            load_config(
+                None, ["learner.kl_coef=0.1", f"learner.kl_estimator={estimator}"]
+            ).learner.kl_coef
+            == 0.1
+        )
     with pytest.raises(ConfigError, match="k4"):
         load_config(None, ["learner.kl_coef=0.1", "learner.kl_estimator=k4"])
 
@@ -94,18 +108,19 @@ def test_decoupled_the_weight_to_the_behaviour_policy_keeps_the_gradient(estimat
 
 @pytest.mark.parametrize("policy_loss", POLICY_LOSSES)
 def test_the_kl_gradient_does_not_depend_on_the_surrogate(policy_loss):
-    got = _expected_gradient(BEHAVIOUR, estimator="k3", anchor=BEHAVIOUR,
-                             policy_loss=policy_loss)
+    got = _expected_gradient(BEHAVIOUR, estimator="k3", anchor=BEHAVIOUR, policy_loss=policy_loss)
     np.testing.assert_allclose(got, TRUE, atol=1e-6)
 
 
 def test_the_plain_estimators_as_losses_are_the_known_wrong_gradients():
     """What the weighting fixes: differentiated as they are, k1 gives zero in expectation
     and k3 the gradient of KL(pi_ref || pi); off-policy even k2 is off."""
+
     def plain(theta, action, estimator):
         logp = jax.nn.log_softmax(theta)[action]
-        return kl_estimate(logp[None, None], REF[action][None, None], jnp.ones((1, 1)),
-                           estimator=estimator)[0, 0]
+        return kl_estimate(
+            logp[None, None], REF[action][None, None], jnp.ones((1, 1)), estimator=estimator
+        )[0, 0]
 
     def expected(sampler, estimator):
         p = jnp.exp(sampler)
@@ -124,20 +139,33 @@ def test_the_reported_value_is_the_estimator_and_on_policy_the_loss_term_equals_
     ref = jnp.array([[-1.5, -0.7, -0.5]])
     mask = jnp.ones((1, 3))
     value = kl_estimate(logp, ref, mask, estimator=estimator)
-    np.testing.assert_allclose(kl_penalty(logp, ref, logp, mask, estimator=estimator), value,
-                               rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(
+        kl_penalty(logp, ref, logp, mask, estimator=estimator), value, rtol=1e-6, atol=1e-7
+    )
     _, aux = grpo_policy_loss(
-        logp, logp + 0.3, jnp.zeros((1,)), mask, policy_loss="ppo_clip", clip_eps_low=0.2,
-        clip_eps_high=0.2, dual_clip=0.0, aggregation="token_mean", max_tokens=3,
-        ref_logprobs=ref, kl_coef=0.1, kl_estimator=estimator)
+        logp,
+        logp + 0.3,
+        jnp.zeros((1,)),
+        mask,
+        policy_loss="ppo_clip",
+        clip_eps_low=0.2,
+        clip_eps_high=0.2,
+        dual_clip=0.0,
+        aggregation="token_mean",
+        max_tokens=3,
+        ref_logprobs=ref,
+        kl_coef=0.1,
+        kl_estimator=estimator,
+    )
     np.testing.assert_allclose(aux["kl_ref"], float(jnp.mean(value)), rtol=1e-6)
 
 
 def test_the_k3_term_keeps_an_exact_gradient_where_the_reference_is_far_more_likely():
     # pi = e^-30, pi_ref = e^-1: exp(ref - logp) ~ 4e12 would swamp float32 in r * k3.
     logp, ref = jnp.array([[-30.0]]), jnp.array([[-1.0]])
-    grad = jax.grad(lambda lp: kl_penalty(lp, ref, lp - 0.0, jnp.ones((1, 1)),
-                                          estimator="k3")[0, 0])(logp)
+    grad = jax.grad(
+        lambda lp: kl_penalty(lp, ref, lp - 0.0, jnp.ones((1, 1)), estimator="k3")[0, 0]
+    )(logp)
     np.testing.assert_allclose(grad, [[-29.0]], rtol=1e-6)  # r (log pi - log pi_ref), r = 1
 
 
@@ -148,7 +176,8 @@ def test_masked_junk_gives_a_zero_term_and_zero_gradient():
     mask = jnp.array([[1.0, 0.0]])
     for estimator in ACCEPTED:
         term, grad = jax.value_and_grad(
-            lambda lp: jnp.sum(kl_penalty(lp, ref, anchor, mask, estimator=estimator)))(logp)
+            lambda lp: jnp.sum(kl_penalty(lp, ref, anchor, mask, estimator=estimator))
+        )(logp)
         assert np.isfinite(term) and np.all(np.isfinite(grad)) and grad[0, 1] == 0.0
 
 
@@ -170,31 +199,48 @@ def test_the_update_weights_the_kl_term_to_the_behaviour_policy_under_decoupled_
     from raytunix.rollout.batch import record_batch_to_arrays, trajectories_to_record_batch
     from raytunix.types import EpisodeStatus, Trajectory
 
-    config = ModelConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1,
-                         d_ff=32, max_seq_len=32)
+    config = ModelConfig(
+        vocab_size=16, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32, max_seq_len=32
+    )
     graphdef, params = init_model(config, seed=0)
     _, ref_params = init_model(config, seed=1)  # a reference the policy is far from
     sampling = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
-    rows = [Trajectory(task_id=g, group_id=g, token_ids=[1 + i, 2, 3 + i, 5, 7],
-                       loss_mask=[0, 0, 1, 1, 1], logprobs=[0.0] * 5,
-                       policy_versions=[-1, -1, 0, 0, 0], reward=1.0,
-                       status=EpisodeStatus.COMPLETED, num_turns=1)
-            for i, g in enumerate("aabb")]
-    batch = Batch.from_arrays(record_batch_to_arrays(trajectories_to_record_batch(rows),
-                                                     pad_to_multiple=8))
+    rows = [
+        Trajectory(
+            task_id=g,
+            group_id=g,
+            token_ids=[1 + i, 2, 3 + i, 5, 7],
+            loss_mask=[0, 0, 1, 1, 1],
+            logprobs=[0.0] * 5,
+            policy_versions=[-1, -1, 0, 0, 0],
+            reward=1.0,
+            status=EpisodeStatus.COMPLETED,
+            num_turns=1,
+        )
+        for i, g in enumerate("aabb")
+    ]
+    batch = Batch.from_arrays(
+        record_batch_to_arrays(trajectories_to_record_batch(rows), pad_to_multiple=8)
+    )
     own = np.asarray(logprobs_fn(graphdef, **sampling)(params, batch.tokens, batch.loss_mask))
-    stale = np.array([-0.1, 0.05, -0.2, 0.15] * (own.shape[1] // 4 + 1))[:own.shape[1]]
+    stale = np.array([-0.1, 0.05, -0.2, 0.15] * (own.shape[1] // 4 + 1))[: own.shape[1]]
     batch = batch._replace(  # pi_prox / pi_behav < 2, the cap
-        logprobs=(own + stale * batch.loss_mask).astype(np.float32))
+        logprobs=(own + stale * batch.loss_mask).astype(np.float32)
+    )
     optimizer = make_optimizer(1e-2, optimizer="sgd", max_grad_norm=None)
     results = {}
-    for correction, level in [("none", "token_tis"), ("decoupled_ppo", "token_tis"),
-                              ("decoupled_ppo", "sequence_tis")]:
-        hp = RLHyperparams(**sampling, kl_coef=0.5, off_policy_correction=correction,
-                             importance_sampling=level)
+    for correction, level in [
+        ("none", "token_tis"),
+        ("decoupled_ppo", "token_tis"),
+        ("decoupled_ppo", "sequence_tis"),
+    ]:
+        hp = RLHyperparams(
+            **sampling, kl_coef=0.5, off_policy_correction=correction, importance_sampling=level
+        )
         update = make_policy_update(graphdef, optimizer, hp, max_seq_len=config.max_seq_len)
-        state, metrics = update(create_train_state(graphdef, params, optimizer, seed=0),
-                                ref_params, batch)
+        state, metrics = update(
+            create_train_state(graphdef, params, optimizer, seed=0), ref_params, batch
+        )
         assert float(metrics["kl_ref"]) > 0.01 and float(metrics["update_skipped"]) == 0.0
         results[correction, level] = jax.tree.leaves(state.params)
     plain = results["none", "token_tis"]

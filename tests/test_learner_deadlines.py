@@ -43,8 +43,15 @@ class _Recorder:
 def test_a_multi_host_run_builds_its_group_with_the_configured_deadlines(monkeypatch):
     import raytunix.driver.job as job_module
 
-    cfg = load_config(None, ["learner.num_hosts=2", "engine.placement=disaggregated",
-                             "learner.call_timeout_s=90", "learner.slow_call_timeout_s=900"])
+    cfg = load_config(
+        None,
+        [
+            "learner.num_hosts=2",
+            "engine.placement=disaggregated",
+            "learner.call_timeout_s=90",
+            "learner.slow_call_timeout_s=900",
+        ],
+    )
     _Recorder.calls = []
     monkeypatch.setattr(job_module.ray, "remote", _Recorder)
     job_module.Job(cfg, Tokenizer.byte_level(), [], env_pool=None)
@@ -75,8 +82,11 @@ def test_a_stuck_single_learner_is_killed_and_named_instead_of_hanging_the_drive
         cfg.learner.call_timeout_s = 3.0  # once built: building it may take longer here
         # Alive but stuck: its event loop blocked (as a wedged device or storage call would).
         job.learner.__ray_call__.remote(lambda self: time.sleep(600))
-        with pytest.raises(LearnerStuck, match=r"did not answer train_step within 3 s "
-                                               r"\(learner.call_timeout_s=3.0\).*killed") as e:
+        with pytest.raises(
+            LearnerStuck,
+            match=r"did not answer train_step within 3 s "
+            r"\(learner.call_timeout_s=3.0\).*killed",
+        ) as e:
             job.learner_get(job.learner.policy_version.remote(), "train_step")
         assert isinstance(e.value, RunError)  # the CLI reports it and exits; no traceback
         with pytest.raises(ray.exceptions.RayActorError):
@@ -93,8 +103,9 @@ def test_a_group_restores_only_a_step_every_host_lists():
     with pytest.raises(FileNotFoundError):  # nothing saved yet: a rebuild starts fresh
         common_steps([[], []], hosts)
     # A directory that is local to each host: no step on both.
-    with pytest.raises(LearnerStateDivergence,
-                       match=r"host 0 \(10.0.0.1\): \[10, 20\]; host 1 \(10.0.0.2\): none"):
+    with pytest.raises(
+        LearnerStateDivergence, match=r"host 0 \(10.0.0.1\): \[10, 20\]; host 1 \(10.0.0.2\): none"
+    ):
         common_steps([[10, 20], []], hosts)
 
 
@@ -102,14 +113,15 @@ def test_hosts_that_restored_different_checkpoints_stop_the_run_naming_each():
     hosts = ["host 0 (10.0.0.1)", "host 1 (10.0.0.2)"]
 
     def extras(step, position):
-        return {"rl_step": step, "policy_version": step,
-                "orchestrator": {"next_index": position}}
+        return {"rl_step": step, "policy_version": step, "orchestrator": {"next_index": position}}
 
     check_same_restore([extras(20, 80), extras(20, 80)], hosts)
-    with pytest.raises(LearnerStateDivergence,
-                       match=r"host 0 \(10.0.0.1\): step 20, policy version 20, data position "
-                             r"80; host 1 \(10.0.0.2\): step 10, policy version 10, data "
-                             r"position 40"):
+    with pytest.raises(
+        LearnerStateDivergence,
+        match=r"host 0 \(10.0.0.1\): step 20, policy version 20, data position "
+        r"80; host 1 \(10.0.0.2\): step 10, policy version 10, data "
+        r"position 40",
+    ):
         check_same_restore([extras(20, 80), extras(10, 40)], hosts)
     # Same step, another data position (a copy of the directory written by another run).
     with pytest.raises(LearnerStateDivergence, match="data position 81"):

@@ -22,8 +22,15 @@ from raytunix.types import GenerationRequest, SamplingParams
 TOKENIZER = Tokenizer.byte_level()
 # Small enough to compile fast, wide enough that one update on 16 trajectories of 64
 # tokens lasts many decode steps of 4 requests.
-MODEL = ModelConfig(vocab_size=TOKENIZER.vocab_size, d_model=128, n_layers=2, n_heads=4,
-                    n_kv_heads=2, d_ff=384, max_seq_len=128)
+MODEL = ModelConfig(
+    vocab_size=TOKENIZER.vocab_size,
+    d_model=128,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    d_ff=384,
+    max_seq_len=128,
+)
 
 
 def record_batch(num: int, seq_len: int, seed: int) -> pa.RecordBatch:
@@ -57,13 +64,20 @@ def test_engine_decodes_while_the_colocated_learner_updates():
     sampling = SamplingParams(max_new_tokens=48, temperature=1.0, stop_token_ids=())
 
     async def main():
-        actor = PolicyActor(MODEL, 0, TOKENIZER,
-                            {"max_batch_size": 4, "block_size": 16, "kv_cache_tokens": 1024})
+        actor = PolicyActor(
+            MODEL, 0, TOKENIZER, {"max_batch_size": 4, "block_size": 16, "kv_cache_tokens": 1024}
+        )
         actor.start_rl(hp)
 
         async def generate(n, tag):
-            return await asyncio.gather(*(actor.generate(GenerationRequest(
-                f"{tag}{i}", tuple(range(10, 30)), sampling, seed=i)) for i in range(n)))
+            return await asyncio.gather(
+                *(
+                    actor.generate(
+                        GenerationRequest(f"{tag}{i}", tuple(range(10, 30)), sampling, seed=i)
+                    )
+                    for i in range(n)
+                )
+            )
 
         # Compile the update and the engine's programs first, so what follows is steady state.
         await actor.train_step([ready(record_batch(16, 64, seed=0))])

@@ -16,8 +16,15 @@ from test_checkpoints import _record_batch  # two groups of two, a new batch per
 # Every test here runs end to end (a Ray session, a train, a benchmark): the slow tier.
 pytestmark = pytest.mark.slow
 
-CONFIG_KW = {"vocab_size": 16, "d_model": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1,
-             "d_ff": 64, "max_seq_len": 32}
+CONFIG_KW = {
+    "vocab_size": 16,
+    "d_model": 32,
+    "n_layers": 1,
+    "n_heads": 2,
+    "n_kv_heads": 1,
+    "d_ff": 64,
+    "max_seq_len": 32,
+}
 
 
 def _assert_params_close(got, want):
@@ -33,13 +40,20 @@ def _assert_params_close(got, want):
 
 
 def _assert_metrics_close(got, want):
-    for key in ("loss", "grad_norm", "reward_mean", "num_tokens", "clip_fraction",
-                "policy_version"):
+    for key in (
+        "loss",
+        "grad_norm",
+        "reward_mean",
+        "num_tokens",
+        "clip_fraction",
+        "policy_version",
+    ):
         assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
 
 
 def test_a_two_host_group_matches_one_process_and_is_rebuilt_after_a_host_dies(
-        ray_session, tmp_path):
+    ray_session, tmp_path
+):
     import ray
 
     from raytunix.learner.group import LearnerGroup, LearnerHostFailure
@@ -48,8 +62,9 @@ def test_a_two_host_group_matches_one_process_and_is_rebuilt_after_a_host_dies(
     from raytunix.placement import LearnerHostsSpec
 
     config = ModelConfig(**CONFIG_KW)
-    hp = RLHyperparams(temperature=1.0, top_k=0, top_p=1.0, rl_steps=4, learning_rate=1e-2,
-                         weight_decay=0.01)
+    hp = RLHyperparams(
+        temperature=1.0, top_k=0, top_p=1.0, rl_steps=4, learning_rate=1e-2, weight_decay=0.01
+    )
     batches = [_record_batch(step) for step in range(3)]
 
     single = Learner(config, seed=3, pad_id=0)
@@ -58,8 +73,13 @@ def test_a_two_host_group_matches_one_process_and_is_rebuilt_after_a_host_dies(
     expected_params = single.weights_numpy()
 
     # Both hosts on this one node: no TPU worker ids, so ranks follow the bundles.
-    group = LearnerGroup(LearnerHostsSpec(num_hosts=2, resources={"CPU": 0.1}, strategy="PACK"),
-                         config, seed=3, pad_id=0, call_timeout_s=300)
+    group = LearnerGroup(
+        LearnerHostsSpec(num_hosts=2, resources={"CPU": 0.1}, strategy="PACK"),
+        config,
+        seed=3,
+        pad_id=0,
+        call_timeout_s=300,
+    )
     try:
         assert [info["rank"] for info in group.host_infos] == [0, 1]
         assert group.device_count == 2  # one JAX program over both processes' devices
@@ -99,9 +119,13 @@ def test_a_two_host_group_matches_one_process_and_is_rebuilt_after_a_host_dies(
         stuck_pid = group.host_infos[1]["pid"]
         with pytest.raises(LearnerHostFailure, match=r"learner host 1 \(.*\) alive but stuck"):
             group._on_all_ranked(
-                lambda rank, host: (host.__ray_call__.remote(lambda self: time.sleep(600))
-                                    if rank == 1 else host.policy_version.remote()),
-                timeout_s=5)
+                lambda rank, host: (
+                    host.__ray_call__.remote(lambda self: time.sleep(600))
+                    if rank == 1
+                    else host.policy_version.remote()
+                ),
+                timeout_s=5,
+            )
         assert group.hosts == []
         extras = group.rebuild()
         assert extras["data_position"] == 12 and extras["policy_version"] == 3

@@ -26,16 +26,27 @@ LEARNER_ADVICE = "fewer trajectories per batch"  # what a learner-bound run is t
 
 
 def _trajectory(reward, status=EpisodeStatus.COMPLETED, group="g", **metrics):
-    return Trajectory("t", group, [1, 2], [0, 1], [0.0, -0.5], [-1, 0], reward, status, 1,
-                      dict(metrics))
+    return Trajectory(
+        "t", group, [1, 2], [0, 1], [0.0, -0.5], [-1, 0], reward, status, 1, dict(metrics)
+    )
 
 
 def _step(n, zero_variance, reward=0.0, **extra):
     """An RL step record of a learner-bound run (the learner busy 90%, never waiting)."""
-    return {"phase": "rl", "step": n, "window_s": 1.0, "learner_busy_fraction": 0.9,
-            "learner_wait_fraction": 0.05, "zero_variance_group_fraction": zero_variance,
-            "reward_mean": reward, "format_error_fraction": 0.0, "tool_error_fraction": 0.0,
-            "truncated_fraction": 0.0, "grad_norm": 0.0, **extra}
+    return {
+        "phase": "rl",
+        "step": n,
+        "window_s": 1.0,
+        "learner_busy_fraction": 0.9,
+        "learner_wait_fraction": 0.05,
+        "zero_variance_group_fraction": zero_variance,
+        "reward_mean": reward,
+        "format_error_fraction": 0.0,
+        "tool_error_fraction": 0.0,
+        "truncated_fraction": 0.0,
+        "grad_norm": 0.0,
+        **extra,
+    }
 
 
 def _run_dir(path, records, overrides=()):
@@ -47,13 +58,16 @@ def _run_dir(path, records, overrides=()):
 
 # -- the batch's metrics -------------------------------------------------------------------
 
+
 def test_a_batch_counts_groups_with_equal_rewards_and_trajectories_with_errors():
     solved = [_trajectory(1.0), _trajectory(1.0)]  # equal: no advantage
     mixed = [_trajectory(1.0), _trajectory(0.0, EpisodeStatus.TRUNCATED)]
     # the failed member is left out of the group's statistics: the other two are equal
-    failed = [_trajectory(0.0, **{"tool_errors": 2.0, "tool_errors/format": 2.0}),
-              _trajectory(0.0, **{"tool_errors": 1.0, "tool_errors/bad_json": 1.0}),
-              _trajectory(0.0, EpisodeStatus.ENV_ERROR)]
+    failed = [
+        _trajectory(0.0, **{"tool_errors": 2.0, "tool_errors/format": 2.0}),
+        _trajectory(0.0, **{"tool_errors": 1.0, "tool_errors/bad_json": 1.0}),
+        _trajectory(0.0, EpisodeStatus.ENV_ERROR),
+    ]
     metrics = learning_signal_metrics([solved, mixed, failed])
     assert metrics["zero_variance_group_fraction"] == pytest.approx(2 / 3)
     assert metrics["reward_mean"] == pytest.approx(3 / 7)
@@ -73,6 +87,7 @@ def test_held_out_evaluation_reports_mean_reward_beside_success_at_reward_one():
 
 # -- the report's verdict ------------------------------------------------------------------
 
+
 def test_equal_rewards_on_every_step_lead_the_report_and_hold_back_the_learner_advice(tmp_path):
     run = _run_dir(tmp_path / "run", [_step(n, 1.0) for n in (1, 2, 3, 4)])
     text, verdict = render_report(run)
@@ -80,23 +95,31 @@ def test_equal_rewards_on_every_step_lead_the_report_and_hold_back_the_learner_a
     assert verdict.learning.signal == "none" and verdict.advice == []
     assert LEARNER_ADVICE not in text and LEARNER_ADVICE not in verdict.summary
     assert text.index("Learning signal: none") < text.index("Bounded by: learner")
-    assert ("no learning signal: every group's rewards were equal on 4 of 4 RL steps (mean "
-            "reward 0.000, no trajectory earned any reward)") in text
-    assert "add a warm start, shape the reward, or enable dynamic sampling " \
-           "(rollout.dynamic_sampling=true)" in text
+    assert (
+        "no learning signal: every group's rewards were equal on 4 of 4 RL steps (mean "
+        "reward 0.000, no trajectory earned any reward)"
+    ) in text
+    assert (
+        "add a warm start, shape the reward, or enable dynamic sampling "
+        "(rollout.dynamic_sampling=true)" in text
+    )
     assert "groups with equal rewards (no advantage)   100.0%" in text
     assert "RL steps without signal                    4 of 4" in text
 
 
 def test_a_learning_run_keeps_its_throughput_advice_and_reads_ok(tmp_path):
-    records = [_step(n, share, reward=0.1 * n, grad_norm=0.5)
-               for n, share in zip((1, 2, 3, 4), (0.25, 0.5, 1.0, 0.0))]
+    records = [
+        _step(n, share, reward=0.1 * n, grad_norm=0.5)
+        for n, share in zip((1, 2, 3, 4), (0.25, 0.5, 1.0, 0.0))
+    ]
     text, verdict = render_report(_run_dir(tmp_path / "run", records))
     assert verdict.learning.signal == "ok"
     assert LEARNER_ADVICE in verdict.advice[0]
     assert text.index("Bounded by: learner") < text.index("Learning signal: ok")
-    assert "44% of groups had equal rewards (below run.no_signal_fraction=0.9); 1 of 4 RL " \
-           "steps had none" in text
+    assert (
+        "44% of groups had equal rewards (below run.no_signal_fraction=0.9); 1 of 4 RL "
+        "steps had none" in text
+    )
     assert "mean reward, first step -> last            0.1 -> 0.4" in text
     assert "gradient norm (before clipping)            0.5" in text
 
@@ -104,22 +127,29 @@ def test_a_learning_run_keeps_its_throughput_advice_and_reads_ok(tmp_path):
 def test_the_threshold_is_the_runs_setting_and_the_advice_names_the_likely_cause(tmp_path):
     records = [_step(n, 0.75, format_error_fraction=0.8) for n in (1, 2, 3)]
     assert judge_learning(records).signal == "ok"  # 75% < the default 0.9
-    settings = yaml.safe_load(load_config(None, [
-        "run.no_signal_fraction=0.7", "rollout.dynamic_sampling=true",
-        "rollout.group_size=4"]).to_yaml())
+    settings = yaml.safe_load(
+        load_config(
+            None,
+            ["run.no_signal_fraction=0.7", "rollout.dynamic_sampling=true", "rollout.group_size=4"],
+        ).to_yaml()
+    )
     verdict = judge_learning(records, settings, warm_started=True)
     assert verdict.signal == "none"
     assert "at least 70% of groups had equal rewards on 3 of 3 RL steps" in verdict.summary
     assert verdict.advice[0].startswith("80% of trajectories had format errors")
     assert any("a longer warm start (warmup.max_steps 1400 -> more)" in a for a in verdict.advice)
-    assert any("dynamic sampling is on" in a and "rollout.dynamic_sampling_max_filtered" in a
-               for a in verdict.advice)
+    assert any(
+        "dynamic sampling is on" in a and "rollout.dynamic_sampling_max_filtered" in a
+        for a in verdict.advice
+    )
     assert any("rollout.group_size 4 -> 8" in a for a in verdict.advice)
 
 
 def test_a_run_from_before_these_metrics_gets_no_learning_verdict(tmp_path):
-    records = [{k: v for k, v in _step(n, 1.0).items() if k != "zero_variance_group_fraction"}
-               for n in (1, 2)]
+    records = [
+        {k: v for k, v in _step(n, 1.0).items() if k != "zero_variance_group_fraction"}
+        for n in (1, 2)
+    ]
     text, verdict = render_report(_run_dir(tmp_path / "run", records))
     assert verdict.learning.signal == "unknown"
     assert LEARNER_ADVICE in verdict.advice[0]  # judged on throughput as before
@@ -137,8 +167,10 @@ def test_a_gae_run_gets_the_numbers_but_no_group_verdict_and_no_warning(tmp_path
 
 # -- the console warning -------------------------------------------------------------------
 
+
 def test_the_driver_warns_once_after_k_steps_without_signal_and_again_after_it_came_back(
-        tmp_path, capsys):
+    tmp_path, capsys
+):
     cfg = load_config(None, ["run.no_signal_steps=2"])
     watch, run = SignalWatch.from_config(cfg), RunDir(str(tmp_path / "run"))
     shares = [1.0, 0.95, 1.0, 1.0, 0.5, 1.0, 1.0]  # warned at 2, cleared at 5, warned at 7
@@ -147,8 +179,10 @@ def test_the_driver_warns_once_after_k_steps_without_signal_and_again_after_it_c
     out = capsys.readouterr().out.splitlines()
     warnings = [line for line in out if "NO LEARNING SIGNAL" in line]
     assert len(warnings) == 2 and len(out) == 3
-    assert ("at least 90% of groups had equal rewards on the last 2 RL steps (steps 1-2; "
-            "mean reward 0.050)") in warnings[0]  # over those steps
+    assert (
+        "at least 90% of groups had equal rewards on the last 2 RL steps (steps 1-2; "
+        "mean reward 0.050)"
+    ) in warnings[0]  # over those steps
     assert "every group's rewards were equal on the last 2 RL steps (steps 6-7" in warnings[1]
     assert "enable dynamic sampling (rollout.dynamic_sampling=true)" in warnings[0]
     assert "The run goes on" in warnings[0]
@@ -156,8 +190,10 @@ def test_the_driver_warns_once_after_k_steps_without_signal_and_again_after_it_c
     with open(run.metrics) as f:
         logged = [json.loads(line) for line in f]
     assert [(r["phase"], r["step"], r["signal"]) for r in logged] == [
-        ("learning_signal", 2, False), ("learning_signal", 5, True),
-        ("learning_signal", 7, False)]
+        ("learning_signal", 2, False),
+        ("learning_signal", 5, True),
+        ("learning_signal", 7, False),
+    ]
 
 
 def test_no_signal_steps_zero_turns_the_warning_off(tmp_path, capsys):
@@ -188,17 +224,26 @@ class NeverRewardEnv(BaseEnv):
 
 @pytest.mark.slow
 def test_a_run_whose_environment_never_rewards_says_it_is_not_learning(
-        ray_session, tmp_path, monkeypatch, capsys):
+    ray_session, tmp_path, monkeypatch, capsys
+):
     from test_train import TINY  # the tiny run of tests/test_train.py
 
     from raytunix.train import train
 
     (tmp_path / "never_env.py").write_text(NEVER_ENV)
     monkeypatch.syspath_prepend(str(tmp_path))
-    cfg = load_config(None, TINY + [
-        f"run.output_dir={tmp_path / 'runs'}", "env.name=never_env:NeverRewardEnv",
-        "env.max_turns=1", "warmup.enabled=false", "learner.rl_steps=3",
-        "run.no_signal_steps=2"])
+    cfg = load_config(
+        None,
+        TINY
+        + [
+            f"run.output_dir={tmp_path / 'runs'}",
+            "env.name=never_env:NeverRewardEnv",
+            "env.max_turns=1",
+            "warmup.enabled=false",
+            "learner.rl_steps=3",
+            "run.no_signal_steps=2",
+        ],
+    )
     summary = train(cfg)
     out = capsys.readouterr().out
     assert out.count("NO LEARNING SIGNAL") == 1, out

@@ -34,8 +34,9 @@ def test_index_ranges_match_a_set_in_any_order():
     assert all((i in ranges) == (i in reference) for i in range(510))
 
 
-@pytest.mark.parametrize("bad", [[[3, 3]], [[-1, 2]], [[0, 4], [2, 6]], [[0, 4], [4, 6]],
-                                 [[5, 6], [0, 1]]])
+@pytest.mark.parametrize(
+    "bad", [[[3, 3]], [[-1, 2]], [[0, 4], [2, 6]], [[0, 4], [4, 6]], [[5, 6], [0, 1]]]
+)
 def test_index_ranges_refuse_a_corrupt_saved_form(bad):
     with pytest.raises(ValueError, match="range"):
         IndexRanges(bad)
@@ -80,10 +81,14 @@ def test_the_saved_form_round_trips_and_a_corrupt_one_is_refused():
     ledger.record_filtered(10, "stale")
     ledger.record_filtered(12, "zero_variance")
     saved = ledger.to_json()
-    assert saved == {"trained": [[0, 10]], "filtered": {"stale": [[10, 11]],
-                                                        "zero_variance": [[12, 13]]}}
+    assert saved == {
+        "trained": [[0, 10]],
+        "filtered": {"stale": [[10, 11]], "zero_variance": [[12, 13]]},
+    }
     restored = TaskLedger.from_json(saved)
     assert restored.to_json() == saved
     assert restored.outcome(12) == "filtered:zero_variance" and restored.outcome(11) is None
-    with pytest.raises(LedgerError, match="task index 9 is recorded as trained and as filtered:stale"):
+    with pytest.raises(
+        LedgerError, match="task index 9 is recorded as trained and as filtered:stale"
+    ):
         TaskLedger.from_json({"trained": [[0, 10]], "filtered": {"stale": [[9, 11]]}})

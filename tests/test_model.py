@@ -18,8 +18,9 @@ from raytunix.models.llama import (
     init_model,
 )
 
-TINY = ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48,
-                   max_seq_len=24)
+TINY = ModelConfig(
+    vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, max_seq_len=24
+)
 
 _jit_forward = jax.jit(forward, static_argnums=0)
 
@@ -71,8 +72,15 @@ def test_prefill_then_decode_matches_full_forward(n_kv_heads):
     """Two rows of different lengths share one batch: row 0 is prefilled with 5 tokens,
     row 1 with 3 (its last 2 prefill slots are padding, position -1); both then decode
     one token at a time. Every logit must equal the full forward's logit."""
-    config = ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4,
-                         n_kv_heads=n_kv_heads, d_ff=48, max_seq_len=24)
+    config = ModelConfig(
+        vocab_size=61,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=n_kv_heads,
+        d_ff=48,
+        max_seq_len=24,
+    )
     graphdef, state = init_model(config, seed=0)
     total = 11
     tokens = _tokens(4, 2, total)
@@ -86,8 +94,9 @@ def test_prefill_then_decode_matches_full_forward(n_kv_heads):
         prompt_pos[row, :n] = np.arange(n)
         prompt_tok[row, :n] = tokens[row, :n]
     cache = init_kv_cache(config, batch_size=2)
-    logits, cache = _jit_forward(graphdef, state, jnp.asarray(prompt_tok),
-                                 jnp.asarray(prompt_pos), cache)
+    logits, cache = _jit_forward(
+        graphdef, state, jnp.asarray(prompt_tok), jnp.asarray(prompt_pos), cache
+    )
     for row, n in enumerate(prompt_lens):
         np.testing.assert_allclose(logits[row, :n], full[row, :n], atol=1e-4)
 
@@ -95,10 +104,10 @@ def test_prefill_then_decode_matches_full_forward(n_kv_heads):
     while next_pos.max() < total:
         # A row that has finished decodes with position -1: it must not be disturbed.
         pos = np.where(next_pos < total, next_pos, -1).astype(np.int32)
-        tok = np.array([tokens[row, min(p, total - 1)] for row, p in enumerate(next_pos)],
-                       np.int32)
-        logits, cache = _jit_forward(graphdef, state, jnp.asarray(tok[:, None]),
-                                     jnp.asarray(pos[:, None]), cache)
+        tok = np.array([tokens[row, min(p, total - 1)] for row, p in enumerate(next_pos)], np.int32)
+        logits, cache = _jit_forward(
+            graphdef, state, jnp.asarray(tok[:, None]), jnp.asarray(pos[:, None]), cache
+        )
         for row in range(2):
             if pos[row] >= 0:
                 np.testing.assert_allclose(logits[row, 0], full[row, pos[row]], atol=1e-4)
@@ -123,8 +132,15 @@ def test_negative_positions_leave_the_cache_untouched():
 
 def test_untied_head_and_param_count():
     tied = ModelConfig(vocab_size=61, d_model=32, n_layers=1, n_heads=4, n_kv_heads=1, d_ff=48)
-    untied = ModelConfig(vocab_size=61, d_model=32, n_layers=1, n_heads=4, n_kv_heads=1,
-                         d_ff=48, tie_embeddings=False)
+    untied = ModelConfig(
+        vocab_size=61,
+        d_model=32,
+        n_layers=1,
+        n_heads=4,
+        n_kv_heads=1,
+        d_ff=48,
+        tie_embeddings=False,
+    )
     embed = 61 * 32
     attn = 32 * 32 + 2 * 32 * 8 + 32 * 32
     mlp = 3 * 32 * 48
@@ -144,15 +160,18 @@ def test_same_seed_same_weights():
     assert not all(np.array_equal(x, y) for x, y in zip(a, c))
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(vocab_size=0), "vocab_size"),
-    (dict(vocab_size=10, n_layers=-1), "n_layers"),
-    (dict(vocab_size=10, d_model=30, n_heads=4), "d_model"),
-    (dict(vocab_size=10, n_heads=4, n_kv_heads=3), "n_kv_heads"),
-    (dict(vocab_size=10, d_model=12, n_heads=4, n_kv_heads=2), "head_dim"),
-    (dict(vocab_size=10, rope_theta=0.0), "rope_theta"),
-    (dict(vocab_size=10, norm_eps=-1e-5), "norm_eps"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(vocab_size=0), "vocab_size"),
+        (dict(vocab_size=10, n_layers=-1), "n_layers"),
+        (dict(vocab_size=10, d_model=30, n_heads=4), "d_model"),
+        (dict(vocab_size=10, n_heads=4, n_kv_heads=3), "n_kv_heads"),
+        (dict(vocab_size=10, d_model=12, n_heads=4, n_kv_heads=2), "head_dim"),
+        (dict(vocab_size=10, rope_theta=0.0), "rope_theta"),
+        (dict(vocab_size=10, norm_eps=-1e-5), "norm_eps"),
+    ],
+)
 def test_config_validation_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         ModelConfig(**kwargs)

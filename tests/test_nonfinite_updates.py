@@ -30,8 +30,9 @@ from raytunix.rollout.batch import (  # noqa: E402
 )
 from raytunix.types import EpisodeStatus, Trajectory  # noqa: E402
 
-CONFIG = ModelConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64,
-                     max_seq_len=32)
+CONFIG = ModelConfig(
+    vocab_size=16, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64, max_seq_len=32
+)
 SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
 
 
@@ -39,11 +40,19 @@ def _trajectories(behaviour_logprob=-1.0, reward_scale=1.0):
     rows = []
     for i, (group, reward) in enumerate([("a", 1.0), ("a", 0.0), ("b", 0.0), ("b", 1.0)]):
         prompt, completion = [1 + i, 2], [3 + i, 5, 7]
-        rows.append(Trajectory(
-            task_id=group, group_id=group, token_ids=prompt + completion,
-            loss_mask=[0, 0, 1, 1, 1], logprobs=[0.0, 0.0] + [behaviour_logprob] * 3,
-            policy_versions=[-1, -1, 0, 0, 0], reward=reward * reward_scale,
-            status=EpisodeStatus.COMPLETED, num_turns=1))
+        rows.append(
+            Trajectory(
+                task_id=group,
+                group_id=group,
+                token_ids=prompt + completion,
+                loss_mask=[0, 0, 1, 1, 1],
+                logprobs=[0.0, 0.0] + [behaviour_logprob] * 3,
+                policy_versions=[-1, -1, 0, 0, 0],
+                reward=reward * reward_scale,
+                status=EpisodeStatus.COMPLETED,
+                num_turns=1,
+            )
+        )
     return trajectories_to_record_batch(rows)
 
 
@@ -124,8 +133,10 @@ def test_n_in_a_row_stop_the_run_with_one_error_naming_the_cause_and_the_key(tmp
     for step in range(1, limit):
         check_nonfinite_update(learner.train_step(bad), limit, step, run)  # said, not raised
     said = capsys.readouterr().out
-    assert ("RL step 2: the update was not applied: the loss, the gradients and the new "
-            "parameters or optimizer state were not finite (loss nan" in said)
+    assert (
+        "RL step 2: the update was not applied: the loss, the gradients and the new "
+        "parameters or optimizer state were not finite (loss nan" in said
+    )
     assert "(2 in a row; the run stops at learner.max_consecutive_nonfinite_updates=3)" in said
     with pytest.raises(RunError) as e:
         check_nonfinite_update(learner.train_step(bad), limit, limit, run)
@@ -140,8 +151,12 @@ def test_n_in_a_row_stop_the_run_with_one_error_naming_the_cause_and_the_key(tmp
 
 
 def test_the_key_is_a_non_negative_int_a_resume_may_change(tmp_path):
-    assert load_config(None, ["learner.max_consecutive_nonfinite_updates=0"]).learner \
-        .max_consecutive_nonfinite_updates == 0
+    assert (
+        load_config(
+            None, ["learner.max_consecutive_nonfinite_updates=0"]
+        ).learner.max_consecutive_nonfinite_updates
+        == 0
+    )
     with pytest.raises(ConfigError, match="learner.max_consecutive_nonfinite_updates=-1"):
         load_config(None, ["learner.max_consecutive_nonfinite_updates=-1"])
     run_dir = tmp_path / "run"
@@ -182,9 +197,21 @@ def test_a_run_of_them_in_the_warm_start_stops_the_run_naming_the_learning_rate(
     run = RunDir(str(tmp_path / "run"))
     check_nonfinite_warmup({"loss": 1.0}, 3, 100, run)  # nothing skipped: silent
     assert capsys.readouterr().out == ""
-    check_nonfinite_warmup({"loss": float("nan"), "updates_skipped_nonfinite": 2,
-                            "nonfinite_updates_in_a_row": 2}, 3, 100, run)
+    check_nonfinite_warmup(
+        {"loss": float("nan"), "updates_skipped_nonfinite": 2, "nonfinite_updates_in_a_row": 2},
+        3,
+        100,
+        run,
+    )
     assert "2 step(s) up to step 100 were not applied" in capsys.readouterr().out
     with pytest.raises(RunError, match=r"warmup.learning_rate"):
-        check_nonfinite_warmup({"loss": float("nan"), "updates_skipped_nonfinite": 100,
-                                "nonfinite_updates_in_a_row": 100}, 3, 200, run)
+        check_nonfinite_warmup(
+            {
+                "loss": float("nan"),
+                "updates_skipped_nonfinite": 100,
+                "nonfinite_updates_in_a_row": 100,
+            },
+            3,
+            200,
+            run,
+        )

@@ -35,8 +35,14 @@ from raytunix.rollout.batch import record_batch_to_arrays, trajectories_to_recor
 from raytunix.types import EpisodeStatus, Trajectory
 
 LEVELS = ("token_tis", "sequence_tis", "geometric_tis")
-PPO = {"policy_loss": "ppo_clip", "clip_eps_low": 0.2, "clip_eps_high": 0.2, "dual_clip": 0.0,
-       "aggregation": "token_mean", "max_tokens": 3}  # a symmetric clip, token mean
+PPO = {
+    "policy_loss": "ppo_clip",
+    "clip_eps_low": 0.2,
+    "clip_eps_high": 0.2,
+    "dual_clip": 0.0,
+    "aggregation": "token_mean",
+    "max_tokens": 3,
+}  # a symmetric clip, token mean
 
 # Two sequences of three tokens; token [0, 2] is masked out (its values are junk).
 MASK = np.array([[1, 1, 0], [1, 1, 1]], np.float32)
@@ -66,8 +72,9 @@ def test_token_tis_truncates_each_token_at_the_cap():
     weights, aux = truncated_importance_weights(PROX, BEHAV, MASK, level="token_tis", cap=2.0)
     np.testing.assert_allclose(weights, [[2.0, 0.5, 0.0], [1.5, 1.2, 2.0]], rtol=1e-6)
     np.testing.assert_allclose(aux["importance_truncated_fraction"], 2 / 5, rtol=1e-6)
-    np.testing.assert_allclose(aux["importance_weight_mean"], (2 + 0.5 + 1.5 + 1.2 + 2) / 5,
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        aux["importance_weight_mean"], (2 + 0.5 + 1.5 + 1.2 + 2) / 5, rtol=1e-6
+    )
 
 
 def test_sequence_tis_is_the_truncated_product_of_token_ratios():
@@ -87,8 +94,9 @@ def test_geometric_tis_is_the_truncated_geometric_mean_of_token_ratios():
 def test_a_long_sequence_product_saturates_at_the_cap_instead_of_overflowing():
     prox = np.zeros((1, 4000), np.float32)
     behav = np.full((1, 4000), -1.0, np.float32)  # ratio e per token: e^4000 in all
-    weights, _ = truncated_importance_weights(prox, behav, np.ones((1, 4000)),
-                                              level="sequence_tis", cap=2.0)
+    weights, _ = truncated_importance_weights(
+        prox, behav, np.ones((1, 4000)), level="sequence_tis", cap=2.0
+    )
     np.testing.assert_allclose(weights, 2.0, rtol=1e-6)
 
 
@@ -135,7 +143,8 @@ def test_decoupled_ppo_loss_hand_computed():
     # Per token: -2 * 1.2, -0.5 * 0.9 | 1.5 * 0.8, 1.2 * 1.1, 2 * 1.0 -> sum 1.67 over 5.
     np.testing.assert_allclose(loss, (-2.4 - 0.45 + 1.2 + 1.32 + 2.0) / 5, rtol=1e-5)
     np.testing.assert_allclose(
-        loss, _numpy_decoupled_loss(np.asarray(weights, np.float64)), rtol=1e-5)
+        loss, _numpy_decoupled_loss(np.asarray(weights, np.float64)), rtol=1e-5
+    )
     np.testing.assert_allclose(aux["clip_fraction"], 2 / 5, rtol=1e-6)  # ratios 1.5 and 0.5
 
 
@@ -149,8 +158,9 @@ def test_masked_tokens_contribute_zero_to_the_weighted_loss_and_its_gradient(lev
     new = NEW.copy()
     new[0, 2] = np.nan
     loss, grads = jax.value_and_grad(loss_fn)(jnp.asarray(new))
-    np.testing.assert_allclose(loss, _numpy_decoupled_loss(np.asarray(weights, np.float64)),
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        loss, _numpy_decoupled_loss(np.asarray(weights, np.float64)), rtol=1e-5
+    )
     assert np.all(np.isfinite(grads)) and grads[0, 2] == 0.0
     # The gradient of each token's term is -w * A * r where the clip does not bind.
     np.testing.assert_allclose(grads[0, 1], -weights[0, 1] * 1.0 * 0.9 / 5, rtol=1e-5)
@@ -170,8 +180,9 @@ def test_logprob_mismatch_hand_computed():
 # -- in the learner's update ---------------------------------------------------------------------
 
 SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
-TINY = ModelConfig(vocab_size=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
-                   max_seq_len=64)
+TINY = ModelConfig(
+    vocab_size=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=64
+)
 
 
 @pytest.fixture(scope="module")
@@ -187,11 +198,16 @@ def _grpo_update(graphdef, optimizer, **settings):
 
 def _trajectory(group, prompt, completion, reward):
     return Trajectory(
-        task_id=group, group_id=group, token_ids=prompt + completion,
+        task_id=group,
+        group_id=group,
+        token_ids=prompt + completion,
         loss_mask=[0] * len(prompt) + [1] * len(completion),
         logprobs=[0.0] * (len(prompt) + len(completion)),
         policy_versions=[-1] * len(prompt) + [0] * len(completion),
-        reward=reward, status=EpisodeStatus.COMPLETED, num_turns=1)
+        reward=reward,
+        status=EpisodeStatus.COMPLETED,
+        num_turns=1,
+    )
 
 
 def _trajectories():
@@ -205,25 +221,33 @@ def _trajectories():
 
 def _off_policy_batch(graphdef, params):
     """A batch whose behaviour logprobs are the learner's, shifted by known amounts."""
-    batch = Batch.from_arrays(record_batch_to_arrays(trajectories_to_record_batch(_trajectories()),
-                                                     pad_to_multiple=8))
-    learner = np.asarray(logprobs_fn(graphdef, **SAMPLING)(params, batch.tokens,
-                                                           batch.loss_mask))
+    batch = Batch.from_arrays(
+        record_batch_to_arrays(trajectories_to_record_batch(_trajectories()), pad_to_multiple=8)
+    )
+    learner = np.asarray(logprobs_fn(graphdef, **SAMPLING)(params, batch.tokens, batch.loss_mask))
     shift = np.where(np.arange(batch.tokens.shape[1]) % 2 == 0, 0.3, -1.2).astype(np.float32)
     batch = batch._replace(
-        logprobs=np.where(batch.loss_mask > 0, learner + shift, 0.0).astype(np.float32))
+        logprobs=np.where(batch.loss_mask > 0, learner + shift, 0.0).astype(np.float32)
+    )
     return batch, learner, shift
 
 
-@pytest.mark.parametrize("correction,level", [("none", "token_tis")]
-                         + [("decoupled_ppo", level) for level in LEVELS])
+@pytest.mark.parametrize(
+    "correction,level", [("none", "token_tis")] + [("decoupled_ppo", level) for level in LEVELS]
+)
 def test_a_learner_step_runs_in_every_mode_with_finite_metrics_and_the_mismatch(
-        model, correction, level):
+    model, correction, level
+):
     graphdef, params = model
     optimizer = make_optimizer(1e-3)
     state = create_train_state(graphdef, params, optimizer, seed=0)
-    update = _grpo_update(graphdef, optimizer, off_policy_correction=correction,
-                          importance_sampling=level, importance_cap=2.0)
+    update = _grpo_update(
+        graphdef,
+        optimizer,
+        off_policy_correction=correction,
+        importance_sampling=level,
+        importance_cap=2.0,
+    )
     batch, learner, shift = _off_policy_batch(graphdef, params)
     new_state, metrics = update(state, None, batch)
 
@@ -232,16 +256,21 @@ def test_a_learner_step_runs_in_every_mode_with_finite_metrics_and_the_mismatch(
     on = batch.loss_mask > 0
     # learner - behaviour = -shift on every trained token.
     delta = -np.broadcast_to(shift, on.shape)[on]
-    np.testing.assert_allclose(metrics["mismatch_logprob_abs_mean"], np.abs(delta).mean(), rtol=1e-4)
+    np.testing.assert_allclose(
+        metrics["mismatch_logprob_abs_mean"], np.abs(delta).mean(), rtol=1e-4
+    )
     np.testing.assert_allclose(metrics["mismatch_ratio_max"], math.exp(1.2), rtol=1e-4)
-    np.testing.assert_allclose(metrics["mismatch_kl"], np.mean(np.exp(delta) - 1 - delta), rtol=1e-4)
+    np.testing.assert_allclose(
+        metrics["mismatch_kl"], np.mean(np.exp(delta) - 1 - delta), rtol=1e-4
+    )
     if correction == "decoupled_ppo":
         # Anchored at the proximal policy, which is the one the gradient is taken at.
         np.testing.assert_allclose(metrics["ratio_mean"], 1.0, rtol=1e-5)
         assert metrics["clip_fraction"] == 0.0
         # The weights are those of the learner's logprobs against the engine's.
-        _, want = truncated_importance_weights(learner[:, 1:], batch.logprobs[:, 1:],
-                                               batch.loss_mask[:, 1:], level=level, cap=2.0)
+        _, want = truncated_importance_weights(
+            learner[:, 1:], batch.logprobs[:, 1:], batch.loss_mask[:, 1:], level=level, cap=2.0
+        )
         for key in ("importance_weight_mean", "importance_truncated_fraction"):
             np.testing.assert_allclose(metrics[key], want[key], rtol=1e-4)
         if level != "geometric_tis":  # e^1.2 per token, or a product of many: some hit 2
@@ -258,28 +287,40 @@ def test_decoupled_step_equals_one_computed_with_a_separate_no_grad_proximal_pas
     graphdef, params = model
     optimizer = optax.sgd(1.0)
     state = create_train_state(graphdef, params, optimizer, seed=0)
-    update = _grpo_update(graphdef, optimizer, off_policy_correction="decoupled_ppo",
-                          importance_sampling="token_tis", importance_cap=2.0,
-                          clip_eps_low=0.2, clip_eps_high=0.28)
+    update = _grpo_update(
+        graphdef,
+        optimizer,
+        off_policy_correction="decoupled_ppo",
+        importance_sampling="token_tis",
+        importance_cap=2.0,
+        clip_eps_low=0.2,
+        clip_eps_high=0.28,
+    )
     batch, _, _ = _off_policy_batch(graphdef, params)
     new_state, _ = update(state, None, batch)
 
     tokens = jnp.asarray(batch.tokens)
     mask = jnp.asarray(batch.loss_mask)[:, 1:]
     behav = jnp.asarray(batch.logprobs)[:, 1:]
-    prox = jax.lax.stop_gradient(logprobs_fn(graphdef, **SAMPLING)(params, tokens,
-                                                                   batch.loss_mask))[:, 1:]
+    prox = jax.lax.stop_gradient(
+        logprobs_fn(graphdef, **SAMPLING)(params, tokens, batch.loss_mask)
+    )[:, 1:]
     weights, _ = truncated_importance_weights(prox, behav, mask, level="token_tis", cap=2.0)
-    advantages = grpo_advantages(jnp.asarray(batch.rewards), jnp.asarray(batch.group_ids),
-                                 tokens.shape[0], normalize_advantages_by_std=True)
+    advantages = grpo_advantages(
+        jnp.asarray(batch.rewards),
+        jnp.asarray(batch.group_ids),
+        tokens.shape[0],
+        normalize_advantages_by_std=True,
+    )
 
     def loss_fn(p):
         inputs = tokens[:, :-1]
         positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
         logits, _ = forward(graphdef, p, inputs, positions)
         lp = token_logprobs(logits.astype(jnp.float32), tokens[:, 1:], **SAMPLING)
-        return grpo_policy_loss(lp, prox, advantages, mask, **{**PPO, "clip_eps_high": 0.28},
-                                importance_weights=weights)[0]
+        return grpo_policy_loss(
+            lp, prox, advantages, mask, **{**PPO, "clip_eps_high": 0.28}, importance_weights=weights
+        )[0]
 
     grads = jax.grad(loss_fn)(params)
     expected = jax.tree.map(lambda p, g: p - g, params, grads)
@@ -297,8 +338,9 @@ def test_on_policy_data_gives_every_mode_the_same_step(model):
     for correction, level in [("none", "token_tis")] + [("decoupled_ppo", lv) for lv in LEVELS]:
         optimizer = make_optimizer(1e-3)
         state = create_train_state(graphdef, params, optimizer, seed=0)
-        update = _grpo_update(graphdef, optimizer, off_policy_correction=correction,
-                              importance_sampling=level)
+        update = _grpo_update(
+            graphdef, optimizer, off_policy_correction=correction, importance_sampling=level
+        )
         new_state, metrics = update(state, None, batch)
         steps[(correction, level)] = new_state.params
         np.testing.assert_allclose(metrics["mismatch_logprob_abs_mean"], 0.0, atol=1e-6)
@@ -325,12 +367,20 @@ def test_make_policy_update_rejects_unknown_modes_and_a_cap_below_one(model):
 
 
 def test_config_keys_reach_the_learner_and_bad_values_name_the_key():
-    cfg = load_config(None, ["learner.off_policy_correction=decoupled_ppo",
-                             "learner.importance_sampling=geometric_tis",
-                             "learner.importance_cap=3"])
+    cfg = load_config(
+        None,
+        [
+            "learner.off_policy_correction=decoupled_ppo",
+            "learner.importance_sampling=geometric_tis",
+            "learner.importance_cap=3",
+        ],
+    )
     hp = RLHyperparams.from_config(cfg)
     assert (hp.off_policy_correction, hp.importance_sampling, hp.importance_cap) == (
-        "decoupled_ppo", "geometric_tis", 3.0)
+        "decoupled_ppo",
+        "geometric_tis",
+        3.0,
+    )
     default = RLHyperparams.from_config(load_config(None))
     assert default.off_policy_correction == "none"  # today's objective stays the default
     with pytest.raises(ConfigError, match="learner.off_policy_correction='aeral'"):
@@ -343,11 +393,21 @@ def test_config_keys_reach_the_learner_and_bad_values_name_the_key():
         load_config(None, ["learner.importance_cap=.inf"])
 
 
-@pytest.mark.parametrize("correction,level", [("none", "token_tis"), ("decoupled_ppo", "sequence_tis")])
+@pytest.mark.parametrize(
+    "correction,level", [("none", "token_tis"), ("decoupled_ppo", "sequence_tis")]
+)
 def test_learner_train_step_reports_the_mismatch(correction, level):
     learner = Learner(TINY, seed=0, pad_id=0)
-    learner.start_rl(RLHyperparams(temperature=1.0, top_k=0, top_p=1.0, learning_rate=1e-3,
-                                     off_policy_correction=correction, importance_sampling=level))
+    learner.start_rl(
+        RLHyperparams(
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            learning_rate=1e-3,
+            off_policy_correction=correction,
+            importance_sampling=level,
+        )
+    )
     trajectories = _trajectories()
     for t in trajectories:  # behaviour logprobs an engine might have reported
         t.logprobs = [-2.5 if m else 0.0 for m in t.loss_mask]

@@ -47,8 +47,9 @@ class FakeEngine:
       wrong: (a, b) -> give a wrong answer.
     """
 
-    def __init__(self, delay=lambda request: 0.0, direct=lambda a, b: False,
-                 wrong=lambda a, b: False):
+    def __init__(
+        self, delay=lambda request: 0.0, direct=lambda a, b: False, wrong=lambda a, b: False
+    ):
         self.version = 0
         self.delay, self.direct, self.wrong = delay, direct, wrong
         self.fail_first_call_of: set[str] = set()  # group ids whose first request raises
@@ -71,16 +72,22 @@ class FakeEngine:
             a, b = map(int, _QUESTION.search(TOKENIZER.decode(list(request.prompt_ids))).groups())
             answer = a + b + (1 if self.wrong(a, b) else 0)
             if int(turn) == 0 and not self.direct(a, b):
-                text = ('<tool_call>{"name": "calculator", "arguments": {"expression": '
-                        f'"{a} + {b}"}}}}</tool_call>')
+                text = (
+                    '<tool_call>{"name": "calculator", "arguments": {"expression": '
+                    f'"{a} + {b}"}}}}</tool_call>'
+                )
             else:
                 text = f"<answer>{answer}</answer>"
             ids = TOKENIZER.encode(text) + [TOKENIZER.end_id]
             self.outputs[request.request_id] = text
             return GenerationResult(
-                request_id=request.request_id, token_ids=tuple(ids),
-                logprobs=(-0.25,) * len(ids), policy_versions=(version,) * len(ids),
-                finish_reason=FinishReason.STOP, text=text + "<|end|>")
+                request_id=request.request_id,
+                token_ids=tuple(ids),
+                logprobs=(-0.25,) * len(ids),
+                policy_versions=(version,) * len(ids),
+                finish_reason=FinishReason.STOP,
+                text=text + "<|end|>",
+            )
         finally:
             self.in_flight -= 1
 
@@ -136,14 +143,27 @@ class EnvLeases:
 
 
 def make_orchestrator(engine, env_provider=None, **kwargs) -> RolloutOrchestrator:
-    args = dict(group_size=2, groups_per_batch=2, max_concurrent_episodes=8, max_staleness=1,
-                max_turns=4, max_context_tokens=1024,
-                sampling=SamplingParams(max_new_tokens=128, temperature=1.0),
-                episode_timeout_s=60.0, batch_queue_size=2, engine_backoff=FAST,
-                retry_backoff=FAST)
+    args = dict(
+        group_size=2,
+        groups_per_batch=2,
+        max_concurrent_episodes=8,
+        max_staleness=1,
+        max_turns=4,
+        max_context_tokens=1024,
+        sampling=SamplingParams(max_new_tokens=128, temperature=1.0),
+        episode_timeout_s=60.0,
+        batch_queue_size=2,
+        engine_backoff=FAST,
+        retry_backoff=FAST,
+    )
     args.update(kwargs)
-    return RolloutOrchestrator(tasks=TASKS, agent_factory=lambda: ToolAgent(TOKENIZER),
-                               engine=engine, env_provider=env_provider or EnvLeases(), **args)
+    return RolloutOrchestrator(
+        tasks=TASKS,
+        agent_factory=lambda: ToolAgent(TOKENIZER),
+        engine=engine,
+        env_provider=env_provider or EnvLeases(),
+        **args,
+    )
 
 
 async def settle(rounds: int = 200) -> None:
@@ -199,19 +219,27 @@ def test_batches_hold_whole_groups_with_exact_tokens_and_loss_mask():
         for t in members:
             assert t.status == EpisodeStatus.COMPLETED and t.reward == 1.0 and t.num_turns == 2
             a, b = map(int, _QUESTION.search(task.question).groups())
-            call = ('<tool_call>{"name": "calculator", "arguments": {"expression": '
-                    f'"{a} + {b}"}}}}</tool_call><|end|>')
+            call = (
+                '<tool_call>{"name": "calculator", "arguments": {"expression": '
+                f'"{a} + {b}"}}}}</tool_call><|end|>'
+            )
             answer = f"<answer>{a + b}</answer><|end|>"
             prompt = TOKENIZER.encode(f"<|user|>{task.question}<|end|><|assistant|>")
             observation = TOKENIZER.encode(f"<|tool|>{a + b}<|end|><|assistant|>")
-            expected = (prompt + TOKENIZER.encode(call) + observation + TOKENIZER.encode(answer))
+            expected = prompt + TOKENIZER.encode(call) + observation + TOKENIZER.encode(answer)
             assert t.token_ids == expected
-            mask = ([0] * len(prompt) + [1] * len(TOKENIZER.encode(call)) + [0] * len(observation)
-                    + [1] * len(TOKENIZER.encode(answer)))
+            mask = (
+                [0] * len(prompt)
+                + [1] * len(TOKENIZER.encode(call))
+                + [0] * len(observation)
+                + [1] * len(TOKENIZER.encode(answer))
+            )
             assert t.loss_mask == mask
             assert all((lp == -0.25) == bool(m) for lp, m in zip(t.logprobs, t.loss_mask))
-            assert all((v == 0) == bool(m) and (v == -1) != bool(m)
-                       for v, m in zip(t.policy_versions, t.loss_mask))
+            assert all(
+                (v == 0) == bool(m) and (v == -1) != bool(m)
+                for v, m in zip(t.policy_versions, t.loss_mask)
+            )
     assert info["batch_id"] == 0 and info["consume_version"] == 0
     assert info["num_trajectories"] == 6
     assert info["reward_mean"] == 1.0 and info["tool_use_rate"] == 1.0
@@ -220,8 +248,11 @@ def test_batches_hold_whole_groups_with_exact_tokens_and_loss_mask():
     assert info["statuses"] == {"completed": 6}
     # Each sample of a group gets its own seed, or every sample would be identical.
     for group_id in groups:
-        seeds = [r.seed for r in engine.requests if r.request_id.startswith(f"{group_id}/")
-                 and r.request_id.endswith("/0")]
+        seeds = [
+            r.seed
+            for r in engine.requests
+            if r.request_id.startswith(f"{group_id}/") and r.request_id.endswith("/0")
+        ]
         assert len(seeds) == 3 and len(set(seeds)) == 3
 
 
@@ -231,8 +262,9 @@ def test_batches_hold_whole_groups_with_exact_tokens_and_loss_mask():
 def test_zero_staleness_starts_no_group_before_the_previous_batch_is_trained():
     async def main():
         engine = FakeEngine(delay=lambda r: random.random() * 0.002)
-        orchestrator = make_orchestrator(engine, max_staleness=0, group_size=2,
-                                         groups_per_batch=3, max_concurrent_episodes=64)
+        orchestrator = make_orchestrator(
+            engine, max_staleness=0, group_size=2, groups_per_batch=3, max_concurrent_episodes=64
+        )
         started = []
 
         async def after_batch(k):
@@ -248,7 +280,9 @@ def test_zero_staleness_starts_no_group_before_the_previous_batch_is_trained():
     assert started == [3, 6, 9, 12]  # batch k+1's groups wait for mark_trained(k)
     for trajectories, info, version in consumed:
         assert info["consume_version"] == version
-        assert {v for t in trajectories for v, m in zip(t.policy_versions, t.loss_mask) if m} == {version}
+        assert {v for t in trajectories for v, m in zip(t.policy_versions, t.loss_mask) if m} == {
+            version
+        }
         assert info["staleness_max"] == 0
 
 
@@ -258,8 +292,13 @@ def test_every_consumed_token_is_at_most_max_staleness_versions_old(max_stalenes
         rng = random.Random(max_staleness)
         # Uneven generation times: groups finish out of order, weights change mid-episode.
         engine = FakeEngine(delay=lambda r: rng.choice([0.0, 0.0, 0.001, 0.005, 0.02]))
-        orchestrator = make_orchestrator(engine, max_staleness=max_staleness, group_size=2,
-                                         groups_per_batch=2, max_concurrent_episodes=16)
+        orchestrator = make_orchestrator(
+            engine,
+            max_staleness=max_staleness,
+            group_size=2,
+            groups_per_batch=2,
+            max_concurrent_episodes=16,
+        )
         consumed = await learner_loop(orchestrator, engine, 8, train_s=0.003)
         stats = orchestrator.stats()
         await orchestrator.stop()
@@ -268,7 +307,9 @@ def test_every_consumed_token_is_at_most_max_staleness_versions_old(max_stalenes
     consumed, stats = run(main())
     for trajectories, info, version in consumed:
         assert info["consume_version"] == version
-        ages = [version - v for t in trajectories for v, m in zip(t.policy_versions, t.loss_mask) if m]
+        ages = [
+            version - v for t in trajectories for v, m in zip(t.policy_versions, t.loss_mask) if m
+        ]
         assert ages and 0 <= min(ages) and max(ages) <= max_staleness
         assert info["staleness_max"] == max(ages)
     # Admission lets the producer run ahead, but never beyond the staleness window.
@@ -282,8 +323,14 @@ def test_max_concurrent_episodes_is_never_exceeded():
     async def main():
         engine = FakeEngine(delay=lambda r: 0.001)
         leases = EnvLeases()
-        orchestrator = make_orchestrator(engine, leases, group_size=2, groups_per_batch=4,
-                                         max_concurrent_episodes=5, max_staleness=2)
+        orchestrator = make_orchestrator(
+            engine,
+            leases,
+            group_size=2,
+            groups_per_batch=4,
+            max_concurrent_episodes=5,
+            max_staleness=2,
+        )
         await learner_loop(orchestrator, engine, 4)
         await orchestrator.stop()
         return engine, leases
@@ -299,9 +346,14 @@ def test_producer_stops_when_the_batch_queue_is_full():
     async def main():
         engine = FakeEngine()
         # A staleness window far wider than the queue: only the queue can hold it back.
-        orchestrator = make_orchestrator(engine, group_size=2, groups_per_batch=1,
-                                         max_concurrent_episodes=2, max_staleness=100,
-                                         batch_queue_size=1)
+        orchestrator = make_orchestrator(
+            engine,
+            group_size=2,
+            groups_per_batch=1,
+            max_concurrent_episodes=2,
+            max_staleness=100,
+            batch_queue_size=1,
+        )
         [_], _ = await orchestrator.next_batch()
         await settle(500)
         stalled = orchestrator.stats()
@@ -323,7 +375,9 @@ def test_producer_stops_when_the_batch_queue_is_full():
 
 
 def _trained_indices(consumed) -> list[int]:
-    return sorted(index_of(g) for trajectories, _, _ in consumed for g in {t.group_id for t in trajectories})
+    return sorted(
+        index_of(g) for trajectories, _, _ in consumed for g in {t.group_id for t in trajectories}
+    )
 
 
 def _assert_accounted(trained: list[int], state: dict) -> None:
@@ -348,9 +402,15 @@ def test_every_task_is_trained_filtered_or_pending_and_resume_redoes_pending_fir
 
     async def first_run():
         engine = FakeEngine(delay=lambda r: 0.001)
-        orchestrator = make_orchestrator(engine, EnvLeases(flaky), drop_failed_groups=True,
-                                         group_size=2, groups_per_batch=2,
-                                         max_concurrent_episodes=4, max_staleness=1)
+        orchestrator = make_orchestrator(
+            engine,
+            EnvLeases(flaky),
+            drop_failed_groups=True,
+            group_size=2,
+            groups_per_batch=2,
+            max_concurrent_episodes=4,
+            max_staleness=1,
+        )
         consumed = await learner_loop(orchestrator, engine, 4)
         await orchestrator.next_batch()  # taken by the learner, crash before training on it
         await settle()
@@ -363,15 +423,24 @@ def test_every_task_is_trained_filtered_or_pending_and_resume_redoes_pending_fir
     assert state["counters"]["groups_filtered_failed_episode"] >= 1
     assert state["pending"], "the untrained batch's tasks stay pending"
     _assert_accounted(trained, state)
-    assert all(index_of(g) % 3 != 0 for g in
-               {t.group_id for trajectories, _, _ in consumed for t in trajectories})
+    assert all(
+        index_of(g) % 3 != 0
+        for g in {t.group_id for trajectories, _, _ in consumed for t in trajectories}
+    )
 
     async def resumed_run():
         leases = EnvLeases(flaky)
-        orchestrator = make_orchestrator(engine, leases, drop_failed_groups=True,
-                                         group_size=2, groups_per_batch=2,
-                                         max_concurrent_episodes=4, max_staleness=1,
-                                         state=state, policy_version=engine.version)
+        orchestrator = make_orchestrator(
+            engine,
+            leases,
+            drop_failed_groups=True,
+            group_size=2,
+            groups_per_batch=2,
+            max_concurrent_episodes=4,
+            max_staleness=1,
+            state=state,
+            policy_version=engine.version,
+        )
         consumed = await learner_loop(orchestrator, engine, 4)
         await orchestrator.stop()
         return leases, consumed, orchestrator.state()
@@ -381,7 +450,7 @@ def test_every_task_is_trained_filtered_or_pending_and_resume_redoes_pending_fir
     pending = state["pending"]
     assert order[: len(pending)] == pending  # the pending tasks first, in order
     assert order[len(pending)] == state["next_index"]  # then on from the data position
-    assert all(i >= state["next_index"] for i in order[len(pending):])
+    assert all(i >= state["next_index"] for i in order[len(pending) :])
     _assert_accounted(trained + _trained_indices(consumed_after), state_after)
 
 
@@ -391,8 +460,9 @@ def test_every_task_is_trained_filtered_or_pending_and_resume_redoes_pending_fir
 def test_env_failure_ends_one_episode_and_masks_it_but_keeps_the_group():
     async def main():
         engine = FakeEngine()
-        orchestrator = make_orchestrator(engine, EnvLeases(lambda g, member: member == 0),
-                                         group_size=3, groups_per_batch=1)
+        orchestrator = make_orchestrator(
+            engine, EnvLeases(lambda g, member: member == 0), group_size=3, groups_per_batch=1
+        )
         [batch], info = await orchestrator.next_batch()
         await orchestrator.stop()
         return record_batch_to_trajectories(batch), info, orchestrator.stats()["counters"]
@@ -416,9 +486,14 @@ def test_groups_with_a_failed_episode_are_dropped_and_counted_when_configured():
 
     async def main():
         engine = FakeEngine()
-        orchestrator = make_orchestrator(engine, EnvLeases(flaky), drop_failed_groups=True,
-                                         group_size=2, groups_per_batch=2,
-                                         max_concurrent_episodes=4)
+        orchestrator = make_orchestrator(
+            engine,
+            EnvLeases(flaky),
+            drop_failed_groups=True,
+            group_size=2,
+            groups_per_batch=2,
+            max_concurrent_episodes=4,
+        )
         consumed = await learner_loop(orchestrator, engine, 3)
         await orchestrator.stop()
         return consumed, orchestrator.state()
@@ -451,14 +526,19 @@ def test_an_environment_that_raises_in_step_trips_the_breaker_with_one_clear_err
     monkeypatch.setitem(ENVS, "exploding", ExplodingEnv)
 
     async def main():
-        orchestrator = make_orchestrator(FakeEngine(), EnvLeases(env_name="exploding"),
-                                         groups_per_batch=1, max_group_retries=1,
-                                         max_consecutive_failures=12)
+        orchestrator = make_orchestrator(
+            FakeEngine(),
+            EnvLeases(env_name="exploding"),
+            groups_per_batch=1,
+            max_group_retries=1,
+            max_consecutive_failures=12,
+        )
         evaluation = await orchestrator.evaluate(TASKS[:3], max_new_tokens=64)
         assert evaluation["statuses"] == {"env_error": 3}
         assert "verifier bug" in evaluation["error"]
-        with pytest.raises(RolloutHalted, match="12 episodes in a row failed: the environment "
-                                                "raised") as halted:
+        with pytest.raises(
+            RolloutHalted, match="12 episodes in a row failed: the environment raised"
+        ) as halted:
             await asyncio.wait_for(orchestrator.next_batch(), 30)
         with pytest.raises(RolloutHalted):  # it stays halted
             await asyncio.wait_for(orchestrator.next_batch(), 30)
@@ -477,13 +557,19 @@ def test_an_environment_that_raises_in_step_trips_the_breaker_with_one_clear_err
     _assert_accounted([], state)  # every task handed out is filtered (counted) or pending
 
 
-def test_an_environment_that_raises_in_reset_is_retried_then_filtered_not_retried_forever(monkeypatch):
+def test_an_environment_that_raises_in_reset_is_retried_then_filtered_not_retried_forever(
+    monkeypatch,
+):
     monkeypatch.setitem(ENVS, "broken_reset", BrokenResetEnv)
 
     async def main():
-        orchestrator = make_orchestrator(FakeEngine(), EnvLeases(env_name="broken_reset"),
-                                         groups_per_batch=1, max_group_retries=2,
-                                         max_consecutive_failures=0)  # breaker off
+        orchestrator = make_orchestrator(
+            FakeEngine(),
+            EnvLeases(env_name="broken_reset"),
+            groups_per_batch=1,
+            max_group_retries=2,
+            max_consecutive_failures=0,
+        )  # breaker off
         next_batch = asyncio.ensure_future(orchestrator.next_batch())
         for _ in range(2000):
             await asyncio.sleep(0.001)
@@ -500,7 +586,11 @@ def test_an_environment_that_raises_in_reset_is_retried_then_filtered_not_retrie
     # A filtered task was retried max_group_retries (2) times before it was given up; one
     # still pending, at most that often.
     filtered = counters["groups_filtered_env_error"]
-    assert 2 * filtered <= counters["groups_retried_env_error"] <= 2 * (filtered + len(state["pending"]))
+    assert (
+        2 * filtered
+        <= counters["groups_retried_env_error"]
+        <= 2 * (filtered + len(state["pending"]))
+    )
     assert counters.get("groups_retried_engine_error", 0) == 0
     _assert_accounted([], state)
 
@@ -510,8 +600,14 @@ def test_a_short_engine_outage_is_retried_inside_the_episode_and_costs_no_task()
         engine = FakeEngine(delay=lambda r: 0.005)
         engine.fail_first_call_of = {"g1"}
         leases = EnvLeases()
-        orchestrator = make_orchestrator(engine, leases, group_size=3, groups_per_batch=1,
-                                         max_concurrent_episodes=3, max_staleness=1)
+        orchestrator = make_orchestrator(
+            engine,
+            leases,
+            group_size=3,
+            groups_per_batch=1,
+            max_concurrent_episodes=3,
+            max_staleness=1,
+        )
         consumed = await learner_loop(orchestrator, engine, 4)
         await orchestrator.stop()
         return leases, consumed, orchestrator.state()
@@ -530,9 +626,15 @@ def test_an_engine_down_past_the_episode_retries_retries_the_group_without_orpha
         engine = FakeEngine(delay=lambda r: 0.005)
         engine.fail_first_call_of = {"g1"}
         leases = EnvLeases()
-        orchestrator = make_orchestrator(engine, leases, group_size=3, groups_per_batch=1,
-                                         max_concurrent_episodes=3, max_staleness=1,
-                                         engine_backoff=Backoff(0.001, 0.001, max_attempts=1))
+        orchestrator = make_orchestrator(
+            engine,
+            leases,
+            group_size=3,
+            groups_per_batch=1,
+            max_concurrent_episodes=3,
+            max_staleness=1,
+            engine_backoff=Backoff(0.001, 0.001, max_attempts=1),
+        )
         consumed = await learner_loop(orchestrator, engine, 4)
         await orchestrator.stop()
         return leases, consumed, orchestrator.state()
@@ -565,8 +667,9 @@ class AlwaysFailingFor(FakeEngine):
 def test_a_task_whose_engine_calls_always_fail_is_filtered_after_bounded_retries():
     async def main():
         engine = AlwaysFailingFor({"g0"}, delay=lambda r: 0.001)
-        orchestrator = make_orchestrator(engine, group_size=2, groups_per_batch=1,
-                                         max_concurrent_episodes=2, max_group_retries=2)
+        orchestrator = make_orchestrator(
+            engine, group_size=2, groups_per_batch=1, max_concurrent_episodes=2, max_group_retries=2
+        )
         consumed = await learner_loop(orchestrator, engine, 3)
         await orchestrator.stop()
         return engine, consumed, orchestrator.state()
@@ -591,11 +694,20 @@ def test_a_bug_in_agent_code_is_raised_not_retried_as_an_engine_failure():
     async def main():
         engine = FakeEngine()
         orchestrator = RolloutOrchestrator(
-            tasks=TASKS, agent_factory=lambda: BuggyAgent(TOKENIZER), engine=engine,
-            env_provider=EnvLeases(), group_size=2, groups_per_batch=1,
-            max_concurrent_episodes=2, max_staleness=0, max_turns=2,
-            max_context_tokens=1024, sampling=SamplingParams(max_new_tokens=128),
-            engine_backoff=FAST, retry_backoff=FAST)
+            tasks=TASKS,
+            agent_factory=lambda: BuggyAgent(TOKENIZER),
+            engine=engine,
+            env_provider=EnvLeases(),
+            group_size=2,
+            groups_per_batch=1,
+            max_concurrent_episodes=2,
+            max_staleness=0,
+            max_turns=2,
+            max_context_tokens=1024,
+            sampling=SamplingParams(max_new_tokens=128),
+            engine_backoff=FAST,
+            retry_backoff=FAST,
+        )
         with pytest.raises(KeyError, match="a bug in the parser"):
             await asyncio.wait_for(orchestrator.next_batch(), 30)
         await orchestrator.stop()
@@ -615,8 +727,9 @@ def test_an_episode_over_its_time_budget_ends_as_timeout_and_leaves_group_statis
             return 3600.0 if turn == "1" and int(seed) % 2 == 0 else 0.0
 
         engine = FakeEngine(delay=delay)
-        orchestrator = make_orchestrator(engine, group_size=2, groups_per_batch=1,
-                                         episode_timeout_s=0.05)
+        orchestrator = make_orchestrator(
+            engine, group_size=2, groups_per_batch=1, episode_timeout_s=0.05
+        )
         [batch], info = await orchestrator.next_batch()
         await orchestrator.stop()
         return record_batch_to_trajectories(batch), info, orchestrator.stats()["counters"]
@@ -655,12 +768,18 @@ def test_evaluate_reports_success_and_tool_use_rates():
 def test_batches_reach_the_learner_in_the_order_they_were_formed():
     """Many groups finish while the queue is full; a batch formed earlier must not be
     overtaken, or it would be consumed later than its staleness check assumed."""
+
     async def main():
         rng = random.Random(3)
         engine = FakeEngine(delay=lambda r: rng.choice([0.0, 0.0, 0.0005, 0.002]))
-        orchestrator = make_orchestrator(engine, group_size=2, groups_per_batch=1,
-                                         max_concurrent_episodes=32, max_staleness=8,
-                                         batch_queue_size=1)
+        orchestrator = make_orchestrator(
+            engine,
+            group_size=2,
+            groups_per_batch=1,
+            max_concurrent_episodes=32,
+            max_staleness=8,
+            batch_queue_size=1,
+        )
         consumed = await learner_loop(orchestrator, engine, 30)
         await orchestrator.stop()
         return consumed
@@ -669,5 +788,9 @@ def test_batches_reach_the_learner_in_the_order_they_were_formed():
     assert [info["batch_id"] for _, info, _ in consumed] == list(range(30))
     for trajectories, info, version in consumed:
         assert info["consume_version"] == version
-        assert all(version - v <= 8 for t in trajectories
-                   for v, m in zip(t.policy_versions, t.loss_mask) if m)
+        assert all(
+            version - v <= 8
+            for t in trajectories
+            for v, m in zip(t.policy_versions, t.loss_mask)
+            if m
+        )

@@ -55,9 +55,15 @@ def assert_staleness_bound(consumed, max_staleness):
 def _straggler_run(policy, num_batches=6, **kwargs):
     async def main():
         engine = GatedEngine(straggler)
-        orchestrator = make_orchestrator(engine, group_size=2, groups_per_batch=2,
-                                         max_concurrent_episodes=8, max_staleness=1,
-                                         stale_token_policy=policy, **kwargs)
+        orchestrator = make_orchestrator(
+            engine,
+            group_size=2,
+            groups_per_batch=2,
+            max_concurrent_episodes=8,
+            max_staleness=1,
+            stale_token_policy=policy,
+            **kwargs,
+        )
         consumed = await learner_loop(orchestrator, engine, num_batches, train_s=0.002)
         await orchestrator.stop()
         return consumed, orchestrator.state()["counters"]
@@ -66,8 +72,12 @@ def _straggler_run(policy, num_batches=6, **kwargs):
 
 
 def _of_group(consumed, group_id):
-    return [(t, info, version) for trajectories, info, version in consumed
-            for t in trajectories if t.group_id == group_id]
+    return [
+        (t, info, version)
+        for trajectories, info, version in consumed
+        for t in trajectories
+        if t.group_id == group_id
+    ]
 
 
 # -- staleness policies ----------------------------------------------------------------------
@@ -129,9 +139,14 @@ def test_the_staleness_bound_holds_for_every_consumed_token_across_a_checkpoint_
             return None
         return version + max_staleness + 1
 
-    settings = dict(group_size=2, groups_per_batch=3, max_concurrent_episodes=16,
-                    max_staleness=max_staleness, stale_token_policy=policy,
-                    episode_timeout_s=10.0)
+    settings = dict(
+        group_size=2,
+        groups_per_batch=3,
+        max_concurrent_episodes=16,
+        max_staleness=max_staleness,
+        stale_token_policy=policy,
+        episode_timeout_s=10.0,
+    )
 
     async def first_run(engine):
         orchestrator = make_orchestrator(engine, **settings)
@@ -141,8 +156,7 @@ def test_the_staleness_bound_holds_for_every_consumed_token_across_a_checkpoint_
         return consumed, state
 
     async def resumed_run(engine, state, version):
-        orchestrator = make_orchestrator(engine, **settings, state=state,
-                                         policy_version=version)
+        orchestrator = make_orchestrator(engine, **settings, state=state, policy_version=version)
         consumed = await learner_loop(orchestrator, engine, 6, train_s=0.002)
         await orchestrator.stop()
         return consumed, orchestrator.state()
@@ -184,8 +198,13 @@ def _partial_run(partial_rollout, gate, num_batches=4, delay=lambda request: 0.0
     async def main():
         engine = GatedEngine(gate, delay=delay)
         leases = EnvLeases()
-        args = dict(group_size=2, groups_per_batch=2, max_concurrent_episodes=8,
-                    max_staleness=4, partial_rollout=partial_rollout)
+        args = dict(
+            group_size=2,
+            groups_per_batch=2,
+            max_concurrent_episodes=8,
+            max_staleness=4,
+            partial_rollout=partial_rollout,
+        )
         args.update(kwargs)
         orchestrator = make_orchestrator(engine, leases, **args)
         consumed = await learner_loop(orchestrator, engine, num_batches, train_s=0.002)
@@ -197,8 +216,11 @@ def _partial_run(partial_rollout, gate, num_batches=4, delay=lambda request: 0.0
 
 def test_partial_rollouts_carry_an_episode_across_a_weight_update():
     consumed, counters, leases = _partial_run(
-        True, lambda g, turn, v: straggler(g, turn, v, until=1), num_batches=6,
-        delay=lambda r: 0.0 if r.request_id.startswith("g0/") else 0.003)
+        True,
+        lambda g, turn, v: straggler(g, turn, v, until=1),
+        num_batches=6,
+        delay=lambda r: 0.0 if r.request_id.startswith("g0/") else 0.003,
+    )
     members = _of_group(consumed, "g0")
     assert len(members) == 2
     for t, _, _ in members:
@@ -210,8 +232,11 @@ def test_partial_rollouts_carry_an_episode_across_a_weight_update():
 def test_without_partial_rollouts_an_interrupted_episode_restarts_from_its_prompt():
     # The other groups are slower, so the restarted g0 is packed early, well within the bound.
     consumed, counters, leases = _partial_run(
-        False, lambda g, turn, v: straggler(g, turn, v, until=1), num_batches=6,
-        delay=lambda r: 0.0 if r.request_id.startswith("g0/") else 0.003)
+        False,
+        lambda g, turn, v: straggler(g, turn, v, until=1),
+        num_batches=6,
+        delay=lambda r: 0.0 if r.request_id.startswith("g0/") else 0.003,
+    )
     members = _of_group(consumed, "g0")
     assert len(members) == 2
     for t, info, version in members:
@@ -233,9 +258,13 @@ def test_restarts_are_bounded_so_a_faster_learner_cannot_livelock_an_episode():
         return version + 1 if group_id == "g0" and turn == 1 else None
 
     # accept: however late g0 is packed, it is consumed and can be looked at.
-    consumed, counters, leases = _partial_run(False, always_interrupted, num_batches=8,
-                                              max_weight_update_restarts=2,
-                                              stale_token_policy="accept")
+    consumed, counters, leases = _partial_run(
+        False,
+        always_interrupted,
+        num_batches=8,
+        max_weight_update_restarts=2,
+        stale_token_policy="accept",
+    )
     assert leases.leases_per_group["g0"] == 2 * 3  # 2 members x (1 try + 2 restarts)
     assert counters["episodes_restarted_weight_update"] >= 2 * 2
     assert counters["episodes_accepted_mixed_versions"] == 2  # only g0's ran out of restarts
@@ -275,9 +304,15 @@ def test_restart_checks_the_version_before_spending_a_generation():
     async def main():
         engine = FakeEngine()
         leases = SlowToolEnvs(engine)
-        orchestrator = make_orchestrator(engine, leases, group_size=2, groups_per_batch=1,
-                                         max_concurrent_episodes=4, max_staleness=1,
-                                         partial_rollout=False)
+        orchestrator = make_orchestrator(
+            engine,
+            leases,
+            group_size=2,
+            groups_per_batch=1,
+            max_concurrent_episodes=4,
+            max_staleness=1,
+            partial_rollout=False,
+        )
         consumed = await learner_loop(orchestrator, engine, 3)
         await orchestrator.stop()
         return engine, consumed, orchestrator.state()["counters"]

@@ -76,8 +76,9 @@ SCENARIO = textwrap.dedent('''
 
 @pytest.fixture(scope="module")
 def scenario():
-    done = subprocess.run([sys.executable, "-c", SCENARIO], capture_output=True, text=True,
-                          timeout=240, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", SCENARIO], capture_output=True, text=True, timeout=240, check=False
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -129,16 +130,23 @@ def test_env_actors_may_not_ask_for_an_accelerator():
     with pytest.raises(ValueError, match="raytunix_env=0"):
         cpu_actor_options({"raytunix_env": 0})
     assert cpu_actor_options({"raytunix_env": 1}) == {
-        "num_cpus": 0, "resources": {"raytunix_env": 1},
-        "runtime_env": {"env_vars": {"JAX_PLATFORMS": "cpu"}}}
+        "num_cpus": 0,
+        "resources": {"raytunix_env": 1},
+        "runtime_env": {"env_vars": {"JAX_PLATFORMS": "cpu"}},
+    }
 
 
 def test_placement_config_keys_are_validated_with_the_fix_in_the_message():
     from raytunix.config import ConfigError, load_config
     from raytunix.placement import LearnerHostsSpec
 
-    slice_keys = ["learner.num_hosts=4", "learner.resources.TPU=4", "learner.tpu_topology=4x4",
-                  "learner.tpu_version=v6e", "engine.placement=disaggregated"]
+    slice_keys = [
+        "learner.num_hosts=4",
+        "learner.resources.TPU=4",
+        "learner.tpu_topology=4x4",
+        "learner.tpu_version=v6e",
+        "engine.placement=disaggregated",
+    ]
     cfg = load_config(None, [*slice_keys, "env.actor_resources.raytunix_env=1"])
     spec = LearnerHostsSpec.from_config(cfg.learner)
     assert (spec.num_hosts, spec.resources, spec.strategy) == (4, {"TPU": 4}, "STRICT_SPREAD")
@@ -167,11 +175,21 @@ def test_engine_and_single_learner_resources():
     from raytunix.config import ConfigError, load_config
     from raytunix.placement import LearnerHostsSpec
 
-    cfg = load_config(None, ["engine.placement=disaggregated", "engine.actor_resources.TPU=4",
-                             "learner.resources.TPU=8", "learner.resources.CPU=4"])
+    cfg = load_config(
+        None,
+        [
+            "engine.placement=disaggregated",
+            "engine.actor_resources.TPU=4",
+            "learner.resources.TPU=8",
+            "learner.resources.CPU=4",
+        ],
+    )
     assert cfg.engine.actor_resources == {"TPU": 4}
     assert LearnerHostsSpec.from_config(cfg.learner).actor_options() == {
-        "num_cpus": 4, "num_gpus": 0, "resources": {"TPU": 8}}
+        "num_cpus": 4,
+        "num_gpus": 0,
+        "resources": {"TPU": 8},
+    }
     assert LearnerHostsSpec().actor_options() == {"num_cpus": 1.0, "num_gpus": 0, "resources": {}}
     with pytest.raises(ConfigError, match="engine.actor_resources=.*disaggregated"):
         load_config(None, ["engine.actor_resources.TPU=4"])

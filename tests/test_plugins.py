@@ -34,7 +34,8 @@ class NeedsSecret(BaseEnv):
 def installed_package(tmp_path, monkeypatch):
     """A package installed the way pip leaves one: a module plus a .dist-info folder whose
     entry_points.txt registers an environment, an agent and a tool."""
-    (tmp_path / "tinyplug.py").write_text(textwrap.dedent("""
+    (tmp_path / "tinyplug.py").write_text(
+        textwrap.dedent("""
         from raytunix.agents import TextAgent
         from raytunix.envs import MathVerifierEnv
         from raytunix.tools import Calculator
@@ -47,7 +48,8 @@ def installed_package(tmp_path, monkeypatch):
 
         class PlugCalculator(Calculator):
             name = "plug_calculator"
-    """))
+    """)
+    )
     dist = tmp_path / "tinyplug-1.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: tinyplug\nVersion: 1.0\n")
@@ -55,7 +57,8 @@ def installed_package(tmp_path, monkeypatch):
         "[raytunix.envs]\nplug = tinyplug:PlugEnv\nbroken = tinyplug_missing:Env\n"
         "calculator_math = tinyplug:PlugEnv\n\n"
         "[raytunix.agents]\nplug_agent = tinyplug:PlugAgent\n\n"
-        "[raytunix.tools]\nplug_calculator = tinyplug:PlugCalculator\n")
+        "[raytunix.tools]\nplug_calculator = tinyplug:PlugCalculator\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     yield tmp_path
     sys.modules.pop("tinyplug", None)
@@ -65,14 +68,18 @@ def test_registered_names_resolve_to_the_package_registry():
     assert plugins.resolve("env", "simulated_tool") is ENVS["simulated_tool"]
     assert plugins.resolve("tool", "calculator") is Calculator
     assert plugins.resolve("env", "raytunix.envs:MathVerifierEnv") is MathVerifierEnv
-    with pytest.raises(plugins.PluginError, match="unknown environment 'chess'; registered: "
-                                                  "bash_terminal, calculator_math, gymnasium"):
+    with pytest.raises(
+        plugins.PluginError,
+        match="unknown environment 'chess'; registered: bash_terminal, calculator_math, gymnasium",
+    ):
         plugins.resolve("env", "chess")
     with pytest.raises(plugins.PluginError, match="not a subclass of raytunix.envs.base.BaseEnv"):
         plugins.resolve("env", "raytunix.tools:Calculator")
     with pytest.raises(plugins.PluginError, match="is abstract; implement _initial_observation"):
         plugins.resolve("env", "raytunix.envs:BaseEnv")
-    with pytest.raises(plugins.PluginError, match="no module named 'no_such_pkg.agents' on this process's path"):
+    with pytest.raises(
+        plugins.PluginError, match="no module named 'no_such_pkg.agents' on this process's path"
+    ):
         plugins.resolve("agent", "no_such_pkg.agents:Agent")
 
 
@@ -85,9 +92,13 @@ def test_entry_points_of_installed_packages(installed_package):
     # A built-in name wins over a package that claims it too.
     assert plugins.resolve("env", "calculator_math") is ENVS["calculator_math"]
     names = plugins.registered_names("env")
-    assert names.index("plug") > names.index("simulated_tool") and names.count("calculator_math") == 1
-    with pytest.raises(plugins.PluginError, match="entry point 'tinyplug_missing:Env'.*package "
-                                                  "'tinyplug'.*fails to load"):
+    assert (
+        names.index("plug") > names.index("simulated_tool") and names.count("calculator_math") == 1
+    )
+    with pytest.raises(
+        plugins.PluginError,
+        match="entry point 'tinyplug_missing:Env'.*package 'tinyplug'.*fails to load",
+    ):
         plugins.resolve("env", "broken")
     # ... and gymnasium knows it as raytunix/plug.
     assert "raytunix/plug" in register_gymnasium_ids() or "raytunix/plug" in gymnasium.registry
@@ -105,12 +116,16 @@ def test_check_kwargs_against_the_signature():
     check = plugins.check_kwargs
     check(NeedsSecret, {"secret": "s", "rounds": 2, "scale": 1, "tag": "y"}, key="env.kwargs")
     check(NeedsSecret, {"secret": "s", "scale": None}, key="env.kwargs")
-    with pytest.raises(plugins.PluginError, match="env.kwargs.round: NeedsSecret takes no "
-                                                  "argument 'round'; it accepts secret, rounds, "
-                                                  "scale, tag"):
+    with pytest.raises(
+        plugins.PluginError,
+        match="env.kwargs.round: NeedsSecret takes no "
+        "argument 'round'; it accepts secret, rounds, "
+        "scale, tag",
+    ):
         check(NeedsSecret, {"secret": "s", "round": 2}, key="env.kwargs")
-    with pytest.raises(plugins.PluginError, match="NeedsSecret needs secret, which env.kwargs "
-                                                  "does not give"):
+    with pytest.raises(
+        plugins.PluginError, match="NeedsSecret needs secret, which env.kwargs does not give"
+    ):
         check(NeedsSecret, {}, key="env.kwargs")
     with pytest.raises(plugins.PluginError, match=r"env.kwargs.rounds='2' must be int"):
         check(NeedsSecret, {"secret": "s", "rounds": "2"}, key="env.kwargs")
@@ -118,18 +133,25 @@ def test_check_kwargs_against_the_signature():
         check(NeedsSecret, {"secret": "s", "rounds": True}, key="env.kwargs")
     with pytest.raises(plugins.PluginError, match=r"env.kwargs.scale=False must be float"):
         check(NeedsSecret, {"secret": "s", "scale": False}, key="env.kwargs")
-    with pytest.raises(plugins.PluginError, match=r"env.kwargs.scale='big' must be float or NoneType"):
+    with pytest.raises(
+        plugins.PluginError, match=r"env.kwargs.scale='big' must be float or NoneType"
+    ):
         check(NeedsSecret, {"secret": "s", "scale": "big"}, key="env.kwargs")
     with pytest.raises(plugins.PluginError, match="must be a mapping"):
         check(NeedsSecret, ["secret"], key="env.kwargs")
     with pytest.raises(plugins.PluginError, match="set by raytunix itself"):
-        check(plugins.resolve("agent", "text"), {"tokenizer": 1}, key="env.agent_kwargs",
-              provided=("tokenizer",))
+        check(
+            plugins.resolve("agent", "text"),
+            {"tokenizer": 1},
+            key="env.agent_kwargs",
+            provided=("tokenizer",),
+        )
 
 
 def test_tools_are_named_like_envs():
     assert list(make_env("calculator_math", tools=["raytunix.tools:Calculator"]).tools) == [
-        "calculator"]
+        "calculator"
+    ]
     assert list(make_env("calculator_math", tools="calculator").tools) == ["calculator"]
     with pytest.raises(ValueError, match="tool names must be unique"):
         make_env("calculator_math", tools=["calculator", "raytunix.tools:Calculator"])
@@ -144,9 +166,13 @@ def test_where_actors_find_modules_named_in_config(tmp_path, monkeypatch):
     (package / "__init__.py").write_text("")
     (package / "envs.py").write_text("X = 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    value = {"env_id": "pkg.sub.envs:Game-v0", "tools": ["pkg.sub:Tool", "calculator"],
-             "url": "http://example.com:80", "own": "raytunix.tools:Calculator",
-             "missing": "no_such_pkg:Thing"}
+    value = {
+        "env_id": "pkg.sub.envs:Game-v0",
+        "tools": ["pkg.sub:Tool", "calculator"],
+        "url": "http://example.com:80",
+        "own": "raytunix.tools:Calculator",
+        "missing": "no_such_pkg:Thing",
+    }
     assert plugins.module_roots(value) == [str(tmp_path)]
     assert "pkg.sub.envs" not in sys.modules  # found, not imported
     assert plugins.import_root(Calculator) is None  # raytunix's own: importable anyway
@@ -192,10 +218,16 @@ def test_env_tasks_are_checked():
 
 
 def test_a_batch_with_nothing_to_learn_from_is_an_error():
-    ok = {"num_trajectories": 4, "valid_trajectories": 3, "trainable_tokens": 40,
-          "statuses": {"completed": 3, "env_error": 1}}
+    ok = {
+        "num_trajectories": 4,
+        "valid_trajectories": 3,
+        "trainable_tokens": 40,
+        "statuses": {"completed": 3, "env_error": 1},
+    }
     check_batch(ok, step=1)
-    with pytest.raises(PreflightError, match="RL step 5: every one of the batch's 4 episodes failed"):
+    with pytest.raises(
+        PreflightError, match="RL step 5: every one of the batch's 4 episodes failed"
+    ):
         check_batch({**ok, "valid_trajectories": 0, "statuses": {"env_error": 4}}, step=5)
     with pytest.raises(PreflightError, match="hold no generated token .*model.max_seq_len"):
         check_batch({**ok, "trainable_tokens": 0, "statuses": {"truncated": 4}}, step=2)
@@ -220,8 +252,11 @@ def test_register_names_a_class_for_make_env_and_gymnasium():
         assert isinstance(make_env("coin_test"), CoinEnv)
         assert "coin_test" in plugins.registered_names("env")
         register("env", "coin_test")(CoinEnv)  # the same class again (a reload): kept
-        with pytest.raises(RegistryError, match="'coin_test' is taken by .*CoinEnv; register "
-                           ".*MathVerifierEnv under another name"):
+        with pytest.raises(
+            RegistryError,
+            match="'coin_test' is taken by .*CoinEnv; register "
+            ".*MathVerifierEnv under another name",
+        ):
             register("env", "coin_test")(MathVerifierEnv)
         assert "raytunix/coin_test" in register_gymnasium_ids()
         assert gymnasium.make("raytunix/coin_test", num_tasks=2).reset(seed=0)[0]

@@ -52,26 +52,34 @@ from raytunix.rollout.batch import trajectories_to_record_batch
 from raytunix.types import EpisodeStatus, Trajectory
 
 SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
-TINY = ModelConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32,
-                   max_seq_len=16)
+TINY = ModelConfig(
+    vocab_size=16, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32, max_seq_len=16
+)
 
 
 def _trajectory(group, prompt, completion, reward):
     return Trajectory(
-        task_id=group, group_id=group, token_ids=prompt + completion,
+        task_id=group,
+        group_id=group,
+        token_ids=prompt + completion,
         loss_mask=[0] * len(prompt) + [1] * len(completion),
         logprobs=[0.0] * len(prompt) + [-2.0 - 0.1 * i for i in range(len(completion))],
-        policy_versions=[-1] * len(prompt) + [0] * len(completion), reward=reward,
-        status=EpisodeStatus.COMPLETED, num_turns=1)
+        policy_versions=[-1] * len(prompt) + [0] * len(completion),
+        reward=reward,
+        status=EpisodeStatus.COMPLETED,
+        num_turns=1,
+    )
 
 
 def _record_batch():
-    return trajectories_to_record_batch([
-        _trajectory("a", [1, 2], [5, 6, 7], 1.0),
-        _trajectory("a", [1, 2], [8, 9], 0.0),
-        _trajectory("b", [3], [4, 4, 4, 4, 4], 0.5),
-        _trajectory("b", [3], [10], -0.5),
-    ])
+    return trajectories_to_record_batch(
+        [
+            _trajectory("a", [1, 2], [5, 6, 7], 1.0),
+            _trajectory("a", [1, 2], [8, 9], 0.0),
+            _trajectory("b", [3], [4, 4, 4, 4, 4], 0.5),
+            _trajectory("b", [3], [10], -0.5),
+        ]
+    )
 
 
 # The last trajectory marked failed (``valid`` 0) with its tokens kept, so a test sees
@@ -85,8 +93,7 @@ def _padded(invalid_last=False):
 
 
 def _packed(invalid_last=False):
-    batch = PackedBatch.from_record_batch(_record_batch(), pad_id=0,
-                                          max_seq_len=TINY.max_seq_len)
+    batch = PackedBatch.from_record_batch(_record_batch(), pad_id=0, max_seq_len=TINY.max_seq_len)
     return batch._replace(valid=FAILED_LAST) if invalid_last else batch
 
 
@@ -119,8 +126,7 @@ def test_shaped_rewards_average_the_penalty_over_real_rows_only():
     batch = _padded().pad_rows(8)  # four padding rows, no tokens
     hp = RLHyperparams(**SAMPLING, overlong_buffer_tokens=2, overlong_max_tokens=5)
     _, metrics = shaped_rewards(batch, hp, jnp.float32(4))
-    penalty = np.asarray(overlong_penalty(np.array([3, 2, 5, 1]), max_tokens=5,
-                                          buffer_tokens=2))
+    penalty = np.asarray(overlong_penalty(np.array([3, 2, 5, 1]), max_tokens=5, buffer_tokens=2))
     np.testing.assert_allclose(metrics["overlong_penalty_mean"], penalty.sum() / 4, rtol=1e-6)
 
 
@@ -137,8 +143,15 @@ def test_episode_advantage_targets_are_grpo_per_trajectory_and_gathered_when_pac
     hp = RLHyperparams(**SAMPLING)
     padded, packed = _padded(invalid_last=True), _packed(invalid_last=True)
     targets, metrics = episode_advantage_targets(padded, padded.rewards, hp, jnp.float32(4))
-    want = np.asarray(grpo_advantages(padded.rewards, padded.group_ids, 4, valid=padded.valid,
-                                      normalize_advantages_by_std=True))
+    want = np.asarray(
+        grpo_advantages(
+            padded.rewards,
+            padded.group_ids,
+            4,
+            valid=padded.valid,
+            normalize_advantages_by_std=True,
+        )
+    )
     np.testing.assert_allclose(targets["advantages"], want, rtol=1e-6)
     np.testing.assert_allclose(metrics["advantage_abs_mean"], np.abs(want).mean(), rtol=1e-6)
     gathered, _ = episode_advantage_targets(packed, packed.rewards, hp, jnp.float32(4))
@@ -150,8 +163,10 @@ def test_start_values_are_the_value_head_on_the_hidden_state_whatever_the_micro_
     from raytunix.learner.train_state import _next_token_logits
 
     graphdef, params = model
-    head = {"kernel": jnp.linspace(-1.0, 1.0, TINY.d_model)[:, None].astype(jnp.float32),
-            "bias": jnp.array([0.25], jnp.float32)}
+    head = {
+        "kernel": jnp.linspace(-1.0, 1.0, TINY.d_model)[:, None].astype(jnp.float32),
+        "bias": jnp.array([0.25], jnp.float32),
+    }
     batch = _padded()
     whole = start_values(graphdef, params, head, {"tokens": batch.tokens}, rows=4)
     halves = start_values(graphdef, params, head, {"tokens": batch.tokens}, rows=2)
@@ -164,16 +179,19 @@ def test_start_values_are_the_value_head_on_the_hidden_state_whatever_the_micro_
 
 def test_gae_targets_leave_failed_trajectories_out_and_match_the_estimator():
     batch = _padded(invalid_last=True)
-    hp = RLHyperparams(**SAMPLING, advantage_estimator="gae", gae_gamma=0.9, gae_lambda=0.8,
-                       gae_normalize=False)
-    values = jnp.asarray(np.random.default_rng(0).normal(
-        size=(4, batch.tokens.shape[1] - 1)).astype(np.float32))
+    hp = RLHyperparams(
+        **SAMPLING, advantage_estimator="gae", gae_gamma=0.9, gae_lambda=0.8, gae_normalize=False
+    )
+    values = jnp.asarray(
+        np.random.default_rng(0).normal(size=(4, batch.tokens.shape[1] - 1)).astype(np.float32)
+    )
     targets, metrics = gae_targets(batch, batch.rewards, values, hp)
     generated = np.asarray(batch.loss_mask)[:, 1:]
     mask = generated * np.array([1, 1, 1, 0], np.float32)[:, None]
     np.testing.assert_array_equal(targets["value_mask"], mask)
-    adv, ret = gae_advantages(last_token_rewards(batch.rewards, mask), values, mask,
-                              gamma=0.9, lam=0.8)
+    adv, ret = gae_advantages(
+        last_token_rewards(batch.rewards, mask), values, mask, gamma=0.9, lam=0.8
+    )
     np.testing.assert_allclose(targets["advantages"], adv, rtol=1e-6)
     np.testing.assert_allclose(targets["returns"], ret, rtol=1e-6)
     assert not np.any(np.asarray(targets["advantages"])[3])  # the failed one trains nothing
@@ -196,13 +214,15 @@ def test_micro_batches_split_every_input_and_keep_the_whole_batch_normaliser(mod
     state = create_train_state(graphdef, params, optax.sgd(0.1), seed=0)
     batch = jax.tree.map(jnp.asarray, _padded())
     hp = RLHyperparams(**SAMPLING, micro_batch_size=2, loss_aggregation="sequence_mean_token_mean")
-    mbs, denominator, metrics = micro_batches(graphdef, state, batch, hp, jnp.float32(4),
-                                              max_seq_len=TINY.max_seq_len)
+    mbs, denominator, metrics = micro_batches(
+        graphdef, state, batch, hp, jnp.float32(4), max_seq_len=TINY.max_seq_len
+    )
     assert set(mbs) == {"tokens", "generated", "old", "weights", "advantages"}
     assert mbs["tokens"].shape == (2, 2, batch.tokens.shape[1])
     assert mbs["advantages"].shape == (2, 2)
-    weights, want = loss_normalizer(batch.loss_mask[:, 1:], aggregation=hp.loss_aggregation,
-                                    max_tokens=TINY.max_seq_len)
+    weights, want = loss_normalizer(
+        batch.loss_mask[:, 1:], aggregation=hp.loss_aggregation, max_tokens=TINY.max_seq_len
+    )
     np.testing.assert_allclose(denominator, want)
     np.testing.assert_allclose(mbs["weights"].reshape(weights.shape), weights)
     assert "advantage_abs_mean" in metrics
@@ -229,20 +249,34 @@ def _loss_inputs(seed=0, rows=2, width=6):
     generated = jnp.asarray(np.array([[0, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1]], np.float32))
     old = jnp.where(generated > 0, logprobs + 0.1, 0.0)
     weights, denominator = loss_normalizer(generated, aggregation="token_mean", max_tokens=8)
-    mb = {"generated": generated, "old": old, "weights": weights,
-          "advantages": jnp.array([1.0, -0.5])}
+    mb = {
+        "generated": generated,
+        "old": old,
+        "weights": weights,
+        "advantages": jnp.array([1.0, -0.5]),
+    }
     return logprobs, logits, mb, denominator
 
 
 def test_policy_loss_terms_are_the_policy_loss_with_token_sums():
     logprobs, logits, mb, denominator = _loss_inputs()
     hp = RLHyperparams(**SAMPLING)
-    loss, sums, (prox, support) = policy_loss_terms(logprobs, logits, None, mb, denominator,
-                                                    None, hp, max_seq_len=8, seqs={})
+    loss, sums, (prox, support) = policy_loss_terms(
+        logprobs, logits, None, mb, denominator, None, hp, max_seq_len=8, seqs={}
+    )
     want, aux = grpo_policy_loss(
-        logprobs, mb["old"], mb["advantages"], mb["generated"], policy_loss="ppo_clip",
-        clip_eps_low=hp.clip_eps_low, clip_eps_high=hp.clip_eps_high, dual_clip=0.0,
-        aggregation="token_mean", max_tokens=8, normalizer=(mb["weights"], denominator))
+        logprobs,
+        mb["old"],
+        mb["advantages"],
+        mb["generated"],
+        policy_loss="ppo_clip",
+        clip_eps_low=hp.clip_eps_low,
+        clip_eps_high=hp.clip_eps_high,
+        dual_clip=0.0,
+        aggregation="token_mean",
+        max_tokens=8,
+        normalizer=(mb["weights"], denominator),
+    )
     np.testing.assert_allclose(loss, want, rtol=1e-6)
     assert float(sums["num_tokens"]) == 7.0 == float(sums["generated"])
     np.testing.assert_allclose(sums["clip_fraction"], aux["clip_fraction"] * 7, rtol=1e-6)
@@ -254,8 +288,16 @@ def test_policy_loss_terms_drop_out_of_support_tokens_and_count_them():
     logprobs, logits, mb, denominator = _loss_inputs()
     logprobs = logprobs.at[0, 2].set(-jnp.inf)  # truncated away by the current policy
     _, sums, (prox, support) = policy_loss_terms(
-        logprobs, logits, None, mb, denominator, None, RLHyperparams(**SAMPLING),
-        max_seq_len=8, seqs={})
+        logprobs,
+        logits,
+        None,
+        mb,
+        denominator,
+        None,
+        RLHyperparams(**SAMPLING),
+        max_seq_len=8,
+        seqs={},
+    )
     assert float(sums["out_of_support"]) == 1.0 and float(sums["num_tokens"]) == 6.0
     assert not bool(support[0, 2]) and float(prox[0, 2]) == 0.0
 
@@ -263,11 +305,13 @@ def test_policy_loss_terms_drop_out_of_support_tokens_and_count_them():
 def test_policy_loss_terms_anchor_later_iterations_at_the_first_proximal_policy():
     logprobs, logits, mb, denominator = _loss_inputs()
     hp = RLHyperparams(**SAMPLING, off_policy_correction="decoupled_ppo")
-    _, _, anchor = policy_loss_terms(logprobs, logits, None, mb, denominator, None, hp,
-                                     max_seq_len=8, seqs={})
+    _, _, anchor = policy_loss_terms(
+        logprobs, logits, None, mb, denominator, None, hp, max_seq_len=8, seqs={}
+    )
     moved = logprobs + 0.05
-    _, sums, (prox, _) = policy_loss_terms(moved, logits, None, mb, denominator, anchor, hp,
-                                           max_seq_len=8, seqs={})
+    _, sums, (prox, _) = policy_loss_terms(
+        moved, logits, None, mb, denominator, anchor, hp, max_seq_len=8, seqs={}
+    )
     np.testing.assert_array_equal(prox, anchor[0])  # not the moved policy's
     assert float(sums["importance_weight_mean"]) > 0
 
@@ -275,35 +319,39 @@ def test_policy_loss_terms_anchor_later_iterations_at_the_first_proximal_policy(
 def test_value_loss_terms_are_the_clipped_value_loss_with_token_sums():
     rng = np.random.default_rng(1)
     mask = jnp.asarray(np.array([[0, 1, 1, 0], [1, 1, 0, 0]], np.float32))
-    values, old, returns = (jnp.asarray(rng.normal(size=(2, 4)).astype(np.float32))
-                            for _ in range(3))
+    values, old, returns = (
+        jnp.asarray(rng.normal(size=(2, 4)).astype(np.float32)) for _ in range(3)
+    )
     weights, denominator = loss_normalizer(mask, aggregation="token_mean", max_tokens=4)
     mb = {"old_values": old, "returns": returns, "value_mask": mask, "weights": weights}
     hp = RLHyperparams(**SAMPLING, value_clip=0.2)
     loss, sums = value_loss_terms(values, mb, denominator, hp)
-    want, clipped = clipped_value_loss(values, old, returns, mask, value_clip=0.2,
-                                       normalizer=(weights, denominator))
+    want, clipped = clipped_value_loss(
+        values, old, returns, mask, value_clip=0.2, normalizer=(weights, denominator)
+    )
     np.testing.assert_allclose(loss, want, rtol=1e-6)
     assert float(sums["value_tokens"]) == 4.0
     assert float(sums["value_clip_fraction"]) == float(np.sum(clipped))
-    np.testing.assert_allclose(sums["value_mean"], np.asarray(values)[np.asarray(mask) > 0].sum(),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        sums["value_mean"], np.asarray(values)[np.asarray(mask) > 0].sum(), rtol=1e-6
+    )
 
 
 def _gae_state(model, optimizer):
     graphdef, params = model
     state = create_train_state(graphdef, params, optimizer, seed=0)
     state = add_value_head(state, optimizer, TINY.d_model)
-    head = {"kernel": jnp.full((TINY.d_model, 1), 0.01, jnp.float32),
-            "bias": jnp.array([0.3], jnp.float32)}
+    head = {
+        "kernel": jnp.full((TINY.d_model, 1), 0.01, jnp.float32),
+        "bias": jnp.array([0.3], jnp.float32),
+    }
     return state.replace(value_head=head, value_opt_state=optimizer.init(head))
 
 
 def _mbs(model, state, hp, batch=None):
     graphdef, _ = model
     batch = jax.tree.map(jnp.asarray, batch if batch is not None else _padded())
-    return micro_batches(graphdef, state, batch, hp, jnp.float32(4),
-                         max_seq_len=TINY.max_seq_len)
+    return micro_batches(graphdef, state, batch, hp, jnp.float32(4), max_seq_len=TINY.max_seq_len)
 
 
 def test_micro_batch_loss_adds_value_coef_times_the_value_loss(model):
@@ -316,8 +364,15 @@ def test_micro_batch_loss_adds_value_coef_times_the_value_loss(model):
         mbs, denominator, _ = _mbs(model, state, hp)
         mb = jax.tree.map(lambda x: x[0], mbs)
         losses[coef], (sums, _, _) = micro_batch_loss(
-            (state.params, state.value_head), None, mb, denominator, None,
-            graphdef=graphdef, hp=hp, max_seq_len=TINY.max_seq_len)
+            (state.params, state.value_head),
+            None,
+            mb,
+            denominator,
+            None,
+            graphdef=graphdef,
+            hp=hp,
+            max_seq_len=TINY.max_seq_len,
+        )
     # The policy part is the same; the difference is 1.5 value losses.
     np.testing.assert_allclose(losses[2.0] - losses[0.5], 1.5 * sums["value_loss"], rtol=1e-5)
     assert float(sums["value_loss"]) > 0
@@ -330,10 +385,15 @@ def test_accumulated_gradients_of_micro_batches_equal_the_whole_batchs(model):
     for rows in (0, 2):
         hp = RLHyperparams(**SAMPLING, micro_batch_size=rows, kl_coef=0.0)
         mbs, denominator, _ = _mbs(model, state, hp)
-        grad_fn = jax.grad(functools.partial(micro_batch_loss, graphdef=graphdef, hp=hp,
-                                             max_seq_len=TINY.max_seq_len), has_aux=True)
-        results[rows] = accumulate_gradients(grad_fn, (state.params, None), None, mbs,
-                                             denominator, None)
+        grad_fn = jax.grad(
+            functools.partial(
+                micro_batch_loss, graphdef=graphdef, hp=hp, max_seq_len=TINY.max_seq_len
+            ),
+            has_aux=True,
+        )
+        results[rows] = accumulate_gradients(
+            grad_fn, (state.params, None), None, mbs, denominator, None
+        )
     (whole, _), whole_sums, whole_prox, _ = results[0]
     (split, _), split_sums, split_prox, _ = results[2]
     for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(split), strict=True):
@@ -341,35 +401,52 @@ def test_accumulated_gradients_of_micro_batches_equal_the_whole_batchs(model):
     assert optax.tree.norm(whole) > 0
     for key in ("loss", "num_tokens", "clip_fraction"):
         np.testing.assert_allclose(whole_sums[key], split_sums[key], rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(whole_sums["mismatch_ratio_max"], split_sums["mismatch_ratio_max"],
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        whole_sums["mismatch_ratio_max"], split_sums["mismatch_ratio_max"], rtol=1e-6
+    )
     assert split_prox.shape[:2] == (2, 2) and whole_prox.shape[:2] == (1, 4)
     np.testing.assert_allclose(split_prox.reshape(whole_prox.shape), whole_prox, rtol=1e-6)
 
 
 # ------------------------------------------------------------------ apply and guard
 def test_step_metrics_are_token_means_and_norms():
-    sums = {"loss": jnp.float32(2.0), "num_tokens": jnp.float32(4.0),
-            "clip_fraction": jnp.float32(1.0), "generated": jnp.int32(5),
-            "out_of_support": jnp.int32(1), "mismatch_ratio_max": jnp.float32(1.5)}
+    sums = {
+        "loss": jnp.float32(2.0),
+        "num_tokens": jnp.float32(4.0),
+        "clip_fraction": jnp.float32(1.0),
+        "generated": jnp.int32(5),
+        "out_of_support": jnp.int32(1),
+        "mismatch_ratio_max": jnp.float32(1.5),
+    }
     grads = {"w": jnp.array([3.0, 4.0])}
     metrics = step_metrics(sums, grads, None)
     assert float(metrics["clip_fraction"]) == 0.25 and float(metrics["loss"]) == 2.0
     assert float(metrics["grad_norm"]) == 5.0
     assert float(metrics["out_of_support_fraction"]) == pytest.approx(0.2)
     assert "value_loss" not in metrics
-    with_value = step_metrics({**sums, "value_loss": jnp.float32(0.5),
-                               "value_clip_fraction": jnp.float32(1.0),
-                               "value_mean": jnp.float32(2.0), "value_tokens": jnp.float32(4.0)},
-                              grads, {"b": jnp.array([0.0, 2.0])})
+    with_value = step_metrics(
+        {
+            **sums,
+            "value_loss": jnp.float32(0.5),
+            "value_clip_fraction": jnp.float32(1.0),
+            "value_mean": jnp.float32(2.0),
+            "value_tokens": jnp.float32(4.0),
+        },
+        grads,
+        {"b": jnp.array([0.0, 2.0])},
+    )
     assert float(with_value["value_mean"]) == 0.5 and float(with_value["value_grad_norm"]) == 2.0
     assert "value_tokens" not in with_value
 
 
 def _toy_state(optimizer, value=False):
     params = {"w": jnp.array([1.0, -2.0])}
-    state = TrainState(params=params, opt_state=optimizer.init(params),
-                       step=jnp.zeros((), jnp.int32), rng=jnp.zeros((2,), jnp.uint32))
+    state = TrainState(
+        params=params,
+        opt_state=optimizer.init(params),
+        step=jnp.zeros((), jnp.int32),
+        rng=jnp.zeros((2,), jnp.uint32),
+    )
     if value:
         head = {"b": jnp.array([0.5])}
         state = state.replace(value_head=head, value_opt_state=optimizer.init(head))
@@ -379,8 +456,9 @@ def _toy_state(optimizer, value=False):
 def test_apply_policy_gradients_steps_the_policy_and_the_value_head():
     optimizer = optax.sgd(0.5)
     state = _toy_state(optimizer, value=True)
-    new, finite = apply_policy_gradients(optimizer, state, {"w": jnp.array([2.0, 2.0])},
-                                         {"b": jnp.array([1.0])})
+    new, finite = apply_policy_gradients(
+        optimizer, state, {"w": jnp.array([2.0, 2.0])}, {"b": jnp.array([1.0])}
+    )
     np.testing.assert_allclose(new.params["w"], [0.0, -3.0])
     np.testing.assert_allclose(new.value_head["b"], [0.0])
     assert int(new.step) == 1 and bool(finite)
@@ -404,14 +482,20 @@ def test_keep_if_finite_returns_the_start_bit_for_bit_when_any_check_fails():
 
 def _sgd_step(optimizer, grads_by_call):
     """An optimizer step on the toy state whose gradient depends on whether it is anchored."""
+
     def step(state, anchors):
         grads = grads_by_call[0 if anchors is None else 1]
         new, finite = apply_policy_gradients(optimizer, state, grads, None)
-        metrics = {"loss": jnp.sum(state.params["w"]), "clip_fraction": jnp.float32(0),
-                   "approx_kl": jnp.float32(0), "finite_loss": jnp.asarray(True),
-                   "finite_gradients": jnp.isfinite(optax.tree.norm(grads)),
-                   "finite_new_state": finite}
+        metrics = {
+            "loss": jnp.sum(state.params["w"]),
+            "clip_fraction": jnp.float32(0),
+            "approx_kl": jnp.float32(0),
+            "finite_loss": jnp.asarray(True),
+            "finite_gradients": jnp.isfinite(optax.tree.norm(grads)),
+            "finite_new_state": finite,
+        }
         return new, metrics, (jnp.ones(2), jnp.ones(2, bool))
+
     return step
 
 
@@ -428,8 +512,7 @@ def test_iterate_and_guard_runs_every_iteration_and_reports_the_last():
 
 def test_iterate_and_guard_drops_every_iteration_when_a_later_one_is_not_finite():
     optimizer = optax.sgd(1.0)
-    step = _sgd_step(optimizer, [{"w": jnp.array([1.0, 0.0])},
-                                 {"w": jnp.array([jnp.inf, 0.0])}])
+    step = _sgd_step(optimizer, [{"w": jnp.array([1.0, 0.0])}, {"w": jnp.array([jnp.inf, 0.0])}])
     start = _toy_state(optimizer)
     state, metrics = iterate_and_guard(jax.jit(step), start, 2)
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(start), strict=True):
@@ -446,4 +529,3 @@ def test_widest_packed_row_is_the_pack_width_bounded_by_the_context():
     assert widest_packed_row(128, 64) == 64
     with pytest.raises(ValueError, match="pack_width=-1"):
         widest_packed_row(-1, 64)
-

@@ -26,6 +26,7 @@ from raytunix.profiling.spans import Recorder
 
 # ------------------------------------------------------------------------- the recorder
 
+
 def test_recorder_keeps_spans_in_order_and_drain_empties_it():
     rec = Recorder("engine 0", "engine")
     rec.add("decode", 1.0, 1.5, "steps", {"rows": 3})
@@ -35,7 +36,8 @@ def test_recorder_keeps_spans_in_order_and_drain_empties_it():
     assert chunk["pid"] == os.getpid() and chunk["dropped"] == 0
     assert [list(s) for s in chunk["spans"]] == [
         ["decode", "steps", 1.0, 1.5, {"rows": 3}, None],
-        ["request", "slot 2", 0.5, 1.5, None, "g1/7"]]
+        ["request", "slot 2", 0.5, 1.5, None, "g1/7"],
+    ]
     assert abs(chunk["clock_offset_s"] + time.perf_counter() - time.time()) < 1.0
     assert rec.drain()["spans"] == []
 
@@ -53,7 +55,7 @@ def test_an_actor_drain_is_pickled_bytes_that_decode_to_the_chunk():
     assert chunk["spans"] == [("env_step", "env", 1.0, 1.25, {"tool": "calculator"}, "g0/1")]
     assert chunk["pid"] == os.getpid() and chunk["dropped"] == 0
     # the drain is recorded, with what it shipped, in the next chunk
-    (name, _, _, _, args, _), = profiling.recorder().drain()["spans"]
+    ((name, _, _, _, args, _),) = profiling.recorder().drain()["spans"]
     assert name == "profile_drain" and args == {"spans": 1, "bytes": len(encoded)}
     with pytest.raises(TypeError, match="got dict"):
         decode_chunk(chunk)
@@ -78,7 +80,7 @@ def test_span_context_records_a_failure_and_lets_it_propagate():
     with pytest.raises(KeyError):
         with rec.span("env_step", "env", {"turn": 1}, flow="e1"):
             raise KeyError("boom")
-    (name, track, start, end, args, flow), = rec.drain()["spans"]
+    ((name, track, start, end, args, flow),) = rec.drain()["spans"]
     assert (name, track, flow) == ("env_step", "env", "e1")
     assert args == {"turn": 1, "error": "KeyError"} and end >= start
 
@@ -120,41 +122,75 @@ def test_threads_recording_while_the_driver_drains_lose_no_span():
 
 # ------------------------------------------------------------------------- window metrics
 
+
 def _chunk(process, kind, spans, pid=1, cpu_s=None, now_s=None):
-    chunk = {"process": process, "kind": kind, "pid": pid, "host": "h", "dropped": 0,
-             "clock_offset_s": 0.0, "spans": spans}
+    chunk = {
+        "process": process,
+        "kind": kind,
+        "pid": pid,
+        "host": "h",
+        "dropped": 0,
+        "clock_offset_s": 0.0,
+        "spans": spans,
+    }
     if cpu_s is not None:
         chunk.update(cpu_s=cpu_s, now_s=now_s)
     return chunk
 
 
 def test_window_metrics_from_hand_made_spans():
-    engine = _chunk("engine 0", "engine", [
-        ["prefill", "steps", 0.0, 0.5, {"rows": 2, "tokens": 100}, None],
-        ["decode", "steps", 0.5, 1.5, {"rows": 4, "tokens": 4}, None],
-        ["decode", "steps", 1.5, 2.5, {"rows": 2, "tokens": 2}, None],
-        ["request", "slot 0", 0.0, 2.5, {"queued_s": 0.2}, "g/1"],
-        ["request", "slot 1", 0.0, 2.5, {"queued_s": 0.4}, "g/2"]], pid=1)
+    engine = _chunk(
+        "engine 0",
+        "engine",
+        [
+            ["prefill", "steps", 0.0, 0.5, {"rows": 2, "tokens": 100}, None],
+            ["decode", "steps", 0.5, 1.5, {"rows": 4, "tokens": 4}, None],
+            ["decode", "steps", 1.5, 2.5, {"rows": 2, "tokens": 2}, None],
+            ["request", "slot 0", 0.0, 2.5, {"queued_s": 0.2}, "g/1"],
+            ["request", "slot 1", 0.0, 2.5, {"queued_s": 0.4}, "g/2"],
+        ],
+        pid=1,
+    )
     learner = _chunk("learner", "learner", [["update", "learner", 0.0, 2.0, None, None]], pid=2)
-    driver = _chunk("driver", "driver", [
-        ["next_batch_wait", "driver", 0.0, 6.0, None, None]], pid=3)
-    orchestrator = _chunk("orchestrator", "orchestrator", [
-        ["episode", "episodes", 0.0, 4.0, {"generate_s": 1.0, "env_s": 2.0}, "g/1"],
-        ["generate", "episodes", 0.0, 1.0, {"turn": 0, "tokens": 30}, "g/1"],
-        ["env_step", "episodes", 1.0, 3.0, None, "g/1"],
-        ["episode", "episodes", 0.0, 6.0, {"generate_s": 2.0, "env_s": 0.5}, "g/2"],
-        # a turn of an episode still running: counted when that episode ends
-        ["generate", "episodes", 0.0, 9.0, {"turn": 0, "tokens": 0}, "g/3"],
-        ["generate", "episodes", 0.0, 2.0, {"turn": 0, "tokens": 10}, "g/2"],
-        ["env_reset", "episodes", 2.0, 2.5, None, "g/2"]], pid=4)
-    env = _chunk("env actor 0", "env", [
-        ["tool_call", "tool calculator", 0.0, 0.1, {"tool": "calculator"}, None],
-        ["tool_call", "tool calculator", 0.0, 0.3, {"tool": "calculator",
-                                                    "error": "timeout"}, None],
-        ["tool_call", "tool search", 0.0, 0.2, {"tool": "search"}, None],
-        ["env_step", "env", 0.0, 0.4, None, "g/1"]], pid=5)
-    m = WindowMetrics(max_batch_size=8).compute([engine, learner, driver, orchestrator, env],
-                                                window_s=10.0)
+    driver = _chunk(
+        "driver", "driver", [["next_batch_wait", "driver", 0.0, 6.0, None, None]], pid=3
+    )
+    orchestrator = _chunk(
+        "orchestrator",
+        "orchestrator",
+        [
+            ["episode", "episodes", 0.0, 4.0, {"generate_s": 1.0, "env_s": 2.0}, "g/1"],
+            ["generate", "episodes", 0.0, 1.0, {"turn": 0, "tokens": 30}, "g/1"],
+            ["env_step", "episodes", 1.0, 3.0, None, "g/1"],
+            ["episode", "episodes", 0.0, 6.0, {"generate_s": 2.0, "env_s": 0.5}, "g/2"],
+            # a turn of an episode still running: counted when that episode ends
+            ["generate", "episodes", 0.0, 9.0, {"turn": 0, "tokens": 0}, "g/3"],
+            ["generate", "episodes", 0.0, 2.0, {"turn": 0, "tokens": 10}, "g/2"],
+            ["env_reset", "episodes", 2.0, 2.5, None, "g/2"],
+        ],
+        pid=4,
+    )
+    env = _chunk(
+        "env actor 0",
+        "env",
+        [
+            ["tool_call", "tool calculator", 0.0, 0.1, {"tool": "calculator"}, None],
+            [
+                "tool_call",
+                "tool calculator",
+                0.0,
+                0.3,
+                {"tool": "calculator", "error": "timeout"},
+                None,
+            ],
+            ["tool_call", "tool search", 0.0, 0.2, {"tool": "search"}, None],
+            ["env_step", "env", 0.0, 0.4, None, "g/1"],
+        ],
+        pid=5,
+    )
+    m = WindowMetrics(max_batch_size=8).compute(
+        [engine, learner, driver, orchestrator, env], window_s=10.0
+    )
     assert m["window_s"] == 10.0
     assert m["engine_busy_fraction"] == pytest.approx(2.5 / 10)
     assert m["engine_prefill_fraction"] == pytest.approx(0.5 / 10)
@@ -179,12 +215,22 @@ def test_window_metrics_from_hand_made_spans():
 
 def test_two_engine_replicas_share_the_busy_fraction_and_cpu_is_per_drain_interval():
     metrics = WindowMetrics()
-    first = [_chunk("engine 0", "engine", [], pid=1, cpu_s=1.0, now_s=100.0),
-             _chunk("engine 1", "engine", [], pid=2, cpu_s=5.0, now_s=50.0)]
+    first = [
+        _chunk("engine 0", "engine", [], pid=1, cpu_s=1.0, now_s=100.0),
+        _chunk("engine 1", "engine", [], pid=2, cpu_s=5.0, now_s=50.0),
+    ]
     assert "engine_cpu_fraction" not in metrics.compute(first, 1.0)  # no interval yet
-    second = [_chunk("engine 0", "engine", [["decode", "steps", 0, 2.0, {"rows": 1}, None]],
-                     pid=1, cpu_s=2.0, now_s=104.0),
-              _chunk("engine 1", "engine", [], pid=2, cpu_s=8.0, now_s=54.0)]
+    second = [
+        _chunk(
+            "engine 0",
+            "engine",
+            [["decode", "steps", 0, 2.0, {"rows": 1}, None]],
+            pid=1,
+            cpu_s=2.0,
+            now_s=104.0,
+        ),
+        _chunk("engine 1", "engine", [], pid=2, cpu_s=8.0, now_s=54.0),
+    ]
     m = metrics.compute(second, 4.0)
     assert m["engine_busy_fraction"] == pytest.approx(2.0 / (4.0 * 2))  # an idle replica counts
     assert m["engine_cpu_fraction"] == pytest.approx((0.25 + 0.75) / 2)
@@ -195,19 +241,25 @@ def test_a_summary_is_plain_data_and_adds_up_to_the_window_metrics():
 
     from raytunix.profiling.metrics import summarize
 
-    env = _chunk("env actor 0", "env", [
-        ("tool_call", "tool search", 0.0, 0.2, {"tool": "search", "error": "timeout"}, None),
-        ("env_step", "env", 0.0, 0.5, None, "g/1"),
-        ("env_step", "episodes", 0.0, 0.9, None, "g/1"),  # the orchestrator's wait: left out
-        ("profile_drain", "profiling", 1.0, 1.002, {"spans": 3}, None)], pid=5)
+    env = _chunk(
+        "env actor 0",
+        "env",
+        [
+            ("tool_call", "tool search", 0.0, 0.2, {"tool": "search", "error": "timeout"}, None),
+            ("env_step", "env", 0.0, 0.5, None, "g/1"),
+            ("env_step", "episodes", 0.0, 0.9, None, "g/1"),  # the orchestrator's wait: left out
+            ("profile_drain", "profiling", 1.0, 1.002, {"spans": 3}, None),
+        ],
+        pid=5,
+    )
     summary = summarize(env)
     assert json.loads(json.dumps(summary)) == summary
     assert summary["spans"] == 4 and summary["counts"] == {"env_step": 1, "profile_drain": 1}
     assert summary["tool_latency_s"] == {"search": [0.2]} and summary["env_step_s"] == [0.5]
-    engine = _chunk("engine 0", "engine", [("decode", "steps", 0.0, 1.0, {"rows": 3}, None)],
-                    pid=1)
-    assert (WindowMetrics(4).combine([summarize(engine), summary], 2.0)
-            == WindowMetrics(4).compute([engine, env], 2.0))
+    engine = _chunk("engine 0", "engine", [("decode", "steps", 0.0, 1.0, {"rows": 3}, None)], pid=1)
+    assert WindowMetrics(4).combine([summarize(engine), summary], 2.0) == WindowMetrics(4).compute(
+        [engine, env], 2.0
+    )
 
 
 def test_percentiles_interpolate_and_handle_no_values():
@@ -223,74 +275,148 @@ def test_a_window_must_have_a_length():
 
 # ------------------------------------------------------------------------- the verdict rules
 
+
 def test_diagnose_names_each_resource_from_its_evidence():
-    learner = diagnose({"learner_busy_fraction": 0.9, "learner_wait_fraction": 0.05,
-                        "engine_busy_fraction": 0.3, "episode_generate_fraction": 0.9,
-                        "episode_env_fraction": 0.05}, {"engine": {"placement": "colocated"}})
+    learner = diagnose(
+        {
+            "learner_busy_fraction": 0.9,
+            "learner_wait_fraction": 0.05,
+            "engine_busy_fraction": 0.3,
+            "episode_generate_fraction": 0.9,
+            "episode_env_fraction": 0.05,
+        },
+        {"engine": {"placement": "colocated"}},
+    )
     assert learner.resource == "learner" and "disaggregated" in learner.advice[-1]
     # Only what makes updates cheaper: faster rollouts would change nothing.
-    assert not any("max_staleness" in a or "max_concurrent_episodes" in a
-                   for a in learner.advice)
-    tuned = diagnose({"learner_busy_fraction": 0.9, "learner_wait_fraction": 0.05},
-                     {"engine": {"placement": "disaggregated"},
-                      "learner": {"sequence_packing": False, "num_iterations": 2,
-                                  "micro_batch_size": 4}})
+    assert not any("max_staleness" in a or "max_concurrent_episodes" in a for a in learner.advice)
+    tuned = diagnose(
+        {"learner_busy_fraction": 0.9, "learner_wait_fraction": 0.05},
+        {
+            "engine": {"placement": "disaggregated"},
+            "learner": {"sequence_packing": False, "num_iterations": 2, "micro_batch_size": 4},
+        },
+    )
     assert [a.split(" (")[0] for a in tuned.advice] == [
-        "pack trajectories into rows", "fewer optimizer steps per batch",
-        "larger micro-batches", "fewer trajectories per batch"]
-    assert tuned.summary.endswith("Pack trajectories into rows (learner.sequence_packing="
-                                  "true): the update then computes no padding.")
-    tools = diagnose({"learner_busy_fraction": 0.1, "learner_wait_fraction": 0.9,
-                      "engine_busy_fraction": 0.41, "episode_generate_fraction": 0.3,
-                      "episode_env_fraction": 0.58, "max_concurrent_episodes": 32,
-                      "tool_latency_s/search/p90": 1.5, "tool_latency_s/calc/p90": 0.01},
-                     {"env": {"num_env_actors": 2}})
+        "pack trajectories into rows",
+        "fewer optimizer steps per batch",
+        "larger micro-batches",
+        "fewer trajectories per batch",
+    ]
+    assert tuned.summary.endswith(
+        "Pack trajectories into rows (learner.sequence_packing="
+        "true): the update then computes no padding."
+    )
+    tools = diagnose(
+        {
+            "learner_busy_fraction": 0.1,
+            "learner_wait_fraction": 0.9,
+            "engine_busy_fraction": 0.41,
+            "episode_generate_fraction": 0.3,
+            "episode_env_fraction": 0.58,
+            "max_concurrent_episodes": 32,
+            "tool_latency_s/search/p90": 1.5,
+            "tool_latency_s/calc/p90": 0.01,
+        },
+        {"env": {"num_env_actors": 2}},
+    )
     assert tools.resource == "environment/tools"
     assert "engine busy 41%" in tools.summary and "58%" in tools.summary
     # Little's law: 32 episodes keep the engine 41% busy; 0.9 / 0.41 x 32 = 70.2
     assert "from 32 to ~71" in tools.advice[0]
     assert any("search (p90 1500 ms)" in a for a in tools.advice)
-    full = diagnose({"learner_busy_fraction": 0.1, "learner_wait_fraction": 0.9,
-                     "engine_busy_fraction": 0.95, "engine_batch_occupancy": 0.97,
-                     "episode_generate_fraction": 0.9, "episode_env_fraction": 0.05},
-                    {"engine": {"max_batch_size": 64}})
+    full = diagnose(
+        {
+            "learner_busy_fraction": 0.1,
+            "learner_wait_fraction": 0.9,
+            "engine_busy_fraction": 0.95,
+            "engine_batch_occupancy": 0.97,
+            "episode_generate_fraction": 0.9,
+            "episode_env_fraction": 0.05,
+        },
+        {"engine": {"max_batch_size": 64}},
+    )
     assert full.resource == "engine" and "engine.max_batch_size" in full.advice[0]
-    underfed = diagnose({"learner_wait_fraction": 0.9, "learner_busy_fraction": 0.1,
-                         "engine_busy_fraction": 0.3, "episode_generate_fraction": 0.9,
-                         "episode_env_fraction": 0.05, "max_concurrent_episodes": 8})
-    assert underfed.resource == "engine" and "max_concurrent_episodes from 8 to ~24" in underfed.summary
-    capped = diagnose({"learner_wait_fraction": 0.9, "learner_busy_fraction": 0.1,
-                       "engine_busy_fraction": 0.3, "episode_generate_fraction": 0.9,
-                       "max_concurrent_episodes": 8},
-                      {"rollout": {"max_staleness": 1, "groups_per_batch": 2, "group_size": 2,
-                                   "adaptive_concurrency": True}})
+    underfed = diagnose(
+        {
+            "learner_wait_fraction": 0.9,
+            "learner_busy_fraction": 0.1,
+            "engine_busy_fraction": 0.3,
+            "episode_generate_fraction": 0.9,
+            "episode_env_fraction": 0.05,
+            "max_concurrent_episodes": 8,
+        }
+    )
+    assert (
+        underfed.resource == "engine"
+        and "max_concurrent_episodes from 8 to ~24" in underfed.summary
+    )
+    capped = diagnose(
+        {
+            "learner_wait_fraction": 0.9,
+            "learner_busy_fraction": 0.1,
+            "engine_busy_fraction": 0.3,
+            "episode_generate_fraction": 0.9,
+            "max_concurrent_episodes": 8,
+        },
+        {
+            "rollout": {
+                "max_staleness": 1,
+                "groups_per_batch": 2,
+                "group_size": 2,
+                "adaptive_concurrency": True,
+            }
+        },
+    )
     assert "adaptive_max_episodes" in capped.advice[0]
     assert "admission lets at most 8 in flight" in capped.advice[0]
-    orchestrator = diagnose({"learner_wait_fraction": 0.9, "learner_busy_fraction": 0.1,
-                             "orchestrator_cpu_fraction": 0.97, "episode_generate_fraction": 0.3,
-                             "episode_env_fraction": 0.2})
+    orchestrator = diagnose(
+        {
+            "learner_wait_fraction": 0.9,
+            "learner_busy_fraction": 0.1,
+            "orchestrator_cpu_fraction": 0.97,
+            "episode_generate_fraction": 0.3,
+            "episode_env_fraction": 0.2,
+        }
+    )
     assert orchestrator.resource == "orchestrator"
     assert diagnose({}).resource == "unknown"
 
 
 def test_more_episodes_advice_aims_at_the_runs_own_target_engine_busy():
-    underfed = {"learner_wait_fraction": 0.9, "learner_busy_fraction": 0.1,
-                "engine_busy_fraction": 0.3, "episode_generate_fraction": 0.9,
-                "episode_env_fraction": 0.05, "max_concurrent_episodes": 8}
+    underfed = {
+        "learner_wait_fraction": 0.9,
+        "learner_busy_fraction": 0.1,
+        "engine_busy_fraction": 0.3,
+        "episode_generate_fraction": 0.9,
+        "episode_env_fraction": 0.05,
+        "max_concurrent_episodes": 8,
+    }
     # Little's law: 8 episodes keep the engine 30% busy; 0.6 / 0.3 x 8 = 16.
     aimed = diagnose(underfed, {"rollout": {"target_engine_busy": 0.6}})
     assert "max_concurrent_episodes from 8 to ~16" in aimed.advice[0]
     # A config.yaml without the key (or with a value no run accepts): the default, 0.9 -> 24.
-    for settings in ({}, {"rollout": {"target_engine_busy": "high"}},
-                     {"rollout": {"target_engine_busy": 1.5}}):
+    for settings in (
+        {},
+        {"rollout": {"target_engine_busy": "high"}},
+        {"rollout": {"target_engine_busy": 1.5}},
+    ):
         assert "from 8 to ~24" in diagnose(underfed, settings).advice[0]
 
 
 def test_weighted_means_leave_out_the_compiling_step_and_weight_by_window():
-    steps = [{"phase": "rl", "step": 1, "window_s": 100.0, "engine_busy_fraction": 0.0},
-             {"phase": "rl", "step": 2, "window_s": 1.0, "engine_busy_fraction": 1.0},
-             {"phase": "rl", "step": 3, "window_s": 3.0, "engine_busy_fraction": 0.0,
-              "flag": True, "statuses": {"completed": 4}}]
+    steps = [
+        {"phase": "rl", "step": 1, "window_s": 100.0, "engine_busy_fraction": 0.0},
+        {"phase": "rl", "step": 2, "window_s": 1.0, "engine_busy_fraction": 1.0},
+        {
+            "phase": "rl",
+            "step": 3,
+            "window_s": 3.0,
+            "engine_busy_fraction": 0.0,
+            "flag": True,
+            "statuses": {"completed": 4},
+        },
+    ]
     means = weighted_means(steps)
     assert means["engine_busy_fraction"] == pytest.approx(0.25)
     assert "flag" not in means and "statuses" not in means
@@ -300,11 +426,25 @@ def test_steps_that_share_a_window_count_as_their_share_of_it():
     # steps 2-4 share one 6 s window (2 s each), step 5 has a window of its own of 2 s:
     # the window's metrics count three times 2 s, the loss every step by its 2 s
     window = {"window_s": 6.0, "window_steps": 3, "engine_busy_fraction": 1.0}
-    steps = [{"phase": "rl", "step": 1, "window_s": 50.0, "window_steps": 1,
-              "engine_busy_fraction": 0.0, "loss": 9.0},
-             *({"phase": "rl", "step": n, **window, "loss": 1.0} for n in (2, 3, 4)),
-             {"phase": "rl", "step": 5, "window_s": 2.0, "window_steps": 1,
-              "engine_busy_fraction": 0.0, "loss": 5.0}]
+    steps = [
+        {
+            "phase": "rl",
+            "step": 1,
+            "window_s": 50.0,
+            "window_steps": 1,
+            "engine_busy_fraction": 0.0,
+            "loss": 9.0,
+        },
+        *({"phase": "rl", "step": n, **window, "loss": 1.0} for n in (2, 3, 4)),
+        {
+            "phase": "rl",
+            "step": 5,
+            "window_s": 2.0,
+            "window_steps": 1,
+            "engine_busy_fraction": 0.0,
+            "loss": 5.0,
+        },
+    ]
     means = weighted_means(steps)
     assert means["engine_busy_fraction"] == pytest.approx(0.75)
     assert means["loss"] == pytest.approx(2.0)
@@ -330,6 +470,7 @@ def test_report_of_a_run_without_rl_steps_says_so(tmp_path):
 
 # ------------------------------------------------------------------------- the collector
 
+
 @pytest.mark.slow
 def test_collector_drains_actors_names_them_and_skips_a_dead_one(ray_session, tmp_path):
     import ray
@@ -340,12 +481,15 @@ def test_collector_drains_actors_names_them_and_skips_a_dead_one(ray_session, tm
     live, dead = (ray.remote(EnvActor).remote("calculator_math", {}) for _ in range(2))
     task = Task(task_id="t0", question="Calculate 1 + 2.", answer="3")
     ray.get([live.reset.remote("g0/1#0", task), dead.reset.remote("g0/2#1", task)])
-    calls = (ToolCall("calculator", {"expression": "1 + 2"}),
-             ToolCall("calculator", {"expression": "1 +"}))
+    calls = (
+        ToolCall("calculator", {"expression": "1 + 2"}),
+        ToolCall("calculator", {"expression": "1 +"}),
+    )
     ray.get(live.step.remote("g0/1#0", Action(text="", tool_calls=calls)))
     ray.kill(dead)
-    collector = Collector(str(tmp_path), lambda: [("env actor 0", live), ("env actor 1", dead)],
-                          timeout_s=20)
+    collector = Collector(
+        str(tmp_path), lambda: [("env actor 0", live), ("env actor 1", dead)], timeout_s=20
+    )
     profiling.recorder().drain()  # this process's spans of earlier tests
     metrics = collector.window("rl", 1)
     assert metrics["tool_calls/calculator"] == 2
@@ -362,6 +506,7 @@ def test_collector_drains_actors_names_them_and_skips_a_dead_one(ray_session, tm
 
 # ------------------------------------------------------------------------- scripted runs
 
+
 @pytest.fixture(scope="module")
 def policy(ray_session):
     """A tiny learner in this process and an engine actor with the same weights, shared by
@@ -374,20 +519,37 @@ def policy(ray_session):
     from raytunix.models.tokenizer import Tokenizer
 
     tok = Tokenizer.byte_level()
-    config = ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_layers=1, n_heads=2,
-                         n_kv_heads=1, d_ff=64, max_seq_len=256)
+    config = ModelConfig(
+        vocab_size=tok.vocab_size,
+        d_model=32,
+        n_layers=1,
+        n_heads=2,
+        n_kv_heads=1,
+        d_ff=64,
+        max_seq_len=256,
+    )
     learner = Learner(config, seed=0, pad_id=tok.pad_id)
     learner.start_rl(RLHyperparams(temperature=1.0, top_k=0, top_p=1.0, learning_rate=1e-3))
-    engine = ray.remote(EngineActor).options(max_concurrency=1000).remote(
-        config, 0, tok, {"max_batch_size": 16})
+    engine = (
+        ray.remote(EngineActor)
+        .options(max_concurrency=1000)
+        .remote(config, 0, tok, {"max_batch_size": 16})
+    )
     ray.get(engine.update_weights.remote((learner.weights_numpy(), learner.version)))
     ray.get(engine.warmup.remote())  # compiling is nobody's bottleneck in a scenario
     yield tok, learner, engine
     ray.kill(engine)
 
 
-async def _scripted_run(run_dir, policy, *, tool_latency_s: float, max_new_tokens: int,
-                        update_delay_s: float, steps: int = 4) -> None:
+async def _scripted_run(
+    run_dir,
+    policy,
+    *,
+    tool_latency_s: float,
+    max_new_tokens: int,
+    update_delay_s: float,
+    steps: int = 4,
+) -> None:
     """The driver's RL loop (``raytunix.train``) with the orchestrator, the learner and the
     environments in this process and the engine in its actor: next batch, update (plus
     ``update_delay_s`` of learner time), weights to the engine, mark trained, one metrics
@@ -405,17 +567,31 @@ async def _scripted_run(run_dir, policy, *, tool_latency_s: float, max_new_token
 
     tasks = [Task(task_id=f"t{i}", question=f"task {i}", answer="") for i in range(200)]
     orchestrator = RolloutOrchestrator(
-        tasks=tasks, agent_factory=lambda: TextAgent(tok), engine=RayEngineClient([engine]),
-        env_provider=env_provider, group_size=2, groups_per_batch=4,
-        max_concurrent_episodes=16, max_staleness=1, max_turns=2, max_context_tokens=256,
-        sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0,
-                                stop_token_ids=()),
-        seed=0, policy_version=learner.version)
+        tasks=tasks,
+        agent_factory=lambda: TextAgent(tok),
+        engine=RayEngineClient([engine]),
+        env_provider=env_provider,
+        group_size=2,
+        groups_per_batch=4,
+        max_concurrent_episodes=16,
+        max_staleness=1,
+        max_turns=2,
+        max_context_tokens=256,
+        sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, stop_token_ids=()),
+        seed=0,
+        policy_version=learner.version,
+    )
     collector = Collector(str(run_dir), lambda: [("engine 0", engine)])
     collector.drain("warmup", 0)  # what earlier tests and scenarios left
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:
-        yaml.safe_dump({"rollout": {"max_concurrent_episodes": 16}, "env": {"num_env_actors": 1},
-                        "engine": {"placement": "colocated", "max_batch_size": 16}}, f)
+        yaml.safe_dump(
+            {
+                "rollout": {"max_concurrent_episodes": 16},
+                "env": {"num_env_actors": 1},
+                "engine": {"placement": "colocated", "max_batch_size": 16},
+            },
+            f,
+        )
 
     def update(batch):
         metrics = learner.train_step(batch)
@@ -432,9 +608,12 @@ async def _scripted_run(run_dir, policy, *, tool_latency_s: float, max_new_token
                 await loop.run_in_executor(None, update, batch)
             await engine.update_weights.remote((learner.weights_numpy(), learner.version))
             orchestrator.mark_trained(info["batch_id"], learner.version)
-            record = {"phase": "rl", "step": step, **{k: v for k, v in info.items()
-                                                       if k != "statuses"},
-                      **collector.window("rl", step)}
+            record = {
+                "phase": "rl",
+                "step": step,
+                **{k: v for k, v in info.items() if k != "statuses"},
+                **collector.window("rl", step),
+            }
             with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(record) + "\n")
     finally:
@@ -471,16 +650,21 @@ class _ThreadEnv:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scenario,expected", [
-    # tools take 0.5 s a call; a turn generates 2 tokens
-    (dict(tool_latency_s=0.5, max_new_tokens=2, update_delay_s=0.0), "environment/tools"),
-    # tools take no time; a turn generates 96 tokens
-    (dict(tool_latency_s=0.0, max_new_tokens=96, update_delay_s=0.0), "engine"),
-    # rollouts are quick; each update takes 1.5 s more
-    (dict(tool_latency_s=0.0, max_new_tokens=4, update_delay_s=1.5), "learner"),
-], ids=["slow-tools", "slow-engine", "slow-learner"])
-def test_bottleneck_report_names_what_was_made_slow(ray_session, tmp_path, policy, scenario,
-                                                    expected):
+@pytest.mark.parametrize(
+    "scenario,expected",
+    [
+        # tools take 0.5 s a call; a turn generates 2 tokens
+        (dict(tool_latency_s=0.5, max_new_tokens=2, update_delay_s=0.0), "environment/tools"),
+        # tools take no time; a turn generates 96 tokens
+        (dict(tool_latency_s=0.0, max_new_tokens=96, update_delay_s=0.0), "engine"),
+        # rollouts are quick; each update takes 1.5 s more
+        (dict(tool_latency_s=0.0, max_new_tokens=4, update_delay_s=1.5), "learner"),
+    ],
+    ids=["slow-tools", "slow-engine", "slow-learner"],
+)
+def test_bottleneck_report_names_what_was_made_slow(
+    ray_session, tmp_path, policy, scenario, expected
+):
     asyncio.run(_scripted_run(tmp_path, policy, **scenario))
     path, verdict = write_report(str(tmp_path))
     report = open(path).read()
@@ -488,7 +672,9 @@ def test_bottleneck_report_names_what_was_made_slow(ray_session, tmp_path, polic
     assert f"Bounded by: {expected}" in report
     assert verdict.learning.signal == "ok", report
     if expected == "environment/tools":
-        assert verdict.evidence["episode_env_fraction"] > verdict.evidence["episode_generate_fraction"]
+        assert (
+            verdict.evidence["episode_env_fraction"] > verdict.evidence["episode_generate_fraction"]
+        )
         assert "max_concurrent_episodes from 16" in verdict.summary
     if expected == "learner":
         assert verdict.evidence["learner_wait_fraction"] < 0.3
@@ -498,11 +684,13 @@ def test_bottleneck_report_names_what_was_made_slow(ray_session, tmp_path, polic
 
 # ------------------------------------------------------------------------- odd run dirs
 
+
 def test_recording_off_gives_no_metrics_and_a_report_that_says_why(tmp_path):
     off = Recorder("engine 0", "engine", enabled=False).drain()
     assert WindowMetrics().compute([off], 2.0) == {"profiling_enabled": 0.0}
-    rows = [{"phase": "rl", "step": s, "reward_mean": 0.5, "profiling_enabled": 0.0}
-            for s in (1, 2, 3)]
+    rows = [
+        {"phase": "rl", "step": s, "reward_mean": 0.5, "profiling_enabled": 0.0} for s in (1, 2, 3)
+    ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     _, verdict = write_report(str(tmp_path))
     assert verdict.resource == "unknown" and "RAYTUNIX_PROFILING=0" in verdict.summary
@@ -512,18 +700,30 @@ def test_steps_after_a_resume_compile_again_and_stay_out_of_the_means(tmp_path):
     from raytunix.profiling.report import compile_steps
 
     def step(n, window_s, busy):
-        return {"phase": "rl", "step": n, "window_s": window_s, "engine_busy_fraction": busy,
-                "staleness_max": n % 2}
+        return {
+            "phase": "rl",
+            "step": n,
+            "window_s": window_s,
+            "engine_busy_fraction": busy,
+            "staleness_max": n % 2,
+        }
 
-    records = [step(1, 30.0, 0.1), step(2, 1.0, 0.9), step(3, 1.0, 0.9),
-               {"phase": "resume", "rl_step": 3}, step(4, 30.0, 0.1), step(5, 1.0, 0.7)]
+    records = [
+        step(1, 30.0, 0.1),
+        step(2, 1.0, 0.9),
+        step(3, 1.0, 0.9),
+        {"phase": "resume", "rl_step": 3},
+        step(4, 30.0, 0.1),
+        step(5, 1.0, 0.7),
+    ]
     assert compile_steps(records) == {1, 4}
     # Hand-edited or damaged records without a step number: not steps (step -3 would
     # have passed for the run's first, the compiling one, and put step 1 in the means).
     records += [dict(step(2, 1.0, 0.0), step=bad) for bad in (-3, "six", 1e20, True)]
     assert compile_steps(records) == {1, 4}
     (tmp_path / "metrics.jsonl").write_text(
-        "".join(json.dumps(r) + "\n" for r in records) + '{"phase": "rl", "step": 6, "wi')
+        "".join(json.dumps(r) + "\n" for r in records) + '{"phase": "rl", "step": 6, "wi'
+    )
     text = open(write_report(str(tmp_path))[0]).read()
     assert "left out of the means, as they include compiling: steps 1, 4" in text
     assert "engine busy                        83.3%" in text  # (0.9 + 0.9 + 0.7) / 3
@@ -551,17 +751,23 @@ def test_span_lines_round_trip_what_json_would_write_and_read(tmp_path):
 
     from raytunix.profiling.collect import append_jsonl, dumps_line, loads_line
 
-    chunk = {"spans": [("decode", 1.5, 2.25, "steps", {"rows": np.int64(3), 7: "key"}, None)],
-             "odd": frozenset([1]), "nan": float("nan")}
+    chunk = {
+        "spans": [("decode", 1.5, 2.25, "steps", {"rows": np.int64(3), 7: "key"}, None)],
+        "odd": frozenset([1]),
+        "nan": float("nan"),
+    }
     line = dumps_line(chunk)
     assert line.endswith(b"\n") and line.count(b"\n") == 1
     back = loads_line(line)
     # tuples become lists, a non-string key a string, numpy a number, an unknown type its
     # str, NaN null (JSON has no NaN)
-    assert back == {"spans": [["decode", 1.5, 2.25, "steps", {"rows": 3, "7": "key"}, None]],
-                    "odd": "frozenset({1})", "nan": None}
+    assert back == {
+        "spans": [["decode", 1.5, 2.25, "steps", {"rows": 3, "7": "key"}, None]],
+        "odd": "frozenset({1})",
+        "nan": None,
+    }
     # an integer over 64 bits (orjson refuses it) is written exactly, by json
-    assert loads_line(dumps_line({"big": 2 ** 70, "t": (1, 2)})) == {"big": 2 ** 70, "t": [1, 2]}
+    assert loads_line(dumps_line({"big": 2**70, "t": (1, 2)})) == {"big": 2**70, "t": [1, 2]}
     # lines json.dumps wrote (NaN tokens included) still read
     assert loads_line('{"a": NaN}\n')["a"] != loads_line('{"a": NaN}\n')["a"]
     path = str(tmp_path / "spans.jsonl")
@@ -574,9 +780,11 @@ def test_profile_command_explains_bad_paths_and_writes_elsewhere_with_out(tmp_pa
 
     run = tmp_path / "runs" / "r1"
     run.mkdir(parents=True)
-    (run / "metrics.jsonl").write_text('{"phase": "rl", "step": 1, "window_s": 1.0, '
-                                       '"learner_busy_fraction": 0.9, '
-                                       '"learner_wait_fraction": 0.0}\n')
+    (run / "metrics.jsonl").write_text(
+        '{"phase": "rl", "step": 1, "window_s": 1.0, '
+        '"learner_busy_fraction": 0.9, '
+        '"learner_wait_fraction": 0.0}\n'
+    )
     assert main(["profile", str(tmp_path / "nowhere")]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert main(["profile", str(run / "metrics.jsonl")]) == 2
@@ -596,14 +804,17 @@ def test_profile_command_explains_bad_paths_and_writes_elsewhere_with_out(tmp_pa
 
 def _learner_bound_run(path):
     path.mkdir(parents=True)
-    (path / "metrics.jsonl").write_text('{"phase": "rl", "step": 1, "window_s": 1.0, '
-                                        '"learner_busy_fraction": 0.9, '
-                                        '"learner_wait_fraction": 0.0}\n')
+    (path / "metrics.jsonl").write_text(
+        '{"phase": "rl", "step": 1, "window_s": 1.0, '
+        '"learner_busy_fraction": 0.9, '
+        '"learner_wait_fraction": 0.0}\n'
+    )
     return path
 
 
 def test_profile_command_makes_out_reports_each_failure_once_and_refuses_a_file(
-        tmp_path, capsys, caplog):
+    tmp_path, capsys, caplog
+):
     from raytunix.cli import main
 
     run = _learner_bound_run(tmp_path / "run")
@@ -628,14 +839,28 @@ def test_report_says_when_spans_are_missing_empty_or_damaged(tmp_path):
     spans = run / "profile" / "spans.jsonl"
     spans.write_text("")
     assert "profile/spans.jsonl is empty" in open(write_report(str(run))[0]).read()
-    chunk = {"phase": "rl", "step": 1, "process": "env actor 0",
-             "spans": [["tool_call", "tool calculator", 1.0, 1.25, None, "g/0"]]}
-    spans.write_text(json.dumps(chunk) + "\n" + "garbage\n" + "[1, 2]\n" + '{"no": "spans"}\n'
-                     + json.dumps(chunk) + "\n" + '{"phase": "rl", "sp')  # torn last line
+    chunk = {
+        "phase": "rl",
+        "step": 1,
+        "process": "env actor 0",
+        "spans": [["tool_call", "tool calculator", 1.0, 1.25, None, "g/0"]],
+    }
+    spans.write_text(
+        json.dumps(chunk)
+        + "\n"
+        + "garbage\n"
+        + "[1, 2]\n"
+        + '{"no": "spans"}\n'
+        + json.dumps(chunk)
+        + "\n"
+        + '{"phase": "rl", "sp'
+    )  # torn last line
     report = open(write_report(str(run))[0]).read()
     # lines 2, 3 and 6 are not JSON objects; line 4 is an object but no chunk
-    assert ("profile/spans.jsonl lines that could not be read, skipped: 4 (line 2, 3, 6; "
-            "1 JSON object(s) that are no drained chunk)" in report)
+    assert (
+        "profile/spans.jsonl lines that could not be read, skipped: 4 (line 2, 3, 6; "
+        "1 JSON object(s) that are no drained chunk)" in report
+    )
     assert "calculator" in report and "      2 " in report  # the two good chunks count
 
 
@@ -670,14 +895,28 @@ def test_a_broken_artifact_module_costs_only_its_own_file(tmp_path, monkeypatch)
 
 
 def test_a_busy_engine_with_near_empty_batches_is_told_to_fill_them():
-    v = diagnose({"learner_wait_fraction": 0.9, "learner_busy_fraction": 0.1,
-                  "engine_busy_fraction": 0.85, "engine_batch_occupancy": 0.12,
-                  "engine_prefill_fraction": 0.6, "episode_generate_fraction": 0.9,
-                  "max_concurrent_episodes": 16},
-                 {"engine": {"placement": "disaggregated", "num_replicas": 2}})
+    v = diagnose(
+        {
+            "learner_wait_fraction": 0.9,
+            "learner_busy_fraction": 0.1,
+            "engine_busy_fraction": 0.85,
+            "engine_batch_occupancy": 0.12,
+            "engine_prefill_fraction": 0.6,
+            "episode_generate_fraction": 0.9,
+            "max_concurrent_episodes": 16,
+        },
+        {"engine": {"placement": "disaggregated", "num_replicas": 2}},
+    )
     assert v.resource == "engine" and "only 12% full" in v.summary
     assert v.advice[0].startswith("raise rollout.max_concurrent_episodes from 16")
-    colocated = diagnose({"learner_wait_fraction": 0.9, "learner_busy_fraction": 0.1,
-                          "engine_busy_fraction": 0.95, "engine_batch_occupancy": 0.95,
-                          "episode_generate_fraction": 0.9}, {})
+    colocated = diagnose(
+        {
+            "learner_wait_fraction": 0.9,
+            "learner_busy_fraction": 0.1,
+            "engine_busy_fraction": 0.95,
+            "engine_batch_occupancy": 0.95,
+            "episode_generate_fraction": 0.9,
+        },
+        {},
+    )
     assert any("engine.placement=disaggregated" in a for a in colocated.advice)

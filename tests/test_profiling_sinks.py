@@ -29,10 +29,17 @@ PROMETHEUS_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*\Z")
 
 
 def _rl_record(step: int, **extra) -> dict:
-    return {"phase": "rl", "step": step, "reward_mean": 0.25 * step, "tool_use_rate": 0.5,
-            "loss": -0.01 * step, "generated_tokens_per_s": 1000.0 + step,
-            "tool_latency_s/calculator/p50": 0.002 * step,
-            "statuses": {"completed": 10 + step, "env_error": 1}, **extra}
+    return {
+        "phase": "rl",
+        "step": step,
+        "reward_mean": 0.25 * step,
+        "tool_use_rate": 0.5,
+        "loss": -0.01 * step,
+        "generated_tokens_per_s": 1000.0 + step,
+        "tool_latency_s/calculator/p50": 0.002 * step,
+        "statuses": {"completed": 10 + step, "env_error": 1},
+        **extra,
+    }
 
 
 def _scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
@@ -41,8 +48,9 @@ def _scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
     for run in sorted(os.listdir(logdir)):
         acc = EventAccumulator(os.path.join(logdir, run))
         acc.Reload()
-        scalars.update({tag: [(e.step, e.value) for e in acc.Scalars(tag)]
-                        for tag in acc.Tags()["scalars"]})
+        scalars.update(
+            {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+        )
     return scalars
 
 
@@ -50,13 +58,32 @@ def _scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
 
 
 def test_flatten_keeps_finite_numbers_and_joins_nested_keys():
-    record = {"phase": "rl", "step": 3, "loss": -0.5, "ok": True, "off": False,
-              "nan": float("nan"), "inf": float("inf"), "name": "x", "list": [1, 2],
-              "none": None, "np": np.float32(0.25), "np_int": np.int64(7),
-              "statuses": {"completed": 5, "env_error": 0, "deeper": {"a": 1.5, "b": "s"}}}
+    record = {
+        "phase": "rl",
+        "step": 3,
+        "loss": -0.5,
+        "ok": True,
+        "off": False,
+        "nan": float("nan"),
+        "inf": float("inf"),
+        "name": "x",
+        "list": [1, 2],
+        "none": None,
+        "np": np.float32(0.25),
+        "np_int": np.int64(7),
+        "statuses": {"completed": 5, "env_error": 0, "deeper": {"a": 1.5, "b": "s"}},
+    }
     assert flatten_metrics(record) == {
-        "step": 3.0, "loss": -0.5, "ok": 1.0, "off": 0.0, "np": 0.25, "np_int": 7.0,
-        "statuses/completed": 5.0, "statuses/env_error": 0.0, "statuses/deeper/a": 1.5}
+        "step": 3.0,
+        "loss": -0.5,
+        "ok": 1.0,
+        "off": 0.0,
+        "np": 0.25,
+        "np_int": 7.0,
+        "statuses/completed": 5.0,
+        "statuses/env_error": 0.0,
+        "statuses/deeper/a": 1.5,
+    }
 
 
 # TensorBoard
@@ -73,8 +100,10 @@ def test_tensorboard_scalars_read_back_with_tags_steps_and_values(tmp_path):
     assert scalars["rl/reward_mean"] == [(1, 0.25), (2, 0.5)]
     assert scalars["rl/statuses/completed"] == [(1, 11.0), (2, 12.0)]
     assert scalars["rl/loss"] == [(1, pytest.approx(-0.01)), (2, pytest.approx(-0.02))]
-    assert scalars["rl/tool_latency_s/calculator/p50"] == [(1, pytest.approx(0.002)),
-                                                           (2, pytest.approx(0.004))]
+    assert scalars["rl/tool_latency_s/calculator/p50"] == [
+        (1, pytest.approx(0.002)),
+        (2, pytest.approx(0.004)),
+    ]
     # step and time are the axes of each event, not scalars of their own
     assert not {"rl/step", "rl/time", "rl/phase"} & set(scalars)
     acc = EventAccumulator(os.path.join(logdir, "rl"))  # a TensorBoard run per phase
@@ -100,8 +129,13 @@ def test_a_resumed_process_replaces_the_steps_it_redoes_in_tensorboard(tmp_path)
     resumed.close()
     assert len(os.listdir(os.path.join(logdir, "rl"))) == 2
     scalars = _scalars(logdir)
-    assert scalars["rl/reward_mean"] == [(1, pytest.approx(0.1)), (2, pytest.approx(0.2)),
-                                         (3, pytest.approx(0.3)), (4, 1.0), (5, 1.0)]
+    assert scalars["rl/reward_mean"] == [
+        (1, pytest.approx(0.1)),
+        (2, pytest.approx(0.2)),
+        (3, pytest.approx(0.3)),
+        (4, 1.0),
+        (5, 1.0),
+    ]
     assert scalars["warmup/loss"] == [(50, 2.0)]
 
 
@@ -121,8 +155,7 @@ def test_tensorboard_sink_that_cannot_write_logs_once_and_turns_off(tmp_path, ca
 
 def test_metric_sinks_route_each_phase_to_its_tags_and_steps(tmp_path):
     out = io.StringIO()
-    sinks = MetricSinks(str(tmp_path), total_rl_steps=4, log_every=3, ray_metrics=False,
-                        stream=out)
+    sinks = MetricSinks(str(tmp_path), total_rl_steps=4, log_every=3, ray_metrics=False, stream=out)
     sinks.write({"phase": "warmup", "step": 5, "loss": 1.25, "dev_success_rate": 0.5})
     sinks.write({"phase": "eval", "when": "before_rl", "success_rate": 0.25, "tool_use_rate": 0.5})
     for step in range(1, 5):
@@ -145,23 +178,30 @@ def test_metric_sinks_route_each_phase_to_its_tags_and_steps(tmp_path):
     assert sorted(os.listdir(tmp_path / "tensorboard")) == ["eval", "rl", "warmup"]
     # console lines every log_every=3 steps and at the last step, and after the resume
     lines = out.getvalue().splitlines()
-    assert [line.split(":")[0] for line in lines] == ["RL step 3/4", "RL step 4/4",
-                                                      "RL step 3/4", "RL step 4/4"]
+    assert [line.split(":")[0] for line in lines] == [
+        "RL step 3/4",
+        "RL step 4/4",
+        "RL step 3/4",
+        "RL step 4/4",
+    ]
 
 
 # Ray gauges
 
 
 def test_ray_metrics_sink_does_nothing_without_ray():
-    code = ("import ray\n"
-            "from raytunix.profiling.sinks import RayMetricsSink\n"
-            "sink = RayMetricsSink('run-a')\n"
-            "sink.write({'loss': 1.0, 'statuses': {'completed': 3}}, 1, 'rl')\n"
-            "assert sink.gauges == {}, sink.gauges\n"
-            "assert not ray.is_initialized()\n"
-            "print('ok')\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          check=False, timeout=120)
+    code = (
+        "import ray\n"
+        "from raytunix.profiling.sinks import RayMetricsSink\n"
+        "sink = RayMetricsSink('run-a')\n"
+        "sink.write({'loss': 1.0, 'statuses': {'completed': 3}}, 1, 'rl')\n"
+        "assert sink.gauges == {}, sink.gauges\n"
+        "assert not ray.is_initialized()\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
 
@@ -169,16 +209,31 @@ def test_ray_metrics_sink_does_nothing_without_ray():
 @pytest.mark.slow
 def test_ray_metrics_sink_makes_one_sanitized_gauge_per_key(ray_session):
     sink = RayMetricsSink("run-b")
-    sink.write({"phase": "rl", "step": 7, "reward_mean": 0.5, "tool_calls/sql query": 4,
-                "tool_latency_s/sql query/p99": 0.25, "statuses": {"env-error": 2},
-                "weird:key": 1, "when": "skipped"}, 7, "rl")
+    sink.write(
+        {
+            "phase": "rl",
+            "step": 7,
+            "reward_mean": 0.5,
+            "tool_calls/sql query": 4,
+            "tool_latency_s/sql query/p99": 0.25,
+            "statuses": {"env-error": 2},
+            "weird:key": 1,
+            "when": "skipped",
+        },
+        7,
+        "rl",
+    )
     sink.write({"phase": "rl", "step": 8, "reward_mean": 0.75}, 8, "rl")  # reuses its gauge
 
     gauges = sink.gauges
     assert set(gauges) == {
-        "raytunix_rl_reward_mean", "raytunix_rl_tool_calls_sql_query",
-        "raytunix_rl_tool_latency_s_sql_query_p99", "raytunix_rl_statuses_env_error",
-        "raytunix_rl_weird_key", "raytunix_rl_step"}
+        "raytunix_rl_reward_mean",
+        "raytunix_rl_tool_calls_sql_query",
+        "raytunix_rl_tool_latency_s_sql_query_p99",
+        "raytunix_rl_statuses_env_error",
+        "raytunix_rl_weird_key",
+        "raytunix_rl_step",
+    }
     for name, gauge in gauges.items():
         assert PROMETHEUS_NAME.match(name)
         assert gauge.info["name"] == name
@@ -205,17 +260,29 @@ def test_ray_metrics_sink_caps_gauges_and_drops_colliding_names(ray_session, cap
 def test_console_off_terminal_prints_one_plain_line_per_update():
     out = io.StringIO()
     console = ConsoleProgress(30, stream=out)
-    console.update(3, {"reward_mean": 0.512, "tool_use_rate": 0.98, "loss": 0.0123,
-                       "generated_tokens_per_s": 5321.4, "engine_busy_fraction": 0.41,
-                       "learner_busy_fraction": 0.63, "staleness_max": 1,
-                       "episodes_in_flight": 96, "statuses": {"completed": 120}})
+    console.update(
+        3,
+        {
+            "reward_mean": 0.512,
+            "tool_use_rate": 0.98,
+            "loss": 0.0123,
+            "generated_tokens_per_s": 5321.4,
+            "engine_busy_fraction": 0.41,
+            "learner_busy_fraction": 0.63,
+            "staleness_max": 1,
+            "episodes_in_flight": 96,
+            "statuses": {"completed": 120},
+        },
+    )
     console.update(4, {"reward_mean": 0.5})  # absent numbers are left out
     console.close()
     lines = out.getvalue().splitlines()
     assert len(lines) == 2
     assert re.fullmatch(
         r"RL step 3/30: reward 0\.512  tool use 98\.0%  loss \+0\.0123  tok/s 5321  "
-        r"engine busy 41%  learner busy 63%  staleness<= 1  in flight 96  \(\d+ s\)", lines[0])
+        r"engine busy 41%  learner busy 63%  staleness<= 1  in flight 96  \(\d+ s\)",
+        lines[0],
+    )
     assert re.fullmatch(r"RL step 4/30: reward 0\.500  \(\d+ s\)", lines[1])
 
 
@@ -230,7 +297,11 @@ def test_console_lines_show_each_steps_own_end_time():
     console.update(4, {"reward_mean": 0.5})  # no time: now
     console.close()
     assert [line.rsplit("(", 1)[1] for line in out.getvalue().splitlines()] == [
-        "4 s)", "9 s)", "14 s)", "0 s)"]
+        "4 s)",
+        "9 s)",
+        "14 s)",
+        "0 s)",
+    ]
 
 
 def test_console_disabled_prints_nothing():
@@ -271,8 +342,17 @@ def _write_jsonl(path, objs, truncated_tail: str = "") -> None:
 
 
 def _spans_chunk(step: int, spans: list) -> dict:
-    return {"process": "env 0", "kind": "env", "pid": 1, "host": "h", "clock_offset_s": 0.0,
-            "dropped": 0, "spans": spans, "phase": "rl", "step": step}
+    return {
+        "process": "env 0",
+        "kind": "env",
+        "pid": 1,
+        "host": "h",
+        "clock_offset_s": 0.0,
+        "dropped": 0,
+        "spans": spans,
+        "phase": "rl",
+        "step": step,
+    }
 
 
 def _read_png(path: str) -> np.ndarray:
@@ -285,24 +365,37 @@ def _read_png(path: str) -> np.ndarray:
 
 def test_write_plots_draws_a_png_from_metrics_and_spans(tmp_path):
     run = tmp_path / "run"
-    records = [{"phase": "warmup", "step": 10, "loss": 1.0, "dev_success_rate": 0.2},
-               {"phase": "eval", "when": "before_rl", "success_rate": 0.3, "tool_use_rate": 0.4}]
+    records = [
+        {"phase": "warmup", "step": 10, "loss": 1.0, "dev_success_rate": 0.2},
+        {"phase": "eval", "when": "before_rl", "success_rate": 0.3, "tool_use_rate": 0.4},
+    ]
     for step in range(1, 6):
-        records.append(_rl_record(step, trajectories_per_s=2.0, engine_busy_fraction=0.4,
-                                  learner_busy_fraction=0.6, orchestrator_cpu_fraction=0.1,
-                                  time=1e9 + step))
+        records.append(
+            _rl_record(
+                step,
+                trajectories_per_s=2.0,
+                engine_busy_fraction=0.4,
+                learner_busy_fraction=0.6,
+                orchestrator_cpu_fraction=0.1,
+                time=1e9 + step,
+            )
+        )
     del records[3]["engine_busy_fraction"]  # a key absent from one record
     records.append({"phase": "resume", "rl_step": 3, "policy_version": 3})
     records.append(_rl_record(4, reward_mean=0.9))
     records.append({"phase": "eval", "when": "after_rl", "success_rate": 0.6, "tool_use_rate": 0.9})
     _write_jsonl(str(run / "metrics.jsonl"), records, truncated_tail='{"phase": "rl", "st')
-    spans = [["tool_call", "tool calculator", 1.0, 1.002, None, "g/0"],
-             ["tool_call", "tool calculator", 2.0, 2.004, {"ok": True}, "g/1"],
-             ["tool_call", "tool python", 3.0, 4.5, None, "g/2"],
-             ["env_step", "env", 0.0, 9.0, None, "g/0"]]
-    _write_jsonl(str(run / "profile" / "spans.jsonl"),
-                 [_spans_chunk(1, spans[:2]), _spans_chunk(2, spans[2:])],
-                 truncated_tail='{"spans": [["tool_call"')
+    spans = [
+        ["tool_call", "tool calculator", 1.0, 1.002, None, "g/0"],
+        ["tool_call", "tool calculator", 2.0, 2.004, {"ok": True}, "g/1"],
+        ["tool_call", "tool python", 3.0, 4.5, None, "g/2"],
+        ["env_step", "env", 0.0, 9.0, None, "g/0"],
+    ]
+    _write_jsonl(
+        str(run / "profile" / "spans.jsonl"),
+        [_spans_chunk(1, spans[:2]), _spans_chunk(2, spans[2:])],
+        truncated_tail='{"spans": [["tool_call"',
+    )
 
     latencies = tool_latencies(str(run / "profile" / "spans.jsonl"))
     assert latencies.keys() == {"calculator", "python"}

@@ -38,6 +38,7 @@ class _Actor:
                 return env.reset(task)
             finally:
                 env.close()
+
         self.first_observation = _Method(first_observation)
 
 
@@ -61,13 +62,15 @@ def _in_process_ray_get(monkeypatch):
 
 
 def _cfg(*overrides):
-    return load_config(None, ["env.name=math_verifier", "env.max_turns=1",
-                              "model.max_seq_len=256", *overrides])
+    return load_config(
+        None, ["env.name=math_verifier", "env.max_turns=1", "model.max_seq_len=256", *overrides]
+    )
 
 
 def _tasks(n=500, long_rows=(), split="train"):
-    tasks = [Task(f"{split}-{i:06d}", f"What is {i} + 1?", str(i + 1), {"row": i})
-             for i in range(n)]
+    tasks = [
+        Task(f"{split}-{i:06d}", f"What is {i} + 1?", str(i + 1), {"row": i}) for i in range(n)
+    ]
     for i in long_rows:
         tasks[i] = Task(f"{split}-{i:06d}", LONG_QUESTION, "2501", {"row": i})
     return tasks
@@ -92,50 +95,67 @@ def test_an_overlong_training_row_is_refused_wherever_it_sits(row):
 
 def test_an_overlong_heldout_row_is_refused_too():
     tasks = _split(_tasks(), _tasks(20, long_rows=[13], split="heldout"))
-    with pytest.raises(RunError, match=r"0 of 500 train and 1 of 20 held-out tasks .* "
-                                       r"task 'heldout-000013' \(row 13, 10013 tokens\)"):
+    with pytest.raises(
+        RunError,
+        match=r"0 of 500 train and 1 of 20 held-out tasks .* "
+        r"task 'heldout-000013' \(row 13, 10013 tokens\)",
+    ):
         prepare.check_prompts(_cfg(), _Pool(), tasks, Tokenizer.byte_level())
 
 
 def test_the_error_names_the_tokenizer_vocabulary():
-    with pytest.raises(RunError, match=r"The run's tokenizer has 266 ids; a small vocabulary "
-                                       r"spends about a token per byte, so a larger "
-                                       r"model.tokenizer_vocab_size"):
-        prepare.check_prompts(_cfg(), _Pool(), _split(_tasks(long_rows=[9])),
-                              Tokenizer.byte_level())
+    with pytest.raises(
+        RunError,
+        match=r"The run's tokenizer has 266 ids; a small vocabulary "
+        r"spends about a token per byte, so a larger "
+        r"model.tokenizer_vocab_size",
+    ):
+        prepare.check_prompts(
+            _cfg(), _Pool(), _split(_tasks(long_rows=[9])), Tokenizer.byte_level()
+        )
 
 
 def test_many_overlong_rows_are_counted_and_the_first_ones_named():
     tasks = _split(_tasks(long_rows=range(100, 120)))
-    with pytest.raises(RunError, match=r"20 of 500 train .* task 'train-000100' \(row 100, "
-                                       r"10013 tokens\), .*, and 12 more"):
+    with pytest.raises(
+        RunError,
+        match=r"20 of 500 train .* task 'train-000100' \(row 100, "
+        r"10013 tokens\), .*, and 12 more",
+    ):
         prepare.check_prompts(_cfg(), _Pool(), tasks, Tokenizer.byte_level())
 
 
 def test_drop_leaves_out_the_overlong_rows_and_counts_them():
     train = _tasks(long_rows=[3, 137])
     heldout = _tasks(20, long_rows=[5], split="heldout")
-    kept = prepare.check_prompts(_cfg("data.overlong_prompts=drop"), _Pool(),
-                                 _split(train, heldout), Tokenizer.byte_level())
-    assert [t.task_id for t in kept.train] == [t.task_id for i, t in enumerate(train)
-                                               if i not in (3, 137)]
+    kept = prepare.check_prompts(
+        _cfg("data.overlong_prompts=drop"), _Pool(), _split(train, heldout), Tokenizer.byte_level()
+    )
+    assert [t.task_id for t in kept.train] == [
+        t.task_id for i, t in enumerate(train) if i not in (3, 137)
+    ]
     assert len(kept.heldout) == 19 and "heldout-000005" not in {t.task_id for t in kept.heldout}
     assert kept.dropped == {"overlong_prompt_train": 2, "overlong_prompt_heldout": 1}
-    assert kept.dev == kept.train[-_cfg().warmup.eval_size:]
+    assert kept.dev == kept.train[-_cfg().warmup.eval_size :]
 
 
 def test_nothing_is_dropped_from_tasks_that_fit():
     tasks = _split(_tasks())
-    assert prepare.check_prompts(_cfg("data.overlong_prompts=drop"), _Pool(), tasks,
-                                 Tokenizer.byte_level()) is tasks
+    assert (
+        prepare.check_prompts(
+            _cfg("data.overlong_prompts=drop"), _Pool(), tasks, Tokenizer.byte_level()
+        )
+        is tasks
+    )
     assert tasks.dropped == {"overlong_prompt_train": 0, "overlong_prompt_heldout": 0}
 
 
 def test_drop_that_would_empty_a_split_is_refused():
     train = [Task(f"train-{i}", LONG_QUESTION, "1", {"row": i}) for i in range(30)]
     with pytest.raises(RunError, match="every train task would be dropped"):
-        prepare.check_prompts(_cfg("data.overlong_prompts=drop"), _Pool(), _split(train),
-                              Tokenizer.byte_level())
+        prepare.check_prompts(
+            _cfg("data.overlong_prompts=drop"), _Pool(), _split(train), Tokenizer.byte_level()
+        )
 
 
 def test_the_policy_key_is_checked():
@@ -148,8 +168,13 @@ def test_only_the_samples_and_the_flagged_rows_go_through_the_environment():
     pool = _Pool()
     samples = preflight.sample_tasks(train, 24)
     check = preflight.check_prompt_lengths(
-        pool, train, samples, lambda: make_agent("answer", Tokenizer.byte_level()),
-        Tokenizer.byte_level(), 256)
+        pool,
+        train,
+        samples,
+        lambda: make_agent("answer", Tokenizer.byte_level()),
+        Tokenizer.byte_level(),
+        256,
+    )
     assert check.bound_applies
     assert [t.task_id for t, _ in check.too_long] == ["train-000777"]
     assert sorted(pool.resets) == sorted([t.task_id for t in samples] + ["train-000777"])
@@ -165,40 +190,71 @@ def test_a_row_the_bound_flags_but_that_fits_is_kept():
     train = _tasks(100)
     train[50] = near
     pool = _Pool()
-    check = preflight.check_prompt_lengths(pool, train, preflight.sample_tasks(train, 8),
-                                           lambda: make_agent("answer", tokenizer), tokenizer, 256)
+    check = preflight.check_prompt_lengths(
+        pool,
+        train,
+        preflight.sample_tasks(train, 8),
+        lambda: make_agent("answer", tokenizer),
+        tokenizer,
+        256,
+    )
     assert "near" in pool.resets and check.too_long == []
     over = Task("over", "9" * (256 - overhead), "1", {"row": 50})  # leaves no token
     train[50] = over
-    check = preflight.check_prompt_lengths(_Pool(), train, preflight.sample_tasks(train, 8),
-                                           lambda: make_agent("answer", tokenizer), tokenizer, 256)
+    check = preflight.check_prompt_lengths(
+        _Pool(),
+        train,
+        preflight.sample_tasks(train, 8),
+        lambda: make_agent("answer", tokenizer),
+        tokenizer,
+        256,
+    )
     assert [(t.task_id, n) for t, n in check.too_long] == [("over", 256)]
 
 
 def test_an_env_whose_first_observation_is_not_the_question_is_measured_row_by_row():
-    train = [Task(f"train-{i}", f"question {i}", "1",
-                  {"row": i, "document": "short document"}) for i in range(60)]
+    train = [
+        Task(f"train-{i}", f"question {i}", "1", {"row": i, "document": "short document"})
+        for i in range(60)
+    ]
     train[41] = Task("train-41", "question 41", "1", {"row": 41, "document": "x " * 400})
     pool = _Pool(DocumentEnv, name="document")
     tokenizer = Tokenizer.byte_level()
-    check = preflight.check_prompt_lengths(pool, train, preflight.sample_tasks(train, 4),
-                                           lambda: make_agent("answer", tokenizer), tokenizer, 256)
+    check = preflight.check_prompt_lengths(
+        pool,
+        train,
+        preflight.sample_tasks(train, 4),
+        lambda: make_agent("answer", tokenizer),
+        tokenizer,
+        256,
+    )
     assert not check.bound_applies and check.measured_exactly == 60
     assert [t.task_id for t, _ in check.too_long] == ["train-41"]
 
 
-@pytest.mark.parametrize("tokenizer", [
-    Tokenizer.byte_level(),
-    Tokenizer.train([f"What is {i} plus {i * 7}? Tom has {i} apples." for i in range(300)], 400),
-], ids=["byte_level", "trained"])
+@pytest.mark.parametrize(
+    "tokenizer",
+    [
+        Tokenizer.byte_level(),
+        Tokenizer.train(
+            [f"What is {i} plus {i * 7}? Tom has {i} apples." for i in range(300)], 400
+        ),
+    ],
+    ids=["byte_level", "trained"],
+)
 def test_the_byte_bound_is_never_below_the_token_count(tokenizer):
     rng = random.Random(0)
     alphabet = "ab 12+\n\t.?<|end|>\u00e9\u4e2d\U0001f600\u200b\ud800"
-    texts = ["", " ", "<|end|><|user|>", *("".join(rng.choice(alphabet)
-                                                   for _ in range(rng.randint(0, 80)))
-                                           for _ in range(300))]
+    texts = [
+        "",
+        " ",
+        "<|end|><|user|>",
+        *("".join(rng.choice(alphabet) for _ in range(rng.randint(0, 80))) for _ in range(300)),
+    ]
     counts = tokenizer.count_tokens(texts)
     bounds = tokenizer.token_count_bounds(texts)
-    assert counts == [len(tokenizer.encode(t.encode("utf-8", "replace").decode("utf-8"),
-                                           special_tokens=False)) for t in texts]
+    assert counts == [
+        len(tokenizer.encode(t.encode("utf-8", "replace").decode("utf-8"), special_tokens=False))
+        for t in texts
+    ]
     assert all(c <= b for c, b in zip(counts, bounds))

@@ -34,17 +34,26 @@ def test_env_brings_tasks_and_scores_with_reasoning_gyms_scorer(name):
         assert wrong.reward == 0.0 and wrong.info["correct"] is False
     partial = make_env("reasoning_gym", task=name, partial_credit=True)
     wrong_text = train[0].answer + "x"
-    assert _answer(partial, train[0], wrong_text).reward == scorer(wrong_text,
-                                                                   train[0].metadata["entry"])
+    assert _answer(partial, train[0], wrong_text).reward == scorer(
+        wrong_text, train[0].metadata["entry"]
+    )
     env.reset(train[0])
     missing = env.step(Action(text="no tags", parse_error="no <answer> tag"))
     assert (missing.reward, missing.info["parse_error"]) == (0.0, "no <answer> tag")
 
 
 def test_env_scores_the_runs_reasoning_gym_dataset():
-    cfg = load_config("reasoning_gym", ["env.kwargs={}", "data.source=reasoning_gym",
-                                        "data.dataset=spell_backward", "data.train_size=5",
-                                        "data.heldout_size=2", "eval.heldout_size=2"])
+    cfg = load_config(
+        "reasoning_gym",
+        [
+            "env.kwargs={}",
+            "data.source=reasoning_gym",
+            "data.dataset=spell_backward",
+            "data.train_size=5",
+            "data.heldout_size=2",
+            "eval.heldout_size=2",
+        ],
+    )
     train, heldout = dataset_splits(cfg.data)
     assert (len(train), len(heldout)) == (5, 2)
     env = make_env(cfg.env.name, **cfg.env.kwargs)
@@ -53,7 +62,9 @@ def test_env_scores_the_runs_reasoning_gym_dataset():
 
 
 def test_clear_errors():
-    with pytest.raises(ValueError, match="'leg_count' is not a reasoning-gym dataset; did you mean leg_counting"):
+    with pytest.raises(
+        ValueError, match="'leg_count' is not a reasoning-gym dataset; did you mean leg_counting"
+    ):
         ReasoningGymEnv(task="leg_count")
     with pytest.raises(ValueError, match="refuses its settings"):
         ReasoningGymEnv(task="leg_counting", dataset_kwargs={"bogus": 1})
@@ -66,7 +77,10 @@ def test_clear_errors():
 def test_preset_and_gymnasium_id():
     cfg = load_config("reasoning_gym", ["env.kwargs.task=spell_backward"])
     assert (cfg.env.name, cfg.env.kwargs, cfg.warmup.enabled) == (
-        "reasoning_gym", {"task": "spell_backward"}, False)
+        "reasoning_gym",
+        {"task": "spell_backward"},
+        False,
+    )
     register_gymnasium_ids()
     env = gymnasium.make("raytunix/reasoning_gym", task="leg_counting", num_tasks=4)
     observation, info = env.reset(seed=0)

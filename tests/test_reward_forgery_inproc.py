@@ -40,19 +40,24 @@ def _sql_literal(value) -> str:
 def _sql_forgeries(task: Task, rows: list[tuple]) -> dict[str, str]:
     """Answers built from the result the model can see through the tool, not from a query
     that computes it; each would match on the task's database alone."""
-    literal = " UNION ALL ".join(
-        "SELECT " + ", ".join(_sql_literal(v) for v in row) for row in rows) or "SELECT 1 WHERE 0"
+    literal = (
+        " UNION ALL ".join("SELECT " + ", ".join(_sql_literal(v) for v in row) for row in rows)
+        or "SELECT 1 WHERE 0"
+    )
     first = rows[0] if rows else (None,)
     return {
         "literal": literal,
         "literal_with_from": literal + " FROM customers LIMIT 1" if len(rows) == 1 else literal,
         # Detects the instance it runs on and answers the seen values only there.
-        "instance_switch": (f"SELECT * FROM ({literal}) WHERE (SELECT COUNT(*) FROM orders) = 300"
-                            f" UNION ALL SELECT * FROM (SELECT {', '.join(['NULL'] * len(first))})"
-                            " WHERE (SELECT COUNT(*) FROM orders) <> 300"),
-        "values_clause": "VALUES " + ", ".join(
-            "(" + ", ".join(_sql_literal(v) for v in row) + ")" for row in rows)
-        if rows else literal,
+        "instance_switch": (
+            f"SELECT * FROM ({literal}) WHERE (SELECT COUNT(*) FROM orders) = 300"
+            f" UNION ALL SELECT * FROM (SELECT {', '.join(['NULL'] * len(first))})"
+            " WHERE (SELECT COUNT(*) FROM orders) <> 300"
+        ),
+        "values_clause": "VALUES "
+        + ", ".join("(" + ", ".join(_sql_literal(v) for v in row) + ")" for row in rows)
+        if rows
+        else literal,
     }
 
 
@@ -87,8 +92,11 @@ def test_sql_shortcuts_true_only_of_the_tasks_rows_earn_nothing():
     assert _reward(env, never, Action(text="", answer=shortcut)) == 0.0
     ranked = tasks["most_expensive"]
     names = [r[0] for r in run_query(env.db_path, ranked.answer)[1]]
-    by_name = ("SELECT name FROM products WHERE name IN (" + ", ".join(map(_sql_literal, names))
-               + ") ORDER BY price DESC")
+    by_name = (
+        "SELECT name FROM products WHERE name IN ("
+        + ", ".join(map(_sql_literal, names))
+        + ") ORDER BY price DESC"
+    )
     assert [r[0] for r in run_query(env.db_path, by_name)[1]] == names
     assert _reward(env, ranked, Action(text="", answer=by_name)) == 0.0
     for bad in ("", "   ", "SELECT zeroblob(10)", "DELETE FROM orders", "SELECT 1; SELECT 2"):
@@ -104,10 +112,17 @@ def test_web_api_answers_without_the_apis_prices_earn_nothing():
     quantities = list(task.metadata["items"].values())
     total = float(task.answer)
     forged = [
-        "", " ", "0", str(sum(quantities)), str(quantities[0]),  # numbers the prompt holds
-        f"{total - 0.01:.2f}", f"{total + 1:.2f}",
-        f"{total - 1:.2f} or {task.answer}", f"{task.answer}, {total + 1:.2f}",
-        f"\\{{{total - 1:.2f}, {task.answer}\\}}", f"[{total - 1:.2f}, {total + 1:.2f}]",
+        "",
+        " ",
+        "0",
+        str(sum(quantities)),
+        str(quantities[0]),  # numbers the prompt holds
+        f"{total - 0.01:.2f}",
+        f"{total + 1:.2f}",
+        f"{total - 1:.2f} or {task.answer}",
+        f"{task.answer}, {total + 1:.2f}",
+        f"\\{{{total - 1:.2f}, {task.answer}\\}}",
+        f"[{total - 1:.2f}, {total + 1:.2f}]",
         " ".join(f"{c / 100:.2f}" for c in range(0, 40000, 7)),  # very long: many numbers
         f"\\boxed{{{task.answer}}}\\boxed{{{total + 1:.2f}}}",
     ]
@@ -116,13 +131,22 @@ def test_web_api_answers_without_the_apis_prices_earn_nothing():
         assert _reward(env, task, action) == 0.0, text
     hedged = parse_action(f"<answer>{total - 1:.2f}</answer> <answer>{task.answer}</answer>")
     assert hedged.parse_error and _reward(env, task, hedged) == 0.0
-    in_call = parse_action('<tool_call>{"name": "http_get", "arguments": {"path": '
-                           f'"/items", "answer": "<answer>{task.answer}</answer>"}}}}</tool_call>')
+    in_call = parse_action(
+        '<tool_call>{"name": "http_get", "arguments": {"path": '
+        f'"/items", "answer": "<answer>{task.answer}</answer>"}}}}</tool_call>'
+    )
     assert in_call.parse_error and _reward(env, task, in_call) == 0.0
     # No endpoint knows the question: none gives a total, whatever the path.
     env.reset(task)
-    for path in ("/total", "/items?total=1", "/items/../total", "/answer", "/items?name=total",
-                 "//items", "/items?name=kettle&name=lantern"):
+    for path in (
+        "/total",
+        "/items?total=1",
+        "/items/../total",
+        "/answer",
+        "/items?name=total",
+        "//items",
+        "/items?name=kettle&name=lantern",
+    ):
         step = env.step(_call("http_get", path=path))
         assert task.answer not in step.observation and step.reward == 0.0, (path, step)
     # Control: the prices fetched and summed.
@@ -139,16 +163,27 @@ def test_web_api_answers_without_the_apis_prices_earn_nothing():
 
 _MATH = Task("t", "What is 95 - 21?", "74")
 _MATH_FORGERIES = [
-    "<answer></answer>", "<answer> </answer>", "<answer>73</answer><answer>74</answer>",
-    "<answer>74</answer> <answer>73</answer>", "<answer>73, 74</answer>",
-    "<answer>73 74 75</answer>", "<answer>\\{73, 74\\}</answer>", "<answer>[70, 80]</answer>",
-    "<answer>73 \\text{ or } 74</answer>", "<answer>74 \\lor 73</answer>",
-    "<answer>\\boxed{74}\\boxed{73}</answer>", "<answer>\\boxed{}</answer>",
+    "<answer></answer>",
+    "<answer> </answer>",
+    "<answer>73</answer><answer>74</answer>",
+    "<answer>74</answer> <answer>73</answer>",
+    "<answer>73, 74</answer>",
+    "<answer>73 74 75</answer>",
+    "<answer>\\{73, 74\\}</answer>",
+    "<answer>[70, 80]</answer>",
+    "<answer>73 \\text{ or } 74</answer>",
+    "<answer>74 \\lor 73</answer>",
+    "<answer>\\boxed{74}\\boxed{73}</answer>",
+    "<answer>\\boxed{}</answer>",
     "<answer>" + " ".join(map(str, range(200))) + "</answer>",
     "<answer>" + "\\boxed{74}" * 40 + "</answer>",  # past MAX_ANSWER_CHARS
-    "<answer><answer>74</answer></answer>", "<answer>74",
-    "74", "\\boxed{74}", "The answer is 74.",  # no answer tag
-    "<answer>７３</answer>", "<answer>\u202e47</answer>",  # Unicode: 73, and 47 shown as "74"
+    "<answer><answer>74</answer></answer>",
+    "<answer>74",
+    "74",
+    "\\boxed{74}",
+    "The answer is 74.",  # no answer tag
+    "<answer>７３</answer>",
+    "<answer>\u202e47</answer>",  # Unicode: 73, and 47 shown as "74"
 ]
 
 
@@ -164,10 +199,14 @@ def test_math_replies_that_hedge_or_dodge_the_answer_format_earn_nothing(env_nam
 
 def test_calculator_math_answers_inside_tool_calls_or_observations_earn_nothing():
     env = make_env("calculator_math", max_tool_errors=10)
-    inside = ('<tool_call>{"name": "calculator", "arguments": {"expression": '
-              '"<answer>74</answer>"}}</tool_call>')
-    both = '<tool_call>{"name": "calculator", "arguments": {"expression": "95-21"}}</tool_call>' \
-           "<answer>74</answer>"
+    inside = (
+        '<tool_call>{"name": "calculator", "arguments": {"expression": '
+        '"<answer>74</answer>"}}</tool_call>'
+    )
+    both = (
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "95-21"}}</tool_call>'
+        "<answer>74</answer>"
+    )
     for text in (inside, both):
         env.reset(_MATH)
         step = env.step(parse_action(text))
@@ -180,25 +219,38 @@ def test_calculator_math_answers_inside_tool_calls_or_observations_earn_nothing(
     assert _reward(env, _MATH, react.parse("Final Answer: 73\nFinal Answer: 74")) == 0.0
     # Control: compute with the tool, then answer.
     env.reset(_MATH)
-    result = env.step(parse_action('<tool_call>{"name": "calculator", "arguments": '
-                                   '{"expression": "95 - 21"}}</tool_call>'))
+    result = env.step(
+        parse_action(
+            '<tool_call>{"name": "calculator", "arguments": {"expression": "95 - 21"}}</tool_call>'
+        )
+    )
     assert result.observation == "74"
-    assert env.step(react.parse(f"Thought: I know it\nFinal Answer: {result.observation}")
-                    ).reward == 1.0
+    assert (
+        env.step(react.parse(f"Thought: I know it\nFinal Answer: {result.observation}")).reward
+        == 1.0
+    )
 
 
 # --- reasoning_gym -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["leg_counting", "basic_arithmetic", "chain_sum",
-                                  "spell_backward"])
+@pytest.mark.parametrize(
+    "name", ["leg_counting", "basic_arithmetic", "chain_sum", "spell_backward"]
+)
 def test_reasoning_gym_lists_of_candidates_and_empty_answers_earn_nothing(name):
     env = make_env("reasoning_gym", task=name)
     for task in env.tasks("train", 3, seed=2):
         right = task.answer
-        forged = ["", " ", "\n", f"7 {right}" if right != "7" else "8 7",
-                  f"{right}\n{right}x", f"0\n1\n{right}\n2", f"{right} {right} {right}x",
-                  " ".join(str(i) for i in range(300))]
+        forged = [
+            "",
+            " ",
+            "\n",
+            f"7 {right}" if right != "7" else "8 7",
+            f"{right}\n{right}x",
+            f"0\n1\n{right}\n2",
+            f"{right} {right} {right}x",
+            " ".join(str(i) for i in range(300)),
+        ]
         for text in forged:
             step = (env.reset(task), env.step(Action(text="", answer=text)))[1]
             # reasoning-gym's own scorer pays some of these (partial credit, 0.01 for any
@@ -243,8 +295,9 @@ def test_reasoning_gym_coin_flip_whose_scorer_pays_the_constant_zero_is_refused(
         make_env("reasoning_gym", task="coin_flip")
     env = make_env("reasoning_gym")  # scoring the run's dataset: refused at reset
     with pytest.raises(ValueError, match="coin_flip"):
-        env.reset(Task("t", entries[0]["question"], str(entries[0]["answer"]),
-                       {"entry": entries[0]}))
+        env.reset(
+            Task("t", entries[0]["question"], str(entries[0]["answer"]), {"entry": entries[0]})
+        )
 
 
 # --- simulated_tool ----------------------------------------------------------------------

@@ -61,13 +61,21 @@ def append(path: str, code: str) -> str:
 
 
 def write(path: str, code: str) -> str:
-    return (f"import os; os.makedirs(os.path.dirname({path!r}) or '.', exist_ok=True); "
-            f"open({path!r}, 'w').write({code!r})\n")
+    return (
+        f"import os; os.makedirs(os.path.dirname({path!r}) or '.', exist_ok=True); "
+        f"open({path!r}, 'w').write({code!r})\n"
+    )
 
 
-FORGED_COUNTS = json.dumps({"tests": 4, "failures": 0, "errors": 0, "output": "OK",
-                            "results": {n: "pass" for n in hidden_test_names(
-                                PROJECTS["textstats"].hidden_tests)}})
+FORGED_COUNTS = json.dumps(
+    {
+        "tests": 4,
+        "failures": 0,
+        "errors": 0,
+        "output": "OK",
+        "results": {n: "pass" for n in hidden_test_names(PROJECTS["textstats"].hidden_tests)},
+    }
+)
 
 # Reads every /proc entry it can for the harness's key (stdin, pipes, environment, the
 # parent's memory), then writes reports signed with each candidate to every stdout it can
@@ -108,7 +116,7 @@ HUNT_THE_KEY = (
     "            _fd = _o.open('/proc/%s/fd/1' % _p, _o.O_WRONLY | _o.O_NONBLOCK)\n"
     "            _o.write(_fd, _line); _o.close(_fd)\n"
     "        except Exception: pass\n"
-    )
+)
 # Run when a hidden test calls median; what it found comes back in the tests' output.
 HUNT_ON_CALL = (
     f"_hunt = {HUNT_THE_KEY!r}\n"
@@ -117,75 +125,120 @@ HUNT_ON_CALL = (
     "    _ns = {}\n"
     "    exec(_hunt, _ns)\n"
     "    raise ValueError('found: ' + ' '.join(sorted(_k.decode() for _k in _ns['_found'])))\n"
-    "_st.median = median\n")
+    "_st.median = median\n"
+)
 
 # Each leaves BUG in place (stats.py untouched) and tries to pass the hidden tests anyway.
 REPO_FORGERIES = {
-    "patch_runner": append(INIT, (
-        "import unittest as _u\n"
-        "class _R:\n    testsRun = 4; failures = []; errors = []; skipped = []\n"
-        "    expectedFailures = []; unexpectedSuccesses = []\n"
-        "    def wasSuccessful(self): return True\n"
-        "_u.TextTestRunner.run = lambda self, suite: _R()\n"
-        "_u.TestCase.run = lambda self, result=None: None\n")),
-    "patch_assertions": append(INIT, (
-        "import unittest as _u\n"
-        "for _n in dir(_u.TestCase):\n"
-        "    if _n.startswith('assert'): setattr(_u.TestCase, _n, lambda *a, **k: None)\n"
-        "_u.TestCase.fail = lambda *a, **k: None\n")),
-    "swap_loader": append(INIT, (
-        "import unittest as _u\n"
-        "class _T(_u.TestCase):\n    def test_ok(self): pass\n"
-        "_u.TestLoader.loadTestsFromModule = lambda self, m, *a, **k: "
-        "_u.TestSuite([_T('test_ok')])\n")),
-    "frame_walk_forged_report": append(INIT, (
-        "import sys as _s, os as _o, gc as _g\n"
-        f"_body = {FORGED_COUNTS!r}\n"
-        "_seen = set()\n"
-        "_f = _s._getframe()\n"
-        "while _f is not None:\n"
-        "    for _c in _f.f_code.co_consts + tuple(_f.f_globals.values()):\n"
-        "        if isinstance(_c, str) and _c.startswith('@@') and _c not in _seen:\n"
-        "            _seen.add(_c)\n"
-        "            print(_c + _body, flush=True)\n"
-        "            print(_c + ' 0 ' + _body, flush=True)\n"
-        "    _f = _f.f_back\n"
-        f"print({REPORT_PREFIX!r} + '0' * 64 + ' ' + _body, flush=True)\n"
-        "_o._exit(0)\n")),
-    "always_equal_results": append(INIT, (
-        "class _Any(float):\n"
-        "    def __eq__(self, other): return True\n"
-        "    def __ne__(self, other): return False\n"
-        "    __hash__ = float.__hash__\n"
-        "from textstats import stats as _st\n"
-        "_median = _st.median\n"
-        "def median(values):\n"
-        "    _median(values)\n"
-        "    return _Any(0)\n"
-        "_st.median = median\n")),
-    "raise_skip": append(INIT, (
-        "import unittest as _u\n"
-        "from textstats import stats as _st\n"
-        "def median(values): raise _u.SkipTest('not today')\n"
-        "_st.median = median\n")),
-    "fake_unittest_in_sys_modules": append(INIT, (
-        "import sys as _s, types as _t\n"
-        "_m = _t.ModuleType('unittest')\n"
-        "class TestCase:\n    pass\n"
-        "_m.TestCase = TestCase\n"
-        "_s.modules['unittest'] = _m\n")),
+    "patch_runner": append(
+        INIT,
+        (
+            "import unittest as _u\n"
+            "class _R:\n    testsRun = 4; failures = []; errors = []; skipped = []\n"
+            "    expectedFailures = []; unexpectedSuccesses = []\n"
+            "    def wasSuccessful(self): return True\n"
+            "_u.TextTestRunner.run = lambda self, suite: _R()\n"
+            "_u.TestCase.run = lambda self, result=None: None\n"
+        ),
+    ),
+    "patch_assertions": append(
+        INIT,
+        (
+            "import unittest as _u\n"
+            "for _n in dir(_u.TestCase):\n"
+            "    if _n.startswith('assert'): setattr(_u.TestCase, _n, lambda *a, **k: None)\n"
+            "_u.TestCase.fail = lambda *a, **k: None\n"
+        ),
+    ),
+    "swap_loader": append(
+        INIT,
+        (
+            "import unittest as _u\n"
+            "class _T(_u.TestCase):\n    def test_ok(self): pass\n"
+            "_u.TestLoader.loadTestsFromModule = lambda self, m, *a, **k: "
+            "_u.TestSuite([_T('test_ok')])\n"
+        ),
+    ),
+    "frame_walk_forged_report": append(
+        INIT,
+        (
+            "import sys as _s, os as _o, gc as _g\n"
+            f"_body = {FORGED_COUNTS!r}\n"
+            "_seen = set()\n"
+            "_f = _s._getframe()\n"
+            "while _f is not None:\n"
+            "    for _c in _f.f_code.co_consts + tuple(_f.f_globals.values()):\n"
+            "        if isinstance(_c, str) and _c.startswith('@@') and _c not in _seen:\n"
+            "            _seen.add(_c)\n"
+            "            print(_c + _body, flush=True)\n"
+            "            print(_c + ' 0 ' + _body, flush=True)\n"
+            "    _f = _f.f_back\n"
+            f"print({REPORT_PREFIX!r} + '0' * 64 + ' ' + _body, flush=True)\n"
+            "_o._exit(0)\n"
+        ),
+    ),
+    "always_equal_results": append(
+        INIT,
+        (
+            "class _Any(float):\n"
+            "    def __eq__(self, other): return True\n"
+            "    def __ne__(self, other): return False\n"
+            "    __hash__ = float.__hash__\n"
+            "from textstats import stats as _st\n"
+            "_median = _st.median\n"
+            "def median(values):\n"
+            "    _median(values)\n"
+            "    return _Any(0)\n"
+            "_st.median = median\n"
+        ),
+    ),
+    "raise_skip": append(
+        INIT,
+        (
+            "import unittest as _u\n"
+            "from textstats import stats as _st\n"
+            "def median(values): raise _u.SkipTest('not today')\n"
+            "_st.median = median\n"
+        ),
+    ),
+    "fake_unittest_in_sys_modules": append(
+        INIT,
+        (
+            "import sys as _s, types as _t\n"
+            "_m = _t.ModuleType('unittest')\n"
+            "class TestCase:\n    pass\n"
+            "_m.TestCase = TestCase\n"
+            "_s.modules['unittest'] = _m\n"
+        ),
+    ),
     "planted_conftest_sitecustomize_pth_tests": (
-        write("conftest.py", "import pytest\ndef pytest_sessionfinish(session, exitstatus):\n"
-                             "    session.exitstatus = 0\n")
-        + write("sitecustomize.py", "import unittest\nunittest.TestCase.run = lambda *a, **k: None\n")
-        + write("usercustomize.py", "import unittest\nunittest.TestCase.run = lambda *a, **k: None\n")
-        + write("textstats/sitecustomize.py", "import unittest\nunittest.TestCase.run = lambda *a: None\n")
-        + write("textstats/conftest.py", "import unittest\nunittest.TestCase.run = lambda *a: None\n")
+        write(
+            "conftest.py",
+            "import pytest\ndef pytest_sessionfinish(session, exitstatus):\n"
+            "    session.exitstatus = 0\n",
+        )
+        + write(
+            "sitecustomize.py", "import unittest\nunittest.TestCase.run = lambda *a, **k: None\n"
+        )
+        + write(
+            "usercustomize.py", "import unittest\nunittest.TestCase.run = lambda *a, **k: None\n"
+        )
+        + write(
+            "textstats/sitecustomize.py",
+            "import unittest\nunittest.TestCase.run = lambda *a: None\n",
+        )
+        + write(
+            "textstats/conftest.py", "import unittest\nunittest.TestCase.run = lambda *a: None\n"
+        )
         + write("zz.pth", "import unittest; unittest.TestCase.run = lambda *a: None\n")
         + write("textstats/zz.pth", "import unittest; unittest.TestCase.run = lambda *a: None\n")
-        + write("tests/test_hidden.py", "import unittest\nclass HiddenStatsTest(unittest.TestCase):\n"
-                                        "    def test_median(self): pass\n")
-        + write("_hidden_test_suite.py", "")),
+        + write(
+            "tests/test_hidden.py",
+            "import unittest\nclass HiddenStatsTest(unittest.TestCase):\n"
+            "    def test_median(self): pass\n",
+        )
+        + write("_hidden_test_suite.py", "")
+    ),
     "source_linked_from_outside_the_source_dirs": (
         "import os, pathlib\n"
         "fixed = pathlib.Path('textstats/stats.py').read_text().replace("
@@ -195,10 +248,12 @@ REPO_FORGERIES = {
         "os.symlink(os.path.abspath('.fixed/stats.py'), 'textstats/linked.py')\n"
         "open('textstats/__init__.py', 'w').write("
         "'from textstats.stats import mean, top_words, word_count\\n'"
-        "'from textstats.linked import median\\n')\n"),
+        "'from textstats.linked import median\\n')\n"
+    ),
     "stall_the_tests": append(INIT, "import time as _t\n_t.sleep(3600)\n"),
-    "kill_the_harness": append(INIT, "import os as _o, signal as _g\n"
-                                     "_o.kill(_o.getppid(), _g.SIGKILL)\n"),
+    "kill_the_harness": append(
+        INIT, "import os as _o, signal as _g\n_o.kill(_o.getppid(), _g.SIGKILL)\n"
+    ),
     "hunt_the_key_in_proc": append(INIT, HUNT_ON_CALL),
 }
 
@@ -247,27 +302,43 @@ def test_repo_repair_forgeries_that_leave_the_bug_score_zero(repo_env, forgery):
 
 def test_repo_repair_honest_fixes_score_one_whatever_else_they_print(repo_env):
     repo_env.reset(TASK)
-    fix = ("import pathlib; p = pathlib.Path('textstats/stats.py'); "
-           f"p.write_text(p.read_text().replace({BUG.buggy!r}, {BUG.fixed!r}))")
+    fix = (
+        "import pathlib; p = pathlib.Path('textstats/stats.py'); "
+        f"p.write_text(p.read_text().replace({BUG.buggy!r}, {BUG.fixed!r}))"
+    )
     repo_env.step(call("python", code=fix))
     step = repo_env.step(answer("done"))
     assert (step.reward, step.info["tests"], step.info["failures"], step.info["errors"]) == (
-        1.0, 4, 0, 0), step.info
+        1.0,
+        4,
+        0,
+        0,
+    ), step.info
     # A fix through a new module of the package, with prints on import and in calls.
     repo_env.reset(TASK)
-    helper = ("print('helper loaded')\n\ndef middle(ordered):\n    n = len(ordered)\n"
-              "    print('middle of', n)\n    if n % 2 == 1:\n        return ordered[n // 2]\n"
-              "    return (ordered[n // 2 - 1] + ordered[n // 2]) / 2\n")
-    repo_env.step(call("python", code=write("textstats/helpers/mid.py", helper)
-                       + write("textstats/helpers/__init__.py", "")))
-    patch = ("import pathlib, re; p = pathlib.Path('textstats/stats.py'); t = p.read_text()\n"
-             "t = re.sub(r'    middle = n // 2\\n.*?return \\(ordered.*?\\) / 2\\n', "
-             "'    from textstats.helpers.mid import middle\\n    return middle(ordered)\\n', "
-             "t, flags=re.S)\n"
-             "p.write_text(t)\n")
+    helper = (
+        "print('helper loaded')\n\ndef middle(ordered):\n    n = len(ordered)\n"
+        "    print('middle of', n)\n    if n % 2 == 1:\n        return ordered[n // 2]\n"
+        "    return (ordered[n // 2 - 1] + ordered[n // 2]) / 2\n"
+    )
+    repo_env.step(
+        call(
+            "python",
+            code=write("textstats/helpers/mid.py", helper)
+            + write("textstats/helpers/__init__.py", ""),
+        )
+    )
+    patch = (
+        "import pathlib, re; p = pathlib.Path('textstats/stats.py'); t = p.read_text()\n"
+        "t = re.sub(r'    middle = n // 2\\n.*?return \\(ordered.*?\\) / 2\\n', "
+        "'    from textstats.helpers.mid import middle\\n    return middle(ordered)\\n', "
+        "t, flags=re.S)\n"
+        "p.write_text(t)\n"
+    )
     repo_env.step(call("python", code=patch))
-    shown = repo_env.step(call("bash", command="python3 -c 'import textstats as t; "
-                                               "print(t.median([4, 1, 3, 2]))'"))
+    shown = repo_env.step(
+        call("bash", command="python3 -c 'import textstats as t; print(t.median([4, 1, 3, 2]))'")
+    )
     assert shown.observation.splitlines()[-1] == "2.5", shown.observation
     step = repo_env.step(answer("done"))
     assert (step.reward, step.info["tests"]) == (1.0, 4), step.info
@@ -276,10 +347,12 @@ def test_repo_repair_honest_fixes_score_one_whatever_else_they_print(repo_env):
 def test_repo_repair_a_fix_that_also_plants_things_still_scores_one(repo_env):
     # Planted files are left out of the pristine copy; they neither help nor hurt a fix.
     repo_env.reset(TASK)
-    fix = ("import pathlib; p = pathlib.Path('textstats/stats.py'); "
-           f"p.write_text(p.read_text().replace({BUG.buggy!r}, {BUG.fixed!r}))\n"
-           + write("sitecustomize.py", "raise SystemExit(1)\n")
-           + write("textstats/conftest.py", "raise SystemExit(1)\n"))
+    fix = (
+        "import pathlib; p = pathlib.Path('textstats/stats.py'); "
+        f"p.write_text(p.read_text().replace({BUG.buggy!r}, {BUG.fixed!r}))\n"
+        + write("sitecustomize.py", "raise SystemExit(1)\n")
+        + write("textstats/conftest.py", "raise SystemExit(1)\n")
+    )
     repo_env.step(call("python", code=fix))
     step = repo_env.step(answer("done"))
     assert step.reward == 1.0, step.info
@@ -288,22 +361,29 @@ def test_repo_repair_a_fix_that_also_plants_things_still_scores_one(repo_env):
 
 def test_hidden_test_names_list_every_test_method_and_refuse_none():
     names = hidden_test_names(PROJECTS["cart"].hidden_tests)
-    assert names == ("HiddenCartTest.test_add_accumulates",
-                     "HiddenCartTest.test_bulk_discount_at_threshold",
-                     "HiddenCartTest.test_remove", "HiddenCartTest.test_bad_quantity")
+    assert names == (
+        "HiddenCartTest.test_add_accumulates",
+        "HiddenCartTest.test_bulk_discount_at_threshold",
+        "HiddenCartTest.test_remove",
+        "HiddenCartTest.test_bad_quantity",
+    )
     with pytest.raises(ValueError, match="hold no test"):
-        hidden_test_names("import unittest\nclass T(unittest.TestCase):\n    def helper(self): pass\n")
+        hidden_test_names(
+            "import unittest\nclass T(unittest.TestCase):\n    def helper(self): pass\n"
+        )
     with pytest.raises(ValueError, match="do not parse"):
         hidden_test_names("def (:\n")
 
 
 # --- bash_terminal ----------------------------------------------------------------------------
 
+
 def bash_task(template: str, seed: int = 0) -> Task:
     env = BashTerminalEnv()
     try:
-        return next(t for t in env.tasks("train", 80, seed=seed)
-                    if t.metadata["template"] == template)
+        return next(
+            t for t in env.tasks("train", 80, seed=seed) if t.metadata["template"] == template
+        )
     finally:
         env.close()
 
@@ -327,21 +407,36 @@ def _file(task):
 # (template, commands that do not do the task but would fool a checker that follows links,
 #  opens what it finds or imports from the work dir)
 BASH_FORGERIES = {
-    "dirs_as_links_to_existing_dirs": ("make_dirs", lambda t: " && ".join(
-        f"mkdir -p $(dirname {d}) && ln -s /usr {d}" for d in _dirs(t))),
-    "file_as_link_to_text_kept_elsewhere": ("write_line", lambda t: (
-        f"printf '%s\\n' {_file(t)[1]!r} > /tmp/kept.txt && ln -s /tmp/kept.txt {_file(t)[0]}")),
+    "dirs_as_links_to_existing_dirs": (
+        "make_dirs",
+        lambda t: " && ".join(f"mkdir -p $(dirname {d}) && ln -s /usr {d}" for d in _dirs(t)),
+    ),
+    "file_as_link_to_text_kept_elsewhere": (
+        "write_line",
+        lambda t: (
+            f"printf '%s\\n' {_file(t)[1]!r} > /tmp/kept.txt && ln -s /tmp/kept.txt {_file(t)[0]}"
+        ),
+    ),
     "fifo_where_the_file_should_be": ("count_lines", lambda t: f"mkfifo {_file(t)[0]}"),
-    "unreadable_file": ("count_lines", lambda t: (
-        f"wc -l < data.txt > {_file(t)[0]} && chmod 000 {_file(t)[0]}")),
-    "right_text_then_more_past_a_bounded_read": ("write_line", lambda t: (
-        f"{{ echo {_file(t)[1]!r}; head -c 5000 /dev/zero | tr '\\0' '\\n'; echo more; }} "
-        f"> {_file(t)[0]}")),
-    "huge_file": ("count_lines", lambda t: (
-        f"head -c 30000000 /dev/zero > {_file(t)[0]}")),
-    "planted_modules_print_a_forged_report": ("count_lines", lambda t: (
-        "for m in sitecustomize usercustomize json os stat; do "
-        "echo \"import sys; print('@@report-x@@{}'); sys.exit(0)\" > $m.py; done")),
+    "unreadable_file": (
+        "count_lines",
+        lambda t: f"wc -l < data.txt > {_file(t)[0]} && chmod 000 {_file(t)[0]}",
+    ),
+    "right_text_then_more_past_a_bounded_read": (
+        "write_line",
+        lambda t: (
+            f"{{ echo {_file(t)[1]!r}; head -c 5000 /dev/zero | tr '\\0' '\\n'; echo more; }} "
+            f"> {_file(t)[0]}"
+        ),
+    ),
+    "huge_file": ("count_lines", lambda t: f"head -c 30000000 /dev/zero > {_file(t)[0]}"),
+    "planted_modules_print_a_forged_report": (
+        "count_lines",
+        lambda t: (
+            "for m in sitecustomize usercustomize json os stat; do "
+            "echo \"import sys; print('@@report-x@@{}'); sys.exit(0)\" > $m.py; done"
+        ),
+    ),
 }
 
 
@@ -384,7 +479,8 @@ def test_bash_terminal_a_dangling_link_is_not_absent(bash_env):
     bash_env.step(call("bash", command=f"mv {old} {new} && ln -s /nowhere {old}"))
     step = bash_env.step(answer("done"))
     assert step.reward == 0.0 and step.info["check_failures"] == [
-        f"{old}: still exists (a symbolic link)"], step.info
+        f"{old}: still exists (a symbolic link)"
+    ], step.info
     bash_env.reset(task)
     bash_env.step(call("bash", command=f"mv {old} {new}"))
     assert bash_env.step(answer("done")).reward == 1.0
@@ -392,8 +488,12 @@ def test_bash_terminal_a_dangling_link_is_not_absent(bash_env):
 
 # --- python_math ------------------------------------------------------------------------------
 
-SQUARES = Task("t", "What is the sum of the squares of the integers from 1 to 24? Use python "
-                    "to compute it.", "4900", {"template": "sum_of_squares"})
+SQUARES = Task(
+    "t",
+    "What is the sum of the squares of the integers from 1 to 24? Use python to compute it.",
+    "4900",
+    {"template": "sum_of_squares"},
+)
 GCD = Task("t", "What is the greatest common divisor of 84 and 120?", "12", {"template": "gcd"})
 POWER = Task("t", "What is 2 to the power 10, modulo 1000?", "24", {"template": "modular_power"})
 
@@ -405,17 +505,20 @@ def math_env(sandbox):
     env.close()
 
 
-@pytest.mark.parametrize("task, text", [
-    (SQUARES, r"\sum_{i=1}^{24} i^2"),
-    (SQUARES, r"\boxed{\sum_{i=1}^{24} i^{2}}"),
-    (SQUARES, "24*25*49/6"),
-    (GCD, r"\gcd(84, 120)"),
-    (POWER, r"2^{10} - 1000"),
-    (SQUARES, "4899 4900 4901"),
-    (SQUARES, "4900 or 4901"),
-    (SQUARES, "see answer.txt"),
-    (SQUARES, ""),
-])
+@pytest.mark.parametrize(
+    "task, text",
+    [
+        (SQUARES, r"\sum_{i=1}^{24} i^2"),
+        (SQUARES, r"\boxed{\sum_{i=1}^{24} i^{2}}"),
+        (SQUARES, "24*25*49/6"),
+        (GCD, r"\gcd(84, 120)"),
+        (POWER, r"2^{10} - 1000"),
+        (SQUARES, "4899 4900 4901"),
+        (SQUARES, "4900 or 4901"),
+        (SQUARES, "see answer.txt"),
+        (SQUARES, ""),
+    ],
+)
 def test_python_math_answers_that_are_not_the_number_score_zero(math_env, task, text):
     math_env.reset(task)
     # The answer left in a file of the work dir does not count either.

@@ -38,8 +38,9 @@ FAST = Backoff(initial_delay_s=0.001, max_delay_s=0.004, max_attempts=3)
 
 def _answer(request, text="<answer>2</answer>"):
     ids = TOK.encode(text) + [TOK.end_id]
-    return GenerationResult(request.request_id, tuple(ids), (-0.1,) * len(ids), (0,) * len(ids),
-                            FinishReason.STOP)
+    return GenerationResult(
+        request.request_id, tuple(ids), (-0.1,) * len(ids), (0,) * len(ids), FinishReason.STOP
+    )
 
 
 # -- the schedule ------------------------------------------------------------------------------
@@ -64,11 +65,17 @@ def test_jitter_sets_the_random_fraction_of_each_delay():
     assert 0.0 <= min(delays) < 0.1 and 0.9 < max(delays) <= 1.0  # "full jitter": [0, cap]
 
 
-@pytest.mark.parametrize("kwargs, name", [({"initial_delay_s": 0}, "initial_delay_s"),
-                                          ({"max_delay_s": 0.01}, "max_delay_s"),
-                                          ({"multiplier": 0.5}, "multiplier"),
-                                          ({"max_attempts": 0}, "max_attempts"),
-                                          ({"jitter": 1.5}, "jitter"), ({"jitter": -0.1}, "jitter")])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"initial_delay_s": 0}, "initial_delay_s"),
+        ({"max_delay_s": 0.01}, "max_delay_s"),
+        ({"multiplier": 0.5}, "multiplier"),
+        ({"max_attempts": 0}, "max_attempts"),
+        ({"jitter": 1.5}, "jitter"),
+        ({"jitter": -0.1}, "jitter"),
+    ],
+)
 def test_backoff_rejects_bad_settings_naming_them(kwargs, name):
     with pytest.raises(ValueError, match=name):
         Backoff(**kwargs)
@@ -87,8 +94,15 @@ def test_retry_async_retries_only_the_named_errors_and_gives_up_after_max_attemp
 
     retries = []
     with pytest.raises(ConnectionError):
-        asyncio.run(retry_async(flaky, FAST, retry_on=(ConnectionError,), rng=random.Random(0),
-                                on_retry=lambda a, e, d: retries.append((a, d))))
+        asyncio.run(
+            retry_async(
+                flaky,
+                FAST,
+                retry_on=(ConnectionError,),
+                rng=random.Random(0),
+                on_retry=lambda a, e, d: retries.append((a, d)),
+            )
+        )
     assert len(calls) == FAST.max_attempts and [a for a, _ in retries] == [0, 1]
     calls.clear()
     with pytest.raises(KeyError):
@@ -143,10 +157,19 @@ class FlakyEngine:
 
 
 def _orchestrator(engine, **kwargs):
-    args = dict(tasks=TASKS, agent_factory=lambda: ToolAgent(TOK), engine=engine,
-                env_provider=lambda g: (LocalEnv("calculator_math", {}), lambda: None),
-                group_size=2, groups_per_batch=2, max_concurrent_episodes=8, max_staleness=1,
-                max_turns=2, max_context_tokens=256, sampling=SamplingParams(max_new_tokens=32))
+    args = dict(
+        tasks=TASKS,
+        agent_factory=lambda: ToolAgent(TOK),
+        engine=engine,
+        env_provider=lambda g: (LocalEnv("calculator_math", {}), lambda: None),
+        group_size=2,
+        groups_per_batch=2,
+        max_concurrent_episodes=8,
+        max_staleness=1,
+        max_turns=2,
+        max_context_tokens=256,
+        sampling=SamplingParams(max_new_tokens=32),
+    )
     args.update(kwargs)
     return RolloutOrchestrator(**args)
 
@@ -157,6 +180,7 @@ def test_half_second_outage_loses_no_task():
         await asyncio.wait_for(orch.next_batch(), 30)
         await orch.stop()
         return orch.counters
+
     counters = asyncio.run(main())
     assert counters.get("groups_filtered_engine_error", 0) == 0
 
@@ -164,8 +188,12 @@ def test_half_second_outage_loses_no_task():
 def test_an_outage_longer_than_the_call_retries_retries_groups_with_backoff_and_loses_no_task():
     async def main():
         engine = FlakyEngine(0.3)
-        orch = _orchestrator(engine, engine_backoff=Backoff(0.001, 0.002, max_attempts=2),
-                             retry_backoff=Backoff(0.05, 0.2), max_group_retries=8)
+        orch = _orchestrator(
+            engine,
+            engine_backoff=Backoff(0.001, 0.002, max_attempts=2),
+            retry_backoff=Backoff(0.05, 0.2),
+            max_group_retries=8,
+        )
         [_], info = await asyncio.wait_for(orch.next_batch(), 30)
         await orch.stop()
         return engine, orch.state(), info
@@ -190,10 +218,21 @@ def test_an_engine_bug_is_raised_from_the_episode_not_retried():
             raise ValueError(f"Request {request.request_id!r} has an empty prompt")
 
     with pytest.raises(ValueError, match="empty prompt"):
-        asyncio.run(run_episode(TASKS[0], "g", ToolAgent(TOK), LocalEnv("calculator_math", {}),
-                                BadRequestEngine(), SamplingParams(max_new_tokens=16),
-                                max_turns=2, max_context_tokens=256, seed=0, timeout_s=10,
-                                engine_backoff=FAST))
+        asyncio.run(
+            run_episode(
+                TASKS[0],
+                "g",
+                ToolAgent(TOK),
+                LocalEnv("calculator_math", {}),
+                BadRequestEngine(),
+                SamplingParams(max_new_tokens=16),
+                max_turns=2,
+                max_context_tokens=256,
+                seed=0,
+                timeout_s=10,
+                engine_backoff=FAST,
+            )
+        )
     assert BadRequestEngine.calls == 1
 
 
@@ -206,9 +245,21 @@ def test_an_engine_down_for_good_raises_engine_failure_after_bounded_retries():
             raise ConnectionError("refused")
 
     with pytest.raises(EngineFailure, match="refused"):
-        asyncio.run(run_episode(TASKS[0], "g", ToolAgent(TOK), LocalEnv("calculator_math", {}),
-                                DeadEngine(), SamplingParams(max_new_tokens=16), max_turns=2,
-                                max_context_tokens=256, seed=0, timeout_s=10, engine_backoff=FAST))
+        asyncio.run(
+            run_episode(
+                TASKS[0],
+                "g",
+                ToolAgent(TOK),
+                LocalEnv("calculator_math", {}),
+                DeadEngine(),
+                SamplingParams(max_new_tokens=16),
+                max_turns=2,
+                max_context_tokens=256,
+                seed=0,
+                timeout_s=10,
+                engine_backoff=FAST,
+            )
+        )
     assert DeadEngine.calls == FAST.max_attempts
 
 
@@ -223,10 +274,20 @@ def test_a_non_finite_reward_ends_the_episode_as_env_error_before_the_learner_se
         async def generate(self, request):
             return _answer(request)
 
-    trajectory = asyncio.run(run_episode(
-        TASKS[0], "g", ToolAgent(TOK), NanRewardEnv("calculator_math", {}), Engine(),
-        SamplingParams(max_new_tokens=32), max_turns=2, max_context_tokens=256, seed=0,
-        timeout_s=10))
+    trajectory = asyncio.run(
+        run_episode(
+            TASKS[0],
+            "g",
+            ToolAgent(TOK),
+            NanRewardEnv("calculator_math", {}),
+            Engine(),
+            SamplingParams(max_new_tokens=32),
+            max_turns=2,
+            max_context_tokens=256,
+            seed=0,
+            timeout_s=10,
+        )
+    )
     assert trajectory.status == EpisodeStatus.ENV_ERROR and trajectory.reward == 0.0
     assert "returned reward nan" in trajectory.error  # the user sees what failed
 
@@ -243,12 +304,24 @@ def test_an_env_error_episode_carries_the_environment_s_exception():
     for env in (RaisingStep("calculator_math", {}), LocalEnv("calculator_math", {})):
         if type(env) is LocalEnv:  # BaseEnv.step catches the raise: status ENV_ERROR
             env._env._step_impl = lambda action: 1 / 0
-        trajectory = asyncio.run(run_episode(
-            TASKS[0], "g", ToolAgent(TOK), env, Engine(), SamplingParams(max_new_tokens=32),
-            max_turns=2, max_context_tokens=256, seed=0, timeout_s=10))
+        trajectory = asyncio.run(
+            run_episode(
+                TASKS[0],
+                "g",
+                ToolAgent(TOK),
+                env,
+                Engine(),
+                SamplingParams(max_new_tokens=32),
+                max_turns=2,
+                max_context_tokens=256,
+                seed=0,
+                timeout_s=10,
+            )
+        )
         assert trajectory.status == EpisodeStatus.ENV_ERROR
-        assert ("step always fails" if type(env) is RaisingStep else "ZeroDivisionError") \
-            in trajectory.error
+        assert (
+            "step always fails" if type(env) is RaisingStep else "ZeroDivisionError"
+        ) in trajectory.error
 
 
 # -- env actors (local Ray) ------------------------------------------------------------------
@@ -264,8 +337,11 @@ class Engine:
     async def generate(self, request):
         turn = int(request.request_id.rsplit("/", 1)[1])
         if turn == 0:
-            return _answer(request, '<tool_call>{"name": "calculator", "arguments": '
-                                    '{"expression": "1 + 1"}}</tool_call>')
+            return _answer(
+                request,
+                '<tool_call>{"name": "calculator", "arguments": '
+                '{"expression": "1 + 1"}}</tool_call>',
+            )
         if self.before_answer is not None:
             hook, self.before_answer = self.before_answer, None
             await hook()
@@ -287,10 +363,14 @@ def test_an_env_actor_killed_mid_episode_is_restarted_and_its_episodes_re_run(ra
             env, index = pool.lease(group_id)
             return env, lambda: pool.release(index)
 
-        orch = _orchestrator(Engine(before_answer=kill_every_env_process),
-                             env_provider=env_provider, groups_per_batch=1,
-                             max_concurrent_episodes=2, retry_backoff=Backoff(0.2, 1.0),
-                             episode_timeout_s=60.0)
+        orch = _orchestrator(
+            Engine(before_answer=kill_every_env_process),
+            env_provider=env_provider,
+            groups_per_batch=1,
+            max_concurrent_episodes=2,
+            retry_backoff=Backoff(0.2, 1.0),
+            episode_timeout_s=60.0,
+        )
         [batch], info = await asyncio.wait_for(orch.next_batch(), 120)
         await orch.stop()
         return info, orch.state()
@@ -313,8 +393,12 @@ def test_a_dead_env_pool_stops_the_rollout_with_one_clear_error(ray_session):
         ray_session.kill(actor, no_restart=True)
 
     async def main():
-        orch = _orchestrator(Engine(), env_provider=lambda g: (pool.lease(g)[0], lambda: None),
-                             tasks=TASKS[:8], retry_backoff=FAST)
+        orch = _orchestrator(
+            Engine(),
+            env_provider=lambda g: (pool.lease(g)[0], lambda: None),
+            tasks=TASKS[:8],
+            retry_backoff=FAST,
+        )
         with pytest.raises(EnvPoolExhausted) as halted:
             await asyncio.wait_for(orch.next_batch(), 60)
         await orch.stop()
@@ -329,7 +413,9 @@ def test_a_dead_env_pool_stops_the_rollout_with_one_clear_error(ray_session):
 
 
 @pytest.mark.slow
-def test_the_halt_reaches_the_driver_as_rollout_halted_and_a_dead_engine_as_engine_failure(ray_session):
+def test_the_halt_reaches_the_driver_as_rollout_halted_and_a_dead_engine_as_engine_failure(
+    ray_session,
+):
     """What train.py relies on: the error crosses the actor boundary with its type (the
     driver turns it into one RunError and a non-zero exit)."""
     import sys
@@ -343,12 +429,25 @@ def test_the_halt_reaches_the_driver_as_rollout_halted_and_a_dead_engine_as_engi
     pool = EnvPool("calculator_math", {}, num_actors=1, max_restarts=0)
     pool.wait_ready(timeout_s=120)
     ray_session.kill(pool.actors[0], no_restart=True)
-    orchestrator = ray_session.remote(OrchestratorActor).options(
-        num_cpus=0, max_concurrency=100).remote(
-        tasks=TASKS[:4], tokenizer=TOK, agent_name="tool", env_pool=pool, engine=engine,
-        group_size=2, groups_per_batch=1, max_concurrent_episodes=4, max_staleness=0,
-        max_turns=2, max_context_tokens=256, sampling=SamplingParams(max_new_tokens=64),
-        retry_backoff=FAST)
+    orchestrator = (
+        ray_session.remote(OrchestratorActor)
+        .options(num_cpus=0, max_concurrency=100)
+        .remote(
+            tasks=TASKS[:4],
+            tokenizer=TOK,
+            agent_name="tool",
+            env_pool=pool,
+            engine=engine,
+            group_size=2,
+            groups_per_batch=1,
+            max_concurrent_episodes=4,
+            max_staleness=0,
+            max_turns=2,
+            max_context_tokens=256,
+            sampling=SamplingParams(max_new_tokens=64),
+            retry_backoff=FAST,
+        )
+    )
     try:
         with pytest.raises(RolloutHalted, match="env actors are dead"):
             ray_session.get(orchestrator.next_batch.remote(), timeout=120)

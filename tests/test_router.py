@@ -7,8 +7,9 @@ from raytunix.types import GenerationRequest, SamplingParams
 
 
 def _request(rid, session=None):
-    return GenerationRequest(request_id=rid, prompt_ids=(1, 2), sampling=SamplingParams(),
-                             session_id=session)
+    return GenerationRequest(
+        request_id=rid, prompt_ids=(1, 2), sampling=SamplingParams(), session_id=session
+    )
 
 
 def test_requests_go_to_the_least_loaded_replica():

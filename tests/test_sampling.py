@@ -34,8 +34,12 @@ def _draws(logits, temperature, top_k, top_p, num_draws, seed=0):
     and their logprobs float32[num_draws, B]."""
     b = logits.shape[0]
     lo, hi = split_seed(seed)
-    args = (jnp.asarray(logits, jnp.float32), jnp.asarray(temperature, jnp.float32),
-            jnp.full((b,), lo, jnp.uint32), jnp.full((b,), hi, jnp.uint32))
+    args = (
+        jnp.asarray(logits, jnp.float32),
+        jnp.asarray(temperature, jnp.float32),
+        jnp.full((b,), lo, jnp.uint32),
+        jnp.full((b,), hi, jnp.uint32),
+    )
     k = jnp.asarray(top_k, jnp.int32)
     p = jnp.asarray(top_p, jnp.float32)
 
@@ -79,8 +83,9 @@ def test_hand_computed_truncated_distributions():
         np.testing.assert_allclose(got, want, atol=1e-6, err_msg=f"T={t} k={k} p={p}")
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p", [
-    (1.0, 5, 1.0), (1.0, 0, 0.5), (0.7, 40, 0.9), (1.3, 0, 0.8)])
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p", [(1.0, 5, 1.0), (1.0, 0, 0.5), (0.7, 40, 0.9), (1.3, 0, 0.8)]
+)
 def test_draws_stay_in_the_allowed_set_with_the_right_frequencies(temperature, top_k, top_p):
     rng = np.random.default_rng(1)
     logits = 2.0 * rng.normal(size=(1, VOCAB)).astype(np.float32)
@@ -102,12 +107,17 @@ def test_rows_keep_their_own_settings_in_one_batch():
     rng = np.random.default_rng(2)
     logits = rng.normal(size=(5, VOCAB)).astype(np.float32)
     settings = [  # (temperature, top_k, top_p) per row
-        (1.0, 3, 1.0), (1.0, 0, 0.3), (1.0, 0, 1.0), (0.0, 0, 1.0), (0.5, 10, 0.9)]
+        (1.0, 3, 1.0),
+        (1.0, 0, 0.3),
+        (1.0, 0, 1.0),
+        (0.0, 0, 1.0),
+        (0.5, 10, 0.9),
+    ]
     t, k, p = (np.array(col) for col in zip(*settings))
     tokens, logprobs = _draws(logits, t, k, p, num_draws=300, seed=5)
 
     for row, (rt, rk, rp) in enumerate(settings):
-        alone, alone_lp = _draws(logits[row:row + 1], [rt], [rk], [rp], num_draws=300, seed=5)
+        alone, alone_lp = _draws(logits[row : row + 1], [rt], [rk], [rp], num_draws=300, seed=5)
         # A row's draws and logprobs do not depend on its neighbours' settings.
         np.testing.assert_array_equal(tokens[:, row], alone[:, 0])
         np.testing.assert_allclose(logprobs[:, row], alone_lp[:, 0], atol=1e-6)
@@ -146,9 +156,14 @@ def test_truncation_is_differentiable_and_zero_outside_the_set():
 def test_settings_are_checked_with_the_bad_value_named():
     check_sampling_settings(0.0, 0, 1.0, allow_greedy=True)
     check_sampling_settings(0.7, 50, 0.95, allow_greedy=False)
-    for args, named in [((0.0, 0, 1.0), "temperature=0.0"), ((math.inf, 0, 1.0), "inf"),
-                        ((1.0, -1, 1.0), "top_k=-1"), ((1.0, 2.5, 1.0), "top_k=2.5"),
-                        ((1.0, 0, 0.0), "top_p=0.0"), ((1.0, 0, 1.2), "top_p=1.2")]:
+    for args, named in [
+        ((0.0, 0, 1.0), "temperature=0.0"),
+        ((math.inf, 0, 1.0), "inf"),
+        ((1.0, -1, 1.0), "top_k=-1"),
+        ((1.0, 2.5, 1.0), "top_k=2.5"),
+        ((1.0, 0, 0.0), "top_p=0.0"),
+        ((1.0, 0, 1.2), "top_p=1.2"),
+    ]:
         with pytest.raises(ValueError, match=named):
             check_sampling_settings(*args, allow_greedy=False)
 
@@ -156,11 +171,19 @@ def test_settings_are_checked_with_the_bad_value_named():
 # ---------------------------------------------------------------- sampler vs learner
 
 TOKENIZER = Tokenizer.byte_level()
-CONFIG = ModelConfig(vocab_size=TOKENIZER.vocab_size, d_model=32, n_layers=2, n_heads=4,
-                     n_kv_heads=2, d_ff=64, max_seq_len=64)
+CONFIG = ModelConfig(
+    vocab_size=TOKENIZER.vocab_size,
+    d_model=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    d_ff=64,
+    max_seq_len=64,
+)
 GRAPHDEF, PARAMS = init_model(CONFIG, seed=3)
-PROMPTS = [[(11 + 7 * i + j) % CONFIG.vocab_size for i in range(n)]
-           for j, n in enumerate((3, 9, 17, 5))]
+PROMPTS = [
+    [(11 + 7 * i + j) % CONFIG.vocab_size for i in range(n)] for j, n in enumerate((3, 9, 17, 5))
+]
 
 
 def _learner_logprobs(prompt, generated, temperature, top_k=0, top_p=1.0):
@@ -169,18 +192,23 @@ def _learner_logprobs(prompt, generated, temperature, top_k=0, top_p=1.0):
     tokens = np.zeros((1, CONFIG.max_seq_len), np.int32)
     mask = np.zeros((1, CONFIG.max_seq_len), np.float32)
     n, m = len(prompt), len(generated)
-    tokens[0, :n + m] = list(prompt) + list(generated)
-    mask[0, n:n + m] = 1.0
+    tokens[0, : n + m] = list(prompt) + list(generated)
+    mask[0, n : n + m] = 1.0
     score = logprobs_fn(GRAPHDEF, temperature=temperature, top_k=top_k, top_p=top_p)
-    return np.asarray(score(PARAMS, tokens, mask))[0, n:n + m]
+    return np.asarray(score(PARAMS, tokens, mask))[0, n : n + m]
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_engine_logprobs_equal_the_learners_recomputed_logprobs(temperature):
-    requests = [GenerationRequest(
-        request_id=f"r{i}", prompt_ids=tuple(p), seed=100 + i,
-        sampling=SamplingParams(max_new_tokens=12, temperature=temperature))
-        for i, p in enumerate(PROMPTS)]
+    requests = [
+        GenerationRequest(
+            request_id=f"r{i}",
+            prompt_ids=tuple(p),
+            seed=100 + i,
+            sampling=SamplingParams(max_new_tokens=12, temperature=temperature),
+        )
+        for i, p in enumerate(PROMPTS)
+    ]
 
     async def main():
         engine = InferenceEngine(GRAPHDEF, PARAMS, CONFIG, TOKENIZER, max_batch_size=4)
@@ -197,8 +225,7 @@ def test_engine_logprobs_equal_the_learners_recomputed_logprobs(temperature):
 
 
 @jax.jit
-def _model_sample_step(params, tokens, lengths, temperature, seed_lo, seed_hi, index, top_k,
-                       top_p):
+def _model_sample_step(params, tokens, lengths, temperature, seed_lo, seed_hi, index, top_k, top_p):
     """One sampling step as the engine takes it: the model's logits after each row's
     ``lengths`` tokens (``tokens`` right-padded, int32[B, S]) into ``sample_tokens``."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
@@ -207,8 +234,9 @@ def _model_sample_step(params, tokens, lengths, temperature, seed_lo, seed_hi, i
     return sample_tokens(last, temperature, seed_lo, seed_hi, index, top_k, top_p)
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 20, 1.0), (0.7, 0, 0.8),
-                                                       (0.7, 30, 0.9)])
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p", [(1.0, 20, 1.0), (0.7, 0, 0.8), (0.7, 30, 0.9)]
+)
 def test_truncated_sampler_logprobs_equal_the_learners(temperature, top_k, top_p):
     """The sampler that the engine runs, fed the model's next-token logits step by step,
     against the learner's scoring of the same tokens with the same settings."""
@@ -216,21 +244,25 @@ def test_truncated_sampler_logprobs_equal_the_learners(temperature, top_k, top_p
     tokens = np.zeros((rows, CONFIG.max_seq_len), np.int32)  # right padding: never attended
     lengths = np.array([len(p) for p in PROMPTS], np.int32)
     for r, prompt in enumerate(PROMPTS):
-        tokens[r, :len(prompt)] = prompt
+        tokens[r, : len(prompt)] = prompt
     lo, hi = split_seed(7)
-    settings = (jnp.full((rows,), temperature, jnp.float32), jnp.full((rows,), lo, jnp.uint32),
-                jnp.full((rows,), hi, jnp.uint32))
+    settings = (
+        jnp.full((rows,), temperature, jnp.float32),
+        jnp.full((rows,), lo, jnp.uint32),
+        jnp.full((rows,), hi, jnp.uint32),
+    )
     truncation = (jnp.full((rows,), top_k, jnp.int32), jnp.full((rows,), top_p, jnp.float32))
     sampled_logprobs = np.zeros((rows, n_new), np.float32)
     for step in range(n_new):
-        new, logprobs = _model_sample_step(PARAMS, tokens, lengths, *settings,
-                                           jnp.full((rows,), step, jnp.int32), *truncation)
+        new, logprobs = _model_sample_step(
+            PARAMS, tokens, lengths, *settings, jnp.full((rows,), step, jnp.int32), *truncation
+        )
         tokens[np.arange(rows), lengths] = np.asarray(new)
         lengths += 1
         sampled_logprobs[:, step] = np.asarray(logprobs)
 
     for r, prompt in enumerate(PROMPTS):
-        generated = tokens[r, len(prompt):len(prompt) + n_new]
+        generated = tokens[r, len(prompt) : len(prompt) + n_new]
         learner = _learner_logprobs(prompt, generated, temperature, top_k, top_p)
         assert np.isfinite(learner).all()
         assert np.max(np.abs(sampled_logprobs[r] - learner)) < 1e-4

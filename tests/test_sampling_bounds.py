@@ -54,33 +54,44 @@ def test_engine_and_learner_entry_points_refuse_it_too(temperature):
     hp = RLHyperparams(temperature=temperature, top_k=0, top_p=1.0)
     with pytest.raises(ValueError, match="below the floor 0.01"):
         hp.check()
-    learner = Learner(ModelConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2,
-                                  n_kv_heads=1, d_ff=32, max_seq_len=32))
+    learner = Learner(
+        ModelConfig(
+            vocab_size=16, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32, max_seq_len=32
+        )
+    )
     with pytest.raises(ValueError, match="below the floor 0.01"):
         learner.start_rl(hp)
     check_sampling_settings(0.0, 0, 1.0, allow_greedy=True)  # exact 0: greedy generation
 
 
 def test_at_the_floor_engine_and_learner_logprobs_are_finite_and_equal():
-    logits = jnp.array([[2.0e4, -1.5e4, 1.99e4, 0.0], [3.0, 3.0 + 1e-2, -7.0, 2.99]],
-                       jnp.float32)
+    logits = jnp.array([[2.0e4, -1.5e4, 1.99e4, 0.0], [3.0, 3.0 + 1e-2, -7.0, 2.99]], jnp.float32)
     t = jnp.full((2,), MIN_TEMPERATURE, jnp.float32)
     zero = jnp.zeros((2,), jnp.uint32)
     tokens, engine_lp = sample_tokens(logits, t, zero, zero, jnp.zeros((2,), jnp.int32))
-    learner_lp = token_logprobs(logits[:, None, :], tokens[:, None], temperature=MIN_TEMPERATURE,
-                                top_k=0, top_p=1.0)[:, 0]
+    learner_lp = token_logprobs(
+        logits[:, None, :], tokens[:, None], temperature=MIN_TEMPERATURE, top_k=0, top_p=1.0
+    )[:, 0]
     assert np.isfinite(np.asarray(engine_lp)).all()
     np.testing.assert_allclose(learner_lp, engine_lp, rtol=1e-5, atol=1e-6)
-    grad = jax.grad(lambda x: jnp.sum(token_logprobs(
-        x[:, None, :], tokens[:, None], temperature=MIN_TEMPERATURE, top_k=0, top_p=1.0)))(logits)
+    grad = jax.grad(
+        lambda x: jnp.sum(
+            token_logprobs(
+                x[:, None, :], tokens[:, None], temperature=MIN_TEMPERATURE, top_k=0, top_p=1.0
+            )
+        )
+    )(logits)
     assert np.isfinite(np.asarray(grad)).all()
 
 
 def test_a_top_p_that_keeps_one_token_of_every_distribution_is_refused_like_top_k_1():
     vocab = load_config(None, []).model.tokenizer_vocab_size
-    for overrides in (["rollout.top_p=1e-9"], [f"rollout.top_p={1 / vocab!r}"],
-                      ["rollout.top_k=40", "rollout.top_p=0.025"],
-                      ["rollout.top_k=2", "rollout.top_p=0.5"]):
+    for overrides in (
+        ["rollout.top_p=1e-9"],
+        [f"rollout.top_p={1 / vocab!r}"],
+        ["rollout.top_k=40", "rollout.top_p=0.025"],
+        ["rollout.top_k=2", "rollout.top_p=0.5"],
+    ):
         with pytest.raises(ConfigError, match=r"rollout.top_p=.* is greedy decoding"):
             load_config(None, overrides)
     # Just above the bound some distribution keeps a second token: accepted.
@@ -112,8 +123,11 @@ def test_the_learner_bounds_top_p_by_its_model_vocabulary():
     from raytunix.learner.train_state import RLHyperparams
     from raytunix.models.llama import ModelConfig
 
-    learner = Learner(ModelConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2,
-                                  n_kv_heads=1, d_ff=32, max_seq_len=32))
+    learner = Learner(
+        ModelConfig(
+            vocab_size=16, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32, max_seq_len=32
+        )
+    )
     with pytest.raises(ValueError, match=r"top_p=0.06 is greedy decoding.*1/16"):
         learner.start_rl(RLHyperparams(temperature=1.0, top_k=0, top_p=0.06))
     learner.start_rl(RLHyperparams(temperature=1.0, top_k=0, top_p=0.07))

@@ -30,8 +30,14 @@ SANDBOX_UID = sandbox_module.SANDBOX_UID_BASE
 # Small limits keep the bombs short and harmless to a shared 2-core machine. The deadline
 # is roomy where a test is about another limit (a loaded machine may start a command
 # slowly), and 1 s where the deadline is the point.
-BOMB = SandboxLimits(wall_time_s=20.0, cpu_time_s=1.0, memory_bytes=64 << 20, max_processes=16,
-                     max_file_bytes=1 << 20, max_output_bytes=4096)
+BOMB = SandboxLimits(
+    wall_time_s=20.0,
+    cpu_time_s=1.0,
+    memory_bytes=64 << 20,
+    max_processes=16,
+    max_file_bytes=1 << 20,
+    max_output_bytes=4096,
+)
 DEADLINE = dataclasses.replace(BOMB, wall_time_s=1.0)
 FORK_BOMB = "import os\nwhile True:\n    os.fork()\n"
 MEMORY_BOMB = "chunks = []\nwhile True:\n    chunks.append(bytearray(8 << 20))\n"
@@ -41,8 +47,9 @@ MEMORY_BOMB = "chunks = []\nwhile True:\n    chunks.append(bytearray(8 << 20))\n
 def sandbox(request):
     # Weak isolation allowed: these tests are about limits and reports, and check an
     # isolation property only where the backend gives it (``require``).
-    with Sandbox(SandboxLimits(wall_time_s=20.0), backend=request.param,
-                 allow_weak_isolation=True) as box:
+    with Sandbox(
+        SandboxLimits(wall_time_s=20.0), backend=request.param, allow_weak_isolation=True
+    ) as box:
         yield box
 
 
@@ -55,9 +62,11 @@ def workspace(sandbox):
 
 def require(sandbox, *levels: IsolationLevel, what: str) -> None:
     if sandbox.isolation not in levels:
-        pytest.skip(f"{what} needs isolation {[level.value for level in levels]}; this "
-                    f"{sandbox.backend.value} sandbox gives {sandbox.isolation.value!r}"
-                    + (f" (bubblewrap: {sandbox.fallback_reason})" if sandbox.fallback_reason else ""))
+        pytest.skip(
+            f"{what} needs isolation {[level.value for level in levels]}; this "
+            f"{sandbox.backend.value} sandbox gives {sandbox.isolation.value!r}"
+            + (f" (bubblewrap: {sandbox.fallback_reason})" if sandbox.fallback_reason else "")
+        )
 
 
 def processes_in(path: str) -> list[int]:
@@ -78,12 +87,19 @@ def python(code: str) -> list[str]:
 
 
 def test_a_command_runs_with_its_stdin_and_reports_its_output_and_backend(sandbox, workspace):
-    result = sandbox.run(workspace, ["sh", "-c", "cat; echo to-stderr >&2; exit 3"],
-                         stdin="from stdin\n", env={"GREETING": "hi"})
+    result = sandbox.run(
+        workspace,
+        ["sh", "-c", "cat; echo to-stderr >&2; exit 3"],
+        stdin="from stdin\n",
+        env={"GREETING": "hi"},
+    )
     assert (result.exit_code, result.stdout, result.stderr) == (3, "from stdin\n", "to-stderr\n")
     assert result.killed_by_limit is None and result.limits_hit == () and not result.ok
     assert result.backend is sandbox.backend and result.isolation is sandbox.isolation
-    assert sandbox.run(workspace, ["sh", "-c", "echo $GREETING"], env={"GREETING": "hi"}).stdout == "hi\n"
+    assert (
+        sandbox.run(workspace, ["sh", "-c", "echo $GREETING"], env={"GREETING": "hi"}).stdout
+        == "hi\n"
+    )
 
 
 def test_the_callers_environment_is_not_passed_on(sandbox, workspace, monkeypatch):
@@ -115,8 +131,10 @@ def test_cannot_reach_the_network(sandbox, workspace):
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]
     try:
-        result = sandbox.run(workspace, python(
-            f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2)"))
+        result = sandbox.run(
+            workspace,
+            python(f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2)"),
+        )
     finally:
         server.close()
     assert result.exit_code != 0
@@ -124,8 +142,12 @@ def test_cannot_reach_the_network(sandbox, workspace):
 
 
 def test_cannot_write_to_the_system(sandbox, workspace):
-    require(sandbox, IsolationLevel.NAMESPACES, IsolationLevel.USER,
-            what="a read-only system for a root host")
+    require(
+        sandbox,
+        IsolationLevel.NAMESPACES,
+        IsolationLevel.USER,
+        what="a read-only system for a root host",
+    )
     for target in ("/usr/raytunix-sandbox-probe", "/etc/raytunix-sandbox-probe"):
         result = sandbox.run(workspace, ["sh", "-c", f"echo x > {target}"])
         assert result.exit_code != 0, target
@@ -136,8 +158,10 @@ def test_writes_outside_the_work_dir_never_reach_the_host(sandbox, workspace, tm
     require(sandbox, IsolationLevel.NAMESPACES, what="a private /tmp and hidden host dirs")
     host_file = tmp_path / "planted.txt"
     sandbox_root = os.path.dirname(sandbox.workspace_path(workspace))
-    script = (f"echo x > /tmp/scratch.txt && cat /tmp/scratch.txt; "
-              f"echo x > {host_file}; echo x > {sandbox_root}/../planted.txt; ls /root")
+    script = (
+        f"echo x > /tmp/scratch.txt && cat /tmp/scratch.txt; "
+        f"echo x > {host_file}; echo x > {sandbox_root}/../planted.txt; ls /root"
+    )
     result = sandbox.run(workspace, ["sh", "-c", script])
     assert result.stdout == "x\n"  # its own /tmp works; the host paths are not there
     assert not host_file.exists()
@@ -146,8 +170,7 @@ def test_writes_outside_the_work_dir_never_reach_the_host(sandbox, workspace, tm
 
 
 def test_cannot_read_another_episodes_files(sandbox):
-    require(sandbox, IsolationLevel.NAMESPACES, IsolationLevel.USER,
-            what="keeping episodes apart")
+    require(sandbox, IsolationLevel.NAMESPACES, IsolationLevel.USER, what="keeping episodes apart")
     mine, theirs = sandbox.open_workspace("mine"), sandbox.open_workspace("theirs")
     try:
         assert sandbox.run(theirs, ["sh", "-c", "echo secret-42 > secret.txt"]).ok
@@ -171,9 +194,11 @@ def test_a_fork_bomb_is_contained_and_leaves_no_process(sandbox, workspace):
 def fork_count(pause_s: float = 0.0) -> list[str]:
     """Forks children that stay until it cannot fork any more, ``pause_s`` apart; prints
     how many it made."""
-    return python("import os, time\nn = 0\ntry:\n    for _ in range(40):\n"
-                  "        if os.fork() == 0:\n            time.sleep(10)\n            os._exit(0)\n"
-                  f"        n += 1\n        time.sleep({pause_s})\nexcept OSError:\n    pass\nprint(n)\n")
+    return python(
+        "import os, time\nn = 0\ntry:\n    for _ in range(40):\n"
+        "        if os.fork() == 0:\n            time.sleep(10)\n            os._exit(0)\n"
+        f"        n += 1\n        time.sleep({pause_s})\nexcept OSError:\n    pass\nprint(n)\n"
+    )
 
 
 def test_the_process_limit_holds(sandbox, workspace):
@@ -183,8 +208,7 @@ def test_the_process_limit_holds(sandbox, workspace):
     assert processes_in(sandbox.workspace_path(workspace)) == []
 
 
-def test_the_process_limit_holds_right_after_a_run_whose_processes_were_killed(sandbox,
-                                                                                workspace):
+def test_the_process_limit_holds_right_after_a_run_whose_processes_were_killed(sandbox, workspace):
     # The killed leftovers are zombies until the host's init reaps them (a second or two
     # on some hosts). Counted into the next run's limit and then reaped during it, they
     # had given it that many processes more (CI saw 19 forks under a limit of 16).
@@ -205,15 +229,20 @@ def test_the_process_limit_holds_right_after_many_short_runs(sandbox, workspace)
 
 
 def test_a_run_whose_work_dir_is_closed_while_it_waits_to_start_raises_workspace_lost(
-        sandbox, monkeypatch):
+    sandbox, monkeypatch
+):
     ws = sandbox.open_workspace("closing")
     if sandbox._workspaces[ws].uid is None:
         sandbox.close_workspace(ws)
         pytest.skip("only a work dir with a user id of its own waits for reaping")
-    monkeypatch.setattr(sandbox_module, "_await_reaped",
-                        lambda uid, timeout_s: sandbox.close_workspace(ws))
-    monkeypatch.setattr(sandbox_module, "_KILLED_UIDS",  # as after a kill
-                        {sandbox._workspaces[ws].uid})
+    monkeypatch.setattr(
+        sandbox_module, "_await_reaped", lambda uid, timeout_s: sandbox.close_workspace(ws)
+    )
+    monkeypatch.setattr(
+        sandbox_module,
+        "_KILLED_UIDS",  # as after a kill
+        {sandbox._workspaces[ws].uid},
+    )
     with pytest.raises(WorkspaceLost, match="was closed before this run started"):
         sandbox.run(ws, ["echo", "hi"])
 
@@ -260,13 +289,18 @@ def test_100_mb_of_output_is_cut_and_counted(sandbox, workspace):
 
 
 def test_a_file_larger_than_the_limit_is_refused(sandbox, workspace):
-    result = sandbox.run(workspace, ["sh", "-c", "head -c 3000000 /dev/zero > big.bin"],
-                         limits=BOMB)
+    result = sandbox.run(
+        workspace, ["sh", "-c", "head -c 3000000 /dev/zero > big.bin"], limits=BOMB
+    )
     assert result.killed_by_limit is SandboxLimit.FILE_SIZE
-    assert os.path.getsize(os.path.join(sandbox.workspace_path(workspace), "big.bin")) <= BOMB.max_file_bytes
+    assert (
+        os.path.getsize(os.path.join(sandbox.workspace_path(workspace), "big.bin"))
+        <= BOMB.max_file_bytes
+    )
     # Inside a longer command the shell goes on, and only its report tells of the limit.
-    result = sandbox.run(workspace, ["sh", "-c", "head -c 3000000 /dev/zero > big.bin; echo on"],
-                         limits=BOMB)
+    result = sandbox.run(
+        workspace, ["sh", "-c", "head -c 3000000 /dev/zero > big.bin; echo on"], limits=BOMB
+    )
     assert result.stdout == "on\n" and SandboxLimit.FILE_SIZE in result.limits_hit
 
 
@@ -292,29 +326,43 @@ def test_closing_a_work_dir_kills_what_runs_in_it(sandbox):
     assert processes_in(path) == [] and not os.path.exists(path)
 
 
-@pytest.mark.parametrize("call, fragment", [
-    (dict(argv=[]), "argv must be a non-empty list"),
-    (dict(argv="ls -la"), "argv must be a non-empty list"),
-    (dict(argv=["echo", "a\0b"]), "without NUL"),
-    (dict(argv=["echo"], env={"BAD-NAME": "x"}), "not a valid variable name"),
-    (dict(argv=["echo"], env={"X": 3}), "must be a string"),
-    (dict(argv=["echo"], stdin=3), "stdin must be bytes or str"),
-    (dict(argv=[""]), r"argv\[0\] is empty"),
-    (dict(argv=["echo", "x" * 200_000]), "over the kernel's 131072-byte limit"),
-    (dict(argv=["echo"], limits={"wall_time_s": 1}), "limits must be a SandboxLimits"),
-])
+@pytest.mark.parametrize(
+    "call, fragment",
+    [
+        (dict(argv=[]), "argv must be a non-empty list"),
+        (dict(argv="ls -la"), "argv must be a non-empty list"),
+        (dict(argv=["echo", "a\0b"]), "without NUL"),
+        (dict(argv=["echo"], env={"BAD-NAME": "x"}), "not a valid variable name"),
+        (dict(argv=["echo"], env={"X": 3}), "must be a string"),
+        (dict(argv=["echo"], stdin=3), "stdin must be bytes or str"),
+        (dict(argv=[""]), r"argv\[0\] is empty"),
+        (dict(argv=["echo", "x" * 200_000]), "over the kernel's 131072-byte limit"),
+        (dict(argv=["echo"], limits={"wall_time_s": 1}), "limits must be a SandboxLimits"),
+    ],
+)
 def test_malformed_calls_are_refused_by_name(sandbox, workspace, call, fragment):
     kwargs = dict(call)
     with pytest.raises(ValueError, match=fragment):
         sandbox.run(workspace, kwargs.pop("argv"), **kwargs)
 
 
-@pytest.mark.parametrize("field, value", [("wall_time_s", 0), ("cpu_time_s", float("inf")),
-                                          ("memory_bytes", 1 << 20), ("max_processes", 0),
-                                          ("max_output_bytes", 0), ("max_file_bytes", -1),
-                                          ("wall_time_s", float("inf")), ("wall_time_s", "3"),
-                                          ("max_processes", 2.5), ("max_processes", None),
-                                          ("memory_bytes", 1 << 70), ("cpu_time_s", True)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("wall_time_s", 0),
+        ("cpu_time_s", float("inf")),
+        ("memory_bytes", 1 << 20),
+        ("max_processes", 0),
+        ("max_output_bytes", 0),
+        ("max_file_bytes", -1),
+        ("wall_time_s", float("inf")),
+        ("wall_time_s", "3"),
+        ("max_processes", 2.5),
+        ("max_processes", None),
+        ("memory_bytes", 1 << 70),
+        ("cpu_time_s", True),
+    ],
+)
 def test_limits_out_of_range_are_refused_by_name(field, value):
     with pytest.raises(ValueError, match=f"SandboxLimits.{field}="):
         SandboxLimits(**{field: value})
@@ -336,10 +384,16 @@ def without_namespaces(monkeypatch) -> None:
     """As on a host where neither bubblewrap nor the launcher can make namespaces
     (bubblewrap missing, user namespaces off, no CAP_SYS_ADMIN): both probes failed."""
     root = os.geteuid() == 0
-    monkeypatch.setattr(sandbox_module, "_PROBES", {
-        sandbox_module._Mode(SandboxBackend.BWRAP, root): "bwrap is not installed",
-        sandbox_module._Mode(SandboxBackend.SUBPROCESS, root, isolate=True):
-            "unshare: Operation not permitted"})
+    monkeypatch.setattr(
+        sandbox_module,
+        "_PROBES",
+        {
+            sandbox_module._Mode(SandboxBackend.BWRAP, root): "bwrap is not installed",
+            sandbox_module._Mode(
+                SandboxBackend.SUBPROCESS, root, isolate=True
+            ): "unshare: Operation not permitted",
+        },
+    )
     monkeypatch.setattr(sandbox_module, "_WARNED", set())
 
 
@@ -354,7 +408,8 @@ def test_a_host_that_cannot_isolate_refuses_untrusted_code_naming_what_is_missin
 
 
 def test_weak_isolation_when_allowed_is_reported_in_every_result_and_warned_about_once(
-        monkeypatch, caplog):
+    monkeypatch, caplog
+):
     without_namespaces(monkeypatch)
     with caplog.at_level(logging.WARNING, logger="raytunix.sandbox.sandbox"):
         boxes = [Sandbox(backend="subprocess", allow_weak_isolation=True) for _ in range(2)]
@@ -379,8 +434,19 @@ def test_the_subprocess_backend_builds_its_own_namespaces_where_it_can():
     assert hostname == "sandbox"  # its own UTS namespace
     # A root of its own: the system read-only, its /dev, /proc and /tmp; no /root, /home.
     assert {"usr", "etc", "dev", "proc", "tmp"} <= set(top)
-    assert set(top) <= {"usr", "etc", "dev", "proc", "tmp", "bin", "sbin", "lib", "lib32",
-                        "lib64", "libx32"}, top
+    assert set(top) <= {
+        "usr",
+        "etc",
+        "dev",
+        "proc",
+        "tmp",
+        "bin",
+        "sbin",
+        "lib",
+        "lib32",
+        "lib64",
+        "libx32",
+    }, top
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="only a root host runs commands as other users")

@@ -35,18 +35,25 @@ try:
 except KeyError:
     NOBODY = None
 
-USERS = [pytest.param("root", marks=pytest.mark.skipif(not ROOT, reason="needs root")),
-         "nobody"]
-PATHS = ["fallback", pytest.param("bwrap", marks=pytest.mark.skipif(
-    shutil.which("bwrap") is None, reason="bubblewrap is not installed"))]
+USERS = [pytest.param("root", marks=pytest.mark.skipif(not ROOT, reason="needs root")), "nobody"]
+PATHS = [
+    "fallback",
+    pytest.param(
+        "bwrap",
+        marks=pytest.mark.skipif(
+            shutil.which("bwrap") is None, reason="bubblewrap is not installed"
+        ),
+    ),
+]
 
 
 def _path(kind: str) -> str:
     path = os.environ.get("PATH") or os.defpath
     if kind == "bwrap":
         return path
-    return os.pathsep.join(d for d in path.split(os.pathsep)
-                           if d and shutil.which("bwrap", path=d) is None)
+    return os.pathsep.join(
+        d for d in path.split(os.pathsep) if d and shutil.which("bwrap", path=d) is None
+    )
 
 
 def _uid(user: str) -> int:
@@ -76,17 +83,31 @@ def _as_nobody() -> list[str]:
     head = [setpriv, f"--reuid={NOBODY.pw_uid}", f"--regid={NOBODY.pw_gid}", "--clear-groups"]
     if not _NOBODY_PYTHON:
         # It must also start itself again by its sys.executable, as the launcher does.
-        check = ("import subprocess, sys, raytunix.sandbox, raytunix\n"
-                 "subprocess.run([sys.executable, '-I', '-S', '-c', 'pass'], check=True)\n"
-                 "print(raytunix.__file__)")
-        for python in dict.fromkeys([sys.executable, os.path.realpath(sys.executable),
-                                     "/usr/bin/python3", shutil.which("python3") or ""]):
+        check = (
+            "import subprocess, sys, raytunix.sandbox, raytunix\n"
+            "subprocess.run([sys.executable, '-I', '-S', '-c', 'pass'], check=True)\n"
+            "print(raytunix.__file__)"
+        )
+        for python in dict.fromkeys(
+            [
+                sys.executable,
+                os.path.realpath(sys.executable),
+                "/usr/bin/python3",
+                shutil.which("python3") or "",
+            ]
+        ):
             if not python:
                 continue
-            done = subprocess.run(head + [python, "-c", check], capture_output=True, text=True,
-                                  env={"PYTHONPATH": PROJECT, "PATH": os.defpath}, cwd="/")
-            if done.returncode == 0 and os.path.realpath(done.stdout.strip()) == \
-                    os.path.realpath(raytunix.__file__):
+            done = subprocess.run(
+                head + [python, "-c", check],
+                capture_output=True,
+                text=True,
+                env={"PYTHONPATH": PROJECT, "PATH": os.defpath},
+                cwd="/",
+            )
+            if done.returncode == 0 and os.path.realpath(done.stdout.strip()) == os.path.realpath(
+                raytunix.__file__
+            ):
                 _NOBODY_PYTHON.append(python)
                 break
         else:
@@ -96,24 +117,43 @@ def _as_nobody() -> list[str]:
     return head + [_NOBODY_PYTHON[0]]
 
 
-def scenario(code: str, user: str, path_kind: str, env: dict | None = None,
-             wrapper: list[str] | None = None, timeout: float = 300) -> dict:
+def scenario(
+    code: str,
+    user: str,
+    path_kind: str,
+    env: dict | None = None,
+    wrapper: list[str] | None = None,
+    timeout: float = 300,
+) -> dict:
     """Runs ``code`` (prints one ``RESULT:`` JSON line) in a child process as ``user``
     with the PATH of ``path_kind``; returns the JSON."""
     argv = _as_nobody() if user == "nobody" and ROOT else [sys.executable]
-    environ = {"PATH": _path(path_kind), "PYTHONPATH": PROJECT, "LANG": "C.UTF-8",
-               "HOME": "/nonexistent", "JAX_PLATFORMS": "cpu", "PYTHONDONTWRITEBYTECODE": "1",
-               **(env or {})}
-    proc = subprocess.run((wrapper or []) + argv + ["-c", code], env=environ, cwd="/",
-                          capture_output=True, text=True, timeout=timeout)
+    environ = {
+        "PATH": _path(path_kind),
+        "PYTHONPATH": PROJECT,
+        "LANG": "C.UTF-8",
+        "HOME": "/nonexistent",
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        **(env or {}),
+    }
+    proc = subprocess.run(
+        (wrapper or []) + argv + ["-c", code],
+        env=environ,
+        cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT:"):
-            out = json.loads(line[len("RESULT:"):])
+            out = json.loads(line[len("RESULT:") :])
             if path_kind == "bwrap" and out.get("backend") not in (None, "bwrap"):
                 pytest.skip(f"bubblewrap does not work here: {out.get('why')}")
             return out
-    raise AssertionError(f"no RESULT (rc {proc.returncode}): {proc.stdout[-2000:]}\n"
-                         f"{proc.stderr[-3000:]}")
+    raise AssertionError(
+        f"no RESULT (rc {proc.returncode}): {proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    )
 
 
 @pytest.fixture
@@ -157,8 +197,12 @@ def test_closing_a_work_dir_leaves_a_symlinked_host_file_alone(scratch, user, pa
     _give(base, user)
     target = victim(base, user)
     command = f"mkdir t && ln -s {target} t/l && chmod 555 t && ls -l t"
-    out = scenario(CLEANUP, user, path_kind, env={"CASE_ROOT": os.path.join(base, "sb"),
-                                                   "CASE_COMMAND": command})
+    out = scenario(
+        CLEANUP,
+        user,
+        path_kind,
+        env={"CASE_ROOT": os.path.join(base, "sb"), "CASE_COMMAND": command},
+    )
     assert out["exit_code"] == 0 and "l -> " in out["stdout"], out
     assert stat.S_IMODE(os.stat(target).st_mode) == 0o644
 
@@ -177,13 +221,17 @@ def test_removing_a_tree_changes_nothing_that_its_links_reach(scratch, user):
     tree = os.path.join(home, "tree")
     os.mkdir(tree)
     _give(tree, user)
-    build = (f"cd {shlex.quote(tree)} && mkdir -p d/e && ln {target} d/hard && "
-             f"ln -s {target} d/soft && ln -s {outside} d/dirlink && ln -s {outside} e && "
-             "chmod 0 d/e && chmod 555 d")
-    code = ("import json, os, subprocess; from raytunix.sandbox.sandbox import _remove_tree\n"
-            f"subprocess.run(['sh', '-c', {build!r}], check=True)\n"
-            f"_remove_tree({tree!r})\n"
-            f"print('RESULT:' + json.dumps({{'gone': not os.path.lexists({tree!r})}}))\n")
+    build = (
+        f"cd {shlex.quote(tree)} && mkdir -p d/e && ln {target} d/hard && "
+        f"ln -s {target} d/soft && ln -s {outside} d/dirlink && ln -s {outside} e && "
+        "chmod 0 d/e && chmod 555 d"
+    )
+    code = (
+        "import json, os, subprocess; from raytunix.sandbox.sandbox import _remove_tree\n"
+        f"subprocess.run(['sh', '-c', {build!r}], check=True)\n"
+        f"_remove_tree({tree!r})\n"
+        f"print('RESULT:' + json.dumps({{'gone': not os.path.lexists({tree!r})}}))\n"
+    )
     out = scenario(code, user, "bwrap")
     st = os.stat(target)
     assert out["gone"]
@@ -261,9 +309,17 @@ def secrets_seen():
             os.chmod(token, 0o600)
             _give(token, user)
             try:
-                cache[user, path_kind] = scenario(SECRETS, user, path_kind, env={
-                    "CASE_ROOT": os.path.join(base, "sb"), "CASE_TOKEN": token,
-                    "HF_TOKEN": "hf_sekrit_from_the_job_env", "HOME": base})
+                cache[user, path_kind] = scenario(
+                    SECRETS,
+                    user,
+                    path_kind,
+                    env={
+                        "CASE_ROOT": os.path.join(base, "sb"),
+                        "CASE_TOKEN": token,
+                        "HF_TOKEN": "hf_sekrit_from_the_job_env",
+                        "HOME": base,
+                    },
+                )
             finally:
                 sandbox_module._remove_tree(base)
         return cache[user, path_kind]
@@ -274,7 +330,8 @@ def secrets_seen():
 @pytest.mark.parametrize("user", USERS)
 @pytest.mark.parametrize("path_kind", PATHS)
 def test_secrets_files_and_loopback_are_out_of_reach_or_the_sandbox_refuses(
-        secrets_seen, user, path_kind):
+    secrets_seen, user, path_kind
+):
     out = secrets_seen(user, path_kind)
     if "refused" in out:  # a host without namespaces: refused by default, naming the key
         assert "allow_weak_isolation" in out["refused"]
@@ -304,8 +361,13 @@ def test_a_run_cannot_write_to_the_hosts_shared_temp_dirs(tmp_path):
         if box.isolation is not IsolationLevel.NAMESPACES:
             pytest.skip(f"needs namespaces; this host gives {box.isolation.value}")
         marker = f"raytunix-isolation-{os.getpid()}"
-        result = box.run_once(["sh", "-c", f"echo x > /tmp/{marker} && echo x > /dev/shm/{marker}"
-                                           f" && cat /tmp/{marker}"])
+        result = box.run_once(
+            [
+                "sh",
+                "-c",
+                f"echo x > /tmp/{marker} && echo x > /dev/shm/{marker} && cat /tmp/{marker}",
+            ]
+        )
     assert result.ok and result.stdout == "x\n"
     assert not os.path.exists(f"/tmp/{marker}") and not os.path.exists(f"/dev/shm/{marker}")
 
@@ -345,14 +407,29 @@ def _private_tmpfs(fs: str) -> list[str]:
     unshare, mount = shutil.which("unshare"), shutil.which("mount")
     if not (ROOT and unshare and mount):
         pytest.skip("mounting a tmpfs in a private mount namespace needs root, unshare, mount")
-    return [unshare, "-m", "--propagation", "private", "--", shutil.which("sh"), "-c",
-            f'{shlex.quote(mount)} -t tmpfs -o size=1g raytunix-isolation "$0" && exec "$@"', fs]
+    return [
+        unshare,
+        "-m",
+        "--propagation",
+        "private",
+        "--",
+        shutil.which("sh"),
+        "-c",
+        f'{shlex.quote(mount)} -t tmpfs -o size=1g raytunix-isolation "$0" && exec "$@"',
+        fs,
+    ]
 
 
 @pytest.mark.parametrize("path_kind", PATHS)
 def test_one_run_cannot_fill_the_file_system_of_the_work_dirs(scratch, path_kind):
-    out = scenario(BOMB, "root", path_kind, env={"CASE_FS": scratch},
-                   wrapper=_private_tmpfs(scratch), timeout=400)
+    out = scenario(
+        BOMB,
+        "root",
+        path_kind,
+        env={"CASE_FS": scratch},
+        wrapper=_private_tmpfs(scratch),
+        timeout=400,
+    )
     assert out["size"] == 1 << 30, out  # it ran on the 1 GiB tmpfs
     assert out["free_after_run"] >= out["size"] // 2, out
     assert "stopped after 2 files" in out["stdout"] and "disk" in out["limits_hit"], out
@@ -385,8 +462,10 @@ def test_a_full_disk_budget_fails_that_command_as_a_limit_hit(budgeted):
 def test_many_empty_files_hit_the_budget_too(budgeted):
     ws = budgeted.open_workspace("inodes")
     try:
-        result = budgeted.run(ws, python_code("import os\nfor i in range(100000):\n"
-                                              "    open('f%d' % i, 'w').close()\n"))
+        result = budgeted.run(
+            ws,
+            python_code("import os\nfor i in range(100000):\n    open('f%d' % i, 'w').close()\n"),
+        )
         assert result.killed_by_limit is SandboxLimit.DISK, result
         assert len(os.listdir(budgeted.workspace_path(ws))) < 10000
     finally:
@@ -394,10 +473,12 @@ def test_many_empty_files_hit_the_budget_too(budgeted):
 
 
 def test_a_sandbox_that_cannot_enforce_the_budget_says_so_at_start(scratch):
-    code = ("import json, os; from raytunix.sandbox import Sandbox\n"
-            f"sb = Sandbox(root_dir={os.path.join(scratch, 'sb')!r}, allow_weak_isolation=True)\n"
-            "print('RESULT:' + json.dumps({'missing': sb.disk_budget_missing, "
-            "'all': list(sb.missing_guarantees)})); sb.close()\n")
+    code = (
+        "import json, os; from raytunix.sandbox import Sandbox\n"
+        f"sb = Sandbox(root_dir={os.path.join(scratch, 'sb')!r}, allow_weak_isolation=True)\n"
+        "print('RESULT:' + json.dumps({'missing': sb.disk_budget_missing, "
+        "'all': list(sb.missing_guarantees)})); sb.close()\n"
+    )
     _give(scratch, "nobody")
     out = scenario(code, "nobody", "bwrap")
     assert "root" in out["missing"] and any(m.startswith("disk budget") for m in out["all"])
@@ -450,13 +531,15 @@ sb.close()
 @pytest.mark.parametrize("user", USERS)
 @pytest.mark.parametrize("path_kind", PATHS)
 def test_processes_that_leave_their_session_end_with_the_run_and_the_work_dir(
-        scratch, user, path_kind):
+    scratch, user, path_kind
+):
     tag = f"{os.getpid() % 1000}.{len(user)}{len(path_kind)}"  # an argv no one else has
     base = os.path.join(scratch, "home")
     os.mkdir(base)
     _give(base, user)
-    out = scenario(ESCAPE, user, path_kind, env={"CASE_ROOT": os.path.join(base, "sb"),
-                                                  "CASE_TAG": tag})
+    out = scenario(
+        ESCAPE, user, path_kind, env={"CASE_ROOT": os.path.join(base, "sb"), "CASE_TAG": tag}
+    )
     assert out["stdout"] == "started\n", out
     assert out["after_run"] == [], out
     assert len(out["during"]) == 2 and out["after_close"] == [], out
@@ -466,15 +549,26 @@ def test_processes_that_leave_their_session_end_with_the_run_and_the_work_dir(
 def test_without_namespaces_a_root_host_still_kills_escaped_processes_by_user_id(monkeypatch):
     # As in a container without CAP_SYS_ADMIN: neither bubblewrap nor the launcher's
     # namespaces work, and weak isolation is accepted.
-    monkeypatch.setattr(sandbox_module, "_PROBES", {
-        sandbox_module._Mode(sandbox_module.SandboxBackend.BWRAP, True): "not here",
-        sandbox_module._Mode(sandbox_module.SandboxBackend.SUBPROCESS, True, isolate=True):
-            "unshare: Operation not permitted"})
+    monkeypatch.setattr(
+        sandbox_module,
+        "_PROBES",
+        {
+            sandbox_module._Mode(sandbox_module.SandboxBackend.BWRAP, True): "not here",
+            sandbox_module._Mode(
+                sandbox_module.SandboxBackend.SUBPROCESS, True, isolate=True
+            ): "unshare: Operation not permitted",
+        },
+    )
     tag = f"{os.getpid() % 1000}.77"
     with Sandbox(backend="auto", allow_weak_isolation=True) as box:
         assert box.isolation is IsolationLevel.USER
-        result = box.run_once(["sh", "-c", f"setsid sh -c 'cd /; exec sleep {tag}1' "
-                                           "</dev/null >/dev/null 2>&1 & echo started"])
+        result = box.run_once(
+            [
+                "sh",
+                "-c",
+                f"setsid sh -c 'cd /; exec sleep {tag}1' </dev/null >/dev/null 2>&1 & echo started",
+            ]
+        )
     assert result.stdout == "started\n"
     left = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline(p).find(tag) >= 0]
     assert left == []

@@ -12,15 +12,27 @@ import re
 import pytest
 
 from raytunix.envs import CalculatorMathEnv
-from raytunix.sandbox import SandboxLimit, SandboxLimits, SandboxSession, SandboxUnavailable, connect
+from raytunix.sandbox import (
+    SandboxLimit,
+    SandboxLimits,
+    SandboxSession,
+    SandboxUnavailable,
+    connect,
+)
 from raytunix.sandbox.pool import RemoteSandbox, SandboxPool
 from raytunix.tools import BashTool, PythonTool
 from raytunix.types import Action, EpisodeStatus, Task, ToolCall
 
 # A roomy deadline: each bomb is stopped by its own limit (the loop by its CPU seconds, or
 # the deadline on a machine too loaded to give it one), however slowly it starts.
-BOMB = SandboxLimits(wall_time_s=20.0, cpu_time_s=1.0, memory_bytes=64 << 20, max_processes=16,
-                     max_file_bytes=1 << 20, max_output_bytes=4096)
+BOMB = SandboxLimits(
+    wall_time_s=20.0,
+    cpu_time_s=1.0,
+    memory_bytes=64 << 20,
+    max_processes=16,
+    max_file_bytes=1 << 20,
+    max_output_bytes=4096,
+)
 BOMBS = {
     "fork bomb": ["python3", "-I", "-c", "import os\nwhile True:\n    os.fork()"],
     "memory bomb": ["python3", "-I", "-c", "x = []\nwhile True:\n    x.append(bytearray(8 << 20))"],
@@ -31,8 +43,13 @@ BOMBS = {
 
 @pytest.fixture(scope="module")
 def pool(ray_session):
-    pool = SandboxPool(num_actors=2, limits=SandboxLimits(wall_time_s=20.0), num_cpus=0.25,
-                       max_concurrent_runs=4, name="test-sandbox")
+    pool = SandboxPool(
+        num_actors=2,
+        limits=SandboxLimits(wall_time_s=20.0),
+        num_cpus=0.25,
+        max_concurrent_runs=4,
+        name="test-sandbox",
+    )
     pool.wait_ready(timeout_s=120)
     yield pool
     pool.shutdown()
@@ -76,10 +93,12 @@ def test_every_bomb_is_contained_and_the_actor_serves_the_next_call(pool, bomb):
     pids_before = [s["pid"] for s in pool.stats()]
     try:
         result = client.run(workspace, BOMBS[bomb], limits=BOMB)
-        expected = {"fork bomb": {SandboxLimit.PROCESSES, SandboxLimit.WALL_TIME},
-                    "memory bomb": {SandboxLimit.MEMORY},
-                    "infinite loop": {SandboxLimit.CPU_TIME, SandboxLimit.WALL_TIME},
-                    "100 MB of output": {None}}[bomb]
+        expected = {
+            "fork bomb": {SandboxLimit.PROCESSES, SandboxLimit.WALL_TIME},
+            "memory bomb": {SandboxLimit.MEMORY},
+            "infinite loop": {SandboxLimit.CPU_TIME, SandboxLimit.WALL_TIME},
+            "100 MB of output": {None},
+        }[bomb]
         assert result.killed_by_limit in expected, result
         if bomb == "100 MB of output":
             assert result.stdout_truncated and result.stdout_bytes == 100_000_000
@@ -124,9 +143,17 @@ def test_a_run_starts_the_pool_its_config_describes_for_an_env_that_uses_a_sandb
     from raytunix.config import load_config
     from raytunix.driver import prepare
 
-    cfg = load_config(None, [f"env.name={__name__}:ShellEnv", "sandbox.num_actors=2",
-                             "sandbox.num_cpus_per_actor=0", "sandbox.wall_time_s=3",
-                             "sandbox.memory_mb=128", "sandbox.max_output_kb=1"])
+    cfg = load_config(
+        None,
+        [
+            f"env.name={__name__}:ShellEnv",
+            "sandbox.num_actors=2",
+            "sandbox.num_cpus_per_actor=0",
+            "sandbox.wall_time_s=3",
+            "sandbox.memory_mb=128",
+            "sandbox.max_output_kb=1",
+        ],
+    )
     pool = prepare.start_sandbox_pool(cfg)
     try:
         assert len(pool.actors) == 2
@@ -146,21 +173,38 @@ def test_a_run_starts_the_pool_its_config_describes_for_an_env_that_uses_a_sandb
 def test_the_config_sections_sizes_become_the_sandbox_limits():
     from raytunix.config import load_config
 
-    cfg = load_config(None, ["sandbox.memory_mb=64", "sandbox.max_file_mb=2",
-                             "sandbox.max_output_kb=8", "sandbox.tmp_mb=16",
-                             "sandbox.wall_time_s=1.5", "sandbox.max_processes=12"])
+    cfg = load_config(
+        None,
+        [
+            "sandbox.memory_mb=64",
+            "sandbox.max_file_mb=2",
+            "sandbox.max_output_kb=8",
+            "sandbox.tmp_mb=16",
+            "sandbox.wall_time_s=1.5",
+            "sandbox.max_processes=12",
+        ],
+    )
     assert SandboxLimits.from_config(cfg.sandbox) == SandboxLimits(
-        wall_time_s=1.5, cpu_time_s=10.0, memory_bytes=64 << 20, max_processes=12,
-        max_file_bytes=2 << 20, max_output_bytes=8 << 10, tmp_bytes=16 << 20)
+        wall_time_s=1.5,
+        cpu_time_s=10.0,
+        memory_bytes=64 << 20,
+        max_processes=12,
+        max_file_bytes=2 << 20,
+        max_output_bytes=8 << 10,
+        tmp_bytes=16 << 20,
+    )
 
 
-@pytest.mark.parametrize("override, message", [
-    ("sandbox.memory_mb=99999999999999", "sandbox.memory_mb=99999999999999 must be <= "),
-    ("sandbox.max_file_mb=99999999999999", "sandbox.max_file_mb=99999999999999 must be <= "),
-    ("sandbox.cpu_time_s=1e30", "sandbox.cpu_time_s=1e+30 must be a number of seconds <= "),
-    ("sandbox.wall_time_s=inf", "sandbox.wall_time_s=inf must be a finite number > 0"),
-    ("sandbox.max_processes=99999999", "sandbox.max_processes=99999999 must be <= 4194304"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("sandbox.memory_mb=99999999999999", "sandbox.memory_mb=99999999999999 must be <= "),
+        ("sandbox.max_file_mb=99999999999999", "sandbox.max_file_mb=99999999999999 must be <= "),
+        ("sandbox.cpu_time_s=1e30", "sandbox.cpu_time_s=1e+30 must be a number of seconds <= "),
+        ("sandbox.wall_time_s=inf", "sandbox.wall_time_s=inf must be a finite number > 0"),
+        ("sandbox.max_processes=99999999", "sandbox.max_processes=99999999 must be <= 4194304"),
+    ],
+)
 def test_sandbox_sizes_the_kernel_cannot_take_are_config_errors(override, message):
     # Each had passed the config and failed every command with a launcher traceback.
     from raytunix.config import ConfigError, load_config

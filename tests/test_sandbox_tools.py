@@ -14,8 +14,9 @@ from raytunix.sandbox import Sandbox, SandboxLimits, SandboxSession
 from raytunix.tools import TOOLS, BashTool, Calculator, PythonTool, get_tool
 from raytunix.types import TOOL_ERRORS_KEY, Task, ToolErrorKind
 
-SMALL = SandboxLimits(wall_time_s=20.0, cpu_time_s=1.0, memory_bytes=64 << 20,
-                      max_processes=16, max_output_bytes=2048)
+SMALL = SandboxLimits(
+    wall_time_s=20.0, cpu_time_s=1.0, memory_bytes=64 << 20, max_processes=16, max_output_bytes=2048
+)
 QUICK = SandboxLimits(wall_time_s=2.0)  # for tests of the deadline itself
 
 
@@ -37,17 +38,25 @@ def test_tools_describe_themselves_with_a_json_schema_like_the_calculator(tool_c
     assert set(schema) == set(Calculator().function_schema()["function"])
     assert schema["name"] == tool_cls.name and schema["description"]
     assert schema["parameters"] == {
-        "type": "object", "required": [argument],
-        "properties": {argument: {"type": "string",
-                                  "description": tool_cls.parameters["properties"][argument]["description"]}}}
+        "type": "object",
+        "required": [argument],
+        "properties": {
+            argument: {
+                "type": "string",
+                "description": tool_cls.parameters["properties"][argument]["description"],
+            }
+        },
+    }
     assert TOOLS[tool_cls.name] is tool_cls
 
 
 def test_python_runs_a_program_and_returns_what_it_prints(session):
     python = PythonTool(session)
     assert python(code="print(sum(range(10)))").output == "45"
-    assert python(code="import sys; print('out'); print('warn', file=sys.stderr)").output == \
-        "out\n[stderr]\nwarn"
+    assert (
+        python(code="import sys; print('out'); print('warn', file=sys.stderr)").output
+        == "out\n[stderr]\nwarn"
+    )
     assert python(code="x = 1").output == "(no output; print() what you want to see)"
 
 
@@ -79,8 +88,10 @@ def test_bash_reports_a_non_zero_exit_code_as_output_not_as_an_error(session):
     assert result.output.startswith("partial\n[stderr]\nls: cannot access 'no-such-file'")
     assert result.output.endswith("[exit code 2]")
     assert bash(command="true").output == "(no output)"
-    assert bash(command="cd /; export X=1").ok and bash(command="pwd; echo ${X:-unset}").output == \
-        f"{box_path(session)}\nunset"  # cd and variables do not carry over
+    assert (
+        bash(command="cd /; export X=1").ok
+        and bash(command="pwd; echo ${X:-unset}").output == f"{box_path(session)}\nunset"
+    )  # cd and variables do not carry over
 
 
 def box_path(session: SandboxSession) -> str:
@@ -90,8 +101,9 @@ def box_path(session: SandboxSession) -> str:
 def test_a_call_past_its_deadline_is_a_timeout_error_with_the_output_so_far(session):
     result = BashTool(session, limits=QUICK)(command="echo started; sleep 60")
     assert result.error_kind is ToolErrorKind.TIMEOUT
-    assert result.error == ("bash: the command did not finish within 2 s and was stopped. "
-                            "Output so far:\nstarted")
+    assert result.error == (
+        "bash: the command did not finish within 2 s and was stopped. Output so far:\nstarted"
+    )
     result = PythonTool(session, limits=QUICK)(code="while True: pass")
     assert result.error_kind is ToolErrorKind.TIMEOUT
 
@@ -108,7 +120,8 @@ def test_a_fork_bomb_is_a_tool_error_naming_the_limit_that_stopped_it(session):
     # The bomb's first process dies of its failed fork, or the deadline ends them all.
     assert (result.error_kind, result.error.split(".")[0]) in [
         (ToolErrorKind.TOOL_EXCEPTION, "python: the command tried to start more than 16 processes"),
-        (ToolErrorKind.TIMEOUT, "python: the command did not finish within 20 s and was stopped")]
+        (ToolErrorKind.TIMEOUT, "python: the command did not finish within 20 s and was stopped"),
+    ]
 
 
 def test_long_output_is_cut_with_a_note(session):
@@ -139,8 +152,10 @@ def test_a_tool_built_by_name_owns_its_work_dir_and_deletes_it_on_close():
 
 
 def test_an_environment_runs_sandboxed_tool_calls_and_counts_their_errors(session):
-    env = CalculatorMathEnv(max_tool_errors=5, tools=[PythonTool(session, limits=SMALL),
-                                                     BashTool(session, limits=QUICK)])
+    env = CalculatorMathEnv(
+        max_tool_errors=5,
+        tools=[PythonTool(session, limits=SMALL), BashTool(session, limits=QUICK)],
+    )
     env.reset(Task("t", "What is 6 * 7?", "42"))
     call = '<tool_call>{"name": "python", "arguments": {"code": "print(6 * 7)"}}</tool_call>'
     step = env.step(parse_action(call))

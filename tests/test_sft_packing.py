@@ -17,8 +17,9 @@ from raytunix.learner.learner import Learner, SFTHyperparams
 from raytunix.learner.train_state import create_train_state, make_optimizer, make_sft_update
 from raytunix.models.llama import ModelConfig, init_model
 
-CONFIG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
-                     max_seq_len=48)
+CONFIG = ModelConfig(
+    vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=48
+)
 
 
 def _demonstrations(n, width, seed=0):
@@ -32,7 +33,7 @@ def _demonstrations(n, width, seed=0):
         prompt = int(rng.integers(1, min(4, length - 1) + 1))
         tail = int(rng.integers(0, 2)) if length - prompt > 1 else 0
         tokens[i, :length] = rng.integers(1, CONFIG.vocab_size, size=length)
-        mask[i, prompt:length - tail] = 1.0
+        mask[i, prompt : length - tail] = 1.0
     return tokens, mask
 
 
@@ -69,8 +70,9 @@ def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="one \\[N, T\\] shape"):
         pack_demonstrations(np.zeros((2, 8), np.int32), np.zeros((2, 9), np.float32))
     with pytest.raises(ValueError, match="row_multiple=0"):
-        pack_demonstrations(np.zeros((2, 8), np.int32), np.zeros((2, 8), np.float32),
-                            row_multiple=0)
+        pack_demonstrations(
+            np.zeros((2, 8), np.int32), np.zeros((2, 8), np.float32), row_multiple=0
+        )
 
 
 def test_a_packed_step_equals_the_padded_step():
@@ -80,15 +82,22 @@ def test_a_packed_step_equals_the_padded_step():
     tokens, mask = _demonstrations(24, 48, seed=1)
     packed = pack_demonstrations(tokens, mask, row_multiple=4)
     assert packed["tokens"].shape[0] < 24
-    padded_state, padded = update(create_train_state(graphdef, params, optimizer, seed=0),
-                                  tokens, mask)
-    packed_state, got = update(create_train_state(graphdef, params, optimizer, seed=0),
-                               packed["tokens"], packed["loss_mask"], packed["positions"],
-                               packed["segment_ids"])
+    padded_state, padded = update(
+        create_train_state(graphdef, params, optimizer, seed=0), tokens, mask
+    )
+    packed_state, got = update(
+        create_train_state(graphdef, params, optimizer, seed=0),
+        packed["tokens"],
+        packed["loss_mask"],
+        packed["positions"],
+        packed["segment_ids"],
+    )
     for key in ("loss", "grad_norm", "num_tokens", "accuracy"):
         np.testing.assert_allclose(float(got[key]), float(padded[key]), rtol=2e-5, err_msg=key)
     for a, b in zip(jax.tree.leaves(packed_state.params), jax.tree.leaves(padded_state.params)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)  # Adam: ~lr * sign
+        np.testing.assert_allclose(
+            np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5
+        )  # Adam: ~lr * sign
 
 
 @pytest.mark.parametrize("batch_size", [1, 5])

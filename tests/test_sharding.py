@@ -53,26 +53,59 @@ LEARNING_RATE = 1e-3
 # optimizer's moments, which rounding moves only by float32 epsilons, agree to 1e-5.
 PARAMS_ATOL = 1e-2 * LEARNING_RATE
 # Qwen3-like: QKV biases and q/k norms, so every rule of the model is exercised.
-CONFIG = ModelConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64,
-                     max_seq_len=64, qkv_bias=True, qk_norm=True)
-UNTIED = ModelConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64,
-                     max_seq_len=64, tie_embeddings=False, o_bias=True, qkv_bias=True)
+CONFIG = ModelConfig(
+    vocab_size=16,
+    d_model=32,
+    n_layers=1,
+    n_heads=4,
+    n_kv_heads=2,
+    d_ff=64,
+    max_seq_len=64,
+    qkv_bias=True,
+    qk_norm=True,
+)
+UNTIED = ModelConfig(
+    vocab_size=16,
+    d_model=32,
+    n_layers=1,
+    n_heads=4,
+    n_kv_heads=2,
+    d_ff=64,
+    max_seq_len=64,
+    tie_embeddings=False,
+    o_bias=True,
+    qkv_bias=True,
+)
 
 
 def _record_batch():
     """Three groups of two (6 rows: not a multiple of the 4 batch shards, so rows are
     padded), rewards varied within each group."""
     rows = []
-    for i, (prompt, completion, reward) in enumerate([
-            ([1, 2], [5, 6, 7], 1.0), ([3], [8, 9, 10, 11], 0.0), ([1, 2], [12, 13, 14], 0.0),
-            ([3], [4, 4, 4, 4], 1.0), ([7, 7], [2, 9], 0.5), ([7, 7], [9, 2, 2], 0.0)]):
+    for i, (prompt, completion, reward) in enumerate(
+        [
+            ([1, 2], [5, 6, 7], 1.0),
+            ([3], [8, 9, 10, 11], 0.0),
+            ([1, 2], [12, 13, 14], 0.0),
+            ([3], [4, 4, 4, 4], 1.0),
+            ([7, 7], [2, 9], 0.5),
+            ([7, 7], [9, 2, 2], 0.0),
+        ]
+    ):
         group = "abcabc"[i]
-        rows.append(Trajectory(
-            task_id=group, group_id=group, token_ids=prompt + completion,
-            loss_mask=[0] * len(prompt) + [1] * len(completion),
-            logprobs=[0.0] * len(prompt) + [-1.5 - 0.1 * j for j in range(len(completion))],
-            policy_versions=[-1] * len(prompt) + [0] * len(completion), reward=reward,
-            status=EpisodeStatus.COMPLETED, num_turns=1))
+        rows.append(
+            Trajectory(
+                task_id=group,
+                group_id=group,
+                token_ids=prompt + completion,
+                loss_mask=[0] * len(prompt) + [1] * len(completion),
+                logprobs=[0.0] * len(prompt) + [-1.5 - 0.1 * j for j in range(len(completion))],
+                policy_versions=[-1] * len(prompt) + [0] * len(completion),
+                reward=reward,
+                status=EpisodeStatus.COMPLETED,
+                num_turns=1,
+            )
+        )
     return trajectories_to_record_batch(rows)
 
 
@@ -89,8 +122,13 @@ def test_mesh_sizes_resolve_the_rest_and_bad_sizes_name_the_key():
     assert MeshConfig(data=2, fsdp=-1, tensor=2).axis_sizes(8) == (2, 2, 2)
     assert MeshConfig(data=1, fsdp=1, tensor=1).axis_sizes(1) == (1, 1, 1)
     for mesh, named in [
-        (MeshConfig(fsdp=3), ("learner.mesh_fsdp=3 x learner.mesh_tensor=1 = 3 devices does "
-                              "not divide the 8 devices")),
+        (
+            MeshConfig(fsdp=3),
+            (
+                "learner.mesh_fsdp=3 x learner.mesh_tensor=1 = 3 devices does "
+                "not divide the 8 devices"
+            ),
+        ),
         (MeshConfig(data=2, fsdp=2, tensor=1), "= 4 devices, but this run has 8"),
         (MeshConfig(data=-1, fsdp=-1), "mesh_data and learner.mesh_fsdp are both -1"),
         (MeshConfig(tensor=0), "mesh_tensor=0 must be a positive number"),
@@ -98,24 +136,26 @@ def test_mesh_sizes_resolve_the_rest_and_bad_sizes_name_the_key():
         with pytest.raises(ValueError, match=re.escape(named)):
             mesh.axis_sizes(8)
     mesh = MeshConfig().build()  # this process: one CPU device
-    assert mesh.axis_names == MESH_AXES and dict(mesh.shape) == {"data": 1, "fsdp": 1,
-                                                                 "tensor": 1}
+    assert mesh.axis_names == MESH_AXES and dict(mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 1}
 
 
 def test_config_keys_reach_the_hyperparameters_and_are_checked():
     from raytunix.config import ConfigError, load_config
     from raytunix.learner.train_state import SFTHyperparams
 
-    cfg = load_config(None, ["learner.mesh_data=2", "learner.mesh_fsdp=-1",
-                             "learner.mesh_tensor=2"])
+    cfg = load_config(
+        None, ["learner.mesh_data=2", "learner.mesh_fsdp=-1", "learner.mesh_tensor=2"]
+    )
     assert RLHyperparams.from_config(cfg).mesh == MeshConfig(data=2, fsdp=-1, tensor=2)
     assert SFTHyperparams.from_config(cfg).mesh == MeshConfig(data=2, fsdp=-1, tensor=2)
     assert RLHyperparams.from_config(load_config(None)).mesh == MeshConfig()
     for overrides, named in [
         (["learner.mesh_fsdp=0"], "learner.mesh_fsdp=0 must be a number of devices"),
         (["learner.mesh_tensor=-1"], "at most one may be -1"),
-        (["learner.mesh_fsdp=4", "learner.micro_batch_size=6"],
-         "learner.micro_batch_size=6 cannot be split over learner.mesh_data x mesh_fsdp = 4"),
+        (
+            ["learner.mesh_fsdp=4", "learner.micro_batch_size=6"],
+            "learner.micro_batch_size=6 cannot be split over learner.mesh_data x mesh_fsdp = 4",
+        ),
     ]:
         with pytest.raises(ConfigError, match=re.escape(named)):
             load_config(None, overrides)
@@ -129,20 +169,26 @@ def test_every_param_of_the_model_has_a_rule_and_moments_follow_their_param(conf
         assert any(re.search(pattern, name) for pattern, _ in PARAM_RULES), name
     mesh = AbstractMesh((2, 2, 2), MESH_AXES)
     state = create_train_state(graphdef, params, make_optimizer_from(_hp()), seed=0)
-    specs = {path_name(p): s.spec for p, s in
-             jax.tree_util.tree_leaves_with_path(tree_shardings(state, mesh))}
-    megatron = {"embed_tokens/embedding": P("tensor", "fsdp"),
-                "layers/0/self_attn/q_proj/kernel": P("fsdp", "tensor"),  # column-parallel
-                "layers/0/self_attn/v_proj/bias": P("tensor"),
-                "layers/0/self_attn/o_proj/kernel": P("tensor", "fsdp"),  # row-parallel
-                "layers/0/mlp/up_proj/kernel": P("fsdp", "tensor"),
-                "layers/0/mlp/down_proj/kernel": P("tensor", "fsdp"),
-                "layers/0/input_layernorm/scale": P(), "norm/scale": P()}
+    specs = {
+        path_name(p): s.spec
+        for p, s in jax.tree_util.tree_leaves_with_path(tree_shardings(state, mesh))
+    }
+    megatron = {
+        "embed_tokens/embedding": P("tensor", "fsdp"),
+        "layers/0/self_attn/q_proj/kernel": P("fsdp", "tensor"),  # column-parallel
+        "layers/0/self_attn/v_proj/bias": P("tensor"),
+        "layers/0/self_attn/o_proj/kernel": P("tensor", "fsdp"),  # row-parallel
+        "layers/0/mlp/up_proj/kernel": P("fsdp", "tensor"),
+        "layers/0/mlp/down_proj/kernel": P("tensor", "fsdp"),
+        "layers/0/input_layernorm/scale": P(),
+        "norm/scale": P(),
+    }
     if config.tie_embeddings:
         megatron["layers/0/self_attn/k_norm/scale"] = P()
     else:
-        megatron.update({"lm_head/kernel": P("fsdp", "tensor"),
-                         "layers/0/self_attn/o_proj/bias": P()})
+        megatron.update(
+            {"lm_head/kernel": P("fsdp", "tensor"), "layers/0/self_attn/o_proj/bias": P()}
+        )
     for name, spec in megatron.items():
         assert specs["params/" + name] == spec, name
         assert specs["opt_state/1/0/mu/" + name] == spec  # Adam's moments: as the param
@@ -155,8 +201,14 @@ def test_a_dimension_the_mesh_does_not_divide_names_param_shape_axis_and_key():
     with pytest.raises(ValueError) as error:
         tree_shardings(params, AbstractMesh((1, 2, 4), MESH_AXES))
     message = str(error.value)
-    for part in ("embed_tokens/embedding", "(18, 32)", "dimension 0 (18)", "'tensor' of size 4",
-                 "learner.mesh_tensor", "[1, 2, 3, 6, 9, 18]"):
+    for part in (
+        "embed_tokens/embedding",
+        "(18, 32)",
+        "dimension 0 (18)",
+        "'tensor' of size 4",
+        "learner.mesh_tensor",
+        "[1, 2, 3, 6, 9, 18]",
+    ):
         assert part in message, message
 
 
@@ -172,10 +224,19 @@ def test_an_unknown_param_is_replicated_and_logged(caplog):
 def test_a_micro_batch_the_batch_shards_do_not_divide_is_refused():
     graphdef, _ = init_model(CONFIG, seed=0)
     hp = _hp(micro_batch_size=6)
-    with pytest.raises(ValueError, match=re.escape(
-            "micro_batch_size=6 cannot be split over the mesh's data x fsdp = 4 devices")):
-        make_policy_update(graphdef, make_optimizer_from(hp), hp, max_seq_len=64,
-                         mesh=AbstractMesh((2, 2, 2), MESH_AXES))
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "micro_batch_size=6 cannot be split over the mesh's data x fsdp = 4 devices"
+        ),
+    ):
+        make_policy_update(
+            graphdef,
+            make_optimizer_from(hp),
+            hp,
+            max_seq_len=64,
+            mesh=AbstractMesh((2, 2, 2), MESH_AXES),
+        )
 
 
 # ------------------------------------------------------------------ 8 fake devices
@@ -183,25 +244,39 @@ def test_a_micro_batch_the_batch_shards_do_not_divide_is_refused():
 
 @pytest.mark.slow
 def test_sharded_update_on_8_fake_devices_equals_the_unsharded_one(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
-                          " --xla_force_host_platform_device_count=8").strip())
-    result = subprocess.run([sys.executable, __file__, str(tmp_path)], check=False, env=env,
-                            capture_output=True, text=True, timeout=300)
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS=(
+            os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+        ).strip(),
+    )
+    result = subprocess.run(
+        [sys.executable, __file__, str(tmp_path)],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["devices"] == 8
-    assert set(report["checked"]) == {"one device: bit for bit", "grpo (2, 2, 2)", "grpo (1, 4, 2) micro_batch 4",
-                                      "sft (2, 2, 2)", "restore (2, 2, 2)",
-                                      "restore onto (1, 4, 2)"}
+    assert set(report["checked"]) == {
+        "one device: bit for bit",
+        "grpo (2, 2, 2)",
+        "grpo (1, 4, 2) micro_batch 4",
+        "sft (2, 2, 2)",
+        "restore (2, 2, 2)",
+        "restore onto (1, 4, 2)",
+    }
 
 
 def _close(a, b, what, atol):
     worst = 0.0
     for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
         x, y = np.asarray(x), np.asarray(y)
-        np.testing.assert_allclose(x, y, rtol=1e-5, atol=atol,
-                                   err_msg=f"{what}: {path_name(path)}")
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=atol, err_msg=f"{what}: {path_name(path)}")
         worst = max(worst, float(np.max(np.abs(x - y), initial=0.0)))
     print(f"{what}: max |difference| {worst:.3g}", file=sys.stderr)
 
@@ -240,8 +315,9 @@ def _subprocess_main(directory):
         state = create_train_state(graphdef, params, optimizer, seed=0)
         if mesh is not None:
             state = shard_train_state(state, mesh)
-        update = make_policy_update(graphdef, optimizer, hp, max_seq_len=CONFIG.max_seq_len,
-                                  mesh=mesh)
+        update = make_policy_update(
+            graphdef, optimizer, hp, max_seq_len=CONFIG.max_seq_len, mesh=mesh
+        )
         metrics = None
         for _ in range(steps):
             state, metrics = update(state, None, batch)
@@ -264,11 +340,11 @@ def _subprocess_main(directory):
             metrics = learner.train_step(record_batch)
         _assert_split(learner, shape)  # still split after the updates
         _close(learner.weights_numpy(), reference.params, f"params on {shape}", PARAMS_ATOL)
-        _close(learner._state.opt_state, reference.opt_state, f"optimizer state on {shape}",
-               1e-8)
+        _close(learner._state.opt_state, reference.opt_state, f"optimizer state on {shape}", 1e-8)
         for key in ("loss", "reward_mean", "advantage_abs_mean", "num_tokens", "grad_norm"):
-            np.testing.assert_allclose(metrics[key], float(reference_metrics[key]), rtol=1e-5,
-                                       atol=1e-6, err_msg=key)
+            np.testing.assert_allclose(
+                metrics[key], float(reference_metrics[key]), rtol=1e-5, atol=1e-6, err_msg=key
+            )
         checked.append(f"grpo {shape}" + (" micro_batch 4" if settings else ""))
         trained[shape] = learner
 
@@ -301,8 +377,9 @@ def _subprocess_main(directory):
         extras = restored.restore(checkpointer)
         assert extras["data_position"] == 1 and restored.version == 2
         _assert_split(restored, shape)
-        for a, b in zip(jax.tree.leaves(restored.weights_numpy()),
-                        jax.tree.leaves(learner.weights_numpy())):
+        for a, b in zip(
+            jax.tree.leaves(restored.weights_numpy()), jax.tree.leaves(learner.weights_numpy())
+        ):
             np.testing.assert_array_equal(a, b)
         _close(restored._state.opt_state, learner._state.opt_state, f"restored on {shape}", 0)
         checked.append("restore (2, 2, 2)" if shape == (2, 2, 2) else f"restore onto {shape}")

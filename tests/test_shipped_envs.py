@@ -32,8 +32,9 @@ def errors(step) -> dict:
     return step.info[TOOL_ERRORS_KEY]
 
 
-@pytest.mark.parametrize("name", ["python_math", "bash_terminal", "text_to_sql", "web_api",
-                                  "repo_repair"])
+@pytest.mark.parametrize(
+    "name", ["python_math", "bash_terminal", "text_to_sql", "web_api", "repo_repair"]
+)
 def test_tasks_are_seeded_sized_and_unique(name):
     env = make_env(name)
     try:
@@ -50,6 +51,7 @@ def test_tasks_are_seeded_sized_and_unique(name):
 def test_generated_train_and_heldout_tasks_never_meet(name):
     env = make_env(name)
     try:
+
         def key(task):
             return task.question, task.answer
 
@@ -61,9 +63,13 @@ def test_generated_train_and_heldout_tasks_never_meet(name):
 
 
 # The tool each env offers, and a valid argument name for it.
-TOOL_OF = {"python_math": ("python", "code"), "bash_terminal": ("bash", "command"),
-           "text_to_sql": ("sql", "query"), "web_api": ("http_get", "path"),
-           "repo_repair": ("bash", "command")}
+TOOL_OF = {
+    "python_math": ("python", "code"),
+    "bash_terminal": ("bash", "command"),
+    "text_to_sql": ("sql", "query"),
+    "web_api": ("http_get", "path"),
+    "repo_repair": ("bash", "command"),
+}
 
 
 @pytest.mark.parametrize("name", sorted(TOOL_OF))
@@ -73,19 +79,31 @@ def test_malformed_turns_are_typed_tool_errors_up_to_the_limit(name):
     try:
         env.reset(env.tasks("train", 1, seed=0)[0])
         steps = [
-            env.step(Action(text="<tool_call>{oops", parse_error="unclosed <tool_call>",
-                            parse_error_kind=ToolErrorKind.BAD_JSON)),
+            env.step(
+                Action(
+                    text="<tool_call>{oops",
+                    parse_error="unclosed <tool_call>",
+                    parse_error_kind=ToolErrorKind.BAD_JSON,
+                )
+            ),
             env.step(call(tool, **{argument: 42})),
             env.step(call(tool, wrong_name="x")),
             env.step(call("no_such_tool", x="1")),
         ]
         kinds = [errors(step) for step in steps]
-        assert kinds == [{"bad_json": 1}, {"bad_arguments": 1}, {"bad_arguments": 1},
-                         {"unknown_tool": 1}]
+        assert kinds == [
+            {"bad_json": 1},
+            {"bad_arguments": 1},
+            {"bad_arguments": 1},
+            {"unknown_tool": 1},
+        ]
         assert "must be a string, got 42" in steps[1].observation
         assert all(not step.done for step in steps[:3])
         assert (steps[3].done, steps[3].status, steps[3].reward) == (
-            True, EpisodeStatus.TOOL_ERROR_LIMIT, 0.0)
+            True,
+            EpisodeStatus.TOOL_ERROR_LIMIT,
+            0.0,
+        )
     finally:
         env.close()
 
@@ -118,8 +136,11 @@ def test_python_math_turns_failing_and_malformed_calls_into_tool_errors():
         assert errors(step) == {"bad_arguments": 1} and "unknown argument" in step.observation
         step = env.step(call("calculator", expression="1 + 1"))
         assert errors(step) == {"unknown_tool": 1}
-        step = env.step(Action(text="", parse_error="unclosed <tool_call>",
-                               parse_error_kind=ToolErrorKind.BAD_JSON))
+        step = env.step(
+            Action(
+                text="", parse_error="unclosed <tool_call>", parse_error_kind=ToolErrorKind.BAD_JSON
+            )
+        )
         assert (step.done, step.status) == (True, EpisodeStatus.TOOL_ERROR_LIMIT)
     finally:
         env.close()
@@ -130,8 +151,10 @@ def test_python_math_generated_answers_are_what_a_program_computes():
     env = PythonMathEnv()
     programs = {
         "sum_of_squares": (r"from 1 to (\d+)", "print(sum(i*i for i in range(1, {0}+1)))"),
-        "count_primes": (r"less than (\d+)",
-                         "print(sum(all(n % d for d in range(2, int(n**0.5)+1)) for n in range(2, {0})))"),
+        "count_primes": (
+            r"less than (\d+)",
+            "print(sum(all(n % d for d in range(2, int(n**0.5)+1)) for n in range(2, {0})))",
+        ),
         "modular_power": (r"(\d+) to the power (\d+), modulo (\d+)", "print(pow({0}, {1}, {2}))"),
         "gcd": (r"of (\d+) and (\d+)", "import math; print(math.gcd({0}, {1}))"),
     }
@@ -156,13 +179,17 @@ def test_python_math_generated_answers_are_what_a_program_computes():
 
 def test_bash_terminal_checks_the_final_state_of_the_work_dir():
     env = make_env("bash_terminal")
-    (task,) = [t for t in env.tasks("train", 40, seed=0)
-               if t.metadata["template"] == "grep_errors"][:1]
+    (task,) = [
+        t for t in env.tasks("train", 40, seed=0) if t.metadata["template"] == "grep_errors"
+    ][:1]
     try:
         env.reset(task)
         listing = env.step(call("bash", command="ls")).observation
         assert listing == "log.txt"  # the task's starting files are there
-        assert env.step(call("bash", command="grep ERROR log.txt > errors.txt")).observation == "(no output)"
+        assert (
+            env.step(call("bash", command="grep ERROR log.txt > errors.txt")).observation
+            == "(no output)"
+        )
         failed = env.step(call("bash", command="cat missing.txt"))
         assert failed.observation.endswith("[exit code 1]") and errors(failed) == {}
         done = env.step(answer("done"))
@@ -171,7 +198,9 @@ def test_bash_terminal_checks_the_final_state_of_the_work_dir():
         env.reset(task)  # a fresh work dir: the last episode's errors.txt is gone
         env.step(call("bash", command="grep INFO log.txt > errors.txt"))
         wrong = env.step(answer("done"))
-        assert wrong.reward == 0.0 and wrong.info["check_failures"][0].startswith("errors.txt: content")
+        assert wrong.reward == 0.0 and wrong.info["check_failures"][0].startswith(
+            "errors.txt: content"
+        )
         env.reset(task)
         assert env.step(answer("done")).info["check_failures"] == ["errors.txt: no such file"]
     finally:
@@ -216,8 +245,10 @@ def test_sql_rewards_equal_result_sets_ignoring_order_unless_asked():
     env.reset(ranked)
     assert env.step(answer(ranked.answer)).reward == 1.0
     k = int(ranked.answer.rsplit(" ", 1)[1])
-    reversed_sql = (f"SELECT name FROM (SELECT name, price FROM products ORDER BY price DESC "
-                    f"LIMIT {k}) ORDER BY price")
+    reversed_sql = (
+        f"SELECT name FROM (SELECT name, price FROM products ORDER BY price DESC "
+        f"LIMIT {k}) ORDER BY price"
+    )
     env.reset(ranked)
     assert env.step(answer(reversed_sql)).reward == 0.0  # the question asks for an order
 
@@ -245,8 +276,10 @@ def test_sql_queries_run_read_only_with_a_deadline_and_typed_errors():
         "ATTACH DATABASE 'other.db' AS other": ("tool_exception", "read-only"),
         "SELECT 1; DROP TABLE orders": ("tool_exception", "one statement"),
         "SELEC name FROM products": ("tool_exception", "syntax error"),
-        "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT COUNT(*) FROM c":
-            ("tool_exception", "recursive"),
+        "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT COUNT(*) FROM c": (
+            "tool_exception",
+            "recursive",
+        ),
         "SELECT COUNT(*) FROM orders a, orders b, orders c, orders d": ("timeout", "deadline"),
         "SELECT zeroblob(1000)": ("tool_exception", "not allowed"),
         " ": ("bad_arguments", "empty"),
@@ -285,11 +318,13 @@ def test_web_api_answers_need_the_apis_prices():
 def test_web_api_client_errors_are_typed():
     env = WebAPIEnv(max_tool_errors=10)
     env.reset(env.tasks("train", 1, seed=0)[0])
-    cases = {"/items?name=unicorn": ("tool_exception", "404 no item named 'unicorn'"),
-             "/orders": ("tool_exception", "404 no endpoint '/orders'"),
-             "/items?name=a&name=b": ("bad_arguments", "400"),
-             "items": ("bad_arguments", "must start with '/'"),
-             "/items?name=a b": ("bad_arguments", "no spaces")}
+    cases = {
+        "/items?name=unicorn": ("tool_exception", "404 no item named 'unicorn'"),
+        "/orders": ("tool_exception", "404 no endpoint '/orders'"),
+        "/items?name=a&name=b": ("bad_arguments", "400"),
+        "items": ("bad_arguments", "must start with '/'"),
+        "/items?name=a b": ("bad_arguments", "no spaces"),
+    }
     for path, (kind, words) in cases.items():
         step = env.step(call("http_get", path=path))
         assert errors(step) == {kind: 1} and words in step.observation, (path, step)
@@ -299,8 +334,11 @@ def test_web_api_client_errors_are_typed():
 
 def test_web_api_retries_server_errors_with_backoff_then_gives_a_typed_error():
     flaky = shop_server(0, failure_rate=0.5)
-    tool = HTTPGetTool(flaky.base_url, timeout_s=2.0,
-                       backoff=Backoff(initial_delay_s=0.001, max_delay_s=0.01, max_attempts=12))
+    tool = HTTPGetTool(
+        flaky.base_url,
+        timeout_s=2.0,
+        backoff=Backoff(initial_delay_s=0.001, max_delay_s=0.01, max_attempts=12),
+    )
     results = [tool(path="/items") for _ in range(10)]
     assert all(r.ok for r in results)  # 12 attempts at 50% each: all but surely through
     assert tool.attempts > 10  # ... and some needed a retry
@@ -320,7 +358,10 @@ def test_web_api_retries_server_errors_with_backoff_then_gives_a_typed_error():
 
     slow = shop_server(0, latency_s=0.5)
     timed_out = HTTPGetTool(slow.base_url, timeout_s=0.05, backoff=twice)(path="/items")
-    assert timed_out.error_kind is ToolErrorKind.TIMEOUT and "no answer within 0.05 s" in timed_out.error
+    assert (
+        timed_out.error_kind is ToolErrorKind.TIMEOUT
+        and "no answer within 0.05 s" in timed_out.error
+    )
 
 
 # --- repo_repair ----------------------------------------------------------------------------
@@ -340,8 +381,10 @@ def test_repo_repair_rewards_only_a_fix_that_passes_the_hidden_tests():
         assert env.step(call("bash", command="ls tests")).observation == "__init__.py\ntest_cart.py"
         hidden = env.step(call("bash", command="grep -rl Hidden . || echo none"))
         assert hidden.observation.startswith("none")  # the hidden tests are not in the work dir
-        fix = (f"import pathlib; p = pathlib.Path({bug.path!r}); "
-               f"p.write_text(p.read_text().replace({bug.buggy!r}, {bug.fixed!r}))")
+        fix = (
+            f"import pathlib; p = pathlib.Path({bug.path!r}); "
+            f"p.write_text(p.read_text().replace({bug.buggy!r}, {bug.fixed!r}))"
+        )
         env.step(call("python", code=fix))
         visible = env.step(call("bash", command="python3 -m unittest 2>&1 | tail -1"))
         assert visible.observation == "OK"
@@ -378,12 +421,25 @@ def test_every_shipped_env_is_registered():
 # The tiny model and run of tests/test_byo_env.py, with room for the longest first prompt
 # (text-to-SQL's schema) and no warm start (its demonstrations are arithmetic).
 TINY_RUN = [
-    "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
-    "model.d_ff=64", "model.max_seq_len=256", "model.tokenizer_vocab_size=300",
-    "data.train_size=32", "data.heldout_size=2", "eval.heldout_size=2", "warmup.enabled=false",
-    "rollout.group_size=2", "rollout.groups_per_batch=2", "rollout.max_concurrent_episodes=8",
-    "rollout.max_new_tokens=16", "engine.max_batch_size=8", "env.num_env_actors=1",
-    "learner.checkpoint_every=2", "learner.rl_steps=2",
+    "model.d_model=32",
+    "model.n_layers=1",
+    "model.n_heads=2",
+    "model.n_kv_heads=1",
+    "model.d_ff=64",
+    "model.max_seq_len=256",
+    "model.tokenizer_vocab_size=300",
+    "data.train_size=32",
+    "data.heldout_size=2",
+    "eval.heldout_size=2",
+    "warmup.enabled=false",
+    "rollout.group_size=2",
+    "rollout.groups_per_batch=2",
+    "rollout.max_concurrent_episodes=8",
+    "rollout.max_new_tokens=16",
+    "engine.max_batch_size=8",
+    "env.num_env_actors=1",
+    "learner.checkpoint_every=2",
+    "learner.rl_steps=2",
 ]
 
 # What changes from one environment to the next: the env entries, nothing else.
@@ -419,9 +475,15 @@ def test_the_same_train_command_trains_each_environment(ray_session, tmp_path, e
     assert episodes["episodes_env_error"] == 0, episodes
 
 
-PRESETS = {"python_math": "python_math", "bash_terminal": "bash_terminal",
-           "text_to_sql": "text_to_sql", "web_api": "web_api", "repo_repair": "repo_repair",
-           "default": "calculator_math", "single_turn": "math_verifier"}
+PRESETS = {
+    "python_math": "python_math",
+    "bash_terminal": "bash_terminal",
+    "text_to_sql": "text_to_sql",
+    "web_api": "web_api",
+    "repo_repair": "repo_repair",
+    "default": "calculator_math",
+    "single_turn": "math_verifier",
+}
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
@@ -460,8 +522,12 @@ def test_the_readme_lists_every_preset():
 
     with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")) as f:
         section = f.read().split("## Environments and presets", 1)[1].split("\n## ", 1)[0]
-    listed = {name for row in section.splitlines() if row.startswith("| `")
-              for name in row.split("|")[1].replace("`", "").replace(",", " ").split()}
+    listed = {
+        name
+        for row in section.splitlines()
+        if row.startswith("| `")
+        for name in row.split("|")[1].replace("`", "").replace(",", " ").split()
+    }
     assert set(preset_names()) <= listed
 
 
@@ -476,7 +542,8 @@ def test_shipped_envs_run_behind_gymnasium_make():
     assert "Tables: customers" in observation and info["task_id"].startswith("train-")
     observation, reward, terminated, truncated, _ = sql.step(
         '<tool_call>{"name": "sql", "arguments": {"query": "SELECT COUNT(*) FROM products"}}'
-        "</tool_call>")
+        "</tool_call>"
+    )
     assert observation.splitlines() == ["COUNT(*)", "24"] and not terminated
     _, reward, terminated, _, info = sql.step("<answer>SELECT 1</answer>")
     assert terminated and reward == 0.0 and info["status"] == "completed"
@@ -486,7 +553,8 @@ def test_shipped_envs_run_behind_gymnasium_make():
         bash.reset(seed=0)
         observation, *_ = bash.step(
             '<tool_call>{"name": "bash", "arguments": {"command": "echo hi > a.txt; cat a.txt"}}'
-            "</tool_call>")
+            "</tool_call>"
+        )
         assert observation == "hi"
     finally:
         bash.close()

@@ -30,8 +30,13 @@ TASK = Task(task_id="t0", question="Look it up.", answer="")
 
 def generation(text, finish_reason=FinishReason.STOP):
     ids = TOKENIZER.encode(text)
-    return GenerationResult(request_id="r", token_ids=tuple(ids), logprobs=(-0.5,) * len(ids),
-                            policy_versions=(3,) * len(ids), finish_reason=finish_reason)
+    return GenerationResult(
+        request_id="r",
+        token_ids=tuple(ids),
+        logprobs=(-0.5,) * len(ids),
+        policy_versions=(3,) * len(ids),
+        finish_reason=finish_reason,
+    )
 
 
 def test_env_sleeps_per_step_and_ends_after_turns():
@@ -68,8 +73,9 @@ def _latencies(env, task_id, steps):
 
 def test_lognormal_latency_has_the_given_median_and_log_spread():
     median, sigma = 1e-6, 0.8
-    env = SimulatedToolEnv(tool_latency_s=median, turns=2000, latency_dist="lognormal",
-                           latency_sigma=sigma, seed=3)
+    env = SimulatedToolEnv(
+        tool_latency_s=median, turns=2000, latency_dist="lognormal", latency_sigma=sigma, seed=3
+    )
     logs = np.log(np.array(_latencies(env, "t", 2000)) / median)
     # 2000 draws: the standard error of the mean log is 0.8 / sqrt(2000) = 0.018
     assert abs(np.median(logs)) < 0.08 and abs(logs.std() - sigma) < 0.06
@@ -80,8 +86,14 @@ def test_lognormal_latency_has_the_given_median_and_log_spread():
 
 def test_stragglers_are_a_seeded_fraction_of_episodes_and_factor_times_slower():
     def episode(task_id, fraction):
-        env = SimulatedToolEnv(tool_latency_s=1e-6, turns=3, jitter=0.5, seed=0,
-                               straggler_fraction=fraction, straggler_factor=20.0)
+        env = SimulatedToolEnv(
+            tool_latency_s=1e-6,
+            turns=3,
+            jitter=0.5,
+            seed=0,
+            straggler_fraction=fraction,
+            straggler_factor=20.0,
+        )
         return _latencies(env, task_id, 3), env.straggler
 
     runs = [episode(f"t{i}", 0.1) for i in range(1000)]
@@ -97,15 +109,21 @@ def test_stragglers_are_a_seeded_fraction_of_episodes_and_factor_times_slower():
     assert env.mean_latency_s == pytest.approx(0.1 * (0.9 + 0.1 * 20))
 
 
-@pytest.mark.parametrize("kwargs, named", [
-    ({"tool_latency_s": -1.0}, "tool_latency_s"), ({"turns": 0}, "turns"),
-    ({"jitter": 1.5}, "jitter"), ({"latency_dist": "pareto"}, "latency_dist"),
-    ({"latency_dist": "lognormal", "latency_sigma": -0.1}, "latency_sigma"),
-    ({"latency_dist": "lognormal", "latency_sigma": float("inf")}, "latency_sigma"),
-    ({"latency_dist": "lognormal", "jitter": 0.5}, "jitter=0.5 applies to"),
-    ({"latency_sigma": 1.0}, "latency_sigma=1.0 applies to"),
-    ({"straggler_fraction": 1.5}, "straggler_fraction"),
-    ({"straggler_factor": 0.5}, "straggler_factor")])
+@pytest.mark.parametrize(
+    "kwargs, named",
+    [
+        ({"tool_latency_s": -1.0}, "tool_latency_s"),
+        ({"turns": 0}, "turns"),
+        ({"jitter": 1.5}, "jitter"),
+        ({"latency_dist": "pareto"}, "latency_dist"),
+        ({"latency_dist": "lognormal", "latency_sigma": -0.1}, "latency_sigma"),
+        ({"latency_dist": "lognormal", "latency_sigma": float("inf")}, "latency_sigma"),
+        ({"latency_dist": "lognormal", "jitter": 0.5}, "jitter=0.5 applies to"),
+        ({"latency_sigma": 1.0}, "latency_sigma=1.0 applies to"),
+        ({"straggler_fraction": 1.5}, "straggler_fraction"),
+        ({"straggler_factor": 0.5}, "straggler_factor"),
+    ],
+)
 def test_bad_arguments_are_rejected_by_name(kwargs, named):
     with pytest.raises(ValueError, match=named):
         SimulatedToolEnv(**kwargs)
@@ -147,34 +165,65 @@ class ScriptedEngine:
 
 
 def _episode(agent, env, engine, max_new_tokens=5):
-    return asyncio.run(run_episode(
-        TASK, "g0", agent, env, engine, SamplingParams(max_new_tokens=max_new_tokens),
-        max_turns=10, max_context_tokens=256, seed=0, timeout_s=30.0))
+    return asyncio.run(
+        run_episode(
+            TASK,
+            "g0",
+            agent,
+            env,
+            engine,
+            SamplingParams(max_new_tokens=max_new_tokens),
+            max_turns=10,
+            max_context_tokens=256,
+            seed=0,
+            timeout_s=30.0,
+        )
+    )
 
 
 def test_cut_replies_still_truncate_a_tool_agent_episode():
     engine = ScriptedEngine()
-    trajectory = _episode(ToolAgent(TOKENIZER), LocalEnv("simulated_tool", {"turns": 3,
-                                                                        "tool_latency_s": 0.0}),
-                          engine)
+    trajectory = _episode(
+        ToolAgent(TOKENIZER),
+        LocalEnv("simulated_tool", {"turns": 3, "tool_latency_s": 0.0}),
+        engine,
+    )
     assert trajectory.status == EpisodeStatus.TRUNCATED and trajectory.num_turns == 1
     assert len(engine.requests) == 1
 
 
 def test_text_agent_episode_on_a_real_engine_runs_every_turn():
-    config = ModelConfig(vocab_size=TOKENIZER.vocab_size, d_model=32, n_layers=2, n_heads=4,
-                         n_kv_heads=2, d_ff=64, max_seq_len=128)
+    config = ModelConfig(
+        vocab_size=TOKENIZER.vocab_size,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=64,
+        max_seq_len=128,
+    )
     graphdef, params = init_model(config, seed=0)
 
     async def main():
-        engine = InferenceEngine(graphdef, params, config, TOKENIZER, max_batch_size=4,
-                                 block_size=16)
+        engine = InferenceEngine(
+            graphdef, params, config, TOKENIZER, max_batch_size=4, block_size=16
+        )
         env = LocalEnv("simulated_tool", {"turns": 3, "tool_latency_s": 0.001})
         agent = TextAgent(TOKENIZER)
         # a random model almost never emits <|end|>: without it every turn is cut at 6 tokens
         sampling = SamplingParams(max_new_tokens=6, temperature=1.0, stop_token_ids=())
-        trajectory = await run_episode(TASK, "g0", agent, env, engine, sampling, max_turns=5,
-                                       max_context_tokens=128, seed=1, timeout_s=60.0)
+        trajectory = await run_episode(
+            TASK,
+            "g0",
+            agent,
+            env,
+            engine,
+            sampling,
+            max_turns=5,
+            max_context_tokens=128,
+            seed=1,
+            timeout_s=60.0,
+        )
         await engine.close()
         return trajectory
 
@@ -208,8 +257,9 @@ def test_env_actor_runs_more_blocking_steps_at_once_than_asyncio_default(monkeyp
     async def main():
         actor = EnvActor("barrier", {"tool_latency_s": 0.0, "turns": 1})
         await asyncio.gather(*(actor.reset(f"e{i}", TASK) for i in range(parties)))
-        return await asyncio.gather(*(actor.step(f"e{i}", Action(text="x"))
-                                      for i in range(parties)))
+        return await asyncio.gather(
+            *(actor.step(f"e{i}", Action(text="x")) for i in range(parties))
+        )
 
     steps = asyncio.run(main())
     # a broken barrier (too few threads) would end every step as ENV_ERROR

@@ -43,13 +43,23 @@ print("RESULT:" + json.dumps({"rss_growth": after - before, "observation": step.
 
 
 def _step_in_child(query: str, via: str) -> dict:
-    env = {**os.environ, "QUERY": query, "VIA": via,
-           "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    out = subprocess.run([sys.executable, "-c", _STEP], env=env, capture_output=True, text=True,
-                         timeout=300, cwd=ROOT)
+    env = {
+        **os.environ,
+        "QUERY": query,
+        "VIA": via,
+        "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", _STEP],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT:")), None)
     assert line is not None, out.stderr[-3000:]
-    return json.loads(line[len("RESULT:"):])
+    return json.loads(line[len("RESULT:") :])
 
 
 def test_a_tool_observation_of_a_20_mb_value_is_small():
@@ -103,8 +113,10 @@ def test_results_over_the_row_or_byte_bound_are_errors_not_truncations():
     with pytest.raises(ToolError, match="over 1,000 bytes"):
         run_query(path, "SELECT order_date FROM orders", max_result_bytes=1000)
     with pytest.raises(ToolError, match="too big"):  # SQLITE_LIMIT_LENGTH
-        run_query(path, "SELECT length(group_concat(a.order_date || b.order_date)) "
-                        "FROM orders a, orders b")
+        run_query(
+            path,
+            "SELECT length(group_concat(a.order_date || b.order_date)) FROM orders a, orders b",
+        )
 
 
 def test_a_helper_that_does_not_answer_in_time_is_killed_and_replaced():
@@ -116,13 +128,19 @@ def test_a_helper_that_does_not_answer_in_time_is_killed_and_replaced():
         grace, sql_worker.KILL_GRACE_S = sql_worker.KILL_GRACE_S, -0.5
         try:
             with pytest.raises(sql_worker.QueryFailed, match="deadline") as caught:
-                pool.execute(path, "SELECT COUNT(*) FROM orders a, orders b, orders c, orders d",
-                             timeout_s=1.0, max_rows=10, max_result_bytes=1000)
+                pool.execute(
+                    path,
+                    "SELECT COUNT(*) FROM orders a, orders b, orders c, orders d",
+                    timeout_s=1.0,
+                    max_rows=10,
+                    max_result_bytes=1000,
+                )
             assert caught.value.kind == "timeout"
         finally:
             sql_worker.KILL_GRACE_S = grace
-        columns, rows, tables = pool.execute(path, "SELECT COUNT(*) FROM orders", timeout_s=2.0,
-                                             max_rows=10, max_result_bytes=1000)
+        columns, rows, tables = pool.execute(
+            path, "SELECT COUNT(*) FROM orders", timeout_s=2.0, max_rows=10, max_result_bytes=1000
+        )
         assert rows == [(300,)]  # a fresh helper answered
     finally:
         pool.close()
@@ -131,12 +149,16 @@ def test_a_helper_that_does_not_answer_in_time_is_killed_and_replaced():
 def test_functions_outside_the_list_and_recursive_ctes_are_refused_by_name():
     env = TextToSQLEnv(max_tool_errors=10)
     env.reset(env.tasks("train", 1, seed=0)[0])
-    for query, words in [("SELECT randomblob(5)", "randomblob() is not allowed"),
-                         ("SELECT printf('%d', 1)", "printf() is not allowed"),
-                         ("SELECT load_extension('x')", "load_extension() is not allowed"),
-                         ("WITH RECURSIVE r(x) AS (SELECT 1 UNION ALL SELECT x FROM r) "
-                          "SELECT x FROM r LIMIT 1", "recursive"),
-                         ("SELECT " + "1 + " * 6000 + "1", "characters")]:
+    for query, words in [
+        ("SELECT randomblob(5)", "randomblob() is not allowed"),
+        ("SELECT printf('%d', 1)", "printf() is not allowed"),
+        ("SELECT load_extension('x')", "load_extension() is not allowed"),
+        (
+            "WITH RECURSIVE r(x) AS (SELECT 1 UNION ALL SELECT x FROM r) SELECT x FROM r LIMIT 1",
+            "recursive",
+        ),
+        ("SELECT " + "1 + " * 6000 + "1", "characters"),
+    ]:
         step = env.step(Action(text="", tool_calls=(ToolCall("sql", {"query": query}),)))
         assert words in step.observation, (query[:60], step.observation)
     allowed = "SELECT upper(name), round(avg(price), 2) FROM products GROUP BY name LIMIT 1"

@@ -18,8 +18,15 @@ from raytunix.models.tokenizer import SPECIAL_TOKENS, Tokenizer  # noqa: E402
 from raytunix.types import FinishReason, GenerationRequest, SamplingParams  # noqa: E402
 
 BYTES = Tokenizer.byte_level()
-CONFIG = ModelConfig(vocab_size=BYTES.vocab_size, d_model=16, n_layers=1, n_heads=2,
-                     n_kv_heads=1, d_ff=32, max_seq_len=128)
+CONFIG = ModelConfig(
+    vocab_size=BYTES.vocab_size,
+    d_model=16,
+    n_layers=1,
+    n_heads=2,
+    n_kv_heads=1,
+    d_ff=32,
+    max_seq_len=128,
+)
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +61,22 @@ def _first_stop(engine, tokenizer, stops, text, prompt="Q: "):
     returns (number of tokens when the engine said STOP or None, the tokens)."""
     generated = tokenizer.encode(text, special_tokens=False)
     prompt_ids = tokenizer.encode(prompt, special_tokens=False)
-    request = GenerationRequest(request_id="r", prompt_ids=tuple(prompt_ids), seed=0,
-                                sampling=SamplingParams(max_new_tokens=1000,
-                                                        stop_strings=tuple(stops)))
+    request = GenerationRequest(
+        request_id="r",
+        prompt_ids=tuple(prompt_ids),
+        seed=0,
+        sampling=SamplingParams(max_new_tokens=1000, stop_strings=tuple(stops)),
+    )
     loop = asyncio.new_event_loop()
-    seq = engine_module._Sequence(request=request, future=loop.create_future(), seed_lo=0,
-                                  seed_hi=0, order=0, context=list(prompt_ids), kv_version=0)
+    seq = engine_module._Sequence(
+        request=request,
+        future=loop.create_future(),
+        seed_lo=0,
+        seed_hi=0,
+        order=0,
+        context=list(prompt_ids),
+        kv_version=0,
+    )
     saved, engine._tokenizer = engine._tokenizer, tokenizer
     try:
         for n, token in enumerate(generated, start=1):
@@ -79,8 +96,20 @@ def _tokens_to_complete(tokenizer, text, stop):
     return next(k for k in range(1, len(ids) + 1) if stop in tokenizer.decode(ids[:k]))
 
 
-@pytest.mark.parametrize("stop", ["Answer:", "</done>",  # ASCII controls
-                                  "→", "答案：", "🧬", "é", "e\u0301", "👍🏽", "🇯🇵"])
+@pytest.mark.parametrize(
+    "stop",
+    [
+        "Answer:",
+        "</done>",  # ASCII controls
+        "→",
+        "答案：",
+        "🧬",
+        "é",
+        "e\u0301",
+        "👍🏽",
+        "🇯🇵",
+    ],
+)
 def test_a_stop_string_stops_at_the_token_that_completes_it_on_byte_tokens(engine, stop):
     text = "so the final " + stop + " and more after"
     stopped_at, ids = _first_stop(engine, BYTES, [stop], text)
@@ -128,8 +157,13 @@ def test_the_first_of_several_stop_strings_to_be_completed_stops(engine):
 
 
 def test_a_stop_string_in_the_prompt_only_does_not_stop(engine):
-    stopped_at, _ = _first_stop(engine, BYTES, ["答案：", "</done>"], " 42 and nothing else",
-                                prompt="Write 答案： then </done>")
+    stopped_at, _ = _first_stop(
+        engine,
+        BYTES,
+        ["答案：", "</done>"],
+        " 42 and nothing else",
+        prompt="Write 答案： then </done>",
+    )
     assert stopped_at is None
     # Nor does one that the prompt starts and the generation finishes: only generated text
     # is searched.
@@ -141,8 +175,11 @@ def test_invalid_bytes_before_a_stop_string_do_not_hide_it(engine):
     garbage = [10 + 0x80, 10 + 0xE2, 10 + 0xFF, 10 + 0xF0, 10 + 0x9F]  # not UTF-8
     arrow = BYTES.encode("→ end", special_tokens=False)
     ids = garbage * 6 + arrow
-    hits = [k for k in range(1, len(ids) + 1)
-            if completed_stop(BYTES.decode, ids[:k], ["→"]) is not None]
+    hits = [
+        k
+        for k in range(1, len(ids) + 1)
+        if completed_stop(BYTES.decode, ids[:k], ["→"]) is not None
+    ]
     assert hits == [len(garbage) * 6 + 3]
 
 
@@ -155,7 +192,8 @@ def test_the_stop_check_decodes_a_window_bounded_by_the_stop_string_not_the_gene
 
     stop = "🧬 done"
     ids = BYTES.encode("é" * 400 + stop, special_tokens=False)
-    hits = [k for k in range(1, len(ids) + 1)
-            if completed_stop(decode, ids[:k], [stop]) is not None]
+    hits = [
+        k for k in range(1, len(ids) + 1) if completed_stop(decode, ids[:k], [stop]) is not None
+    ]
     assert hits == [len(ids)]
     assert max(decoded_lengths) == stop_window([stop]) + 1 < 20

@@ -76,26 +76,59 @@ def ray_head():
     (Ray 2.60's default when ~/.ray/auth_token exists, which `ray start` creates)."""
     # Short: Ray's socket paths under it must fit the 107-byte Unix socket limit.
     temp_dir = tempfile.mkdtemp(prefix="rtxsub", dir="/tmp")
-    (gcs, dashboard, agent_http, agent_grpc, metrics, client, node_manager, object_manager,
-     runtime_env_agent) = _free_ports(9)
+    (
+        gcs,
+        dashboard,
+        agent_http,
+        agent_grpc,
+        metrics,
+        client,
+        node_manager,
+        object_manager,
+        runtime_env_agent,
+    ) = _free_ports(9)
     command = [
         shutil.which("ray") or os.path.join(os.path.dirname(sys.executable), "ray"),
-        "start", "--head", "--port", str(gcs), "--include-dashboard=true",
-        "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard),
-        "--dashboard-agent-listen-port", str(agent_http),
-        "--dashboard-agent-grpc-port", str(agent_grpc), "--metrics-export-port", str(metrics),
-        "--ray-client-server-port", str(client), "--node-manager-port", str(node_manager),
-        "--object-manager-port", str(object_manager),
-        "--runtime-env-agent-port", str(runtime_env_agent),
-        "--temp-dir", temp_dir, "--num-cpus", "2", "--object-store-memory", str(200 * 1024**2),
-        "--disable-usage-stats", "--resources", json.dumps(SIMULATED_RESOURCES),
+        "start",
+        "--head",
+        "--port",
+        str(gcs),
+        "--include-dashboard=true",
+        "--dashboard-host",
+        "127.0.0.1",
+        "--dashboard-port",
+        str(dashboard),
+        "--dashboard-agent-listen-port",
+        str(agent_http),
+        "--dashboard-agent-grpc-port",
+        str(agent_grpc),
+        "--metrics-export-port",
+        str(metrics),
+        "--ray-client-server-port",
+        str(client),
+        "--node-manager-port",
+        str(node_manager),
+        "--object-manager-port",
+        str(object_manager),
+        "--runtime-env-agent-port",
+        str(runtime_env_agent),
+        "--temp-dir",
+        temp_dir,
+        "--num-cpus",
+        "2",
+        "--object-store-memory",
+        str(200 * 1024**2),
+        "--disable-usage-stats",
+        "--resources",
+        json.dumps(SIMULATED_RESOURCES),
     ]
     # The host's TPU worker id, as a TPU VM's environment gives it (placement.tpu_worker_id).
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "TPU_WORKER_ID": "0"}
     env.pop("RAY_ADDRESS", None)
     try:
-        started = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180,
-                                 check=False)
+        started = subprocess.run(
+            command, env=env, capture_output=True, text=True, timeout=180, check=False
+        )
         assert started.returncode == 0, started.stdout + started.stderr
         yield f"http://127.0.0.1:{dashboard}"
     finally:
@@ -106,15 +139,23 @@ def ray_head():
 def _actor_resources(address: str) -> dict[str, list[dict[str, float]]]:
     """Class name -> the resources each of its actors asked for (CPU left out), from the
     cluster's state API (finished jobs' actors stay listed as dead)."""
-    code = ("import json, sys\n"
-            "from ray.util.state import list_actors\n"
-            "actors = list_actors(address=sys.argv[1], detail=True, limit=1000, "
-            "raise_on_missing_output=False)\n"
-            "print(json.dumps([[a.class_name, a.required_resources or {}] for a in actors]))")
+    code = (
+        "import json, sys\n"
+        "from ray.util.state import list_actors\n"
+        "actors = list_actors(address=sys.argv[1], detail=True, limit=1000, "
+        "raise_on_missing_output=False)\n"
+        "print(json.dumps([[a.class_name, a.required_resources or {}] for a in actors]))"
+    )
     env = {**os.environ, "RAY_AUTH_MODE": "token"}
     env.pop("RAY_ADDRESS", None)
-    done = subprocess.run([sys.executable, "-c", code, address], env=env, capture_output=True,
-                          text=True, timeout=120, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", code, address],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     asked: dict[str, list[dict[str, float]]] = {}
     for name, resources in json.loads(done.stdout.strip().splitlines()[-1]):
@@ -124,16 +165,18 @@ def _actor_resources(address: str) -> dict[str, list[dict[str, float]]]:
 
 def _raytunix(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
-    return subprocess.run([*RAYTUNIX, *args], env=env, capture_output=True, text=True, check=False,
-                          timeout=timeout)
+    return subprocess.run(
+        [*RAYTUNIX, *args], env=env, capture_output=True, text=True, check=False, timeout=timeout
+    )
 
 
 @pytest.mark.slow
 def test_a_bad_config_key_fails_before_anything_is_submitted(ray_head, tmp_path):
     client = jobs.connect(ray_head)
     before = len(client.list_jobs())
-    done = _raytunix("submit", "--address", ray_head, "--working-dir", str(tmp_path),
-                     "learner.rl_stepz=2")
+    done = _raytunix(
+        "submit", "--address", ray_head, "--working-dir", str(tmp_path), "learner.rl_stepz=2"
+    )
     assert done.returncode == 2, done.stdout + done.stderr
     assert "learner.rl_stepz" in done.stderr and "rl_steps" in done.stderr  # names the fix
     assert len(client.list_jobs()) == before
@@ -148,9 +191,19 @@ def test_submit_runs_a_tiny_training_job_and_status_shows_it(ray_head, tmp_path)
     out = tmp_path / "out"
     # No warm start and a short evaluation: what is checked here is the job's way through
     # submit, the cluster and status, not what it trains.
-    done = _raytunix("submit", "--address", ray_head, "--working-dir", str(project),
-                     *TINY, *PLACEMENT, "learner.rl_steps=2", "warmup.enabled=false",
-                     "eval.heldout_size=2", f"run.output_dir={out}")
+    done = _raytunix(
+        "submit",
+        "--address",
+        ray_head,
+        "--working-dir",
+        str(project),
+        *TINY,
+        *PLACEMENT,
+        "learner.rl_steps=2",
+        "warmup.enabled=false",
+        "eval.heldout_size=2",
+        f"run.output_dir={out}",
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     job_id = re.search(r"submitted job (\S+)", done.stdout).group(1)
     assert job_id.startswith("raytunix-")
@@ -186,12 +239,25 @@ def test_submit_runs_a_tiny_training_job_and_status_shows_it(ray_head, tmp_path)
 def test_ctrl_c_stops_the_job(ray_head, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
     submitter = subprocess.Popen(
-        [*RAYTUNIX, "submit", "--address", ray_head, "--working-dir", str(tmp_path), *TINY,
-         "learner.rl_steps=500", f"run.output_dir={tmp_path / 'out'}"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            *RAYTUNIX,
+            "submit",
+            "--address",
+            ray_head,
+            "--working-dir",
+            str(tmp_path),
+            *TINY,
+            "learner.rl_steps=500",
+            f"run.output_dir={tmp_path / 'out'}",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         # A shell without job control starts background commands with SIGINT ignored,
         # and Python then installs no Ctrl-C handler: restore it, as a terminal has it.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     job_id = None
     for line in submitter.stdout:  # until submit has printed the job id
         submitted = re.search(r"submitted job (\S+)", line)
@@ -220,8 +286,7 @@ def test_status_names_the_address_it_cannot_reach():
 
 def test_the_entrypoint_runs_train_with_the_same_arguments(tmp_path):
     (tmp_path / "my.yaml").write_text("learner:\n  rl_steps: 3\n")
-    entry = jobs.train_entrypoint(str(tmp_path / "my.yaml"), ["env.kwargs.note=a b"],
-                                  str(tmp_path))
+    entry = jobs.train_entrypoint(str(tmp_path / "my.yaml"), ["env.kwargs.note=a b"], str(tmp_path))
     # -m: the job's copy of the working dir comes first on sys.path, not the PATH's raytunix.
     assert entry == "python -m raytunix.cli train --config my.yaml 'env.kwargs.note=a b'"
     assert jobs.check_config(str(tmp_path / "my.yaml"), [], str(tmp_path)).learner.rl_steps == 3
@@ -301,11 +366,23 @@ def test_a_job_refuses_a_raytunix_other_than_the_one_it_shipped(tmp_path):
     (other / "raytunix").mkdir(parents=True)
     (other / "raytunix" / "__init__.py").write_text("")
     wrong = jobs.check_shipped_package(env, cwd=str(other))
-    assert wrong and str(other / "raytunix") in wrong and os.path.dirname(raytunix.__file__) in wrong
+    assert (
+        wrong and str(other / "raytunix") in wrong and os.path.dirname(raytunix.__file__) in wrong
+    )
     assert jobs.check_shipped_package({}, cwd=str(other)) is None  # not a submitted job
     # And the CLI stops on it before anything runs.
-    done = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
-                           "from raytunix.cli import main; sys.exit(main(['config']))", mine],
-                          cwd=str(other), env={**os.environ, jobs.SHIPPED_PACKAGE_ENV: "1"},
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; sys.path.insert(0, sys.argv[1]); "
+            "from raytunix.cli import main; sys.exit(main(['config']))",
+            mine,
+        ],
+        cwd=str(other),
+        env={**os.environ, jobs.SHIPPED_PACKAGE_ENV: "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 2 and "this job shipped raytunix in" in done.stderr, done.stderr

@@ -27,7 +27,8 @@ def _corpus():
         texts.append(
             f"<|user|>What is {a} times {b}?<|end|><|assistant|>I will use the calculator."
             f'<tool_call>{BOILERPLATE}{a}*{b}"}}}}</tool_call><|end|>'
-            f"<|tool|>{a * b}<|end|><|assistant|><answer>{a * b}</answer><|end|>")
+            f"<|tool|>{a * b}<|end|><|assistant|><answer>{a * b}</answer><|end|>"
+        )
     return texts
 
 
@@ -55,13 +56,16 @@ def test_byte_level_vocab_covers_every_byte():
     assert len(tok.encode("é")) == 2  # two UTF-8 bytes, no merges
 
 
-@pytest.mark.parametrize("text", [
-    "plain ascii, with  double spaces\tand tabs\nand newlines\n\n",
-    "  leading and trailing spaces  ",
-    "non-ASCII: héllo wörld — 你好, мир 🙂",
-    "<|user|>mixed <tool_call>{\"a\": 1}</tool_call> text<|end|>",
-    "",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "plain ascii, with  double spaces\tand tabs\nand newlines\n\n",
+        "  leading and trailing spaces  ",
+        "non-ASCII: héllo wörld — 你好, мир 🙂",
+        "<|user|>mixed <tool_call>{\"a\": 1}</tool_call> text<|end|>",
+        "",
+    ],
+)
 def test_decode_inverts_encode(tokenizer, text):
     assert tokenizer.decode(tokenizer.encode(text)) == text
 
@@ -78,13 +82,16 @@ def test_every_digit_is_its_own_token(tokenizer):
     assert tokenizer.encode("7") == [tokenizer.token_to_id("7")]
 
 
-@pytest.mark.parametrize("a, b", [
-    ("What is 3 + 4?  ", "<|end|><|assistant|>Let me think"),
-    ("trailing newline\n", "<tool_call>{}</tool_call>"),
-    ("héllo ", "<|end|> after"),
-    ("", "<|user|>x"),
-    ("<|user|>", "content with leading space and digits 12"),
-])
+@pytest.mark.parametrize(
+    "a, b",
+    [
+        ("What is 3 + 4?  ", "<|end|><|assistant|>Let me think"),
+        ("trailing newline\n", "<tool_call>{}</tool_call>"),
+        ("héllo ", "<|end|> after"),
+        ("", "<|user|>x"),
+        ("<|user|>", "content with leading space and digits 12"),
+    ],
+)
 def test_pieces_split_at_special_tokens_concatenate(tokenizer, a, b):
     assert tokenizer.encode(a + b) == tokenizer.encode(a) + tokenizer.encode(b)
 
@@ -95,13 +102,16 @@ def test_training_is_deterministic(trained, tmp_path):
     here = tmp_path / "here.json"
     there = tmp_path / "there.json"
     trained.save(str(here))
-    code = ("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; "
-            "from test_tokenizer import _corpus; "
-            "from raytunix.models.tokenizer import Tokenizer; "
-            "Tokenizer.train(_corpus(), vocab_size=400).save(sys.argv[3])")
+    code = (
+        "import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; "
+        "from test_tokenizer import _corpus; "
+        "from raytunix.models.tokenizer import Tokenizer; "
+        "Tokenizer.train(_corpus(), vocab_size=400).save(sys.argv[3])"
+    )
     tests_dir = os.path.dirname(os.path.abspath(__file__))
-    subprocess.run([sys.executable, "-c", code, os.path.dirname(tests_dir), tests_dir,
-                    str(there)], check=True)
+    subprocess.run(
+        [sys.executable, "-c", code, os.path.dirname(tests_dir), tests_dir, str(there)], check=True
+    )
     assert here.read_bytes() == there.read_bytes()
 
 
@@ -138,17 +148,21 @@ def test_load_missing_file_names_the_path(tmp_path):
 
 
 def test_tokenizer_and_template_do_not_import_jax():
-    code = ("import sys, raytunix.models.tokenizer, raytunix.models.chat_template; "
-            "assert 'jax' not in sys.modules, 'jax was imported'")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(
-        os.path.dirname(os.path.abspath(__file__))))
+    code = (
+        "import sys, raytunix.models.tokenizer, raytunix.models.chat_template; "
+        "assert 'jax' not in sys.modules, 'jax was imported'"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code],
+        check=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
 
 
 CONVERSATION = [
     {"role": "system", "content": "You can call a calculator."},
     {"role": "user", "content": "What is 12 * 7?\n"},
-    {"role": "assistant", "content":
-        f'<tool_call>{BOILERPLATE}12*7"}}}}</tool_call>'},
+    {"role": "assistant", "content": f'<tool_call>{BOILERPLATE}12*7"}}}}</tool_call>'},
     {"role": "tool", "content": " 84 "},
 ]
 
@@ -158,12 +172,18 @@ def test_render_chat_format():
         "<|system|>You can call a calculator.<|end|>"
         "<|user|>What is 12 * 7?\n<|end|>"
         f'<|assistant|><tool_call>{BOILERPLATE}12*7"}}}}</tool_call><|end|>'
-        "<|tool|> 84 <|end|>")
+        "<|tool|> 84 <|end|>"
+    )
     assert render_chat(CONVERSATION[:2], add_generation_prompt=True).endswith(
-        "<|end|><|assistant|>")
+        "<|end|><|assistant|>"
+    )
     assert render_chat([], add_generation_prompt=True) == "<|assistant|>"
     assert [message_header(r) for r in ROLES] == [
-        "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"]
+        "<|system|>",
+        "<|user|>",
+        "<|assistant|>",
+        "<|tool|>",
+    ]
     assert "messages" in CHAT_TEMPLATE
 
 
@@ -190,5 +210,6 @@ def test_template_itself_rejects_unknown_roles():
     from raytunix.models import chat_template
 
     with pytest.raises(ValueError, match="robot"):
-        chat_template._TEMPLATE.render(messages=[{"role": "robot", "content": ""}],
-                                       add_generation_prompt=False)
+        chat_template._TEMPLATE.render(
+            messages=[{"role": "robot", "content": ""}], add_generation_prompt=False
+        )

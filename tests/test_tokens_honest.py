@@ -42,7 +42,7 @@ def test_no_special_token_string_becomes_a_control_token_in_user_or_tool_text(sp
         assert tokenizer.decode(user_content) == text  # the text itself is kept, byte for byte
         start = len(agent.token_ids)
         agent.on_observation(text)
-        tool_content = agent.token_ids[start + 1:-2]
+        tool_content = agent.token_ids[start + 1 : -2]
         assert not SPECIAL_IDS & set(tool_content)
         assert tokenizer.decode(tool_content) == text
 
@@ -53,10 +53,15 @@ def test_plain_text_messages_still_match_the_rendered_chat_when_they_hold_no_spe
     call = '<tool_call>{"name": "calculator", "arguments": {"expression": "1 + 1"}}</tool_call>'
     agent.on_generation(_result(call, end=True))
     agent.on_observation("2")
-    rendered = render_chat([{"role": "system", "content": "Use <tool_call> tags."},
-                            {"role": "user", "content": TASK.question},
-                            {"role": "assistant", "content": call},
-                            {"role": "tool", "content": "2"}], add_generation_prompt=True)
+    rendered = render_chat(
+        [
+            {"role": "system", "content": "Use <tool_call> tags."},
+            {"role": "user", "content": TASK.question},
+            {"role": "assistant", "content": call},
+            {"role": "tool", "content": "2"},
+        ],
+        add_generation_prompt=True,
+    )
     assert agent.token_ids == TOK.encode(rendered)  # the system prompt is ours: tags stay tokens
 
 
@@ -64,7 +69,9 @@ def test_plain_encoding_survives_a_pickle():
     import pickle
 
     copy = pickle.loads(pickle.dumps(TOK))
-    assert copy.encode("<|end|>", special_tokens=False) == TOK.encode("<|end|>", special_tokens=False)
+    assert copy.encode("<|end|>", special_tokens=False) == TOK.encode(
+        "<|end|>", special_tokens=False
+    )
     assert not SPECIAL_IDS & set(copy.encode("<|end|>", special_tokens=False))
 
 
@@ -85,9 +92,14 @@ def test_a_turn_ended_on_another_stop_token_or_string_is_closed_with_end_as_cont
         assert agent.turn_finished
         generated = list(result.token_ids)
         assert agent.token_ids[before:] == generated + [TOK.end_id]
-        assert agent.loss_mask[before:] == [1] * len(generated) + [0]  # the policy did not write <|end|>
+        assert agent.loss_mask[before:] == [1] * len(generated) + [
+            0
+        ]  # the policy did not write <|end|>
         agent.on_observation("ok")  # the next turn starts cleanly
-        assert agent.token_ids[-2:] == [TOK.token_to_id("<|end|>"), TOK.token_to_id("<|assistant|>")]
+        assert agent.token_ids[-2:] == [
+            TOK.token_to_id("<|end|>"),
+            TOK.token_to_id("<|assistant|>"),
+        ]
 
 
 def test_a_turn_ended_on_end_is_not_closed_twice_and_a_cut_turn_stays_open():
@@ -113,20 +125,33 @@ class StopStringEngine:
         self.prompts.append(list(request.prompt_ids))
         turn = int(request.request_id.rsplit("/", 1)[1])
         if turn == 0:
-            ids = TOK.encode('<tool_call>{"name": "calculator", "arguments": '
-                             '{"expression": "1 + 1"}}</tool_call>')
+            ids = TOK.encode(
+                '<tool_call>{"name": "calculator", "arguments": '
+                '{"expression": "1 + 1"}}</tool_call>'
+            )
         else:
             ids = TOK.encode("<answer>2</answer>") + [TOK.end_id]
-        return GenerationResult(request.request_id, tuple(ids), (-0.1,) * len(ids),
-                                (0,) * len(ids), FinishReason.STOP)
+        return GenerationResult(
+            request.request_id, tuple(ids), (-0.1,) * len(ids), (0,) * len(ids), FinishReason.STOP
+        )
 
 
 def test_an_episode_whose_turn_ends_on_a_stop_string_goes_on_to_the_next_turn():
     engine = StopStringEngine()
-    trajectory = asyncio.run(run_episode(
-        TASK, "g", ToolAgent(TOK), LocalEnv("calculator_math", {}), engine,
-        SamplingParams(max_new_tokens=96, stop_strings=("</tool_call>",)), max_turns=3,
-        max_context_tokens=1024, seed=0, timeout_s=10))
+    trajectory = asyncio.run(
+        run_episode(
+            TASK,
+            "g",
+            ToolAgent(TOK),
+            LocalEnv("calculator_math", {}),
+            engine,
+            SamplingParams(max_new_tokens=96, stop_strings=("</tool_call>",)),
+            max_turns=3,
+            max_context_tokens=1024,
+            seed=0,
+            timeout_s=10,
+        )
+    )
     assert trajectory.status == EpisodeStatus.COMPLETED and trajectory.reward == 1.0
     assert trajectory.num_turns == 2
     second_prompt = engine.prompts[1]

@@ -20,8 +20,16 @@ def call(name: str, arguments: str) -> str:
     return f'<tool_call>{{"name": "{name}", "arguments": {arguments}}}</tool_call>'
 
 
-@pytest.mark.parametrize("arguments", ['{"self": 1}', '{"self": 1, "expression": "1 + 1"}',
-                                       '{"run": "x"}', '{"arguments": {}}', '{"__class__": 2}'])
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        '{"self": 1}',
+        '{"self": 1, "expression": "1 + 1"}',
+        '{"run": "x"}',
+        '{"arguments": {}}',
+        '{"__class__": 2}',
+    ],
+)
 def test_a_tool_argument_named_like_a_python_parameter_is_a_tool_error_not_a_crash(arguments):
     env = CalculatorMathEnv()
     env.reset(TASK)
@@ -36,7 +44,11 @@ class EchoSelf(Tool):
 
     name = "echo"
     description = "Echoes its argument."
-    parameters = {"type": "object", "properties": {"self": {"type": "string"}}, "required": ["self"]}
+    parameters = {
+        "type": "object",
+        "properties": {"self": {"type": "string"}},
+        "required": ["self"],
+    }
 
     def run(self, /, **arguments):
         return arguments["self"]
@@ -50,7 +62,11 @@ def test_a_tool_may_even_declare_a_parameter_named_self():
 class Sleepy(Tool):
     name = "sleepy"
     description = "Sleeps for the given seconds."
-    parameters = {"type": "object", "properties": {"seconds": {"type": "number"}}, "required": ["seconds"]}
+    parameters = {
+        "type": "object",
+        "properties": {"seconds": {"type": "number"}},
+        "required": ["seconds"],
+    }
 
     def run(self, /, seconds):
         time.sleep(seconds)
@@ -75,20 +91,22 @@ class Refuses(Tool):
         raise ToolError("cannot do that")
 
 
-@pytest.mark.parametrize("text, kind", [
-    (call("calculator", '{"expression": "1 / 0"}'), "tool_exception"),
-    (call("refuses", "{}"), "tool_exception"),
-    (call("buggy", "{}"), "tool_exception"),
-    (call("sleepy", '{"seconds": 0.5}'), "timeout"),
-    (call("sleepy", '{"seconds": "long"}'), "bad_arguments"),
-    (call("nope", "{}"), "unknown_tool"),
-    ('<tool_call>{"name" "calculator"}</tool_call>', "bad_json"),
-    ('<tool_call>{"arguments": {}}</tool_call>', "bad_json"),
-    ("no tags at all", "format"),
-])
+@pytest.mark.parametrize(
+    "text, kind",
+    [
+        (call("calculator", '{"expression": "1 / 0"}'), "tool_exception"),
+        (call("refuses", "{}"), "tool_exception"),
+        (call("buggy", "{}"), "tool_exception"),
+        (call("sleepy", '{"seconds": 0.5}'), "timeout"),
+        (call("sleepy", '{"seconds": "long"}'), "bad_arguments"),
+        (call("nope", "{}"), "unknown_tool"),
+        ('<tool_call>{"name" "calculator"}</tool_call>', "bad_json"),
+        ('<tool_call>{"arguments": {}}</tool_call>', "bad_json"),
+        ("no tags at all", "format"),
+    ],
+)
 def test_each_kind_of_tool_error_is_counted_under_its_kind(text, kind):
-    env = CalculatorMathEnv(tools=[Calculator(), Sleepy(), Buggy(), Refuses()],
-                            tool_timeout_s=0.05)
+    env = CalculatorMathEnv(tools=[Calculator(), Sleepy(), Buggy(), Refuses()], tool_timeout_s=0.05)
     env.reset(TASK)
     step = env.step(parse_action(text))
     assert step.info[TOOL_ERRORS_KEY] == {kind: 1}
@@ -98,11 +116,19 @@ def test_each_kind_of_tool_error_is_counted_under_its_kind(text, kind):
 def test_errors_of_several_calls_in_one_turn_are_counted_per_call():
     env = CalculatorMathEnv(max_tool_errors=5)
     env.reset(TASK)
-    step = env.step(parse_action(call("calculator", '{"expression": "1 / 0"}')
-                                 + call("calculator", '{"self": 0}')
-                                 + call("calculator", '{"expression": "2 / 0"}')
-                                 + call("python", "{}")))
-    assert step.info[TOOL_ERRORS_KEY] == {"tool_exception": 2, "bad_arguments": 1, "unknown_tool": 1}
+    step = env.step(
+        parse_action(
+            call("calculator", '{"expression": "1 / 0"}')
+            + call("calculator", '{"self": 0}')
+            + call("calculator", '{"expression": "2 / 0"}')
+            + call("python", "{}")
+        )
+    )
+    assert step.info[TOOL_ERRORS_KEY] == {
+        "tool_exception": 2,
+        "bad_arguments": 1,
+        "unknown_tool": 1,
+    }
 
 
 def test_the_tool_error_limit_ends_the_episode_as_the_policys_outcome():
@@ -140,41 +166,68 @@ class ScriptedEngine:
 
     async def generate(self, req):
         ids = TOK.encode(self.replies[int(req.request_id.split("/")[-1])]) + [TOK.end_id]
-        return GenerationResult(req.request_id, tuple(ids), (-0.1,) * len(ids),
-                                (0,) * len(ids), FinishReason.STOP)
+        return GenerationResult(
+            req.request_id, tuple(ids), (-0.1,) * len(ids), (0,) * len(ids), FinishReason.STOP
+        )
 
 
 def _episode(replies, max_tool_errors=5):
-    return asyncio.run(run_episode(
-        TASK, "g", ToolAgent(TOK), LocalEnv("calculator_math", {"max_tool_errors": max_tool_errors}),
-        ScriptedEngine(replies), SamplingParams(max_new_tokens=96), max_turns=len(replies),
-        max_context_tokens=2048, seed=0, timeout_s=10))
+    return asyncio.run(
+        run_episode(
+            TASK,
+            "g",
+            ToolAgent(TOK),
+            LocalEnv("calculator_math", {"max_tool_errors": max_tool_errors}),
+            ScriptedEngine(replies),
+            SamplingParams(max_new_tokens=96),
+            max_turns=len(replies),
+            max_context_tokens=2048,
+            seed=0,
+            timeout_s=10,
+        )
+    )
 
 
 def test_parse_errors_are_counted():
-    traj = _episode(['<tool_call>{"name" "calculator"}</tool_call>',  # missing colon
-                     '<tool_call>{"arguments": {}}</tool_call>',  # no name
-                     "<answer>42</answer>"])
+    traj = _episode(
+        [
+            '<tool_call>{"name" "calculator"}</tool_call>',  # missing colon
+            '<tool_call>{"arguments": {}}</tool_call>',  # no name
+            "<answer>42</answer>",
+        ]
+    )
     assert traj.status.value == "completed" and traj.num_turns == 3
     assert traj.metrics["tool_errors"] == 2
     assert traj.metrics["tool_errors/bad_json"] == 2
 
 
 def test_every_kind_is_summed_into_the_trajectory_under_one_key():
-    traj = _episode([call("calculator", '{"self": 1}'),
-                     call("calculator", '{"expression": "1 / 0"}') + call("abacus", "{}"),
-                     "I think it is 42",
-                     call("calculator", '{"expression": "12 + 30"}'),
-                     "<answer>42</answer>"])
+    traj = _episode(
+        [
+            call("calculator", '{"self": 1}'),
+            call("calculator", '{"expression": "1 / 0"}') + call("abacus", "{}"),
+            "I think it is 42",
+            call("calculator", '{"expression": "12 + 30"}'),
+            "<answer>42</answer>",
+        ]
+    )
     assert traj.status == EpisodeStatus.COMPLETED and traj.reward == 1.0
     assert traj.metrics[TOOL_ERRORS_KEY] == 4
     assert {k: v for k, v in traj.metrics.items() if k.startswith(f"{TOOL_ERRORS_KEY}/")} == {
-        "tool_errors/bad_arguments": 1, "tool_errors/tool_exception": 1,
-        "tool_errors/unknown_tool": 1, "tool_errors/format": 1}
+        "tool_errors/bad_arguments": 1,
+        "tool_errors/tool_exception": 1,
+        "tool_errors/unknown_tool": 1,
+        "tool_errors/format": 1,
+    }
 
 
 def test_a_self_argument_in_an_episode_costs_a_tool_error_not_the_episode():
-    traj = _episode([call("calculator", '{"self": "x", "expression": "12 + 30"}'),
-                     call("calculator", '{"expression": "12 + 30"}'), "<answer>42</answer>"])
+    traj = _episode(
+        [
+            call("calculator", '{"self": "x", "expression": "12 + 30"}'),
+            call("calculator", '{"expression": "12 + 30"}'),
+            "<answer>42</answer>",
+        ]
+    )
     assert traj.status == EpisodeStatus.COMPLETED and traj.reward == 1.0
     assert traj.metrics["tool_errors/bad_arguments"] == 1

@@ -79,5 +79,8 @@ def test_calculator_agrees_with_reasoning_gym_answers(calculator):
 def test_registry():
     assert isinstance(get_tool("calculator"), Calculator)
     assert isinstance(get_tool("calculator"), Tool)
-    with pytest.raises(ValueError, match=r"unknown tool 'web_search'; valid names: \['bash', 'calculator', 'python'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown tool 'web_search'; valid names: \['bash', 'calculator', 'python'\]",
+    ):
         get_tool("web_search")

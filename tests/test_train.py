@@ -15,13 +15,28 @@ from raytunix.driver.steps import unfinished_episodes as _unfinished_episodes  #
 from raytunix.train import RunDir, RunError, load_run_config, train  # noqa: E402
 
 TINY = [
-    "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
-    "model.d_ff=64", "model.max_seq_len=128", "model.tokenizer_vocab_size=300",
-    "data.train_size=300", "data.heldout_size=16", "eval.heldout_size=16",
-    "warmup.max_steps=20", "warmup.min_steps=20", "warmup.eval_every=20", "warmup.eval_size=8",
-    "warmup.batch_size=8", "rollout.group_size=2", "rollout.groups_per_batch=2",
-    "rollout.max_concurrent_episodes=8", "rollout.max_new_tokens=32", "engine.max_batch_size=8",
-    "env.num_env_actors=1", "learner.checkpoint_every=1",
+    "model.d_model=32",
+    "model.n_layers=1",
+    "model.n_heads=2",
+    "model.n_kv_heads=1",
+    "model.d_ff=64",
+    "model.max_seq_len=128",
+    "model.tokenizer_vocab_size=300",
+    "data.train_size=300",
+    "data.heldout_size=16",
+    "eval.heldout_size=16",
+    "warmup.max_steps=20",
+    "warmup.min_steps=20",
+    "warmup.eval_every=20",
+    "warmup.eval_size=8",
+    "warmup.batch_size=8",
+    "rollout.group_size=2",
+    "rollout.groups_per_batch=2",
+    "rollout.max_concurrent_episodes=8",
+    "rollout.max_new_tokens=32",
+    "engine.max_batch_size=8",
+    "env.num_env_actors=1",
+    "learner.checkpoint_every=1",
 ]
 
 
@@ -31,27 +46,37 @@ def _rl_records(run_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("env_name,max_turns,placement,replicas", [
-    ("calculator_math", 3, "colocated", 1),
-    ("math_verifier", 1, "colocated", 1),
-    # engine and learner in separate actors, two engine replicas behind the router
-    ("calculator_math", 3, "disaggregated", 2),
-])
-def test_short_training_run_on_local_ray(ray_session, tmp_path, env_name, max_turns, placement,
-                                         replicas):
+@pytest.mark.parametrize(
+    "env_name,max_turns,placement,replicas",
+    [
+        ("calculator_math", 3, "colocated", 1),
+        ("math_verifier", 1, "colocated", 1),
+        # engine and learner in separate actors, two engine replicas behind the router
+        ("calculator_math", 3, "disaggregated", 2),
+    ],
+)
+def test_short_training_run_on_local_ray(
+    ray_session, tmp_path, env_name, max_turns, placement, replicas
+):
     # math_verifier: 3 steps in two profiling windows, the first step's (it compiles) and
     # one the last two share (a window of 1000 s closes at the last step, no checkpoint
     # between); the others close a window at every step (a checkpoint every step).
     shared = env_name == "math_verifier"
     steps = [1, 2, 3] if shared else [1, 2]
-    cfg = load_config(None, TINY + [f"run.output_dir={tmp_path}", f"env.name={env_name}",
-                                    f"env.max_turns={max_turns}",
-                                    f"learner.rl_steps={len(steps)}",
-                                    f"engine.placement={placement}",
-                                    f"engine.num_replicas={replicas}",
-                                    "rollout.adaptive_interval_s=0.2"]
-                      + (["run.profile_window_s=1000", "learner.checkpoint_every=3"]
-                         if shared else []))
+    cfg = load_config(
+        None,
+        TINY
+        + [
+            f"run.output_dir={tmp_path}",
+            f"env.name={env_name}",
+            f"env.max_turns={max_turns}",
+            f"learner.rl_steps={len(steps)}",
+            f"engine.placement={placement}",
+            f"engine.num_replicas={replicas}",
+            "rollout.adaptive_interval_s=0.2",
+        ]
+        + (["run.profile_window_s=1000", "learner.checkpoint_every=3"] if shared else []),
+    )
     summary = train(cfg)
     run_dir = summary["run_dir"]
     for name in ("config.yaml", "tokenizer.json", "metrics.jsonl", "summary.json", "state.json"):
@@ -72,8 +97,11 @@ def test_short_training_run_on_local_ray(ray_session, tmp_path, env_name, max_tu
     # Adaptive concurrency reads every replica (or the colocated engine) and stays in its
     # bounds: one group, and what admission lets in ((1 + 1) x 2 groups x 2).
     assert all(2 <= r["max_concurrent_episodes"] <= 8 for r in records)
-    assert all(0.0 <= r["engine_busy_fraction_last_window"] <= 1.0 for r in records
-               if "engine_busy_fraction_last_window" in r)
+    assert all(
+        0.0 <= r["engine_busy_fraction_last_window"] <= 1.0
+        for r in records
+        if "engine_busy_fraction_last_window" in r
+    )
     assert summary["env"] == env_name and summary["heldout_tasks"] == 16
     assert summary["engine_policy_version"] == len(steps)  # it got every update's weights
     assert 0.0 <= summary["heldout_success_after_rl"] <= 1.0
@@ -93,11 +121,17 @@ def _check_profile(run_dir, summary, records, placement, replicas):
         assert r["trajectories_per_s"] > 0 and r["spans_dropped"] == 0
     with open(os.path.join(run_dir, "trace.json")) as f:
         trace = json.load(f)
-    names = {e["args"]["name"].split(" (host")[0] for e in trace["traceEvents"]
-             if e.get("name") == "process_name"}
+    names = {
+        e["args"]["name"].split(" (host")[0]
+        for e in trace["traceEvents"]
+        if e.get("name") == "process_name"
+    }
     expected = {"driver", "orchestrator", "env actor 0"}
-    expected |= ({"policy (learner + engine)"} if placement == "colocated"
-                 else {"learner", *(f"engine {i}" for i in range(replicas))})
+    expected |= (
+        {"policy (learner + engine)"}
+        if placement == "colocated"
+        else {"learner", *(f"engine {i}" for i in range(replicas))}
+    )
     assert expected <= names, names
     report = open(os.path.join(run_dir, "report.txt")).read()
     assert summary["bottleneck"] in ("engine", "environment/tools", "learner", "orchestrator")
@@ -160,9 +194,13 @@ class DigitsEnv(BaseEnv):
 # one engine that decodes one sequence at a time (a row's float sums then never depend on
 # which other requests share its decode step), single-turn episodes.
 DETERMINISTIC_ROLLOUTS = [
-    "env.name=digits_env:DigitsEnv", "env.max_turns=1", "rollout.max_staleness=0",
-    "rollout.adaptive_concurrency=false", "rollout.max_concurrent_episodes=2",
-    "engine.max_batch_size=1", "engine.placement=colocated",
+    "env.name=digits_env:DigitsEnv",
+    "env.max_turns=1",
+    "rollout.max_staleness=0",
+    "rollout.adaptive_concurrency=false",
+    "rollout.max_concurrent_episodes=2",
+    "engine.max_batch_size=1",
+    "engine.placement=colocated",
 ]
 
 
@@ -183,9 +221,16 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(ray_session, tmp_path, 
 
     (tmp_path / "digits_env.py").write_text(DIGITS_ENV)
     monkeypatch.syspath_prepend(str(tmp_path))
-    cfg = load_config(None, TINY + DETERMINISTIC_ROLLOUTS + [
-        f"run.output_dir={tmp_path / 'runs'}", "learner.rl_steps=3",
-        "learner.max_checkpoints=4"])
+    cfg = load_config(
+        None,
+        TINY
+        + DETERMINISTIC_ROLLOUTS
+        + [
+            f"run.output_dir={tmp_path / 'runs'}",
+            "learner.rl_steps=3",
+            "learner.max_checkpoints=4",
+        ],
+    )
     uninterrupted = train(cfg)["run_dir"]
 
     # The run as it was when it stopped after step 1: its files, checkpoints up to step 1.
@@ -207,8 +252,9 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(ray_session, tmp_path, 
 
     (want, want_extras), (got, got_extras) = saved(uninterrupted), saved(stopped)
     assert jax.tree.structure(got) == jax.tree.structure(want)
-    for path, a, b in zip(jax.tree_util.tree_flatten_with_path(want)[0],
-                          jax.tree.leaves(want), jax.tree.leaves(got)):
+    for path, a, b in zip(
+        jax.tree_util.tree_flatten_with_path(want)[0], jax.tree.leaves(want), jax.tree.leaves(got)
+    ):
         np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=str(path[0]))
     got_orch, want_orch = got_extras["orchestrator"], want_extras["orchestrator"]
     for key in ("next_index", "ledger", "pending"):  # data position, ledger
@@ -238,19 +284,31 @@ def test_resume_refuses_overrides_the_checkpoint_depends_on(tmp_path):
 
 
 def test_an_evaluation_line_names_the_episodes_that_did_not_complete():
-    broken = {"statuses": {"env_error": 8}, "error": "step failed: RuntimeError('step always fails')"}
+    broken = {
+        "statuses": {"env_error": 8},
+        "error": "step failed: RuntimeError('step always fails')",
+    }
     assert _unfinished_episodes(broken) == (
         " (8 of 8 episodes ended env_error; first error: step failed: "
-        "RuntimeError('step always fails'))")
-    assert _unfinished_episodes({"statuses": {"completed": 6, "truncated": 2}, "error": ""}) \
+        "RuntimeError('step always fails'))"
+    )
+    assert (
+        _unfinished_episodes({"statuses": {"completed": 6, "truncated": 2}, "error": ""})
         == " (2 of 8 episodes ended truncated)"
+    )
     assert _unfinished_episodes({"statuses": {"completed": 8}, "error": ""}) == ""
 
 
 def test_a_run_that_cannot_start_leaves_no_run_directory(tmp_path):
     output_dir = tmp_path / "runs"
-    cfg = load_config(None, ["data.source=jsonl", f"data.path={tmp_path / 'nope.jsonl'}",
-                             f"run.output_dir={output_dir}"])
+    cfg = load_config(
+        None,
+        [
+            "data.source=jsonl",
+            f"data.path={tmp_path / 'nope.jsonl'}",
+            f"run.output_dir={output_dir}",
+        ],
+    )
     with pytest.raises(ConfigError, match="nope.jsonl' does not exist"):
         train(cfg)
     assert not output_dir.exists() or not os.listdir(output_dir)

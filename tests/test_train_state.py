@@ -65,7 +65,8 @@ def _grpo_batch():
         _trajectory("b", [3], [4, 4, 4, 4], 1.0),
     ]
     return Batch.from_arrays(
-        record_batch_to_arrays(trajectories_to_record_batch(trajectories), pad_to_multiple=8))
+        record_batch_to_arrays(trajectories_to_record_batch(trajectories), pad_to_multiple=8)
+    )
 
 
 def _grpo_update(graphdef, optimizer, **settings):
@@ -103,8 +104,9 @@ def test_grpo_update_raises_probability_of_rewarded_completions(model):
     before = score(state.params, batch.tokens, batch.loss_mask)
     for i in range(3):
         # On-policy: behaviour logprobs are the current policy's.
-        batch = batch._replace(logprobs=np.asarray(
-            score(state.params, batch.tokens, batch.loss_mask)))
+        batch = batch._replace(
+            logprobs=np.asarray(score(state.params, batch.tokens, batch.loss_mask))
+        )
         state, metrics = update(state, None, batch)
         if i == 0:
             np.testing.assert_allclose(metrics["ratio_mean"], 1.0, rtol=1e-5)
@@ -129,8 +131,9 @@ def test_grpo_update_kl_penalty_needs_reference_params(model):
     graphdef, params = model
     optimizer = make_optimizer(1e-3)
     state = create_train_state(graphdef, params, optimizer, seed=0)
-    update = _grpo_update(graphdef, optimizer, kl_coef=0.1,
-                          loss_aggregation="sequence_mean_token_mean")
+    update = _grpo_update(
+        graphdef, optimizer, kl_coef=0.1, loss_aggregation="sequence_mean_token_mean"
+    )
     batch = _grpo_batch()
     with pytest.raises(ValueError, match="ref_params"):
         update(state, None, batch)
@@ -149,8 +152,7 @@ def test_grpo_update_with_truncation_scores_like_the_sampler_and_stays_finite(mo
     state = create_train_state(graphdef, params, optimizer, seed=0)
     update = _grpo_update(graphdef, optimizer, kl_coef=0.1, **sampling)
     batch = _grpo_batch()
-    scored = np.asarray(logprobs_fn(graphdef, **sampling)(params, batch.tokens,
-                                                          batch.loss_mask))
+    scored = np.asarray(logprobs_fn(graphdef, **sampling)(params, batch.tokens, batch.loss_mask))
     generated = batch.loss_mask > 0
     outside = np.isneginf(scored) & generated
     assert 0 < outside.sum() < generated.sum()  # some tokens in the set, some out
@@ -160,8 +162,9 @@ def test_grpo_update_with_truncation_scores_like_the_sampler_and_stays_finite(mo
     new_state, metrics = update(state, params, batch)
 
     assert all(np.isfinite(v) for v in metrics.values())
-    np.testing.assert_allclose(metrics["out_of_support_fraction"],
-                               outside.sum() / generated.sum(), rtol=1e-6)
+    np.testing.assert_allclose(
+        metrics["out_of_support_fraction"], outside.sum() / generated.sum(), rtol=1e-6
+    )
     assert metrics["num_tokens"] == generated.sum() - outside.sum()
     # In-support tokens are on-policy: ratio 1, and KL to an identical reference is 0.
     np.testing.assert_allclose(metrics["ratio_mean"], 1.0, rtol=1e-5)
@@ -284,7 +287,9 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(trainer, tmp_path, cap
     assert "step 2" in caplog.text
     # The bad checkpoint is moved aside, not deleted, and the resumed run can save step 2.
     assert ckpt.all_steps() == [1]
-    assert any(p.name.startswith("2-") for p in (tmp_path.parent / f"{tmp_path.name}-corrupt").iterdir())
+    assert any(
+        p.name.startswith("2-") for p in (tmp_path.parent / f"{tmp_path.name}-corrupt").iterdir()
+    )
     ckpt.save(2, state2, {"policy_version": 2})
     assert ckpt.restore(None, state1)[1] == {"policy_version": 2}
 
@@ -311,32 +316,41 @@ def _assert_trees_close(a, b, rtol=1e-5, atol=1e-7):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("aggregation,settings", [
-    ("token_mean", {}),
-    ("sequence_mean_token_mean", {}),
-    ("sequence_mean_token_sum_norm", {}),
-    ("sequence_mean_token_mean", {"policy_loss": "gspo"}),
-    ("token_mean", {"kl_coef": 0.1, "entropy_coef": 0.01,
-                    "off_policy_correction": "decoupled_ppo"}),
-])
+@pytest.mark.parametrize(
+    "aggregation,settings",
+    [
+        ("token_mean", {}),
+        ("sequence_mean_token_mean", {}),
+        ("sequence_mean_token_sum_norm", {}),
+        ("sequence_mean_token_mean", {"policy_loss": "gspo"}),
+        (
+            "token_mean",
+            {"kl_coef": 0.1, "entropy_coef": 0.01, "off_policy_correction": "decoupled_ppo"},
+        ),
+    ],
+)
 def test_four_micro_batches_make_the_whole_batch_update(model, aggregation, settings):
     graphdef, params = model
     optimizer = optax.sgd(0.5)  # the step is the gradient itself: nothing hides a mismatch
     state = create_train_state(graphdef, params, optimizer, seed=0)
     batch = _off_policy(_grpo_batch())
     ref = jax.tree.map(lambda p: p * 1.01, params)
-    whole, whole_metrics = _grpo_update(graphdef, optimizer, loss_aggregation=aggregation,
-                                        **settings)(state, ref, batch)
-    micro, micro_metrics = _grpo_update(graphdef, optimizer, loss_aggregation=aggregation,
-                                        micro_batch_size=1, **settings)(state, ref, batch)
+    whole, whole_metrics = _grpo_update(
+        graphdef, optimizer, loss_aggregation=aggregation, **settings
+    )(state, ref, batch)
+    micro, micro_metrics = _grpo_update(
+        graphdef, optimizer, loss_aggregation=aggregation, micro_batch_size=1, **settings
+    )(state, ref, batch)
     assert whole_metrics["clip_fraction"] > 0 or settings
     _assert_trees_close(micro.params, whole.params)
     for key in whole_metrics:
-        np.testing.assert_allclose(micro_metrics[key], whole_metrics[key], rtol=1e-5, atol=1e-7,
-                                   err_msg=key)
+        np.testing.assert_allclose(
+            micro_metrics[key], whole_metrics[key], rtol=1e-5, atol=1e-7, err_msg=key
+        )
     # Rows that do not divide: 4 rows in micro-batches of 3 (two empty rows padded).
-    odd, odd_metrics = _grpo_update(graphdef, optimizer, loss_aggregation=aggregation,
-                                    micro_batch_size=3, **settings)(state, ref, batch)
+    odd, odd_metrics = _grpo_update(
+        graphdef, optimizer, loss_aggregation=aggregation, micro_batch_size=3, **settings
+    )(state, ref, batch)
     _assert_trees_close(odd.params, whole.params)
     np.testing.assert_allclose(odd_metrics["reward_mean"], whole_metrics["reward_mean"])
 
@@ -377,27 +391,44 @@ def test_iterations_with_decoupled_ppo_keep_the_proximal_policy_of_the_batch_sta
     # the parameters before the first step.
     tokens, mask = jnp.asarray(batch.tokens), jnp.asarray(batch.loss_mask)[:, 1:]
     prox = logprobs_fn(graphdef, **SAMPLING)(params, tokens, batch.loss_mask)[:, 1:]
-    weights, _ = truncated_importance_weights(prox, batch.logprobs[:, 1:], mask,
-                                              level="token_tis", cap=2.0)
-    advantages = grpo_advantages(batch.rewards, batch.group_ids, 4,
-                                 normalize_advantages_by_std=True)
+    weights, _ = truncated_importance_weights(
+        prox, batch.logprobs[:, 1:], mask, level="token_tis", cap=2.0
+    )
+    advantages = grpo_advantages(
+        batch.rewards, batch.group_ids, 4, normalize_advantages_by_std=True
+    )
 
     def loss_fn(p):
-        logits, _ = forward(graphdef, p, tokens[:, :-1],
-                            jnp.broadcast_to(jnp.arange(tokens.shape[1] - 1), tokens[:, :-1].shape))
+        logits, _ = forward(
+            graphdef,
+            p,
+            tokens[:, :-1],
+            jnp.broadcast_to(jnp.arange(tokens.shape[1] - 1), tokens[:, :-1].shape),
+        )
         lp = token_logprobs(logits.astype(jnp.float32), tokens[:, 1:], **SAMPLING)
-        return grpo_policy_loss(lp, prox, advantages, mask, policy_loss="ppo_clip",
-                                clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=0.0,
-                                aggregation="token_mean", max_tokens=CONFIG.max_seq_len,
-                                importance_weights=weights)[0]
+        return grpo_policy_loss(
+            lp,
+            prox,
+            advantages,
+            mask,
+            policy_loss="ppo_clip",
+            clip_eps_low=0.2,
+            clip_eps_high=0.28,
+            dual_clip=0.0,
+            aggregation="token_mean",
+            max_tokens=CONFIG.max_seq_len,
+            importance_weights=weights,
+        )[0]
 
     grads = jax.grad(loss_fn)(after_one.params)
     expected = jax.tree.map(lambda p, g: p - 0.5 * g, after_one.params, grads)
     _assert_trees_close(twice.params, expected, rtol=1e-4, atol=1e-6)
     # Calling the one-step update again re-anchors at the new parameters: another step.
     again, _ = once(after_one, None, batch)
-    assert any(not np.allclose(a, b, rtol=1e-4, atol=1e-6)
-               for a, b in zip(jax.tree.leaves(again.params), jax.tree.leaves(expected)))
+    assert any(
+        not np.allclose(a, b, rtol=1e-4, atol=1e-6)
+        for a, b in zip(jax.tree.leaves(again.params), jax.tree.leaves(expected))
+    )
 
 
 def test_a_batch_without_trainable_tokens_changes_nothing_and_is_counted():
@@ -414,8 +445,11 @@ def test_a_batch_without_trainable_tokens_changes_nothing_and_is_counted():
     assert metrics["policy_version"] == 0 and learner.version == 0 and learner.rl_step == 1
     _assert_trees_equal(jax.device_get(learner._state), before)  # params, AdamW moments, step
 
-    trained = learner.train_step(trajectories_to_record_batch(
-        [_trajectory("a", [1, 2], [5, 6], 1.0), _trajectory("a", [1, 2], [7, 8], 0.0)]))
+    trained = learner.train_step(
+        trajectories_to_record_batch(
+            [_trajectory("a", [1, 2], [5, 6], 1.0), _trajectory("a", [1, 2], [7, 8], 0.0)]
+        )
+    )
     assert trained["update_skipped"] == 0.0 and trained["policy_version"] == 1
     assert int(learner._state.step) == 1
 
@@ -429,16 +463,16 @@ def test_learning_rate_schedules_hand_computed():
     np.testing.assert_allclose(rates("linear", 2), [0.5, 1, 1, 0.75, 0.5, 0.25])
     c = [0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(4)]
     np.testing.assert_allclose(rates("cosine", 2), [0.5, 1] + c, rtol=1e-6)
-    np.testing.assert_allclose(rates("linear", 0), [1, 5 / 6, 4 / 6, 3 / 6, 2 / 6, 1 / 6],
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        rates("linear", 0), [1, 5 / 6, 4 / 6, 3 / 6, 2 / 6, 1 / 6], rtol=1e-6
+    )
     with pytest.raises(ValueError, match="lr_schedule='step'"):
         lr_schedule(1.0, schedule="step", warmup_steps=0, total_steps=6)
     with pytest.raises(ValueError, match="more optimizer steps"):
         lr_schedule(1.0, schedule="cosine", warmup_steps=6, total_steps=6)
 
 
-@pytest.mark.parametrize("name,first_step", [("sgd", -0.1 * 2.0), ("adam", -0.1),
-                                             ("adamw", -0.1)])
+@pytest.mark.parametrize("name,first_step", [("sgd", -0.1 * 2.0), ("adam", -0.1), ("adamw", -0.1)])
 def test_optimizers_by_name_take_their_first_step(name, first_step):
     optimizer = make_optimizer(0.1, optimizer=name, max_grad_norm=None)
     params = {"w": jnp.ones(3)}
@@ -454,12 +488,22 @@ def test_optimizers_by_name_take_their_first_step(name, first_step):
 def test_config_keys_reach_the_update_and_bad_values_are_named():
     from raytunix.config import ConfigError, load_config
 
-    cfg = load_config(None, [
-        "learner.advantage_estimator=rloo", "learner.policy_loss=cispo",
-        "learner.loss_aggregation=sequence_mean_token_sum_norm", "learner.kl_estimator=k2",
-        "learner.entropy_coef=0.01", "learner.overlong_buffer_tokens=16",
-        "learner.micro_batch_size=8", "learner.num_iterations=2", "learner.optimizer=sgd",
-        "learner.lr_schedule=cosine", "learner.lr_warmup_steps=5"])
+    cfg = load_config(
+        None,
+        [
+            "learner.advantage_estimator=rloo",
+            "learner.policy_loss=cispo",
+            "learner.loss_aggregation=sequence_mean_token_sum_norm",
+            "learner.kl_estimator=k2",
+            "learner.entropy_coef=0.01",
+            "learner.overlong_buffer_tokens=16",
+            "learner.micro_batch_size=8",
+            "learner.num_iterations=2",
+            "learner.optimizer=sgd",
+            "learner.lr_schedule=cosine",
+            "learner.lr_warmup_steps=5",
+        ],
+    )
     hp = RLHyperparams.from_config(cfg)
     for key, value in cfg.learner.__dict__.items():
         if hasattr(hp, key):
@@ -468,14 +512,24 @@ def test_config_keys_reach_the_update_and_bad_values_are_named():
     hp.check()
     # The defaults are today's GRPO: token mean, std-normalised advantages, clip 0.2/0.28.
     default = RLHyperparams.from_config(load_config(None))
-    assert (default.advantage_estimator, default.normalize_advantages_by_std,
-            default.policy_loss, default.loss_aggregation, default.clip_eps_low,
-            default.clip_eps_high, default.kl_coef, default.num_iterations,
-            default.micro_batch_size) == ("grpo", True, "ppo_clip", "token_mean", 0.2, 0.28,
-                                          0.0, 1, 0)
+    assert (
+        default.advantage_estimator,
+        default.normalize_advantages_by_std,
+        default.policy_loss,
+        default.loss_aggregation,
+        default.clip_eps_low,
+        default.clip_eps_high,
+        default.kl_coef,
+        default.num_iterations,
+        default.micro_batch_size,
+    ) == ("grpo", True, "ppo_clip", "token_mean", 0.2, 0.28, 0.0, 1, 0)
     assert RLHyperparams(**SAMPLING).clip_eps_high == default.clip_eps_high  # one default
-    sft = SFTHyperparams.from_config(load_config(None, [
-        "warmup.learning_rate=0.01", "warmup.warmup_steps=7", "learner.max_grad_norm=0.5"]))
+    sft = SFTHyperparams.from_config(
+        load_config(
+            None,
+            ["warmup.learning_rate=0.01", "warmup.warmup_steps=7", "learner.max_grad_norm=0.5"],
+        )
+    )
     assert (sft.learning_rate, sft.warmup_steps, sft.max_grad_norm) == (0.01, 7, 0.5)
     assert SFTHyperparams() == SFTHyperparams.from_config(load_config(None))
     for override, named in [
@@ -489,8 +543,10 @@ def test_config_keys_reach_the_update_and_bad_values_are_named():
         with pytest.raises(ConfigError, match=named):
             load_config(None, [override])
     for overrides, named in [
-        (["learner.advantage_estimator=rloo", "learner.normalize_advantages_by_std=false"],
-         "applies to learner.advantage_estimator=grpo only"),
+        (
+            ["learner.advantage_estimator=rloo", "learner.normalize_advantages_by_std=false"],
+            "applies to learner.advantage_estimator=grpo only",
+        ),
         (["learner.optimizer=adam", "learner.weight_decay=0.1"], "adamw only"),
         (["learner.overlong_buffer_tokens=1000"], "exceeds the most tokens"),
         (["learner.lr_schedule=linear", "learner.lr_warmup_steps=40"], "must exceed"),
@@ -504,8 +560,22 @@ def test_padding_widths_come_from_a_few_buckets():
     from raytunix.rollout.batch import trajectories_to_record_batch
 
     assert padding_buckets(128) == (32, 64, 96, 128)  # the widths of a default run
-    assert padding_buckets(4096) == (32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048,
-                                     3072, 4096)
+    assert padding_buckets(4096) == (
+        32,
+        64,
+        96,
+        128,
+        192,
+        256,
+        384,
+        512,
+        768,
+        1024,
+        1536,
+        2048,
+        3072,
+        4096,
+    )
     assert [bucket_width(n, 128) for n in (1, 32, 33, 65, 97, 500)] == [32, 32, 64, 96, 128, 128]
     rows = [_trajectory("a", [1] * 60, [2] * 10, 1.0), _trajectory("a", [1], [2], 0.0)]
     batch = Batch.from_record_batch(trajectories_to_record_batch(rows), pad_id=0, max_seq_len=128)

@@ -76,10 +76,15 @@ class ConversationAgentBase(abc.ABC):
     ``observation_message``.
     """
 
-    def __init__(self, tokenizer: Any, system_prompt: str | None = None, *,
-                 chat_template: ChatTemplate | str = "raytunix",
-                 tools: Sequence[Mapping[str, Any]] | None = None,
-                 template_kwargs: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        system_prompt: str | None = None,
+        *,
+        chat_template: ChatTemplate | str = "raytunix",
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt
         self.chat_template = chat_template
@@ -109,8 +114,10 @@ class ConversationAgentBase(abc.ABC):
                 raise ValueError(f"chat_template: {e}") from None
         template_kwargs = kwargs.get("template_kwargs")
         if template_kwargs is not None and not isinstance(template_kwargs, Mapping):
-            raise ValueError(f"template_kwargs={template_kwargs!r} must be a mapping of template "
-                             "variables, e.g. {enable_thinking: false}")
+            raise ValueError(
+                f"template_kwargs={template_kwargs!r} must be a mapping of template "
+                "variables, e.g. {enable_thinking: false}"
+            )
 
     # -- what a subclass may override ------------------------------------------------------
 
@@ -180,8 +187,9 @@ class ConversationAgentBase(abc.ABC):
             )
         self._append_generated(result.token_ids, result.logprobs, result.policy_versions)
         self._num_turns += 1
-        closing = self._encoder.close_turn(result.token_ids,
-                                           stopped=result.finish_reason == FinishReason.STOP)
+        closing = self._encoder.close_turn(
+            result.token_ids, stopped=result.finish_reason == FinishReason.STOP
+        )
         self._turn_finished = closing is not None
         if closing:
             self._append_context(closing)
@@ -308,8 +316,12 @@ class ConversationAgentBase(abc.ABC):
         encoder = self._encoders.get(system_prompt)
         if encoder is None:
             encoder = shared_encoder(
-                self.tokenizer, self.chat_template, tools=self._template_tools,
-                system_prompt=system_prompt, template_kwargs=self._template_kwargs)
+                self.tokenizer,
+                self.chat_template,
+                tools=self._template_tools,
+                system_prompt=system_prompt,
+                template_kwargs=self._template_kwargs,
+            )
             self._encoders[system_prompt] = encoder
         return encoder
 

@@ -97,20 +97,29 @@ class ConversationEncoder:
         says which and what to do).
     """
 
-    def __init__(self, tokenizer: Any, template: ChatTemplate | str = "raytunix", *,
-                 tools: Sequence[Mapping[str, Any]] | None = None,
-                 system_prompt: str | None = None,
-                 template_kwargs: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        template: ChatTemplate | str = "raytunix",
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        system_prompt: str | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.template = load_chat_template(template) if isinstance(template, str) else template
         self.tools = list(tools) if tools else None
         self.system_prompt = system_prompt
         self._kwargs = dict(template_kwargs or {})
         self._now = datetime.datetime.now()
-        self._system = ([{"role": "system", "content": system_prompt}]
-                        if system_prompt is not None else [])
-        self._stub = [*self._system, {"role": "user", "content": _STUB_USER},
-                      {"role": "assistant", "content": _STUB_ASSISTANT}]
+        self._system = (
+            [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+        )
+        self._stub = [
+            *self._system,
+            {"role": "user", "content": _STUB_USER},
+            {"role": "assistant", "content": _STUB_ASSISTANT},
+        ]
         self.end_of_turn, self.trailer = self._find_end_of_turn()
         self.end_id = self._single_token(self.end_of_turn)
         self._trailer_ids = tokenizer.encode(self.trailer, special_tokens=True)
@@ -153,14 +162,21 @@ class ConversationEncoder:
         """(ids the model writes, context ids after them) for a demonstrated assistant
         message: ``content`` (special tokens kept: demonstrations are ours) and
         ``end_of_turn``, then the trailer."""
-        return (self.tokenizer.encode(content, special_tokens=True) + [self.end_id],
-                list(self._trailer_ids))
+        return (
+            self.tokenizer.encode(content, special_tokens=True) + [self.end_id],
+            list(self._trailer_ids),
+        )
 
     # -- internals ------------------------------------------------------------------------
 
     def _render(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:
-        return self.template.render(messages, add_generation_prompt=add_generation_prompt,
-                                    tools=self.tools, now=self._now, **self._kwargs)
+        return self.template.render(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=self.tools,
+            now=self._now,
+            **self._kwargs,
+        )
 
     def _delta(self, history: list[Message], message: Message, base: str | None) -> list[int]:
         role = message["role"]
@@ -174,25 +190,35 @@ class ConversationEncoder:
         if slot is None:
             start, head, tail = self._split_slot(history, role, base)
             encode = self.tokenizer.encode
-            slot = self._slots[key] = (start, head, tail, encode(head, special_tokens=True),
-                                       encode(tail, special_tokens=True))
+            slot = self._slots[key] = (
+                start,
+                head,
+                tail,
+                encode(head, special_tokens=True),
+                encode(tail, special_tokens=True),
+            )
         start, head, tail, head_ids, tail_ids = slot
         if role in self.template.verbatim_roles:
             rendered = content  # the template writes this role's content as it is
         else:
             text = self._render([*history, {"role": role, "content": content}], True)
-            if not (text.startswith(start + head) and text.endswith(tail)
-                    and len(text) >= len(start) + len(head) + len(tail)):
+            if not (
+                text.startswith(start + head)
+                and text.endswith(tail)
+                and len(text) >= len(start) + len(head) + len(tail)
+            ):
                 raise ChatTemplateError(
                     f"chat template {self.template.name!r} renders a {role} message's template "
                     f"text differently for content {content[:40]!r} than for other content, so "
                     "its content cannot be tokenized apart from the template's tokens; use a "
-                    "template whose headers do not depend on the content.")
-            rendered = text[len(start) + len(head): len(text) - len(tail)]
+                    "template whose headers do not depend on the content."
+                )
+            rendered = text[len(start) + len(head) : len(text) - len(tail)]
         return head_ids + self.tokenizer.encode(rendered, special_tokens=False) + tail_ids
 
-    def _split_slot(self, history: list[Message], role: str, base: str | None
-                    ) -> tuple[str, str, str]:
+    def _split_slot(
+        self, history: list[Message], role: str, base: str | None
+    ) -> tuple[str, str, str]:
         """(text before the delta, template text before the content, after it)."""
         start = self._render(history, False) if base is None else base
         text = self._render([*history, {"role": role, "content": SLOT}], True)
@@ -200,12 +226,14 @@ class ConversationEncoder:
             raise ChatTemplateError(
                 f"chat template {self.template.name!r} is not prefix-stable: adding a {role} "
                 "message changes how earlier messages render, so turns cannot be tokenized "
-                "one at a time.")
-        delta = text[len(start):]
+                "one at a time."
+            )
+        delta = text[len(start) :]
         if delta.count(SLOT) != 1:
             raise ChatTemplateError(
                 f"chat template {self.template.name!r} does not write a {role} message's "
-                "content exactly once, so it cannot be tokenized apart from the template.")
+                "content exactly once, so it cannot be tokenized apart from the template."
+            )
         head, tail = delta.split(SLOT)
         return start, head, tail
 
@@ -214,7 +242,8 @@ class ConversationEncoder:
         if text.count(SLOT) != 1:
             raise ChatTemplateError(
                 f"chat template {self.template.name!r} does not write an assistant message's "
-                "content exactly once.")
+                "content exactly once."
+            )
         after = text.split(SLOT)[1]
         end = self.template.end_of_turn
         if end is None:  # the first token of what follows the content
@@ -224,8 +253,9 @@ class ConversationEncoder:
             raise ChatTemplateError(
                 f"chat template {self.template.name!r} ends an assistant message with "
                 f"{after!r}, which does not start with an end-of-turn token "
-                f"{end!r}; set the template's end_of_turn.")
-        return end, after[len(end):]
+                f"{end!r}; set the template's end_of_turn."
+            )
+        return end, after[len(end) :]
 
     def _single_token(self, token: str) -> int:
         try:
@@ -236,7 +266,8 @@ class ConversationEncoder:
             raise ChatTemplateError(
                 f"chat template {self.template.name!r} ends a turn with {token!r}, which is "
                 "not one token of this tokenizer; use the template that belongs to the "
-                "model's tokenizer (the default tiny model speaks agent.chat_template=raytunix).")
+                "model's tokenizer (the default tiny model speaks agent.chat_template=raytunix)."
+            )
         return token_id
 
     def _find_tool_role(self) -> str:
@@ -251,10 +282,14 @@ _SHARED: collections.OrderedDict[tuple, tuple[Any, ConversationEncoder]] = colle
 _SHARED_MAX = 256
 
 
-def shared_encoder(tokenizer: Any, template: ChatTemplate | str, *,
-                   tools: Sequence[Mapping[str, Any]] | None = None,
-                   system_prompt: str | None = None,
-                   template_kwargs: Mapping[str, Any] | None = None) -> ConversationEncoder:
+def shared_encoder(
+    tokenizer: Any,
+    template: ChatTemplate | str,
+    *,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    system_prompt: str | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> ConversationEncoder:
     """A ``ConversationEncoder`` for these arguments, reused across conversations (the
     most recent 256 are kept). A new one is built each day, so a template that shows
     today's date (``strftime_now``) shows it for conversations started that day.
@@ -263,16 +298,25 @@ def shared_encoder(tokenizer: Any, template: ChatTemplate | str, *,
       ChatTemplateError: as ``ConversationEncoder``.
       TypeError: ``tools`` or ``template_kwargs`` are not JSON-serializable.
     """
-    key = (id(tokenizer), template if isinstance(template, str) else id(template),
-           json.dumps(tools, sort_keys=True) if tools else None, system_prompt,
-           json.dumps(template_kwargs, sort_keys=True) if template_kwargs else None,
-           datetime.date.today())
+    key = (
+        id(tokenizer),
+        template if isinstance(template, str) else id(template),
+        json.dumps(tools, sort_keys=True) if tools else None,
+        system_prompt,
+        json.dumps(template_kwargs, sort_keys=True) if template_kwargs else None,
+        datetime.date.today(),
+    )
     hit = _SHARED.get(key)
     if hit is not None:
         _SHARED.move_to_end(key)
         return hit[1]
-    encoder = ConversationEncoder(tokenizer, template, tools=tools, system_prompt=system_prompt,
-                                  template_kwargs=template_kwargs)
+    encoder = ConversationEncoder(
+        tokenizer,
+        template,
+        tools=tools,
+        system_prompt=system_prompt,
+        template_kwargs=template_kwargs,
+    )
     # The key holds ids: keep the tokenizer and template alive while their encoder is cached.
     _SHARED[key] = ((tokenizer, template), encoder)
     if len(_SHARED) > _SHARED_MAX:

@@ -220,8 +220,17 @@ def _short(text: str, limit: int = 80) -> str:
 
 # -- tool-call formats ------------------------------------------------------------------
 
-END_MARKERS = ("<|end|>", "<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>",
-               "<|end_of_text|>", "<end_of_turn>", "<eos>", "</s>")
+END_MARKERS = (
+    "<|end|>",
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end_of_text|>",
+    "<end_of_turn>",
+    "<eos>",
+    "</s>",
+)
 """End-of-turn and end-of-text token strings that decoded replies may end with (raytunix,
 ChatML/Qwen, Llama 3, Gemma, Llama 2 families); formats that read a whole reply strip
 them first."""
@@ -249,8 +258,9 @@ def _function(schema: Mapping[str, Any]) -> Mapping[str, Any]:
     return inner if isinstance(inner, Mapping) else schema
 
 
-def _call_or_error(payload: Any, arguments_keys: tuple[str, ...], expected: str, body: str
-                   ) -> tuple[ToolCall | None, str | None]:
+def _call_or_error(
+    payload: Any, arguments_keys: tuple[str, ...], expected: str, body: str
+) -> tuple[ToolCall | None, str | None]:
     if not isinstance(payload, dict):
         return None, f"tool call must be a JSON object, got {_short(body)!r}; expected {expected}"
     name = payload.get("name")
@@ -259,8 +269,10 @@ def _call_or_error(payload: Any, arguments_keys: tuple[str, ...], expected: str,
     key = next((k for k in arguments_keys if k in payload), arguments_keys[0])
     arguments = payload.get(key)
     if not isinstance(arguments, dict):
-        return None, (f'tool call needs an object "{arguments_keys[0]}", got {_short(body)!r}; '
-                      f"expected {expected}")
+        return None, (
+            f'tool call needs an object "{arguments_keys[0]}", got {_short(body)!r}; '
+            f"expected {expected}"
+        )
     return ToolCall(name=name, arguments=arguments), None
 
 
@@ -296,8 +308,9 @@ class ToolCallParser(abc.ABC):
         if error is None and calls and answer is not None:
             error = f"found both a tool call and {self.answer_hint}; write one of them per turn"
         if error is None and not calls and answer is None:
-            error = (f"no tool call ({self.call_hint}) or {self.answer_hint} found in "
-                     f"{_short(text)!r}")
+            error = (
+                f"no tool call ({self.call_hint}) or {self.answer_hint} found in {_short(text)!r}"
+            )
         if error is not None:
             return Action(text=text, parse_error=error, parse_error_kind=ToolErrorKind.FORMAT)
         if calls:
@@ -346,7 +359,8 @@ class HermesParser(ToolCallParser):
             f"<tools>\n{signatures}\n</tools>\n"
             f'To call a tool, write {TOOL_CALL_OPEN}{{"name": <tool name>, "arguments": '
             f"<arguments as a JSON object>}}{TOOL_CALL_CLOSE}. When you know the result, "
-            f"write {self.answer_hint}.")
+            f"write {self.answer_hint}."
+        )
 
 
 class Llama3JsonParser(ToolCallParser):
@@ -364,25 +378,43 @@ class Llama3JsonParser(ToolCallParser):
         body = _strip_end_markers(text)
         tagged = body.startswith(PYTHON_TAG)
         if tagged:
-            body = body[len(PYTHON_TAG):].strip()
+            body = body[len(PYTHON_TAG) :].strip()
         if not body.startswith("{"):
             if tagged:
-                return [], (f"{PYTHON_TAG} must be followed by a JSON call {self._EXPECTED}, got "
-                            f"{_short(body)!r}"), ToolErrorKind.BAD_JSON
+                return (
+                    [],
+                    (
+                        f"{PYTHON_TAG} must be followed by a JSON call {self._EXPECTED}, got "
+                        f"{_short(body)!r}"
+                    ),
+                    ToolErrorKind.BAD_JSON,
+                )
             if self._EMBEDDED.search(body):
-                return [], ("a tool call must be the whole reply: write the JSON object alone, "
-                            f"not inside a code fence or after other text; got {_short(body)!r}"
-                            ), ToolErrorKind.FORMAT
+                return (
+                    [],
+                    (
+                        "a tool call must be the whole reply: write the JSON object alone, "
+                        f"not inside a code fence or after other text; got {_short(body)!r}"
+                    ),
+                    ToolErrorKind.FORMAT,
+                )
             return [], None, None
         calls, position = [], 0
         while True:
             payload, end, error = _decode_json(body, position)
             piece = body[position:end] if error is None else body[position:]
             if error is not None:
-                return [], (f"tool call is not valid JSON ({error}): {_short(piece)!r}; expected "
-                            f"{self._EXPECTED}"), ToolErrorKind.BAD_JSON
-            call, error = _call_or_error(payload, ("parameters", "arguments"), self._EXPECTED,
-                                         piece)
+                return (
+                    [],
+                    (
+                        f"tool call is not valid JSON ({error}): {_short(piece)!r}; expected "
+                        f"{self._EXPECTED}"
+                    ),
+                    ToolErrorKind.BAD_JSON,
+                )
+            call, error = _call_or_error(
+                payload, ("parameters", "arguments"), self._EXPECTED, piece
+            )
             if error is not None:
                 return [], error, ToolErrorKind.BAD_JSON
             calls.append(call)
@@ -390,17 +422,25 @@ class Llama3JsonParser(ToolCallParser):
             if position == len(body):
                 return calls, None, None
             if body[position] != ";":
-                return [], (f"text after the tool call: {_short(body[position:])!r}; a call "
-                            "must be the whole reply (join several with ';')"), ToolErrorKind.FORMAT
+                return (
+                    [],
+                    (
+                        f"text after the tool call: {_short(body[position:])!r}; a call "
+                        "must be the whole reply (join several with ';')"
+                    ),
+                    ToolErrorKind.FORMAT,
+                )
             position += 1
 
     def describe_tools(self, tools: Sequence[Mapping[str, Any]]) -> str:
-        signatures = "\n\n".join(json.dumps(dict(_function(t)), indent=4, ensure_ascii=False)
-                                 for t in tools)
+        signatures = "\n\n".join(
+            json.dumps(dict(_function(t)), indent=4, ensure_ascii=False) for t in tools
+        )
         return (
             "You can call the functions below. To call one, reply with nothing but a JSON "
             f"object {self._EXPECTED}. When you know the result, write {self.answer_hint}."
-            f"\n\n{signatures}")
+            f"\n\n{signatures}"
+        )
 
 
 class GemmaParser(ToolCallParser):
@@ -422,18 +462,36 @@ class GemmaParser(ToolCallParser):
             body = fenced.group(1).strip()
         if not self._START.match(body):
             if self._START.search(body):
-                return [], ("function calls must be the whole reply, as [name(argument=value)], "
-                            f"with no other text; got {_short(body)!r}"), ToolErrorKind.FORMAT
+                return (
+                    [],
+                    (
+                        "function calls must be the whole reply, as [name(argument=value)], "
+                        f"with no other text; got {_short(body)!r}"
+                    ),
+                    ToolErrorKind.FORMAT,
+                )
             return [], None, None
         try:
             tree = ast.parse(body, mode="eval").body
         except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
             reason = e.msg if isinstance(e, SyntaxError) else type(e).__name__
-            return [], (f"function call list is not valid ({reason}): {_short(body)!r}; expected "
-                        "[name(argument=value, ...)]"), ToolErrorKind.BAD_JSON
+            return (
+                [],
+                (
+                    f"function call list is not valid ({reason}): {_short(body)!r}; expected "
+                    "[name(argument=value, ...)]"
+                ),
+                ToolErrorKind.BAD_JSON,
+            )
         if not isinstance(tree, ast.List):
-            return [], (f"function calls must form one list, got {_short(body)!r}; expected "
-                        "[name(argument=value, ...)]"), ToolErrorKind.BAD_JSON
+            return (
+                [],
+                (
+                    f"function calls must form one list, got {_short(body)!r}; expected "
+                    "[name(argument=value, ...)]"
+                ),
+                ToolErrorKind.BAD_JSON,
+            )
         calls = []
         for node in tree.elts:
             call, error, kind = self._call(node)
@@ -446,23 +504,41 @@ class GemmaParser(ToolCallParser):
         source = _short(ast.unparse(node))
         name = _dotted_name(node.func) if isinstance(node, ast.Call) else None
         if name is None:
-            return None, (f"{source!r} is not a function call name(argument=value)"
-                          ), ToolErrorKind.BAD_JSON
+            return (
+                None,
+                (f"{source!r} is not a function call name(argument=value)"),
+                ToolErrorKind.BAD_JSON,
+            )
         if node.args:
-            return None, (f"{source!r} passes arguments by position; name every argument, "
-                          f"as {name}(argument=value)"), ToolErrorKind.BAD_ARGUMENTS
+            return (
+                None,
+                (
+                    f"{source!r} passes arguments by position; name every argument, "
+                    f"as {name}(argument=value)"
+                ),
+                ToolErrorKind.BAD_ARGUMENTS,
+            )
         arguments = {}
         for keyword in node.keywords:
             if keyword.arg is None:
-                return None, f"{source!r} unpacks **arguments; name every argument", ToolErrorKind.BAD_JSON
+                return (
+                    None,
+                    f"{source!r} unpacks **arguments; name every argument",
+                    ToolErrorKind.BAD_JSON,
+                )
             try:
                 value = ast.literal_eval(keyword.value)
                 _check_finite(value)
                 _check_unicode(value)
             except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError) as e:
-                return None, (f"argument {keyword.arg!r} of {source!r} must be a literal value "
-                              f"(string, number, boolean, None, list or dict): {e}"
-                              ), ToolErrorKind.BAD_JSON
+                return (
+                    None,
+                    (
+                        f"argument {keyword.arg!r} of {source!r} must be a literal value "
+                        f"(string, number, boolean, None, list or dict): {e}"
+                    ),
+                    ToolErrorKind.BAD_JSON,
+                )
             arguments[keyword.arg] = value
         return ToolCall(name=name, arguments=arguments), None, None
 
@@ -472,7 +548,8 @@ class GemmaParser(ToolCallParser):
             "You have access to the functions below. To call functions, reply with nothing but "
             "a list of calls in the format [function_name(argument_name=value, ...), "
             "other_function(...)]. When you know the result, write "
-            f"{self.answer_hint}.\n{signatures}")
+            f"{self.answer_hint}.\n{signatures}"
+        )
 
 
 def _dotted_name(node: ast.expr) -> str | None:
@@ -523,16 +600,28 @@ class ReActParser(ToolCallParser):
         if not actions:
             return [], None, None
         if len(actions) > 1:
-            return [], (f"found {len(actions)} Action lines; take one action per turn and wait "
-                        "for its Observation"), ToolErrorKind.FORMAT
+            return (
+                [],
+                (
+                    f"found {len(actions)} Action lines; take one action per turn and wait "
+                    "for its Observation"
+                ),
+                ToolErrorKind.FORMAT,
+            )
         name = _strip_end_markers(actions[0].group(1))
         if not name:
             return [], "Action needs a tool name, as 'Action: calculator'", ToolErrorKind.BAD_JSON
         given = self._INPUT.search(body, actions[0].end())
         if given is None:
-            return [], (f"Action {_short(name, 40)!r} has no 'Action Input:' line; give the "
-                        "arguments as a JSON object"), ToolErrorKind.BAD_JSON
-        raw = _strip_end_markers(body[given.end():])
+            return (
+                [],
+                (
+                    f"Action {_short(name, 40)!r} has no 'Action Input:' line; give the "
+                    "arguments as a JSON object"
+                ),
+                ToolErrorKind.BAD_JSON,
+            )
+        raw = _strip_end_markers(body[given.end() :])
         fenced = self._FENCE.fullmatch(raw)
         if fenced:
             raw = fenced.group(1).strip()
@@ -540,8 +629,14 @@ class ReActParser(ToolCallParser):
         if error is None and not isinstance(arguments, dict):
             error = f"got {type(arguments).__name__}, not an object"
         if error is not None:
-            return [], (f"Action Input is not a JSON object ({error}): {_short(raw)!r}; write "
-                        'e.g. Action Input: {"expression": "1 + 2"}'), ToolErrorKind.BAD_JSON
+            return (
+                [],
+                (
+                    f"Action Input is not a JSON object ({error}): {_short(raw)!r}; write "
+                    'e.g. Action Input: {"expression": "1 + 2"}'
+                ),
+                ToolErrorKind.BAD_JSON,
+            )
         return [ToolCall(name=name, arguments=arguments)], None, None
 
     def find_answer(self, text: str) -> tuple[str | None, str | None]:
@@ -551,15 +646,17 @@ class ReActParser(ToolCallParser):
             return None, f"found {len(finals)} 'Final Answer:' lines; give exactly one answer"
         if not finals:
             return None, None
-        answer = _strip_end_markers(body[finals[0].end():])
+        answer = _strip_end_markers(body[finals[0].end() :])
         if not answer:
             return None, "'Final Answer:' is empty; write the answer after it"
         return answer, None
 
     def describe_tools(self, tools: Sequence[Mapping[str, Any]]) -> str:
-        lines = [f"{f['name']}: {f.get('description', '')} Arguments (a JSON object): "
-                 f"{json.dumps(f.get('parameters', {}), ensure_ascii=False)}"
-                 for f in map(_function, tools)]
+        lines = [
+            f"{f['name']}: {f.get('description', '')} Arguments (a JSON object): "
+            f"{json.dumps(f.get('parameters', {}), ensure_ascii=False)}"
+            for f in map(_function, tools)
+        ]
         names = ", ".join(_function(t)["name"] for t in tools)
         return (
             "You can use these tools:\n\n" + "\n".join(lines) + "\n\n"
@@ -570,7 +667,8 @@ class ReActParser(ToolCallParser):
             "Observation: the tool's result (written for you; stop after Action Input)\n"
             "... (Thought, Action, Action Input and Observation may repeat)\n"
             "Thought: I know the final answer\n"
-            "Final Answer: the answer")
+            "Final Answer: the answer"
+        )
 
 
 TOOL_PARSERS: dict[str, type[ToolCallParser]] = {
@@ -593,4 +691,5 @@ def make_tool_parser(name: str) -> ToolCallParser:
         return TOOL_PARSERS[name]()
     except KeyError:
         raise ValueError(
-            f"unknown tool parser {name!r}; valid names: {', '.join(TOOL_PARSERS)}") from None
+            f"unknown tool parser {name!r}; valid names: {', '.join(TOOL_PARSERS)}"
+        ) from None

@@ -44,26 +44,42 @@ class ToolAgent(ConversationAgentBase):
         neither a ``Tool`` nor a schema with a function name.
     """
 
-    def __init__(self, tokenizer: Any, system_prompt: str | None = None, *,
-                 chat_template: ChatTemplate | str = "raytunix",
-                 tool_parser: ToolCallParser | str = "hermes",
-                 tools: Sequence[Any] | None = None,
-                 template_kwargs: Mapping[str, Any] | None = None) -> None:
-        self.tool_parser = (make_tool_parser(tool_parser) if isinstance(tool_parser, str)
-                            else tool_parser)
+    def __init__(
+        self,
+        tokenizer: Any,
+        system_prompt: str | None = None,
+        *,
+        chat_template: ChatTemplate | str = "raytunix",
+        tool_parser: ToolCallParser | str = "hermes",
+        tools: Sequence[Any] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.tool_parser = (
+            make_tool_parser(tool_parser) if isinstance(tool_parser, str) else tool_parser
+        )
         schemas = [_schema(tool) for tool in tools or ()]
-        template = (load_chat_template(chat_template) if isinstance(chat_template, str)
-                    else chat_template)
+        template = (
+            load_chat_template(chat_template) if isinstance(chat_template, str) else chat_template
+        )
         template_tools = None
-        if schemas and self.tool_parser.uses_template_tools and _renders_tools(
-                template, schemas, template_kwargs):
+        if (
+            schemas
+            and self.tool_parser.uses_template_tools
+            and _renders_tools(template, schemas, template_kwargs)
+        ):
             template_tools = schemas
         elif schemas:
             description = self.tool_parser.describe_tools(schemas)
-            system_prompt = description if system_prompt is None else (
-                f"{system_prompt}\n\n{description}")
-        super().__init__(tokenizer, system_prompt, chat_template=template, tools=template_tools,
-                         template_kwargs=template_kwargs)
+            system_prompt = (
+                description if system_prompt is None else (f"{system_prompt}\n\n{description}")
+            )
+        super().__init__(
+            tokenizer,
+            system_prompt,
+            chat_template=template,
+            tools=template_tools,
+            template_kwargs=template_kwargs,
+        )
 
     @classmethod
     def validate_kwargs(cls, kwargs: Mapping[str, Any]) -> None:
@@ -76,7 +92,8 @@ class ToolAgent(ConversationAgentBase):
         super().validate_kwargs(kwargs)
         parser = kwargs.get("tool_parser", "hermes")
         if not isinstance(parser, (str, ToolCallParser)) or (
-                isinstance(parser, str) and parser not in TOOL_PARSERS):
+            isinstance(parser, str) and parser not in TOOL_PARSERS
+        ):
             raise ValueError(f"tool_parser={parser!r} is not one of {', '.join(TOOL_PARSERS)}")
         tools = kwargs.get("tools") or []
         if not isinstance(tools, (list, tuple)):
@@ -103,8 +120,14 @@ class AnswerAgent(ConversationAgentBase):
 def _schema(tool: Any) -> dict[str, Any]:
     if isinstance(tool, str):  # a registered tool name or package.module:Class, from config
         cls = resolve_tool(tool)  # its schema is class-level: nothing is started
-        return {"type": "function", "function": {
-            "name": cls.name, "description": cls.description, "parameters": cls.parameters}}
+        return {
+            "type": "function",
+            "function": {
+                "name": cls.name,
+                "description": cls.description,
+                "parameters": cls.parameters,
+            },
+        }
     if hasattr(tool, "function_schema"):
         return tool.function_schema()
     function = tool.get("function") if isinstance(tool, Mapping) else None
@@ -112,20 +135,27 @@ def _schema(tool: Any) -> dict[str, Any]:
         return dict(tool)
     raise ValueError(
         f"tool {tool!r} is neither a raytunix Tool nor a JSON schema "
-        '{"type": "function", "function": {"name": ..., "description": ..., "parameters": ...}}')
+        '{"type": "function", "function": {"name": ..., "description": ..., "parameters": ...}}'
+    )
 
 
-def _renders_tools(template: ChatTemplate, schemas: list[dict[str, Any]],
-                   template_kwargs: Mapping[str, Any] | None) -> bool:
+def _renders_tools(
+    template: ChatTemplate, schemas: list[dict[str, Any]], template_kwargs: Mapping[str, Any] | None
+) -> bool:
     """Whether ``template`` shows tools to the model (its text changes when given them)."""
-    key = (template.source, template.tool_use_source, json.dumps(schemas, sort_keys=True),
-           json.dumps(template_kwargs, sort_keys=True) if template_kwargs else None)
+    key = (
+        template.source,
+        template.tool_use_source,
+        json.dumps(schemas, sort_keys=True),
+        json.dumps(template_kwargs, sort_keys=True) if template_kwargs else None,
+    )
     if key not in _RENDERS_TOOLS:
         messages = [{"role": "user", "content": "Hello."}]
         kwargs = {**(template_kwargs or {}), "now": datetime.datetime.now()}
         plain = template.render(messages, add_generation_prompt=True, **kwargs)
-        _RENDERS_TOOLS[key] = template.render(
-            messages, add_generation_prompt=True, tools=schemas, **kwargs) != plain
+        _RENDERS_TOOLS[key] = (
+            template.render(messages, add_generation_prompt=True, tools=schemas, **kwargs) != plain
+        )
     return _RENDERS_TOOLS[key]
 
 

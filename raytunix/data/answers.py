@@ -71,23 +71,26 @@ SYMBOLIC_STARTUP_TIMEOUT_S = 120.0
 
 _INTEGER = r"(?:\d{1,3}(?:,\d{3})+|\d+)"
 _NUMBER = re.compile(
-    rf"^(?P<sign>[+\-])?\$?(?P<int>{_INTEGER})?(?P<frac>\.\d+)?(?:[eE](?P<exp>[+\-]?\d+))?%?$")
+    rf"^(?P<sign>[+\-])?\$?(?P<int>{_INTEGER})?(?P<frac>\.\d+)?(?:[eE](?P<exp>[+\-]?\d+))?%?$"
+)
 _FRACTION = re.compile(rf"^(?P<sign>[+\-])?(?P<num>{_INTEGER})\s*/\s*(?P<den>{_INTEGER})$")
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _DELIMITERS = (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"))
 _LATEX_COMMAND = re.compile(r"\\[A-Za-z]+")
 _WORD = re.compile(r"[A-Za-z]{2,}")
 # Format characters that change a text's code points but not how it reads.
-_INVISIBLE = re.compile("[\u00ad\u061c\u180e\u200b-\u200f\u202a-\u202e\u2060-\u2064"
-                        "\u2066-\u2069\ufeff]")
-_SUPERSCRIPTS = "\u2070\u00b9\u00b2\u00b3" + "".join(map(chr, range(0x2074, 0x207f)))  # 0-9 + - = ( )
-_SUBSCRIPTS = "".join(map(chr, range(0x2080, 0x208f)))
+_INVISIBLE = re.compile(
+    "[\u00ad\u061c\u180e\u200b-\u200f\u202a-\u202e\u2060-\u2064\u2066-\u2069\ufeff]"
+)
+_SUPERSCRIPTS = "\u2070\u00b9\u00b2\u00b3" + "".join(
+    map(chr, range(0x2074, 0x207F))
+)  # 0-9 + - = ( )
+_SUBSCRIPTS = "".join(map(chr, range(0x2080, 0x208F)))
 _SCRIPT_RUN = re.compile(f"[{_SUPERSCRIPTS}]+|[{_SUBSCRIPTS}]+")
 _DELIMITER_TEXT = re.compile(r"\\[()\[\]]|[${}]")
 # Characters that render as blank space but are letters or symbols to Unicode (Hangul
 # fillers are Lo, the blank braille cell is So): read as a space.
-_BLANK_FILLERS = str.maketrans(dict.fromkeys(
-    "\u115f\u1160\u3164\uffa0\u2800\U0001d159", " "))
+_BLANK_FILLERS = str.maketrans(dict.fromkeys("\u115f\u1160\u3164\uffa0\u2800\U0001d159", " "))
 # LaTeX that typesets as space or nothing: spacing and line-break commands, struts, size
 # and style switches, colours, phantoms and explicit skips (a braced argument may hold one
 # level of braces, \\phantom{\\frac{1}{2}}); and text and font wrappers, whose (removed)
@@ -101,13 +104,17 @@ _LATEX_BLANK = re.compile(
     r"|footnotesize|small|normalsize|large|Large|LARGE|huge|Huge|left|right|middle"
     r"|[bB]igg?[lrm]?|mathord|mathbin|mathrel|mathop|mathpunct|mathinner)(?![A-Za-z])"
     r"|\\[,;:!> ]|\\\\|~"
-    r"|\\(?:hspace|vspace|hphantom|vphantom|phantom|mspace|color|colorbox)\*?\s*" + _BRACED
-    + r"|\\textcolor\s*" + _BRACED
-    + r"|\\(?:kern|mkern|hskip|vskip|mskip|mspace)\s*(?:" + _BRACED
+    r"|\\(?:hspace|vspace|hphantom|vphantom|phantom|mspace|color|colorbox)\*?\s*"
+    + _BRACED
+    + r"|\\textcolor\s*"
+    + _BRACED
+    + r"|\\(?:kern|mkern|hskip|vskip|mskip|mspace)\s*(?:"
+    + _BRACED
     + r"|[+-]?[\d.]+\s*(?:pt|em|ex|mu|cm|mm|in|bp|pc|sp|dd|cc))"
     r"|\\(?:text|textrm|textbf|textit|textsf|texttt|textnormal|textup|textsl|textsc|emph"
     r"|mathrm|mathbf|mathit|mathsf|mathtt|mathbb|mathcal|mathfrak|mathscr|mathnormal"
-    r"|boldsymbol|bm|operatorname|mbox|hbox|fbox|makebox|underline|overline)(?![A-Za-z])")
+    r"|boldsymbol|bm|operatorname|mbox|hbox|fbox|makebox|underline|overline)(?![A-Za-z])"
+)
 
 
 def answers_match(answer: str | None, reference: str) -> bool:
@@ -123,8 +130,10 @@ def answers_match(answer: str | None, reference: str) -> bool:
       TypeError: ``reference`` is not a string.
     """
     if not isinstance(reference, str):
-        raise TypeError(f"reference answer must be a str, got {type(reference).__qualname__} "
-                        f"({reference!r:.60}); store answers as text.")
+        raise TypeError(
+            f"reference answer must be a str, got {type(reference).__qualname__} "
+            f"({reference!r:.60}); store answers as text."
+        )
     if answer is None or len(answer) > MAX_ANSWER_CHARS or len(reference) > MAX_ANSWER_CHARS:
         return False
     given, expected = unwrap(normalize_text(answer)), unwrap(normalize_text(reference))
@@ -198,7 +207,7 @@ def unwrap(text: str) -> str:
     text = (boxed if boxed is not None else text).strip()
     for left, right in _DELIMITERS:
         if len(text) > len(left) + len(right) and text.startswith(left) and text.endswith(right):
-            text = text[len(left): -len(right)].strip()
+            text = text[len(left) : -len(right)].strip()
             break
     if text.endswith(".") and not text.endswith(".."):
         text = text[:-1].rstrip()
@@ -305,13 +314,15 @@ class _SymbolicWorker:
 
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
-        self._process = context.Process(target=_serve, args=(child,), daemon=True,
-                                        name="raytunix-math-verify")
+        self._process = context.Process(
+            target=_serve, args=(child,), daemon=True, name="raytunix-math-verify"
+        )
         self._process.start()
         child.close()
         if not (self._conn.poll(SYMBOLIC_STARTUP_TIMEOUT_S) and self._conn.recv() == "ready"):
-            raise OSError(f"the math-verify helper did not start within "
-                          f"{SYMBOLIC_STARTUP_TIMEOUT_S:.0f} s")
+            raise OSError(
+                f"the math-verify helper did not start within {SYMBOLIC_STARTUP_TIMEOUT_S:.0f} s"
+            )
 
     def _stop(self) -> None:
         if self._process is not None:
@@ -323,6 +334,7 @@ class _SymbolicWorker:
 
 
 _WORKER = _SymbolicWorker()
+
 
 def score_answer(task, answer: str | None) -> float:
     """Reward of ``answer`` for a math ``task`` (a ``raytunix.types.Task``): 1.0 if

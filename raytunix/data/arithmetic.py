@@ -48,12 +48,25 @@ def make_arithmetic_splits(
             f"sizes must be >= 0, got train_size={train_size}, heldout_size={heldout_size}"
         )
     train, heldout = reasoning_gym_splits(
-        DATASET_NAME, train_size, heldout_size, seed, min_terms=min_terms,
-        max_terms=max_terms, min_digits=min_digits, max_digits=max_digits)
+        DATASET_NAME,
+        train_size,
+        heldout_size,
+        seed,
+        min_terms=min_terms,
+        max_terms=max_terms,
+        min_digits=min_digits,
+        max_digits=max_digits,
+    )
     return [_with_expression(t) for t in train], [_with_expression(t) for t in heldout]
 
 
 def _with_expression(task: Task) -> Task:
     meta = task.metadata["entry"]["metadata"]
-    return dataclasses.replace(task, metadata={
-        **task.metadata, "expression": meta["expression"], "num_terms": meta["num_terms"]})
+    return dataclasses.replace(
+        task,
+        metadata={
+            **task.metadata,
+            "expression": meta["expression"],
+            "num_terms": meta["num_terms"],
+        },
+    )

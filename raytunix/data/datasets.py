@@ -96,12 +96,16 @@ def read_records(spec: DatasetSpec) -> tuple[list[str], list[dict[str, Any]]]:
         parsed (a JSONL line that is not a JSON object is named by its line number).
     """
     if spec.source not in FILE_SOURCES:
-        raise DatasetError(f"data.source={spec.source!r} is not a file source; use one of "
-                           f"{', '.join(FILE_SOURCES)}.")
+        raise DatasetError(
+            f"data.source={spec.source!r} is not a file source; use one of "
+            f"{', '.join(FILE_SOURCES)}."
+        )
     path = spec.path
     if not path or not os.path.exists(path):
-        raise DatasetError(f"{spec.key}={path!r} does not exist (working directory "
-                           f"{os.getcwd()}); give the dataset's file or folder.")
+        raise DatasetError(
+            f"{spec.key}={path!r} does not exist (working directory "
+            f"{os.getcwd()}); give the dataset's file or folder."
+        )
     if spec.source == "hf":
         return _arrow_records(_read_saved_dataset(spec), spec.answer_column)
     files = [path] if os.path.isfile(path) else _shards(spec)
@@ -113,8 +117,7 @@ def read_records(spec: DatasetSpec) -> tuple[list[str], list[dict[str, Any]]]:
         for record in records:
             columns.update(dict.fromkeys(record))
         return list(columns), records
-    table = pa.concat_tables([_read_parquet(f, spec.key) for f in files],
-                             promote_options="default")
+    table = pa.concat_tables([_read_parquet(f, spec.key) for f in files], promote_options="default")
     return _arrow_records(table, spec.answer_column)
 
 
@@ -131,7 +134,9 @@ def _arrow_records(table: pa.Table, answer_column: str) -> tuple[list[str], list
     if answer_column in table.column_names:
         kind = table.schema.field(answer_column).type
         if pa.types.is_float16(kind) or pa.types.is_float32(kind):
-            narrow, exact = (np.float16, 2**11) if pa.types.is_float16(kind) else (np.float32, 2**24)
+            narrow, exact = (
+                (np.float16, 2**11) if pa.types.is_float16(kind) else (np.float32, 2**24)
+            )
             for record in records:
                 value = record.get(answer_column)
                 if isinstance(value, float) and math.isfinite(value):
@@ -156,52 +161,74 @@ def load_tasks(spec: DatasetSpec) -> list[Task]:
         others); ids of the id column repeat.
     """
     names, records = read_records(spec)
-    for key, column in (("data.question_column", spec.question_column),
-                        ("data.answer_column", spec.answer_column),
-                        ("data.id_column", spec.id_column)):
+    for key, column in (
+        ("data.question_column", spec.question_column),
+        ("data.answer_column", spec.answer_column),
+        ("data.id_column", spec.id_column),
+    ):
         if column and column not in names:
             raise DatasetError(
                 f"{key}={column!r} is not a column of {spec.path!r} (split {spec.split!r}); its "
-                f"columns are {names}. Set {key} to the column that holds it.")
+                f"columns are {names}. Set {key} to the column that holds it."
+            )
     used = {spec.question_column, spec.answer_column, spec.id_column}
     tasks, seen, bad, markers = [], {}, [], []
     for row, record in enumerate(records):
         question, raw = record.get(spec.question_column), record.get(spec.answer_column)
         where = f"{spec.path!r} (split {spec.split!r}) row {row}"
         if not isinstance(question, str) or not text_key(question):
-            raise DatasetError(f"{where}: question column {spec.question_column!r} is "
-                               f"{question!r}; every row needs a question text.")
+            raise DatasetError(
+                f"{where}: question column {spec.question_column!r} is "
+                f"{question!r}; every row needs a question text."
+            )
         answer, why = _reference(raw)
         if why:
-            bad.append((row, f"{where}: answer column {spec.answer_column!r} is {raw!r:.80} "
-                             f"({why})"))
+            bad.append(
+                (row, f"{where}: answer column {spec.answer_column!r} is {raw!r:.80} ({why})")
+            )
             continue
         metadata: dict[str, Any] = {"row": row, "split": spec.split}
         if GSM8K_ANSWER_MARK in answer:
             metadata["solution"] = answer
             answer = answer.rsplit(GSM8K_ANSWER_MARK, 1)[1].strip()
             if blank_answer(answer):
-                bad.append((row, f"{where}: answer column {spec.answer_column!r} is "
-                                 f"{raw!r:.80}, with nothing after its last "
-                                 f"{GSM8K_ANSWER_MARK!r} mark (the GSM8K layout's answer)"))
+                bad.append(
+                    (
+                        row,
+                        f"{where}: answer column {spec.answer_column!r} is "
+                        f"{raw!r:.80}, with nothing after its last "
+                        f"{GSM8K_ANSWER_MARK!r} mark (the GSM8K layout's answer)",
+                    )
+                )
                 continue
         if answer.strip().casefold() in MISSING_MARKERS:
-            markers.append((row, f"{where}: answer column {spec.answer_column!r} is "
-                                 f"{raw!r:.80}, a missing-value marker, in a column whose "
-                                 "other answers are all numbers"))
-        metadata["columns"] = {k: v for k, v in record.items()
-                               if k not in used and isinstance(v, (str, int, float, bool))}
+            markers.append(
+                (
+                    row,
+                    f"{where}: answer column {spec.answer_column!r} is "
+                    f"{raw!r:.80}, a missing-value marker, in a column whose "
+                    "other answers are all numbers",
+                )
+            )
+        metadata["columns"] = {
+            k: v
+            for k, v in record.items()
+            if k not in used and isinstance(v, (str, int, float, bool))
+        }
         task_id = str(record[spec.id_column]) if spec.id_column else f"{spec.split}-{row:06d}"
         if task_id in seen:
-            raise DatasetError(f"{where}: id {task_id!r} of data.id_column={spec.id_column!r} "
-                               f"repeats row {seen[task_id]}; ids must be unique (the rollout "
-                               "ledger counts each task once). Use another column or leave "
-                               "data.id_column empty for row-number ids.")
+            raise DatasetError(
+                f"{where}: id {task_id!r} of data.id_column={spec.id_column!r} "
+                f"repeats row {seen[task_id]}; ids must be unique (the rollout "
+                "ledger counts each task once). Use another column or leave "
+                "data.id_column empty for row-number ids."
+            )
         seen[task_id] = row
         tasks.append(Task(task_id=task_id, question=question, answer=answer, metadata=metadata))
     marked = {r for r, _ in markers}
-    if markers and all(parse_number(unwrap(t.answer)) is not None for t in tasks
-                       if t.metadata["row"] not in marked):
+    if markers and all(
+        parse_number(unwrap(t.answer)) is not None for t in tasks if t.metadata["row"] not in marked
+    ):
         bad = sorted(bad + markers)
     if bad:
         rows = [r for r, _ in bad]
@@ -211,7 +238,8 @@ def load_tasks(spec: DatasetSpec) -> list[Task]:
             f"{bad[0][1]}: every row needs a reference answer the reward can be checked "
             f"against, or the policy earns reward by answering nothing. {len(rows)} of the "
             f"{len(records)} rows have none (rows {shown}); fill in their "
-            f"{spec.answer_column!r} or remove them from the dataset.")
+            f"{spec.answer_column!r} or remove them from the dataset."
+        )
     return tasks
 
 
@@ -220,9 +248,11 @@ def _reference(value: Any) -> tuple[str, str]:
     if value is None:
         return "", "missing"
     if isinstance(value, _InexactNumber):
-        return "", ("an integer past what its float16/float32 column holds exactly (2^11 / "
-                    "2^24): the stored value may not be the answer written; store answers as "
-                    "text")
+        return "", (
+            "an integer past what its float16/float32 column holds exactly (2^11 / "
+            "2^24): the stored value may not be the answer written; store answers as "
+            "text"
+        )
     if isinstance(value, (dict, list)):
         return "", "not a text or number"
     if isinstance(value, bool):  # JSON true/false as written, not Python's True/False
@@ -236,8 +266,10 @@ def _reference(value: Any) -> tuple[str, str]:
         if not math.isfinite(value):
             return "", f"a float {value}, not an answer; write a true infinite answer as text"
         if value.is_integer() and abs(value) >= _FLOAT64_EXACT:  # 2^53 + 1 reads as 2^53
-            return "", ("a float64 at or past 2^53, where it no longer holds every integer: the "
-                        "stored value may not be the answer written; store answers as text")
+            return "", (
+                "a float64 at or past 2^53, where it no longer holds every integer: the "
+                "stored value may not be the answer written; store answers as text"
+            )
         # A numeric column mixing 4 and 2.5 is read as doubles; 4.0 was written 4.
         value = str(int(value)) if value.is_integer() else str(value)
     answer = str(value)
@@ -245,14 +277,17 @@ def _reference(value: Any) -> tuple[str, str]:
         return "", "blank: nothing to compare an answer with"
     compared = answer.rsplit(GSM8K_ANSWER_MARK, 1)[-1].strip()
     if len(compared) > MAX_ANSWER_CHARS:
-        return "", (f"{len(compared)} characters, over the {MAX_ANSWER_CHARS} an answer is "
-                    "compared up to (longer ones never match, so the row could never be "
-                    "rewarded); shorten the reference or drop the row")
+        return "", (
+            f"{len(compared)} characters, over the {MAX_ANSWER_CHARS} an answer is "
+            "compared up to (longer ones never match, so the row could never be "
+            "rewarded); shorten the reference or drop the row"
+        )
     return answer, ""
 
 
-def file_splits(train: DatasetSpec, heldout: DatasetSpec | None, train_size: int,
-                heldout_size: int, seed: int) -> tuple[list[Task], list[Task]]:
+def file_splits(
+    train: DatasetSpec, heldout: DatasetSpec | None, train_size: int, heldout_size: int, seed: int
+) -> tuple[list[Task], list[Task]]:
     """Train and held-out tasks of a dataset on disk.
 
     Args:
@@ -271,15 +306,19 @@ def file_splits(train: DatasetSpec, heldout: DatasetSpec | None, train_size: int
       DatasetError: see ``load_tasks``; the training split has no rows left to train on;
         ``heldout`` is the training file itself (a single file has no splits).
     """
-    if (heldout is not None and os.path.isfile(heldout.path)
-            and os.path.abspath(heldout.path) == os.path.abspath(train.path)):
+    if (
+        heldout is not None
+        and os.path.isfile(heldout.path)
+        and os.path.abspath(heldout.path) == os.path.abspath(train.path)
+    ):
         # A single file has no splits: its rows would be both trained on and held out,
         # and every held-out task would then be dropped as a training question.
         raise DatasetError(
             f"data.heldout_split={heldout.split!r} names a split, but {train.key}="
             f"{train.path!r} is a single file, which has no splits. Give the held-out "
             "file as data.heldout_path, or drop data.heldout_split to hold out "
-            "data.heldout_size rows of the file (drawn with data.seed).")
+            "data.heldout_size rows of the file (drawn with data.seed)."
+        )
     tasks = load_tasks(train)
     if heldout is not None:
         held = load_tasks(heldout)[:heldout_size]
@@ -288,7 +327,8 @@ def file_splits(train: DatasetSpec, heldout: DatasetSpec | None, train_size: int
             raise DatasetError(
                 f"data.heldout_size={heldout_size} leaves no training rows of the "
                 f"{len(tasks)} in {train.path!r}; lower it or give data.heldout_path / "
-                "data.heldout_split.")
+                "data.heldout_split."
+            )
         chosen = set(random.Random(seed).sample(range(len(tasks)), heldout_size))
         held = [t for i, t in enumerate(tasks) if i in chosen]
         tasks = [t for i, t in enumerate(tasks) if i not in chosen]
@@ -308,8 +348,9 @@ def drop_leaked(train: Sequence[Task], heldout: Sequence[Task]) -> list[Task]:
     return [t for t in heldout if text_key(t.question) not in seen]
 
 
-def reasoning_gym_splits(name: str, train_size: int, heldout_size: int, seed: int,
-                         **dataset_kwargs: Any) -> tuple[list[Task], list[Task]]:
+def reasoning_gym_splits(
+    name: str, train_size: int, heldout_size: int, seed: int, **dataset_kwargs: Any
+) -> tuple[list[Task], list[Task]]:
     """Train and held-out tasks from reasoning-gym's generator ``name``.
 
     reasoning-gym draws entry ``i`` from ``Random(seed + i)``: held-out entries come from
@@ -334,20 +375,24 @@ def reasoning_gym_splits(name: str, train_size: int, heldout_size: int, seed: in
         import difflib
 
         close = difflib.get_close_matches(name, list(DATASETS), n=5, cutoff=0.5)
-        raise DatasetError(f"{name!r} is not a reasoning-gym dataset"
-                           + (f"; did you mean {', '.join(close)}?" if close else "")
-                           + f" ({len(DATASETS)} exist: reasoning_gym.factory.DATASETS).")
+        raise DatasetError(
+            f"{name!r} is not a reasoning-gym dataset"
+            + (f"; did you mean {', '.join(close)}?" if close else "")
+            + f" ({len(DATASETS)} exist: reasoning_gym.factory.DATASETS)."
+        )
     attempts = 10 * heldout_size + 1000
     try:
-        train_data = reasoning_gym.create_dataset(name, size=max(train_size, 1), seed=seed,
-                                                  **dataset_kwargs)
-        held_data = reasoning_gym.create_dataset(name, size=attempts, seed=seed + train_size,
-                                                 **dataset_kwargs)
+        train_data = reasoning_gym.create_dataset(
+            name, size=max(train_size, 1), seed=seed, **dataset_kwargs
+        )
+        held_data = reasoning_gym.create_dataset(
+            name, size=attempts, seed=seed + train_size, **dataset_kwargs
+        )
     except (TypeError, ValueError, AssertionError) as e:
-        raise DatasetError(f"reasoning-gym dataset {name!r} refuses its settings "
-                           f"{dataset_kwargs}: {e}") from None
-    train = [entry_task(f"train-{i:06d}", train_data[i], name, seed + i)
-             for i in range(train_size)]
+        raise DatasetError(
+            f"reasoning-gym dataset {name!r} refuses its settings {dataset_kwargs}: {e}"
+        ) from None
+    train = [entry_task(f"train-{i:06d}", train_data[i], name, seed + i) for i in range(train_size)]
     seen = {text_key(t.question) for t in train}
     heldout: list[Task] = []
     for i in range(attempts):
@@ -357,18 +402,21 @@ def reasoning_gym_splits(name: str, train_size: int, heldout_size: int, seed: in
         key = text_key(entry["question"])
         if key not in seen:
             seen.add(key)
-            heldout.append(entry_task(f"heldout-{len(heldout):06d}", entry, name,
-                                      seed + train_size + i))
+            heldout.append(
+                entry_task(f"heldout-{len(heldout):06d}", entry, name, seed + train_size + i)
+            )
     if len(heldout) < heldout_size:
         raise DatasetError(
             f"reasoning-gym {name!r} gave only {len(heldout)} held-out questions not in train "
             f"after {attempts} draws (wanted {heldout_size}) with {dataset_kwargs}; widen its "
-            "settings or ask for fewer tasks.")
+            "settings or ask for fewer tasks."
+        )
     return train, heldout
 
 
-def entry_task(task_id: str, entry: dict[str, Any], name: str = "", seed: int | None = None
-               ) -> Task:
+def entry_task(
+    task_id: str, entry: dict[str, Any], name: str = "", seed: int | None = None
+) -> Task:
     """A reasoning-gym entry as a ``Task`` (``metadata["entry"]`` keeps it, JSON-safe).
 
     An entry whose answer is None (puzzles with many solutions, which the dataset's scorer
@@ -387,12 +435,18 @@ def entry_task(task_id: str, entry: dict[str, Any], name: str = "", seed: int | 
                 f"reasoning-gym {name!r} entry {task_id} (generator seed {seed}) has answer "
                 f"{answer!r:.80} ({why}); its scorer would compare answers with nothing. "
                 "Change data.seed or data.dataset_kwargs (env.kwargs.dataset_kwargs), or "
-                "use another dataset.")
+                "use another dataset."
+            )
     # A JSON round trip turns the generator's tuples into lists, so tasks serialize.
-    entry = json.loads(json.dumps({k: entry[k] for k in ("question", "answer", "metadata")},
-                                  default=str))
-    return Task(task_id=task_id, question=entry["question"],
-                answer="" if answer is None else str(answer), metadata={"entry": entry})
+    entry = json.loads(
+        json.dumps({k: entry[k] for k in ("question", "answer", "metadata")}, default=str)
+    )
+    return Task(
+        task_id=task_id,
+        question=entry["question"],
+        answer="" if answer is None else str(answer),
+        metadata={"entry": entry},
+    )
 
 
 class _JsonNumber(str):
@@ -400,17 +454,22 @@ class _JsonNumber(str):
 
 
 def _native(value: Any) -> Any:
-    return (float(value) if any(c in value for c in ".eE") else int(value)) \
-        if isinstance(value, _JsonNumber) else value
+    return (
+        (float(value) if any(c in value for c in ".eE") else int(value))
+        if isinstance(value, _JsonNumber)
+        else value
+    )
 
 
 def _read_jsonl(path: str, key: str, answer_column: str) -> list[dict[str, Any]]:
     """The JSON objects of a ``.jsonl`` file's non-blank lines; numbers exact (see
     ``read_records``)."""
     if not path.endswith(_EXTENSIONS["jsonl"]):
-        raise DatasetError(f"{key}={path!r} is not a {'/'.join(_EXTENSIONS['jsonl'])} file, "
-                           "which data.source='jsonl' reads; set data.source to match the "
-                           f"file ({', '.join(FILE_SOURCES)}).")
+        raise DatasetError(
+            f"{key}={path!r} is not a {'/'.join(_EXTENSIONS['jsonl'])} file, "
+            "which data.source='jsonl' reads; set data.source to match the "
+            f"file ({', '.join(FILE_SOURCES)})."
+        )
     records = []
     try:
         # utf-8-sig: a byte-order mark (Windows editors write one) is not part of row 1.
@@ -421,12 +480,16 @@ def _read_jsonl(path: str, key: str, answer_column: str) -> list[dict[str, Any]]
                 try:
                     record = json.loads(line, parse_int=_JsonNumber, parse_float=_JsonNumber)
                 except (ValueError, RecursionError) as e:  # RecursionError: nesting too deep
-                    raise DatasetError(f"{key}={path!r} cannot be read as jsonl: line {number} "
-                                       f"is not JSON ({type(e).__name__}: {e}).") from None
+                    raise DatasetError(
+                        f"{key}={path!r} cannot be read as jsonl: line {number} "
+                        f"is not JSON ({type(e).__name__}: {e})."
+                    ) from None
                 if not isinstance(record, dict):
-                    raise DatasetError(f"{key}={path!r} cannot be read as jsonl: line {number} "
-                                       f"is a JSON {type(record).__name__}, not an object "
-                                       "(one row, {\"question\": ..., \"answer\": ...}).")
+                    raise DatasetError(
+                        f"{key}={path!r} cannot be read as jsonl: line {number} "
+                        f"is a JSON {type(record).__name__}, not an object "
+                        "(one row, {\"question\": ..., \"answer\": ...})."
+                    )
                 converted = {}
                 for k, v in record.items():
                     try:
@@ -441,9 +504,11 @@ def _read_jsonl(path: str, key: str, answer_column: str) -> list[dict[str, Any]]
 
 def _read_parquet(path: str, key: str) -> pa.Table:
     if not path.endswith(_EXTENSIONS["parquet"]):
-        raise DatasetError(f"{key}={path!r} is not a {'/'.join(_EXTENSIONS['parquet'])} file, "
-                           "which data.source='parquet' reads; set data.source to match the "
-                           f"file ({', '.join(FILE_SOURCES)}).")
+        raise DatasetError(
+            f"{key}={path!r} is not a {'/'.join(_EXTENSIONS['parquet'])} file, "
+            "which data.source='parquet' reads; set data.source to match the "
+            f"file ({', '.join(FILE_SOURCES)})."
+        )
     try:
         import pyarrow.parquet as pq
 
@@ -455,8 +520,11 @@ def _read_parquet(path: str, key: str) -> pa.Table:
 def _shards(spec: DatasetSpec) -> list[str]:
     """The split's shard files in a folder (see the module doc for the naming)."""
     exts = _EXTENSIONS[spec.source]
-    files = sorted(f for f in glob.glob(os.path.join(spec.path, "**", "*"), recursive=True)
-                   if f.endswith(exts) and os.path.isfile(f))
+    files = sorted(
+        f
+        for f in glob.glob(os.path.join(spec.path, "**", "*"), recursive=True)
+        if f.endswith(exts) and os.path.isfile(f)
+    )
     found = {}
     for f in files:
         rel = os.path.relpath(f, spec.path).split(os.sep)
@@ -473,7 +541,8 @@ def _shards(spec: DatasetSpec) -> list[str]:
         raise DatasetError(
             f"{spec.key}={spec.path!r} holds no {'/'.join(exts)} shards of split "
             f"{spec.split!r}; splits found: {splits or 'none'}. Set data.split (or "
-            "data.heldout_split) to one of them.")
+            "data.heldout_split) to one of them."
+        )
     return chosen
 
 
@@ -481,28 +550,32 @@ def _read_saved_dataset(spec: DatasetSpec) -> pa.Table:
     """A ``save_to_disk`` folder: a DatasetDict's split sub-folder, or a Dataset."""
     path = spec.path
     if os.path.isfile(path):
-        raise DatasetError(f"{spec.key}={path!r} is a file; data.source='hf' reads a folder "
-                           "written by datasets' save_to_disk.")
+        raise DatasetError(
+            f"{spec.key}={path!r} is a file; data.source='hf' reads a folder "
+            "written by datasets' save_to_disk."
+        )
     dict_file = os.path.join(path, "dataset_dict.json")
     if os.path.exists(dict_file):
         with open(dict_file) as f:
             splits = json.load(f).get("splits", [])
         if spec.split not in splits:
-            raise DatasetError(f"{spec.key}={path!r} has no split {spec.split!r}; its splits "
-                               f"are {splits}. Set data.split (or data.heldout_split).")
+            raise DatasetError(
+                f"{spec.key}={path!r} has no split {spec.split!r}; its splits "
+                f"are {splits}. Set data.split (or data.heldout_split)."
+            )
         path = os.path.join(path, spec.split)
     state_file = os.path.join(path, "state.json")
     files = []
     if os.path.exists(state_file):
         with open(state_file) as f:
-            files = [os.path.join(path, d["filename"])
-                     for d in json.load(f).get("_data_files", [])]
+            files = [os.path.join(path, d["filename"]) for d in json.load(f).get("_data_files", [])]
     files = files or sorted(glob.glob(os.path.join(path, "*.arrow")))
     if not files:
         raise DatasetError(
             f"{spec.key}={path!r} holds no .arrow files (nor dataset_dict.json): it is not a "
             "folder written by save_to_disk. For parquet or JSONL shards use data.source="
-            "parquet or jsonl.")
+            "parquet or jsonl."
+        )
     tables = []
     for file in files:
         try:

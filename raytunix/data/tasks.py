@@ -28,21 +28,29 @@ def env_tasks(env: Any, split: str, size: int, seed: int) -> list[Task] | None:
         return None
     name = type(env).__qualname__
     if isinstance(tasks, (str, bytes)) or not isinstance(tasks, Sequence):
-        raise TypeError(f"{name}.tasks({split!r}, {size}, {seed}) returned "
-                        f"{type(tasks).__qualname__}; return a list of raytunix.types.Task.")
+        raise TypeError(
+            f"{name}.tasks({split!r}, {size}, {seed}) returned "
+            f"{type(tasks).__qualname__}; return a list of raytunix.types.Task."
+        )
     tasks = list(tasks)
     for i, task in enumerate(tasks):
         if not isinstance(task, Task):
-            raise TypeError(f"{name}.tasks({split!r}, ...)[{i}] is {type(task).__qualname__} "
-                            f"({task!r:.80}), not a raytunix.types.Task.")
+            raise TypeError(
+                f"{name}.tasks({split!r}, ...)[{i}] is {type(task).__qualname__} "
+                f"({task!r:.80}), not a raytunix.types.Task."
+            )
     if len(tasks) != size:
-        raise ValueError(f"{name}.tasks({split!r}, size={size}, seed={seed}) returned "
-                         f"{len(tasks)} tasks; return exactly size (data.{split}_size).")
+        raise ValueError(
+            f"{name}.tasks({split!r}, size={size}, seed={seed}) returned "
+            f"{len(tasks)} tasks; return exactly size (data.{split}_size)."
+        )
     counts = collections.Counter(t.task_id for t in tasks)
     if len(counts) != len(tasks):
         repeated = sorted(i for i, n in counts.items() if n > 1)[:5]
-        raise ValueError(f"{name}.tasks({split!r}, ...) repeats task ids {repeated}; each task "
-                         "of a split needs its own id (exactly-once accounting keys on it).")
+        raise ValueError(
+            f"{name}.tasks({split!r}, ...) repeats task ids {repeated}; each task "
+            "of a split needs its own id (exactly-once accounting keys on it)."
+        )
     return tasks
 
 
@@ -57,10 +65,10 @@ def make_tasks(env: Any, split: str, size: int, seed: int) -> list[Task]:
     tasks = env_tasks(env, split, size, seed)
     if tasks is not None:
         return tasks
-    train, heldout = make_arithmetic_splits(size if split == "train" else 0,
-                                            size if split == "heldout" else 0, seed)
+    train, heldout = make_arithmetic_splits(
+        size if split == "train" else 0, size if split == "heldout" else 0, seed
+    )
     return train if split == "train" else heldout
-
 
 
 def dataset_splits(data: Any) -> tuple[list[Task], list[Task]] | None:
@@ -74,14 +82,21 @@ def dataset_splits(data: Any) -> tuple[list[Task], list[Task]] | None:
         ``raytunix.data.datasets``), or the reasoning-gym dataset refuses its settings.
     """
     if data.source in FILE_SOURCES:
-        columns = dict(question_column=data.question_column, answer_column=data.answer_column,
-                       id_column=data.id_column)
+        columns = dict(
+            question_column=data.question_column,
+            answer_column=data.answer_column,
+            id_column=data.id_column,
+        )
         train = DatasetSpec(data.source, data.path, data.split, **columns)
         heldout = None
         if data.heldout_path or data.heldout_split:
-            heldout = DatasetSpec(data.source, data.heldout_path or data.path,
-                                  data.heldout_split or "test", **columns,
-                                  key="data.heldout_path" if data.heldout_path else "data.path")
+            heldout = DatasetSpec(
+                data.source,
+                data.heldout_path or data.path,
+                data.heldout_split or "test",
+                **columns,
+                key="data.heldout_path" if data.heldout_path else "data.path",
+            )
         return file_splits(train, heldout, data.train_size, data.heldout_size, data.seed)
     if data.source == "reasoning_gym":
         return generator_splits(data)
@@ -94,10 +109,17 @@ def generator_splits(data: Any) -> tuple[list[Task], list[Task]]:
     dataset with ``data.dataset_kwargs``."""
     if data.dataset == "basic_arithmetic" and not data.dataset_kwargs:
         return make_arithmetic_splits(
-            data.train_size, data.heldout_size, data.seed, min_terms=data.min_terms,
-            max_terms=data.max_terms, min_digits=data.min_digits, max_digits=data.max_digits)
-    return reasoning_gym_splits(data.dataset, data.train_size, data.heldout_size, data.seed,
-                                **data.dataset_kwargs)
+            data.train_size,
+            data.heldout_size,
+            data.seed,
+            min_terms=data.min_terms,
+            max_terms=data.max_terms,
+            min_digits=data.min_digits,
+            max_digits=data.max_digits,
+        )
+    return reasoning_gym_splits(
+        data.dataset, data.train_size, data.heldout_size, data.seed, **data.dataset_kwargs
+    )
 
 
 def is_arithmetic(tasks: Sequence[Task]) -> bool:

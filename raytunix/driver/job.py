@@ -40,8 +40,9 @@ class Job:
     engine actors), the env pool, the sandbox pool (or None) and, once started, the
     orchestrator."""
 
-    def __init__(self, cfg: Config, tokenizer: Tokenizer, train_tasks, env_pool: EnvPool,
-                 sandbox_pool=None):
+    def __init__(
+        self, cfg: Config, tokenizer: Tokenizer, train_tasks, env_pool: EnvPool, sandbox_pool=None
+    ):
         from raytunix.learner.actor import LearnerActor, PolicyActor
 
         self.cfg = cfg
@@ -57,9 +58,11 @@ class Job:
         self.learner_group = hosts.num_hosts > 1
         jit_options = prepare.jit_actor_options(cfg)  # the persistent compilation cache
         if self.colocated:
-            self.learner = ray.remote(PolicyActor).options(
-                max_concurrency=10_000, **hosts.actor_options(), **jit_options).remote(
-                model_config, cfg.run.seed, tokenizer, cfg.engine.engine_kwargs(), path)
+            self.learner = (
+                ray.remote(PolicyActor)
+                .options(max_concurrency=10_000, **hosts.actor_options(), **jit_options)
+                .remote(model_config, cfg.run.seed, tokenizer, cfg.engine.engine_kwargs(), path)
+            )
             self.engine = self.learner
             self.engines = [self.learner]
         else:
@@ -68,22 +71,44 @@ class Job:
             if self.learner_group:  # one actor per host, one JAX program; calls as a LearnerActor
                 from raytunix.learner.group import LearnerGroup
 
-                self.learner = ray.remote(LearnerGroup).options(num_cpus=0).remote(
-                    hosts, model_config, cfg.run.seed, tokenizer.pad_id, path,
-                    call_timeout_s=cfg.learner.call_timeout_s,
-                    slow_call_timeout_s=cfg.learner.slow_call_timeout_s)
+                self.learner = (
+                    ray.remote(LearnerGroup)
+                    .options(num_cpus=0)
+                    .remote(
+                        hosts,
+                        model_config,
+                        cfg.run.seed,
+                        tokenizer.pad_id,
+                        path,
+                        call_timeout_s=cfg.learner.call_timeout_s,
+                        slow_call_timeout_s=cfg.learner.slow_call_timeout_s,
+                    )
+                )
             else:
-                self.learner = ray.remote(LearnerActor).options(
-                    max_concurrency=100, **hosts.actor_options(), **jit_options).remote(
-                    model_config, cfg.run.seed, tokenizer.pad_id, path)
+                self.learner = (
+                    ray.remote(LearnerActor)
+                    .options(max_concurrency=100, **hosts.actor_options(), **jit_options)
+                    .remote(model_config, cfg.run.seed, tokenizer.pad_id, path)
+                )
             # A crashed engine is restarted by Ray under the same handle (the orchestrator's
             # router keeps it; calls wait for it) and takes the learner's weights first.
-            engine_options = {**resource_options(cfg.engine.actor_resources),
-                              "max_restarts": cfg.engine.actor_max_restarts, **jit_options}
-            self._new_engine = lambda: ray.remote(EngineActor).options(
-                max_concurrency=10_000, **engine_options).remote(
-                model_config, cfg.run.seed, tokenizer, cfg.engine.engine_kwargs(), path,
-                weights_source=self.learner)
+            engine_options = {
+                **resource_options(cfg.engine.actor_resources),
+                "max_restarts": cfg.engine.actor_max_restarts,
+                **jit_options,
+            }
+            self._new_engine = lambda: (
+                ray.remote(EngineActor)
+                .options(max_concurrency=10_000, **engine_options)
+                .remote(
+                    model_config,
+                    cfg.run.seed,
+                    tokenizer,
+                    cfg.engine.engine_kwargs(),
+                    path,
+                    weights_source=self.learner,
+                )
+            )
             self.engines = [self._new_engine() for _ in range(cfg.engine.num_replicas)]
             self.engine = self.engines[0]
 
@@ -120,7 +145,8 @@ class Job:
                 f"{getattr(learner, key)}{' plus the group margin' if self.learner_group else ''}"
                 "): its actor is alive but stuck (a hung storage read, a wedged device call), "
                 "so it was killed. Raise learner."
-                f"{key} if the call is just slow on these hosts.") from None
+                f"{key} if the call is just slow on these hosts."
+            ) from None
 
     def restart_engines(self) -> None:
         """New engine actors in place of the current ones (disaggregated placement), for a
@@ -139,31 +165,49 @@ class Job:
         cfg, tokenizer = self.cfg, self.tokenizer
         if self.orchestrator is not None:
             ray.kill(self.orchestrator)
-        self.orchestrator = ray.remote(OrchestratorActor).options(
-            num_cpus=0, max_concurrency=10_000, runtime_env=CPU_ONLY_RUNTIME_ENV).remote(
-            tasks=self.train_tasks, tokenizer=tokenizer, agent_name=prepare.agent_name(cfg),
-            agent_kwargs=prepare.agent_kwargs(cfg), import_paths=prepare.import_paths(cfg),
-            env_pool=self.env_pool, engine=self.engines,
-            group_size=cfg.rollout.group_size, groups_per_batch=cfg.rollout.groups_per_batch,
-            max_concurrent_episodes=cfg.rollout.max_concurrent_episodes,
-            max_staleness=cfg.rollout.max_staleness, max_turns=cfg.env.max_turns,
-            max_context_tokens=cfg.model.max_seq_len,
-            sampling=SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,
-                                    temperature=cfg.rollout.temperature,
-                                    top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
-                                    stop_token_ids=tokenizer.stop_ids),
-            episode_timeout_s=cfg.rollout.episode_timeout_s,
-            batch_queue_size=cfg.rollout.batch_queue_size,
-            drop_failed_groups=cfg.rollout.drop_failed_groups,
-            stale_token_policy=cfg.rollout.stale_token_policy,
-            partial_rollout=cfg.rollout.partial_rollout,
-            concurrency=(ConcurrencyController.from_config(cfg.rollout)
-                         if cfg.rollout.adaptive_concurrency else None),
-            concurrency_interval_s=cfg.rollout.adaptive_interval_s,
-            dynamic_sampling=cfg.rollout.dynamic_sampling,
-            dynamic_sampling_max_filtered=cfg.rollout.dynamic_sampling_max_filtered,
-            **fault_kwargs(cfg.rollout),
-            seed=cfg.run.seed, policy_version=policy_version, state=state)
+        self.orchestrator = (
+            ray.remote(OrchestratorActor)
+            .options(num_cpus=0, max_concurrency=10_000, runtime_env=CPU_ONLY_RUNTIME_ENV)
+            .remote(
+                tasks=self.train_tasks,
+                tokenizer=tokenizer,
+                agent_name=prepare.agent_name(cfg),
+                agent_kwargs=prepare.agent_kwargs(cfg),
+                import_paths=prepare.import_paths(cfg),
+                env_pool=self.env_pool,
+                engine=self.engines,
+                group_size=cfg.rollout.group_size,
+                groups_per_batch=cfg.rollout.groups_per_batch,
+                max_concurrent_episodes=cfg.rollout.max_concurrent_episodes,
+                max_staleness=cfg.rollout.max_staleness,
+                max_turns=cfg.env.max_turns,
+                max_context_tokens=cfg.model.max_seq_len,
+                sampling=SamplingParams(
+                    max_new_tokens=cfg.rollout.max_new_tokens,
+                    temperature=cfg.rollout.temperature,
+                    top_k=cfg.rollout.top_k,
+                    top_p=cfg.rollout.top_p,
+                    stop_token_ids=tokenizer.stop_ids,
+                ),
+                episode_timeout_s=cfg.rollout.episode_timeout_s,
+                batch_queue_size=cfg.rollout.batch_queue_size,
+                drop_failed_groups=cfg.rollout.drop_failed_groups,
+                stale_token_policy=cfg.rollout.stale_token_policy,
+                partial_rollout=cfg.rollout.partial_rollout,
+                concurrency=(
+                    ConcurrencyController.from_config(cfg.rollout)
+                    if cfg.rollout.adaptive_concurrency
+                    else None
+                ),
+                concurrency_interval_s=cfg.rollout.adaptive_interval_s,
+                dynamic_sampling=cfg.rollout.dynamic_sampling,
+                dynamic_sampling_max_filtered=cfg.rollout.dynamic_sampling_max_filtered,
+                **fault_kwargs(cfg.rollout),
+                seed=cfg.run.seed,
+                policy_version=policy_version,
+                state=state,
+            )
+        )
 
     def publish_weights(self) -> None:
         """Disaggregated placement: ship the learner's weights to the engines. A replica
@@ -198,7 +242,8 @@ class Job:
                         f"{self.cfg.engine.actor_max_restarts} restarts used up, it fails at "
                         f"start, or it was not back within {ENGINE_RESTART_TIMEOUT_S:g} s): "
                         f"{str(error)[:500]} Checkpoints up to the last one stay; raise "
-                        "engine.actor_max_restarts or fix the cause, then --resume.")
+                        "engine.actor_max_restarts or fix the cause, then --resume."
+                    )
             if failed:
                 time.sleep(delay)
                 delay = min(2 * delay, 5.0)
@@ -214,9 +259,11 @@ class Job:
         per_replica = ray.get([engine.engine_stats.remote() for engine in self.engines])
         if len(per_replica) == 1:
             return per_replica[0]
-        merged = {key: sum(stats[key] for stats in per_replica)
-                  for key, value in per_replica[0].items()
-                  if isinstance(value, (int, float)) and not key.startswith("policy_version")}
+        merged = {
+            key: sum(stats[key] for stats in per_replica)
+            for key, value in per_replica[0].items()
+            if isinstance(value, (int, float)) and not key.startswith("policy_version")
+        }
         merged["busy_fraction"] = sum(s["busy_fraction"] for s in per_replica) / len(per_replica)
         for key in ("policy_version", "policy_version_received"):
             merged[key] = min(s[key] for s in per_replica)
@@ -244,8 +291,10 @@ class Job:
         try:
             ray.get(self.learner.finish_checkpoints.remote(), timeout=CHECKPOINT_FINISH_TIMEOUT_S)
         except ray.exceptions.RayError as e:  # a dead learner; a timeout: orbax's temporary
-            say(f"the checkpoint in flight was not finished ({type(e).__name__}: "  # dir
-                f"{str(e)[:300]}); resuming uses the one before it")  # keeps the last valid
+            say(
+                f"the checkpoint in flight was not finished ({type(e).__name__}: "  # dir
+                f"{str(e)[:300]}); resuming uses the one before it"
+            )  # keeps the last valid
         else:
             if run is not None:
                 # A resume reads the checkpoints themselves; a state.json that cannot be
@@ -275,12 +324,18 @@ def fault_kwargs(rollout: RolloutConfig) -> dict[str, Any]:
         "max_group_retries": r.max_group_retries,
         "max_consecutive_failures": r.max_consecutive_failures,
         "engine_backoff": Backoff(
-            initial_delay_s=r.engine_retry_initial_delay_s, max_delay_s=r.engine_retry_max_delay_s,
-            multiplier=r.engine_retry_multiplier, jitter=r.engine_retry_jitter,
-            max_attempts=r.engine_retry_max_attempts),
+            initial_delay_s=r.engine_retry_initial_delay_s,
+            max_delay_s=r.engine_retry_max_delay_s,
+            multiplier=r.engine_retry_multiplier,
+            jitter=r.engine_retry_jitter,
+            max_attempts=r.engine_retry_max_attempts,
+        ),
         "retry_backoff": Backoff(
-            initial_delay_s=r.retry_initial_delay_s, max_delay_s=r.retry_max_delay_s,
-            multiplier=r.retry_multiplier, jitter=r.retry_jitter),
+            initial_delay_s=r.retry_initial_delay_s,
+            max_delay_s=r.retry_max_delay_s,
+            multiplier=r.retry_multiplier,
+            jitter=r.retry_jitter,
+        ),
     }
 
 

@@ -30,6 +30,7 @@ ENV_READY_TIMEOUT_S = 600.0
 
 # -- Ray and signals -------------------------------------------------------------------------
 
+
 def connect_ray() -> None:
     """Joins the cluster in ``RAY_ADDRESS``, or starts a local one (watched, so that a
     killed driver takes it down); nothing when Ray is already up. Then SIGTERM stops the
@@ -50,16 +51,21 @@ def connect_ray() -> None:
                     f"cannot join the Ray cluster at RAY_ADDRESS={address!r}: "
                     f"{type(e).__name__}: {_first_line(e)}. Check that the cluster is up "
                     "(`ray status`) and the address, or unset RAY_ADDRESS to run on a local "
-                    "cluster of this machine.") from e
+                    "cluster of this machine."
+                ) from e
         else:
             from raytunix.watchdog import start_watchdog
 
             # address="local": a new cluster, even where `ray start` left one running on
             # this machine (ray.init() alone would join it); RAY_ADDRESS joins one.
             try:
-                context = ray.init(address="local", include_dashboard=False,
-                                   object_store_memory=256 * 1024**2,
-                                   num_cpus=max(2, os.cpu_count() or 2), log_to_driver=True)
+                context = ray.init(
+                    address="local",
+                    include_dashboard=False,
+                    object_store_memory=256 * 1024**2,
+                    num_cpus=max(2, os.cpu_count() or 2),
+                    log_to_driver=True,
+                )
             except Exception as e:  # noqa: BLE001  (Ray raises bare Exception on a timeout)
                 ray.shutdown()  # the processes it did start
                 raise RunError(
@@ -67,7 +73,8 @@ def connect_ray() -> None:
                     f"{_first_line(e)}. On a heavily loaded machine its raylet can miss "
                     "Ray's 30 s start-up deadline: retry with RAY_raylet_start_wait_time_s=120 "
                     "in the environment; nothing was trained, so there is nothing to "
-                    "resume.") from e
+                    "resume."
+                ) from e
             # This process started the cluster: if it is killed (kill -9, OOM), the
             # cluster's processes go with it instead of outliving it for a minute.
             start_watchdog(context.address_info["session_dir"])
@@ -84,9 +91,12 @@ def compilation_cache_env(cfg: Config) -> dict[str, str]:
     directory = cfg.run.compilation_cache_dir
     if not directory:
         return {}
-    return {"JAX_COMPILATION_CACHE_DIR": os.path.abspath(os.path.expanduser(directory)),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS":
-                repr(float(cfg.run.compilation_cache_min_compile_s))}
+    return {
+        "JAX_COMPILATION_CACHE_DIR": os.path.abspath(os.path.expanduser(directory)),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": repr(
+            float(cfg.run.compilation_cache_min_compile_s)
+        ),
+    }
 
 
 def jit_actor_options(cfg: Config) -> dict[str, Any]:
@@ -111,15 +121,17 @@ def _check_reachable(address: str) -> None:
     if not host or not port.isdigit():
         return
     try:
-        socket.create_connection((host.strip("[]"), int(port)),
-                                 timeout=RAY_ADDRESS_TIMEOUT_S).close()
+        socket.create_connection(
+            (host.strip("[]"), int(port)), timeout=RAY_ADDRESS_TIMEOUT_S
+        ).close()
     except (OSError, OverflowError, ValueError) as e:
         raise RunError(
             f"cannot join the Ray cluster at RAY_ADDRESS={address!r}: nothing answered at "
             f"{host}:{port} within {RAY_ADDRESS_TIMEOUT_S:g} s ({type(e).__name__}: "
             f"{_first_line(e)}). Check that the cluster is up (`ray status` on its head) and "
             "the address, or unset RAY_ADDRESS to run on a local cluster of this "
-            "machine.") from None
+            "machine."
+        ) from None
 
 
 def _first_line(error: BaseException) -> str:
@@ -133,6 +145,7 @@ def _interrupt(signum, frame):
 
 
 # -- what the config names -------------------------------------------------------------------
+
 
 def env_class(cfg: Config) -> type:
     return plugins.resolve("env", cfg.env.name)
@@ -184,9 +197,15 @@ def model_config(cfg: Config, tokenizer: Tokenizer) -> ModelConfig:
     """
     m = cfg.model
     if not m.path:
-        return ModelConfig(vocab_size=tokenizer.vocab_size, d_model=m.d_model,
-                           n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
-                           d_ff=m.d_ff, max_seq_len=m.max_seq_len)
+        return ModelConfig(
+            vocab_size=tokenizer.vocab_size,
+            d_model=m.d_model,
+            n_layers=m.n_layers,
+            n_heads=m.n_heads,
+            n_kv_heads=m.n_kv_heads,
+            d_ff=m.d_ff,
+            max_seq_len=m.max_seq_len,
+        )
     from raytunix.models.hf import CheckpointError, read_model_config
 
     try:
@@ -194,13 +213,16 @@ def model_config(cfg: Config, tokenizer: Tokenizer) -> ModelConfig:
     except CheckpointError as e:
         raise RunError(f"model.path: {e}") from None
     if tokenizer.vocab_size > config.vocab_size:
-        raise RunError(f"model.path={m.path!r}: tokenizer.json has {tokenizer.vocab_size} ids but "
-                       f"the model's embedding only {config.vocab_size}; the folder's files do "
-                       "not belong together.")
+        raise RunError(
+            f"model.path={m.path!r}: tokenizer.json has {tokenizer.vocab_size} ids but "
+            f"the model's embedding only {config.vocab_size}; the folder's files do "
+            "not belong together."
+        )
     return config
 
 
 # -- actors before the learner ---------------------------------------------------------------
+
 
 def start_sandbox_pool(cfg: Config):
     """The run's sandbox actors, when its environment runs sandboxed tools (its class sets
@@ -223,14 +245,22 @@ def start_sandbox_pool(cfg: Config):
             f"the {cfg.sandbox.num_actors} sandbox actors were not placed within "
             f"{ENV_READY_TIMEOUT_S:.0f} s; does the cluster have sandbox.num_cpus_per_actor="
             f"{cfg.sandbox.num_cpus_per_actor} CPUs each"
-            + (f" and the resource sandbox.resource={cfg.sandbox.resource!r}" if cfg.sandbox.resource else "")
-            + "?") from None
+            + (
+                f" and the resource sandbox.resource={cfg.sandbox.resource!r}"
+                if cfg.sandbox.resource
+                else ""
+            )
+            + "?"
+        ) from None
     except ray.exceptions.RayActorError as e:
         pool.shutdown()
-        raise RunError(f"the sandbox actors could not start (sandbox.backend="
-                       f"{cfg.sandbox.backend!r}): {e}") from None
-    say(f"sandbox: {len(stats)} actors, backend {stats[0]['backend']}, isolation "
-        f"{stats[0]['isolation']}")
+        raise RunError(
+            f"the sandbox actors could not start (sandbox.backend={cfg.sandbox.backend!r}): {e}"
+        ) from None
+    say(
+        f"sandbox: {len(stats)} actors, backend {stats[0]['backend']}, isolation "
+        f"{stats[0]['isolation']}"
+    )
     return pool
 
 
@@ -240,9 +270,14 @@ def start_env_pool(cfg: Config) -> EnvPool:
     Raises:
       RunError: an environment cannot be built, or the actors are not placed in time.
     """
-    env_pool = EnvPool(cfg.env.name, dict(cfg.env.kwargs), cfg.env.num_env_actors,
-                       max_restarts=cfg.env.env_actor_max_restarts,
-                       resources=dict(cfg.env.actor_resources), import_paths=import_paths(cfg))
+    env_pool = EnvPool(
+        cfg.env.name,
+        dict(cfg.env.kwargs),
+        cfg.env.num_env_actors,
+        max_restarts=cfg.env.env_actor_max_restarts,
+        resources=dict(cfg.env.actor_resources),
+        import_paths=import_paths(cfg),
+    )
     try:
         run_preflight(preflight.check_env_actors, env_pool, ENV_READY_TIMEOUT_S)
     except BaseException:
@@ -262,6 +297,7 @@ def run_preflight(check, *args):
 
 # -- tasks, tokenizer, prompts -------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class Tasks:
     """The run's tasks: ``train`` (RL and the warm start's demonstrations), ``heldout``
@@ -275,7 +311,8 @@ class Tasks:
     dev: list
     source: str
     dropped: dict = dataclasses.field(
-        default_factory=lambda: {"overlong_prompt_train": 0, "overlong_prompt_heldout": 0})
+        default_factory=lambda: {"overlong_prompt_train": 0, "overlong_prompt_heldout": 0}
+    )
 
 
 def task_splits(cfg: Config, env_pool: EnvPool, dataset) -> Tasks:
@@ -293,34 +330,50 @@ def task_splits(cfg: Config, env_pool: EnvPool, dataset) -> Tasks:
     if dataset is not None:
         where = d.path if d.source != "reasoning_gym" else d.dataset
         if not dataset[1]:
-            raise RunError(f"data.source={d.source} {where}: no held-out task is left once "
-                           "those whose question is also in train are dropped; give another "
-                           "held-out split (data.heldout_path / data.heldout_split) or none, "
-                           "to hold out rows of the training split.")
+            raise RunError(
+                f"data.source={d.source} {where}: no held-out task is left once "
+                "those whose question is also in train are dropped; give another "
+                "held-out split (data.heldout_path / data.heldout_split) or none, "
+                "to hold out rows of the training split."
+            )
         return _tasks(cfg, dataset[0], dataset[1], f"{d.source} {where}")
     actor = env_pool.actors[0]
     try:
-        own = ray.get([actor.tasks.remote(split, size, d.seed)
-                       for split, size in (("train", d.train_size), ("heldout", d.heldout_size))])
+        own = ray.get(
+            [
+                actor.tasks.remote(split, size, d.seed)
+                for split, size in (("train", d.train_size), ("heldout", d.heldout_size))
+            ]
+        )
     except ray.exceptions.RayTaskError as e:
         cause = e.cause if isinstance(e.cause, BaseException) else e
-        raise RunError(f"environment {cfg.env.name!r} failed to make its tasks: "
-                       f"{type(cause).__name__}: {cause}") from None
+        raise RunError(
+            f"environment {cfg.env.name!r} failed to make its tasks: "
+            f"{type(cause).__name__}: {cause}"
+        ) from None
     if own[0] is not None:
         if own[1] is None:
-            raise RunError(f"environment {cfg.env.name!r} brings train tasks but none for "
-                           "'heldout'; its tasks() must answer both splits.")
+            raise RunError(
+                f"environment {cfg.env.name!r} brings train tasks but none for "
+                "'heldout'; its tasks() must answer both splits."
+            )
         return _tasks(cfg, own[0], own[1], "the environment's own")
     if d.source == "env":
-        raise RunError(f"data.source=env but environment {cfg.env.name!r} brings no tasks "
-                       "(its tasks() returns None); set data.source to a dataset.")
+        raise RunError(
+            f"data.source=env but environment {cfg.env.name!r} brings no tasks "
+            "(its tasks() returns None); set data.source to a dataset."
+        )
     train, heldout = generator_splits(d)
     return _tasks(cfg, train, heldout, f"reasoning-gym {d.dataset}")
 
 
 def _tasks(cfg: Config, train, heldout, source: str) -> Tasks:
-    return Tasks(train=train, heldout=heldout[: cfg.eval.heldout_size],
-                 dev=train[-cfg.warmup.eval_size:], source=source)
+    return Tasks(
+        train=train,
+        heldout=heldout[: cfg.eval.heldout_size],
+        dev=train[-cfg.warmup.eval_size :],
+        source=source,
+    )
 
 
 def run_tokenizer(cfg: Config, run: RunDir, train_tasks) -> Tokenizer:
@@ -337,11 +390,15 @@ def run_tokenizer(cfg: Config, run: RunDir, train_tasks) -> Tokenizer:
     if os.path.exists(run.tokenizer):
         return Tokenizer.load(run.tokenizer)
     if run.has_rl_checkpoint() or os.path.isdir(run.warmup):
-        raise RunError(f"{run.tokenizer} is missing but the run has checkpoints made with it; "
-                       "restore the file or start a new run.")
+        raise RunError(
+            f"{run.tokenizer} is missing but the run has checkpoints made with it; "
+            "restore the file or start a new run."
+        )
     from raytunix.data.demonstrations import tokenizer_corpus
 
-    tokenizer = Tokenizer.train(tokenizer_corpus(train_tasks[:3000]), cfg.model.tokenizer_vocab_size)
+    tokenizer = Tokenizer.train(
+        tokenizer_corpus(train_tasks[:3000]), cfg.model.tokenizer_vocab_size
+    )
     tokenizer.save(run.tokenizer)
     return tokenizer
 
@@ -358,9 +415,12 @@ def _folder_tokenizer(cfg: Config) -> Tokenizer:
         if "chat_template" not in cfg.env.agent_kwargs:
             chat_template_from_folder(path)
     except (OSError, ValueError) as e:  # ChatTemplateError is a ValueError
-        hint = (" Set env.agent_kwargs.chat_template to a built-in template whose tokens "
-                "the model's tokenizer has (chatml, llama3, gemma)."
-                if isinstance(e, ChatTemplateError) else "")
+        hint = (
+            " Set env.agent_kwargs.chat_template to a built-in template whose tokens "
+            "the model's tokenizer has (chatml, llama3, gemma)."
+            if isinstance(e, ChatTemplateError)
+            else ""
+        )
         raise RunError(f"model.path={path!r}: {e}{hint}") from None
     return tokenizer
 
@@ -381,41 +441,65 @@ def check_prompts(cfg: Config, env_pool: EnvPool, tasks: Tasks, tokenizer: Token
     """
     limit = cfg.model.max_seq_len
     samples = preflight.sample_tasks(tasks.train, 24) + preflight.sample_tasks(tasks.heldout, 8)
-    check = run_preflight(preflight.check_prompt_lengths, env_pool,
-                          [*tasks.train, *tasks.heldout], samples,
-                          lambda: new_agent(cfg, tokenizer), tokenizer, limit)
+    check = run_preflight(
+        preflight.check_prompt_lengths,
+        env_pool,
+        [*tasks.train, *tasks.heldout],
+        samples,
+        lambda: new_agent(cfg, tokenizer),
+        tokenizer,
+        limit,
+    )
     sizes = check.sample_tokens
-    say(f"env {cfg.env.name!r} ready on {cfg.env.num_env_actors} actors; tasks: {tasks.source} "
+    say(
+        f"env {cfg.env.name!r} ready on {cfg.env.num_env_actors} actors; tasks: {tasks.source} "
         f"({len(tasks.train)} train, {len(tasks.heldout)} held out); "
         f"prompts {sizes[0]}-{sizes[-1]} tokens on {len(sizes)} samples (context {limit}); "
         f"all {len(tasks.train) + len(tasks.heldout)} length-checked, "
         f"{check.measured_exactly} through the environment"
-        + (" (the rest by question tokens)" if check.bound_applies else
-           " (its first observation does not hold the task's question, so no bound applies)"))
+        + (
+            " (the rest by question tokens)"
+            if check.bound_applies
+            else " (its first observation does not hold the task's question, so no bound applies)"
+        )
+    )
     if not check.too_long:
         return tasks
     too_long = {id(t) for t, _ in check.too_long}
     train = [t for t in tasks.train if id(t) not in too_long]
     heldout = [t for t in tasks.heldout if id(t) not in too_long]
-    dropped = {"overlong_prompt_train": len(tasks.train) - len(train),
-               "overlong_prompt_heldout": len(tasks.heldout) - len(heldout)}
+    dropped = {
+        "overlong_prompt_train": len(tasks.train) - len(train),
+        "overlong_prompt_heldout": len(tasks.heldout) - len(heldout),
+    }
     if cfg.data.overlong_prompts == "drop" and train and heldout:
-        say(f"data.overlong_prompts=drop: left out {dropped['overlong_prompt_train']} train "
+        say(
+            f"data.overlong_prompts=drop: left out {dropped['overlong_prompt_train']} train "
             f"and {dropped['overlong_prompt_heldout']} held-out tasks whose first prompt leaves "
             f"no room for a reply in model.max_seq_len={limit} tokens "
-            f"({_named(check.too_long)})")
-        return dataclasses.replace(tasks, train=train, heldout=heldout,
-                                   dev=train[-cfg.warmup.eval_size:],
-                                   dropped={**tasks.dropped, **dropped})
+            f"({_named(check.too_long)})"
+        )
+        return dataclasses.replace(
+            tasks,
+            train=train,
+            heldout=heldout,
+            dev=train[-cfg.warmup.eval_size :],
+            dropped={**tasks.dropped, **dropped},
+        )
     worst = max(n for _, n in check.too_long)
     emptied = [name for name, kept in (("train", train), ("held-out", heldout)) if not kept]
-    hint = (f"The model's tokenizer has {tokenizer.vocab_size} ids." if cfg.model.path else
-            f"The run's tokenizer has {tokenizer.vocab_size} ids; a small vocabulary spends "
-            "about a token per byte, so a larger model.tokenizer_vocab_size (the tokenizer "
-            "is trained on the run's tasks) makes prompts shorter.")
-    fix = (f"every {' and '.join(emptied)} task would be dropped, so the run cannot train. "
-           if cfg.data.overlong_prompts == "drop" else
-           "Or set data.overlong_prompts=drop to leave them out (counted in summary.json). ")
+    hint = (
+        f"The model's tokenizer has {tokenizer.vocab_size} ids."
+        if cfg.model.path
+        else f"The run's tokenizer has {tokenizer.vocab_size} ids; a small vocabulary spends "
+        "about a token per byte, so a larger model.tokenizer_vocab_size (the tokenizer "
+        "is trained on the run's tasks) makes prompts shorter."
+    )
+    fix = (
+        f"every {' and '.join(emptied)} task would be dropped, so the run cannot train. "
+        if cfg.data.overlong_prompts == "drop"
+        else "Or set data.overlong_prompts=drop to leave them out (counted in summary.json). "
+    )
     raise RunError(
         f"{dropped['overlong_prompt_train']} of {len(tasks.train)} train and "
         f"{dropped['overlong_prompt_heldout']} of {len(tasks.heldout)} held-out tasks have a "
@@ -423,16 +507,19 @@ def check_prompts(cfg: Config, env_pool: EnvPool, tasks: Tasks, tokenizer: Token
         f"{_named(check.too_long)}; the longest has {worst} tokens (sampled prompts are "
         f"{sizes[0]}-{sizes[-1]}). Raise model.max_seq_len above {worst} plus the reply "
         "length (rollout.max_new_tokens), or shorten those prompts (the task text, the "
-        f"environment's first observation, the system prompt). {fix}{hint}")
+        f"environment's first observation, the system prompt). {fix}{hint}"
+    )
 
 
 def _named(too_long, shown: int = 8) -> str:
     """``task 'train-000137' (row 137, 10013 tokens), ...`` for the first ``shown`` of
     ``(task, prompt tokens)``; the row is a dataset file's (``metadata["row"]``)."""
+
     def one(task, n):
         row = task.metadata.get("row") if isinstance(task.metadata, dict) else None
         where = f"row {row}, " if row is not None else ""
         return f"task {task.task_id!r} ({where}{n} tokens)"
+
     names = ", ".join(one(t, n) for t, n in too_long[:shown])
     return names + (f", and {len(too_long) - shown} more" if len(too_long) > shown else "")
 
@@ -457,8 +544,11 @@ def demonstration_arrays(cfg: Config, tasks, tokenizer: Tokenizer) -> tuple[np.n
     from raytunix.data.demonstrations import sample_demonstrations
 
     rng = random.Random(cfg.run.seed)
-    probs = ({2: cfg.warmup.tool_use_prob_2_terms, 3: cfg.warmup.tool_use_prob_3_terms}
-             if uses_tools(cfg) else {n: 0.0 for n in range(1, 10)})
+    probs = (
+        {2: cfg.warmup.tool_use_prob_2_terms, 3: cfg.warmup.tool_use_prob_3_terms}
+        if uses_tools(cfg)
+        else {n: 0.0 for n in range(1, 10)}
+    )
     demos = sample_demonstrations(tasks, rng, probs)
     agent = new_agent(cfg, tokenizer)
     rows = [agent.render_demonstration(task, messages) for task, messages in zip(tasks, demos)]
@@ -467,7 +557,8 @@ def demonstration_arrays(cfg: Config, tasks, tokenizer: Tokenizer) -> tuple[np.n
     if not fitting:
         raise RunError(
             f"model.max_seq_len={limit} is shorter than every warm-start demonstration "
-            f"(shortest: {min(len(r[0]) for r in rows)} tokens); raise model.max_seq_len.")
+            f"(shortest: {min(len(r[0]) for r in rows)} tokens); raise model.max_seq_len."
+        )
     rows = fitting
     width = max(len(r[0]) for r in rows)
     width = -(-width // 16) * 16

@@ -62,7 +62,9 @@ class RunDir:
         self.warmup = os.path.join(self.path, "warmup")  # the warm start's progress
         self.checkpoints = os.path.join(self.path, "checkpoints")
         self.reference = os.path.join(self.path, "reference")  # KL reference policy, if any
-        self.export = os.path.join(self.path, "export")  # the trained policy in HF layout (model.path runs)
+        self.export = os.path.join(
+            self.path, "export"
+        )  # the trained policy in HF layout (model.path runs)
         self.summary = os.path.join(self.path, "summary.json")
         self.state = os.path.join(self.path, "state.json")
         self.env_errors = os.path.join(self.path, "env_errors.jsonl")
@@ -89,7 +91,8 @@ class RunDir:
             raise RunError(
                 f"{self.path} is being run by {holder}; two drivers would overwrite each "
                 "other's checkpoints. Wait for that run to end or stop it (Ctrl-C), then "
-                "--resume.") from None
+                "--resume."
+            ) from None
         os.ftruncate(fd, 0)
         os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
         self._lock_fd = fd
@@ -137,14 +140,17 @@ class RunDir:
         ``env_errors/<kind>``, the summary's ``env_errors_by_kind``)."""
         if not reports:
             return
-        append_jsonl(self.env_errors, [json.dumps(dict(r, time=time.time())) + "\n"
-                                       for r in reports])
+        append_jsonl(
+            self.env_errors, [json.dumps(dict(r, time=time.time())) + "\n" for r in reports]
+        )
         for r in reports:
             trace = "".join(f"    {line}\n" for line in r.get("traceback", "").splitlines())
-            say(f"env error {r['kind']} (first of its kind; the episode ends as env_error, "
+            say(
+                f"env error {r['kind']} (first of its kind; the episode ends as env_error, "
                 f"the run goes on, later ones are counted; kept in {self.env_errors}):\n"
                 f"  env {r['env_class']}, task {r['task_id']!r}, at {r['location']}\n"
-                f"  {r['message']}\n{trace}".rstrip())
+                f"  {r['message']}\n{trace}".rstrip()
+            )
 
     def read_state(self) -> dict[str, Any]:
         """state.json: ``{"checkpoint_step", "data_position"}`` of the newest committed RL
@@ -183,7 +189,8 @@ class RunDir:
         if "checkpoint_step" in self.read_state():
             return True
         return os.path.isdir(self.checkpoints) and any(
-            name.isdigit() for name in os.listdir(self.checkpoints))
+            name.isdigit() for name in os.listdir(self.checkpoints)
+        )
 
 
 def new_run_dir(cfg: Config) -> RunDir:
@@ -197,7 +204,8 @@ def new_run_dir(cfg: Config) -> RunDir:
     except OSError as e:
         raise ConfigError(
             f"run.output_dir={cfg.run.output_dir!r} cannot be created ({e.strerror}); pass a "
-            "writable directory.") from None
+            "writable directory."
+        ) from None
     stamp = time.strftime("%Y%m%d-%H%M%S")
     path = os.path.join(cfg.run.output_dir, f"{cfg.run.name}-{stamp}")
     suffix = 1
@@ -211,8 +219,9 @@ def new_run_dir(cfg: Config) -> RunDir:
 RESUME_OVERRIDABLE = resumable_keys()
 
 
-def load_run_config(run_dir: str, overrides: Sequence[str] = (),
-                    schema: type[Config] = Config) -> Config:
+def load_run_config(
+    run_dir: str, overrides: Sequence[str] = (), schema: type[Config] = Config
+) -> Config:
     """The config a run was started with (``RUN_DIR/config.yaml``), plus ``overrides``
     (``schema``: the config class, ``Config`` unless a test adds sections).
 
@@ -226,12 +235,15 @@ def load_run_config(run_dir: str, overrides: Sequence[str] = (),
     if not os.path.exists(path):
         raise FileNotFoundError(
             f"{run_dir!r} has no config.yaml, so it is not a raytunix run directory; pass the "
-            "directory `raytunix train` printed at start (under runs/).")
+            "directory `raytunix train` printed at start (under runs/)."
+        )
     with open(path) as f:
         try:
             tree = load_yaml(f.read())
         except yaml.YAMLError as e:
-            raise ConfigError(f"{path} is not valid YAML ({e}); restore it from a copy or start a new run.") from None
+            raise ConfigError(
+                f"{path} is not valid YAML ({e}); restore it from a copy or start a new run."
+            ) from None
     if not isinstance(tree, dict):
         raise ConfigError(f"{path} does not hold a config mapping; restore it or start a new run.")
     cfg = config_from_dict(tree, schema)
@@ -241,7 +253,8 @@ def load_run_config(run_dir: str, overrides: Sequence[str] = (),
         if key not in resumable:
             raise ConfigError(
                 f"{key} cannot change when resuming (the checkpoint depends on it); "
-                f"keys a resume may change: {', '.join(sorted(resumable))}.")
+                f"keys a resume may change: {', '.join(sorted(resumable))}."
+            )
     return validate(cfg)
 
 
@@ -255,8 +268,11 @@ def removed_if_left_empty(run: RunDir, new: bool):
         yield
     except BaseException:
         leftovers = set(os.listdir(run.path)) if os.path.isdir(run.path) else set()
-        if new and leftovers <= {os.path.basename(run.config), os.path.basename(run.tokenizer),
-                                 os.path.basename(run.lock_file)}:
+        if new and leftovers <= {
+            os.path.basename(run.config),
+            os.path.basename(run.tokenizer),
+            os.path.basename(run.lock_file),
+        }:
             shutil.rmtree(run.path, ignore_errors=True)
             say(f"run directory {run.path} removed: the run stopped before it trained")
         raise

@@ -55,8 +55,10 @@ class RLStart:
 
 # -- start or restore ------------------------------------------------------------------------
 
-def open_run(cfg: Config | None, resume: str | None, overrides: Sequence[str] = ()
-             ) -> tuple[Config, RunDir, Any]:
+
+def open_run(
+    cfg: Config | None, resume: str | None, overrides: Sequence[str] = ()
+) -> tuple[Config, RunDir, Any]:
     """The run's config, directory and dataset, before Ray starts (so a config that cannot
     run fails fast and leaves no directory).
 
@@ -127,7 +129,8 @@ def check_steps_left(checkpoint_step: int, cfg: Config) -> None:
         raise RunError(
             f"the run's checkpoint is at RL step {checkpoint_step} and learner.rl_steps="
             f"{cfg.learner.rl_steps}: nothing left to train; resume with learner.rl_steps "
-            f"greater than {checkpoint_step}.")
+            f"greater than {checkpoint_step}."
+        )
 
 
 @contextlib.contextmanager
@@ -138,8 +141,12 @@ def profiled(cfg: Config, job: Job, run: RunDir) -> Iterator[Any]:
     from raytunix.profiling.collect import Collector
     from raytunix.profiling.sinks import MetricSinks
 
-    collector = Collector(run.path, job.profiled_actors, cfg.engine.max_batch_size,
-                          min_window_s=cfg.run.profile_window_s)
+    collector = Collector(
+        run.path,
+        job.profiled_actors,
+        cfg.engine.max_batch_size,
+        min_window_s=cfg.run.profile_window_s,
+    )
     run.sinks = MetricSinks(run.path, cfg.learner.rl_steps, log_every=cfg.run.log_every)
     try:
         yield collector
@@ -149,6 +156,7 @@ def profiled(cfg: Config, job: Job, run: RunDir) -> Iterator[Any]:
 
 
 # -- warm start ------------------------------------------------------------------------------
+
 
 def warm_start(cfg: Config, job: Job, run: RunDir, tasks: Tasks, collector) -> dict[str, Any]:
     """Supervised steps on demonstrations, ``warmup.eval_every`` at a time, until the dev
@@ -166,14 +174,18 @@ def warm_start(cfg: Config, job: Job, run: RunDir, tasks: Tasks, collector) -> d
     w = cfg.warmup
     if not prepare.warm_start_applies(cfg, tasks):
         if w.enabled:
-            say(f"warm start: skipped; its demonstrations are arithmetic and the tasks "
-                f"({tasks.source}) are not")
+            say(
+                f"warm start: skipped; its demonstrations are arithmetic and the tasks "
+                f"({tasks.source}) are not"
+            )
         return {}
     tokens, mask = prepare.demonstration_arrays(
-        cfg, job.train_tasks[: max(4000, w.batch_size)], job.tokenizer)
+        cfg, job.train_tasks[: max(4000, w.batch_size)], job.tokenizer
+    )
     job.learner_get(job.learner.set_demonstrations.remote(tokens, mask), "set_demonstrations")
-    job.learner_get(job.learner.start_warmup.remote(SFTHyperparams.from_config(cfg)),
-                    "start_warmup", slow=True)
+    job.learner_get(
+        job.learner.start_warmup.remote(SFTHyperparams.from_config(cfg)), "start_warmup", slow=True
+    )
     progress = restore_warm_start(job, run) or {"warmup_steps": 0, "warmup_s": 0.0, "done": False}
     steps = progress["warmup_steps"]
     if progress["done"]:
@@ -181,33 +193,45 @@ def warm_start(cfg: Config, job: Job, run: RunDir, tasks: Tasks, collector) -> d
     done = steps >= w.max_steps
     uses_tools = prepare.uses_tools(cfg)
     measure = "tool-path accuracy" if uses_tools else "success"
-    say(f"warm start: {len(tokens)} demonstrations of <= {tokens.shape[1]} tokens, "
-        f"up to {w.max_steps} steps (stop at dev {measure} >= {w.target_tool_accuracy:.0%})")
+    say(
+        f"warm start: {len(tokens)} demonstrations of <= {tokens.shape[1]} tokens, "
+        f"up to {w.max_steps} steps (stop at dev {measure} >= {w.target_tool_accuracy:.0%})"
+    )
     t0 = time.monotonic() - progress["warmup_s"]
     while not done:
         n = min(w.eval_every, w.max_steps - steps)
         with profiling.span("sft_steps", "driver", {"steps": n}):
-            metrics = job.learner_get(job.learner.sft_steps.remote(n, w.batch_size),
-                                      "sft_steps", slow=True)
+            metrics = job.learner_get(
+                job.learner.sft_steps.remote(n, w.batch_size), "sft_steps", slow=True
+            )
         steps += n
-        check_nonfinite_warmup(metrics, cfg.learner.max_consecutive_nonfinite_updates, steps,
-                               run)
+        check_nonfinite_warmup(metrics, cfg.learner.max_consecutive_nonfinite_updates, steps, run)
         job.publish_weights()
         with profiling.span("eval", "driver", {"tasks": len(tasks.dev)}):
             dev = job.evaluate(tasks.dev)
         score = dev["tool_path_accuracy"] if uses_tools else dev["success_rate"]
         done = steps >= w.max_steps or (steps >= w.min_steps and score >= w.target_tool_accuracy)
-        job.learner_get(job.learner.save_warmup.remote(run.warmup, steps, {
-            "warmup_steps": steps, "warmup_s": time.monotonic() - t0, "done": done}),
-            "save_warmup", slow=True)
+        job.learner_get(
+            job.learner.save_warmup.remote(
+                run.warmup,
+                steps,
+                {"warmup_steps": steps, "warmup_s": time.monotonic() - t0, "done": done},
+            ),
+            "save_warmup",
+            slow=True,
+        )
         collector.drain("warmup", steps)
-        run.log({"phase": "warmup", "step": steps, **metrics,
-                 **{f"dev_{k}": v for k, v in dev.items()}})
-        say(f"warm start step {steps}: loss {metrics['loss']:.3f}  dev success "
+        run.log(
+            {"phase": "warmup", "step": steps, **metrics, **{f"dev_{k}": v for k, v in dev.items()}}
+        )
+        say(
+            f"warm start step {steps}: loss {metrics['loss']:.3f}  dev success "
             f"{dev['success_rate']:.1%}  tool use {dev['tool_use_rate']:.1%}  tool-path accuracy "
-            f"{dev['tool_path_accuracy']:.1%}  ({time.monotonic() - t0:.0f} s)")
-    job.learner_get(job.learner.finish_checkpoints.remote(), "finish_checkpoints",
-                    slow=True)  # committed before RL's checkpoint 0
+            f"{dev['tool_path_accuracy']:.1%}  ({time.monotonic() - t0:.0f} s)"
+        )
+    job.learner_get(
+        job.learner.finish_checkpoints.remote(), "finish_checkpoints", slow=True
+    )  # committed before RL's checkpoint 0
     return {"warmup_steps": steps, "warmup_s": time.monotonic() - t0}
 
 
@@ -218,19 +242,23 @@ def restore_warm_start(job: Job, run: RunDir) -> dict[str, Any] | None:
     warm-start check)."""
     if not os.path.isdir(run.warmup):
         return None
-    progress = job.learner_get(job.learner.restore_warmup.remote(run.warmup), "restore_warmup",
-                               slow=True)
+    progress = job.learner_get(
+        job.learner.restore_warmup.remote(run.warmup), "restore_warmup", slow=True
+    )
     if progress is None:
         return None
     job.publish_weights()
     steps = int(progress["warmup_steps"])
-    say(f"warm start resumed after step {steps}"
-        + (" (it was done; on to the evaluation before RL)" if progress["done"] else ""))
+    say(
+        f"warm start resumed after step {steps}"
+        + (" (it was done; on to the evaluation before RL)" if progress["done"] else "")
+    )
     run.log({"phase": "warmup_resume", "step": steps, "done": bool(progress["done"])})
     return progress
 
 
 # -- evaluate --------------------------------------------------------------------------------
+
 
 def evaluate(job: Job, run: RunDir, heldout, collector, when: str, step: int) -> dict[str, Any]:
     """Greedy episodes on the held-out tasks, logged as ``{"phase": "eval", "when": when}``
@@ -246,9 +274,11 @@ def evaluate(job: Job, run: RunDir, heldout, collector, when: str, step: int) ->
     run.record_env_errors(result.pop("env_error_reports", ()))
     collector.drain("eval", step)
     run.log({"phase": "eval", "when": when, **result})
-    say(f"held-out {when.replace('_rl', ' RL')}: success {result['success_rate']:.1%}"
+    say(
+        f"held-out {when.replace('_rl', ' RL')}: success {result['success_rate']:.1%}"
         f"{unfinished_episodes(result)}, mean reward {result['reward_mean']:.3f} (tool use "
-        f"{result['tool_use_rate']:.1%}) on {result['num_tasks']} tasks")
+        f"{result['tool_use_rate']:.1%}) on {result['num_tasks']} tasks"
+    )
     return result
 
 
@@ -269,16 +299,20 @@ def unfinished_episodes(result: dict[str, Any]) -> str:
 
 # -- into RL: fresh or restored ------------------------------------------------------------
 
-def begin_rl(cfg: Config, job: Job, run: RunDir, before: dict[str, Any],
-             warm: dict[str, Any]) -> RLStart:
+
+def begin_rl(
+    cfg: Config, job: Job, run: RunDir, before: dict[str, Any], warm: dict[str, Any]
+) -> RLStart:
     """A fresh RL optimizer on the current weights, the KL reference policy saved (with
     ``learner.kl_coef`` > 0), and checkpoint 0 committed: a run that fails in RL step 1
     can resume. The warm start's checkpoint (``RUN_DIR/warmup``) goes then."""
-    job.learner_get(job.learner.start_rl.remote(RLHyperparams.from_config(cfg)), "start_rl",
-                    slow=True)
+    job.learner_get(
+        job.learner.start_rl.remote(RLHyperparams.from_config(cfg)), "start_rl", slow=True
+    )
     if cfg.learner.kl_coef > 0:
-        job.learner_get(job.learner.save_reference.remote(run.reference), "save_reference",
-                        slow=True)
+        job.learner_get(
+            job.learner.save_reference.remote(run.reference), "save_reference", slow=True
+        )
     checkpoint(job, run, cfg, before, warm)
     finish_checkpoints(job, run)
     # Never read again once RL has a checkpoint; with a model.path model its SFT state
@@ -294,14 +328,22 @@ def restore_rl(cfg: Config, job: Job, run: RunDir) -> RLStart:
     Raises:
       RunError: no checkpoint restores, or it already holds ``learner.rl_steps`` steps.
     """
-    job.learner_get(job.learner.start_rl.remote(RLHyperparams.from_config(cfg)), "start_rl",
-                    slow=True)
+    job.learner_get(
+        job.learner.start_rl.remote(RLHyperparams.from_config(cfg)), "start_rl", slow=True
+    )
     since = time.time()
     try:
-        extras = job.learner_get(job.learner.restore.remote(
-            run.checkpoints, cfg.learner.max_checkpoints,
-            run.reference if cfg.learner.kl_coef > 0 else None,
-            cfg.learner.keep_best_by, cfg.learner.keep_best_mode), "restore", slow=True)
+        extras = job.learner_get(
+            job.learner.restore.remote(
+                run.checkpoints,
+                cfg.learner.max_checkpoints,
+                run.reference if cfg.learner.kl_coef > 0 else None,
+                cfg.learner.keep_best_by,
+                cfg.learner.keep_best_mode,
+            ),
+            "restore",
+            slow=True,
+        )
     except ray.exceptions.RayTaskError as e:
         cause = e.cause if isinstance(e.cause, Exception) else e
         raise RunError(f"cannot resume {run.path}: {cause}") from None
@@ -312,16 +354,23 @@ def restore_rl(cfg: Config, job: Job, run: RunDir) -> RLStart:
     job.start_orchestrator(extras["orchestrator"], version)
     step = int(extras["rl_step"])
     check_steps_left(step, cfg)  # state.json may lag the newest checkpoint
-    say(f"resumed at RL step {step}, policy version {version}, data position "
-        f"{extras['orchestrator']['next_index']}")
+    say(
+        f"resumed at RL step {step}, policy version {version}, data position "
+        f"{extras['orchestrator']['next_index']}"
+    )
     # Steps past the checkpoint that a crashed run logged are trained again: from here on,
     # a step's record replaces any earlier one of the same step.
     run.log({"phase": "resume", "rl_step": step, "policy_version": version})
-    return RLStart(step=step, policy_version=version, before=extras["heldout_before"],
-                   warm=extras.get("warm_start", {}))
+    return RLStart(
+        step=step,
+        policy_version=version,
+        before=extras["heldout_before"],
+        warm=extras.get("warm_start", {}),
+    )
 
 
 # -- the RL loop -------------------------------------------------------------------------
+
 
 def rl_loop(cfg: Config, job: Job, run: RunDir, start: RLStart, collector) -> float:
     """The RL steps (``rl_steps``); when a host of a multi-host learner dies in them, the
@@ -353,9 +402,11 @@ def recover_learner(cfg: Config, job: Job, run: RunDir, error: Exception) -> RLS
     try:
         ray.get(job.learner.rebuild.remote())  # the group's own deadlines bound it
     except (LearnerHostFailure, LearnerStateDivergence, TimeoutError) as e:
-        raise RunError(f"the learner group could not be rebuilt: {e} Checkpoints up to the "
-                       f"last one are in {run.checkpoints}; use --resume once the cause is "
-                       "fixed.") from None
+        raise RunError(
+            f"the learner group could not be rebuilt: {e} Checkpoints up to the "
+            f"last one are in {run.checkpoints}; use --resume once the cause is "
+            "fixed."
+        ) from None
     job.restart_engines()  # they hold newer weights than the checkpoint's
     return restore_rl(cfg, job, run)
 
@@ -400,20 +451,27 @@ def rl_steps(cfg: Config, job: Job, run: RunDir, start: RLStart, collector) -> f
             run.record_env_errors(info.pop("env_error_reports", ()))
             prepare.run_preflight(preflight.check_batch, info, step)  # nothing to learn from
             with profiling.span("train_step", "driver", {"step": step}):
-                metrics = job.learner_get(job.learner.train_step.remote(refs), "train_step",
-                                          slow=step == start.step + 1)  # compiles
+                metrics = job.learner_get(
+                    job.learner.train_step.remote(refs), "train_step", slow=step == start.step + 1
+                )  # compiles
             with profiling.span("weight_publish", "driver"):
                 job.publish_weights()
             version = int(metrics["policy_version"])
             ray.get(job.orchestrator.mark_trained.remote(info["batch_id"], version))
-            record = {"phase": "rl", "step": step, **metrics,
-                      **{k: v for k, v in info.items() if k != "statuses"},
-                      "statuses": info["statuses"], "env_actors": job.env_pool.size,
-                      "time": time.time()}
+            record = {
+                "phase": "rl",
+                "step": step,
+                **metrics,
+                **{k: v for k, v in info.items() if k != "statuses"},
+                "statuses": info["statuses"],
+                "env_actors": job.env_pool.size,
+                "time": time.time(),
+            }
             waiting.append(record)
             watch_learning_signal(watch, run, step, record)
-            check_nonfinite_update(metrics, cfg.learner.max_consecutive_nonfinite_updates,
-                                   step, run)
+            check_nonfinite_update(
+                metrics, cfg.learner.max_consecutive_nonfinite_updates, step, run
+            )
             saving = step % cfg.learner.checkpoint_every == 0 or step == cfg.learner.rl_steps
             # The first step's window (compiling) stays its own, and no checkpoint is
             # taken of a step whose record is not written yet.
@@ -438,8 +496,9 @@ def rl_steps(cfg: Config, job: Job, run: RunDir, start: RLStart, collector) -> f
     return time.monotonic() - t0
 
 
-def watch_learning_signal(watch: SignalWatch, run: RunDir, step: int,
-                          record: dict[str, Any]) -> None:
+def watch_learning_signal(
+    watch: SignalWatch, run: RunDir, step: int, record: dict[str, Any]
+) -> None:
     """After RL step ``step``: when ``watch`` (``raytunix.profiling.learning``) sees the
     learning signal go (``run.no_signal_steps`` steps in a row without) or come back, says
     so in one line and logs its ``{"phase": "learning_signal"}`` record to metrics.jsonl
@@ -453,12 +512,14 @@ def watch_learning_signal(watch: SignalWatch, run: RunDir, step: int,
 
 CLOSING_DRAIN_TIMEOUT_S = 5.0  # the drain of a window closed by an error or interrupt
 
-_NONFINITE_PARTS = {"nonfinite_loss": "the loss", "nonfinite_gradients": "the gradients",
-                    "nonfinite_new_state": "the new parameters or optimizer state"}
+_NONFINITE_PARTS = {
+    "nonfinite_loss": "the loss",
+    "nonfinite_gradients": "the gradients",
+    "nonfinite_new_state": "the new parameters or optimizer state",
+}
 
 
-def check_nonfinite_update(metrics: dict[str, float], limit: int, step: int,
-                           run: RunDir) -> None:
+def check_nonfinite_update(metrics: dict[str, float], limit: int, step: int, run: RunDir) -> None:
     """After RL step ``step``'s update: says so when it was not applied because something
     was not finite (``make_policy_update``'s ``update_nonfinite``), and stops the run when
     ``limit`` (``learner.max_consecutive_nonfinite_updates``; 0 = never) such updates came
@@ -473,10 +534,12 @@ def check_nonfinite_update(metrics: dict[str, float], limit: int, step: int,
     parts = [name for key, name in _NONFINITE_PARTS.items() if metrics.get(key)] or ["it"]
     parts = ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]
     in_a_row = int(metrics.get("nonfinite_updates_in_a_row", 1))
-    what = (f"RL step {step}: the update was not applied: {parts} "
-            f"{'was' if ' and ' not in parts else 'were'} not finite (loss "
-            f"{metrics.get('loss')}, grad_norm {metrics.get('grad_norm')}); the policy stays "
-            f"at version {int(metrics.get('policy_version', 0))}")
+    what = (
+        f"RL step {step}: the update was not applied: {parts} "
+        f"{'was' if ' and ' not in parts else 'were'} not finite (loss "
+        f"{metrics.get('loss')}, grad_norm {metrics.get('grad_norm')}); the policy stays "
+        f"at version {int(metrics.get('policy_version', 0))}"
+    )
     if limit and in_a_row >= limit:
         raise RunError(
             f"{in_a_row} updates in a row were not applied because they were not finite "
@@ -484,13 +547,15 @@ def check_nonfinite_update(metrics: dict[str, float], limit: int, step: int,
             f"the last one are in {run.checkpoints}. Lower learner.learning_rate (and keep "
             "learner.max_grad_norm > 0, gradient clipping), check that the engine's logprobs "
             "and the environment's rewards are finite, then --resume; or raise "
-            "learner.max_consecutive_nonfinite_updates (0 = never stop) to skip more.")
-    say(f"{what} ({in_a_row} in a row; the run stops at "
-        f"learner.max_consecutive_nonfinite_updates={limit or 'off'}).")
+            "learner.max_consecutive_nonfinite_updates (0 = never stop) to skip more."
+        )
+    say(
+        f"{what} ({in_a_row} in a row; the run stops at "
+        f"learner.max_consecutive_nonfinite_updates={limit or 'off'})."
+    )
 
 
-def check_nonfinite_warmup(metrics: dict[str, float], limit: int, steps: int,
-                           run: RunDir) -> None:
+def check_nonfinite_warmup(metrics: dict[str, float], limit: int, steps: int, run: RunDir) -> None:
     """After a chunk of warm-start steps ending at step ``steps``: says how many were not
     applied because the loss, the gradients or the new parameters were not finite
     (``make_sft_update``'s ``update_nonfinite``), and stops the run when the last ``limit``
@@ -503,19 +568,23 @@ def check_nonfinite_warmup(metrics: dict[str, float], limit: int, steps: int,
     if not skipped:
         return
     in_a_row = int(metrics.get("nonfinite_updates_in_a_row", 0))
-    what = (f"warm start: {skipped} step(s) up to step {steps} were not applied: the loss, "
-            f"the gradients or the new parameters were not finite (mean loss "
-            f"{metrics.get('loss')}); the parameters stay those of the last finite step")
+    what = (
+        f"warm start: {skipped} step(s) up to step {steps} were not applied: the loss, "
+        f"the gradients or the new parameters were not finite (mean loss "
+        f"{metrics.get('loss')}); the parameters stay those of the last finite step"
+    )
     if limit and in_a_row >= limit:
         raise RunError(
             f"{what}, and the last {in_a_row} in a row were such "
             f"(learner.max_consecutive_nonfinite_updates={limit}). Lower "
-            "warmup.learning_rate, then start the run again.")
+            "warmup.learning_rate, then start the run again."
+        )
     say(f"{what} ({in_a_row} in a row).")
 
 
-def _close_window(run: RunDir, collector, records: list[dict[str, Any]], step: int,
-                  timeout_s: float | None = None) -> None:
+def _close_window(
+    run: RunDir, collector, records: list[dict[str, Any]], step: int, timeout_s: float | None = None
+) -> None:
     """Drains the profiling window ending at ``step`` (an actor that does not answer within
     ``timeout_s``, default the collector's, is skipped), adds its metrics to ``records``
     (its steps' records, oldest first) and writes them (the console view prints each);
@@ -533,23 +602,33 @@ def _next_batch(cfg: Config, job: Job, run: RunDir, step: int) -> tuple[list, di
     """``(refs, info)`` of the orchestrator's next batch for RL step ``step``."""
     try:
         with profiling.span("next_batch_wait", "driver", {"step": step}):
-            return ray.get(job.orchestrator.next_batch.remote(), timeout=cfg.rollout.batch_timeout_s)
+            return ray.get(
+                job.orchestrator.next_batch.remote(), timeout=cfg.rollout.batch_timeout_s
+            )
     except ray.exceptions.GetTimeoutError:
         stats = ray.get(job.orchestrator.stats.remote())
         raise RunError(
             f"no trajectory batch within rollout.batch_timeout_s={cfg.rollout.batch_timeout_s} s "
             f"at RL step {step}; orchestrator: {json.dumps(stats)}. Checkpoints up to the last "
-            f"one are in {run.checkpoints}; fix the cause and use --resume.") from None
+            f"one are in {run.checkpoints}; fix the cause and use --resume."
+        ) from None
     except RolloutHalted as e:  # the breaker: no environment or engine can run
         cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) else e
         run.record_env_errors(ray.get(job.orchestrator.take_env_errors.remote())[0])
         raise RunError(
             f"rollout halted at RL step {step}: {cause} Checkpoints up to the last one are in "
-            f"{run.checkpoints}; use --resume once the cause is fixed.") from None
+            f"{run.checkpoints}; use --resume once the cause is fixed."
+        ) from None
 
 
-def checkpoint(job: Job, run: RunDir, cfg: Config, before: dict, warm: dict,
-               metrics: dict[str, float] | None = None) -> None:
+def checkpoint(
+    job: Job,
+    run: RunDir,
+    cfg: Config,
+    before: dict,
+    warm: dict,
+    metrics: dict[str, float] | None = None,
+) -> None:
     """Starts the learner's checkpoint of this step, with the orchestrator's state (data
     position, ledger) of the same step: nothing trains between the two calls. The save is
     asynchronous and the learner finishes the one before it first, so state.json (read
@@ -558,9 +637,18 @@ def checkpoint(job: Job, run: RunDir, cfg: Config, before: dict, warm: dict,
     orch_state = ray.get(job.orchestrator.state.remote())
     extras = {"orchestrator": orch_state, "heldout_before": before, "warm_start": warm}
     learner = cfg.learner
-    step = job.learner_get(job.learner.save.remote(
-        run.checkpoints, extras, learner.max_checkpoints, metrics, learner.keep_best_by,
-        learner.keep_best_mode), "save", slow=True)
+    step = job.learner_get(
+        job.learner.save.remote(
+            run.checkpoints,
+            extras,
+            learner.max_checkpoints,
+            metrics,
+            learner.keep_best_by,
+            learner.keep_best_mode,
+        ),
+        "save",
+        slow=True,
+    )
     run.commit_checkpoint_in_flight()  # the learner finished it before starting this one
     run.checkpoint_in_flight = {"checkpoint_step": step, "data_position": orch_state["next_index"]}
 
@@ -587,8 +675,10 @@ def _log_quarantined(run: RunDir, since: float) -> None:
                 record = json.load(f)
         except (OSError, ValueError):
             continue
-        say(f"CHECKPOINT DAMAGED: step {record.get('step')} could not be read "
-            f"({record.get('reason')}); moved to {record.get('moved_to')}")
+        say(
+            f"CHECKPOINT DAMAGED: step {record.get('step')} could not be read "
+            f"({record.get('reason')}); moved to {record.get('moved_to')}"
+        )
         run.log({"phase": "checkpoint_quarantined", **record})
 
 
@@ -602,15 +692,21 @@ def best_metric(cfg: Config, record: dict[str, Any]) -> dict[str, float] | None:
     name = cfg.learner.keep_best_by
     if not name:
         return None
-    numbers = {k: float(v) for k, v in record.items()
-               if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    numbers = {
+        k: float(v)
+        for k, v in record.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
     if name not in numbers:
-        raise RunError(f"learner.keep_best_by={name!r} is not a number of the RL step's "
-                       f"metrics; choose one of {sorted(numbers)} (e.g. reward_mean).")
+        raise RunError(
+            f"learner.keep_best_by={name!r} is not a number of the RL step's "
+            f"metrics; choose one of {sorted(numbers)} (e.g. reward_mean)."
+        )
     return {name: numbers[name]}
 
 
 # -- after RL ------------------------------------------------------------------------------
+
 
 def export_policy(cfg: Config, job: Job, run: RunDir) -> None:
     """With ``model.path``: the trained policy to ``RUN_DIR/export`` in the Hugging Face
@@ -620,9 +716,17 @@ def export_policy(cfg: Config, job: Job, run: RunDir) -> None:
         say(f"trained policy exported to {run.export} ({len(files)} files, Hugging Face layout)")
 
 
-def summarise(cfg: Config, job: Job, run: RunDir, start: RLStart, after: dict[str, Any],
-              engine_stats: dict[str, Any], rl_s: float, wall0: float,
-              tasks_dropped: dict[str, int] | None = None) -> dict[str, Any]:
+def summarise(
+    cfg: Config,
+    job: Job,
+    run: RunDir,
+    start: RLStart,
+    after: dict[str, Any],
+    engine_stats: dict[str, Any],
+    rl_s: float,
+    wall0: float,
+    tasks_dropped: dict[str, int] | None = None,
+) -> dict[str, Any]:
     """Writes the profile (trace, bottleneck report, plots) and summary.json, prints the
     summary and returns it. ``rl_s`` and ``wall_s`` (from ``wall0``, ``time.monotonic``)
     cover this process's part of the run only; ``tasks_dropped`` is ``Tasks.dropped``
@@ -658,8 +762,10 @@ def summarise(cfg: Config, job: Job, run: RunDir, start: RLStart, after: dict[st
         "profile": {k: v for k, v in artifacts.items() if k.endswith("_path")},
         "rl_engine_busy_fraction": rl_mean(run, "engine_busy_fraction"),
         "tasks_dropped": dict(tasks_dropped or {}),
-        "orchestrator": {**{f"episodes_{s.value}": 0 for s in EpisodeStatus},
-                         **orchestrator["counters"]},
+        "orchestrator": {
+            **{f"episodes_{s.value}": 0 for s in EpisodeStatus},
+            **orchestrator["counters"],
+        },
         "env_errors_by_kind": orchestrator["env_errors_by_kind"],
     }
     with open(run.summary, "w") as f:

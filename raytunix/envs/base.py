@@ -77,8 +77,11 @@ class BaseEnv(abc.ABC):
                 observation="",
                 done=True,
                 status=EpisodeStatus.ENV_ERROR,
-                info={"error": repr(e), "traceback": formatted,
-                      "env_error_report": report_for(e, self, "step", task_id, formatted)},
+                info={
+                    "error": repr(e),
+                    "traceback": formatted,
+                    "env_error_report": report_for(e, self, "step", task_id, formatted),
+                },
             )
         # A result of the wrong kind (checked by the caller, raytunix.envs.contract) ends it.
         self._done = result.done if isinstance(result, StepResult) else True

@@ -20,8 +20,26 @@ from raytunix.sandbox import SandboxClient, SandboxSession
 from raytunix.tools import BashTool, PythonTool
 from raytunix.types import Task
 
-WORDS = ("apple", "birch", "cedar", "delta", "ember", "fjord", "grove", "harbor", "iris",
-         "juniper", "kelp", "lotus", "maple", "nectar", "onyx", "pebble", "quartz", "river")
+WORDS = (
+    "apple",
+    "birch",
+    "cedar",
+    "delta",
+    "ember",
+    "fjord",
+    "grove",
+    "harbor",
+    "iris",
+    "juniper",
+    "kelp",
+    "lotus",
+    "maple",
+    "nectar",
+    "onyx",
+    "pebble",
+    "quartz",
+    "river",
+)
 
 # A task: (question, setup files {path: text}, expected state {"files": {path: text},
 # "dirs": [path], "absent": [path]}). File contents compare without trailing newlines.
@@ -30,41 +48,61 @@ _Spec = tuple[str, dict[str, str], dict[str, Any]]
 
 def _write_line(rng: random.Random) -> _Spec:
     name, word, n = f"{rng.choice(WORDS)}.txt", rng.choice(WORDS), rng.randint(1, 999)
-    return (f"Create a file {name} that contains exactly the line: {word} {n}", {},
-            {"files": {name: f"{word} {n}"}})
+    return (
+        f"Create a file {name} that contains exactly the line: {word} {n}",
+        {},
+        {"files": {name: f"{word} {n}"}},
+    )
 
 
 def _make_dirs(rng: random.Random) -> _Spec:
     top, a, b = rng.sample(WORDS, 3)
-    return (f"Create the directories {top}/{a} and {top}/{b}.", {},
-            {"dirs": [f"{top}/{a}", f"{top}/{b}"]})
+    return (
+        f"Create the directories {top}/{a} and {top}/{b}.",
+        {},
+        {"dirs": [f"{top}/{a}", f"{top}/{b}"]},
+    )
 
 
 def _count_lines(rng: random.Random) -> _Spec:
     lines = [rng.choice(WORDS) for _ in range(rng.randint(3, 12))]
-    return ("Write the number of lines of data.txt into count.txt.",
-            {"data.txt": "\n".join(lines) + "\n"}, {"files": {"count.txt": str(len(lines))}})
+    return (
+        "Write the number of lines of data.txt into count.txt.",
+        {"data.txt": "\n".join(lines) + "\n"},
+        {"files": {"count.txt": str(len(lines))}},
+    )
 
 
 def _rename(rng: random.Random) -> _Spec:
     old, new = rng.sample(WORDS, 2)
     text = f"{rng.choice(WORDS)} {rng.randint(1, 99)}"
-    return (f"Rename {old}.txt to {new}.txt.", {f"{old}.txt": text + "\n"},
-            {"files": {f"{new}.txt": text}, "absent": [f"{old}.txt"]})
+    return (
+        f"Rename {old}.txt to {new}.txt.",
+        {f"{old}.txt": text + "\n"},
+        {"files": {f"{new}.txt": text}, "absent": [f"{old}.txt"]},
+    )
 
 
 def _grep_errors(rng: random.Random) -> _Spec:
-    lines = [f"{rng.choice(('INFO', 'INFO', 'ERROR'))} {rng.choice(WORDS)} {i}"
-             for i in range(rng.randint(4, 10))]
+    lines = [
+        f"{rng.choice(('INFO', 'INFO', 'ERROR'))} {rng.choice(WORDS)} {i}"
+        for i in range(rng.randint(4, 10))
+    ]
     errors = [line for line in lines if line.startswith("ERROR")]
-    return ("Copy the lines of log.txt that contain ERROR, in order, into errors.txt.",
-            {"log.txt": "\n".join(lines) + "\n"}, {"files": {"errors.txt": "\n".join(errors)}})
+    return (
+        "Copy the lines of log.txt that contain ERROR, in order, into errors.txt.",
+        {"log.txt": "\n".join(lines) + "\n"},
+        {"files": {"errors.txt": "\n".join(errors)}},
+    )
 
 
 def _sort_lines(rng: random.Random) -> _Spec:
     names = rng.sample(WORDS, rng.randint(3, 7))
-    return ("Write the lines of names.txt, sorted alphabetically, into sorted.txt.",
-            {"names.txt": "\n".join(names) + "\n"}, {"files": {"sorted.txt": "\n".join(sorted(names))}})
+    return (
+        "Write the lines of names.txt, sorted alphabetically, into sorted.txt.",
+        {"names.txt": "\n".join(names) + "\n"},
+        {"files": {"sorted.txt": "\n".join(sorted(names))}},
+    )
 
 
 def _delete_tmp(rng: random.Random) -> _Spec:
@@ -72,8 +110,11 @@ def _delete_tmp(rng: random.Random) -> _Spec:
     tmp = words[: max(1, len(words) // 2)]
     files = {f"{w}.tmp" if w in tmp else f"{w}.txt": f"{w}\n" for w in words}
     keep = {path: text.rstrip("\n") for path, text in files.items() if path.endswith(".txt")}
-    return ("Delete every .tmp file in the working directory and keep the others.", files,
-            {"files": keep, "absent": [f"{w}.tmp" for w in tmp]})
+    return (
+        "Delete every .tmp file in the working directory and keep the others.",
+        files,
+        {"files": keep, "absent": [f"{w}.tmp" for w in tmp]},
+    )
 
 
 TEMPLATES: dict[str, Callable[[random.Random], _Spec]] = {
@@ -95,6 +136,7 @@ def check_state(expect: dict[str, Any], state: dict[str, dict[str, Any]]) -> lis
     A file must be a regular file (not a link to one) whose text equals the expected one
     without trailing newlines; a directory a real directory; an absent path nothing at all
     (a dangling link still exists)."""
+
     def at(path: str) -> tuple[str, str]:
         got = state.get(path)
         if not isinstance(got, dict) or got.get("kind") not in _WHAT:
@@ -127,9 +169,15 @@ def check_state(expect: dict[str, Any], state: dict[str, dict[str, Any]]) -> lis
     return failures
 
 
-_WHAT = {"missing": "no such file", "file": "a file", "dir": "a directory",
-         "link": "a symbolic link", "other": "a FIFO, socket or device",
-         "unreadable": "unreadable", "long": "a file longer than expected"}
+_WHAT = {
+    "missing": "no such file",
+    "file": "a file",
+    "dir": "a directory",
+    "link": "a symbolic link",
+    "other": "a FIFO, socket or device",
+    "unreadable": "unreadable",
+    "long": "a file longer than expected",
+}
 
 
 @register("env", "bash_terminal")
@@ -167,8 +215,13 @@ class BashTerminalEnv(ToolTaskEnv):
     default_agent = "tool"
     uses_sandbox = True
 
-    def __init__(self, max_tool_errors: int = 3, tool_timeout_s: float | None = 30.0,
-                 python_tool: bool = False, sandbox: SandboxClient | None = None) -> None:
+    def __init__(
+        self,
+        max_tool_errors: int = 3,
+        tool_timeout_s: float | None = 30.0,
+        python_tool: bool = False,
+        sandbox: SandboxClient | None = None,
+    ) -> None:
         self.session = SandboxSession(sandbox, name="bash_terminal")
         tools = [BashTool(self.session)] + ([PythonTool(self.session)] if python_tool else [])
         super().__init__(tools, max_tool_errors=max_tool_errors, tool_timeout_s=tool_timeout_s)
@@ -181,8 +234,11 @@ class BashTerminalEnv(ToolTaskEnv):
             question, setup, expect = TEMPLATES[name](rng)
             # The answer (the checked state) and the starting files tell tasks apart.
             answer = json.dumps({"expect": expect, "setup": setup}, sort_keys=True)
-            return (f"{question} Reply <answer>done</answer> when finished.", answer,
-                    {"template": name, "setup": setup, "expect": expect})
+            return (
+                f"{question} Reply <answer>done</answer> when finished.",
+                answer,
+                {"template": name, "setup": setup, "expect": expect},
+            )
 
         return draw_tasks(split, size, random.Random(f"bash_terminal/{split}/{seed}"), draw)
 

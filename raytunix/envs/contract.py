@@ -90,34 +90,46 @@ def check_observation(value: Any, env: Any, method: str) -> str:
     if isinstance(value, str):
         return value
     kind = type(value).__name__
-    hint = {"dict": "json.dumps(...) it", "list": "json.dumps(...) it",
-            "bytes": "decode it (.decode())", "NoneType": "return \"\" for no text"}.get(
-        kind, "render it as text")
+    hint = {
+        "dict": "json.dumps(...) it",
+        "list": "json.dumps(...) it",
+        "bytes": "decode it (.decode())",
+        "NoneType": "return \"\" for no text",
+    }.get(kind, "render it as text")
     raise EnvContractError(
         f"{type(env).__qualname__}.{method} returned a {kind} observation ({value!r:.80}); "
         f"an observation is the text the agent sees: return a str ({hint}).",
-        f"observation_{kind}")
+        f"observation_{kind}",
+    )
 
 
 def _reward(value: Any, env: Any) -> float:
     name = type(env).__qualname__
     real = isinstance(value, numbers.Real) or (
-        isinstance(value, np.ndarray) and value.ndim == 0
-        and (np.issubdtype(value.dtype, np.integer) or np.issubdtype(value.dtype, np.floating)))
+        isinstance(value, np.ndarray)
+        and value.ndim == 0
+        and (np.issubdtype(value.dtype, np.integer) or np.issubdtype(value.dtype, np.floating))
+    )
     if not real:
         raise EnvContractError(
             f"{name}.step returned reward {value!r:.80} ({type(value).__name__}); a reward "
-            "is a finite real number: return float(...).", f"reward_{type(value).__name__}")
+            "is a finite real number: return float(...).",
+            f"reward_{type(value).__name__}",
+        )
     reward = float(value)
     if not math.isfinite(reward):
         raise EnvContractError(
             f"{name}.step returned reward {reward!r}; rewards must be finite numbers (a bug "
-            "in its verifier).", f"reward_{reward!r}")
+            "in its verifier).",
+            f"reward_{reward!r}",
+        )
     if abs(reward) > MAX_REWARD:
         raise EnvContractError(
             f"{name}.step returned reward {reward!r}; rewards must be at most {MAX_REWARD:g} "
             "in size (batches hold them as float32, where a larger one is inf): scale the "
-            "reward down.", "reward_out_of_range")
+            "reward down.",
+            "reward_out_of_range",
+        )
     return reward
 
 
@@ -133,18 +145,24 @@ def check_step_result(value: Any, env: Any) -> StepResult:
     name = type(env).__qualname__
     if not isinstance(value, StepResult):
         kind = type(value).__name__
-        hint = (" (that looks like gymnasium's (observation, reward, terminated, truncated, "
-                "info): wrap a gymnasium env with BaseEnv.from_gymnasium)"
-                if isinstance(value, tuple) and len(value) == 5 else "")
+        hint = (
+            " (that looks like gymnasium's (observation, reward, terminated, truncated, "
+            "info): wrap a gymnasium env with BaseEnv.from_gymnasium)"
+            if isinstance(value, tuple) and len(value) == 5
+            else ""
+        )
         raise EnvContractError(
             f"{name}.step returned a {kind} ({value!r:.80}), not a raytunix.types.StepResult"
             f"{hint}; return StepResult(observation, reward, done, status, info).",
-            f"result_{kind}")
+            f"result_{kind}",
+        )
     observation = check_observation(value.observation, env, "step")
     reward = _reward(value.reward, env)
     if not isinstance(value.done, (bool, np.bool_)):
-        raise EnvContractError(f"{name}.step returned done={value.done!r:.80}; it must be a "
-                               "bool.", f"done_{type(value.done).__name__}")
+        raise EnvContractError(
+            f"{name}.step returned done={value.done!r:.80}; it must be a bool.",
+            f"done_{type(value.done).__name__}",
+        )
     status = value.status
     if status is not None and not isinstance(status, EpisodeStatus):
         try:
@@ -153,12 +171,20 @@ def check_step_result(value: Any, env: Any) -> StepResult:
             raise EnvContractError(
                 f"{name}.step returned status={status!r:.80}; it must be None or an "
                 f"EpisodeStatus ({', '.join(s.value for s in EpisodeStatus)}).",
-                "status") from None
+                "status",
+            ) from None
     if not isinstance(value.info, dict):
-        raise EnvContractError(f"{name}.step returned info={value.info!r:.80}; it must be a "
-                               "dict.", f"info_{type(value.info).__name__}")
-    return StepResult(observation=observation, reward=reward, done=bool(value.done),
-                      status=status, info=value.info)
+        raise EnvContractError(
+            f"{name}.step returned info={value.info!r:.80}; it must be a dict.",
+            f"info_{type(value.info).__name__}",
+        )
+    return StepResult(
+        observation=observation,
+        reward=reward,
+        done=bool(value.done),
+        status=status,
+        info=value.info,
+    )
 
 
 def _user_method(env: Any, method: str) -> Callable | None:
@@ -194,33 +220,48 @@ def _raise_site(error: BaseException, env: Any) -> str:
         env_file = os.path.abspath(inspect.getsourcefile(type(env)) or "")
     except (TypeError, OSError):
         env_file = ""
-    for test in (lambda f: os.path.abspath(f.filename) == env_file,
-                 lambda f: not os.path.abspath(f.filename).startswith(_PACKAGE_DIR + os.sep),
-                 lambda f: True):
+    for test in (
+        lambda f: os.path.abspath(f.filename) == env_file,
+        lambda f: not os.path.abspath(f.filename).startswith(_PACKAGE_DIR + os.sep),
+        lambda f: True,
+    ):
         chosen = [f for f in frames if test(f)]
         if chosen:
             return f"{chosen[-1].filename}:{chosen[-1].lineno}"
     return "unknown"
 
 
-def report_for(error: BaseException, env: Any, method: str, task_id: str,
-               formatted: str | None = None) -> EnvErrorReport:
+def report_for(
+    error: BaseException, env: Any, method: str, task_id: str, formatted: str | None = None
+) -> EnvErrorReport:
     """The report of ``error``, raised by (or, as ``EnvContractError``, found in what was
     returned by) ``env``'s ``method`` during task ``task_id``. ``formatted``: the
     traceback text when the caller already formatted it."""
     cls = type(env)
     env_class = f"{cls.__module__}.{cls.__qualname__}"
     if isinstance(error, EnvContractError):
-        return EnvErrorReport(kind=f"{cls.__qualname__}.{method}:{error.problem}",
-                              env_class=env_class, method=method, task_id=task_id,
-                              message=str(error), location=_definition(env, method))
-    text = formatted if formatted is not None else "".join(
-        traceback.format_exception(type(error), error, error.__traceback__))
+        return EnvErrorReport(
+            kind=f"{cls.__qualname__}.{method}:{error.problem}",
+            env_class=env_class,
+            method=method,
+            task_id=task_id,
+            message=str(error),
+            location=_definition(env, method),
+        )
+    text = (
+        formatted
+        if formatted is not None
+        else "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    )
     return EnvErrorReport(
-        kind=f"{cls.__qualname__}.{method}:{type(error).__qualname__}", env_class=env_class,
-        method=method, task_id=task_id,
+        kind=f"{cls.__qualname__}.{method}:{type(error).__qualname__}",
+        env_class=env_class,
+        method=method,
+        task_id=task_id,
         message=f"{cls.__qualname__}.{method} raised {type(error).__qualname__}: {error}",
-        location=_raise_site(error, env), traceback=text[-MAX_TRACEBACK_CHARS:])
+        location=_raise_site(error, env),
+        traceback=text[-MAX_TRACEBACK_CHARS:],
+    )
 
 
 def guarded_call(env: Any, method: str, task_id: str, *args: Any) -> Any:
@@ -243,9 +284,12 @@ def guarded_call(env: Any, method: str, task_id: str, *args: Any) -> Any:
                 said = result.info.get("error") or 'no info["error"] given'
                 return EnvErrorReport(
                     kind=f"{cls.__qualname__}.step:status_env_error",
-                    env_class=f"{cls.__module__}.{cls.__qualname__}", method="step",
-                    task_id=task_id, location=_definition(env, "step"),
-                    message=f"{cls.__qualname__}.step returned status env_error: {said}")
+                    env_class=f"{cls.__module__}.{cls.__qualname__}",
+                    method="step",
+                    task_id=task_id,
+                    location=_definition(env, "step"),
+                    message=f"{cls.__qualname__}.step returned status env_error: {said}",
+                )
             return result
         return None
     except Exception as error:  # noqa: BLE001 - the environment's code: ends this episode

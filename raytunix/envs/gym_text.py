@@ -29,6 +29,7 @@ from raytunix.types import Action, EpisodeStatus, Task
 GYMNASIUM_NAMESPACE = "raytunix"
 logger = logging.getLogger(__name__)
 
+
 class GymTextEnv(gymnasium.Env):
     """A ``BaseEnv`` behind the gymnasium API, with text observations and actions.
 
@@ -63,16 +64,24 @@ class GymTextEnv(gymnasium.Env):
         charset: str = string.printable,
     ) -> None:
         if isinstance(env, type) and issubclass(env, BaseEnv):
-            raise TypeError(f"GymTextEnv needs an environment instance, got the class "
-                            f"{env.__qualname__}; pass {env.__qualname__}(...) instead.")
+            raise TypeError(
+                f"GymTextEnv needs an environment instance, got the class "
+                f"{env.__qualname__}; pass {env.__qualname__}(...) instead."
+            )
         if not isinstance(env, BaseEnv):
-            hint = (" It already is a gymnasium environment; to run it in raytunix use "
-                    "BaseEnv.from_gymnasium(env)." if isinstance(env, gymnasium.Env) else "")
-            raise TypeError(f"GymTextEnv wraps a raytunix BaseEnv instance, got "
-                            f"{type(env).__qualname__}.{hint}")
+            hint = (
+                " It already is a gymnasium environment; to run it in raytunix use "
+                "BaseEnv.from_gymnasium(env)."
+                if isinstance(env, gymnasium.Env)
+                else ""
+            )
+            raise TypeError(
+                f"GymTextEnv wraps a raytunix BaseEnv instance, got {type(env).__qualname__}.{hint}"
+            )
         if isinstance(tasks, (str, bytes)) or not isinstance(tasks, Sequence):
-            raise TypeError(f"tasks must be a sequence of raytunix.types.Task, got "
-                            f"{type(tasks).__qualname__}.")
+            raise TypeError(
+                f"tasks must be a sequence of raytunix.types.Task, got {type(tasks).__qualname__}."
+            )
         if not tasks:
             raise ValueError("GymTextEnv needs at least one task to draw from on reset; got none.")
         for i, task in enumerate(tasks):
@@ -97,15 +106,19 @@ class GymTextEnv(gymnasium.Env):
         _check_task(task, 'options["task"]')
         observation = self.env.reset(task)
         if not isinstance(observation, str):
-            raise TypeError(f"{type(self.env).__qualname__}.reset returned "
-                            f"{type(observation).__qualname__}, not str; "
-                            "_initial_observation must return the text shown to the agent.")
+            raise TypeError(
+                f"{type(self.env).__qualname__}.reset returned "
+                f"{type(observation).__qualname__}, not str; "
+                "_initial_observation must return the text shown to the agent."
+            )
         return observation, {"task_id": task.task_id}
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         if not isinstance(action, str):
-            raise TypeError(f"GymTextEnv.step takes the model's text (str), got "
-                            f"{type(action).__qualname__}: {action!r:.80}.")
+            raise TypeError(
+                f"GymTextEnv.step takes the model's text (str), got "
+                f"{type(action).__qualname__}: {action!r:.80}."
+            )
         result = self.env.step(self.parse(action))
         truncated = result.status in (EpisodeStatus.TRUNCATED, EpisodeStatus.TIMEOUT)
         info = dict(result.info)
@@ -119,8 +132,10 @@ class GymTextEnv(gymnasium.Env):
 
 def _check_task(task: Any, where: str) -> None:
     if not isinstance(task, Task):
-        raise TypeError(f"{where} is {type(task).__qualname__} ({task!r:.80}), not a "
-                        "raytunix.types.Task; build tasks as Task(task_id, question, answer).")
+        raise TypeError(
+            f"{where} is {type(task).__qualname__} ({task!r:.80}), not a "
+            "raytunix.types.Task; build tasks as Task(task_id, question, answer)."
+        )
 
 
 def _text_action(text: str) -> Action:
@@ -129,12 +144,21 @@ def _text_action(text: str) -> Action:
 
 # How GymTextEnv turns text into an Action for an env, by its default agent's format.
 _PARSERS: dict[str, Callable[[str], Action]] = {
-    "tool": parse_action, "answer": parse_answer_action, "text": _text_action}
+    "tool": parse_action,
+    "answer": parse_answer_action,
+    "text": _text_action,
+}
 
 
-def make_gym_env(name: str, tasks: Sequence[Task] | None = None, num_tasks: int = 256,
-                 seed: int = 0, parse: Callable[[str], Action] | None = None,
-                 max_length: int = 8192, **env_kwargs: Any) -> GymTextEnv:
+def make_gym_env(
+    name: str,
+    tasks: Sequence[Task] | None = None,
+    num_tasks: int = 256,
+    seed: int = 0,
+    parse: Callable[[str], Action] | None = None,
+    max_length: int = 8192,
+    **env_kwargs: Any,
+) -> GymTextEnv:
     """The raytunix environment ``name`` behind the gymnasium API (what
     ``gymnasium.make("raytunix/<name>", ...)`` calls).
 

@@ -67,16 +67,19 @@ class GymnasiumEnv(BaseEnv):
 
     default_agent = "text"
 
-    def __init__(self, env_id: gymnasium.Env | str,
-                 make_kwargs: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, env_id: gymnasium.Env | str, make_kwargs: dict[str, Any] | None = None
+    ) -> None:
         super().__init__()
         if make_kwargs is not None and not isinstance(make_kwargs, collections.abc.Mapping):
             raise TypeError(f"make_kwargs must be a mapping, got {make_kwargs!r}.")
         make_kwargs = dict(make_kwargs or {})
         if isinstance(env_id, gymnasium.Env):
             if make_kwargs:
-                raise ValueError("make_kwargs apply when the environment is built here; "
-                                 "an instance is already built, so pass none.")
+                raise ValueError(
+                    "make_kwargs apply when the environment is built here; "
+                    "an instance is already built, so pass none."
+                )
             self.gym_env = env_id
             self.env_id = type(env_id.unwrapped).__qualname__
         elif isinstance(env_id, str):
@@ -85,7 +88,8 @@ class GymnasiumEnv(BaseEnv):
         else:
             raise TypeError(
                 f"from_gymnasium takes a gymnasium.Env instance, a gymnasium id or "
-                f"package.module:EnvClass, got {type(env_id).__qualname__} ({env_id!r:.80}).")
+                f"package.module:EnvClass, got {type(env_id).__qualname__} ({env_id!r:.80})."
+            )
         for name in ("observation_space", "action_space"):
             space = getattr(self.gym_env, name, None)
             if not isinstance(space, gymnasium.spaces.Text):
@@ -93,7 +97,8 @@ class GymnasiumEnv(BaseEnv):
                     f"{self.env_id}: {name} is {space!r}, not gymnasium.spaces.Text. raytunix "
                     "runs text environments (string observations and actions); wrap this one "
                     "in a gymnasium ObservationWrapper/ActionWrapper that renders and parses "
-                    "text, with Text spaces.")
+                    "text, with Text spaces."
+                )
 
     def tasks(self, split: str, size: int, seed: int) -> list[Task]:
         """``size`` tasks, one reset seed each; the question is the first observation
@@ -110,8 +115,14 @@ class GymnasiumEnv(BaseEnv):
         for i in range(size):
             reset_seed = first + i
             observation = self._reset(reset_seed)
-            tasks.append(Task(task_id=f"{split}-{i:06d}", question=observation, answer="",
-                              metadata={"seed": reset_seed, "gymnasium_id": self.env_id}))
+            tasks.append(
+                Task(
+                    task_id=f"{split}-{i:06d}",
+                    question=observation,
+                    answer="",
+                    metadata={"seed": reset_seed, "gymnasium_id": self.env_id},
+                )
+            )
         return tasks
 
     def _initial_observation(self, task: Task) -> str:
@@ -123,17 +134,26 @@ class GymnasiumEnv(BaseEnv):
     def _step_impl(self, action: Action) -> StepResult:
         text = action.text
         if not self.gym_env.action_space.contains(text):
-            return StepResult(observation=f"error: {_why_not_contained(text, self.gym_env.action_space)}",
-                              info={TOOL_ERRORS_KEY: {ToolErrorKind.FORMAT.value: 1}})
+            return StepResult(
+                observation=f"error: {_why_not_contained(text, self.gym_env.action_space)}",
+                info={TOOL_ERRORS_KEY: {ToolErrorKind.FORMAT.value: 1}},
+            )
         result = self.gym_env.step(text)
         if not (isinstance(result, tuple) and len(result) == 5):
-            raise TypeError(f"{self.env_id}: step returned {result!r:.120}; gymnasium envs "
-                            "return (observation, reward, terminated, truncated, info).")
+            raise TypeError(
+                f"{self.env_id}: step returned {result!r:.120}; gymnasium envs "
+                "return (observation, reward, terminated, truncated, info)."
+            )
         observation, reward, terminated, truncated, info = result
         _check_observation(observation, self.env_id, "step")
-        if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(reward):
-            raise TypeError(f"{self.env_id}: step returned reward {reward!r}; it must be a "
-                            "finite real number.")
+        if (
+            isinstance(reward, bool)
+            or not isinstance(reward, numbers.Real)
+            or not math.isfinite(reward)
+        ):
+            raise TypeError(
+                f"{self.env_id}: step returned reward {reward!r}; it must be a finite real number."
+            )
         for name, flag in (("terminated", terminated), ("truncated", truncated)):
             if not isinstance(flag, (bool, np.bool_)):
                 raise TypeError(f"{self.env_id}: step returned {name}={flag!r}; it must be a bool.")
@@ -141,8 +161,13 @@ class GymnasiumEnv(BaseEnv):
         status = None
         if done:
             status = EpisodeStatus.COMPLETED if terminated else EpisodeStatus.TRUNCATED
-        return StepResult(observation=observation, reward=float(reward), done=done,
-                          status=status, info=dict(info or {}))
+        return StepResult(
+            observation=observation,
+            reward=float(reward),
+            done=done,
+            status=status,
+            info=dict(info or {}),
+        )
 
     def close(self) -> None:
         self.gym_env.close()
@@ -150,8 +175,10 @@ class GymnasiumEnv(BaseEnv):
     def _reset(self, seed: int | None, options: dict[str, Any] | None = None) -> str:
         result = self.gym_env.reset(seed=seed, options=options)
         if not (isinstance(result, tuple) and len(result) == 2):
-            raise TypeError(f"{self.env_id}: reset returned {result!r:.120}; gymnasium envs "
-                            "return (observation, info).")
+            raise TypeError(
+                f"{self.env_id}: reset returned {result!r:.120}; gymnasium envs "
+                "return (observation, info)."
+            )
         _check_observation(result[0], self.env_id, "reset")
         return result[0]
 
@@ -162,13 +189,16 @@ def _make(env_id: str, make_kwargs: dict[str, Any]) -> gymnasium.Env:
         try:
             module = importlib.import_module(module_name)
         except ImportError as e:
-            raise ValueError(f"cannot import {module_name!r} for gymnasium env {env_id!r}: {e}. "
-                             "It must be importable in every env actor (see raytunix.plugins).") from e
+            raise ValueError(
+                f"cannot import {module_name!r} for gymnasium env {env_id!r}: {e}. "
+                "It must be importable in every env actor (see raytunix.plugins)."
+            ) from e
         target = getattr(module, attr, None)
         if inspect.isclass(target):
             if not issubclass(target, gymnasium.Env):
-                raise TypeError(f"{env_id!r} is the class {target.__qualname__}, not a "
-                                "gymnasium.Env subclass.")
+                raise TypeError(
+                    f"{env_id!r} is the class {target.__qualname__}, not a gymnasium.Env subclass."
+                )
             return target(**make_kwargs)
     try:
         return gymnasium.make(env_id, **make_kwargs)
@@ -178,8 +208,10 @@ def _make(env_id: str, make_kwargs: dict[str, Any]) -> gymnasium.Env:
 
 def _check_observation(observation: Any, env_id: str, where: str) -> None:
     if not isinstance(observation, str):
-        raise TypeError(f"{env_id}: {where} returned a {type(observation).__qualname__} "
-                        f"observation ({observation!r:.80}); raytunix needs text (str).")
+        raise TypeError(
+            f"{env_id}: {where} returned a {type(observation).__qualname__} "
+            f"observation ({observation!r:.80}); raytunix needs text (str)."
+        )
 
 
 def _why_not_contained(text: Any, space: gymnasium.spaces.Text) -> str:

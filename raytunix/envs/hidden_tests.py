@@ -105,19 +105,30 @@ def hidden_test_names(source: str) -> tuple[str, ...]:
         tree = ast.parse(source)
     except SyntaxError as e:
         raise ValueError(f"the hidden tests do not parse: {e}") from None
-    names = tuple(f"{node.name}.{item.name}" for node in tree.body
-                  if isinstance(node, ast.ClassDef) for item in node.body
-                  if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))
-                  and item.name.startswith("test"))
+    names = tuple(
+        f"{node.name}.{item.name}"
+        for node in tree.body
+        if isinstance(node, ast.ClassDef)
+        for item in node.body
+        if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and item.name.startswith("test")
+    )
     if not names:
-        raise ValueError("the hidden tests hold no test: expected module-level "
-                         "unittest.TestCase classes with test* methods")
+        raise ValueError(
+            "the hidden tests hold no test: expected module-level "
+            "unittest.TestCase classes with test* methods"
+        )
     return names
 
 
-def run_hidden_tests(session: SandboxSession, *, source_dirs: Sequence[str],
-                     tests: str, packages: Sequence[str],
-                     test_timeout_s: float = DEFAULT_TEST_TIMEOUT_S) -> HiddenTestReport:
+def run_hidden_tests(
+    session: SandboxSession,
+    *,
+    source_dirs: Sequence[str],
+    tests: str,
+    packages: Sequence[str],
+    test_timeout_s: float = DEFAULT_TEST_TIMEOUT_S,
+) -> HiddenTestReport:
     """Runs the hidden ``tests`` against the project in ``session``'s work dir (see the
     module docstring for how the verdict is kept out of the project's reach).
 
@@ -149,11 +160,16 @@ def run_hidden_tests(session: SandboxSession, *, source_dirs: Sequence[str],
     if not (isinstance(test_timeout_s, (int, float)) and 0 < test_timeout_s <= 3600):
         raise ValueError(f"test_timeout_s={test_timeout_s!r} must be seconds in (0, 3600]")
     expected = hidden_test_names(tests)
-    files, not_copied = collect_sources(session, source_dirs, name_pattern=_SOURCE_NAME,
-                                        exclude=_NOT_SOURCE)
+    files, not_copied = collect_sources(
+        session, source_dirs, name_pattern=_SOURCE_NAME, exclude=_NOT_SOURCE
+    )
     key = secrets.token_hex(32)
-    sealed = {"key": key, "tests": tests, "packages": list(packages),
-              "test_timeout_s": float(test_timeout_s)}
+    sealed = {
+        "key": key,
+        "tests": tests,
+        "packages": list(packages),
+        "test_timeout_s": float(test_timeout_s),
+    }
     pristine = SandboxSession(session.client, name="hidden-tests")
     try:
         write_files(pristine, {**files, SEALED_FILE: json.dumps(sealed)})
@@ -162,21 +178,27 @@ def run_hidden_tests(session: SandboxSession, *, source_dirs: Sequence[str],
         pristine.close()
     report = _signed_report(result.stdout, key)
     if report is None:
-        why = (f"the hidden tests left no signed report (exit {result.exit_code}, limit "
-               f"{result.killed_by_limit.value if result.killed_by_limit else None}, stdout "
-               f"{'cut' if result.stdout_truncated else 'whole'}); the project stopped, "
-               f"stalled or flooded the harness. stderr: {result.stderr[-1000:]}")
+        why = (
+            f"the hidden tests left no signed report (exit {result.exit_code}, limit "
+            f"{result.killed_by_limit.value if result.killed_by_limit else None}, stdout "
+            f"{'cut' if result.stdout_truncated else 'whole'}); the project stopped, "
+            f"stalled or flooded the harness. stderr: {result.stderr[-1000:]}"
+        )
         return HiddenTestReport(False, expected, {}, why, tuple(not_copied))
     if "harness_error" in report:
-        raise RuntimeError(f"the hidden-test harness failed before running any project "
-                           f"code: {report['harness_error']}")
+        raise RuntimeError(
+            f"the hidden-test harness failed before running any project "
+            f"code: {report['harness_error']}"
+        )
     results = {str(k): str(v) for k, v in dict(report.get("results", {})).items()}
-    passed = (sorted(results) == sorted(expected)
-              and all(outcome == "pass" for outcome in results.values()))
+    passed = sorted(results) == sorted(expected) and all(
+        outcome == "pass" for outcome in results.values()
+    )
     output = str(report.get("output", ""))
     if sorted(results) != sorted(expected):
-        output = (f"the harness ran {sorted(results)}, not the hidden tests "
-                  f"{sorted(expected)}\n" + output)
+        output = (
+            f"the harness ran {sorted(results)}, not the hidden tests {sorted(expected)}\n" + output
+        )
     return HiddenTestReport(passed, expected, results, output[-2000:], tuple(not_copied))
 
 
@@ -186,7 +208,7 @@ def _signed_report(stdout: str, key: str) -> dict | None:
     for line in stdout.splitlines():
         if not line.startswith(REPORT_PREFIX):
             continue
-        signature, _, body = line[len(REPORT_PREFIX):].partition(" ")
+        signature, _, body = line[len(REPORT_PREFIX) :].partition(" ")
         want = hmac.new(bytes.fromhex(key), body.encode(), hashlib.sha256).hexdigest()
         if hmac.compare_digest(signature, want):
             try:

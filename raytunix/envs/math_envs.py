@@ -63,18 +63,26 @@ class CalculatorMathEnv(BaseEnv):
 
     default_agent = "tool"
 
-    def __init__(self, max_tool_errors: int = 2, tools: Sequence[Tool | str] | None = None,
-                 tool_timeout_s: float | None = 10.0) -> None:
+    def __init__(
+        self,
+        max_tool_errors: int = 2,
+        tools: Sequence[Tool | str] | None = None,
+        tool_timeout_s: float | None = 10.0,
+    ) -> None:
         super().__init__()
         if max_tool_errors < 0:
             raise ValueError(f"max_tool_errors must be >= 0, got {max_tool_errors}")
         # Finite: a wait of inf overflows the platform's time_t (OverflowError, not the
         # TimeoutError a late tool raises); None is how "no deadline" is said.
         if tool_timeout_s is not None and not (
-                isinstance(tool_timeout_s, (int, float)) and not isinstance(tool_timeout_s, bool)
-                and 0 < tool_timeout_s <= SECONDS_MAX):
-            raise ValueError(f"tool_timeout_s must be a number of seconds in (0, "
-                             f"{SECONDS_MAX:g}] or None (no deadline), got {tool_timeout_s!r}")
+            isinstance(tool_timeout_s, (int, float))
+            and not isinstance(tool_timeout_s, bool)
+            and 0 < tool_timeout_s <= SECONDS_MAX
+        ):
+            raise ValueError(
+                f"tool_timeout_s must be a number of seconds in (0, "
+                f"{SECONDS_MAX:g}] or None (no deadline), got {tool_timeout_s!r}"
+            )
         self.tool_timeout_s = tool_timeout_s
         if isinstance(tools, (str, Tool)):
             tools = [tools]
@@ -135,8 +143,10 @@ class CalculatorMathEnv(BaseEnv):
         tool = self.tools.get(name)
         if tool is None:
             return ToolResult(
-                output="", error=f"unknown tool {name!r}; available tools: {sorted(self.tools)}",
-                error_kind=ToolErrorKind.UNKNOWN_TOOL)
+                output="",
+                error=f"unknown tool {name!r}; available tools: {sorted(self.tools)}",
+                error_kind=ToolErrorKind.UNKNOWN_TOOL,
+            )
         if self.tool_timeout_s is None:
             return tool(**arguments)
         future = _TOOL_THREADS.submit(lambda: tool(**arguments))
@@ -144,9 +154,11 @@ class CalculatorMathEnv(BaseEnv):
             return future.result(timeout=self.tool_timeout_s)
         except concurrent.futures.TimeoutError:
             return ToolResult(
-                output="", error=f"{name} did not answer within {self.tool_timeout_s} s; "
-                "try a simpler call", latency_s=self.tool_timeout_s,
-                error_kind=ToolErrorKind.TIMEOUT)
+                output="",
+                error=f"{name} did not answer within {self.tool_timeout_s} s; try a simpler call",
+                latency_s=self.tool_timeout_s,
+                error_kind=ToolErrorKind.TIMEOUT,
+            )
 
 
 def _tool(tool: Tool | str) -> Tool:
@@ -154,8 +166,9 @@ def _tool(tool: Tool | str) -> Tool:
         return tool
     if isinstance(tool, str):
         return resolve_tool(tool)()
-    raise TypeError(f"a tool must be a Tool or a tool's name, got {type(tool).__qualname__} "
-                    f"({tool!r:.60})")
+    raise TypeError(
+        f"a tool must be a Tool or a tool's name, got {type(tool).__qualname__} ({tool!r:.60})"
+    )
 
 
 @register("env", "math_verifier")

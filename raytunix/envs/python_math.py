@@ -34,8 +34,9 @@ _Template = Callable[[random.Random, int], tuple[str, int]]
 
 def _sum_of_squares(rng: random.Random, scale: int) -> tuple[str, int]:
     n = rng.randint(5, scale)
-    return f"What is the sum of the squares of the integers from 1 to {n}?", \
-        sum(i * i for i in range(1, n + 1))
+    return f"What is the sum of the squares of the integers from 1 to {n}?", sum(
+        i * i for i in range(1, n + 1)
+    )
 
 
 def _count_primes(rng: random.Random, scale: int) -> tuple[str, int]:
@@ -55,8 +56,10 @@ def _fibonacci_number(rng: random.Random, scale: int) -> tuple[str, int]:
 
 def _divisible_count(rng: random.Random, scale: int) -> tuple[str, int]:
     n, a, b = rng.randint(20, 20 * scale), rng.randint(2, 9), rng.randint(2, 9)
-    return (f"How many integers from 1 to {n} are divisible by {a} or by {b}?",
-            sum(1 for i in range(1, n + 1) if i % a == 0 or i % b == 0))
+    return (
+        f"How many integers from 1 to {n} are divisible by {a} or by {b}?",
+        sum(1 for i in range(1, n + 1) if i % a == 0 or i % b == 0),
+    )
 
 
 def _digit_sum_of_product(rng: random.Random, scale: int) -> tuple[str, int]:
@@ -87,8 +90,11 @@ def numeric_answer_matches(answer: str | None, task: Task) -> bool:
     expression the task wanted computed does not count); otherwise
     ``raytunix.data.answers.score_answer`` decides."""
     reference = task.answer
-    expected = parse_number(unwrap(reference)) if isinstance(reference, str) \
-        and len(reference) <= MAX_ANSWER_CHARS else None
+    expected = (
+        parse_number(unwrap(reference))
+        if isinstance(reference, str) and len(reference) <= MAX_ANSWER_CHARS
+        else None
+    )
     if expected is None:
         return score_answer(task, answer) == 1.0
     if answer is None or len(answer) > MAX_ANSWER_CHARS:
@@ -132,13 +138,19 @@ class PythonMathEnv(ToolTaskEnv):
     default_agent = "tool"
     uses_sandbox = True
 
-    def __init__(self, max_tool_errors: int = 2, tool_timeout_s: float | None = 30.0,
-                 scale: int = 20, sandbox: SandboxClient | None = None) -> None:
+    def __init__(
+        self,
+        max_tool_errors: int = 2,
+        tool_timeout_s: float | None = 30.0,
+        scale: int = 20,
+        sandbox: SandboxClient | None = None,
+    ) -> None:
         if isinstance(scale, bool) or not isinstance(scale, int) or scale < 10:
             raise ValueError(f"scale={scale!r} must be an int >= 10")
         self._python = PythonTool(SandboxSession(sandbox, name="python_math"))
-        super().__init__([self._python], max_tool_errors=max_tool_errors,
-                         tool_timeout_s=tool_timeout_s)
+        super().__init__(
+            [self._python], max_tool_errors=max_tool_errors, tool_timeout_s=tool_timeout_s
+        )
         self.scale = scale
 
     def _initial_observation(self, task: Task) -> str:
@@ -162,5 +174,6 @@ class PythonMathEnv(ToolTaskEnv):
             question, answer = TEMPLATES[name](rng, self.scale)
             return f"{question} Use python to compute it.", str(answer), {"template": name}
 
-        return draw_tasks(split, size, random.Random(f"python_math/{split}/{seed}/{self.scale}"),
-                          draw)
+        return draw_tasks(
+            split, size, random.Random(f"python_math/{split}/{seed}/{self.scale}"), draw
+        )

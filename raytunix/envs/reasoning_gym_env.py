@@ -37,9 +37,9 @@ MIN_LENGTH_CAP = 256
 # Datasets whose scorer pays for answers that do not solve the task at all.
 UNSCORABLE = {
     "game_of_life_halting": "its scorer gives 1.0 to every non-empty answer "
-                            "(bool(answer) == bool(entry['answer']))",
+    "(bool(answer) == bool(entry['answer']))",
     "coin_flip": "its scorer gives 1.0 to any answer that is a prefix of the probability's "
-                 "digits, so the constant answer 0 scores 1.0 on every probability below 1",
+    "digits, so the constant answer 0 scores 1.0 on every probability below 1",
 }
 
 
@@ -76,9 +76,12 @@ class ReasoningGymEnv(BaseEnv):
 
     default_agent = "answer"
 
-    def __init__(self, task: str | None = None,
-                 dataset_kwargs: dict[str, Any] | None = None,
-                 partial_credit: bool = False) -> None:
+    def __init__(
+        self,
+        task: str | None = None,
+        dataset_kwargs: dict[str, Any] | None = None,
+        partial_credit: bool = False,
+    ) -> None:
         super().__init__()
         if task in UNSCORABLE:
             raise ValueError(_unscorable(task))
@@ -88,8 +91,10 @@ class ReasoningGymEnv(BaseEnv):
         if task is not None:
             reasoning_gym_splits(task, 1, 0, 0, **(dataset_kwargs or {}))  # checks both
         elif dataset_kwargs:
-            raise ValueError(f"dataset_kwargs={dataset_kwargs} needs task (the reasoning-gym "
-                             "dataset they configure); set env.kwargs.task.")
+            raise ValueError(
+                f"dataset_kwargs={dataset_kwargs} needs task (the reasoning-gym "
+                "dataset they configure); set env.kwargs.task."
+            )
         self.task_name = task
         self.dataset_kwargs = dict(dataset_kwargs or {})
 
@@ -100,8 +105,9 @@ class ReasoningGymEnv(BaseEnv):
             return None
         if split == "train":
             return reasoning_gym_splits(self.task_name, size, 0, seed, **self.dataset_kwargs)[0]
-        return reasoning_gym_splits(self.task_name, 0, size, seed + HELDOUT_SEED_OFFSET,
-                                    **self.dataset_kwargs)[1]
+        return reasoning_gym_splits(
+            self.task_name, 0, size, seed + HELDOUT_SEED_OFFSET, **self.dataset_kwargs
+        )[1]
 
     def _initial_observation(self, task: Task) -> str:
         entry = task.metadata.get("entry")
@@ -109,7 +115,8 @@ class ReasoningGymEnv(BaseEnv):
             raise ValueError(
                 f"task {task.task_id!r} has no reasoning-gym entry in metadata['entry'], so no "
                 "scorer; give the run reasoning-gym tasks (env.kwargs.task=<name> or "
-                "data.source=reasoning_gym data.dataset=<name>).")
+                "data.source=reasoning_gym data.dataset=<name>)."
+            )
         if entry["metadata"]["source_dataset"] in UNSCORABLE:
             raise ValueError(_unscorable(entry["metadata"]["source_dataset"]))
         return task.question
@@ -127,20 +134,25 @@ class ReasoningGymEnv(BaseEnv):
         elif not action.answer.strip():
             info["refused"] = "the answer is empty"
         elif len(action.answer) > cap:
-            info["refused"] = (f"the answer is {len(action.answer)} characters, over the {cap} "
-                               "accepted for this task; give one answer, not a list")
+            info["refused"] = (
+                f"the answer is {len(action.answer)} characters, over the {cap} "
+                "accepted for this task; give one answer, not a list"
+            )
         else:
             score = float(_scorer(entry["metadata"]["source_dataset"])(action.answer, entry))
         info["score"] = score
         info["correct"] = score == 1.0
         reward = score if self.partial_credit else (1.0 if score == 1.0 else 0.0)
-        return StepResult(observation="", reward=reward, done=True,
-                          status=EpisodeStatus.COMPLETED, info=info)
+        return StepResult(
+            observation="", reward=reward, done=True, status=EpisodeStatus.COMPLETED, info=info
+        )
 
 
 def _unscorable(name: str) -> str:
-    return (f"reasoning-gym dataset {name!r} cannot be trained on: {UNSCORABLE[name]}, so the "
-            "reward would not say whether the task was solved; pick another dataset.")
+    return (
+        f"reasoning-gym dataset {name!r} cannot be trained on: {UNSCORABLE[name]}, so the "
+        "reward would not say whether the task was solved; pick another dataset."
+    )
 
 
 @functools.cache

@@ -50,8 +50,13 @@ class Project:
         """The top-level directories of the project's source: those of its files, but
         ``tests`` (the visible tests). Only ``*.py`` files under them reach the hidden
         tests (``raytunix.envs.hidden_tests``)."""
-        return sorted({path.split("/", 1)[0] for path in self.files
-                       if "/" in path and path.split("/", 1)[0] != "tests"})
+        return sorted(
+            {
+                path.split("/", 1)[0]
+                for path in self.files
+                if "/" in path and path.split("/", 1)[0] != "tests"
+            }
+        )
 
     def packages(self) -> list[str]:
         """The top-level module names the hidden tests import from the project."""
@@ -65,8 +70,10 @@ class Project:
         """
         text = self.files[bug.path]
         if text.count(bug.fixed) != 1:
-            raise ValueError(f"bug {bug.name!r} of {self.name!r}: {bug.fixed!r} occurs "
-                             f"{text.count(bug.fixed)} times in {bug.path}, not once")
+            raise ValueError(
+                f"bug {bug.name!r} of {self.name!r}: {bug.fixed!r} occurs "
+                f"{text.count(bug.fixed)} times in {bug.path}, not once"
+            )
         return {**self.files, bug.path: text.replace(bug.fixed, bug.buggy)}
 
 
@@ -148,14 +155,34 @@ class HiddenStatsTest(unittest.TestCase):
         self.assertEqual(top_words("x y", 5), ["x", "y"])
 ''',
     bugs=(
-        Bug("median_even", "textstats/stats.py", "if n % 2 == 1:", "if n % 2 == 0:",
-            "median([4, 1, 3, 2]) should be 2.5"),
-        Bug("mean_divisor", "textstats/stats.py", "sum(values) / len(values)",
-            "sum(values) / (len(values) - 1)", "mean([1, 2]) should be 1.5"),
-        Bug("word_count_spaces", "textstats/stats.py", "len(text.split())",
-            'len(text.split(" "))', "word_count('a  b') should be 2"),
-        Bug("top_words_cut", "textstats/stats.py", "ranked[:k]", "ranked[:k - 1]",
-            "top_words('x y', 2) should be ['x', 'y']"),
+        Bug(
+            "median_even",
+            "textstats/stats.py",
+            "if n % 2 == 1:",
+            "if n % 2 == 0:",
+            "median([4, 1, 3, 2]) should be 2.5",
+        ),
+        Bug(
+            "mean_divisor",
+            "textstats/stats.py",
+            "sum(values) / len(values)",
+            "sum(values) / (len(values) - 1)",
+            "mean([1, 2]) should be 1.5",
+        ),
+        Bug(
+            "word_count_spaces",
+            "textstats/stats.py",
+            "len(text.split())",
+            'len(text.split(" "))',
+            "word_count('a  b') should be 2",
+        ),
+        Bug(
+            "top_words_cut",
+            "textstats/stats.py",
+            "ranked[:k]",
+            "ranked[:k - 1]",
+            "top_words('x y', 2) should be ['x', 'y']",
+        ),
     ),
 )
 
@@ -243,13 +270,27 @@ class HiddenCartTest(unittest.TestCase):
             Cart().add("pen", 0, 1.0)
 ''',
     bugs=(
-        Bug("bulk_threshold", "cart/cart.py", "if quantity >= self.BULK_QUANTITY:",
+        Bug(
+            "bulk_threshold",
+            "cart/cart.py",
+            "if quantity >= self.BULK_QUANTITY:",
             "if quantity > self.BULK_QUANTITY:",
-            "10 cups at 2.0 should cost 18.0 with the bulk discount"),
-        Bug("add_overwrites", "cart/cart.py", "(old_quantity + quantity, unit_price)",
-            "(quantity, unit_price)", "adding 2 pens then 3 pens should give 5 pens"),
-        Bug("remove_keeps_empty", "cart/cart.py", "if quantity >= old_quantity:",
-            "if quantity > old_quantity:", "removing every pen should drop the pen line"),
+            "10 cups at 2.0 should cost 18.0 with the bulk discount",
+        ),
+        Bug(
+            "add_overwrites",
+            "cart/cart.py",
+            "(old_quantity + quantity, unit_price)",
+            "(quantity, unit_price)",
+            "adding 2 pens then 3 pens should give 5 pens",
+        ),
+        Bug(
+            "remove_keeps_empty",
+            "cart/cart.py",
+            "if quantity >= old_quantity:",
+            "if quantity > old_quantity:",
+            "removing every pen should drop the pen line",
+        ),
     ),
 )
 
@@ -293,23 +334,34 @@ class RepoRepairEnv(ToolTaskEnv):
     default_agent = "tool"
     uses_sandbox = True
 
-    def __init__(self, projects: list[str] | None = None, max_tool_errors: int = 3,
-                 tool_timeout_s: float | None = 30.0,
-                 test_timeout_s: float = DEFAULT_TEST_TIMEOUT_S,
-                 sandbox: SandboxClient | None = None) -> None:
-        if isinstance(test_timeout_s, bool) or not isinstance(test_timeout_s, (int, float)) \
-                or not 0 < test_timeout_s <= 3600:
+    def __init__(
+        self,
+        projects: list[str] | None = None,
+        max_tool_errors: int = 3,
+        tool_timeout_s: float | None = 30.0,
+        test_timeout_s: float = DEFAULT_TEST_TIMEOUT_S,
+        sandbox: SandboxClient | None = None,
+    ) -> None:
+        if (
+            isinstance(test_timeout_s, bool)
+            or not isinstance(test_timeout_s, (int, float))
+            or not 0 < test_timeout_s <= 3600
+        ):
             raise ValueError(f"test_timeout_s={test_timeout_s!r} must be seconds in (0, 3600]")
         self.test_timeout_s = float(test_timeout_s)
         names = list(projects) if projects is not None else sorted(PROJECTS)
         unknown = [name for name in names if name not in PROJECTS]
         if unknown or not names:
-            raise ValueError(f"projects={projects!r}: unknown {unknown}; choose from "
-                             f"{sorted(PROJECTS)}")
+            raise ValueError(
+                f"projects={projects!r}: unknown {unknown}; choose from {sorted(PROJECTS)}"
+            )
         self.projects = names
         self.session = SandboxSession(sandbox, name="repo_repair")
-        super().__init__([BashTool(self.session), PythonTool(self.session)],
-                         max_tool_errors=max_tool_errors, tool_timeout_s=tool_timeout_s)
+        super().__init__(
+            [BashTool(self.session), PythonTool(self.session)],
+            max_tool_errors=max_tool_errors,
+            tool_timeout_s=tool_timeout_s,
+        )
 
     def tasks(self, split: str, size: int, seed: int) -> list[Task]:
         rng = random.Random(f"repo_repair/{split}/{seed}")
@@ -317,11 +369,19 @@ class RepoRepairEnv(ToolTaskEnv):
         tasks = []
         for i in range(size):
             project, bug = rng.choice(pairs)
-            question = (f"The Python project {project} in your working directory has a bug: "
-                        f"{bug.symptom}. Fix it; python3 -m unittest runs its tests. Reply "
-                        "<answer>done</answer> when fixed.")
-            tasks.append(Task(f"{split}-{i}", question, "hidden tests pass",
-                              {"project": project, "bug": bug.name}))
+            question = (
+                f"The Python project {project} in your working directory has a bug: "
+                f"{bug.symptom}. Fix it; python3 -m unittest runs its tests. Reply "
+                "<answer>done</answer> when fixed."
+            )
+            tasks.append(
+                Task(
+                    f"{split}-{i}",
+                    question,
+                    "hidden tests pass",
+                    {"project": project, "bug": bug.name},
+                )
+            )
         return tasks
 
     def _initial_observation(self, task: Task) -> str:
@@ -334,13 +394,21 @@ class RepoRepairEnv(ToolTaskEnv):
 
     def _score(self, answer: str) -> tuple[float, dict[str, Any]]:
         project = PROJECTS[self.task.metadata["project"]]
-        report = run_hidden_tests(self.session, source_dirs=project.source_dirs(),
-                                  tests=project.hidden_tests, packages=project.packages(),
-                                  test_timeout_s=self.test_timeout_s)
+        report = run_hidden_tests(
+            self.session,
+            source_dirs=project.source_dirs(),
+            tests=project.hidden_tests,
+            packages=project.packages(),
+            test_timeout_s=self.test_timeout_s,
+        )
         return (1.0 if report.passed else 0.0), {
-            "correct": report.passed, "tests": report.tests, "failures": report.failures,
-            "errors": report.errors, "test_output": report.output,
-            "not_copied": list(report.not_copied)}
+            "correct": report.passed,
+            "tests": report.tests,
+            "failures": report.failures,
+            "errors": report.errors,
+            "test_output": report.output,
+            "not_copied": list(report.not_copied),
+        }
 
     def close(self) -> None:
         """Deletes the episode's work dir."""

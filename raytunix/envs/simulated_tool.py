@@ -60,32 +60,46 @@ class SimulatedToolEnv(BaseEnv):
 
     default_agent = "text"
 
-    def __init__(self, tool_latency_s: float = 0.1, turns: int = 3, jitter: float = 0.0,
-                 seed: int = 0, latency_dist: str = "uniform", latency_sigma: float = 0.0,
-                 straggler_fraction: float = 0.0, straggler_factor: float = 20.0) -> None:
+    def __init__(
+        self,
+        tool_latency_s: float = 0.1,
+        turns: int = 3,
+        jitter: float = 0.0,
+        seed: int = 0,
+        latency_dist: str = "uniform",
+        latency_sigma: float = 0.0,
+        straggler_fraction: float = 0.0,
+        straggler_factor: float = 20.0,
+    ) -> None:
         super().__init__()
         if not tool_latency_s >= 0:
             raise ValueError(f"tool_latency_s must be >= 0 seconds, got {tool_latency_s!r}")
         if not isinstance(turns, int) or turns < 1:
             raise ValueError(f"turns must be an int >= 1, got {turns!r}")
         if latency_dist not in LATENCY_DISTRIBUTIONS:
-            raise ValueError(f"latency_dist must be one of {LATENCY_DISTRIBUTIONS}, got "
-                             f"{latency_dist!r}")
+            raise ValueError(
+                f"latency_dist must be one of {LATENCY_DISTRIBUTIONS}, got {latency_dist!r}"
+            )
         if not 0 <= jitter <= 1:
             raise ValueError(f"jitter must be in [0, 1], got {jitter!r}")
         if not 0 <= latency_sigma < math.inf:
             raise ValueError(f"latency_sigma must be a finite number >= 0, got {latency_sigma!r}")
         if jitter and latency_dist != "uniform":
-            raise ValueError(f"jitter={jitter!r} applies to latency_dist='uniform' only; for "
-                             f"{latency_dist!r} set latency_sigma instead")
+            raise ValueError(
+                f"jitter={jitter!r} applies to latency_dist='uniform' only; for "
+                f"{latency_dist!r} set latency_sigma instead"
+            )
         if latency_sigma and latency_dist != "lognormal":
-            raise ValueError(f"latency_sigma={latency_sigma!r} applies to "
-                             "latency_dist='lognormal' only; for 'uniform' set jitter instead")
+            raise ValueError(
+                f"latency_sigma={latency_sigma!r} applies to "
+                "latency_dist='lognormal' only; for 'uniform' set jitter instead"
+            )
         if not 0 <= straggler_fraction <= 1:
             raise ValueError(f"straggler_fraction must be in [0, 1], got {straggler_fraction!r}")
         if not 1 <= straggler_factor < math.inf:
-            raise ValueError(f"straggler_factor must be a finite number >= 1, got "
-                             f"{straggler_factor!r}")
+            raise ValueError(
+                f"straggler_factor must be a finite number >= 1, got {straggler_factor!r}"
+            )
         self.tool_latency_s = float(tool_latency_s)
         self.turns = turns
         self.jitter = float(jitter)
@@ -101,7 +115,7 @@ class SimulatedToolEnv(BaseEnv):
     @property
     def mean_latency_s(self) -> float:
         """Expected seconds of one step over all episodes, stragglers included."""
-        spread = math.exp(self.latency_sigma ** 2 / 2) if self.latency_dist == "lognormal" else 1.0
+        spread = math.exp(self.latency_sigma**2 / 2) if self.latency_dist == "lognormal" else 1.0
         stragglers = 1 + self.straggler_fraction * (self.straggler_factor - 1)
         return self.tool_latency_s * spread * stragglers
 
@@ -126,6 +140,7 @@ class SimulatedToolEnv(BaseEnv):
         self.steps += 1
         info = {"tool_latency_s": latency_s, "straggler": self.straggler}
         if self.steps >= self.turns:
-            return StepResult(observation="", reward=1.0, done=True,
-                              status=EpisodeStatus.COMPLETED, info=info)
+            return StepResult(
+                observation="", reward=1.0, done=True, status=EpisodeStatus.COMPLETED, info=info
+            )
         return StepResult(observation=f"tool result {self.steps}", info=info)

@@ -35,16 +35,38 @@ from raytunix.registry import register
 from raytunix.tools.base import Tool, ToolError
 from raytunix.types import Task, ToolErrorKind
 
-SCHEMA = ("Tables: customers(id, name, city); products(id, name, category, price); "
-          "orders(id, customer_id, product_id, quantity, order_date 'YYYY-MM-DD').")
+SCHEMA = (
+    "Tables: customers(id, name, city); products(id, name, category, price); "
+    "orders(id, customer_id, product_id, quantity, order_date 'YYYY-MM-DD')."
+)
 
 # Sizes (customers, products, orders) of the instances an answer is also checked on; they
 # differ from the task's (40, 24, 300) so that counts and per-category figures differ too.
 VARIANTS = ((34, 18, 260), (45, 21, 340), (38, 15, 220))
 
 CITIES = ("Lisbon", "Oslo", "Nairobi", "Lima", "Osaka", "Quebec", "Tunis", "Perth")
-FIRST = ("Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Goran", "Hana", "Ivan", "Jun",
-         "Kofi", "Lea", "Mei", "Nina", "Omar", "Pia", "Raj", "Sara", "Tom", "Uma")
+FIRST = (
+    "Ana",
+    "Ben",
+    "Chen",
+    "Dara",
+    "Eli",
+    "Fatima",
+    "Goran",
+    "Hana",
+    "Ivan",
+    "Jun",
+    "Kofi",
+    "Lea",
+    "Mei",
+    "Nina",
+    "Omar",
+    "Pia",
+    "Raj",
+    "Sara",
+    "Tom",
+    "Uma",
+)
 LAST = ("Silva", "Berg", "Okoro", "Tanaka", "Novak", "Rossi", "Haddad", "Kim", "Moreau", "Diaz")
 CATEGORIES = {
     "kitchen": ("kettle", "toaster", "blender", "pan", "knife set", "teapot"),
@@ -52,8 +74,20 @@ CATEGORIES = {
     "office": ("stapler", "desk lamp", "notebook", "monitor stand", "pen set", "chair mat"),
     "outdoor": ("tent", "lantern", "backpack", "sleeping bag", "compass", "water bottle"),
 }
-MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August",
-          "September", "October", "November", "December")
+MONTHS = (
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
+)
 
 MAX_ROWS = 10_000  # rows a query may return (tool or answer)
 MAX_RESULT_BYTES = 1_000_000  # bytes of text and blobs a query may return
@@ -63,8 +97,7 @@ _POOL = SQLWorkerPool()
 atexit.register(_POOL.close)
 
 
-def database_path(db_seed: int, customers: int = 40, products: int = 24,
-                  orders: int = 300) -> str:
+def database_path(db_seed: int, customers: int = 40, products: int = 24, orders: int = 300) -> str:
     """Path of this process's SQLite file for ``db_seed`` and the sizes, built on first
     use (in a temp dir deleted at exit) and shared by every env of the process."""
     key = (db_seed, customers, products, orders)
@@ -84,8 +117,9 @@ def variant_paths(db_seed: int) -> list[str]:
     return [database_path(db_seed, *sizes) for sizes in VARIANTS]
 
 
-def _build_database(path: str, rng: random.Random, n_customers: int, n_products: int,
-                    n_orders: int) -> None:
+def _build_database(
+    path: str, rng: random.Random, n_customers: int, n_products: int, n_orders: int
+) -> None:
     conn = sqlite3.connect(path)
     try:
         conn.executescript(
@@ -94,24 +128,40 @@ def _build_database(path: str, rng: random.Random, n_customers: int, n_products:
             "category TEXT NOT NULL, price REAL NOT NULL);"
             "CREATE TABLE orders (id INTEGER PRIMARY KEY, customer_id INTEGER NOT NULL "
             "REFERENCES customers(id), product_id INTEGER NOT NULL REFERENCES products(id), "
-            "quantity INTEGER NOT NULL, order_date TEXT NOT NULL);")
+            "quantity INTEGER NOT NULL, order_date TEXT NOT NULL);"
+        )
         names = rng.sample([f"{first} {last}" for first in FIRST for last in LAST], n_customers)
-        conn.executemany("INSERT INTO customers VALUES (?, ?, ?)",
-                         [(i + 1, name, rng.choice(CITIES)) for i, name in enumerate(names)])
+        conn.executemany(
+            "INSERT INTO customers VALUES (?, ?, ?)",
+            [(i + 1, name, rng.choice(CITIES)) for i, name in enumerate(names)],
+        )
         items = [(name, cat) for cat, names_ in CATEGORIES.items() for name in names_]
         items = rng.sample(items, min(n_products, len(items)))
         # Distinct prices: "the k most expensive" has one right order.
         prices = rng.sample(range(199, 20000), len(items))
-        conn.executemany("INSERT INTO products VALUES (?, ?, ?, ?)",
-                         [(i + 1, name, cat, price / 100)
-                          for i, ((name, cat), price) in enumerate(zip(items, prices))])
+        conn.executemany(
+            "INSERT INTO products VALUES (?, ?, ?, ?)",
+            [
+                (i + 1, name, cat, price / 100)
+                for i, ((name, cat), price) in enumerate(zip(items, prices))
+            ],
+        )
         # The last few customers never order, so "customers without orders" is never empty.
         buyers = max(1, n_customers - 3)
         start = datetime.date(2024, 1, 1)
-        conn.executemany("INSERT INTO orders VALUES (?, ?, ?, ?, ?)", [
-            (i + 1, rng.randint(1, buyers), rng.randint(1, len(items)), rng.randint(1, 5),
-             (start + datetime.timedelta(days=rng.randrange(366))).isoformat())
-            for i in range(n_orders)])
+        conn.executemany(
+            "INSERT INTO orders VALUES (?, ?, ?, ?, ?)",
+            [
+                (
+                    i + 1,
+                    rng.randint(1, buyers),
+                    rng.randint(1, len(items)),
+                    rng.randint(1, 5),
+                    (start + datetime.timedelta(days=rng.randrange(366))).isoformat(),
+                )
+                for i in range(n_orders)
+            ],
+        )
         conn.commit()
     finally:
         conn.close()
@@ -120,8 +170,14 @@ def _build_database(path: str, rng: random.Random, n_customers: int, n_products:
 _KINDS = {"timeout": ToolErrorKind.TIMEOUT, "bad_arguments": ToolErrorKind.BAD_ARGUMENTS}
 
 
-def run_query(path: str, query: str, *, timeout_s: float = 2.0, max_rows: int = MAX_ROWS,
-              max_result_bytes: int = MAX_RESULT_BYTES) -> tuple[list[str], list[tuple]]:
+def run_query(
+    path: str,
+    query: str,
+    *,
+    timeout_s: float = 2.0,
+    max_rows: int = MAX_ROWS,
+    max_result_bytes: int = MAX_RESULT_BYTES,
+) -> tuple[list[str], list[tuple]]:
     """Runs one SQL statement read-only on the database at ``path``, in a helper process
     with the bounds of ``raytunix.envs.sql_worker`` (memory, time, functions, output).
 
@@ -136,8 +192,9 @@ def run_query(path: str, query: str, *, timeout_s: float = 2.0, max_rows: int = 
         ``BAD_ARGUMENTS``).
     """
     try:
-        columns, rows, _ = _POOL.execute(path, query, timeout_s=timeout_s, max_rows=max_rows,
-                                         max_result_bytes=max_result_bytes)
+        columns, rows, _ = _POOL.execute(
+            path, query, timeout_s=timeout_s, max_rows=max_rows, max_result_bytes=max_result_bytes
+        )
     except QueryFailed as e:
         raise ToolError(f"sql: {e}", _KINDS.get(e.kind, ToolErrorKind.TOOL_EXCEPTION)) from None
     return columns, rows
@@ -147,10 +204,12 @@ def result_key(rows: list[tuple], ordered: bool) -> list | collections.Counter:
     """What two result sets are compared by: rows as tuples with numbers as floats rounded
     to 6 decimals (so 3 and 3.0 agree), in order if ``ordered``, else as a multiset.
     Column names are not compared."""
+
     def norm(value: Any) -> Any:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return round(float(value), 6)
         return value
+
     normalized = [tuple(norm(v) for v in row) for row in rows]
     return normalized if ordered else collections.Counter(normalized)
 
@@ -173,16 +232,28 @@ class SQLQueryTool(Tool):
     description = "Run one read-only SQL query (SQLite) on the shop database and see its rows."
     parameters = {
         "type": "object",
-        "properties": {"query": {"type": "string",
-                                 "description": "e.g. 'SELECT name, price FROM products LIMIT 5'"}},
+        "properties": {
+            "query": {
+                "type": "string",
+                "description": "e.g. 'SELECT name, price FROM products LIMIT 5'",
+            }
+        },
         "required": ["query"],
     }
 
-    def __init__(self, path: str, timeout_s: float = 2.0, show_rows: int = 20,
-                 max_cell_chars: int = 200, max_chars: int = 4000) -> None:
+    def __init__(
+        self,
+        path: str,
+        timeout_s: float = 2.0,
+        show_rows: int = 20,
+        max_cell_chars: int = 200,
+        max_chars: int = 4000,
+    ) -> None:
         if max_chars < 200 or max_cell_chars < 1 or show_rows < 1:
-            raise ValueError(f"show_rows={show_rows}, max_cell_chars={max_cell_chars} and "
-                             f"max_chars={max_chars} must be >= 1, >= 1 and >= 200")
+            raise ValueError(
+                f"show_rows={show_rows}, max_cell_chars={max_cell_chars} and "
+                f"max_chars={max_chars} must be >= 1, >= 1 and >= 200"
+            )
         self.path, self.timeout_s, self.show_rows = path, timeout_s, show_rows
         self.max_cell_chars, self.max_chars = max_cell_chars, max_chars
 
@@ -229,69 +300,99 @@ def _column(conn: sqlite3.Connection, sql: str, *args: Any) -> list:
 
 def _orders_from_city(rng, conn):
     city = rng.choice(_column(conn, "SELECT DISTINCT city FROM customers ORDER BY city"))
-    return (f"How many orders did customers from {city} place?",
-            "SELECT COUNT(*) FROM orders o JOIN customers c ON o.customer_id = c.id "
-            f"WHERE c.city = '{city}'", False)
+    return (
+        f"How many orders did customers from {city} place?",
+        "SELECT COUNT(*) FROM orders o JOIN customers c ON o.customer_id = c.id "
+        f"WHERE c.city = '{city}'",
+        False,
+    )
 
 
 def _quantity_of_product(rng, conn):
     product = rng.choice(_column(conn, "SELECT name FROM products ORDER BY id"))
-    return (f"What is the total quantity ordered of the {product}?",
-            "SELECT SUM(o.quantity) FROM orders o JOIN products p ON o.product_id = p.id "
-            f"WHERE p.name = '{product}'", False)
+    return (
+        f"What is the total quantity ordered of the {product}?",
+        "SELECT SUM(o.quantity) FROM orders o JOIN products p ON o.product_id = p.id "
+        f"WHERE p.name = '{product}'",
+        False,
+    )
 
 
 def _cheaper_than(rng, conn):
     category = rng.choice(_column(conn, "SELECT DISTINCT category FROM products ORDER BY category"))
     price = rng.randint(20, 180)
-    return (f"List the names of {category} products that cost less than {price}.",
-            f"SELECT name FROM products WHERE category = '{category}' AND price < {price}", False)
+    return (
+        f"List the names of {category} products that cost less than {price}.",
+        f"SELECT name FROM products WHERE category = '{category}' AND price < {price}",
+        False,
+    )
 
 
 def _most_expensive(rng, conn):
     k = rng.randint(2, 4)
-    return (f"List the names of the {k} most expensive products, most expensive first.",
-            f"SELECT name FROM products ORDER BY price DESC LIMIT {k}", True)
+    return (
+        f"List the names of the {k} most expensive products, most expensive first.",
+        f"SELECT name FROM products ORDER BY price DESC LIMIT {k}",
+        True,
+    )
 
 
 def _average_price(rng, conn):
     category = rng.choice(_column(conn, "SELECT DISTINCT category FROM products ORDER BY category"))
-    return (f"What is the average price of {category} products, rounded to 2 decimals?",
-            f"SELECT ROUND(AVG(price), 2) FROM products WHERE category = '{category}'", False)
+    return (
+        f"What is the average price of {category} products, rounded to 2 decimals?",
+        f"SELECT ROUND(AVG(price), 2) FROM products WHERE category = '{category}'",
+        False,
+    )
 
 
 def _never_ordered(rng, conn):
-    return ("List the names of customers who never placed an order.",
-            "SELECT name FROM customers WHERE id NOT IN (SELECT customer_id FROM orders)", False)
+    return (
+        "List the names of customers who never placed an order.",
+        "SELECT name FROM customers WHERE id NOT IN (SELECT customer_id FROM orders)",
+        False,
+    )
 
 
 def _orders_in_month(rng, conn):
     month = rng.randint(1, 12)
-    return (f"How many orders were placed in {MONTHS[month - 1]} 2024?",
-            f"SELECT COUNT(*) FROM orders WHERE order_date LIKE '2024-{month:02d}-%'", False)
+    return (
+        f"How many orders were placed in {MONTHS[month - 1]} 2024?",
+        f"SELECT COUNT(*) FROM orders WHERE order_date LIKE '2024-{month:02d}-%'",
+        False,
+    )
 
 
 def _big_orders_from_city(rng, conn):
     city = rng.choice(_column(conn, "SELECT DISTINCT city FROM customers ORDER BY city"))
     quantity = rng.randint(2, 5)
-    return (f"How many orders of at least {quantity} units did customers from {city} place?",
-            "SELECT COUNT(*) FROM orders o JOIN customers c ON o.customer_id = c.id "
-            f"WHERE c.city = '{city}' AND o.quantity >= {quantity}", False)
+    return (
+        f"How many orders of at least {quantity} units did customers from {city} place?",
+        "SELECT COUNT(*) FROM orders o JOIN customers c ON o.customer_id = c.id "
+        f"WHERE c.city = '{city}' AND o.quantity >= {quantity}",
+        False,
+    )
 
 
 def _category_revenue_in_month(rng, conn):
     category = rng.choice(_column(conn, "SELECT DISTINCT category FROM products ORDER BY category"))
     month = rng.randint(1, 12)
-    return (f"What was the revenue (quantity times price) of {category} products in "
-            f"{MONTHS[month - 1]} 2024, rounded to 2 decimals?",
-            "SELECT ROUND(SUM(o.quantity * p.price), 2) FROM orders o JOIN products p ON "
-            f"o.product_id = p.id WHERE p.category = '{category}' AND o.order_date LIKE "
-            f"'2024-{month:02d}-%'", False)
+    return (
+        f"What was the revenue (quantity times price) of {category} products in "
+        f"{MONTHS[month - 1]} 2024, rounded to 2 decimals?",
+        "SELECT ROUND(SUM(o.quantity * p.price), 2) FROM orders o JOIN products p ON "
+        f"o.product_id = p.id WHERE p.category = '{category}' AND o.order_date LIKE "
+        f"'2024-{month:02d}-%'",
+        False,
+    )
 
 
 def _products_per_category(rng, conn):
-    return ("For each product category, how many products are in it? Give category and count.",
-            "SELECT category, COUNT(*) FROM products GROUP BY category", False)
+    return (
+        "For each product category, how many products are in it? Give category and count.",
+        "SELECT category, COUNT(*) FROM products GROUP BY category",
+        False,
+    )
 
 
 TEMPLATES: dict[str, _Template] = {
@@ -346,21 +447,31 @@ class TextToSQLEnv(ToolTaskEnv):
 
     default_agent = "tool"
 
-    def __init__(self, db_seed: int = 0, max_tool_errors: int = 2,
-                 query_timeout_s: float = 2.0, show_schema: bool = True) -> None:
+    def __init__(
+        self,
+        db_seed: int = 0,
+        max_tool_errors: int = 2,
+        query_timeout_s: float = 2.0,
+        show_schema: bool = True,
+    ) -> None:
         if not query_timeout_s > 0:
             raise ValueError(f"query_timeout_s={query_timeout_s!r} must be > 0 seconds")
         self.db_path = database_path(db_seed)
         self.variant_paths = variant_paths(db_seed)
         self.query_timeout_s = query_timeout_s
         self.show_schema = show_schema
-        super().__init__([SQLQueryTool(self.db_path, query_timeout_s)],
-                         max_tool_errors=max_tool_errors, tool_timeout_s=None)
+        super().__init__(
+            [SQLQueryTool(self.db_path, query_timeout_s)],
+            max_tool_errors=max_tool_errors,
+            tool_timeout_s=None,
+        )
 
     def tasks(self, split: str, size: int, seed: int) -> list[Task]:
         names = sorted(TEMPLATES)
-        conn, *others = [sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-                         for path in [self.db_path, *self.variant_paths]]
+        conn, *others = [
+            sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+            for path in [self.db_path, *self.variant_paths]
+        ]
 
         def draw(rng: random.Random) -> tuple[str, str, dict]:
             # A question whose gold result is the same on every instance (no cheap product
@@ -369,15 +480,21 @@ class TextToSQLEnv(ToolTaskEnv):
                 name = rng.choice(names)
                 question, gold, ordered = TEMPLATES[name](rng, conn)
                 key = result_key(conn.execute(gold).fetchall(), ordered)
-                if any(result_key(other.execute(gold).fetchall(), ordered) != key
-                       for other in others):
+                if any(
+                    result_key(other.execute(gold).fetchall(), ordered) != key for other in others
+                ):
                     break
             else:
-                raise RuntimeError("no question tells the database instances apart; the "
-                                   "VARIANTS must differ from the task's database")
+                raise RuntimeError(
+                    "no question tells the database instances apart; the "
+                    "VARIANTS must differ from the task's database"
+                )
             prompt = f"{SCHEMA}\n{question}" if self.show_schema else question
-            return (prompt + " Answer with one SQL query.", gold,
-                    {"gold_sql": gold, "ordered": ordered, "template": name})
+            return (
+                prompt + " Answer with one SQL query.",
+                gold,
+                {"gold_sql": gold, "ordered": ordered, "template": name},
+            )
 
         try:
             return draw_tasks(split, size, random.Random(f"text_to_sql/{split}/{seed}"), draw)
@@ -389,16 +506,25 @@ class TextToSQLEnv(ToolTaskEnv):
         ordered = bool(self.task.metadata.get("ordered"))
         rows = 0
         for instance, path in enumerate([self.db_path, *self.variant_paths]):
-            _, gold = run_query(path, self.task.metadata["gold_sql"],
-                                timeout_s=max(self.query_timeout_s, 10.0))
+            _, gold = run_query(
+                path, self.task.metadata["gold_sql"], timeout_s=max(self.query_timeout_s, 10.0)
+            )
             try:
                 _, got = run_query(path, answer, timeout_s=self.query_timeout_s)
             except ToolError as e:
-                return 0.0, {"correct": False, "error": str(e), "failed_instance": instance,
-                             "instances": instance + 1}
+                return 0.0, {
+                    "correct": False,
+                    "error": str(e),
+                    "failed_instance": instance,
+                    "instances": instance + 1,
+                }
             if instance == 0:
                 rows = len(got)
             if result_key(got, ordered) != result_key(gold, ordered):
-                return 0.0, {"correct": False, "rows": rows, "failed_instance": instance,
-                             "instances": instance + 1}
+                return 0.0, {
+                    "correct": False,
+                    "rows": rows,
+                    "failed_instance": instance,
+                    "instances": instance + 1,
+                }
         return 1.0, {"correct": True, "rows": rows, "instances": 1 + len(self.variant_paths)}

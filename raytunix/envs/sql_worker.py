@@ -48,19 +48,77 @@ WORKER_MEMORY_BYTES = 512 << 20  # RLIMIT_AS of the helper
 KILL_GRACE_S = 1.0  # past the deadline, the parent kills a helper that has not answered
 MAX_WORKERS = 4  # helpers per process; more concurrent queries wait for one
 
-ALLOWED_FUNCTIONS = frozenset({
-    # aggregates
-    "count", "sum", "total", "avg", "min", "max", "group_concat",
-    # window functions
-    "row_number", "rank", "dense_rank", "percent_rank", "cume_dist", "ntile", "lag", "lead",
-    "first_value", "last_value", "nth_value",
-    # scalars that make values no larger than their arguments
-    "abs", "round", "length", "lower", "upper", "substr", "substring", "trim", "ltrim",
-    "rtrim", "replace", "instr", "coalesce", "ifnull", "nullif", "iif", "like", "glob",
-    "typeof", "sign", "date", "time", "datetime", "julianday", "strftime", "unixepoch",
-    "likely", "unlikely", "likelihood", "quote", "hex", "unicode", "char", "floor", "ceil",
-    "ceiling", "trunc", "sqrt", "pow", "power", "mod", "exp", "ln", "log", "log10", "log2",
-})
+ALLOWED_FUNCTIONS = frozenset(
+    {
+        # aggregates
+        "count",
+        "sum",
+        "total",
+        "avg",
+        "min",
+        "max",
+        "group_concat",
+        # window functions
+        "row_number",
+        "rank",
+        "dense_rank",
+        "percent_rank",
+        "cume_dist",
+        "ntile",
+        "lag",
+        "lead",
+        "first_value",
+        "last_value",
+        "nth_value",
+        # scalars that make values no larger than their arguments
+        "abs",
+        "round",
+        "length",
+        "lower",
+        "upper",
+        "substr",
+        "substring",
+        "trim",
+        "ltrim",
+        "rtrim",
+        "replace",
+        "instr",
+        "coalesce",
+        "ifnull",
+        "nullif",
+        "iif",
+        "like",
+        "glob",
+        "typeof",
+        "sign",
+        "date",
+        "time",
+        "datetime",
+        "julianday",
+        "strftime",
+        "unixepoch",
+        "likely",
+        "unlikely",
+        "likelihood",
+        "quote",
+        "hex",
+        "unicode",
+        "char",
+        "floor",
+        "ceil",
+        "ceiling",
+        "trunc",
+        "sqrt",
+        "pow",
+        "power",
+        "mod",
+        "exp",
+        "ln",
+        "log",
+        "log10",
+        "log2",
+    }
+)
 """Functions a query may call (lower case). ``hex`` and ``replace`` can grow a value a few
 times over, but never past ``MAX_VALUE_BYTES``."""
 
@@ -100,8 +158,9 @@ def _value_bytes(value: Any) -> int:
     return 16
 
 
-def run_one(path: str, query: str, timeout_s: float, max_rows: int,
-            max_result_bytes: int) -> dict[str, Any]:
+def run_one(
+    path: str, query: str, timeout_s: float, max_rows: int, max_result_bytes: int
+) -> dict[str, Any]:
     """Runs ``query`` read-only on the database at ``path`` with every in-process bound of
     the module docstring, in the calling process (the helper calls it; a test may too).
 
@@ -117,8 +176,11 @@ def run_one(path: str, query: str, timeout_s: float, max_rows: int,
     if not query.strip():
         raise QueryFailed("the query is empty; write one SELECT statement", "bad_arguments")
     if len(query) > MAX_SQL_CHARS:
-        raise QueryFailed(f"the query is {len(query):,} characters, over the {MAX_SQL_CHARS:,} "
-                          "allowed; write a shorter one", "bad_arguments")
+        raise QueryFailed(
+            f"the query is {len(query):,} characters, over the {MAX_SQL_CHARS:,} "
+            "allowed; write a shorter one",
+            "bad_arguments",
+        )
     refused: list[str] = []
     tables: set[str] = set()
 
@@ -132,8 +194,10 @@ def run_one(path: str, query: str, timeout_s: float, max_rows: int,
         if action == sqlite3.SQLITE_FUNCTION:
             if str(arg2).lower() in ALLOWED_FUNCTIONS:
                 return sqlite3.SQLITE_OK
-            refused.append(f"function {arg2}() is not allowed (allowed: "
-                           f"{', '.join(sorted(ALLOWED_FUNCTIONS))})")
+            refused.append(
+                f"function {arg2}() is not allowed (allowed: "
+                f"{', '.join(sorted(ALLOWED_FUNCTIONS))})"
+            )
             return sqlite3.SQLITE_DENY
         if action == _RECURSIVE:
             refused.append("recursive CTEs are not allowed; no question needs one")
@@ -162,12 +226,16 @@ def run_one(path: str, query: str, timeout_s: float, max_rows: int,
                 if len(rows) > max_rows:
                     raise QueryFailed(f"the query returned more than {max_rows} rows; narrow it")
                 if size > max_result_bytes:
-                    raise QueryFailed(f"the query's result is over {max_result_bytes:,} bytes; "
-                                      "select fewer or shorter values")
+                    raise QueryFailed(
+                        f"the query's result is over {max_result_bytes:,} bytes; "
+                        "select fewer or shorter values"
+                    )
         except sqlite3.Error as e:
             if time.monotonic() > deadline:
-                raise QueryFailed(f"the query ran past its {timeout_s:g} s deadline and was "
-                                  "stopped; simplify it", "timeout") from None
+                raise QueryFailed(
+                    f"the query ran past its {timeout_s:g} s deadline and was stopped; simplify it",
+                    "timeout",
+                ) from None
             message = str(e)
             if refused:
                 message = refused[0]
@@ -209,19 +277,28 @@ def _serve() -> None:
     for line in sys.stdin:
         request = json.loads(line)
         try:
-            result = run_one(request["path"], request["query"], request["timeout_s"],
-                             request["max_rows"], request["max_result_bytes"])
+            result = run_one(
+                request["path"],
+                request["query"],
+                request["timeout_s"],
+                request["max_rows"],
+                request["max_result_bytes"],
+            )
             result["rows"] = [[_encode(v) for v in row] for row in result["rows"]]
             answer = {"ok": result}
         except QueryFailed as e:
             answer = {"error": str(e), "kind": e.kind}
         except MemoryError:  # SQLite's heap limit (SQLITE_NOMEM) or RLIMIT_AS
-            answer = {"error": "the query needs more memory than a query may use (SQLite "
-                      f"{HEAP_LIMIT_BYTES >> 20} MiB); use fewer rows or smaller values",
-                      "kind": "error"}
+            answer = {
+                "error": "the query needs more memory than a query may use (SQLite "
+                f"{HEAP_LIMIT_BYTES >> 20} MiB); use fewer rows or smaller values",
+                "kind": "error",
+            }
         except Exception as e:  # noqa: BLE001 - e.g. a query text SQLite cannot encode
-            answer = {"error": f"the query could not run ({type(e).__name__}: {e})"[:500],
-                      "kind": "error"}
+            answer = {
+                "error": f"the query could not run ({type(e).__name__}: {e})"[:500],
+                "kind": "error",
+            }
         sys.stdout.write(json.dumps(answer) + "\n")
         sys.stdout.flush()
 
@@ -234,9 +311,14 @@ class _Worker:
         # -I -S: no user site, no PYTHON* variables, no site-packages; the helper needs only
         # the standard library. An empty environment: it has no use for the parent's.
         self.process = subprocess.Popen(
-            [sys.executable, "-I", "-S", os.path.abspath(__file__)], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env={}, close_fds=True,
-            start_new_session=True)
+            [sys.executable, "-I", "-S", os.path.abspath(__file__)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env={},
+            close_fds=True,
+            start_new_session=True,
+        )
         self._buffer = b""
 
     def ask(self, request: dict[str, Any], deadline: float, max_bytes: int) -> dict[str, Any]:
@@ -293,8 +375,9 @@ class SQLWorkerPool:
         self._count = 0
         self._cond = threading.Condition()
 
-    def execute(self, path: str, query: str, *, timeout_s: float, max_rows: int,
-                max_result_bytes: int) -> tuple[list[str], list[tuple], list[str]]:
+    def execute(
+        self, path: str, query: str, *, timeout_s: float, max_rows: int, max_result_bytes: int
+    ) -> tuple[list[str], list[tuple], list[str]]:
         """Runs ``query`` on the database file ``path`` in a helper process.
 
         Args:
@@ -309,19 +392,31 @@ class SQLWorkerPool:
             ``"timeout"``; out of memory or over the output bound, kind ``"error"``).
         """
         worker = self._take()
-        request = {"path": path, "query": query, "timeout_s": timeout_s, "max_rows": max_rows,
-                   "max_result_bytes": max_result_bytes}
+        request = {
+            "path": path,
+            "query": query,
+            "timeout_s": timeout_s,
+            "max_rows": max_rows,
+            "max_result_bytes": max_result_bytes,
+        }
         try:
-            answer = worker.ask(request, time.monotonic() + timeout_s + KILL_GRACE_S,
-                                4 * max_result_bytes + 64 * max_rows + (1 << 16))
+            answer = worker.ask(
+                request,
+                time.monotonic() + timeout_s + KILL_GRACE_S,
+                4 * max_result_bytes + 64 * max_rows + (1 << 16),
+            )
         except _Dead as e:
             self._discard()
             if str(e) == "timeout":
-                raise QueryFailed(f"the query ran past its {timeout_s:g} s deadline and was "
-                                  "stopped; simplify it", "timeout") from None
-            raise QueryFailed("the query was stopped: it needed more memory or output than a "
-                              f"query may use ({WORKER_MEMORY_BYTES >> 20} MiB, "
-                              f"{max_result_bytes:,} bytes of result)") from None
+                raise QueryFailed(
+                    f"the query ran past its {timeout_s:g} s deadline and was stopped; simplify it",
+                    "timeout",
+                ) from None
+            raise QueryFailed(
+                "the query was stopped: it needed more memory or output than a "
+                f"query may use ({WORKER_MEMORY_BYTES >> 20} MiB, "
+                f"{max_result_bytes:,} bytes of result)"
+            ) from None
         self._give_back(worker)
         if "error" in answer:
             raise QueryFailed(answer["error"], answer["kind"])

@@ -41,18 +41,28 @@ class ToolTaskEnv(CalculatorMathEnv):
       max_tool_errors, tool_timeout_s: see ``CalculatorMathEnv``.
     """
 
-    def __init__(self, tools: Sequence[Tool], *, max_tool_errors: int = 2,
-                 tool_timeout_s: float | None = 10.0) -> None:
-        super().__init__(max_tool_errors=max_tool_errors, tools=list(tools),
-                         tool_timeout_s=tool_timeout_s)
+    def __init__(
+        self,
+        tools: Sequence[Tool],
+        *,
+        max_tool_errors: int = 2,
+        tool_timeout_s: float | None = 10.0,
+    ) -> None:
+        super().__init__(
+            max_tool_errors=max_tool_errors, tools=list(tools), tool_timeout_s=tool_timeout_s
+        )
 
     def _step_impl(self, action: Action) -> StepResult:
         if action.parse_error is None and action.answer is not None and not action.tool_calls:
             with profiling.span("reward", "env", {"rule": type(self).__name__}):
                 reward, info = self._score(action.answer)
-            return StepResult(observation="", reward=reward, done=True,
-                              status=EpisodeStatus.COMPLETED,
-                              info={**info, TOOL_ERRORS_KEY: {}})
+            return StepResult(
+                observation="",
+                reward=reward,
+                done=True,
+                status=EpisodeStatus.COMPLETED,
+                info={**info, TOOL_ERRORS_KEY: {}},
+            )
         return super()._step_impl(action)
 
     @abc.abstractmethod
@@ -86,8 +96,10 @@ def write_files(session: SandboxSession, files: dict[str, str]) -> None:
     """
     result = session.run(["python3", "-I", "-"], stdin=write_files_program(files))
     if not result.ok:
-        raise RuntimeError(f"writing {sorted(files)} into the work dir failed (exit "
-                           f"{result.exit_code}): {result.stderr[-2000:]}")
+        raise RuntimeError(
+            f"writing {sorted(files)} into the work dir failed (exit "
+            f"{result.exit_code}): {result.stderr[-2000:]}"
+        )
 
 
 def run_report(session: SandboxSession, program: str) -> dict[str, Any]:
@@ -106,15 +118,19 @@ def run_report(session: SandboxSession, program: str) -> dict[str, Any]:
       SandboxUnavailable: the sandbox cannot serve the call.
     """
     marker = f"@@report-{secrets.token_hex(8)}@@"
-    source = (f"{program}\n\nimport json as _json\n"
-              f"print({marker!r} + _json.dumps(report()), flush=True)\n")
+    source = (
+        f"{program}\n\nimport json as _json\n"
+        f"print({marker!r} + _json.dumps(report()), flush=True)\n"
+    )
     result = session.run(["python3", "-I", "-S", "-"], stdin=source)
     for line in result.stdout.splitlines():
         if line.startswith(marker):
-            return json.loads(line[len(marker):])
-    raise RuntimeError(f"the check program printed no report (exit {result.exit_code}, "
-                       f"limit {result.killed_by_limit}); stdout: {result.stdout[-1000:]!r}; "
-                       f"stderr: {result.stderr[-2000:]!r}")
+            return json.loads(line[len(marker) :])
+    raise RuntimeError(
+        f"the check program printed no report (exit {result.exit_code}, "
+        f"limit {result.killed_by_limit}); stdout: {result.stdout[-1000:]!r}; "
+        f"stderr: {result.stderr[-2000:]!r}"
+    )
 
 
 # Reads what is at each path without following a link, opening a FIFO or reading more than
@@ -152,8 +168,9 @@ def report():
 """
 
 
-def read_state(session: SandboxSession, paths: Sequence[str],
-               max_chars: int = 4096) -> dict[str, dict[str, Any]]:
+def read_state(
+    session: SandboxSession, paths: Sequence[str], max_chars: int = 4096
+) -> dict[str, dict[str, Any]]:
     """What is at each of ``paths`` (relative to the session's work dir), read in the
     sandbox by a program that takes nothing from the work dir (``python3 -I -S``).
 
@@ -170,11 +187,11 @@ def read_state(session: SandboxSession, paths: Sequence[str],
       SandboxUnavailable: the sandbox cannot serve the call.
     """
     for path in paths:
-        if not isinstance(path, str) or not path or path.startswith("/") \
-                or ".." in path.split("/"):
+        if not isinstance(path, str) or not path or path.startswith("/") or ".." in path.split("/"):
             raise ValueError(f"path {path!r} must be relative to the work dir, without '..'")
-    return run_report(session, _READ_STATE.format(paths=json.dumps(list(paths)),
-                                                  max_chars=int(max_chars)))
+    return run_report(
+        session, _READ_STATE.format(paths=json.dumps(list(paths)), max_chars=int(max_chars))
+    )
 
 
 MAX_SOURCE_BYTES = 4 << 20  # source read out of a work dir, in all
@@ -243,8 +260,9 @@ def report():
 """
 
 
-def collect_sources(session: SandboxSession, dirs: Sequence[str], *, name_pattern: str,
-                    exclude: Sequence[str] = ()) -> tuple[dict[str, str], list[str]]:
+def collect_sources(
+    session: SandboxSession, dirs: Sequence[str], *, name_pattern: str, exclude: Sequence[str] = ()
+) -> tuple[dict[str, str], list[str]]:
     """The source files under ``dirs`` of the session's work dir, read by a program that
     takes nothing from the work dir (``python3 -I -S``), to be copied into a pristine one.
 
@@ -264,25 +282,40 @@ def collect_sources(session: SandboxSession, dirs: Sequence[str], *, name_patter
     """
     part = r"[A-Za-z0-9_][A-Za-z0-9_.-]*"
     for d in dirs:
-        if not isinstance(d, str) or not re.fullmatch(rf"{part}(/{part})*", d) \
-                or ".." in d.split("/"):
+        if (
+            not isinstance(d, str)
+            or not re.fullmatch(rf"{part}(/{part})*", d)
+            or ".." in d.split("/")
+        ):
             raise ValueError(f"source dir {d!r} must be a relative path of plain names")
-    program = _COLLECT.format(dirs=json.dumps(list(dirs)), pattern=name_pattern,
-                              exclude=json.dumps(list(exclude)), max_bytes=MAX_SOURCE_BYTES,
-                              max_blob=MAX_SOURCE_BLOB, listed=_MAX_LISTED)
+    program = _COLLECT.format(
+        dirs=json.dumps(list(dirs)),
+        pattern=name_pattern,
+        exclude=json.dumps(list(exclude)),
+        max_bytes=MAX_SOURCE_BYTES,
+        max_blob=MAX_SOURCE_BLOB,
+        listed=_MAX_LISTED,
+    )
     report = run_report(session, program)
     not_copied = [str(s) for s in report.get("skipped", [])][:_MAX_LISTED]
     if report.get("more"):
         not_copied.append(f"... and {int(report['more'])} more")
     files: dict[str, str] = {}
     if report.get("blob"):
-        raw = zlib.decompressobj().decompress(base64.b64decode(report["blob"]),
-                                              2 * MAX_SOURCE_BYTES)
-        allowed = re.compile("(?:" + "|".join(re.escape(d) for d in dirs)
-                             + rf")(?:/{part})*/(?:{name_pattern})")
+        raw = zlib.decompressobj().decompress(
+            base64.b64decode(report["blob"]), 2 * MAX_SOURCE_BYTES
+        )
+        allowed = re.compile(
+            "(?:" + "|".join(re.escape(d) for d in dirs) + rf")(?:/{part})*/(?:{name_pattern})"
+        )
         for path, text in json.loads(raw).items():
-            if isinstance(path, str) and isinstance(text, str) and allowed.fullmatch(path) \
-                    and ".." not in path.split("/") and path.rsplit("/", 1)[-1] not in exclude:
+            if (
+                isinstance(path, str)
+                and isinstance(text, str)
+                and allowed.fullmatch(path)
+                and ".." not in path.split("/")
+                and path.rsplit("/", 1)[-1] not in exclude
+            ):
                 files[path] = text
             else:
                 not_copied.append(f"{str(path)[:200]}: not a source path")
@@ -297,8 +330,12 @@ def split_of(question: str, answer: str) -> str:
     return "heldout" if digest[0] % HELDOUT_SHARE == 0 else "train"
 
 
-def draw_tasks(split: str, size: int, rng: random.Random,
-               draw: Callable[[random.Random], tuple[str, str, dict[str, Any]]]) -> list[Task]:
+def draw_tasks(
+    split: str,
+    size: int,
+    rng: random.Random,
+    draw: Callable[[random.Random], tuple[str, str, dict[str, Any]]],
+) -> list[Task]:
     """``size`` tasks of ``split`` ("train" or "heldout"), ids ``<split>-<i>``: ``draw(rng)``
     gives ``(question, answer, metadata)`` and only those of the split (``split_of``) are
     kept.
@@ -318,5 +355,7 @@ def draw_tasks(split: str, size: int, rng: random.Random,
             tasks.append(Task(f"{split}-{len(tasks)}", question, answer, metadata))
     if len(tasks) == size:
         return tasks
-    raise ValueError(f"drew only {len(tasks)} of {size} {split} tasks; the generator's task "
-                     "space is too small to hold a held-out split apart")
+    raise ValueError(
+        f"drew only {len(tasks)} of {size} {split} tasks; the generator's task "
+        "space is too small to hold a held-out split apart"
+    )

@@ -36,8 +36,24 @@ from raytunix.rollout.faults import Backoff
 from raytunix.tools.base import Tool, ToolError
 from raytunix.types import Task, ToolErrorKind
 
-ITEMS = ("kettle", "lantern", "stapler", "teapot", "compass", "hammock", "notebook", "rake",
-         "blender", "umbrella", "backpack", "candle", "mirror", "pillow", "scissors", "whisk")
+ITEMS = (
+    "kettle",
+    "lantern",
+    "stapler",
+    "teapot",
+    "compass",
+    "hammock",
+    "notebook",
+    "rake",
+    "blender",
+    "umbrella",
+    "backpack",
+    "candle",
+    "mirror",
+    "pillow",
+    "scissors",
+    "whisk",
+)
 
 
 def make_catalogue(seed: int) -> dict[str, dict[str, Any]]:
@@ -47,8 +63,12 @@ def make_catalogue(seed: int) -> dict[str, dict[str, Any]]:
     catalogue = {}
     for i, name in enumerate(ITEMS):
         sku = f"{name[0].upper()}-{100 + i}"
-        catalogue[sku] = {"sku": sku, "name": name, "price_cents": rng.randint(100, 6000),
-                          "stock": rng.randint(0, 20)}
+        catalogue[sku] = {
+            "sku": sku,
+            "name": name,
+            "price_cents": rng.randint(100, 6000),
+            "stock": rng.randint(0, 20),
+        }
     return catalogue
 
 
@@ -67,8 +87,12 @@ class ShopServer:
       requests: requests served so far (all answers, failures included).
     """
 
-    def __init__(self, catalogue: dict[str, dict[str, Any]], failure_rate: float = 0.0,
-                 latency_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        catalogue: dict[str, dict[str, Any]],
+        failure_rate: float = 0.0,
+        latency_s: float = 0.0,
+    ) -> None:
         if not 0 <= failure_rate < 1:
             raise ValueError(f"failure_rate={failure_rate!r} must be in [0, 1)")
         if not latency_s >= 0:
@@ -100,8 +124,9 @@ class ShopServer:
         self._httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._httpd.daemon_threads = True
         self.base_url = f"http://127.0.0.1:{self._httpd.server_address[1]}"
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="shop-api",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, name="shop-api", daemon=True
+        )
         self._thread.start()
 
     def _answer(self, path: str) -> tuple[int, dict[str, Any]]:
@@ -127,9 +152,9 @@ class ShopServer:
                 return 404, {"error": f"no item named {query['name'][0]!r}; GET /items lists them"}
             return 200, item
         if url.path.startswith("/items/"):
-            item = self.catalogue.get(url.path[len("/items/"):])
+            item = self.catalogue.get(url.path[len("/items/") :])
             if item is None:
-                return 404, {"error": f"no item with sku {url.path[len('/items/'):]!r}"}
+                return 404, {"error": f"no item with sku {url.path[len('/items/') :]!r}"}
             return 200, item
         return 404, {"error": f"no endpoint {url.path!r}; try GET /items or /items?name=<name>"}
 
@@ -143,7 +168,9 @@ _SERVERS: dict[tuple[int, float, float], ShopServer] = {}
 _SERVERS_LOCK = threading.Lock()
 
 
-def shop_server(catalogue_seed: int, failure_rate: float = 0.0, latency_s: float = 0.0) -> ShopServer:
+def shop_server(
+    catalogue_seed: int, failure_rate: float = 0.0, latency_s: float = 0.0
+) -> ShopServer:
     """This process's server for these settings, started on first use and shared by every
     env of the process (each episode builds a new env); stopped at exit."""
     key = (catalogue_seed, failure_rate, latency_s)
@@ -173,16 +200,23 @@ class HTTPGetTool(Tool):
     """
 
     name = "http_get"
-    description = ("GET a path of the shop API (GET /items lists items; GET /items?name=<name> "
-                   "gives one item's sku, price_cents and stock) and return the JSON body.")
+    description = (
+        "GET a path of the shop API (GET /items lists items; GET /items?name=<name> "
+        "gives one item's sku, price_cents and stock) and return the JSON body."
+    )
     parameters = {
         "type": "object",
         "properties": {"path": {"type": "string", "description": "e.g. '/items?name=kettle'"}},
         "required": ["path"],
     }
 
-    def __init__(self, base_url: str, timeout_s: float = 2.0, backoff: Backoff | None = None,
-                 max_body_chars: int = 2000) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        timeout_s: float = 2.0,
+        backoff: Backoff | None = None,
+        max_body_chars: int = 2000,
+    ) -> None:
         url = urllib.parse.urlsplit(base_url)
         if url.scheme != "http" or not url.hostname or url.path not in ("", "/"):
             raise ValueError(f"base_url={base_url!r} must be http://host[:port]")
@@ -197,9 +231,11 @@ class HTTPGetTool(Tool):
 
     def run(self, path: str) -> str:
         if not path.startswith("/") or any(c.isspace() or ord(c) < 32 for c in path):
-            raise ToolError(f"http_get: path {path[:80]!r} must start with '/' and hold no "
-                            "spaces or control characters, e.g. '/items?name=kettle'",
-                            ToolErrorKind.BAD_ARGUMENTS)
+            raise ToolError(
+                f"http_get: path {path[:80]!r} must start with '/' and hold no "
+                "spaces or control characters, e.g. '/items?name=kettle'",
+                ToolErrorKind.BAD_ARGUMENTS,
+            )
         last_error, kind = "", ToolErrorKind.TOOL_EXCEPTION
         for attempt in range(self.backoff.max_attempts):
             if attempt:
@@ -211,20 +247,26 @@ class HTTPGetTool(Tool):
                 last_error, kind = f"no answer within {self.timeout_s:g} s", ToolErrorKind.TIMEOUT
                 continue
             except (ConnectionError, http.client.HTTPException, OSError) as e:
-                last_error, kind = f"connection failed ({type(e).__name__}: {e})", \
-                    ToolErrorKind.TOOL_EXCEPTION
+                last_error, kind = (
+                    f"connection failed ({type(e).__name__}: {e})",
+                    ToolErrorKind.TOOL_EXCEPTION,
+                )
                 continue
             if status >= 500:
-                last_error, kind = f"server error {status}: {_message(body)}", \
-                    ToolErrorKind.TOOL_EXCEPTION
+                last_error, kind = (
+                    f"server error {status}: {_message(body)}",
+                    ToolErrorKind.TOOL_EXCEPTION,
+                )
                 continue
             if status >= 400:
-                raise ToolError(f"http_get {path}: {status} {_message(body)}",
-                                ToolErrorKind.BAD_ARGUMENTS if status == 400
-                                else ToolErrorKind.TOOL_EXCEPTION)
+                raise ToolError(
+                    f"http_get {path}: {status} {_message(body)}",
+                    ToolErrorKind.BAD_ARGUMENTS if status == 400 else ToolErrorKind.TOOL_EXCEPTION,
+                )
             return body[: self.max_body_chars]
-        raise ToolError(f"http_get {path}: {last_error} (after {self.backoff.max_attempts} "
-                        "attempts)", kind)
+        raise ToolError(
+            f"http_get {path}: {last_error} (after {self.backoff.max_attempts} attempts)", kind
+        )
 
     def _get(self, path: str) -> tuple[int, str]:
         conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
@@ -272,13 +314,21 @@ class WebAPIEnv(ToolTaskEnv):
 
     default_agent = "tool"
 
-    def __init__(self, catalogue_seed: int = 0, max_tool_errors: int = 2,
-                 request_timeout_s: float = 2.0, max_attempts: int = 3,
-                 failure_rate: float = 0.0, latency_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        catalogue_seed: int = 0,
+        max_tool_errors: int = 2,
+        request_timeout_s: float = 2.0,
+        max_attempts: int = 3,
+        failure_rate: float = 0.0,
+        latency_s: float = 0.0,
+    ) -> None:
         self.server = shop_server(catalogue_seed, failure_rate, latency_s)
-        self.tool = HTTPGetTool(self.server.base_url, request_timeout_s,
-                                Backoff(initial_delay_s=0.05, max_delay_s=1.0,
-                                        max_attempts=max_attempts))
+        self.tool = HTTPGetTool(
+            self.server.base_url,
+            request_timeout_s,
+            Backoff(initial_delay_s=0.05, max_delay_s=1.0, max_attempts=max_attempts),
+        )
         super().__init__([self.tool], max_tool_errors=max_tool_errors, tool_timeout_s=None)
 
     def tasks(self, split: str, size: int, seed: int) -> list[Task]:
@@ -287,8 +337,11 @@ class WebAPIEnv(ToolTaskEnv):
             quantities = {name: rng.randint(1, 5) for name in names}
             total = sum(q * self.server.by_name[n]["price_cents"] for n, q in quantities.items())
             listed = ", ".join(f"{q} {n}" for n, q in quantities.items())
-            return (f"What do {listed} cost in total, in dollars? Prices are in the shop API.",
-                    f"{total / 100:.2f}", {"items": quantities})
+            return (
+                f"What do {listed} cost in total, in dollars? Prices are in the shop API.",
+                f"{total / 100:.2f}",
+                {"items": quantities},
+            )
 
         return draw_tasks(split, size, random.Random(f"web_api/{split}/{seed}"), draw)
 

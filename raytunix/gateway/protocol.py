@@ -20,16 +20,34 @@ class GatewayError(Exception):
     """An error answered with an OpenAI-style body: ``{"error": {"message", "type",
     "param", "code"}}`` and HTTP ``status``."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, kind: str = "invalid_request_error"):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = (
-            status, message, param, code, kind)
+            status,
+            message,
+            param,
+            code,
+            kind,
+        )
 
     def body(self) -> dict[str, Any]:
         """The JSON body of the error response."""
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 def bad_request(param: str, message: str) -> GatewayError:
@@ -102,22 +120,35 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _number(body: Mapping[str, Any], name: str, default: float, low: float, high: float,
-            low_open: bool = False) -> float:
+def _number(
+    body: Mapping[str, Any],
+    name: str,
+    default: float,
+    low: float,
+    high: float,
+    low_open: bool = False,
+) -> float:
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise bad_request(name, f"{value!r} is not a number; send a number in "
-                                f"{'(' if low_open else '['}{low}, {high}].")
+        raise bad_request(
+            name,
+            f"{value!r} is not a number; send a number in "
+            f"{'(' if low_open else '['}{low}, {high}].",
+        )
     if value < low or value > high or (low_open and value == low):
-        raise bad_request(name, f"{value!r} is out of range; send a number in "
-                                f"{'(' if low_open else '['}{low}, {high}].")
+        raise bad_request(
+            name,
+            f"{value!r} is out of range; send a number in "
+            f"{'(' if low_open else '['}{low}, {high}].",
+        )
     return float(value)
 
 
-def _int(body: Mapping[str, Any], name: str, default: int | None, low: int,
-         high: int | None = None) -> int | None:
+def _int(
+    body: Mapping[str, Any], name: str, default: int | None, low: int, high: int | None = None
+) -> int | None:
     value = body.get(name)
     if value is None:
         return default
@@ -131,16 +162,22 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
         value = body.get(name)
         if value not in (None, 0, 0.0, 1.0 if name == "repetition_penalty" else 0):
-            raise bad_request(name, f"{value!r} is not supported (the engine samples without "
-                                    "penalties); leave it out or send 0.")
+            raise bad_request(
+                name,
+                f"{value!r} is not supported (the engine samples without "
+                "penalties); leave it out or send 0.",
+            )
     if body.get("logit_bias"):
         raise bad_request("logit_bias", "is not supported by the engine; leave it out.")
     if body.get("echo"):
         raise bad_request("echo", "is not supported; leave it out or send false.")
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, Mapping) or fmt.get("type") != "text"):
-        raise bad_request("response_format", f"{fmt!r} is not supported (no constrained "
-                                             'decoding); leave it out or send {"type": "text"}.')
+        raise bad_request(
+            "response_format",
+            f"{fmt!r} is not supported (no constrained "
+            'decoding); leave it out or send {"type": "text"}.',
+        )
 
 
 def parse_sampling(body: Mapping[str, Any], max_n: int) -> Sampling:
@@ -181,11 +218,16 @@ def parse_sampling(body: Mapping[str, Any], max_n: int) -> Sampling:
     if options is not None and not isinstance(options, Mapping):
         raise bad_request("stream_options", f"{options!r} must be an object.")
     return Sampling(
-        n=int(n or 1), temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        n=int(n or 1),
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
         top_k=max(int(_int(body, "top_k", 0, -1) or 0), 0),  # vLLM's -1 means off, like 0
-        max_tokens=max_tokens, stop=stops, seed=seed, stream=stream,
-        include_usage=bool(options and options.get("include_usage")))
+        max_tokens=max_tokens,
+        stop=stops,
+        seed=seed,
+        stream=stream,
+        include_usage=bool(options and options.get("include_usage")),
+    )
 
 
 def _model(body: Mapping[str, Any]) -> str:
@@ -204,10 +246,16 @@ def _text(value: Any, where: str) -> str:
     if isinstance(value, list):
         parts = []
         for i, part in enumerate(value):
-            if not (isinstance(part, Mapping) and part.get("type") == "text"
-                    and isinstance(part.get("text"), str)):
-                raise bad_request(f"{where}[{i}]", f"{part!r} is not a text part; only "
-                                                   '{"type": "text", "text": ...} is supported.')
+            if not (
+                isinstance(part, Mapping)
+                and part.get("type") == "text"
+                and isinstance(part.get("text"), str)
+            ):
+                raise bad_request(
+                    f"{where}[{i}]",
+                    f"{part!r} is not a text part; only "
+                    '{"type": "text", "text": ...} is supported.',
+                )
             parts.append(part["text"])
         return "".join(parts)
     raise bad_request(where, f"{value!r} must be a string or a list of text parts.")
@@ -224,12 +272,20 @@ def _tool_calls(value: Any, where: str) -> tuple[ToolCallOut, ...]:
         name = function.get("name") if isinstance(function, Mapping) else None
         arguments = function.get("arguments", "{}") if isinstance(function, Mapping) else None
         if not isinstance(name, str) or not name or not isinstance(arguments, str):
-            raise bad_request(f"{where}[{i}]", f"{call!r} must be {{\"id\", \"type\": "
-                                               '"function", "function": {"name": str, '
-                                               '"arguments": JSON text}}.')
+            raise bad_request(
+                f"{where}[{i}]",
+                f"{call!r} must be {{\"id\", \"type\": "
+                '"function", "function": {"name": str, '
+                '"arguments": JSON text}}.',
+            )
         call_id = call.get("id")
-        calls.append(ToolCallOut(id=call_id if isinstance(call_id, str) else f"call_{i}",
-                                 name=name, arguments=arguments))
+        calls.append(
+            ToolCallOut(
+                id=call_id if isinstance(call_id, str) else f"call_{i}",
+                name=name,
+                arguments=arguments,
+            )
+        )
     return tuple(calls)
 
 
@@ -251,13 +307,19 @@ def parse_messages(value: Any) -> tuple[ChatMessage, ...]:
             raise bad_request(f"{where}.role", f"{role!r} is not one of {', '.join(ROLES)}.")
         calls = _tool_calls(message.get("tool_calls"), f"{where}.tool_calls")
         if calls and role != "assistant":
-            raise bad_request(f"{where}.tool_calls", f"only assistant messages carry tool calls, "
-                                                     f"not {role} messages.")
+            raise bad_request(
+                f"{where}.tool_calls",
+                f"only assistant messages carry tool calls, not {role} messages.",
+            )
         call_id = message.get("tool_call_id")
-        messages.append(ChatMessage(role="system" if role == "developer" else role,
-                                    content=_text(message.get("content"), f"{where}.content"),
-                                    tool_calls=calls,
-                                    tool_call_id=call_id if isinstance(call_id, str) else None))
+        messages.append(
+            ChatMessage(
+                role="system" if role == "developer" else role,
+                content=_text(message.get("content"), f"{where}.content"),
+                tool_calls=calls,
+                tool_call_id=call_id if isinstance(call_id, str) else None,
+            )
+        )
     return tuple(messages)
 
 
@@ -275,28 +337,39 @@ def parse_tools(body: Mapping[str, Any]) -> tuple[tuple[dict[str, Any], ...], st
     schemas: list[dict[str, Any]] = []
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, Mapping) else None
-        if not (isinstance(tool, Mapping) and tool.get("type", "function") == "function"
-                and isinstance(function, Mapping) and isinstance(function.get("name"), str)
-                and function["name"]):
-            raise bad_request(f"tools[{i}]", f"{_short(tool)} must be {{\"type\": \"function\", "
-                                             '"function": {"name": str, "description": str, '
-                                             '"parameters": JSON schema}}.')
+        if not (
+            isinstance(tool, Mapping)
+            and tool.get("type", "function") == "function"
+            and isinstance(function, Mapping)
+            and isinstance(function.get("name"), str)
+            and function["name"]
+        ):
+            raise bad_request(
+                f"tools[{i}]",
+                f"{_short(tool)} must be {{\"type\": \"function\", "
+                '"function": {"name": str, "description": str, '
+                '"parameters": JSON schema}}.',
+            )
         schemas.append({"type": "function", "function": dict(function)})
     choice = body.get("tool_choice")
     names = [s["function"]["name"] for s in schemas]
     if choice is None:
         return tuple(schemas), "auto" if schemas else "none"
     if not schemas and choice != "none":
-        raise bad_request("tool_choice", f"{_short(choice)} needs tools; send tools or leave "
-                                         "tool_choice out.")
+        raise bad_request(
+            "tool_choice", f"{_short(choice)} needs tools; send tools or leave tool_choice out."
+        )
     if isinstance(choice, str) and choice in ("auto", "none", "required"):
         return tuple(schemas), choice
     function = choice.get("function") if isinstance(choice, Mapping) else None
     name = function.get("name") if isinstance(function, Mapping) else None
     if not isinstance(name, str) or name not in names:
-        raise bad_request("tool_choice", f"{_short(choice)} must be \"auto\", \"none\", "
-                                         '"required" or {"type": "function", "function": '
-                                         f'{{"name": one of {names}}}}}.')
+        raise bad_request(
+            "tool_choice",
+            f"{_short(choice)} must be \"auto\", \"none\", "
+            '"required" or {"type": "function", "function": '
+            f'{{"name": one of {names}}}}}.',
+        )
     return tuple(schemas), name
 
 
@@ -314,12 +387,20 @@ def parse_chat(body: Any, max_n: int) -> ChatCall:
         raise bad_request("logprobs", f"{logprobs!r} must be true or false.")
     top = body.get("top_logprobs")
     if top not in (None, 0):
-        raise bad_request("top_logprobs", f"{top!r} is not available: the engine returns only "
-                                          "the sampled token's logprob; send 0 or leave it out.")
+        raise bad_request(
+            "top_logprobs",
+            f"{top!r} is not available: the engine returns only "
+            "the sampled token's logprob; send 0 or leave it out.",
+        )
     tools, choice = parse_tools(body)
-    return ChatCall(messages=parse_messages(body.get("messages")), tools=tools,
-                    tool_choice=choice, sampling=parse_sampling(body, max_n),
-                    logprobs=bool(logprobs), model=_model(body))
+    return ChatCall(
+        messages=parse_messages(body.get("messages")),
+        tools=tools,
+        tool_choice=choice,
+        sampling=parse_sampling(body, max_n),
+        logprobs=bool(logprobs),
+        model=_model(body),
+    )
 
 
 def parse_completion(body: Any, max_n: int, vocab_size: int | None) -> CompletionCall:
@@ -332,33 +413,50 @@ def parse_completion(body: Any, max_n: int, vocab_size: int | None) -> Completio
     if not isinstance(body, Mapping):
         raise bad_request("body", f"{_short(body)} must be a JSON object.")
     prompt = body.get("prompt")
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
-                                   and all(_is_int(t) for t in prompt)):
+    if isinstance(prompt, str) or (
+        isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)
+    ):
         prompts: list[Any] = [prompt]
     elif isinstance(prompt, list) and prompt:
         prompts = list(prompt)
     else:
-        raise bad_request("prompt", f"{_short(prompt)} must be a string, a list of token ids, "
-                                    "or a non-empty list of either.")
+        raise bad_request(
+            "prompt",
+            f"{_short(prompt)} must be a string, a list of token ids, "
+            "or a non-empty list of either.",
+        )
     checked: list[str | tuple[int, ...]] = []
     for i, item in enumerate(prompts):
         if isinstance(item, str) and item:
             checked.append(item)
-        elif isinstance(item, list) and item and all(
-                _is_int(t) and t >= 0 and (vocab_size is None or t < vocab_size) for t in item):
+        elif (
+            isinstance(item, list)
+            and item
+            and all(_is_int(t) and t >= 0 and (vocab_size is None or t < vocab_size) for t in item)
+        ):
             checked.append(tuple(item))
         else:
-            raise bad_request(f"prompt[{i}]", f"{_short(item)} must be a non-empty string or "
-                                              "a non-empty list of token ids in the vocabulary"
-                                              + (f" [0, {vocab_size})." if vocab_size else "."))
+            raise bad_request(
+                f"prompt[{i}]",
+                f"{_short(item)} must be a non-empty string or "
+                "a non-empty list of token ids in the vocabulary"
+                + (f" [0, {vocab_size})." if vocab_size else "."),
+            )
     logprobs = body.get("logprobs")
     if logprobs not in (None, 0) or isinstance(logprobs, bool):
-        raise bad_request("logprobs", f"{logprobs!r} is not available: the engine returns only "
-                                      "the sampled token's logprob; send 0 or leave it out.")
+        raise bad_request(
+            "logprobs",
+            f"{logprobs!r} is not available: the engine returns only "
+            "the sampled token's logprob; send 0 or leave it out.",
+        )
     if body.get("suffix"):
         raise bad_request("suffix", "is not supported; leave it out.")
-    return CompletionCall(prompts=tuple(checked), sampling=parse_sampling(body, max_n),
-                          logprobs=logprobs == 0, model=_model(body))
+    return CompletionCall(
+        prompts=tuple(checked),
+        sampling=parse_sampling(body, max_n),
+        logprobs=logprobs == 0,
+        model=_model(body),
+    )
 
 
 def _short(value: Any, limit: int = 80) -> str:

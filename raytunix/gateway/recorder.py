@@ -65,7 +65,8 @@ class RecordedChoice:
             raise ValueError(
                 f"RecordedChoice {self.request_id!r}: {n} token_ids, {len(self.logprobs)} "
                 f"logprobs and {len(self.policy_versions)} policy_versions; the engine must "
-                "return one of each per token.")
+                "return one of each per token."
+            )
         FinishReason(self.finish_reason)  # a ValueError names an unknown reason
 
 
@@ -163,21 +164,27 @@ def segment_calls(calls: Sequence[RecordedCall], extend: ExtendRule = "latest") 
             segment = None
             if j == 0:
                 # Newest first: of two that match, the longer, later one is the conversation.
-                segment = next((s for s in reversed(candidates) if s.extends(call.prompt_ids)),
-                               None)
+                segment = next(
+                    (s for s in reversed(candidates) if s.extends(call.prompt_ids)), None
+                )
             if segment is None:
                 segment = Segment()
                 segments.append(segment)
-            segment._append_context(call.prompt_ids[len(segment.token_ids):])
+            segment._append_context(call.prompt_ids[len(segment.token_ids) :])
             segment._append_choice(call.index, j, choice)
             touched.append(segment)
         previous = touched
     return segments
 
 
-def segment_to_trajectory(segment: Segment, task_id: str, group_id: str, reward: float,
-                          status: EpisodeStatus | str,
-                          metrics: dict[str, float] | None = None) -> Trajectory:
+def segment_to_trajectory(
+    segment: Segment,
+    task_id: str,
+    group_id: str,
+    reward: float,
+    status: EpisodeStatus | str,
+    metrics: dict[str, float] | None = None,
+) -> Trajectory:
     """A ``Trajectory`` holding ``segment``'s tokens (copies of its lists), as an agent's
     ``to_trajectory`` would build it: the first prompt and every observation with loss
     mask 0, logprob 0.0 and policy version -1; generated ids with mask 1 and the engine's
@@ -187,16 +194,29 @@ def segment_to_trajectory(segment: Segment, task_id: str, group_id: str, reward:
       ValueError: ``status`` is not an ``EpisodeStatus`` value.
     """
     return Trajectory(
-        task_id=task_id, group_id=group_id, token_ids=list(segment.token_ids),
-        loss_mask=list(segment.loss_mask), logprobs=list(segment.logprobs),
-        policy_versions=list(segment.policy_versions), reward=float(reward),
-        status=EpisodeStatus(status), num_turns=segment.num_turns, metrics=dict(metrics or {}))
+        task_id=task_id,
+        group_id=group_id,
+        token_ids=list(segment.token_ids),
+        loss_mask=list(segment.loss_mask),
+        logprobs=list(segment.logprobs),
+        policy_versions=list(segment.policy_versions),
+        reward=float(reward),
+        status=EpisodeStatus(status),
+        num_turns=segment.num_turns,
+        metrics=dict(metrics or {}),
+    )
 
 
-def episode_trajectories(calls: Sequence[RecordedCall], task_id: str, group_id: str,
-                         reward: float, status: EpisodeStatus | str, *,
-                         extend: ExtendRule = "latest",
-                         metrics: dict[str, float] | None = None) -> list[Trajectory]:
+def episode_trajectories(
+    calls: Sequence[RecordedCall],
+    task_id: str,
+    group_id: str,
+    reward: float,
+    status: EpisodeStatus | str,
+    *,
+    extend: ExtendRule = "latest",
+    metrics: dict[str, float] | None = None,
+) -> list[Trajectory]:
     """One ``Trajectory`` per segment of an episode's calls (``segment_calls``), all with
     the episode's ``reward`` and ``status``; each one's metrics add ``segment`` (its index)
     and ``segments`` (how many the episode has) to ``metrics``.
@@ -205,7 +225,14 @@ def episode_trajectories(calls: Sequence[RecordedCall], task_id: str, group_id: 
       ValueError: an unknown ``extend`` rule or ``status``.
     """
     segments = segment_calls(calls, extend)
-    return [segment_to_trajectory(s, task_id, group_id, reward, status,
-                                  {**(metrics or {}), "segment": float(i),
-                                   "segments": float(len(segments))})
-            for i, s in enumerate(segments)]
+    return [
+        segment_to_trajectory(
+            s,
+            task_id,
+            group_id,
+            reward,
+            status,
+            {**(metrics or {}), "segment": float(i), "segments": float(len(segments))},
+        )
+        for i, s in enumerate(segments)
+    ]

@@ -33,14 +33,20 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from raytunix.agents.encoding import ConversationEncoder
-from raytunix.agents.parsers import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolCallParser, make_tool_parser
+from raytunix.agents.parsers import (
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    ToolCallParser,
+    make_tool_parser,
+)
 from raytunix.agents.tool_agent import ToolAgent
 from raytunix.gateway.protocol import ChatMessage, GatewayError, bad_request
 from raytunix.models.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from raytunix.types import FinishReason
 
-_HERMES_CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r".*?" + re.escape(TOOL_CALL_CLOSE),
-                          re.DOTALL)
+_HERMES_CALL = re.compile(
+    re.escape(TOOL_CALL_OPEN) + r".*?" + re.escape(TOOL_CALL_CLOSE), re.DOTALL
+)
 _CACHE_MAX = 256
 
 AssistantKey = tuple[str, tuple[tuple[str, str], ...]]
@@ -63,8 +69,7 @@ class Reply:
     """One parsed completion: ``content`` (None for a reply that is only calls),
     ``tool_calls`` as ``(name, arguments JSON text)``, OpenAI ``finish_reason``."""
 
-    def __init__(self, content: str | None, tool_calls: list[tuple[str, str]],
-                 finish_reason: str):
+    def __init__(self, content: str | None, tool_calls: list[tuple[str, str]], finish_reason: str):
         self.content, self.tool_calls, self.finish_reason = content, tool_calls, finish_reason
 
     @property
@@ -97,16 +102,25 @@ class _Renderer(abc.ABC):
         if tool_choice in ("auto", "none"):
             return []
         if self.parser.name != "hermes":
-            raise bad_request("tool_choice", f"{tool_choice!r} forces a call, which the gateway "
-                                             "can do only for tool_parser=hermes (it writes the "
-                                             f"call's opening); this one is {self.parser.name!r}.")
+            raise bad_request(
+                "tool_choice",
+                f"{tool_choice!r} forces a call, which the gateway "
+                "can do only for tool_parser=hermes (it writes the "
+                f"call's opening); this one is {self.parser.name!r}.",
+            )
         text = TOOL_CALL_OPEN
         if tool_choice != "required":
             text += '{"name": ' + json.dumps(tool_choice) + ', "arguments": '
         return self.encode_text(text)
 
-    def reply(self, forced_ids: Sequence[int], ids: Sequence[int], finish: FinishReason,
-              stops: Sequence[str], parse_tools: bool) -> Reply:
+    def reply(
+        self,
+        forced_ids: Sequence[int],
+        ids: Sequence[int],
+        finish: FinishReason,
+        stops: Sequence[str],
+        parse_tools: bool,
+    ) -> Reply:
         """Parses ``forced_ids + ids`` (the ids the engine generated after any forced
         prefix) into a reply. The end-of-turn token is not content; a stop string and what
         follows it are cut (OpenAI's ``stop``); calls are parsed only from a finished reply."""
@@ -122,10 +136,16 @@ class _Renderer(abc.ABC):
         if parse_tools and finish == FinishReason.STOP:
             calls, error, _ = self.parser.find_calls(text)
             if calls and error is None:
-                content = (_HERMES_CALL.sub("", text).strip() or None
-                           if self.parser.name == "hermes" else None)
-                return Reply(content, [(c.name, json.dumps(c.arguments, ensure_ascii=False))
-                                       for c in calls], "tool_calls")
+                content = (
+                    _HERMES_CALL.sub("", text).strip() or None
+                    if self.parser.name == "hermes"
+                    else None
+                )
+                return Reply(
+                    content,
+                    [(c.name, json.dumps(c.arguments, ensure_ascii=False)) for c in calls],
+                    "tool_calls",
+                )
         return Reply(text, [], reason)
 
 
@@ -145,15 +165,23 @@ class EncoderRenderer(_Renderer):
       ValueError: an unknown parser.
     """
 
-    def __init__(self, tokenizer: Any, chat_template: ChatTemplate | str = "raytunix", *,
-                 tool_parser: str = "hermes", template_kwargs: Mapping[str, Any] | None = None):
+    def __init__(
+        self,
+        tokenizer: Any,
+        chat_template: ChatTemplate | str = "raytunix",
+        *,
+        tool_parser: str = "hermes",
+        template_kwargs: Mapping[str, Any] | None = None,
+    ):
         self.tokenizer = tokenizer
-        self.template = (load_chat_template(chat_template) if isinstance(chat_template, str)
-                         else chat_template)
+        self.template = (
+            load_chat_template(chat_template) if isinstance(chat_template, str) else chat_template
+        )
         self.parser = make_tool_parser(tool_parser)
         self.template_kwargs = dict(template_kwargs or {})
         self._encoders: collections.OrderedDict[tuple, tuple[ConversationEncoder, list[int]]] = (
-            collections.OrderedDict())
+            collections.OrderedDict()
+        )
         encoder, _ = self._encoder(None, ())
         self.stop_token_ids = (encoder.end_id,)
 
@@ -163,8 +191,12 @@ class EncoderRenderer(_Renderer):
     def encode_text(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, special_tokens=True)
 
-    def chat_prompt(self, messages: Sequence[ChatMessage], tools: Sequence[Mapping[str, Any]],
-                    known: Mapping[AssistantKey, Sequence[int]]) -> list[int]:
+    def chat_prompt(
+        self,
+        messages: Sequence[ChatMessage],
+        tools: Sequence[Mapping[str, Any]],
+        known: Mapping[AssistantKey, Sequence[int]],
+    ) -> list[int]:
         """The prompt ids of ``messages`` (module docstring), ending with the generation
         prompt; ``known`` maps the episode's replies (``Reply.key``) to their ids.
 
@@ -177,13 +209,17 @@ class EncoderRenderer(_Renderer):
         start = 0 if system is None else 1
         if len(messages) <= start or messages[start].role != "user":
             role = messages[start].role if len(messages) > start else None
-            raise bad_request(f"messages[{start}].role",
-                              f"{role!r}: the conversation must start with an optional system "
-                              "message and then a user message.")
+            raise bad_request(
+                f"messages[{start}].role",
+                f"{role!r}: the conversation must start with an optional system "
+                "message and then a user message.",
+            )
         if messages[-1].role == "assistant":
-            raise bad_request(f"messages[{len(messages) - 1}].role",
-                              "'assistant': the last message must be a user or tool message "
-                              "(continuing an assistant message is not supported).")
+            raise bad_request(
+                f"messages[{len(messages) - 1}].role",
+                "'assistant': the last message must be a user or tool message "
+                "(continuing an assistant message is not supported).",
+            )
         try:
             encoder, generation_prompt = self._encoder(system, tools)
             ids: list[int] = []
@@ -205,30 +241,43 @@ class EncoderRenderer(_Renderer):
         encoder, _ = self._encoder(None, ())
         return encoder.close_turn(generated_ids, stopped)
 
-    def _encoder(self, system: str | None, tools: Sequence[Mapping[str, Any]]
-                 ) -> tuple[ConversationEncoder, list[int]]:
+    def _encoder(
+        self, system: str | None, tools: Sequence[Mapping[str, Any]]
+    ) -> tuple[ConversationEncoder, list[int]]:
         key = (system, json.dumps(list(tools), sort_keys=True))
         hit = self._encoders.get(key)
         if hit is not None:
             self._encoders.move_to_end(key)
             return hit
-        agent = ToolAgent(self.tokenizer, system, chat_template=self.template,
-                          tool_parser=self.parser, tools=list(tools) or None,
-                          template_kwargs=self.template_kwargs)
+        agent = ToolAgent(
+            self.tokenizer,
+            system,
+            chat_template=self.template,
+            tool_parser=self.parser,
+            tools=list(tools) or None,
+            template_kwargs=self.template_kwargs,
+        )
         encoder = agent._encoder  # where ToolAgent put the schemas, and its system prompt
         with_prompt = encoder._render(encoder._stub, True)
         without = encoder._render(encoder._stub, False)
         if not with_prompt.startswith(without):
-            raise ChatTemplateError(f"chat template {self.template.name!r} changes earlier "
-                                    "messages when it adds the generation prompt.")
-        generation_prompt = self.tokenizer.encode(with_prompt[len(without):], special_tokens=True)
+            raise ChatTemplateError(
+                f"chat template {self.template.name!r} changes earlier "
+                "messages when it adds the generation prompt."
+            )
+        generation_prompt = self.tokenizer.encode(with_prompt[len(without) :], special_tokens=True)
         self._encoders[key] = (encoder, generation_prompt)
         if len(self._encoders) > _CACHE_MAX:
             self._encoders.popitem(last=False)
         return encoder, generation_prompt
 
-    def _run(self, encoder: ConversationEncoder, generation_prompt: list[int],
-             run: list[tuple[int, ChatMessage]], first: bool) -> list[int]:
+    def _run(
+        self,
+        encoder: ConversationEncoder,
+        generation_prompt: list[int],
+        run: list[tuple[int, ChatMessage]],
+        first: bool,
+    ) -> list[int]:
         ids: list[int] = []
         for k, (i, message) in enumerate(run):
             role = encoder.tool_role if message.role == "tool" else message.role
@@ -237,16 +286,23 @@ class EncoderRenderer(_Renderer):
             if k < len(run) - 1:
                 n = len(generation_prompt)
                 if n and part[-n:] != generation_prompt:
-                    raise bad_request(f"messages[{i}]",
-                                      f"chat template {self.template.name!r} does not end a "
-                                      f"{role} message with its generation prompt, so several "
-                                      "messages in a row cannot be rendered one at a time.")
+                    raise bad_request(
+                        f"messages[{i}]",
+                        f"chat template {self.template.name!r} does not end a "
+                        f"{role} message with its generation prompt, so several "
+                        "messages in a row cannot be rendered one at a time.",
+                    )
                 part = part[:-n] if n else part
             ids += part
         return ids
 
-    def _assistant(self, encoder: ConversationEncoder, i: int, message: ChatMessage,
-                   known: Mapping[AssistantKey, Sequence[int]]) -> list[int]:
+    def _assistant(
+        self,
+        encoder: ConversationEncoder,
+        i: int,
+        message: ChatMessage,
+        known: Mapping[AssistantKey, Sequence[int]],
+    ) -> list[int]:
         calls = [(c.name, c.arguments) for c in message.tool_calls]
         exact = known.get(assistant_key(message.content, calls))
         if exact is not None:
@@ -269,17 +325,23 @@ def _write_calls(parser: str, calls: Sequence[tuple[str, str]], where: str) -> s
         except (ValueError, RecursionError):
             value = None
         if not isinstance(value, dict):
-            raise bad_request(f"{where}[{k}].function.arguments",
-                              f"{arguments[:80]!r} is not a JSON object.")
+            raise bad_request(
+                f"{where}[{k}].function.arguments", f"{arguments[:80]!r} is not a JSON object."
+            )
         loaded.append((name, value))
     if parser == "hermes":
-        return "".join(f"{TOOL_CALL_OPEN}{json.dumps({'name': n, 'arguments': a})}{TOOL_CALL_CLOSE}"
-                       for n, a in loaded)
+        return "".join(
+            f"{TOOL_CALL_OPEN}{json.dumps({'name': n, 'arguments': a})}{TOOL_CALL_CLOSE}"
+            for n, a in loaded
+        )
     if parser == "llama3_json":
         return "; ".join(json.dumps({"name": n, "parameters": a}) for n, a in loaded)
     if parser == "gemma":
-        return "[" + ", ".join(f"{n}({', '.join(f'{k}={v!r}' for k, v in a.items())})"
-                               for n, a in loaded) + "]"
+        return (
+            "["
+            + ", ".join(f"{n}({', '.join(f'{k}={v!r}' for k, v in a.items())})" for n, a in loaded)
+            + "]"
+        )
     if parser == "react":
         if len(loaded) != 1:
             raise bad_request(where, "the react format holds one action per turn.")
@@ -301,14 +363,22 @@ class HFRenderer(_Renderer):
       ValueError: the tokenizer has no ``chat_template`` or no ``eos_token_id``.
     """
 
-    def __init__(self, tokenizer: Any, *, tool_parser: str = "hermes",
-                 template_kwargs: Mapping[str, Any] | None = None):
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        tool_parser: str = "hermes",
+        template_kwargs: Mapping[str, Any] | None = None,
+    ):
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("HFRenderer needs a tokenizer with a chat_template; set "
-                             "tokenizer.chat_template or use EncoderRenderer.")
+            raise ValueError(
+                "HFRenderer needs a tokenizer with a chat_template; set "
+                "tokenizer.chat_template or use EncoderRenderer."
+            )
         if getattr(tokenizer, "eos_token_id", None) is None:
-            raise ValueError("HFRenderer needs a tokenizer with an eos_token (the token that "
-                             "ends a reply).")
+            raise ValueError(
+                "HFRenderer needs a tokenizer with an eos_token (the token that ends a reply)."
+            )
         self.tokenizer = tokenizer
         self.parser = make_tool_parser(tool_parser)
         self.template_kwargs = dict(template_kwargs or {})
@@ -320,8 +390,12 @@ class HFRenderer(_Renderer):
     def encode_text(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def chat_prompt(self, messages: Sequence[ChatMessage], tools: Sequence[Mapping[str, Any]],
-                    known: Mapping[AssistantKey, Sequence[int]]) -> list[int]:
+    def chat_prompt(
+        self,
+        messages: Sequence[ChatMessage],
+        tools: Sequence[Mapping[str, Any]],
+        known: Mapping[AssistantKey, Sequence[int]],
+    ) -> list[int]:
         """The ids of ``apply_chat_template(messages, tools=..., add_generation_prompt=True)``.
 
         Raises:
@@ -332,16 +406,24 @@ class HFRenderer(_Renderer):
             item: dict[str, Any] = {"role": message.role, "content": message.content}
             if message.tool_calls:
                 item["tool_calls"] = [
-                    {"id": c.id, "type": "function",
-                     "function": {"name": c.name, "arguments": _arguments_object(c.arguments)}}
-                    for c in message.tool_calls]
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.name, "arguments": _arguments_object(c.arguments)},
+                    }
+                    for c in message.tool_calls
+                ]
             if message.tool_call_id:
                 item["tool_call_id"] = message.tool_call_id
             plain.append(item)
         try:
             text = self.tokenizer.apply_chat_template(
-                plain, tools=list(tools) or None, add_generation_prompt=True, tokenize=False,
-                **self.template_kwargs)
+                plain,
+                tools=list(tools) or None,
+                add_generation_prompt=True,
+                tokenize=False,
+                **self.template_kwargs,
+            )
         except Exception as e:  # noqa: BLE001 - a template's own error is the caller's input
             raise bad_request("messages", f"the chat template failed: {e}") from None
         return self.encode_text(text)
@@ -358,9 +440,13 @@ def _arguments_object(arguments: str) -> Any:
         return arguments
 
 
-def make_renderer(tokenizer: Any, chat_template: ChatTemplate | str = "raytunix", *,
-                  tool_parser: str = "hermes",
-                  template_kwargs: Mapping[str, Any] | None = None) -> EncoderRenderer | HFRenderer:
+def make_renderer(
+    tokenizer: Any,
+    chat_template: ChatTemplate | str = "raytunix",
+    *,
+    tool_parser: str = "hermes",
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> EncoderRenderer | HFRenderer:
     """``HFRenderer`` for a ``transformers`` tokenizer that has a ``chat_template``, else
     ``EncoderRenderer`` with ``chat_template``.
 
@@ -369,5 +455,6 @@ def make_renderer(tokenizer: Any, chat_template: ChatTemplate | str = "raytunix"
     """
     if hasattr(tokenizer, "apply_chat_template") and getattr(tokenizer, "chat_template", None):
         return HFRenderer(tokenizer, tool_parser=tool_parser, template_kwargs=template_kwargs)
-    return EncoderRenderer(tokenizer, chat_template, tool_parser=tool_parser,
-                           template_kwargs=template_kwargs)
+    return EncoderRenderer(
+        tokenizer, chat_template, tool_parser=tool_parser, template_kwargs=template_kwargs
+    )

@@ -86,13 +86,25 @@ class Gateway:
     unknown or closed key), 404 (an unknown path), 503 (the engine failed), 504 (deadline).
     """
 
-    def __init__(self, engine: EngineClient, renderer: EncoderRenderer | HFRenderer, *,
-                 model_name: str = "raytunix", host: str = "127.0.0.1", port: int = 0,
-                 call_timeout_s: float = 300.0, default_max_tokens: int = 1024,
-                 max_n: int = 16, max_model_len: int | None = None,
-                 vocab_size: int | None = None):
-        for name, value in (("call_timeout_s", call_timeout_s),
-                            ("default_max_tokens", default_max_tokens), ("max_n", max_n)):
+    def __init__(
+        self,
+        engine: EngineClient,
+        renderer: EncoderRenderer | HFRenderer,
+        *,
+        model_name: str = "raytunix",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        call_timeout_s: float = 300.0,
+        default_max_tokens: int = 1024,
+        max_n: int = 16,
+        max_model_len: int | None = None,
+        vocab_size: int | None = None,
+    ):
+        for name, value in (
+            ("call_timeout_s", call_timeout_s),
+            ("default_max_tokens", default_max_tokens),
+            ("max_n", max_n),
+        ):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"Gateway: {name} must be a positive number, got {value!r}.")
         self.engine = engine
@@ -102,8 +114,9 @@ class Gateway:
         self.call_timeout_s = float(call_timeout_s)
         self.default_max_tokens = int(default_max_tokens)
         self.max_n = int(max_n)
-        self.max_model_len = (max_model_len if max_model_len is not None
-                              else getattr(engine, "max_seq_len", None))
+        self.max_model_len = (
+            max_model_len if max_model_len is not None else getattr(engine, "max_seq_len", None)
+        )
         self.vocab_size = vocab_size
         self._episodes: dict[str, _Episode] = {}
         self._closed_keys: set[str] = set()
@@ -146,8 +159,9 @@ class Gateway:
 
     # -- episodes --------------------------------------------------------------------------
 
-    def open_episode(self, episode_id: str | None = None, seed: int | None = None
-                     ) -> tuple[str, str]:
+    def open_episode(
+        self, episode_id: str | None = None, seed: int | None = None
+    ) -> tuple[str, str]:
         """Starts recording an episode; returns ``(base_url, api_key)`` for its program
         (``base_url`` ends in ``/v1``, as ``openai.OpenAI(base_url=...)`` takes it).
         Safe to call from any thread.
@@ -162,17 +176,20 @@ class Gateway:
           RuntimeError: the server has not been started (``start``).
         """
         if self._runner is None:
-            raise RuntimeError("Gateway.open_episode: the server is not running; await "
-                               "Gateway.start() (or use GatewayThread) first.")
+            raise RuntimeError(
+                "Gateway.open_episode: the server is not running; await "
+                "Gateway.start() (or use GatewayThread) first."
+            )
         episode_id = episode_id or uuid.uuid4().hex[:12]
         key = "rtx-" + secrets.token_urlsafe(24)
         with self._lock:
             if any(e.episode_id == episode_id for e in self._episodes.values()):
-                raise ValueError(f"episode {episode_id!r} is already open; close it first or "
-                                 "use another id.")
+                raise ValueError(
+                    f"episode {episode_id!r} is already open; close it first or use another id."
+                )
             self._episodes[key] = _Episode(
-                episode_id=episode_id,
-                seed=secrets.randbits(62) if seed is None else int(seed))
+                episode_id=episode_id, seed=secrets.randbits(62) if seed is None else int(seed)
+            )
         return f"{self.url}/v1", key
 
     def close_episode(self, api_key: str) -> list[RecordedCall]:
@@ -223,34 +240,51 @@ class Gateway:
             closed = key in self._closed_keys
         if episode is None:
             reason = "belongs to an episode that has ended" if closed else "is not known"
-            raise GatewayError(401, f"API key {key[:8]!r}... {reason}; use the key of an open "
-                                    "episode (Gateway.open_episode).",
-                               code="invalid_api_key", kind="authentication_error")
+            raise GatewayError(
+                401,
+                f"API key {key[:8]!r}... {reason}; use the key of an open "
+                "episode (Gateway.open_episode).",
+                code="invalid_api_key",
+                kind="authentication_error",
+            )
         return episode
 
     # -- handlers --------------------------------------------------------------------------
 
     @web.middleware
-    async def _errors(self, request: web.Request,
-                      handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-                      ) -> web.StreamResponse:
+    async def _errors(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
         try:
             return await handler(request)
         except GatewayError as e:
             return _error_response(e)
         except web.HTTPException as e:
-            return _error_response(GatewayError(e.status, f"{request.method} {request.path}: "
-                                                          f"{e.reason}", code=str(e.status)))
+            return _error_response(
+                GatewayError(
+                    e.status, f"{request.method} {request.path}: {e.reason}", code=str(e.status)
+                )
+            )
         except Exception as e:  # noqa: BLE001 - one bad call must never take the server down
             logger.exception("gateway: %s %s failed", request.method, request.path)
-            return _error_response(GatewayError(500, f"internal error: {e!r}",
-                                                kind="server_error"))
+            return _error_response(GatewayError(500, f"internal error: {e!r}", kind="server_error"))
 
     async def _models(self, request: web.Request) -> web.Response:
         self._episode(request)
-        return web.json_response({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "raytunix",
-             "max_model_len": self.max_model_len}]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.model_name,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "raytunix",
+                        "max_model_len": self.max_model_len,
+                    }
+                ],
+            }
+        )
 
     async def _body(self, request: web.Request) -> Any:
         try:
@@ -265,12 +299,21 @@ class Gateway:
         prompt = self.renderer.chat_prompt(call.messages, call.tools, episode.known)
         forced = self.renderer.forced_prefix(call.tool_choice)
         index, results = await self._generate(episode, prompt + forced, call.sampling)
-        replies = [self.renderer.reply(forced, r.token_ids, r.finish_reason, call.sampling.stop,
-                                       parse_tools=call.tool_choice != "none") for r in results]
+        replies = [
+            self.renderer.reply(
+                forced,
+                r.token_ids,
+                r.finish_reason,
+                call.sampling.stop,
+                parse_tools=call.tool_choice != "none",
+            )
+            for r in results
+        ]
         self._record(episode, index, "chat.completions", prompt + forced, results, started)
         for reply, result in zip(replies, results):
-            closing = self.renderer.close_turn(result.token_ids,
-                                               result.finish_reason == FinishReason.STOP)
+            closing = self.renderer.close_turn(
+                result.token_ids, result.finish_reason == FinishReason.STOP
+            )
             if closing is not None:
                 episode.known[reply.key] = [*forced, *result.token_ids, *closing]
         response = _ChatResponse(self, episode, index, call, prompt + forced, results, replies)
@@ -282,43 +325,64 @@ class Gateway:
         episode = self._episode(request)
         call = protocol.parse_completion(await self._body(request), self.max_n, self.vocab_size)
         if call.sampling.stream:
-            raise protocol.bad_request("stream", "is supported on /v1/chat/completions only; "
-                                                 "send false here.")
+            raise protocol.bad_request(
+                "stream", "is supported on /v1/chat/completions only; send false here."
+            )
         choices: list[dict[str, Any]] = []
         usage = {"prompt_tokens": 0, "completion_tokens": 0}
         for prompt in call.prompts:
             started = time.time()
-            ids = (self.renderer.encode_text(prompt) if isinstance(prompt, str)
-                   else list(prompt))
+            ids = self.renderer.encode_text(prompt) if isinstance(prompt, str) else list(prompt)
             index, results = await self._generate(episode, ids, call.sampling)
             self._record(episode, index, "completions", ids, results, started)
             usage["prompt_tokens"] += len(ids)
             for result in results:
-                reply = self.renderer.reply([], result.token_ids, result.finish_reason,
-                                            call.sampling.stop, parse_tools=False)
-                choices.append(_completion_choice(self.renderer, len(choices), result, reply,
-                                                  call.logprobs))
+                reply = self.renderer.reply(
+                    [],
+                    result.token_ids,
+                    result.finish_reason,
+                    call.sampling.stop,
+                    parse_tools=False,
+                )
+                choices.append(
+                    _completion_choice(self.renderer, len(choices), result, reply, call.logprobs)
+                )
                 usage["completion_tokens"] += len(result.token_ids)
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-        return web.json_response({
-            "id": f"cmpl-{episode.episode_id}-{index}", "object": "text_completion",
-            "created": int(time.time()), "model": self.model_name, "choices": choices,
-            "usage": usage})
+        return web.json_response(
+            {
+                "id": f"cmpl-{episode.episode_id}-{index}",
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": self.model_name,
+                "choices": choices,
+                "usage": usage,
+            }
+        )
 
     # -- the engine ------------------------------------------------------------------------
 
     def _sampling(self, prompt_len: int, sampling: protocol.Sampling) -> SamplingParams:
         if self.max_model_len is not None and prompt_len > self.max_model_len - 1:
-            raise GatewayError(400, f"the prompt has {prompt_len} tokens but the model's context "
-                                    f"is {self.max_model_len} tokens; shorten the conversation.",
-                               param="messages", code="context_length_exceeded")
+            raise GatewayError(
+                400,
+                f"the prompt has {prompt_len} tokens but the model's context "
+                f"is {self.max_model_len} tokens; shorten the conversation.",
+                param="messages",
+                code="context_length_exceeded",
+            )
         return SamplingParams(
             max_new_tokens=sampling.max_tokens or self.default_max_tokens,
-            temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-            stop_token_ids=self.renderer.stop_token_ids, stop_strings=sampling.stop)
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+            stop_token_ids=self.renderer.stop_token_ids,
+            stop_strings=sampling.stop,
+        )
 
-    async def _generate(self, episode: _Episode, prompt: Sequence[int],
-                        sampling: protocol.Sampling) -> tuple[int, list[GenerationResult]]:
+    async def _generate(
+        self, episode: _Episode, prompt: Sequence[int], sampling: protocol.Sampling
+    ) -> tuple[int, list[GenerationResult]]:
         """``(the call's index in the episode, the engine's results)`` for ``sampling.n``
         samples of ``prompt``; the first uses the episode's session when no other call of
         the episode holds it.
@@ -332,52 +396,89 @@ class Gateway:
         episode.next_index += 1
         use_session = not episode.session_busy
         base = episode.seed if sampling.seed is None else sampling.seed
-        requests = [GenerationRequest(
-            request_id=f"{episode.episode_id}/{index}/{j}", prompt_ids=tuple(prompt),
-            sampling=params, seed=_request_seed(base, index if sampling.seed is None else 0, j),
-            session_id=episode.session_id if use_session and j == 0 else None)
-            for j in range(sampling.n)]
+        requests = [
+            GenerationRequest(
+                request_id=f"{episode.episode_id}/{index}/{j}",
+                prompt_ids=tuple(prompt),
+                sampling=params,
+                seed=_request_seed(base, index if sampling.seed is None else 0, j),
+                session_id=episode.session_id if use_session and j == 0 else None,
+            )
+            for j in range(sampling.n)
+        ]
         tasks = [asyncio.ensure_future(self.engine.generate(r)) for r in requests]
         episode.session_busy = episode.session_busy or use_session
         try:
             async with asyncio.timeout(self.call_timeout_s):
                 results = list(await asyncio.gather(*tasks))
         except TimeoutError:
-            raise GatewayError(504, f"the call did not finish within its deadline of "
-                                    f"{self.call_timeout_s:g} s.", kind="timeout",
-                               code="timeout") from None
+            raise GatewayError(
+                504,
+                f"the call did not finish within its deadline of {self.call_timeout_s:g} s.",
+                kind="timeout",
+                code="timeout",
+            ) from None
         except ValueError as e:
-            raise GatewayError(400, f"the engine refused the request: {e}",
-                               code="invalid_request") from None
+            raise GatewayError(
+                400, f"the engine refused the request: {e}", code="invalid_request"
+            ) from None
         except Exception as e:  # noqa: BLE001 - any engine failure is answered, not raised
-            raise GatewayError(503, f"the engine failed: {e!r}; retry the call.",
-                               kind="server_error", code="engine_unavailable") from None
+            raise GatewayError(
+                503,
+                f"the engine failed: {e!r}; retry the call.",
+                kind="server_error",
+                code="engine_unavailable",
+            ) from None
         finally:
             for task in tasks:
                 task.cancel()
             if use_session:
                 episode.session_busy = False
         if any(r.finish_reason == FinishReason.ABORT for r in results):
-            raise GatewayError(503, "the engine aborted the call (paused or stopping); retry it.",
-                               kind="server_error", code="engine_unavailable")
+            raise GatewayError(
+                503,
+                "the engine aborted the call (paused or stopping); retry it.",
+                kind="server_error",
+                code="engine_unavailable",
+            )
         return index, results
 
-    def _record(self, episode: _Episode, index: int, endpoint: str, prompt: Sequence[int],
-                results: Sequence[GenerationResult], started: float) -> None:
+    def _record(
+        self,
+        episode: _Episode,
+        index: int,
+        endpoint: str,
+        prompt: Sequence[int],
+        results: Sequence[GenerationResult],
+        started: float,
+    ) -> None:
         call = RecordedCall(
-            index=index, endpoint=endpoint, prompt_ids=tuple(prompt),
-            choices=tuple(RecordedChoice(
-                token_ids=tuple(r.token_ids), logprobs=tuple(r.logprobs),
-                policy_versions=tuple(r.policy_versions), finish_reason=r.finish_reason.value,
-                request_id=r.request_id, num_cached_tokens=r.num_cached_tokens)
-                for r in results),
-            started_s=started, duration_s=time.time() - started)
+            index=index,
+            endpoint=endpoint,
+            prompt_ids=tuple(prompt),
+            choices=tuple(
+                RecordedChoice(
+                    token_ids=tuple(r.token_ids),
+                    logprobs=tuple(r.logprobs),
+                    policy_versions=tuple(r.policy_versions),
+                    finish_reason=r.finish_reason.value,
+                    request_id=r.request_id,
+                    num_cached_tokens=r.num_cached_tokens,
+                )
+                for r in results
+            ),
+            started_s=started,
+            duration_s=time.time() - started,
+        )
         with self._lock:
             if not episode.open:
                 episode.dropped_calls += 1
-                raise GatewayError(401, "the episode ended while this call ran; it was not "
-                                        "recorded.", code="invalid_api_key",
-                                   kind="authentication_error")
+                raise GatewayError(
+                    401,
+                    "the episode ended while this call ran; it was not recorded.",
+                    code="invalid_api_key",
+                    kind="authentication_error",
+                )
             episode.calls.append(call)
 
 
@@ -386,47 +487,84 @@ def _request_seed(base: int, index: int, choice: int) -> int:
     return (base * 1_000_003 + index * 1_009 + choice) % (1 << 63)
 
 
-def _token_logprobs(renderer: EncoderRenderer | HFRenderer, result: GenerationResult
-                    ) -> list[dict[str, Any]]:
+def _token_logprobs(
+    renderer: EncoderRenderer | HFRenderer, result: GenerationResult
+) -> list[dict[str, Any]]:
     entries = []
     for token, logprob in zip(result.token_ids, result.logprobs):
         text = renderer.decode([token])
-        entries.append({"token": text, "logprob": float(logprob),
-                        "bytes": list(text.encode("utf-8")), "top_logprobs": []})
+        entries.append(
+            {
+                "token": text,
+                "logprob": float(logprob),
+                "bytes": list(text.encode("utf-8")),
+                "top_logprobs": [],
+            }
+        )
     return entries
 
 
-def _completion_choice(renderer: EncoderRenderer | HFRenderer, index: int,
-                       result: GenerationResult, reply: Reply, logprobs: bool) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": index, "text": reply.content or "",
-                              "finish_reason": reply.finish_reason, "logprobs": None}
+def _completion_choice(
+    renderer: EncoderRenderer | HFRenderer,
+    index: int,
+    result: GenerationResult,
+    reply: Reply,
+    logprobs: bool,
+) -> dict[str, Any]:
+    choice: dict[str, Any] = {
+        "index": index,
+        "text": reply.content or "",
+        "finish_reason": reply.finish_reason,
+        "logprobs": None,
+    }
     if logprobs:
         entries = _token_logprobs(renderer, result)
-        choice["logprobs"] = {"tokens": [e["token"] for e in entries],
-                              "token_logprobs": [e["logprob"] for e in entries],
-                              "top_logprobs": None, "text_offset": None}
+        choice["logprobs"] = {
+            "tokens": [e["token"] for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": None,
+            "text_offset": None,
+        }
     return choice
 
 
 class _ChatResponse:
     """One chat call's answer, as a JSON body or as server-sent events."""
 
-    def __init__(self, gateway: Gateway, episode: _Episode, index: int, call: protocol.ChatCall,
-                 prompt: Sequence[int], results: Sequence[GenerationResult],
-                 replies: Sequence[Reply]):
+    def __init__(
+        self,
+        gateway: Gateway,
+        episode: _Episode,
+        index: int,
+        call: protocol.ChatCall,
+        prompt: Sequence[int],
+        results: Sequence[GenerationResult],
+        replies: Sequence[Reply],
+    ):
         self.gateway, self.call, self.results, self.replies = gateway, call, results, replies
         self.id = f"chatcmpl-{episode.episode_id}-{index}"
         self.created = int(time.time())
-        self.tool_call_ids = [[f"call_{episode.episode_id}_{index}_{j}_{k}"
-                               for k in range(len(r.tool_calls))] for j, r in enumerate(replies)]
+        self.tool_call_ids = [
+            [f"call_{episode.episode_id}_{index}_{j}_{k}" for k in range(len(r.tool_calls))]
+            for j, r in enumerate(replies)
+        ]
         completion = sum(len(r.token_ids) for r in results)
-        self.usage = {"prompt_tokens": len(prompt), "completion_tokens": completion,
-                      "total_tokens": len(prompt) + completion}
+        self.usage = {
+            "prompt_tokens": len(prompt),
+            "completion_tokens": completion,
+            "total_tokens": len(prompt) + completion,
+        }
 
     def _tool_calls(self, j: int, streamed: bool) -> list[dict[str, Any]]:
-        return [{**({"index": k} if streamed else {}), "id": self.tool_call_ids[j][k],
-                 "type": "function", "function": {"name": name, "arguments": arguments}}
-                for k, (name, arguments) in enumerate(self.replies[j].tool_calls)]
+        return [
+            {
+                **({"index": k} if streamed else {}),
+                "id": self.tool_call_ids[j][k],
+                "type": "function",
+                "function": {"name": name, "arguments": arguments},
+            }
+            for k, (name, arguments) in enumerate(self.replies[j].tool_calls)
+        ]
 
     def _logprobs(self, j: int) -> dict[str, Any] | None:
         if not self.call.logprobs:
@@ -439,15 +577,31 @@ class _ChatResponse:
             message: dict[str, Any] = {"role": "assistant", "content": reply.content}
             if reply.tool_calls:
                 message["tool_calls"] = self._tool_calls(j, streamed=False)
-            choices.append({"index": j, "message": message, "logprobs": self._logprobs(j),
-                            "finish_reason": reply.finish_reason})
-        return {"id": self.id, "object": "chat.completion", "created": self.created,
-                "model": self.gateway.model_name, "choices": choices, "usage": self.usage}
+            choices.append(
+                {
+                    "index": j,
+                    "message": message,
+                    "logprobs": self._logprobs(j),
+                    "finish_reason": reply.finish_reason,
+                }
+            )
+        return {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.gateway.model_name,
+            "choices": choices,
+            "usage": self.usage,
+        }
 
     def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
-        chunk: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk",
-                                 "created": self.created, "model": self.gateway.model_name,
-                                 "choices": choices}
+        chunk: dict[str, Any] = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.gateway.model_name,
+            "choices": choices,
+        }
         if usage is not None:
             chunk["usage"] = usage
         return b"data: " + json.dumps(chunk).encode() + b"\n\n"
@@ -457,23 +611,61 @@ class _ChatResponse:
         pieces along token boundaries, its tool calls, a finish chunk; the usage chunk when
         ``stream_options.include_usage``; then ``data: [DONE]``. (The engine returns whole
         completions, so the events follow the finished generation.)"""
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                               "Cache-Control": "no-cache"})
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
         await response.prepare(request)
         for j, (reply, result) in enumerate(zip(self.replies, self.results)):
-            await response.write(self._chunk([{"index": j, "delta": {"role": "assistant",
-                                                                     "content": ""},
-                                               "logprobs": None, "finish_reason": None}]))
+            await response.write(
+                self._chunk(
+                    [
+                        {
+                            "index": j,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ]
+                )
+            )
             for piece in _pieces(self.gateway.renderer, result.token_ids, reply.content or ""):
-                await response.write(self._chunk([{"index": j, "delta": {"content": piece},
-                                                   "logprobs": None, "finish_reason": None}]))
+                await response.write(
+                    self._chunk(
+                        [
+                            {
+                                "index": j,
+                                "delta": {"content": piece},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ]
+                    )
+                )
             if reply.tool_calls:
-                await response.write(self._chunk([{"index": j, "delta": {
-                    "tool_calls": self._tool_calls(j, streamed=True)}, "logprobs": None,
-                    "finish_reason": None}]))
-            await response.write(self._chunk([{"index": j, "delta": {},
-                                               "logprobs": self._logprobs(j),
-                                               "finish_reason": reply.finish_reason}]))
+                await response.write(
+                    self._chunk(
+                        [
+                            {
+                                "index": j,
+                                "delta": {"tool_calls": self._tool_calls(j, streamed=True)},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ]
+                    )
+                )
+            await response.write(
+                self._chunk(
+                    [
+                        {
+                            "index": j,
+                            "delta": {},
+                            "logprobs": self._logprobs(j),
+                            "finish_reason": reply.finish_reason,
+                        }
+                    ]
+                )
+            )
         if self.call.sampling.include_usage:
             await response.write(self._chunk([], self.usage))
         await response.write(b"data: [DONE]\n\n")
@@ -481,8 +673,7 @@ class _ChatResponse:
         return response
 
 
-def _pieces(renderer: EncoderRenderer | HFRenderer, ids: Sequence[int], content: str
-            ) -> list[str]:
+def _pieces(renderer: EncoderRenderer | HFRenderer, ids: Sequence[int], content: str) -> list[str]:
     """``content`` cut where the decoded prefixes of ``ids`` end (a piece per few tokens),
     joined back exactly; what the ids do not spell in order comes as one last piece."""
     pieces, emitted = [], 0
@@ -492,7 +683,7 @@ def _pieces(renderer: EncoderRenderer | HFRenderer, ids: Sequence[int], content:
         if not content.startswith(text.rstrip("\ufffd")):
             break
         if len(text) > emitted and not text.endswith("\ufffd"):
-            pieces.append(content[emitted:len(text)])
+            pieces.append(content[emitted : len(text)])
             emitted = len(text)
     if emitted < len(content):
         pieces.append(content[emitted:])
@@ -544,6 +735,7 @@ class GatewayThread:
     def run(self, coroutine: Awaitable[T], timeout_s: float | None = None) -> T:
         """Runs ``coroutine`` on the gateway's loop (e.g. ``engine.pause()``) and returns
         its result."""
+
         async def wrapped() -> T:
             return await coroutine
 

@@ -40,16 +40,29 @@ class DeviceAccounting:
         """A program of ``rows x tokens_per_row`` tokens ran (padding included)."""
         self.counters["padded_tokens"] += rows * tokens_per_row
 
-    def step_done(self, *, prefill: bool, start: float, ready: float, rows: int,
-                  prompt_fed: int, generated_fed: int) -> None:
+    def step_done(
+        self,
+        *,
+        prefill: bool,
+        start: float,
+        ready: float,
+        rows: int,
+        prompt_fed: int,
+        generated_fed: int,
+    ) -> None:
         """One launched call's samples were ready at ``ready`` (perf_counter seconds); it
         was launched at ``start``, fed ``rows`` rows, ``prompt_fed`` prompt tokens and
         ``generated_fed`` generated tokens again."""
         began = max(start, self._last_ready)
         busy = max(0.0, ready - began)
         self._last_ready = max(self._last_ready, ready)
-        profiling.add("prefill" if prefill else "decode", began, max(began, ready), "steps",
-                      {"rows": rows, "tokens": prompt_fed + generated_fed if prefill else rows})
+        profiling.add(
+            "prefill" if prefill else "decode",
+            began,
+            max(began, ready),
+            "steps",
+            {"rows": rows, "tokens": prompt_fed + generated_fed if prefill else rows},
+        )
         c = self.counters
         c["busy_s"] += busy
         c["busy_prefill_s" if prefill else "busy_decode_s"] += busy
@@ -71,8 +84,9 @@ class DeviceAccounting:
         ``mean_active_slots`` (rows per decode step), ``prompt_tokens_computed`` and
         ``generated_tokens_recomputed`` (fed through the model)."""
         c = self.counters
-        work = c["work_s"] + (0.0 if self._work_since is None
-                              else time.perf_counter() - self._work_since)
+        work = c["work_s"] + (
+            0.0 if self._work_since is None else time.perf_counter() - self._work_since
+        )
         busy = c["busy_s"]
         gap = max(0.0, work - busy)
         return {
@@ -85,12 +99,14 @@ class DeviceAccounting:
             "host_gap_s": gap,
             "host_gap_fraction": gap / work if work > 0 else 0.0,
             "padded_tokens": int(c["padded_tokens"]),
-            "padded_tokens_per_generated_token": (c["padded_tokens"] / tokens_generated
-                                                  if tokens_generated else 0.0),
+            "padded_tokens_per_generated_token": (
+                c["padded_tokens"] / tokens_generated if tokens_generated else 0.0
+            ),
             "decode_steps": int(c["decode_steps"]),
             "prefill_calls": int(c["prefill_calls"]),
-            "mean_active_slots": (c["decode_rows"] / c["decode_steps"]
-                                  if c["decode_steps"] else 0.0),
+            "mean_active_slots": (
+                c["decode_rows"] / c["decode_steps"] if c["decode_steps"] else 0.0
+            ),
             "prompt_tokens_computed": int(c["prompt_tokens_computed"]),
             "generated_tokens_recomputed": int(c["generated_tokens_recomputed"]),
         }

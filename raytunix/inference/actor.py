@@ -22,8 +22,15 @@ class EngineActor(profiling.ProfiledActor):
     weights are older than every token's version would claim.
     """
 
-    def __init__(self, model_config: ModelConfig, seed: int, tokenizer,
-                 engine_kwargs: dict[str, Any], model_path: str = "", weights_source=None):
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        seed: int,
+        tokenizer,
+        engine_kwargs: dict[str, Any],
+        model_path: str = "",
+        weights_source=None,
+    ):
         profiling.configure("engine", "engine")
         if model_path:
             from raytunix.models.hf import load_weights
@@ -31,8 +38,7 @@ class EngineActor(profiling.ProfiledActor):
             graphdef, params = load_weights(model_path, model_config)
         else:
             graphdef, params = init_model(model_config, seed)
-        self.engine = InferenceEngine(graphdef, params, model_config, tokenizer,
-                                      **engine_kwargs)
+        self.engine = InferenceEngine(graphdef, params, model_config, tokenizer, **engine_kwargs)
         if weights_source is not None and ray.get_runtime_context().was_current_actor_reconstructed:
             self.update_weights(ray.get(weights_source.weights.remote()))
         heap.settle()  # the model is built: out of the garbage collector's scans

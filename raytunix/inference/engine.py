@@ -97,9 +97,25 @@ KV_ON_WEIGHT_UPDATE: tuple[str, ...] = get_args(KVOnWeightUpdate)  # engine.kv_o
 _NO_KV = 1 << 62  # kv_version of a sequence that holds no KV yet
 
 
-def _forward_step(graphdef, truncate: bool, params, pages: KVPages, last_tokens, tokens,
-                  positions, block_tables, last_index, temperature, top_k, top_p, seed_lo,
-                  seed_hi, token_index, slots, from_slot):
+def _forward_step(
+    graphdef,
+    truncate: bool,
+    params,
+    pages: KVPages,
+    last_tokens,
+    tokens,
+    positions,
+    block_tables,
+    last_index,
+    temperature,
+    top_k,
+    top_p,
+    seed_lo,
+    seed_hi,
+    token_index,
+    slots,
+    from_slot,
+):
     """Feeds ``T`` tokens per row, writes their KV into the rows' blocks and samples each
     row's next token after its token ``last_index``.
 
@@ -115,11 +131,13 @@ def _forward_step(graphdef, truncate: bool, params, pages: KVPages, last_tokens,
     """
     first = jnp.where(from_slot, last_tokens[slots], tokens[:, 0])
     tokens = tokens.at[:, 0].set(first)
-    logits, pages = forward(graphdef, params, tokens, positions, pages, block_tables,
-                            logit_index=last_index)
+    logits, pages = forward(
+        graphdef, params, tokens, positions, pages, block_tables, logit_index=last_index
+    )
     truncation = {"top_k": top_k, "top_p": top_p} if truncate else {}
-    next_tokens, logprobs = sample_tokens(logits[:, 0], temperature, seed_lo, seed_hi,
-                                          token_index, **truncation)
+    next_tokens, logprobs = sample_tokens(
+        logits[:, 0], temperature, seed_lo, seed_hi, token_index, **truncation
+    )
     return pages, last_tokens.at[slots].set(next_tokens), next_tokens, logprobs
 
 
@@ -136,8 +154,9 @@ def _step_fn(graphdef):
     """
     fn = _STEP_FNS.get(graphdef)
     if fn is None:
-        fn = _STEP_FNS[graphdef] = jax.jit(functools.partial(_forward_step, graphdef),
-                                           static_argnums=(0,), donate_argnums=(2, 3))
+        fn = _STEP_FNS[graphdef] = jax.jit(
+            functools.partial(_forward_step, graphdef), static_argnums=(0,), donate_argnums=(2, 3)
+        )
     return fn
 
 
@@ -153,17 +172,31 @@ def _on_engine_device(params):
     return jax.device_put(params)
 
 
-def _layout_key(params, config: ModelConfig, num_blocks: int, block_size: int,
-                max_running: int) -> tuple:
+def _layout_key(
+    params, config: ModelConfig, num_blocks: int, block_size: int, max_running: int
+) -> tuple:
     """What a step program is built for besides its shape: the weights' structure,
     shapes, dtypes and shardings, and the KV pages' and token buffer's sizes."""
     leaves, treedef = jax.tree.flatten(params)
-    return (treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves), config,
-            num_blocks, block_size, max_running)
+    return (
+        treedef,
+        tuple((x.shape, x.dtype, x.sharding) for x in leaves),
+        config,
+        num_blocks,
+        block_size,
+        max_running,
+    )
 
 
-def _lower_step(step, params, config: ModelConfig, num_blocks: int, block_size: int,
-                max_running: int, shape: Shape):
+def _lower_step(
+    step,
+    params,
+    config: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    max_running: int,
+    shape: Shape,
+):
     """``step`` lowered for ``shape`` (``jax.stages.Lowered``) from abstract values only:
     safe on any thread while steps run. ``params`` gives only its shapes and shardings
     (later weights have the same: ``update_weights`` checks)."""
@@ -176,12 +209,22 @@ def _lower_step(step, params, config: ModelConfig, num_blocks: int, block_size: 
     b, t, i32, f32, u32 = shape.batch, shape.length, np.int32, np.float32, np.uint32
     return step.lower(
         shape.truncate,
-        jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                     params),
-        jax.tree.map(lambda x: host(x.shape, x.dtype), pages), host((max_running + 1,), i32),
-        host((b, t), i32), host((b, t), i32), host((b, shape.span), i32), host((b,), i32),
-        host((b,), f32), host((b,), i32), host((b,), f32), host((b,), u32), host((b,), u32),
-        host((b,), i32), host((b,), i32), host((b,), bool))
+        jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params),
+        jax.tree.map(lambda x: host(x.shape, x.dtype), pages),
+        host((max_running + 1,), i32),
+        host((b, t), i32),
+        host((b, t), i32),
+        host((b, shape.span), i32),
+        host((b,), i32),
+        host((b,), f32),
+        host((b,), i32),
+        host((b,), f32),
+        host((b,), u32),
+        host((b,), u32),
+        host((b,), i32),
+        host((b,), i32),
+        host((b,), bool),
+    )
 
 
 def _wait_ready(tokens, logprobs):
@@ -218,14 +261,19 @@ def _powers_of_four(cap: int) -> tuple[int, ...]:
     return (*values, cap)
 
 
-def _all_buckets(max_batch_size: int, max_blocks: int, block_size: int,
-                 longest_chunk: int) -> tuple[tuple[int, ...], ...]:
+def _all_buckets(
+    max_batch_size: int, max_blocks: int, block_size: int, longest_chunk: int
+) -> tuple[tuple[int, ...], ...]:
     """Decode rows, prefill rows, span blocks and tokens per prefill row a program may
     have. Prefill calls take coarser row counts (they are few, and each shape compiles);
     tokens per prefill row go 8, 32, 128, ... (x4) up to the chunk."""
     chunks = {t for t in (8, 32, 128, 512, 2048, 8192) if t < longest_chunk} | {longest_chunk}
-    return (_row_buckets(max_batch_size), _powers_of_four(max_batch_size),
-            _span_buckets(max_blocks, block_size), tuple(sorted(chunks)))
+    return (
+        _row_buckets(max_batch_size),
+        _powers_of_four(max_batch_size),
+        _span_buckets(max_blocks, block_size),
+        tuple(sorted(chunks)),
+    )
 
 
 def _bucket(buckets: Sequence[int], n: int) -> int:
@@ -335,25 +383,41 @@ class InferenceEngine:
     thread, and ``stats()`` counts compiles and the seconds steps waited on them.
     """
 
-    def __init__(self, graphdef, params, model_config: ModelConfig, tokenizer, *,
-                 max_batch_size: int = 128, max_seq_len: int | None = None,
-                 block_size: int = 16, kv_cache_tokens: int | None = None,
-                 prefill_chunk_tokens: int = 256, policy_version: int = 0,
-                 kv_on_weight_update: str = "recompute", sessions: bool = True,
-                 prefill_min_batch: int = 4, max_prefill_delay_steps: int = 4,
-                 compile_ahead: bool = False):
+    def __init__(
+        self,
+        graphdef,
+        params,
+        model_config: ModelConfig,
+        tokenizer,
+        *,
+        max_batch_size: int = 128,
+        max_seq_len: int | None = None,
+        block_size: int = 16,
+        kv_cache_tokens: int | None = None,
+        prefill_chunk_tokens: int = 256,
+        policy_version: int = 0,
+        kv_on_weight_update: str = "recompute",
+        sessions: bool = True,
+        prefill_min_batch: int = 4,
+        max_prefill_delay_steps: int = 4,
+        compile_ahead: bool = False,
+    ):
         seq_len = model_config.max_seq_len if max_seq_len is None else max_seq_len
-        for name, value, low in (("max_batch_size", max_batch_size, 1),
-                                 ("max_seq_len", seq_len, 2), ("block_size", block_size, 1),
-                                 ("prefill_chunk_tokens", prefill_chunk_tokens, 2),
-                                 ("prefill_min_batch", prefill_min_batch, 1),
-                                 ("max_prefill_delay_steps", max_prefill_delay_steps, 0)):
+        for name, value, low in (
+            ("max_batch_size", max_batch_size, 1),
+            ("max_seq_len", seq_len, 2),
+            ("block_size", block_size, 1),
+            ("prefill_chunk_tokens", prefill_chunk_tokens, 2),
+            ("prefill_min_batch", prefill_min_batch, 1),
+            ("max_prefill_delay_steps", max_prefill_delay_steps, 0),
+        ):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"InferenceEngine: {name} must be an int >= {low}, got "
-                                 f"{value!r}.")
+                raise ValueError(f"InferenceEngine: {name} must be an int >= {low}, got {value!r}.")
         if kv_on_weight_update not in KV_ON_WEIGHT_UPDATE:
-            raise ValueError(f"InferenceEngine: kv_on_weight_update must be one of "
-                             f"{KV_ON_WEIGHT_UPDATE}, got {kv_on_weight_update!r}.")
+            raise ValueError(
+                f"InferenceEngine: kv_on_weight_update must be one of "
+                f"{KV_ON_WEIGHT_UPDATE}, got {kv_on_weight_update!r}."
+            )
         self._graphdef = graphdef
         self._config = model_config
         self._tokenizer = tokenizer
@@ -370,25 +434,34 @@ class InferenceEngine:
         if num_blocks < self._max_blocks:
             raise ValueError(
                 f"InferenceEngine: kv_cache_tokens={kv_cache_tokens!r} holds less than one "
-                f"context of max_seq_len={seq_len} tokens; give at least {seq_len}.")
+                f"context of max_seq_len={seq_len} tokens; give at least {seq_len}."
+            )
         self._num_blocks = num_blocks
         self._chunk = prefill_chunk_tokens
         self._kv_mode = kv_on_weight_update
         self._keep_sessions = bool(sessions)
         self._prefill_min_batch = prefill_min_batch
         self._max_prefill_delay = max_prefill_delay_steps
-        (self._batch_buckets, self._prefill_batch_buckets, self._span_buckets,
-         self._chunk_buckets) = _all_buckets(max_batch_size, self._max_blocks, block_size,
-                                             min(prefill_chunk_tokens, seq_len))
+        (
+            self._batch_buckets,
+            self._prefill_batch_buckets,
+            self._span_buckets,
+            self._chunk_buckets,
+        ) = _all_buckets(
+            max_batch_size, self._max_blocks, block_size, min(prefill_chunk_tokens, seq_len)
+        )
         self._params = _on_engine_device(params)
         self._version = int(policy_version)
         self._pending_weights: tuple[Any, int] | None = None
 
         self._step = _step_fn(graphdef)
         layout = (self._params, model_config, num_blocks, block_size, self._max_running)
-        self._programs = StepPrograms(shared_programs((self._step, _layout_key(*layout))),
-                                      functools.partial(_lower_step, self._step, *layout),
-                                      self._reachable, ahead=bool(compile_ahead))
+        self._programs = StepPrograms(
+            shared_programs((self._step, _layout_key(*layout))),
+            functools.partial(_lower_step, self._step, *layout),
+            self._reachable,
+            ahead=bool(compile_ahead),
+        )
         self._pool = BlockPool(num_blocks)
         self._prefix = PrefixCache(self._pool)
         self._pages: KVPages | None = None  # None: (re)build before the next device call
@@ -407,7 +480,8 @@ class InferenceEngine:
 
         # Waits for launched steps' samples, in launch order.
         self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="raytunix-engine")
+            max_workers=1, thread_name_prefix="raytunix-engine"
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
@@ -452,9 +526,16 @@ class InferenceEngine:
         # A session's turns keep the place of its first request: older episodes go first,
         # so groups finish one after another instead of all at the end.
         order = session.order if session is not None else self._arrivals
-        seq = _Sequence(request=request, future=self._loop.create_future(), seed_lo=lo,
-                        seed_hi=hi, order=order, context=list(request.prompt_ids),
-                        kv_version=_NO_KV, arrived_s=time.perf_counter())
+        seq = _Sequence(
+            request=request,
+            future=self._loop.create_future(),
+            seed_lo=lo,
+            seed_hi=hi,
+            order=order,
+            context=list(request.prompt_ids),
+            kv_version=_NO_KV,
+            arrived_s=time.perf_counter(),
+        )
         self._arrivals += 1
         self._by_id[request.request_id] = seq
         if request.session_id is not None:
@@ -470,10 +551,10 @@ class InferenceEngine:
             if future.cancelled():  # the caller gave up: free its id, session and KV now
                 self._finish(seq, FinishReason.ABORT)
             self._notify()
+
         return done
 
-    async def generate_many(self, requests: Iterable[GenerationRequest]
-                            ) -> list[GenerationResult]:
+    async def generate_many(self, requests: Iterable[GenerationRequest]) -> list[GenerationResult]:
         """Generates all requests concurrently; results are in request order."""
         return list(await asyncio.gather(*(self.generate(r) for r in requests)))
 
@@ -516,17 +597,21 @@ class InferenceEngine:
         version = int(version)
         latest = self._version if self._pending_weights is None else self._pending_weights[1]
         if version < latest:
-            raise ValueError(f"update_weights: version {version} is older than the engine's "
-                             f"version {latest}; policy versions must not decrease.")
+            raise ValueError(
+                f"update_weights: version {version} is older than the engine's "
+                f"version {latest}; policy versions must not decrease."
+            )
 
         def signature(tree):
             leaves, treedef = jax.tree.flatten(tree)
             return treedef, [(jnp.shape(x), jnp.result_type(x)) for x in leaves]
 
         if signature(params) != signature(self._params):
-            raise ValueError("update_weights: params do not match the engine's model "
-                             "(tree structure, shapes or dtypes differ); pass the state of "
-                             "the same ModelConfig.")
+            raise ValueError(
+                "update_weights: params do not match the engine's model "
+                "(tree structure, shapes or dtypes differ); pass the state of "
+                "the same ModelConfig."
+            )
         self._pending_weights = (_on_engine_device(params), version)
         self._notify()
 
@@ -545,9 +630,12 @@ class InferenceEngine:
             try:
                 await asyncio.wait_for(self._idle.wait(), timeout_s)
             except asyncio.TimeoutError:
-                logger.warning("InferenceEngine.pause: a device call is still running after "
-                               "%.1f s; requests were aborted, the call's results will be "
-                               "dropped.", timeout_s)
+                logger.warning(
+                    "InferenceEngine.pause: a device call is still running after "
+                    "%.1f s; requests were aborted, the call's results will be "
+                    "dropped.",
+                    timeout_s,
+                )
 
     def resume(self) -> None:
         """Restarts admission and decoding after ``pause``."""
@@ -605,8 +693,9 @@ class InferenceEngine:
             "prompt_tokens": prompt,
             "prompt_tokens_from_sessions": c["prompt_tokens_from_sessions"],
             "prompt_tokens_from_prefix_cache": c["prompt_tokens_from_prefix_cache"],
-            "prefix_cache_hit_rate": (c["prompt_tokens_from_prefix_cache"] / prompt
-                                      if prompt else 0.0),
+            "prefix_cache_hit_rate": (
+                c["prompt_tokens_from_prefix_cache"] / prompt if prompt else 0.0
+            ),
             "kv_bytes_in_use": self._pool.num_used * self._block_size * token_bytes,
             "kv_bytes_capacity": self._num_blocks * self._block_size * token_bytes,
             "kv_blocks_in_use": self._pool.num_used,
@@ -654,29 +743,38 @@ class InferenceEngine:
         if n == 0:
             raise ValueError(f"Request {rid!r} has an empty prompt; give at least one token.")
         if n > self._max_seq_len - 1:
-            raise ValueError(f"Request {rid!r}: prompt has {n} tokens but the engine's limit "
-                             f"is max_seq_len - 1 = {self._max_seq_len - 1}; shorten the "
-                             "prompt or raise max_seq_len.")
+            raise ValueError(
+                f"Request {rid!r}: prompt has {n} tokens but the engine's limit "
+                f"is max_seq_len - 1 = {self._max_seq_len - 1}; shorten the "
+                "prompt or raise max_seq_len."
+            )
         vocab = self._config.vocab_size
         bad = [t for t in request.prompt_ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"Request {rid!r}: token ids {bad[:5]} are outside the "
-                             f"vocabulary [0, {vocab}).")
+            raise ValueError(
+                f"Request {rid!r}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})."
+            )
         sampling = request.sampling
         if sampling.max_new_tokens < 1:
-            raise ValueError(f"Request {rid!r}: max_new_tokens must be >= 1, got "
-                             f"{sampling.max_new_tokens}.")
+            raise ValueError(
+                f"Request {rid!r}: max_new_tokens must be >= 1, got {sampling.max_new_tokens}."
+            )
         try:
-            check_sampling_settings(sampling.temperature, sampling.top_k, sampling.top_p,
-                                    allow_greedy=True)
+            check_sampling_settings(
+                sampling.temperature, sampling.top_k, sampling.top_p, allow_greedy=True
+            )
         except ValueError as error:
             raise ValueError(f"Request {rid!r}: {error}") from None
         if rid in self._by_id:
-            raise ValueError(f"Request id {rid!r} is already in flight; request ids must be "
-                             "unique among requests in flight.")
+            raise ValueError(
+                f"Request id {rid!r} is already in flight; request ids must be "
+                "unique among requests in flight."
+            )
         if request.session_id is not None and request.session_id in self._busy_sessions:
-            raise ValueError(f"Request {rid!r}: session {request.session_id!r} already has a "
-                             "request in flight; a session's turns must come one at a time.")
+            raise ValueError(
+                f"Request {rid!r}: session {request.session_id!r} already has a "
+                "request in flight; a session's turns must come one at a time."
+            )
 
     def _ensure_started(self) -> None:
         loop = asyncio.get_running_loop()
@@ -731,12 +829,21 @@ class InferenceEngine:
         if seq.running:
             # One span per request on the track of the slot it held: who occupied the
             # batch row, from admission to its end, and how long it queued before.
-            profiling.add("request", seq.admitted_s, time.perf_counter(), f"slot {seq.slot}",
-                          {"request_id": seq.request.request_id, "reason": reason.value,
-                           "prompt_tokens": len(seq.request.prompt_ids),
-                           "cached_tokens": seq.cached_tokens, "generated": len(seq.tokens),
-                           "queued_s": round(seq.admitted_s - seq.arrived_s, 6)},
-                          seq.request.session_id)
+            profiling.add(
+                "request",
+                seq.admitted_s,
+                time.perf_counter(),
+                f"slot {seq.slot}",
+                {
+                    "request_id": seq.request.request_id,
+                    "reason": reason.value,
+                    "prompt_tokens": len(seq.request.prompt_ids),
+                    "cached_tokens": seq.cached_tokens,
+                    "generated": len(seq.tokens),
+                    "queued_s": round(seq.admitted_s - seq.arrived_s, 6),
+                },
+                seq.request.session_id,
+            )
             self._stop_running(seq)
         else:
             try:
@@ -747,31 +854,41 @@ class InferenceEngine:
         if not self._running and not self._waiting:
             self._device.requests_all_done()
         session_id = seq.request.session_id
-        keep = (session_id is not None and reason != FinishReason.ABORT
-                and not seq.future.done() and session_id not in self._ended_sessions)
+        keep = (
+            session_id is not None
+            and reason != FinishReason.ABORT
+            and not seq.future.done()
+            and session_id not in self._ended_sessions
+        )
         if session_id is not None:
             self._busy_sessions.pop(session_id, None)
             self._ended_sessions.discard(session_id)
         if keep:
             self._sessions[session_id] = _Session(
-                tokens=seq.context[:seq.num_cached], blocks=seq.blocks, keys=seq.keys,
-                kv_version=seq.kv_version, order=seq.order)
+                tokens=seq.context[: seq.num_cached],
+                blocks=seq.blocks,
+                keys=seq.keys,
+                kv_version=seq.kv_version,
+                order=seq.order,
+            )
             self._sessions.move_to_end(session_id)
         else:
             self._pool.release(seq.blocks)
         seq.blocks = []
         if seq.future.done():  # the caller cancelled
             return
-        seq.future.set_result(GenerationResult(
-            request_id=seq.request.request_id,
-            token_ids=tuple(seq.tokens),
-            logprobs=tuple(seq.logprobs),
-            policy_versions=tuple(seq.versions),
-            finish_reason=reason,
-            text=self._tokenizer.decode(list(seq.tokens)),
-            num_cached_tokens=seq.cached_tokens,
-            stale_kv_tokens=seq.stale_tokens,
-        ))
+        seq.future.set_result(
+            GenerationResult(
+                request_id=seq.request.request_id,
+                token_ids=tuple(seq.tokens),
+                logprobs=tuple(seq.logprobs),
+                policy_versions=tuple(seq.versions),
+                finish_reason=reason,
+                text=self._tokenizer.decode(list(seq.tokens)),
+                num_cached_tokens=seq.cached_tokens,
+                stale_kv_tokens=seq.stale_tokens,
+            )
+        )
 
     def _stop_running(self, seq: _Sequence) -> None:
         seq.running = False
@@ -795,8 +912,11 @@ class InferenceEngine:
         sampling = seq.request.sampling
         if seq.tokens[-1] in sampling.stop_token_ids:
             return FinishReason.STOP
-        if sampling.stop_strings and completed_stop(self._tokenizer.decode, seq.tokens,
-                                                    sampling.stop_strings) is not None:
+        if (
+            sampling.stop_strings
+            and completed_stop(self._tokenizer.decode, seq.tokens, sampling.stop_strings)
+            is not None
+        ):
             return FinishReason.STOP
         if len(seq.tokens) >= sampling.max_new_tokens:
             return FinishReason.LENGTH
@@ -849,7 +969,7 @@ class InferenceEngine:
             common = keep_blocks * bs
         self._pool.release(session.blocks[keep_blocks:])
         seq.blocks = session.blocks[:keep_blocks]
-        seq.keys = session.keys[:common // bs]
+        seq.keys = session.keys[: common // bs]
         seq.num_cached = common
         seq.session_kv_version = session.kv_version
         if common:
@@ -865,8 +985,12 @@ class InferenceEngine:
             return
         session_id = seq.request.session_id
         self._sessions[session_id] = _Session(
-            tokens=seq.context[:seq.num_cached], blocks=seq.blocks, keys=seq.keys,
-            kv_version=seq.session_kv_version, order=seq.order)
+            tokens=seq.context[: seq.num_cached],
+            blocks=seq.blocks,
+            keys=seq.keys,
+            kv_version=seq.session_kv_version,
+            order=seq.order,
+        )
         seq.cached_tokens -= seq.num_cached
         self._counters["prompt_tokens_from_sessions"] -= seq.num_cached
         seq.blocks, seq.keys, seq.num_cached, seq.kv_version = [], [], 0, _NO_KV
@@ -877,7 +1001,9 @@ class InferenceEngine:
         min_version = self._version if self._kv_mode == "recompute" else None
         while seq.num_cached % bs == 0 and seq.num_cached + bs <= len(seq.context) - 1:
             i = seq.num_cached // bs
-            key = block_key(seq.keys[-1] if seq.keys else ROOT_KEY, seq.context[i * bs:(i + 1) * bs])
+            key = block_key(
+                seq.keys[-1] if seq.keys else ROOT_KEY, seq.context[i * bs : (i + 1) * bs]
+            )
             entry = self._prefix.get(key, min_version)
             if entry is None:
                 return
@@ -888,8 +1014,9 @@ class InferenceEngine:
             seq.keys.append(key)
             seq.num_cached += bs
             seq.kv_version = min(seq.kv_version, entry.version)
-            prompt_part = max(0, min(seq.num_cached, len(seq.request.prompt_ids))
-                              - (seq.num_cached - bs))
+            prompt_part = max(
+                0, min(seq.num_cached, len(seq.request.prompt_ids)) - (seq.num_cached - bs)
+            )
             seq.cached_tokens += prompt_part
             self._counters["prompt_tokens_from_prefix_cache"] += prompt_part
 
@@ -899,14 +1026,14 @@ class InferenceEngine:
         start = seq.num_cached
         if start % bs or start + bs > len(seq.context):
             return None
-        return block_key(seq.keys[-1] if seq.keys else ROOT_KEY, seq.context[start:start + bs])
+        return block_key(seq.keys[-1] if seq.keys else ROOT_KEY, seq.context[start : start + bs])
 
     def _start_computing(self, seq: _Sequence, n: int) -> None:
         """Announces the full blocks the next ``n`` fed tokens complete."""
         bs = self._block_size
         parent = seq.keys[-1] if seq.keys else ROOT_KEY
         for i in range(len(seq.keys), (seq.num_cached + n) // bs):
-            parent = block_key(parent, seq.context[i * bs:(i + 1) * bs])
+            parent = block_key(parent, seq.context[i * bs : (i + 1) * bs])
             if parent not in self._computing:
                 self._computing[parent] = seq
                 seq.computing.append(parent)
@@ -923,7 +1050,7 @@ class InferenceEngine:
         # Blocks whose tokens the host knows: a pending sample's KV may be launched already.
         for i in range(len(seq.keys), min(seq.num_cached, len(seq.context)) // bs):
             parent = seq.keys[-1] if seq.keys else ROOT_KEY
-            key = block_key(parent, seq.context[i * bs:(i + 1) * bs])
+            key = block_key(parent, seq.context[i * bs : (i + 1) * bs])
             seq.keys.append(key)
             self._prefix.put(key, seq.blocks[i], min(version, seq.kv_version))
         self._stop_computing(seq)
@@ -957,8 +1084,11 @@ class InferenceEngine:
         while self._pool.num_free < need:
             if self._evict_one():
                 continue
-            victims = [s for s in self._running if s is not seq and s not in protected
-                       and s.order > seq.order]
+            victims = [
+                s
+                for s in self._running
+                if s is not seq and s not in protected and s.order > seq.order
+            ]
             if not victims:
                 return False
             self._preempt(max(victims, key=lambda s: s.order))
@@ -992,8 +1122,13 @@ class InferenceEngine:
                     self._pending_weights = None
                     if self._kv_mode == "recompute":
                         self._drop_weights_kv()
-                    profiling.add("weight_swap", swap_start, time.perf_counter(), "weights",
-                                  {"version": self._version})
+                    profiling.add(
+                        "weight_swap",
+                        swap_start,
+                        time.perf_counter(),
+                        "weights",
+                        {"version": self._version},
+                    )
                 if self._paused:
                     await self._drain()
                     await self._wake.wait()
@@ -1058,8 +1193,11 @@ class InferenceEngine:
         if not todo:
             return []
         decoding = any(s.remaining == 1 for s in self._running)
-        if (decoding and len(todo) < self._prefill_min_batch
-                and max(s.prefill_wait for s in todo) < self._max_prefill_delay):
+        if (
+            decoding
+            and len(todo) < self._prefill_min_batch
+            and max(s.prefill_wait for s in todo) < self._max_prefill_delay
+        ):
             for seq in todo:
                 seq.prefill_wait += 1
             return []
@@ -1087,13 +1225,12 @@ class InferenceEngine:
         calls = []
         for length, members in sorted(groups.items()):
             width = self._prefill_batch_cap(length)
-            calls += [members[i:i + width] for i in range(0, len(members), width)]
+            calls += [members[i : i + width] for i in range(0, len(members), width)]
         return calls
 
     def _prefill_batch_cap(self, length: int) -> int:
         """Most rows of one prefill call feeding ``length`` tokens each."""
-        fits = [b for b in self._prefill_batch_buckets
-                if b * length <= max(self._chunk, length)]
+        fits = [b for b in self._prefill_batch_buckets if b * length <= max(self._chunk, length)]
         return fits[-1]
 
     def _plan_decode(self) -> list[tuple[_Sequence, int]]:
@@ -1102,11 +1239,17 @@ class InferenceEngine:
         takes a row from a younger one at once). A request whose pending samples reach
         its length limit is done already and is not decoded further."""
         rows, protected = [], set()
-        ready = sorted((s for s in self._running if s.remaining == 1
-                        and len(s.tokens) + s.pending < s.request.sampling.max_new_tokens
-                        and len(s.context) + s.pending < self._max_seq_len),
-                       key=lambda s: s.order)
-        for seq in ready[:self._max_batch_size]:
+        ready = sorted(
+            (
+                s
+                for s in self._running
+                if s.remaining == 1
+                and len(s.tokens) + s.pending < s.request.sampling.max_new_tokens
+                and len(s.context) + s.pending < self._max_seq_len
+            ),
+            key=lambda s: s.order,
+        )
+        for seq in ready[: self._max_batch_size]:
             if not seq.running:
                 continue  # preempted to make room for an older row
             if self._allocate(seq, 1, protected):
@@ -1122,8 +1265,13 @@ class InferenceEngine:
         for length in self._chunk_buckets:
             min_span = -(-(length // 4 + 1) // self._block_size)  # rows feed > length / 4
             cap = self._prefill_batch_cap(length)
-            shapes += [(b, length, s) for b in self._prefill_batch_buckets if b <= cap
-                       for s in self._span_buckets if s >= min_span]
+            shapes += [
+                (b, length, s)
+                for b in self._prefill_batch_buckets
+                if b <= cap
+                for s in self._span_buckets
+                if s >= min_span
+            ]
         return shapes
 
     def _launch(self, rows: list[tuple[_Sequence, int]], prefill: bool) -> _Launch | None:
@@ -1136,12 +1284,14 @@ class InferenceEngine:
         if not rows:
             return None
         samplings = [seq.request.sampling for seq, _ in rows]
-        needed = Shape(truncate=any(s.top_k > 0 or s.top_p < 1.0 for s in samplings),
-                       batch=_bucket(self._prefill_batch_buckets if prefill
-                                     else self._batch_buckets, len(rows)),
-                       length=(_bucket(self._chunk_buckets, max(n for _, n in rows))
-                               if prefill else 1),
-                       span=_bucket(self._span_buckets, max(len(s.blocks) for s, _ in rows)))
+        needed = Shape(
+            truncate=any(s.top_k > 0 or s.top_p < 1.0 for s in samplings),
+            batch=_bucket(
+                self._prefill_batch_buckets if prefill else self._batch_buckets, len(rows)
+            ),
+            length=(_bucket(self._chunk_buckets, max(n for _, n in rows)) if prefill else 1),
+            span=_bucket(self._span_buckets, max(len(s.blocks) for s, _ in rows)),
+        )
         program, shape = self._programs.program_for(needed)
         batch, length, span = shape.batch, shape.length, shape.span
         tokens = np.zeros((batch, length), np.int32)
@@ -1155,8 +1305,7 @@ class InferenceEngine:
         top_p = np.array([s.top_p for s in samplings] + [1.0] * pad, np.float32)
         seed_lo = np.array([seq.seed_lo for seq, _ in rows] + [0] * pad, np.uint32)
         seed_hi = np.array([seq.seed_hi for seq, _ in rows] + [0] * pad, np.uint32)
-        index = np.array([len(seq.tokens) + seq.pending for seq, _ in rows] + [0] * pad,
-                         np.int32)
+        index = np.array([len(seq.tokens) + seq.pending for seq, _ in rows] + [0] * pad, np.int32)
         slots = np.array([seq.slot for seq, _ in rows] + [self._max_running] * pad, np.int32)
         from_slot = np.zeros((batch,), bool)
         prompt_fed = generated_fed = 0
@@ -1172,9 +1321,9 @@ class InferenceEngine:
                     from_slot[row] = True
                 positions[row, 0] = start
             else:
-                tokens[row, :n] = seq.context[start:start + n]
+                tokens[row, :n] = seq.context[start : start + n]
                 positions[row, :n] = np.arange(start, start + n)
-            tables[row, :len(seq.blocks)] = seq.blocks
+            tables[row, : len(seq.blocks)] = seq.blocks
             in_prompt = max(0, min(start + n, len(seq.request.prompt_ids)) - start)
             prompt_fed += in_prompt
             if start + n < end:  # generated tokens fed again
@@ -1194,13 +1343,34 @@ class InferenceEngine:
         self._ensure_buffers()
         start_s = time.perf_counter()
         self._pages, self._last_tokens, sampled, logprobs = program(
-            self._params, self._pages, self._last_tokens, tokens, positions, tables,
-            last, temperature, top_k, top_p, seed_lo, seed_hi, index, slots, from_slot)
+            self._params,
+            self._pages,
+            self._last_tokens,
+            tokens,
+            positions,
+            tables,
+            last,
+            temperature,
+            top_k,
+            top_p,
+            seed_lo,
+            seed_hi,
+            index,
+            slots,
+            from_slot,
+        )
         result = asyncio.wrap_future(self._executor.submit(_wait_ready, sampled, logprobs))
         self._idle.clear()
-        return _Launch(rows=launched_rows, prefill=prefill, version=version, epoch=self._epoch,
-                       start=start_s, result=result, prompt_fed=prompt_fed,
-                       generated_fed=generated_fed)
+        return _Launch(
+            rows=launched_rows,
+            prefill=prefill,
+            version=version,
+            epoch=self._epoch,
+            start=start_s,
+            result=result,
+            prompt_fed=prompt_fed,
+            generated_fed=generated_fed,
+        )
 
     async def _take_in_step(self) -> None:
         """Waits for the oldest launched step and records its samples."""
@@ -1209,9 +1379,14 @@ class InferenceEngine:
             for launch in step:
                 sampled, logprobs, ready = await launch.result
                 # Counted when done, so stats() describes steps the device has finished.
-                self._device.step_done(prefill=launch.prefill, start=launch.start, ready=ready,
-                                       rows=len(launch.rows), prompt_fed=launch.prompt_fed,
-                                       generated_fed=launch.generated_fed)
+                self._device.step_done(
+                    prefill=launch.prefill,
+                    start=launch.start,
+                    ready=ready,
+                    rows=len(launch.rows),
+                    prompt_fed=launch.prompt_fed,
+                    generated_fed=launch.generated_fed,
+                )
                 if launch.epoch != self._epoch:
                     continue  # a pause or close happened meanwhile
                 for row, (seq, n, epoch, samples) in enumerate(launch.rows):

@@ -44,9 +44,13 @@ class Shape(NamedTuple):
     def holds(self, other: "Shape") -> bool:
         """True when a step of ``other`` can run on this program: the same kind (decode or
         prefill, truncation or not) and no dimension smaller."""
-        return (self.truncate == other.truncate and (self.length == 1) == (other.length == 1)
-                and self.batch >= other.batch and self.length >= other.length
-                and self.span >= other.span)
+        return (
+            self.truncate == other.truncate
+            and (self.length == 1) == (other.length == 1)
+            and self.batch >= other.batch
+            and self.length >= other.length
+            and self.span >= other.span
+        )
 
     @property
     def cost(self) -> tuple[int, int]:
@@ -138,8 +142,14 @@ class StepPrograms:
     theirs was compiled), ``compile_queue`` (shapes still to build ahead).
     """
 
-    def __init__(self, table: _SharedPrograms, lower: Callable[[Shape], Any],
-                 reachable: Callable[[bool], Iterable[Shape]], *, ahead: bool):
+    def __init__(
+        self,
+        table: _SharedPrograms,
+        lower: Callable[[Shape], Any],
+        reachable: Callable[[bool], Iterable[Shape]],
+        *,
+        ahead: bool,
+    ):
         self._table = table
         self._lower = lower
         self._reachable = reachable
@@ -153,13 +163,17 @@ class StepPrograms:
         self._closed = False
         self._idle = threading.Event()
         self._idle.set()
-        self.counters = {"compiles": 0, "compile_s": 0.0, "compiles_ahead": 0,
-                         "compile_stalls": 0, "compile_stall_s": 0.0,
-                         "steps_on_larger_program": 0}
+        self.counters = {
+            "compiles": 0,
+            "compile_s": 0.0,
+            "compiles_ahead": 0,
+            "compile_stalls": 0,
+            "compile_stall_s": 0.0,
+            "steps_on_larger_program": 0,
+        }
         self._thread: threading.Thread | None = None
         if ahead:
-            self._thread = threading.Thread(target=self._work, name="raytunix-compile",
-                                            daemon=True)
+            self._thread = threading.Thread(target=self._work, name="raytunix-compile", daemon=True)
             self._thread.start()
             self.sweep(False)
 
@@ -279,7 +293,9 @@ class StepPrograms:
             try:
                 _, built_s = self._table.compile(shape, self._lower)
             except Exception:  # noqa: BLE001 - the step that needs it compiles it and raises
-                logger.exception("Compiling step program %s ahead failed; it is compiled "
-                                 "when a step needs it.", shape)
+                logger.exception(
+                    "Compiling step program %s ahead failed; it is compiled when a step needs it.",
+                    shape,
+                )
                 continue
             self._count_build(built_s, ahead=True)

@@ -28,8 +28,9 @@ class EngineRouter:
 
     def __init__(self, num_replicas: int):
         if not isinstance(num_replicas, int) or num_replicas < 1:
-            raise ValueError(f"EngineRouter: num_replicas must be a positive int, got "
-                             f"{num_replicas!r}.")
+            raise ValueError(
+                f"EngineRouter: num_replicas must be a positive int, got {num_replicas!r}."
+            )
         self._in_flight = [0] * num_replicas
         self._sessions: dict[str, int] = {}
         self._requests: dict[str, int] = {}
@@ -46,8 +47,10 @@ class EngineRouter:
           ValueError: a request with the same id is already in flight.
         """
         if request.request_id in self._requests:
-            raise ValueError(f"EngineRouter: request id {request.request_id!r} is already in "
-                             "flight; request ids must be unique among requests in flight.")
+            raise ValueError(
+                f"EngineRouter: request id {request.request_id!r} is already in "
+                "flight; request ids must be unique among requests in flight."
+            )
         session_id = getattr(request, "session_id", None)
         replica = self._sessions.get(session_id) if session_id is not None else None
         if replica is None:

@@ -59,8 +59,12 @@ def row_keys(seed_lo: jax.Array, seed_hi: jax.Array, token_index: jax.Array) -> 
 def _truncation_is_off(top_k, top_p) -> bool:
     """True when both settings are Python numbers that turn truncation off (so the
     caller can skip the sort at trace time); False for arrays or active settings."""
-    return (isinstance(top_k, numbers.Integral) and top_k <= 0
-            and isinstance(top_p, numbers.Real) and top_p >= 1.0)
+    return (
+        isinstance(top_k, numbers.Integral)
+        and top_k <= 0
+        and isinstance(top_p, numbers.Real)
+        and top_p >= 1.0
+    )
 
 
 def _allowed_tokens(logp: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -139,9 +143,15 @@ def sampling_logprobs(logits: jax.Array, temperature, top_k, top_p) -> jax.Array
     return jax.lax.cond(jnp.any(active), truncate, lambda x: x, logp)
 
 
-def sample_tokens(logits: jax.Array, temperature: jax.Array, seed_lo: jax.Array,
-                  seed_hi: jax.Array, token_index: jax.Array, top_k: jax.Array | None = None,
-                  top_p: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+def sample_tokens(
+    logits: jax.Array,
+    temperature: jax.Array,
+    seed_lo: jax.Array,
+    seed_hi: jax.Array,
+    token_index: jax.Array,
+    top_k: jax.Array | None = None,
+    top_p: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """Samples one token per row and returns it with its log-probability.
 
     A row with ``temperature > 0`` draws from the distribution of ``sampling_logprobs``
@@ -171,7 +181,9 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, seed_lo: jax.Array,
         logprobs = sampling_logprobs(logits, safe_t, 0, 1.0)
     else:
         top_k = jnp.zeros((batch,), jnp.int32) if top_k is None else jnp.asarray(top_k, jnp.int32)
-        top_p = jnp.ones((batch,), jnp.float32) if top_p is None else jnp.asarray(top_p, jnp.float32)
+        top_p = (
+            jnp.ones((batch,), jnp.float32) if top_p is None else jnp.asarray(top_p, jnp.float32)
+        )
         top_k = jnp.where(greedy, 0, top_k)
         top_p = jnp.where(greedy, 1.0, top_p)
         logprobs = sampling_logprobs(logits, safe_t, top_k, top_p)

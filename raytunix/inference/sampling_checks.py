@@ -30,8 +30,14 @@ def greedy_top_p_bound(top_k: int, vocab_size: int | None) -> float | None:
     return 1.0 / min(sizes) if sizes else None
 
 
-def check_sampling_settings(temperature: float, top_k: int, top_p: float, *,
-                            allow_greedy: bool, vocab_size: int | None = None) -> None:
+def check_sampling_settings(
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    *,
+    allow_greedy: bool,
+    vocab_size: int | None = None,
+) -> None:
     """Raises ``ValueError`` naming the bad setting unless the three are usable.
 
     Checked as the sampler sees them, cast to float32.
@@ -48,8 +54,13 @@ def check_sampling_settings(temperature: float, top_k: int, top_p: float, *,
       vocab_size: the model's vocabulary, for the greedy ``top_p`` bound; None: only
         ``top_k`` bounds it.
     """
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not (
-            math.isfinite(temperature) and (temperature > 0 or (allow_greedy and temperature == 0))):
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, numbers.Real)
+        or not (
+            math.isfinite(temperature) and (temperature > 0 or (allow_greedy and temperature == 0))
+        )
+    ):
         need = "a finite number >= 0 (0 = greedy)" if allow_greedy else "a finite number > 0"
         raise ValueError(f"temperature={temperature!r} must be {need}.")
     with np.errstate(over="ignore"):
@@ -61,11 +72,14 @@ def check_sampling_settings(temperature: float, top_k: int, top_p: float, *,
             f"takes it in float32, where it is {float(as_float32)!r}); far below it logits / "
             f"temperature overflow float32 and the logprobs become inf or NaN. Use a "
             f"temperature >= "
-            f"{MIN_TEMPERATURE}{greedy}.")
+            f"{MIN_TEMPERATURE}{greedy}."
+        )
     if not np.isfinite(as_float32):
-        raise ValueError(f"temperature={temperature!r} overflows float32 (the sampler's "
-                         f"dtype, at most 3.4e38); use a temperature between "
-                         f"{MIN_TEMPERATURE} and, say, 10.")
+        raise ValueError(
+            f"temperature={temperature!r} overflows float32 (the sampler's "
+            f"dtype, at most 3.4e38); use a temperature between "
+            f"{MIN_TEMPERATURE} and, say, 10."
+        )
     if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 0:
         raise ValueError(f"top_k={top_k!r} must be an int >= 0 (0 turns top-k off).")
     if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0.0 < top_p <= 1.0:
@@ -73,12 +87,15 @@ def check_sampling_settings(temperature: float, top_k: int, top_p: float, *,
     if allow_greedy:
         return
     if top_k == 1:
-        raise ValueError("top_k=1 is greedy decoding: every token has probability 1, so there "
-                         "is nothing to score; use 0 (off) or >= 2.")
+        raise ValueError(
+            "top_k=1 is greedy decoding: every token has probability 1, so there "
+            "is nothing to score; use 0 (off) or >= 2."
+        )
     bound = greedy_top_p_bound(top_k, vocab_size)
     if bound is not None and np.float32(top_p) <= np.float32(bound):
         raise ValueError(
             f"top_p={top_p!r} is greedy decoding: the most likely of "
             f"{round(1 / bound)} tokens has probability >= 1/{round(1 / bound)} = {bound:.3g} "
             f">= top_p, so no other token is ever kept. Use 1.0 (off) or a value above "
-            f"{bound:.3g}, e.g. 0.95.")
+            f"{bound:.3g}, e.g. 0.95."
+        )

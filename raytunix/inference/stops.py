@@ -32,8 +32,9 @@ def stop_window(stop_strings: Sequence[str]) -> int:
     return max(sizes) + _MARGIN_TOKENS if sizes else 0
 
 
-def completed_stop(decode: Callable[[Sequence[int]], str], generated: Sequence[int],
-                   stop_strings: Sequence[str]) -> str | None:
+def completed_stop(
+    decode: Callable[[Sequence[int]], str], generated: Sequence[int], stop_strings: Sequence[str]
+) -> str | None:
     """The stop string that the last of ``generated`` completes, or None.
 
     A stop string is completed by token ``i`` when it occurs in the decoded text of

@@ -29,8 +29,9 @@ class LearnerActor(profiling.ProfiledActor):
     def __init__(self, model_config: ModelConfig, seed: int, pad_id: int, model_path: str = ""):
         profiling.configure("learner", "learner")
         self.model_path = model_path
-        self.learner = Learner(model_config, seed=seed, pad_id=pad_id,
-                               model=_load(model_path, model_config))
+        self.learner = Learner(
+            model_config, seed=seed, pad_id=pad_id, model=_load(model_path, model_config)
+        )
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="learner")
         self._demos = None
         self._checkpointers: dict[str, Checkpointer] = {}
@@ -44,12 +45,20 @@ class LearnerActor(profiling.ProfiledActor):
     def _publish(self) -> None:
         """Hook: colocated actors hand the new weights to their engine."""
 
-    def _checkpointer(self, directory: str, max_to_keep: int = 3, keep_best_by: str = "",
-                      keep_best_mode: str = "max") -> Checkpointer:
+    def _checkpointer(
+        self,
+        directory: str,
+        max_to_keep: int = 3,
+        keep_best_by: str = "",
+        keep_best_mode: str = "max",
+    ) -> Checkpointer:
         if directory not in self._checkpointers:
             self._checkpointers[directory] = Checkpointer(
-                directory, max_to_keep=max_to_keep, keep_best_by=keep_best_by,
-                keep_best_mode=keep_best_mode)
+                directory,
+                max_to_keep=max_to_keep,
+                keep_best_by=keep_best_by,
+                keep_best_mode=keep_best_mode,
+            )
         return self._checkpointers[directory]
 
     # warm start -------------------------------------------------------------------------
@@ -64,8 +73,9 @@ class LearnerActor(profiling.ProfiledActor):
         if self._demos is None:
             raise RuntimeError("set_demonstrations must come before sft_steps")
         with profiling.span("sft_update", "learner", {"steps": num_steps}):
-            metrics = await self._in_thread(self.learner.sft_steps, *self._demos, num_steps,
-                                            batch_size)
+            metrics = await self._in_thread(
+                self.learner.sft_steps, *self._demos, num_steps, batch_size
+            )
         self._publish_timed()
         return metrics
 
@@ -110,13 +120,24 @@ class LearnerActor(profiling.ProfiledActor):
         from raytunix.models.hf import export_checkpoint
 
         return await self._in_thread(
-            lambda: export_checkpoint(out_dir, self.learner.model_config, self.learner.params,
-                                      source=self.model_path or None))
+            lambda: export_checkpoint(
+                out_dir,
+                self.learner.model_config,
+                self.learner.params,
+                source=self.model_path or None,
+            )
+        )
 
     # checkpoints ------------------------------------------------------------------------------
-    async def save(self, directory: str, extras: dict[str, Any], max_to_keep: int = 3,
-                   metrics: dict[str, float] | None = None, keep_best_by: str = "",
-                   keep_best_mode: str = "max") -> int:
+    async def save(
+        self,
+        directory: str,
+        extras: dict[str, Any],
+        max_to_keep: int = 3,
+        metrics: dict[str, float] | None = None,
+        keep_best_by: str = "",
+        keep_best_mode: str = "max",
+    ) -> int:
         """Starts checkpoint ``rl_step`` (returned) in ``directory`` and returns once its
         arrays are copied: the files are written while the next updates run. The save
         before it is committed by then (``Checkpointer.save``)."""
@@ -141,7 +162,9 @@ class LearnerActor(profiling.ProfiledActor):
         """The newest warm-start checkpoint in ``directory`` restored (and published to a
         colocated engine); its extras, or None when there is none
         (``Learner.restore_warmup``)."""
-        extras = await self._in_thread(self.learner.restore_warmup, self._checkpointer(directory, 1))
+        extras = await self._in_thread(
+            self.learner.restore_warmup, self._checkpointer(directory, 1)
+        )
         if extras is not None:
             self._publish_timed()
         return extras
@@ -149,24 +172,35 @@ class LearnerActor(profiling.ProfiledActor):
     async def save_reference(self, directory: str) -> None:
         await self._in_thread(self.learner.save_reference, self._checkpointer(directory, 1))
 
-    async def checkpoint_steps(self, directory: str, max_to_keep: int = 3,
-                               keep_best_by: str = "", keep_best_mode: str = "max") -> list[int]:
+    async def checkpoint_steps(
+        self,
+        directory: str,
+        max_to_keep: int = 3,
+        keep_best_by: str = "",
+        keep_best_mode: str = "max",
+    ) -> list[int]:
         """The committed checkpoint steps this process sees in ``directory``, ascending (a
         learner group restores only a step every host sees)."""
         ckpt = self._checkpointer(directory, max_to_keep, keep_best_by, keep_best_mode)
         return await self._in_thread(ckpt.all_steps)
 
-    async def restore(self, directory: str, max_to_keep: int = 3,
-                      reference_directory: str | None = None, keep_best_by: str = "",
-                      keep_best_mode: str = "max", among: list[int] | None = None
-                      ) -> dict[str, Any]:
+    async def restore(
+        self,
+        directory: str,
+        max_to_keep: int = 3,
+        reference_directory: str | None = None,
+        keep_best_by: str = "",
+        keep_best_mode: str = "max",
+        among: list[int] | None = None,
+    ) -> dict[str, Any]:
         """The newest checkpoint in ``directory`` that restores (of ``among`` when given;
         ``Checkpointer.restore``) into the RL state, published to a colocated engine;
         returns its extras (data position, policy version, ``rl_step``...)."""
         reference = self._checkpointer(reference_directory, 1) if reference_directory else None
         ckpt = self._checkpointer(directory, max_to_keep, keep_best_by, keep_best_mode)
         extras = await self._in_thread(
-            lambda: self.learner.restore(ckpt, None, reference, among=among))
+            lambda: self.learner.restore(ckpt, None, reference, among=among)
+        )
         self._publish_timed()
         return extras
 
@@ -174,15 +208,26 @@ class LearnerActor(profiling.ProfiledActor):
 class PolicyActor(LearnerActor):
     """Learner and inference engine in one process (``engine.placement: colocated``)."""
 
-    def __init__(self, model_config: ModelConfig, seed: int, tokenizer,
-                 engine_kwargs: dict[str, Any], model_path: str = ""):
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        seed: int,
+        tokenizer,
+        engine_kwargs: dict[str, Any],
+        model_path: str = "",
+    ):
         super().__init__(model_config, seed, tokenizer.pad_id, model_path)
         profiling.configure("policy (learner + engine)", "policy")
         from raytunix.inference.engine import InferenceEngine
 
         self.engine = InferenceEngine(
-            self.learner.graphdef, self.learner.params, model_config, tokenizer,
-            policy_version=self.learner.version, **engine_kwargs)
+            self.learner.graphdef,
+            self.learner.params,
+            model_config,
+            tokenizer,
+            policy_version=self.learner.version,
+            **engine_kwargs,
+        )
         heap.settle(young_threshold=None)  # and so is the engine
 
     def _publish(self) -> None:

@@ -223,17 +223,26 @@ def episode_advantages(
       ValueError: an unknown ``estimator``, or a non-finite reward.
     """
     if estimator == "grpo":
-        return grpo_advantages(rewards, group_ids, num_groups, valid=valid,
-                               normalize_advantages_by_std=normalize_advantages_by_std)
+        return grpo_advantages(
+            rewards,
+            group_ids,
+            num_groups,
+            valid=valid,
+            normalize_advantages_by_std=normalize_advantages_by_std,
+        )
     if estimator == "rloo":
         return rloo_advantages(rewards, group_ids, num_groups, valid=valid)
     if estimator == "reinforce_pp":
         return reinforce_pp_advantages(rewards, group_ids, num_groups, valid=valid)
     if estimator == "gae":
-        raise ValueError("advantage_estimator='gae' is token-level, not per episode; compute it "
-                         "with gae_advantages from a value estimate.")
-    raise ValueError(f"advantage_estimator={estimator!r} is not supported; use one of "
-                     f"{', '.join(ADVANTAGE_ESTIMATORS)}.")
+        raise ValueError(
+            "advantage_estimator='gae' is token-level, not per episode; compute it "
+            "with gae_advantages from a value estimate."
+        )
+    raise ValueError(
+        f"advantage_estimator={estimator!r} is not supported; use one of "
+        f"{', '.join(ADVANTAGE_ESTIMATORS)}."
+    )
 
 
 def gae_advantages(
@@ -273,8 +282,11 @@ def gae_advantages(
     rewards = jnp.asarray(rewards, jnp.float32)
     values = jnp.asarray(values, jnp.float32)
     on = jnp.asarray(loss_mask) > 0
-    segments = (jnp.zeros(rewards.shape, jnp.int32) if segment_ids is None
-                else jnp.asarray(segment_ids, jnp.int32))
+    segments = (
+        jnp.zeros(rewards.shape, jnp.int32)
+        if segment_ids is None
+        else jnp.asarray(segment_ids, jnp.int32)
+    )
 
     def step(carry, xs):
         next_value, next_advantage, next_segment = carry
@@ -288,14 +300,16 @@ def gae_advantages(
 
     zeros = jnp.zeros(rewards.shape[0], jnp.float32)
     # Scan over time, last token first; arrays are [T, B] inside the scan.
-    _, advantages = jax.lax.scan(step, (zeros, zeros, segments[:, -1]),
-                                 (rewards.T, values.T, on.T, segments.T), reverse=True)
+    _, advantages = jax.lax.scan(
+        step, (zeros, zeros, segments[:, -1]), (rewards.T, values.T, on.T, segments.T), reverse=True
+    )
     advantages = advantages.T
     return advantages, jnp.where(on, advantages + values, 0.0)
 
 
-def last_token_rewards(rewards: jax.Array, loss_mask: jax.Array,
-                       trajectory_index: jax.Array | None = None) -> jax.Array:
+def last_token_rewards(
+    rewards: jax.Array, loss_mask: jax.Array, trajectory_index: jax.Array | None = None
+) -> jax.Array:
     """Episode rewards placed on each episode's last generated token, the per-token
     rewards of ``gae_advantages`` (an LLM episode is rewarded once, at its end).
 
@@ -318,8 +332,7 @@ def last_token_rewards(rewards: jax.Array, loss_mask: jax.Array,
         return jnp.where(on & (columns == last), rewards[:, None], 0.0)
     index = jnp.asarray(trajectory_index, jnp.int32)
     # A trajectory lies in one row, so its largest column is its last token.
-    last = jax.ops.segment_max(marked.reshape(-1), index.reshape(-1),
-                               num_segments=rewards.shape[0])
+    last = jax.ops.segment_max(marked.reshape(-1), index.reshape(-1), num_segments=rewards.shape[0])
     return jnp.where(on & (columns == last[index]), rewards[index], 0.0)
 
 
@@ -359,8 +372,10 @@ def overlong_penalty(lengths: jax.Array, *, max_tokens: int, buffer_tokens: int)
       ValueError: ``buffer_tokens`` outside ``(0, max_tokens]``.
     """
     if not 0 < buffer_tokens <= max_tokens:
-        raise ValueError(f"overlong buffer_tokens={buffer_tokens!r} must be in (0, max_tokens="
-                         f"{max_tokens!r}]; it is the length of the soft penalty zone.")
+        raise ValueError(
+            f"overlong buffer_tokens={buffer_tokens!r} must be in (0, max_tokens="
+            f"{max_tokens!r}]; it is the length of the soft penalty zone."
+        )
     lengths = jnp.asarray(lengths, jnp.float32)
     start = max_tokens - buffer_tokens
     soft = jnp.minimum(0.0, (start - lengths) / buffer_tokens)
@@ -388,5 +403,7 @@ def check_group_ids(group_ids, num_groups: int) -> None:
     ids = np.asarray(group_ids)
     bad = np.flatnonzero((ids < 0) | (ids >= num_groups))
     if bad.size:
-        raise ValueError(f"group_ids[{bad[0]}]={int(ids[bad[0]])} is outside [0, num_groups="
-                         f"{num_groups}); give each trajectory its group's index.")
+        raise ValueError(
+            f"group_ids[{bad[0]}]={int(ids[bad[0]])} is outside [0, num_groups="
+            f"{num_groups}); give each trajectory its group's index."
+        )

@@ -36,8 +36,9 @@ def padding_buckets(max_seq_len: int, smallest: int = SMALLEST_WIDTH) -> tuple[i
       ValueError: ``max_seq_len`` or ``smallest`` not positive.
     """
     if max_seq_len < 1 or smallest < 1:
-        raise ValueError(f"padding_buckets needs max_seq_len={max_seq_len!r} and "
-                         f"smallest={smallest!r} >= 1.")
+        raise ValueError(
+            f"padding_buckets needs max_seq_len={max_seq_len!r} and smallest={smallest!r} >= 1."
+        )
     widths = {max_seq_len}
     width = smallest
     while width < max_seq_len:
@@ -91,8 +92,10 @@ class Batch(NamedTuple):
         """
         missing = [name for name in cls._fields if name not in arrays]
         if missing:
-            raise ValueError(f"a learner batch needs {missing}; got keys {sorted(arrays)}. "
-                             "Build it with Batch.from_record_batch.")
+            raise ValueError(
+                f"a learner batch needs {missing}; got keys {sorted(arrays)}. "
+                "Build it with Batch.from_record_batch."
+            )
         return cls(
             tokens=np.asarray(arrays["tokens"], np.int32),
             loss_mask=np.asarray(arrays["loss_mask"], np.float32),
@@ -104,8 +107,9 @@ class Batch(NamedTuple):
         )
 
     @classmethod
-    def from_record_batch(cls, batch: pa.RecordBatch | pa.Table, *, pad_id: int,
-                          max_seq_len: int) -> Batch:
+    def from_record_batch(
+        cls, batch: pa.RecordBatch | pa.Table, *, pad_id: int, max_seq_len: int
+    ) -> Batch:
         """Pads a ``TRAJECTORY_SCHEMA`` batch to ``bucket_width`` of its longest
         trajectory; a trajectory longer than ``max_seq_len`` is cut to it (its tail is not
         trained on)."""
@@ -131,10 +135,15 @@ class Batch(NamedTuple):
             x = np.asarray(x)
             return np.concatenate([x, np.full((extra,) + x.shape[1:], fill, x.dtype)])
 
-        return Batch(tokens=pad(self.tokens, 0), loss_mask=pad(self.loss_mask, 0),
-                     logprobs=pad(self.logprobs, 0), policy_versions=pad(self.policy_versions, -1),
-                     rewards=pad(self.rewards, 0), group_ids=pad(self.group_ids, 0),
-                     valid=pad(self.valid, 0))
+        return Batch(
+            tokens=pad(self.tokens, 0),
+            loss_mask=pad(self.loss_mask, 0),
+            logprobs=pad(self.logprobs, 0),
+            policy_versions=pad(self.policy_versions, -1),
+            rewards=pad(self.rewards, 0),
+            group_ids=pad(self.group_ids, 0),
+            valid=pad(self.valid, 0),
+        )
 
 
 ROW_MULTIPLE = 8  # packed rows are padded to a multiple of this, so few row counts compile
@@ -174,9 +183,15 @@ class PackedBatch(NamedTuple):
     valid: Any
 
     @classmethod
-    def from_record_batch(cls, batch: pa.RecordBatch | pa.Table, *, pad_id: int,
-                          max_seq_len: int, pack_width: int = 0,
-                          row_multiple: int = ROW_MULTIPLE) -> PackedBatch:
+    def from_record_batch(
+        cls,
+        batch: pa.RecordBatch | pa.Table,
+        *,
+        pad_id: int,
+        max_seq_len: int,
+        pack_width: int = 0,
+        row_multiple: int = ROW_MULTIPLE,
+    ) -> PackedBatch:
         """Packs a ``TRAJECTORY_SCHEMA`` batch into rows of at most ``pack_width`` tokens
         (0: ``max_seq_len``); a trajectory longer than ``min(pack_width, max_seq_len)`` is
         cut to it, as ``Batch.from_record_batch`` cuts. The row width is the one of
@@ -199,8 +214,10 @@ def widest_packed_row(pack_width: int, max_seq_len: int) -> int:
       ValueError: a negative ``pack_width`` or a ``max_seq_len`` below 1.
     """
     if pack_width < 0 or max_seq_len < 1:
-        raise ValueError(f"pack_width={pack_width!r} must be >= 0 (0: the context) and "
-                         f"max_seq_len={max_seq_len!r} >= 1.")
+        raise ValueError(
+            f"pack_width={pack_width!r} must be >= 0 (0: the context) and "
+            f"max_seq_len={max_seq_len!r} >= 1."
+        )
     return min(pack_width or max_seq_len, max_seq_len)
 
 
@@ -236,8 +253,10 @@ def pack_rows(lengths: np.ndarray, width: int) -> list[list[int]]:
     """
     lengths = np.asarray(lengths, np.int64)
     if lengths.size and (lengths.min() < 0 or lengths.max() > width):
-        raise ValueError(f"trajectory lengths must be in [0, width={width}]; got "
-                         f"{lengths.min()}..{lengths.max()}. Cut them to the width first.")
+        raise ValueError(
+            f"trajectory lengths must be in [0, width={width}]; got "
+            f"{lengths.min()}..{lengths.max()}. Cut them to the width first."
+        )
     rows: list[list[int]] = []
     room: list[int] = []
     for i in np.argsort(-lengths, kind="stable"):
@@ -268,15 +287,21 @@ def generated_tokens_cut(batch: pa.RecordBatch | pa.Table, width: int) -> dict[s
     mask = column.values.to_numpy(zero_copy_only=False)
     cut = first = 0
     for i in range(len(column)):
-        row = mask[offsets[i]:offsets[i + 1]]
+        row = mask[offsets[i] : offsets[i + 1]]
         if len(row):
             first += int(row[0] != 0)
             cut += int(np.count_nonzero(row[width:]))
     return {"seq_len": cut, "first_position": first}
 
 
-def pack_batch(batch: Batch, lengths: np.ndarray, width: int, *, pad_id: int = 0,
-               row_multiple: int = ROW_MULTIPLE) -> PackedBatch:
+def pack_batch(
+    batch: Batch,
+    lengths: np.ndarray,
+    width: int,
+    *,
+    pad_id: int = 0,
+    row_multiple: int = ROW_MULTIPLE,
+) -> PackedBatch:
     """Packs the trajectories of a padded ``batch`` into rows of ``width`` tokens.
 
     Rows are filled by ``pack_rows`` (first-fit decreasing); their number R is rounded up
@@ -299,28 +324,39 @@ def pack_batch(batch: Batch, lengths: np.ndarray, width: int, *, pad_id: int = 0
       ValueError: ``width < 2``, ``row_multiple < 1``, or ``lengths`` not one per row.
     """
     if width < 2 or row_multiple < 1:
-        raise ValueError(f"pack_batch needs width={width!r} >= 2 and row_multiple="
-                         f"{row_multiple!r} >= 1.")
+        raise ValueError(
+            f"pack_batch needs width={width!r} >= 2 and row_multiple={row_multiple!r} >= 1."
+        )
     tokens = np.asarray(batch.tokens)
     num, cols = tokens.shape
     lengths = np.asarray(lengths, np.int64)
     if lengths.shape != (num,):
-        raise ValueError(f"pack_batch needs one length per trajectory: lengths "
-                         f"{lengths.shape}, batch of {num}.")
+        raise ValueError(
+            f"pack_batch needs one length per trajectory: lengths {lengths.shape}, batch of {num}."
+        )
     lengths = np.clip(lengths, 0, min(width, cols))
     out = _packed_arrays(
-        {"tokens": (tokens.astype(np.int32), pad_id),
-         "loss_mask": (np.asarray(batch.loss_mask, np.float32), 0),
-         "logprobs": (np.asarray(batch.logprobs, np.float32), 0),
-         "policy_versions": (np.asarray(batch.policy_versions, np.int32), -1)},
-        lengths, width, row_multiple)
-    return PackedBatch(**out, rewards=np.asarray(batch.rewards, np.float32),
-                       group_ids=np.asarray(batch.group_ids, np.int32),
-                       valid=np.asarray(batch.valid, np.float32))
+        {
+            "tokens": (tokens.astype(np.int32), pad_id),
+            "loss_mask": (np.asarray(batch.loss_mask, np.float32), 0),
+            "logprobs": (np.asarray(batch.logprobs, np.float32), 0),
+            "policy_versions": (np.asarray(batch.policy_versions, np.int32), -1),
+        },
+        lengths,
+        width,
+        row_multiple,
+    )
+    return PackedBatch(
+        **out,
+        rewards=np.asarray(batch.rewards, np.float32),
+        group_ids=np.asarray(batch.group_ids, np.int32),
+        valid=np.asarray(batch.valid, np.float32),
+    )
 
 
-def _packed_arrays(fields: dict[str, tuple[np.ndarray, Any]], lengths: np.ndarray, width: int,
-                   row_multiple: int) -> dict[str, np.ndarray]:
+def _packed_arrays(
+    fields: dict[str, tuple[np.ndarray, Any]], lengths: np.ndarray, width: int, row_multiple: int
+) -> dict[str, np.ndarray]:
     """Each ``[N, T]`` array of ``fields`` (name -> (array, padding value)) packed into
     ``[R, width]`` rows by ``pack_rows``, with ``segment_ids``, ``positions`` and
     ``trajectory_index`` (see ``PackedBatch``); R rounded up to ``row_multiple``. A
@@ -330,8 +366,9 @@ def _packed_arrays(fields: dict[str, tuple[np.ndarray, Any]], lengths: np.ndarra
     num_rows = -(-max(len(rows), 1) // row_multiple) * row_multiple
     shape = (num_rows, width)
     out = {key: np.full(shape, pad, array.dtype) for key, (array, pad) in fields.items()}
-    out.update({key: np.zeros(shape, np.int32)
-                for key in ("segment_ids", "positions", "trajectory_index")})
+    out.update(
+        {key: np.zeros(shape, np.int32) for key in ("segment_ids", "positions", "trajectory_index")}
+    )
     for r, members in enumerate(rows):
         start = 0
         for k, i in enumerate(members, start=1):
@@ -348,8 +385,9 @@ def _packed_arrays(fields: dict[str, tuple[np.ndarray, Any]], lengths: np.ndarra
     return out
 
 
-def pack_demonstrations(tokens: np.ndarray, loss_mask: np.ndarray, *, pad_id: int = 0,
-                        row_multiple: int = ROW_MULTIPLE) -> dict[str, np.ndarray]:
+def pack_demonstrations(
+    tokens: np.ndarray, loss_mask: np.ndarray, *, pad_id: int = 0, row_multiple: int = ROW_MULTIPLE
+) -> dict[str, np.ndarray]:
     """Supervised rows packed several to a row of the same width (sequence packing): a
     warm start's demonstrations average under half of the widest one's tokens, so packed
     they take about half the rows, and the step about half the compute.
@@ -372,16 +410,26 @@ def pack_demonstrations(tokens: np.ndarray, loss_mask: np.ndarray, *, pad_id: in
     """
     tokens, loss_mask = np.asarray(tokens), np.asarray(loss_mask)
     if tokens.shape != loss_mask.shape or tokens.ndim != 2 or row_multiple < 1:
-        raise ValueError(f"pack_demonstrations needs tokens and loss_mask of one [N, T] shape "
-                         f"(got {tokens.shape} and {loss_mask.shape}) and row_multiple="
-                         f"{row_multiple!r} >= 1.")
+        raise ValueError(
+            f"pack_demonstrations needs tokens and loss_mask of one [N, T] shape "
+            f"(got {tokens.shape} and {loss_mask.shape}) and row_multiple="
+            f"{row_multiple!r} >= 1."
+        )
     if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(np.int32).max):
-        raise ValueError(f"pack_demonstrations needs token ids in [0, 2^31): got "
-                         f"{tokens.min()}..{tokens.max()} (the model takes int32 ids).")
+        raise ValueError(
+            f"pack_demonstrations needs token ids in [0, 2^31): got "
+            f"{tokens.min()}..{tokens.max()} (the model takes int32 ids)."
+        )
     width = max(tokens.shape[1], 2)
     on = loss_mask > 0
     lengths = np.where(on.any(axis=1), tokens.shape[1] - np.argmax(on[:, ::-1], axis=1), 0)
-    out = _packed_arrays({"tokens": (tokens.astype(np.int32), pad_id),
-                          "loss_mask": (loss_mask.astype(np.float32), 0)},
-                         lengths, width, row_multiple)
+    out = _packed_arrays(
+        {
+            "tokens": (tokens.astype(np.int32), pad_id),
+            "loss_mask": (loss_mask.astype(np.float32), 0),
+        },
+        lengths,
+        width,
+        row_multiple,
+    )
     return {key: out[key] for key in ("tokens", "loss_mask", "positions", "segment_ids")}

@@ -66,27 +66,70 @@ class CheckpointCorrupt(RuntimeError):
 
 # Transient read errors: ~30 s of retries (1, 2, 4, 8, 16 s), jittered so that the hosts
 # of a group do not hit a recovering store at the same instant.
-READ_BACKOFF = Backoff(initial_delay_s=1.0, max_delay_s=16.0, multiplier=2.0, max_attempts=6,
-                       jitter=0.25)
+READ_BACKOFF = Backoff(
+    initial_delay_s=1.0, max_delay_s=16.0, multiplier=2.0, max_attempts=6, jitter=0.25
+)
 
 # errno values of a read that may succeed when tried again: network filesystems (stale
 # handle, timeouts, connections), an interrupted or busy call, an I/O error of a storage
 # layer that recovers, and memory or buffers short for a while.
 TRANSIENT_ERRNOS = frozenset(
-    getattr(errno, name) for name in (
-        "ESTALE", "EIO", "ETIMEDOUT", "EAGAIN", "EWOULDBLOCK", "EBUSY", "EINTR", "ENOMEM",
-        "ENOBUFS", "ECONNRESET", "ECONNREFUSED", "ECONNABORTED", "EPIPE", "ENETDOWN",
-        "ENETUNREACH", "ENETRESET", "EHOSTDOWN", "EHOSTUNREACH", "ENOLINK", "EREMOTEIO",
-        "ECOMM", "EPROTO", "ETIME")
-    if hasattr(errno, name))
+    getattr(errno, name)
+    for name in (
+        "ESTALE",
+        "EIO",
+        "ETIMEDOUT",
+        "EAGAIN",
+        "EWOULDBLOCK",
+        "EBUSY",
+        "EINTR",
+        "ENOMEM",
+        "ENOBUFS",
+        "ECONNRESET",
+        "ECONNREFUSED",
+        "ECONNABORTED",
+        "EPIPE",
+        "ENETDOWN",
+        "ENETUNREACH",
+        "ENETRESET",
+        "EHOSTDOWN",
+        "EHOSTUNREACH",
+        "ENOLINK",
+        "EREMOTEIO",
+        "ECOMM",
+        "EPROTO",
+        "ETIME",
+    )
+    if hasattr(errno, name)
+)
 
 # Status words that tensorstore, gRPC and cloud storage clients put in their messages for
 # a call that may succeed later; and the words of damaged data.
-_TRANSIENT_WORDS = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "ABORTED",
-                    "timed out", "Timeout was reached", "Service Unavailable", "Too Many Requests",
-                    "Stale file handle", "Connection reset", "temporarily", "out of memory")
-_CORRUPTION_WORDS = ("DATA_LOSS", "OUT_OF_RANGE", "checksum", "corrupt", "truncated",
-                     "Unexpected end", "Invalid manifest", "Error decoding", "Failed to decode")
+_TRANSIENT_WORDS = (
+    "UNAVAILABLE",
+    "DEADLINE_EXCEEDED",
+    "RESOURCE_EXHAUSTED",
+    "ABORTED",
+    "timed out",
+    "Timeout was reached",
+    "Service Unavailable",
+    "Too Many Requests",
+    "Stale file handle",
+    "Connection reset",
+    "temporarily",
+    "out of memory",
+)
+_CORRUPTION_WORDS = (
+    "DATA_LOSS",
+    "OUT_OF_RANGE",
+    "checksum",
+    "corrupt",
+    "truncated",
+    "Unexpected end",
+    "Invalid manifest",
+    "Error decoding",
+    "Failed to decode",
+)
 
 
 def _chain(error: BaseException) -> list[BaseException]:
@@ -126,8 +169,9 @@ def is_corruption(error: BaseException) -> bool:
     if is_transient(error):
         return False
     for e in _chain(error):
-        if isinstance(e, (FileNotFoundError, NotADirectoryError, UnicodeDecodeError,
-                          json.JSONDecodeError)):
+        if isinstance(
+            e, (FileNotFoundError, NotADirectoryError, UnicodeDecodeError, json.JSONDecodeError)
+        ):
             return True
         text = str(e)
         if any(word.lower() in text.lower() for word in _CORRUPTION_WORDS):
@@ -168,8 +212,14 @@ class Checkpointer:
       ValueError: ``max_to_keep`` < 1 or ``keep_best_mode`` neither max nor min.
     """
 
-    def __init__(self, directory: str, max_to_keep: int = 3, keep_best_by: str = "",
-                 keep_best_mode: str = "max", read_backoff: Backoff | None = None):
+    def __init__(
+        self,
+        directory: str,
+        max_to_keep: int = 3,
+        keep_best_by: str = "",
+        keep_best_mode: str = "max",
+        read_backoff: Backoff | None = None,
+    ):
         if max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep!r}.")
         if keep_best_mode not in ("max", "min"):
@@ -187,20 +237,31 @@ class Checkpointer:
         best_fn = score if keep_best_by else None
         keep = [checkpoint_managers.LatestN(n=max_to_keep)]
         if best_fn is not None:  # orbax keeps the highest best_fn; checkpoints without metrics
-            keep.append(checkpoint_managers.BestN(  # (the one before RL) only by recency
-                get_metric_fn=best_fn, n=1, keep_checkpoints_without_metrics=False))
+            keep.append(
+                checkpoint_managers.BestN(  # (the one before RL) only by recency
+                    get_metric_fn=best_fn, n=1, keep_checkpoints_without_metrics=False
+                )
+            )
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
                 # best_fn also makes orbax write each step's metrics, so a resumed run
                 # still knows which checkpoint was best.
-                best_fn=best_fn, create=True, enable_async_checkpointing=True,
-                preservation_policy=checkpoint_managers.AnyPreservationPolicy(keep)),
+                best_fn=best_fn,
+                create=True,
+                enable_async_checkpointing=True,
+                preservation_policy=checkpoint_managers.AnyPreservationPolicy(keep),
+            ),
             item_names=("state", "extras"),
         )
 
-    def save(self, step: int, train_state: TrainState, extras: dict[str, Any],
-             metrics: dict[str, float] | None = None) -> None:
+    def save(
+        self,
+        step: int,
+        train_state: TrainState,
+        extras: dict[str, Any],
+        metrics: dict[str, float] | None = None,
+    ) -> None:
         """Starts writing checkpoint ``step``: returns once the arrays are copied off the
         device; the files are written in the background and committed atomically (see the
         module docstring). A save still in flight is finished first, so the one before
@@ -228,7 +289,8 @@ class Checkpointer:
         if self.keep_best_by and metrics is not None and self.keep_best_by not in metrics:
             raise ValueError(
                 f"keep_best_by={self.keep_best_by!r} but the metrics of step {step} have no "
-                f"such key (they have {sorted(metrics)}); name one of those.")
+                f"such key (they have {sorted(metrics)}); name one of those."
+            )
         self._manager.save(
             step,
             args=ocp.args.Composite(
@@ -315,10 +377,13 @@ class Checkpointer:
                 self._quarantine(candidate, e.reason)
         raise CheckpointCorrupt(
             f"every checkpoint in {self.directory} is damaged (moved to "
-            f"{self.directory.rstrip('/')}-corrupt/):\n" + "\n".join(damaged), reason="")
+            f"{self.directory.rstrip('/')}-corrupt/):\n" + "\n".join(damaged),
+            reason="",
+        )
 
-    def _read(self, step: int, abstract_state: TrainState | None
-              ) -> tuple[TrainState | None, dict[str, Any]]:
+    def _read(
+        self, step: int, abstract_state: TrainState | None
+    ) -> tuple[TrainState | None, dict[str, Any]]:
         """``_restore(step)`` with the retry policy of ``restore`` (``read_backoff``); with
         ``abstract_state`` None, the extras alone (``(None, extras)``)."""
         rng = random.Random(step)
@@ -328,7 +393,8 @@ class Checkpointer:
             try:
                 if abstract_state is None:
                     restored = self._manager.restore(
-                        step, args=ocp.args.Composite(extras=ocp.args.JsonRestore()))
+                        step, args=ocp.args.Composite(extras=ocp.args.JsonRestore())
+                    )
                     return None, dict(restored["extras"] or {})
                 return self._restore(step, abstract_state)
             except Exception as e:  # noqa: BLE001 - sorted below; none is swallowed
@@ -338,7 +404,8 @@ class Checkpointer:
                 if evidence is not None and is_corruption(evidence):
                     raise CheckpointCorrupt(
                         f"checkpoint step {step} in {self.directory} is unreadable: {what}",
-                        reason=what) from error
+                        reason=what,
+                    ) from error
                 evidence = error  # a second read tells damage from a file still arriving
             elif is_transient(error):
                 evidence = error
@@ -352,16 +419,24 @@ class Checkpointer:
             if attempt + 1 >= attempts:
                 break
             delay = self.read_backoff.delay_s(attempt, rng)
-            logger.warning("Reading checkpoint step %d in %s failed (%s); retrying in %.1f s "
-                           "(attempt %d of %d).", step, self.directory, what, delay,
-                           attempt + 1, attempts)
+            logger.warning(
+                "Reading checkpoint step %d in %s failed (%s); retrying in %.1f s "
+                "(attempt %d of %d).",
+                step,
+                self.directory,
+                what,
+                delay,
+                attempt + 1,
+                attempts,
+            )
             time.sleep(delay)
         raise CheckpointUnavailable(
             f"checkpoint step {step} in {self.directory} could not be read in {attempts} "
             f"attempts over ~{self.read_backoff.max_total_delay_s():.0f} s of backoff, failing "
             f"with transient errors (last: {what}). It was left in place and no older step "
             "was restored; fix the storage (network filesystem, bucket, device memory) and "
-            "resume.") from error
+            "resume."
+        ) from error
 
     def read_extras(self, step: int | None = None) -> dict[str, Any]:
         """The JSON extras of checkpoint ``step`` (default: the newest), without loading
@@ -377,7 +452,8 @@ class Checkpointer:
             step = steps[-1]
         if step not in steps:
             raise FileNotFoundError(
-                f"No checkpoint for step {step} in {self.directory}; available: {steps}.")
+                f"No checkpoint for step {step} in {self.directory}; available: {steps}."
+            )
         return self._read(int(step), None)[1]
 
     def _quarantine(self, step: int, reason: str) -> None:
@@ -388,9 +464,14 @@ class Checkpointer:
         says so."""
         source = os.path.join(self.directory, str(step))
         if "://" in self.directory:
-            logger.error("CHECKPOINT DAMAGED: step %d in %s is unreadable (%s); remote "
-                         "directories are not moved: delete it by hand before that step is "
-                         "saved again.", step, self.directory, reason)
+            logger.error(
+                "CHECKPOINT DAMAGED: step %d in %s is unreadable (%s); remote "
+                "directories are not moved: delete it by hand before that step is "
+                "saved again.",
+                step,
+                self.directory,
+                reason,
+            )
             return
         aside = self.directory.rstrip("/") + "-corrupt"
         os.makedirs(aside, exist_ok=True)
@@ -398,21 +479,34 @@ class Checkpointer:
         try:
             os.replace(source, target)
         except FileNotFoundError:  # another host of a group moved it first
-            logger.error("CHECKPOINT DAMAGED: step %d in %s is unreadable (%s); already "
-                         "moved aside.", step, self.directory, reason)
+            logger.error(
+                "CHECKPOINT DAMAGED: step %d in %s is unreadable (%s); already moved aside.",
+                step,
+                self.directory,
+                reason,
+            )
             self._manager.reload()
             return
-        record = {"step": step, "directory": self.directory, "moved_to": target,
-                  "reason": reason, "time": time.time()}
+        record = {
+            "step": step,
+            "directory": self.directory,
+            "moved_to": target,
+            "reason": reason,
+            "time": time.time(),
+        }
         with open(target + ".reason.json", "w") as f:
             json.dump(record, f, indent=1)
-        logger.error("CHECKPOINT DAMAGED: step %d in %s is unreadable (%s); moved to %s, and "
-                     "the run goes on from an older step.", step, self.directory, reason, target)
+        logger.error(
+            "CHECKPOINT DAMAGED: step %d in %s is unreadable (%s); moved to %s, and "
+            "the run goes on from an older step.",
+            step,
+            self.directory,
+            reason,
+            target,
+        )
         self._manager.reload()
 
-    def _restore(
-        self, step: int, abstract_state: TrainState
-    ) -> tuple[TrainState, dict[str, Any]]:
+    def _restore(self, step: int, abstract_state: TrainState) -> tuple[TrainState, dict[str, Any]]:
         restored = self._manager.restore(
             step,
             args=ocp.args.Composite(
@@ -422,8 +516,12 @@ class Checkpointer:
         )
         tree = restored["state"]
         state = TrainState(
-            params=tree["params"], opt_state=tree["opt_state"], step=tree["step"], rng=tree["rng"],
-            value_head=tree.get("value_head"), value_opt_state=tree.get("value_opt_state"),
+            params=tree["params"],
+            opt_state=tree["opt_state"],
+            step=tree["step"],
+            rng=tree["rng"],
+            value_head=tree.get("value_head"),
+            value_opt_state=tree.get("value_opt_state"),
         )
         return state, dict(restored["extras"] or {})
 

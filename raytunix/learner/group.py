@@ -68,8 +68,15 @@ from raytunix.placement import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LearnerGroup", "LearnerHost", "LearnerHostFailure", "LearnerStateDivergence",
-           "check_same_restore", "common_steps", "place_learner_hosts"]
+__all__ = [
+    "LearnerGroup",
+    "LearnerHost",
+    "LearnerHostFailure",
+    "LearnerStateDivergence",
+    "check_same_restore",
+    "common_steps",
+    "place_learner_hosts",
+]
 
 
 class LearnerHostFailure(RuntimeError):
@@ -101,12 +108,14 @@ def common_steps(steps_by_host: list[list[int]], where: list[str]) -> list[int]:
         raise FileNotFoundError("no learner host lists a checkpoint")
     common = set(steps_by_host[0]).intersection(*map(set, steps_by_host[1:]))
     if not common:
-        listing = "; ".join(f"{name}: {sorted(steps) or 'none'}"
-                            for name, steps in zip(where, steps_by_host))
+        listing = "; ".join(
+            f"{name}: {sorted(steps) or 'none'}" for name, steps in zip(where, steps_by_host)
+        )
         raise LearnerStateDivergence(
             f"no checkpoint step is readable by every learner host ({listing}). The "
             "checkpoint directory must be one path every host sees (a shared volume or "
-            "gs://); check that it is mounted on every host.")
+            "gs://); check that it is mounted on every host."
+        )
     return sorted(common)
 
 
@@ -118,6 +127,7 @@ def check_same_restore(extras_by_host: list[dict[str, Any] | None], where: list[
       LearnerStateDivergence: they differ; the message names each host's step and data
         position.
     """
+
     def key(extras):
         return json.dumps(extras, sort_keys=True, default=str)
 
@@ -127,16 +137,18 @@ def check_same_restore(extras_by_host: list[dict[str, Any] | None], where: list[
     def summary(extras):
         if extras is None:
             return "no checkpoint"
-        position = (extras.get("orchestrator") or {}).get("next_index",
-                                                          extras.get("data_position"))
-        return (f"step {extras.get('rl_step', extras.get('warmup_steps', '?'))}, policy "
-                f"version {extras.get('policy_version', '?')}, data position {position}")
+        position = (extras.get("orchestrator") or {}).get("next_index", extras.get("data_position"))
+        return (
+            f"step {extras.get('rl_step', extras.get('warmup_steps', '?'))}, policy "
+            f"version {extras.get('policy_version', '?')}, data position {position}"
+        )
 
     listing = "; ".join(f"{name}: {summary(e)}" for name, e in zip(where, extras_by_host))
     raise LearnerStateDivergence(
         f"the learner hosts restored different checkpoints ({listing}); training on would "
         "run one program over different weights. Make every host see the same checkpoint "
-        "directory (one shared path), then resume.")
+        "directory (one shared path), then resume."
+    )
 
 
 class LearnerHost(LearnerActor):
@@ -154,9 +166,12 @@ class LearnerHost(LearnerActor):
 
         from raytunix.placement import tpu_worker_id
 
-        return {"node_id": ray.get_runtime_context().get_node_id(),
-                "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
-                "worker_id": tpu_worker_id()}
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+            "worker_id": tpu_worker_id(),
+        }
 
     def coordinator_address(self) -> str:
         """``ip:port`` of a port free now on this node, for the JAX coordinator that
@@ -166,9 +181,17 @@ class LearnerHost(LearnerActor):
             port = s.getsockname()[1]
         return f"{ray.util.get_node_ip_address()}:{port}"
 
-    def initialize(self, coordinator: str, num_processes: int, rank: int,
-                   model_config: ModelConfig, seed: int, pad_id: int, model_path: str = "",
-                   timeout_s: int = 300) -> dict[str, Any]:
+    def initialize(
+        self,
+        coordinator: str,
+        num_processes: int,
+        rank: int,
+        model_config: ModelConfig,
+        seed: int,
+        pad_id: int,
+        model_path: str = "",
+        timeout_s: int = 300,
+    ) -> dict[str, Any]:
         """Joins the group's JAX program as process ``rank`` of ``num_processes`` and
         builds the learner; returns ``process_index``, ``process_count``,
         ``device_count`` (global) and ``local_device_count`` as JAX sees them.
@@ -179,15 +202,21 @@ class LearnerHost(LearnerActor):
 
         # CPU collectives (tests, CPU hosts) need an implementation; TPUs ignore it.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(coordinator_address=coordinator,
-                                   num_processes=num_processes, process_id=rank,
-                                   initialization_timeout=timeout_s)
+        jax.distributed.initialize(
+            coordinator_address=coordinator,
+            num_processes=num_processes,
+            process_id=rank,
+            initialization_timeout=timeout_s,
+        )
         self.rank = rank
         LearnerActor.__init__(self, model_config, seed, pad_id, model_path)
         profiling.configure(f"learner host {rank}", "learner")
-        return {"process_index": jax.process_index(), "process_count": jax.process_count(),
-                "device_count": jax.device_count(),
-                "local_device_count": jax.local_device_count()}
+        return {
+            "process_index": jax.process_index(),
+            "process_count": jax.process_count(),
+            "device_count": jax.device_count(),
+            "local_device_count": jax.local_device_count(),
+        }
 
     def mesh_shape(self) -> dict[str, int]:
         """The learner's device mesh, axis name -> size (``Learner.mesh``, built when a
@@ -210,13 +239,15 @@ class LearnerHost(LearnerActor):
         if self.rank != 0:
             return []
         return await self._in_thread(
-            lambda: export_checkpoint(out_dir, self.learner.model_config, params,
-                                      source=self.model_path or None))
+            lambda: export_checkpoint(
+                out_dir, self.learner.model_config, params, source=self.model_path or None
+            )
+        )
 
 
-def place_learner_hosts(spec: LearnerHostsSpec, timeout_s: float = 600.0,
-                        runtime_env: dict[str, Any] | None = None
-                        ) -> tuple[LearnerHosts, list, list[dict[str, Any]]]:
+def place_learner_hosts(
+    spec: LearnerHostsSpec, timeout_s: float = 600.0, runtime_env: dict[str, Any] | None = None
+) -> tuple[LearnerHosts, list, list[dict[str, Any]]]:
     """Reserves the hosts (``reserve_learner_hosts``), starts one ``LearnerHost`` in each
     bundle (with ``runtime_env``, e.g. XLA flags; None: the job's) and ranks them by
     their TPU worker ids (``assign_ranks``).
@@ -235,17 +266,23 @@ def place_learner_hosts(spec: LearnerHostsSpec, timeout_s: float = 600.0,
     cls = ray.remote(LearnerHost)
     # A host that restarted alone could not rejoin the JAX program: no Ray restarts.
     options = {} if runtime_env is None else {"runtime_env": runtime_env}
-    hosts = [cls.options(max_restarts=0, max_concurrency=100, **options,
-                         **reservation.actor_options(b)).remote()
-             for b in range(reservation.num_hosts)]
+    hosts = [
+        cls.options(
+            max_restarts=0, max_concurrency=100, **options, **reservation.actor_options(b)
+        ).remote()
+        for b in range(reservation.num_hosts)
+    ]
     try:
-        infos = ray.get([h.host_info.remote() for h in hosts],
-                        timeout=max(1.0, deadline - time.monotonic()))
+        infos = ray.get(
+            [h.host_info.remote() for h in hosts], timeout=max(1.0, deadline - time.monotonic())
+        )
         ranks = assign_ranks([info["worker_id"] for info in infos])
     except ray.exceptions.GetTimeoutError:
         reservation.release()
-        raise TimeoutError(f"the {len(hosts)} learner hosts did not start within "
-                           f"{timeout_s} s; see their logs (`ray logs`).") from None
+        raise TimeoutError(
+            f"the {len(hosts)} learner hosts did not start within "
+            f"{timeout_s} s; see their logs (`ray logs`)."
+        ) from None
     except ray.exceptions.RayActorError as e:
         reservation.release()
         raise LearnerHostFailure(f"a learner host died while starting: {e}") from e
@@ -253,8 +290,11 @@ def place_learner_hosts(spec: LearnerHostsSpec, timeout_s: float = 600.0,
         reservation.release()
         raise
     order = sorted(range(len(hosts)), key=ranks.__getitem__)
-    return (reservation, [hosts[b] for b in order],
-            [dict(infos[b], bundle_index=b, rank=ranks[b]) for b in order])
+    return (
+        reservation,
+        [hosts[b] for b in order],
+        [dict(infos[b], bundle_index=b, rank=ranks[b]) for b in order],
+    )
 
 
 class LearnerGroup:
@@ -287,13 +327,25 @@ class LearnerGroup:
       LearnerHostFailure: a host died while starting.
     """
 
-    def __init__(self, spec: LearnerHostsSpec, model_config: ModelConfig, seed: int,
-                 pad_id: int, model_path: str = "", *, start_timeout_s: float = 600.0,
-                 call_timeout_s: float = 1800.0, slow_call_timeout_s: float | None = 3600.0,
-                 runtime_env: dict[str, Any] | None = None, max_rebuilds: int = 3):
+    def __init__(
+        self,
+        spec: LearnerHostsSpec,
+        model_config: ModelConfig,
+        seed: int,
+        pad_id: int,
+        model_path: str = "",
+        *,
+        start_timeout_s: float = 600.0,
+        call_timeout_s: float = 1800.0,
+        slow_call_timeout_s: float | None = 3600.0,
+        runtime_env: dict[str, Any] | None = None,
+        max_rebuilds: int = 3,
+    ):
         if not (isinstance(call_timeout_s, (int, float)) and 0 < call_timeout_s < float("inf")):
-            raise ValueError(f"call_timeout_s must be a finite number of seconds > 0, got "
-                             f"{call_timeout_s!r}: a stuck host would hang the group for ever.")
+            raise ValueError(
+                f"call_timeout_s must be a finite number of seconds > 0, got "
+                f"{call_timeout_s!r}: a stuck host would hang the group for ever."
+            )
         self.spec = spec
         self.max_rebuilds = max_rebuilds
         self.runtime_env = runtime_env
@@ -318,29 +370,39 @@ class LearnerGroup:
     def _start(self) -> None:
         deadline = time.monotonic() + self.start_timeout_s
         self._reservation, self.hosts, self.host_infos = place_learner_hosts(
-            self.spec, timeout_s=self.start_timeout_s, runtime_env=self.runtime_env)
+            self.spec, timeout_s=self.start_timeout_s, runtime_env=self.runtime_env
+        )
         try:
-            coordinator = ray.get(self.hosts[0].coordinator_address.remote(),
-                                  timeout=max(1.0, deadline - time.monotonic()))
+            coordinator = ray.get(
+                self.hosts[0].coordinator_address.remote(),
+                timeout=max(1.0, deadline - time.monotonic()),
+            )
             n = len(self.hosts)
             remaining = max(1, int(deadline - time.monotonic()))
             joined = self._on_all_ranked(
                 lambda rank, host: host.initialize.remote(
-                    coordinator, n, rank, *self._learner_args, timeout_s=remaining),
-                timeout_s=remaining + 60)
+                    coordinator, n, rank, *self._learner_args, timeout_s=remaining
+                ),
+                timeout_s=remaining + 60,
+            )
             for rank, info in enumerate(joined):
                 if info["process_index"] != rank or info["process_count"] != n:
-                    raise RuntimeError(f"learner host {rank} joined JAX as {info}; expected "
-                                       f"process {rank} of {n}.")
+                    raise RuntimeError(
+                        f"learner host {rank} joined JAX as {info}; expected process {rank} of {n}."
+                    )
         except BaseException:  # a half-started group holds its hosts for nothing
             self.shutdown()
             raise
         self.coordinator = coordinator
         self._compiled = False
         self.device_count = joined[0]["device_count"]
-        logger.info("learner group: %d hosts, %d devices, coordinator %s, ranks by %s", n,
-                    self.device_count, coordinator,
-                    "TPU worker id" if self.host_infos[0]["worker_id"] is not None else "bundle")
+        logger.info(
+            "learner group: %d hosts, %d devices, coordinator %s, ranks by %s",
+            n,
+            self.device_count,
+            coordinator,
+            "TPU worker id" if self.host_infos[0]["worker_id"] is not None else "bundle",
+        )
 
     def shutdown(self) -> None:
         """Kills every host and releases the reservation. Idempotent."""
@@ -374,18 +436,21 @@ class LearnerGroup:
             raise LearnerHostFailure(
                 f"the learner group was rebuilt {self.rebuilds} times already (max_rebuilds="
                 f"{self.max_rebuilds}); find out why its hosts die (`ray logs`, the nodes' "
-                "health) before going on.")
+                "health) before going on."
+            )
         self.rebuilds += 1
         self._start()
         if self._rl is not None:
             self._on_all("start_rl", self._rl, timeout_s=self.slow_call_timeout_s)
             if self._checkpoints is not None:
                 try:
-                    return self.restore(**self._checkpoints,
-                                        reference_directory=self._reference)
+                    return self.restore(**self._checkpoints, reference_directory=self._reference)
                 except FileNotFoundError:
-                    logger.warning("learner group rebuilt with no checkpoint in %s: it starts "
-                                   "from its initial weights.", self._checkpoints["directory"])
+                    logger.warning(
+                        "learner group rebuilt with no checkpoint in %s: it starts "
+                        "from its initial weights.",
+                        self._checkpoints["directory"],
+                    )
             return None
         if self._warmup is not None:
             if self._demonstrations is not None:
@@ -403,7 +468,8 @@ class LearnerGroup:
 
     def _on_all(self, method: str, *args, timeout_s: float | None = None, **kwargs) -> list:
         return self._on_all_ranked(
-            lambda rank, host: getattr(host, method).remote(*args, **kwargs), timeout_s)
+            lambda rank, host: getattr(host, method).remote(*args, **kwargs), timeout_s
+        )
 
     def _on_all_ranked(self, submit, timeout_s: float | None = None) -> list:
         """``submit(rank, host)`` on every host, in rank order; their results in rank
@@ -433,7 +499,8 @@ class LearnerGroup:
                 raise LearnerHostFailure(
                     f"learner {stuck} alive but stuck: no answer within {timeout_s} s "
                     f"(learner.call_timeout_s / slow_call_timeout_s); the group was torn down. "
-                    "Call rebuild().")
+                    "Call rebuild()."
+                )
             ref = done[0]
             try:
                 results[index[ref]] = ray.get(ref)
@@ -441,7 +508,8 @@ class LearnerGroup:
                 self.shutdown()
                 raise LearnerHostFailure(
                     f"learner {self._host_name(index[ref])} died: {e}. The group was torn "
-                    "down; call rebuild().") from e
+                    "down; call rebuild()."
+                ) from e
             except ray.exceptions.RayTaskError as e:
                 error = error or e
         if error is not None:
@@ -458,8 +526,9 @@ class LearnerGroup:
         self._on_all("start_warmup", hp, timeout_s=self.slow_call_timeout_s)
 
     def sft_steps(self, num_steps: int, batch_size: int) -> dict[str, float]:
-        return self._on_all("sft_steps", num_steps, batch_size,
-                            timeout_s=self.slow_call_timeout_s)[0]
+        return self._on_all("sft_steps", num_steps, batch_size, timeout_s=self.slow_call_timeout_s)[
+            0
+        ]
 
     def save_warmup(self, directory: str, steps: int, extras: dict[str, Any]) -> None:
         self._warmup = (self._warmup[0], directory) if self._warmup else None
@@ -511,16 +580,34 @@ class LearnerGroup:
     def export(self, out_dir: str) -> list[str]:
         return self._on_all("export", out_dir, timeout_s=self.slow_call_timeout_s)[0]
 
-    def save(self, directory: str, extras: dict[str, Any], max_to_keep: int = 3,
-             metrics: dict[str, float] | None = None, keep_best_by: str = "",
-             keep_best_mode: str = "max") -> int:
+    def save(
+        self,
+        directory: str,
+        extras: dict[str, Any],
+        max_to_keep: int = 3,
+        metrics: dict[str, float] | None = None,
+        keep_best_by: str = "",
+        keep_best_mode: str = "max",
+    ) -> int:
         """A checkpoint written by every host (orbax: each process its shards, process 0
         the metadata; ``directory`` must be one path all hosts see, e.g. ``gs://`` or a
         shared volume); remembered as where ``rebuild`` restores from."""
-        self._checkpoints = {"directory": directory, "max_to_keep": max_to_keep,
-                             "keep_best_by": keep_best_by, "keep_best_mode": keep_best_mode}
-        return self._on_all("save", directory, extras, max_to_keep, metrics, keep_best_by,
-                            keep_best_mode, timeout_s=self.slow_call_timeout_s)[0]
+        self._checkpoints = {
+            "directory": directory,
+            "max_to_keep": max_to_keep,
+            "keep_best_by": keep_best_by,
+            "keep_best_mode": keep_best_mode,
+        }
+        return self._on_all(
+            "save",
+            directory,
+            extras,
+            max_to_keep,
+            metrics,
+            keep_best_by,
+            keep_best_mode,
+            timeout_s=self.slow_call_timeout_s,
+        )[0]
 
     def finish_checkpoints(self) -> None:
         self._on_all("finish_checkpoints", timeout_s=self.slow_call_timeout_s)
@@ -529,9 +616,14 @@ class LearnerGroup:
         self._reference = directory
         self._on_all("save_reference", directory, timeout_s=self.slow_call_timeout_s)
 
-    def restore(self, directory: str, max_to_keep: int = 3,
-                reference_directory: str | None = None, keep_best_by: str = "",
-                keep_best_mode: str = "max") -> dict[str, Any]:
+    def restore(
+        self,
+        directory: str,
+        max_to_keep: int = 3,
+        reference_directory: str | None = None,
+        keep_best_by: str = "",
+        keep_best_mode: str = "max",
+    ) -> dict[str, Any]:
         """Every host restores the same checkpoint: the newest of the steps that every host
         lists (``common_steps``; a damaged one is skipped as ``Checkpointer.restore``
         does), then each reports what it restored and the group checks that they agree
@@ -544,16 +636,29 @@ class LearnerGroup:
           LearnerHostFailure: a host died or was stuck (past ``slow_call_timeout_s``).
           whatever a host's ``Checkpointer.restore`` raised (``CheckpointUnavailable``...).
         """
-        self._checkpoints = {"directory": directory, "max_to_keep": max_to_keep,
-                             "keep_best_by": keep_best_by, "keep_best_mode": keep_best_mode}
+        self._checkpoints = {
+            "directory": directory,
+            "max_to_keep": max_to_keep,
+            "keep_best_by": keep_best_by,
+            "keep_best_mode": keep_best_mode,
+        }
         if reference_directory:
             self._reference = reference_directory
         slow = self.slow_call_timeout_s
-        listed = self._on_all("checkpoint_steps", directory, max_to_keep, keep_best_by,
-                              keep_best_mode, timeout_s=slow)
+        listed = self._on_all(
+            "checkpoint_steps", directory, max_to_keep, keep_best_by, keep_best_mode, timeout_s=slow
+        )
         among = common_steps(listed, [self._host_name(r) for r in range(len(self.hosts))])
-        extras = self._on_all("restore", directory, max_to_keep, reference_directory,
-                              keep_best_by, keep_best_mode, among=among, timeout_s=slow)
+        extras = self._on_all(
+            "restore",
+            directory,
+            max_to_keep,
+            reference_directory,
+            keep_best_by,
+            keep_best_mode,
+            among=among,
+            timeout_s=slow,
+        )
         self._check_same(extras)
         return extras[0]
 

@@ -70,8 +70,13 @@ class Learner:
         ``seed``.
     """
 
-    def __init__(self, model_config: ModelConfig, seed: int = 0, pad_id: int = 0,
-                 model: tuple[Any, Any] | None = None):
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        seed: int = 0,
+        pad_id: int = 0,
+        model: tuple[Any, Any] | None = None,
+    ):
         self.model_config = model_config
         self.seed = seed
         self.pad_id = pad_id
@@ -104,8 +109,9 @@ class Learner:
         (``self.mesh``), params placed before the optimizer state is made from them."""
         self.mesh = mesh_config.build()
         params = shard_tree(self.params, self.mesh)
-        return shard_tree(create_train_state(self.graphdef, params, optimizer, self.seed),
-                          self.mesh)
+        return shard_tree(
+            create_train_state(self.graphdef, params, optimizer, self.seed), self.mesh
+        )
 
     # ------------------------------------------------------------------ warm start
     def start_warmup(self, hp: SFTHyperparams) -> None:
@@ -115,7 +121,9 @@ class Learner:
         # No buffer donation: a colocated engine may still hold the previous params.
         self._update = jax.jit(make_sft_update(self.graphdef, optimizer, mesh=self.mesh))
 
-    def sft_steps(self, tokens: np.ndarray, loss_mask: np.ndarray, num_steps: int, batch_size: int) -> dict[str, float]:
+    def sft_steps(
+        self, tokens: np.ndarray, loss_mask: np.ndarray, num_steps: int, batch_size: int
+    ) -> dict[str, float]:
         """Runs ``num_steps`` supervised steps on random rows of the demonstrations.
 
         Args:
@@ -132,8 +140,10 @@ class Learner:
         if self._update is None:
             raise RuntimeError("call start_warmup before sft_steps")
         if len(tokens) == 0 or batch_size < 1:
-            raise ValueError(f"sft_steps needs demonstrations (got {len(tokens)}) and "
-                             f"batch_size >= 1 (got {batch_size!r}).")
+            raise ValueError(
+                f"sft_steps needs demonstrations (got {len(tokens)}) and "
+                f"batch_size >= 1 (got {batch_size!r})."
+            )
         t0 = time.monotonic()
         losses, skipped = [], []
         # Few packed row counts (each compiles once), rows split evenly over the devices.
@@ -142,19 +152,27 @@ class Learner:
             rows = self._sft_rng.integers(0, len(tokens), size=batch_size)
             packed = pack_demonstrations(tokens[rows], loss_mask[rows], row_multiple=multiple)
             self._state, metrics = self._update(
-                self._state, *(place_rows(packed[key], self.mesh)
-                               for key in ("tokens", "loss_mask", "positions", "segment_ids")))
+                self._state,
+                *(
+                    place_rows(packed[key], self.mesh)
+                    for key in ("tokens", "loss_mask", "positions", "segment_ids")
+                ),
+            )
             losses.append(metrics["loss"])
             skipped.append(metrics["update_nonfinite"])
         # One transfer for the chunk's metrics, not one per step.
-        losses, skipped = (np.asarray(x, dtype=np.float64)
-                           for x in jax.device_get((losses, skipped)))
+        losses, skipped = (
+            np.asarray(x, dtype=np.float64) for x in jax.device_get((losses, skipped))
+        )
         for flag in skipped:
             self.sft_nonfinite_in_a_row = self.sft_nonfinite_in_a_row + 1 if flag else 0
-        return {"loss": float(np.mean(losses)), "loss_last": float(losses[-1]),
-                "steps_per_s": num_steps / (time.monotonic() - t0),
-                "updates_skipped_nonfinite": float(np.sum(skipped)),
-                "nonfinite_updates_in_a_row": self.sft_nonfinite_in_a_row}
+        return {
+            "loss": float(np.mean(losses)),
+            "loss_last": float(losses[-1]),
+            "steps_per_s": num_steps / (time.monotonic() - t0),
+            "updates_skipped_nonfinite": float(np.sum(skipped)),
+            "nonfinite_updates_in_a_row": self.sft_nonfinite_in_a_row,
+        }
 
     # ------------------------------------------------------------------ RL
     def start_rl(self, hp: RLHyperparams) -> None:
@@ -171,13 +189,15 @@ class Learner:
         self._state = self._fresh_state(optimizer, hp.mesh)
         if hp.advantage_estimator == "gae":  # PPO's value head, beside the policy's params
             self._state = shard_tree(
-                add_value_head(self._state, optimizer, self.model_config.d_model), self.mesh)
-        self._ref_params = (shard_tree(jax.tree.map(jnp.copy, self.params), self.mesh)
-                            if hp.kl_coef > 0 else None)
+                add_value_head(self._state, optimizer, self.model_config.d_model), self.mesh
+            )
+        self._ref_params = (
+            shard_tree(jax.tree.map(jnp.copy, self.params), self.mesh) if hp.kl_coef > 0 else None
+        )
         # Jitted inside; the host part checks rewards, skips empty batches, pads rows.
-        self._update = make_policy_update(self.graphdef, optimizer, hp,
-                                        max_seq_len=self.model_config.max_seq_len,
-                                        mesh=self.mesh)
+        self._update = make_policy_update(
+            self.graphdef, optimizer, hp, max_seq_len=self.model_config.max_seq_len, mesh=self.mesh
+        )
 
     def train_step(self, batch: pa.RecordBatch) -> dict[str, float]:
         """One update on a trajectory batch (``hp.num_iterations`` optimizer steps); bumps
@@ -212,15 +232,23 @@ class Learner:
             raise RuntimeError("call start_rl before train_step")
         if self._hp.sequence_packing:
             arrays = PackedBatch.from_record_batch(
-                batch, pad_id=self.pad_id, max_seq_len=self.model_config.max_seq_len,
+                batch,
+                pad_id=self.pad_id,
+                max_seq_len=self.model_config.max_seq_len,
                 pack_width=self._hp.pack_width,
-                row_multiple=packed_row_multiple(self._hp.micro_batch_size,
-                                                 batch_shards(self.mesh)))
+                row_multiple=packed_row_multiple(
+                    self._hp.micro_batch_size, batch_shards(self.mesh)
+                ),
+            )
         else:
-            arrays = Batch.from_record_batch(batch, pad_id=self.pad_id,
-                                             max_seq_len=self.model_config.max_seq_len)
-        width = (widest_packed_row(self._hp.pack_width, self.model_config.max_seq_len)
-                 if self._hp.sequence_packing else self.model_config.max_seq_len)
+            arrays = Batch.from_record_batch(
+                batch, pad_id=self.pad_id, max_seq_len=self.model_config.max_seq_len
+            )
+        width = (
+            widest_packed_row(self._hp.pack_width, self.model_config.max_seq_len)
+            if self._hp.sequence_packing
+            else self.model_config.max_seq_len
+        )
         dropped = generated_tokens_cut(batch, width)
         versions = arrays.policy_versions[arrays.loss_mask > 0]
         t0 = time.monotonic()
@@ -243,13 +271,16 @@ class Learner:
         metrics["updates_skipped"] = self.updates_skipped
         metrics["updates_skipped_nonfinite"] = self.updates_skipped_nonfinite
         metrics["nonfinite_updates_in_a_row"] = self.nonfinite_updates_in_a_row
-        metrics["staleness_max"] = float(self.version - 1 - versions.min()) if versions.size else 0.0
+        metrics["staleness_max"] = (
+            float(self.version - 1 - versions.min()) if versions.size else 0.0
+        )
         metrics["batch_tokens"] = int(arrays.tokens.size)
         metrics.update({f"generated_tokens_dropped_{k}": v for k, v in dropped.items()})
         # Tokens the learner's sampling transform gives probability 0 leave the loss too.
         scored = int(np.count_nonzero(np.asarray(arrays.loss_mask)[:, 1:]))
-        metrics["generated_tokens_dropped_out_of_support"] = int(round(
-            metrics.get("out_of_support_fraction", 0.0) * scored))
+        metrics["generated_tokens_dropped_out_of_support"] = int(
+            round(metrics.get("out_of_support_fraction", 0.0) * scored)
+        )
         return metrics
 
     def policy(self) -> tuple[Any, int]:
@@ -270,15 +301,23 @@ class Learner:
         return gather_to_host(params), version
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, checkpointer: Checkpointer, extras: dict[str, Any],
-             metrics: dict[str, float] | None = None) -> None:
+    def save(
+        self,
+        checkpointer: Checkpointer,
+        extras: dict[str, Any],
+        metrics: dict[str, float] | None = None,
+    ) -> None:
         """Starts saving params, optimizer state, step and RNG with ``extras`` (data
         position...) as checkpoint ``rl_step``; asynchronous (``Checkpointer.save``), so
         the next ``train_step`` may run while it is written. ``metrics``: for
         ``Checkpointer``'s ``keep_best_by``."""
-        extras = dict(extras, policy_version=self.version, rl_step=self.rl_step,
-                      updates_skipped=self.updates_skipped,
-                      updates_skipped_nonfinite=self.updates_skipped_nonfinite)
+        extras = dict(
+            extras,
+            policy_version=self.version,
+            rl_step=self.rl_step,
+            updates_skipped=self.updates_skipped,
+            updates_skipped_nonfinite=self.updates_skipped_nonfinite,
+        )
         checkpointer.save(self.rl_step, self._state, extras, metrics)
 
     def save_warmup(self, checkpointer: Checkpointer, steps: int, extras: dict[str, Any]) -> None:
@@ -319,9 +358,13 @@ class Learner:
             checkpointer.save(0, self._state.replace(params=self._ref_params), {"reference": True})
             checkpointer.wait_until_finished()
 
-    def restore(self, checkpointer: Checkpointer, step: int | None = None,
-                reference: Checkpointer | None = None, among: list[int] | None = None
-                ) -> dict[str, Any]:
+    def restore(
+        self,
+        checkpointer: Checkpointer,
+        step: int | None = None,
+        reference: Checkpointer | None = None,
+        among: list[int] | None = None,
+    ) -> dict[str, Any]:
         """Restores the latest (or ``step``) checkpoint into the RL state; returns extras.
         ``among``: only these steps are candidates (a learner group's steps that every
         host can read; ``Checkpointer.restore``).
@@ -343,7 +386,7 @@ class Learner:
             if reference is None or reference.latest_step() is None:
                 raise RuntimeError(
                     "learner.kl_coef > 0 but the run has no saved reference policy; resume "
-                    "with learner.kl_coef=0 or start a new run.")
+                    "with learner.kl_coef=0 or start a new run."
+                )
             self._ref_params = reference.restore(0, self._state)[0].params
         return extras
-

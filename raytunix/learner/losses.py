@@ -25,8 +25,9 @@ ImportanceSampling = Literal["token_tis", "sequence_tis", "geometric_tis"]
 IMPORTANCE_SAMPLING_LEVELS = ("token_tis", "sequence_tis", "geometric_tis")
 
 
-def token_logprobs(logits: jax.Array, targets: jax.Array, *, temperature: float, top_k: int,
-                   top_p: float) -> jax.Array:
+def token_logprobs(
+    logits: jax.Array, targets: jax.Array, *, temperature: float, top_k: int, top_p: float
+) -> jax.Array:
     """Log-probability of each target token under the sampling distribution: the
     temperature / top-k / top-p transformation the engine sampled the tokens with
     (``raytunix.inference.sampling.sampling_logprobs``; papers cited there).
@@ -46,8 +47,7 @@ def token_logprobs(logits: jax.Array, targets: jax.Array, *, temperature: float,
     return jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
 
 
-def token_entropy(logits: jax.Array, *, temperature: float, top_k: int, top_p: float
-                  ) -> jax.Array:
+def token_entropy(logits: jax.Array, *, temperature: float, top_k: int, top_p: float) -> jax.Array:
     """Entropy (nats) of the sampling distribution (see ``token_logprobs``):
     float[B, T, V] -> float32[B, T]. Tokens outside the truncated set add nothing."""
     logp = sampling_logprobs(logits, temperature, top_k, top_p)
@@ -64,8 +64,9 @@ def masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
     return total / jnp.maximum(jnp.sum(on), 1)
 
 
-def sequence_sum(values: jax.Array, sequence_index: jax.Array | None = None,
-                 num_sequences: int = 0) -> jax.Array:
+def sequence_sum(
+    values: jax.Array, sequence_index: jax.Array | None = None, num_sequences: int = 0
+) -> jax.Array:
     """Each sequence's sum of ``values`` float[B, T], for each of its tokens.
 
     With ``sequence_index`` None a row is one sequence: float32[B, 1]. With
@@ -76,8 +77,9 @@ def sequence_sum(values: jax.Array, sequence_index: jax.Array | None = None,
     """
     if sequence_index is None:
         return jnp.sum(values, axis=-1, keepdims=True)
-    sums = jax.ops.segment_sum(values.reshape(-1), sequence_index.reshape(-1),
-                               num_segments=num_sequences)
+    sums = jax.ops.segment_sum(
+        values.reshape(-1), sequence_index.reshape(-1), num_segments=num_sequences
+    )
     return sums[sequence_index]
 
 
@@ -86,9 +88,14 @@ def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
         raise ValueError(f"{name}={value!r} is not supported; use one of {', '.join(allowed)}.")
 
 
-def loss_normalizer(loss_mask: jax.Array, *, aggregation: Aggregation, max_tokens: int,
-                    sequence_index: jax.Array | None = None, num_sequences: int = 0
-                    ) -> tuple[jax.Array, jax.Array]:
+def loss_normalizer(
+    loss_mask: jax.Array,
+    *,
+    aggregation: Aggregation,
+    max_tokens: int,
+    sequence_index: jax.Array | None = None,
+    num_sequences: int = 0,
+) -> tuple[jax.Array, jax.Array]:
     """How per-token losses are summed into one number: ``(weights, denominator)`` with
     ``loss = sum(weights * per_token) / denominator``.
 
@@ -128,8 +135,9 @@ def loss_normalizer(loss_mask: jax.Array, *, aggregation: Aggregation, max_token
         tokens_per_seq = jnp.sum(on, axis=-1, keepdims=True)
         sequences = jnp.sum(tokens_per_seq > 0)
     else:
-        counts = jax.ops.segment_sum(on.reshape(-1), sequence_index.reshape(-1),
-                                     num_segments=num_sequences)
+        counts = jax.ops.segment_sum(
+            on.reshape(-1), sequence_index.reshape(-1), num_segments=num_sequences
+        )
         tokens_per_seq, sequences = counts[sequence_index], jnp.sum(counts > 0)
     sequences = jnp.maximum(sequences, 1).astype(jnp.float32)
     if aggregation == "sequence_mean_token_mean":
@@ -137,17 +145,20 @@ def loss_normalizer(loss_mask: jax.Array, *, aggregation: Aggregation, max_token
     return on, sequences * float(max_tokens)
 
 
-def aggregate_loss(per_token: jax.Array, loss_mask: jax.Array, *, aggregation: Aggregation,
-                   max_tokens: int) -> jax.Array:
+def aggregate_loss(
+    per_token: jax.Array, loss_mask: jax.Array, *, aggregation: Aggregation, max_tokens: int
+) -> jax.Array:
     """Per-token losses float[B, T] -> a float32 scalar by ``aggregation`` (see
     ``loss_normalizer``); masked-out entries are ignored, NaN included."""
-    weights, denominator = loss_normalizer(loss_mask, aggregation=aggregation,
-                                           max_tokens=max_tokens)
+    weights, denominator = loss_normalizer(
+        loss_mask, aggregation=aggregation, max_tokens=max_tokens
+    )
     return jnp.sum(jnp.where(loss_mask > 0, per_token, 0.0) * weights) / denominator
 
 
-def kl_estimate(logprobs: jax.Array, ref_logprobs: jax.Array, loss_mask: jax.Array, *,
-                estimator: KLEstimator) -> jax.Array:
+def kl_estimate(
+    logprobs: jax.Array, ref_logprobs: jax.Array, loss_mask: jax.Array, *, estimator: KLEstimator
+) -> jax.Array:
     """Per-token *value* estimate of KL(pi || pi_ref) from tokens sampled by pi (Schulman
     2020, "Approximating KL divergence"). With ``log_r = ref_logprobs - logprobs``::
 
@@ -178,9 +189,15 @@ def kl_estimate(logprobs: jax.Array, ref_logprobs: jax.Array, loss_mask: jax.Arr
     return jnp.exp(log_r) - log_r - 1.0
 
 
-def kl_penalty(logprobs: jax.Array, ref_logprobs: jax.Array, anchor_logprobs: jax.Array,
-               loss_mask: jax.Array, *, estimator: KLEstimator,
-               importance_weights: jax.Array | None = None) -> jax.Array:
+def kl_penalty(
+    logprobs: jax.Array,
+    ref_logprobs: jax.Array,
+    anchor_logprobs: jax.Array,
+    loss_mask: jax.Array,
+    *,
+    estimator: KLEstimator,
+    importance_weights: jax.Array | None = None,
+) -> jax.Array:
     """The per-token KL loss term of ``estimator``, built so that its gradient is, in
     expectation over the sampled tokens, the gradient of KL(pi || pi_ref), on- and
     off-policy.
@@ -229,8 +246,11 @@ def kl_penalty(logprobs: jax.Array, ref_logprobs: jax.Array, anchor_logprobs: ja
     logprobs = jnp.where(on, logprobs, 0.0)
     ref = jax.lax.stop_gradient(jnp.where(on, ref_logprobs, 0.0))
     anchor = jax.lax.stop_gradient(jnp.where(on, anchor_logprobs, 0.0))
-    w = (jnp.ones_like(logprobs) if importance_weights is None else
-         jax.lax.stop_gradient(jnp.where(on, importance_weights, 0.0)))
+    w = (
+        jnp.ones_like(logprobs)
+        if importance_weights is None
+        else jax.lax.stop_gradient(jnp.where(on, importance_weights, 0.0))
+    )
     ratio = w * jnp.exp(logprobs - anchor)
     log_r = ref - logprobs
     if estimator == "k1":
@@ -242,8 +262,14 @@ def kl_penalty(logprobs: jax.Array, ref_logprobs: jax.Array, anchor_logprobs: ja
     return jnp.where(on, term, 0.0)
 
 
-def ppo_clip_loss(log_ratio: jax.Array, advantages: jax.Array, *, clip_eps_low: float,
-                  clip_eps_high: float, dual_clip: float) -> tuple[jax.Array, jax.Array]:
+def ppo_clip_loss(
+    log_ratio: jax.Array,
+    advantages: jax.Array,
+    *,
+    clip_eps_low: float,
+    clip_eps_high: float,
+    dual_clip: float,
+) -> tuple[jax.Array, jax.Array]:
     """PPO's clipped surrogate (Schulman et al. 2017, arXiv:1707.06347) per token, with
     separate lower and upper clip ranges ("clip-higher", DAPO: Yu et al. 2025,
     arXiv:2503.14476) and an optional dual clip (Ye et al. 2020, "Mastering Complex
@@ -278,10 +304,16 @@ def ppo_clip_loss(log_ratio: jax.Array, advantages: jax.Array, *, clip_eps_low: 
     return per_token, active
 
 
-def gspo_loss(log_ratio: jax.Array, advantages: jax.Array, loss_mask: jax.Array, *,
-              clip_eps_low: float, clip_eps_high: float,
-              sequence_index: jax.Array | None = None, num_sequences: int = 0
-              ) -> tuple[jax.Array, jax.Array]:
+def gspo_loss(
+    log_ratio: jax.Array,
+    advantages: jax.Array,
+    loss_mask: jax.Array,
+    *,
+    clip_eps_low: float,
+    clip_eps_high: float,
+    sequence_index: jax.Array | None = None,
+    num_sequences: int = 0,
+) -> tuple[jax.Array, jax.Array]:
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071):
     the clipped surrogate on the sequence's length-normalised likelihood ratio::
 
@@ -303,15 +335,27 @@ def gspo_loss(log_ratio: jax.Array, advantages: jax.Array, loss_mask: jax.Array,
     """
     on = loss_mask > 0
     tokens = jnp.maximum(sequence_sum(on.astype(jnp.float32), sequence_index, num_sequences), 1)
-    seq_log_ratio = sequence_sum(jnp.where(on, log_ratio, 0.0), sequence_index,
-                                 num_sequences) / tokens
-    per_seq, clipped = ppo_clip_loss(seq_log_ratio, advantages, clip_eps_low=clip_eps_low,
-                                     clip_eps_high=clip_eps_high, dual_clip=0.0)
+    seq_log_ratio = (
+        sequence_sum(jnp.where(on, log_ratio, 0.0), sequence_index, num_sequences) / tokens
+    )
+    per_seq, clipped = ppo_clip_loss(
+        seq_log_ratio,
+        advantages,
+        clip_eps_low=clip_eps_low,
+        clip_eps_high=clip_eps_high,
+        dual_clip=0.0,
+    )
     return jnp.broadcast_to(per_seq, log_ratio.shape), jnp.broadcast_to(clipped, log_ratio.shape)
 
 
-def cispo_loss(logprobs: jax.Array, log_ratio: jax.Array, advantages: jax.Array, *,
-               clip_eps_low: float, clip_eps_high: float) -> tuple[jax.Array, jax.Array]:
+def cispo_loss(
+    logprobs: jax.Array,
+    log_ratio: jax.Array,
+    advantages: jax.Array,
+    *,
+    clip_eps_low: float,
+    clip_eps_high: float,
+) -> tuple[jax.Array, jax.Array]:
     """CISPO (MiniMax-M1, MiniMax 2025, arXiv:2506.13585): REINFORCE with a clipped,
     stop-gradient importance weight, so that no token is dropped from the gradient
     (PPO's clip zeroes the gradient of clipped tokens)::
@@ -432,8 +476,14 @@ def grpo_policy_loss(
     if policy_loss == "ppo_clip":
         per_token, clipped = ppo_clip_loss(log_ratio, adv, dual_clip=dual_clip, **clip)
     elif policy_loss == "gspo":
-        per_token, clipped = gspo_loss(log_ratio, adv, loss_mask, sequence_index=sequence_index,
-                                       num_sequences=num_sequences, **clip)
+        per_token, clipped = gspo_loss(
+            log_ratio,
+            adv,
+            loss_mask,
+            sequence_index=sequence_index,
+            num_sequences=num_sequences,
+            **clip,
+        )
     else:
         per_token, clipped = cispo_loss(logprobs, log_ratio, adv, **clip)
     if importance_weights is not None:
@@ -442,17 +492,29 @@ def grpo_policy_loss(
 
     aux = {}
     if ref_logprobs is not None:
-        penalty = kl_penalty(logprobs, ref_logprobs, old_logprobs, loss_mask,
-                             estimator=kl_estimator, importance_weights=kl_importance_weights)
+        penalty = kl_penalty(
+            logprobs,
+            ref_logprobs,
+            old_logprobs,
+            loss_mask,
+            estimator=kl_estimator,
+            importance_weights=kl_importance_weights,
+        )
         per_token = per_token + kl_coef * penalty
         aux["kl_ref"] = masked_mean(
-            kl_estimate(logprobs, ref_logprobs, loss_mask, estimator=kl_estimator), on)
+            kl_estimate(logprobs, ref_logprobs, loss_mask, estimator=kl_estimator), on
+        )
     if entropy is not None:
         per_token = per_token - entropy_coef * entropy
 
     if normalizer is None:
-        normalizer = loss_normalizer(loss_mask, aggregation=aggregation, max_tokens=max_tokens,
-                                     sequence_index=sequence_index, num_sequences=num_sequences)
+        normalizer = loss_normalizer(
+            loss_mask,
+            aggregation=aggregation,
+            max_tokens=max_tokens,
+            sequence_index=sequence_index,
+            num_sequences=num_sequences,
+        )
     else:
         _check_choice("aggregation", aggregation, AGGREGATIONS)
     token_weights, denominator = normalizer
@@ -467,9 +529,15 @@ def grpo_policy_loss(
     return loss, jax.tree.map(jax.lax.stop_gradient, aux)
 
 
-def clipped_value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array,
-                       loss_mask: jax.Array, *, value_clip: float,
-                       normalizer: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+def clipped_value_loss(
+    values: jax.Array,
+    old_values: jax.Array,
+    returns: jax.Array,
+    loss_mask: jax.Array,
+    *,
+    value_clip: float,
+    normalizer: tuple[jax.Array, jax.Array],
+) -> tuple[jax.Array, jax.Array]:
     """PPO's clipped value loss (Schulman et al. 2017, arXiv:1707.06347; as in OpenAI
     baselines' ppo2): the new value may not move the loss's target fit by more than
     ``value_clip`` from the value the returns were computed with::
@@ -548,11 +616,15 @@ def truncated_importance_weights(
       ValueError: an unknown ``level`` or a ``cap`` below 1.
     """
     if level not in IMPORTANCE_SAMPLING_LEVELS:
-        raise ValueError(f"importance sampling level {level!r} is not one of "
-                         f"{', '.join(IMPORTANCE_SAMPLING_LEVELS)}.")
+        raise ValueError(
+            f"importance sampling level {level!r} is not one of "
+            f"{', '.join(IMPORTANCE_SAMPLING_LEVELS)}."
+        )
     if not cap >= 1.0:
-        raise ValueError(f"importance cap {cap!r} must be >= 1 (e.g. 2.0): a cap below 1 "
-                         "down-weights tokens that are exactly on-policy.")
+        raise ValueError(
+            f"importance cap {cap!r} must be >= 1 (e.g. 2.0): a cap below 1 "
+            "down-weights tokens that are exactly on-policy."
+        )
     on = loss_mask > 0
     log_ratio = jnp.where(on, prox_logprobs - behaviour_logprobs, 0.0)
     if level == "token_tis":
@@ -561,20 +633,23 @@ def truncated_importance_weights(
         total = sequence_sum(log_ratio, sequence_index, num_sequences)
         if level == "geometric_tis":
             total = total / jnp.maximum(
-                sequence_sum(on.astype(jnp.float32), sequence_index, num_sequences), 1)
+                sequence_sum(on.astype(jnp.float32), sequence_index, num_sequences), 1
+            )
         log_weight = jnp.broadcast_to(total, log_ratio.shape)
     log_cap = math.log(cap)
     weights = jnp.where(on, jnp.exp(jnp.minimum(log_weight, log_cap)), 0.0)
     aux = {
         "importance_weight_mean": masked_mean(weights, on),
         "importance_truncated_fraction": masked_mean(
-            (log_weight >= log_cap).astype(jnp.float32), on),
+            (log_weight >= log_cap).astype(jnp.float32), on
+        ),
     }
     return jax.lax.stop_gradient(weights), jax.tree.map(jax.lax.stop_gradient, aux)
 
 
-def logprob_mismatch(learner_logprobs: jax.Array, behaviour_logprobs: jax.Array,
-                     loss_mask: jax.Array) -> dict[str, jax.Array]:
+def logprob_mismatch(
+    learner_logprobs: jax.Array, behaviour_logprobs: jax.Array, loss_mask: jax.Array
+) -> dict[str, jax.Array]:
     """How far the engine's (behaviour) logprobs are from the learner's on the same tokens.
 
     Even with equal weights the two differ (other kernels, precision, batch shapes), and
@@ -595,11 +670,14 @@ def logprob_mismatch(learner_logprobs: jax.Array, behaviour_logprobs: jax.Array,
     """
     on = loss_mask > 0
     log_ratio = jnp.where(on, learner_logprobs - behaviour_logprobs, 0.0)
-    return jax.tree.map(jax.lax.stop_gradient, {
-        "mismatch_logprob_abs_mean": masked_mean(jnp.abs(log_ratio), on),
-        "mismatch_ratio_max": jnp.exp(jnp.max(jnp.where(on, log_ratio, -jnp.inf))),
-        "mismatch_kl": masked_mean(jnp.exp(log_ratio) - 1.0 - log_ratio, on),
-    })
+    return jax.tree.map(
+        jax.lax.stop_gradient,
+        {
+            "mismatch_logprob_abs_mean": masked_mean(jnp.abs(log_ratio), on),
+            "mismatch_ratio_max": jnp.exp(jnp.max(jnp.where(on, log_ratio, -jnp.inf))),
+            "mismatch_kl": masked_mean(jnp.exp(log_ratio) - 1.0 - log_ratio, on),
+        },
+    )
 
 
 def sft_loss(

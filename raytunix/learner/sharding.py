@@ -98,8 +98,9 @@ class MeshConfig:
     @classmethod
     def from_config(cls, cfg: Any) -> MeshConfig:
         """From a run config's ``learner.mesh_data``, ``mesh_fsdp``, ``mesh_tensor``."""
-        return cls(data=cfg.learner.mesh_data, fsdp=cfg.learner.mesh_fsdp,
-                   tensor=cfg.learner.mesh_tensor)
+        return cls(
+            data=cfg.learner.mesh_data, fsdp=cfg.learner.mesh_fsdp, tensor=cfg.learner.mesh_tensor
+        )
 
     def axis_sizes(self, num_devices: int) -> tuple[int, int, int]:
         """``(data, fsdp, tensor)`` with a -1 resolved for ``num_devices`` devices.
@@ -111,12 +112,16 @@ class MeshConfig:
         sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
         for name, size in sizes.items():
             if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
-                raise ValueError(f"learner.mesh_{name}={size!r} must be a positive number of "
-                                 "devices, or -1 for the devices the other axes leave.")
+                raise ValueError(
+                    f"learner.mesh_{name}={size!r} must be a positive number of "
+                    "devices, or -1 for the devices the other axes leave."
+                )
         rest = [name for name, size in sizes.items() if size == -1]
         if len(rest) > 1:
-            raise ValueError(f"learner.mesh_{rest[0]} and learner.mesh_{rest[1]} are both -1; "
-                             "at most one mesh axis takes the rest of the devices.")
+            raise ValueError(
+                f"learner.mesh_{rest[0]} and learner.mesh_{rest[1]} are both -1; "
+                "at most one mesh axis takes the rest of the devices."
+            )
         fixed = math.prod(size for size in sizes.values() if size != -1)
         if rest:
             if num_devices % fixed:
@@ -124,13 +129,15 @@ class MeshConfig:
                 raise ValueError(
                     f"{given} = {fixed} devices does not divide the {num_devices} devices of "
                     f"this run; set them to divisors of {num_devices} (learner.mesh_{rest[0]}"
-                    "=-1 takes the rest).")
+                    "=-1 takes the rest)."
+                )
             sizes[rest[0]] = num_devices // fixed
         elif fixed != num_devices:
             raise ValueError(
                 f"learner.mesh_data x mesh_fsdp x mesh_tensor = {self.data} x {self.fsdp} x "
                 f"{self.tensor} = {fixed} devices, but this run has {num_devices}; make the "
-                "product the device count, or set one of them to -1 (the rest).")
+                "product the device count, or set one of them to -1 (the rest)."
+            )
         return sizes["data"], sizes["fsdp"], sizes["tensor"]
 
     def build(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -143,8 +150,9 @@ class MeshConfig:
         """
         devices = list(jax.devices() if devices is None else devices)
         shape = self.axis_sizes(len(devices))
-        return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3,
-                             devices=devices)
+        return jax.make_mesh(
+            shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=devices
+        )
 
 
 def batch_shards(mesh: Mesh) -> int:
@@ -169,8 +177,9 @@ def path_name(path: tuple) -> str:
     return "/".join(parts)
 
 
-def partition_spec(name: str, shape: Sequence[int], mesh: Mesh,
-                   rules: Sequence[tuple[str, P]] = PARAM_RULES) -> P:
+def partition_spec(
+    name: str, shape: Sequence[int], mesh: Mesh, rules: Sequence[tuple[str, P]] = PARAM_RULES
+) -> P:
     """The ``PartitionSpec`` of the leaf at ``name`` (see ``path_name``) of ``shape`` on
     ``mesh``: the first rule whose regex ``re.search``-es ``name``; replicated when none
     does (logged at debug level for a leaf with dimensions).
@@ -186,8 +195,10 @@ def partition_spec(name: str, shape: Sequence[int], mesh: Mesh,
             logger.debug("No partition rule matches %s %s; replicated.", name, tuple(shape))
         return P()
     if len(spec) > len(shape):
-        raise ValueError(f"the partition rule {spec} for {name} has more dimensions than its "
-                         f"shape {tuple(shape)}; fix the rule.")
+        raise ValueError(
+            f"the partition rule {spec} for {name} has more dimensions than its "
+            f"shape {tuple(shape)}; fix the rule."
+        )
     for dim, axes in enumerate(spec):
         for axis in (axes,) if isinstance(axes, str) else (axes or ()):
             size = mesh.shape[axis]
@@ -197,12 +208,12 @@ def partition_spec(name: str, shape: Sequence[int], mesh: Mesh,
                     f"cannot shard {name} of shape {tuple(shape)}: dimension {dim} "
                     f"({shape[dim]}) is not divisible by mesh axis {axis!r} of size {size}; "
                     f"set learner.mesh_{axis} to a divisor of {shape[dim]} (one of "
-                    f"{divisors}...), or move those devices to another axis.")
+                    f"{divisors}...), or move those devices to another axis."
+                )
     return spec
 
 
-def tree_shardings(tree: Any, mesh: Mesh, rules: Sequence[tuple[str, P]] = PARAM_RULES
-                   ) -> Any:
+def tree_shardings(tree: Any, mesh: Mesh, rules: Sequence[tuple[str, P]] = PARAM_RULES) -> Any:
     """A pytree of ``NamedSharding`` like ``tree`` (arrays, tracers or
     ``jax.ShapeDtypeStruct``; any tree holding the params: an ``nnx.State``, a
     ``TrainState``), each leaf's by ``partition_spec``.
@@ -210,6 +221,7 @@ def tree_shardings(tree: Any, mesh: Mesh, rules: Sequence[tuple[str, P]] = PARAM
     Raises:
       ValueError: see ``partition_spec``.
     """
+
     def sharding(path, leaf):
         return NamedSharding(mesh, partition_spec(path_name(path), np.shape(leaf), mesh, rules))
 
@@ -280,7 +292,8 @@ def place_rows(array: Any, mesh: Mesh) -> jax.Array:
     if host.ndim == 0 or host.shape[0] % shards:
         raise ValueError(
             f"a batch of shape {host.shape} cannot be split over mesh data x fsdp = {shards} "
-            f"devices; pad its rows to a multiple of {shards} (Batch.pad_rows).")
+            f"devices; pad its rows to a multiple of {shards} (Batch.pad_rows)."
+        )
     return _place(host, row_sharding(mesh, host.ndim))
 
 
@@ -298,6 +311,7 @@ def place_batch(batch: Batch, mesh: Mesh) -> Batch:
 def gather_to_host(tree: Any) -> Any:
     """``tree`` as full numpy arrays on the host. With several processes this is a
     collective (``process_allgather``) that every process must call."""
+
     def gather(x):
         if isinstance(x, jax.Array) and not x.is_fully_addressable:
             from jax.experimental import multihost_utils

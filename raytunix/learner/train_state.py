@@ -165,53 +165,72 @@ class RLHyperparams:
         the sampling settings of ``rollout.*`` and the overlong limit."""
         names = {f.name for f in dataclasses.fields(cls)}
         learner = {k: v for k, v in dataclasses.asdict(cfg.learner).items() if k in names}
-        return cls(temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
-                   top_p=cfg.rollout.top_p,
-                   overlong_max_tokens=cfg.env.max_turns * cfg.rollout.max_new_tokens,
-                   mesh=MeshConfig.from_config(cfg), **learner)
+        return cls(
+            temperature=cfg.rollout.temperature,
+            top_k=cfg.rollout.top_k,
+            top_p=cfg.rollout.top_p,
+            overlong_max_tokens=cfg.env.max_turns * cfg.rollout.max_new_tokens,
+            mesh=MeshConfig.from_config(cfg),
+            **learner,
+        )
 
     def check(self, vocab_size: int | None = None) -> None:
         """Raises ValueError naming a setting outside its allowed values: among them
         sampling settings the learner cannot score finitely or that sample greedily
         (``check_sampling_settings``; ``vocab_size``, the model's, bounds ``top_p``)."""
         try:
-            check_sampling_settings(self.temperature, self.top_k, self.top_p,
-                                    allow_greedy=False, vocab_size=vocab_size)
+            check_sampling_settings(
+                self.temperature, self.top_k, self.top_p, allow_greedy=False, vocab_size=vocab_size
+            )
         except ValueError as e:
             raise ValueError(
                 f"{e} Pass the rollout's sampling settings (rollout.temperature, top_k, "
-                "top_p); greedy rollouts cannot be trained on.") from None
-        for name, allowed in (("advantage_estimator", ADVANTAGE_ESTIMATORS),
-                              ("policy_loss", POLICY_LOSSES),
-                              ("loss_aggregation", AGGREGATIONS),
-                              ("kl_estimator", KL_ESTIMATORS),
-                              ("off_policy_correction", OFF_POLICY_CORRECTIONS),
-                              ("importance_sampling", IMPORTANCE_SAMPLING_LEVELS),
-                              ("optimizer", OPTIMIZERS), ("lr_schedule", LR_SCHEDULES)):
+                "top_p); greedy rollouts cannot be trained on."
+            ) from None
+        for name, allowed in (
+            ("advantage_estimator", ADVANTAGE_ESTIMATORS),
+            ("policy_loss", POLICY_LOSSES),
+            ("loss_aggregation", AGGREGATIONS),
+            ("kl_estimator", KL_ESTIMATORS),
+            ("off_policy_correction", OFF_POLICY_CORRECTIONS),
+            ("importance_sampling", IMPORTANCE_SAMPLING_LEVELS),
+            ("optimizer", OPTIMIZERS),
+            ("lr_schedule", LR_SCHEDULES),
+        ):
             if getattr(self, name) not in allowed:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not supported; use one "
-                                 f"of {', '.join(allowed)}.")
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} is not supported; use one "
+                    f"of {', '.join(allowed)}."
+                )
         if not self.importance_cap >= 1.0:
             raise ValueError(
                 f"importance_cap={self.importance_cap!r} must be >= 1 (e.g. 2.0); a cap below 1 "
-                "down-weights tokens that are exactly on-policy.")
+                "down-weights tokens that are exactly on-policy."
+            )
         if self.dual_clip and not self.dual_clip > 1.0:
             raise ValueError(f"dual_clip={self.dual_clip!r} must be > 1 (e.g. 3.0), or 0 for none.")
         if not (0.0 <= self.gae_gamma <= 1.0 and 0.0 <= self.gae_lambda <= 1.0):
-            raise ValueError(f"gae_gamma={self.gae_gamma!r} and gae_lambda={self.gae_lambda!r} "
-                             "must be in [0, 1].")
+            raise ValueError(
+                f"gae_gamma={self.gae_gamma!r} and gae_lambda={self.gae_lambda!r} "
+                "must be in [0, 1]."
+            )
         if not (self.value_coef > 0 and self.value_clip > 0):
-            raise ValueError(f"value_coef={self.value_coef!r} and value_clip={self.value_clip!r} "
-                             "must be > 0.")
+            raise ValueError(
+                f"value_coef={self.value_coef!r} and value_clip={self.value_clip!r} must be > 0."
+            )
         if self.num_iterations < 1 or self.micro_batch_size < 0:
-            raise ValueError(f"num_iterations={self.num_iterations!r} must be >= 1 and "
-                             f"micro_batch_size={self.micro_batch_size!r} >= 0 (0: whole batch).")
+            raise ValueError(
+                f"num_iterations={self.num_iterations!r} must be >= 1 and "
+                f"micro_batch_size={self.micro_batch_size!r} >= 0 (0: whole batch)."
+            )
         if self.overlong_buffer_tokens and not (
-                0 < self.overlong_buffer_tokens <= self.overlong_max_tokens):
+            0 < self.overlong_buffer_tokens <= self.overlong_max_tokens
+        ):
             raise ValueError(
                 f"overlong_buffer_tokens={self.overlong_buffer_tokens!r} must be in (0, "
                 f"overlong_max_tokens={self.overlong_max_tokens!r}], the most tokens an episode "
-                "can generate, or 0 for no overlong penalty.")
+                "can generate, or 0 for no overlong penalty."
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -228,17 +247,23 @@ class SFTHyperparams:
 
     @classmethod
     def from_config(cls, cfg: Config) -> SFTHyperparams:
-        return cls(learning_rate=cfg.warmup.learning_rate, warmup_steps=cfg.warmup.warmup_steps,
-                   max_grad_norm=cfg.learner.max_grad_norm, mesh=MeshConfig.from_config(cfg))
+        return cls(
+            learning_rate=cfg.warmup.learning_rate,
+            warmup_steps=cfg.warmup.warmup_steps,
+            max_grad_norm=cfg.learner.max_grad_norm,
+            mesh=MeshConfig.from_config(cfg),
+        )
 
     def optimizer(self) -> optax.GradientTransformation:
         """AdamW at ``learning_rate`` after ``warmup_steps`` of linear warmup."""
-        return make_optimizer(self.learning_rate, warmup_steps=self.warmup_steps,
-                              max_grad_norm=self.max_grad_norm)
+        return make_optimizer(
+            self.learning_rate, warmup_steps=self.warmup_steps, max_grad_norm=self.max_grad_norm
+        )
 
 
-def lr_schedule(learning_rate: float, *, schedule: str, warmup_steps: int,
-                total_steps: int) -> float | optax.Schedule:
+def lr_schedule(
+    learning_rate: float, *, schedule: str, warmup_steps: int, total_steps: int
+) -> float | optax.Schedule:
     """The learning rate at each optimizer step: a linear warmup over ``warmup_steps``
     (step 0 uses ``learning_rate / warmup_steps``), then ``constant``, or a ``linear`` or
     ``cosine`` (Loshchilov & Hutter 2017, SGDR) decay to 0 at ``total_steps``.
@@ -248,8 +273,9 @@ def lr_schedule(learning_rate: float, *, schedule: str, warmup_steps: int,
         schedule whose ``total_steps`` does not exceed ``warmup_steps``.
     """
     if schedule not in LR_SCHEDULES:
-        raise ValueError(f"lr_schedule={schedule!r} is not supported; use one of "
-                         f"{', '.join(LR_SCHEDULES)}.")
+        raise ValueError(
+            f"lr_schedule={schedule!r} is not supported; use one of {', '.join(LR_SCHEDULES)}."
+        )
     if warmup_steps < 0:
         raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps!r}.")
 
@@ -260,8 +286,10 @@ def lr_schedule(learning_rate: float, *, schedule: str, warmup_steps: int,
         # A plain number keeps the optimizer state free of a schedule counter.
         return warmup if warmup_steps > 0 else learning_rate
     if total_steps <= warmup_steps:
-        raise ValueError(f"a {schedule} learning-rate decay needs more optimizer steps "
-                         f"({total_steps}) than warmup steps ({warmup_steps}).")
+        raise ValueError(
+            f"a {schedule} learning-rate decay needs more optimizer steps "
+            f"({total_steps}) than warmup steps ({warmup_steps})."
+        )
     decay_steps = total_steps - warmup_steps
     if schedule == "linear":
         decay = optax.linear_schedule(learning_rate, 0.0, decay_steps)
@@ -305,16 +333,25 @@ def make_optimizer(
     if not learning_rate > 0:
         raise ValueError(f"learning_rate must be > 0, got {learning_rate!r}.")
     if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer={optimizer!r} is not supported; use one of "
-                         f"{', '.join(OPTIMIZERS)}.")
+        raise ValueError(
+            f"optimizer={optimizer!r} is not supported; use one of {', '.join(OPTIMIZERS)}."
+        )
     if weight_decay and optimizer != "adamw":
-        raise ValueError(f"weight_decay={weight_decay!r} is applied by adamw only; use "
-                         f"optimizer adamw or weight_decay 0 with {optimizer}.")
-    rate = lr_schedule(learning_rate, schedule=schedule, warmup_steps=warmup_steps,
-                       total_steps=total_steps)
+        raise ValueError(
+            f"weight_decay={weight_decay!r} is applied by adamw only; use "
+            f"optimizer adamw or weight_decay 0 with {optimizer}."
+        )
+    rate = lr_schedule(
+        learning_rate, schedule=schedule, warmup_steps=warmup_steps, total_steps=total_steps
+    )
     if optimizer == "adamw":
-        inner = optax.adamw(rate, b1=b1, b2=b2, weight_decay=weight_decay,
-                            mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params))
+        inner = optax.adamw(
+            rate,
+            b1=b1,
+            b2=b2,
+            weight_decay=weight_decay,
+            mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
+        )
     elif optimizer == "adam":
         inner = optax.adam(rate, b1=b1, b2=b2)
     else:
@@ -327,10 +364,15 @@ def make_optimizer(
 def make_optimizer_from(hp: RLHyperparams) -> optax.GradientTransformation:
     """The RL optimizer ``hp`` names; a decaying schedule reaches 0 after the run's
     ``rl_steps * num_iterations`` optimizer steps."""
-    return make_optimizer(hp.learning_rate, optimizer=hp.optimizer, schedule=hp.lr_schedule,
-                          warmup_steps=hp.lr_warmup_steps,
-                          total_steps=hp.rl_steps * hp.num_iterations,
-                          weight_decay=hp.weight_decay, max_grad_norm=hp.max_grad_norm)
+    return make_optimizer(
+        hp.learning_rate,
+        optimizer=hp.optimizer,
+        schedule=hp.lr_schedule,
+        warmup_steps=hp.lr_warmup_steps,
+        total_steps=hp.rl_steps * hp.num_iterations,
+        weight_decay=hp.weight_decay,
+        max_grad_norm=hp.max_grad_norm,
+    )
 
 
 def create_train_state(
@@ -363,8 +405,9 @@ def init_value_head(d_model: int) -> dict[str, jax.Array]:
     return {"kernel": jnp.zeros((d_model, 1), jnp.float32), "bias": jnp.zeros((1,), jnp.float32)}
 
 
-def add_value_head(state: TrainState, optimizer: optax.GradientTransformation,
-                   d_model: int) -> TrainState:
+def add_value_head(
+    state: TrainState, optimizer: optax.GradientTransformation, d_model: int
+) -> TrainState:
     """``state`` with a fresh value head (``init_value_head``) and its optimizer state,
     what ``make_policy_update`` needs for ``advantage_estimator="gae"``; ``d_model`` is the
     model's width (``ModelConfig.d_model``)."""
@@ -377,10 +420,15 @@ def value_estimates(value_head: dict[str, jax.Array], hidden: jax.Array) -> jax.
     return (hidden.astype(jnp.float32) @ value_head["kernel"])[..., 0] + value_head["bias"][0]
 
 
-def _next_token_logits(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array,
-                       positions: jax.Array | None = None,
-                       segment_ids: jax.Array | None = None, *, with_hidden: bool = False
-                       ) -> jax.Array | tuple[jax.Array, jax.Array]:
+def _next_token_logits(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    tokens: jax.Array,
+    positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    *,
+    with_hidden: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Logits at positions 0..T-2 of ``tokens`` int32[B, T]: float32[B, T-1, V], where
     entry t predicts ``tokens[:, t + 1]``. Packed rows pass their ``positions`` and
     ``segment_ids`` int32[B, T] (``PackedBatch``); then entry t at a segment's last
@@ -398,11 +446,18 @@ def _next_token_logits(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Ar
     return logits.astype(jnp.float32)
 
 
-def _scored_tokens(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, *,
-                   temperature: float, top_k: int, top_p: float,
-                   positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
-                   value_head: dict[str, jax.Array] | None = None
-                   ) -> tuple[jax.Array, jax.Array] | tuple[jax.Array, jax.Array, jax.Array]:
+def _scored_tokens(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    tokens: jax.Array,
+    *,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    value_head: dict[str, jax.Array] | None = None,
+) -> tuple[jax.Array, jax.Array] | tuple[jax.Array, jax.Array, jax.Array]:
     """How the learner scores sampled tokens, shared by the policy update and
     ``logprobs_fn``: ``(logprobs float32[B, T-1], logits float32[B, T-1, V])``, entry t
     of the logprobs scoring ``tokens[:, t + 1]`` under the sampling distribution
@@ -413,10 +468,12 @@ def _scored_tokens(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array,
     if value_head is None:
         logits = _next_token_logits(graphdef, params, tokens, positions, segment_ids)
     else:
-        logits, hidden = _next_token_logits(graphdef, params, tokens, positions, segment_ids,
-                                            with_hidden=True)
-    logprobs = token_logprobs(logits, tokens[:, 1:], temperature=temperature, top_k=top_k,
-                              top_p=top_p)
+        logits, hidden = _next_token_logits(
+            graphdef, params, tokens, positions, segment_ids, with_hidden=True
+        )
+    logprobs = token_logprobs(
+        logits, tokens[:, 1:], temperature=temperature, top_k=top_k, top_p=top_p
+    )
     if value_head is None:
         return logprobs, logits
     return logprobs, logits, value_estimates(value_head, hidden)
@@ -424,8 +481,11 @@ def _scored_tokens(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array,
 
 def _all_finite(tree) -> jax.Array:
     """bool scalar: every float leaf of ``tree`` is finite (integer leaves always are)."""
-    checks = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
-              if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+    checks = [
+        jnp.all(jnp.isfinite(x))
+        for x in jax.tree.leaves(tree)
+        if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+    ]
     return jnp.all(jnp.stack(checks)) if checks else jnp.asarray(True)
 
 
@@ -447,8 +507,9 @@ def _apply_gradients(
 # loss -> gradients summed over micro-batches -> optimizer apply -> non-finite guard.
 
 
-def shaped_rewards(batch: Batch | PackedBatch, hp: RLHyperparams,
-                   num_rows: jax.Array) -> tuple[jax.Array, Metrics]:
+def shaped_rewards(
+    batch: Batch | PackedBatch, hp: RLHyperparams, num_rows: jax.Array
+) -> tuple[jax.Array, Metrics]:
     """The rewards the advantages see: ``batch.rewards`` float32[N], plus DAPO's overlong
     penalty (Yu et al. 2025, arXiv:2503.14476; ``overlong_penalty``) when
     ``hp.overlong_buffer_tokens > 0``, over each trajectory's generated tokens (those
@@ -461,11 +522,18 @@ def shaped_rewards(batch: Batch | PackedBatch, hp: RLHyperparams,
         return batch.rewards, {}
     size = batch.rewards.shape[0]
     sampled = batch.policy_versions >= 0
-    lengths = (jax.ops.segment_sum(sampled.reshape(-1).astype(jnp.int32),
-                                   batch.trajectory_index.reshape(-1), num_segments=size)
-               if isinstance(batch, PackedBatch) else jnp.sum(sampled, axis=-1))
-    penalty = overlong_penalty(lengths, max_tokens=hp.overlong_max_tokens,
-                               buffer_tokens=hp.overlong_buffer_tokens)
+    lengths = (
+        jax.ops.segment_sum(
+            sampled.reshape(-1).astype(jnp.int32),
+            batch.trajectory_index.reshape(-1),
+            num_segments=size,
+        )
+        if isinstance(batch, PackedBatch)
+        else jnp.sum(sampled, axis=-1)
+    )
+    penalty = overlong_penalty(
+        lengths, max_tokens=hp.overlong_max_tokens, buffer_tokens=hp.overlong_buffer_tokens
+    )
     real = (jnp.arange(size) < num_rows).astype(jnp.float32)
     return batch.rewards + penalty, {"overlong_penalty_mean": jnp.sum(penalty * real) / num_rows}
 
@@ -477,9 +545,9 @@ def split_micro_batches(tree: Any, rows: int) -> Any:
     return jax.tree.map(lambda x: x.reshape((x.shape[0] // rows, rows) + x.shape[1:]), tree)
 
 
-def episode_advantage_targets(batch: Batch | PackedBatch, rewards: jax.Array,
-                              hp: RLHyperparams, num_rows: jax.Array
-                              ) -> tuple[dict[str, jax.Array], Metrics]:
+def episode_advantage_targets(
+    batch: Batch | PackedBatch, rewards: jax.Array, hp: RLHyperparams, num_rows: jax.Array
+) -> tuple[dict[str, jax.Array], Metrics]:
     """Per-episode advantages by ``hp.advantage_estimator`` (``episode_advantages``:
     ``grpo``, ``rloo``, ``reinforce_pp``; each cites its source there) over the whole
     batch, failed members (``valid`` 0) left out of group statistics.
@@ -489,25 +557,37 @@ def episode_advantage_targets(batch: Batch | PackedBatch, rewards: jax.Array,
     ``advantage_abs_mean`` over the ``num_rows`` real trajectories."""
     size = batch.rewards.shape[0]
     advantages = episode_advantages(
-        hp.advantage_estimator, rewards, batch.group_ids, size, valid=batch.valid,
-        normalize_advantages_by_std=hp.normalize_advantages_by_std)
+        hp.advantage_estimator,
+        rewards,
+        batch.group_ids,
+        size,
+        valid=batch.valid,
+        normalize_advantages_by_std=hp.normalize_advantages_by_std,
+    )
     real = (jnp.arange(size) < num_rows).astype(jnp.float32)
-    per_token = (advantages[batch.trajectory_index[:, 1:]] if isinstance(batch, PackedBatch)
-                 else advantages)
+    per_token = (
+        advantages[batch.trajectory_index[:, 1:]] if isinstance(batch, PackedBatch) else advantages
+    )
     return {"advantages": per_token}, {
-        "advantage_abs_mean": jnp.sum(jnp.abs(advantages) * real) / num_rows}
+        "advantage_abs_mean": jnp.sum(jnp.abs(advantages) * real) / num_rows
+    }
 
 
-def start_values(graphdef: nnx.GraphDef, params: nnx.State, value_head: dict[str, jax.Array],
-                 inputs: dict[str, jax.Array], rows: int) -> jax.Array:
+def start_values(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    value_head: dict[str, jax.Array],
+    inputs: dict[str, jax.Array],
+    rows: int,
+) -> jax.Array:
     """The value head's estimates at the batch's start, float32[R, T-1] (entry t the value
     of the state that generates ``tokens[:, t + 1]``), without gradient: one forward pass
     per micro-batch of ``rows`` rows. ``inputs``: ``tokens`` int32[R, T], and for packed
     rows ``positions`` and ``segment_ids``."""
+
     def values(mb):
         packing = {k: mb[k] for k in ("positions", "segment_ids") if k in mb}
-        _, hidden = _next_token_logits(graphdef, params, mb["tokens"], **packing,
-                                       with_hidden=True)
+        _, hidden = _next_token_logits(graphdef, params, mb["tokens"], **packing, with_hidden=True)
         return value_estimates(value_head, hidden)
 
     tokens = inputs["tokens"]
@@ -515,8 +595,9 @@ def start_values(graphdef: nnx.GraphDef, params: nnx.State, value_head: dict[str
     return old.reshape((tokens.shape[0], tokens.shape[1] - 1))
 
 
-def gae_targets(batch: Batch | PackedBatch, rewards: jax.Array, old_values: jax.Array,
-                hp: RLHyperparams) -> tuple[dict[str, jax.Array], Metrics]:
+def gae_targets(
+    batch: Batch | PackedBatch, rewards: jax.Array, old_values: jax.Array, hp: RLHyperparams
+) -> tuple[dict[str, jax.Array], Metrics]:
     """PPO's targets by GAE (Schulman et al. 2016, arXiv:1506.02438; ``gae_advantages``,
     ``hp.gae_gamma`` / ``gae_lambda``): each episode's reward on its last generated token
     (``last_token_rewards``), chains per segment in packed rows, over the generated tokens
@@ -531,22 +612,40 @@ def gae_targets(batch: Batch | PackedBatch, rewards: jax.Array, old_values: jax.
     valid = (batch.valid > 0).astype(jnp.float32)
     value_mask = generated * (valid[index] if packed else valid[:, None])
     advantages, returns = gae_advantages(
-        last_token_rewards(rewards, value_mask, index), old_values, value_mask,
-        gamma=hp.gae_gamma, lam=hp.gae_lambda,
-        segment_ids=batch.segment_ids[:, 1:] if packed else None)
+        last_token_rewards(rewards, value_mask, index),
+        old_values,
+        value_mask,
+        gamma=hp.gae_gamma,
+        lam=hp.gae_lambda,
+        segment_ids=batch.segment_ids[:, 1:] if packed else None,
+    )
     if hp.gae_normalize:
         advantages = whiten(advantages, value_mask)
     on = value_mask > 0
     tokens = jnp.maximum(jnp.sum(on), 1)
-    return ({"advantages": advantages, "old_values": old_values, "returns": returns,
-             "value_mask": value_mask},
-            {"return_mean": jnp.sum(jnp.where(on, returns, 0.0)) / tokens,
-             "advantage_abs_mean": jnp.sum(jnp.abs(advantages) * on) / tokens})
+    return (
+        {
+            "advantages": advantages,
+            "old_values": old_values,
+            "returns": returns,
+            "value_mask": value_mask,
+        },
+        {
+            "return_mean": jnp.sum(jnp.where(on, returns, 0.0)) / tokens,
+            "advantage_abs_mean": jnp.sum(jnp.abs(advantages) * on) / tokens,
+        },
+    )
 
 
-def micro_batches(graphdef: nnx.GraphDef, state: TrainState, batch: Batch | PackedBatch,
-                  hp: RLHyperparams, num_rows: jax.Array, *, max_seq_len: int
-                  ) -> tuple[dict[str, jax.Array], jax.Array, Metrics]:
+def micro_batches(
+    graphdef: nnx.GraphDef,
+    state: TrainState,
+    batch: Batch | PackedBatch,
+    hp: RLHyperparams,
+    num_rows: jax.Array,
+    *,
+    max_seq_len: int,
+) -> tuple[dict[str, jax.Array], jax.Array, Metrics]:
     """Everything the loss reads, split into micro-batches of ``hp.micro_batch_size`` rows
     (0: one micro-batch): ``tokens``, ``generated`` (the loss mask past position 0),
     ``old`` (behaviour logprobs), ``weights`` and the ``denominator`` of the whole batch's
@@ -558,14 +657,22 @@ def micro_batches(graphdef: nnx.GraphDef, state: TrainState, batch: Batch | Pack
     packed = isinstance(batch, PackedBatch)
     generated = batch.loss_mask[:, 1:]
     # Packed rows: sequence-level sums go by trajectory (segment sums), not by row.
-    seqs = ({"sequence_index": batch.trajectory_index[:, 1:],
-             "num_sequences": batch.rewards.shape[0]} if packed else {})
+    seqs = (
+        {"sequence_index": batch.trajectory_index[:, 1:], "num_sequences": batch.rewards.shape[0]}
+        if packed
+        else {}
+    )
     rewards, extra = shaped_rewards(batch, hp, num_rows)
-    weights, denominator = loss_normalizer(generated, aggregation=hp.loss_aggregation,
-                                           max_tokens=max_seq_len, **seqs)
+    weights, denominator = loss_normalizer(
+        generated, aggregation=hp.loss_aggregation, max_tokens=max_seq_len, **seqs
+    )
     rows = hp.micro_batch_size or batch.tokens.shape[0]
-    mbs = {"tokens": batch.tokens, "generated": generated, "old": batch.logprobs[:, 1:],
-           "weights": weights}
+    mbs = {
+        "tokens": batch.tokens,
+        "generated": generated,
+        "old": batch.logprobs[:, 1:],
+        "weights": weights,
+    }
     if packed:
         mbs.update(positions=batch.positions, segment_ids=batch.segment_ids)
     if hp.advantage_estimator == "gae":
@@ -584,14 +691,24 @@ def packed_sequence_index(segment_ids: jax.Array) -> dict[str, Any]:
     sums, each (row, segment) one trajectory. The stride exceeds the most segments a row
     can hold, so indices never collide."""
     stride = segment_ids.shape[1] + 2
-    return {"sequence_index": jnp.arange(segment_ids.shape[0])[:, None] * stride + segment_ids,
-            "num_sequences": segment_ids.shape[0] * stride}
+    return {
+        "sequence_index": jnp.arange(segment_ids.shape[0])[:, None] * stride + segment_ids,
+        "num_sequences": segment_ids.shape[0] * stride,
+    }
 
 
-def policy_loss_terms(logprobs: jax.Array, logits: jax.Array, ref: jax.Array | None,
-                      mb: dict[str, jax.Array], denominator: jax.Array,
-                      anchor: tuple[jax.Array, jax.Array] | None, hp: RLHyperparams, *,
-                      max_seq_len: int, seqs: dict[str, Any]) -> tuple[jax.Array, dict, Any]:
+def policy_loss_terms(
+    logprobs: jax.Array,
+    logits: jax.Array,
+    ref: jax.Array | None,
+    mb: dict[str, jax.Array],
+    denominator: jax.Array,
+    anchor: tuple[jax.Array, jax.Array] | None,
+    hp: RLHyperparams,
+    *,
+    max_seq_len: int,
+    seqs: dict[str, Any],
+) -> tuple[jax.Array, dict, Any]:
     """The policy loss of one micro-batch ``mb`` (``grpo_policy_loss``: ``hp.policy_loss``
     ppo_clip / GSPO / CISPO, clip, KL to ``ref``, entropy bonus), normalised by the whole
     batch's ``(mb["weights"], denominator)``, and token *sums* of its statistics.
@@ -617,34 +734,61 @@ def policy_loss_terms(logprobs: jax.Array, logits: jax.Array, ref: jax.Array | N
     weight_aux: dict[str, jax.Array] = {}
     if decoupled:
         weights, weight_aux = truncated_importance_weights(
-            prox, mb["old"], mask, level=hp.importance_sampling, cap=hp.importance_cap, **seqs)
+            prox, mb["old"], mask, level=hp.importance_sampling, cap=hp.importance_cap, **seqs
+        )
         if ref is not None:
-            kl_weights = weights if hp.importance_sampling == "token_tis" else (
-                truncated_importance_weights(prox, mb["old"], mask, level="token_tis",
-                                             cap=hp.importance_cap)[0])
+            kl_weights = (
+                weights
+                if hp.importance_sampling == "token_tis"
+                else (
+                    truncated_importance_weights(
+                        prox, mb["old"], mask, level="token_tis", cap=hp.importance_cap
+                    )[0]
+                )
+            )
     sampling = {"temperature": hp.temperature, "top_k": hp.top_k, "top_p": hp.top_p}
-    entropy = token_entropy(logits if hp.entropy_coef > 0 else
-                            jax.lax.stop_gradient(logits), **sampling)
+    entropy = token_entropy(
+        logits if hp.entropy_coef > 0 else jax.lax.stop_gradient(logits), **sampling
+    )
     loss, aux = grpo_policy_loss(
-        logprobs, prox if decoupled else mb["old"], mb["advantages"], mask,
-        policy_loss=hp.policy_loss, clip_eps_low=hp.clip_eps_low,
-        clip_eps_high=hp.clip_eps_high, dual_clip=hp.dual_clip,
-        aggregation=hp.loss_aggregation, max_tokens=max_seq_len,
-        ref_logprobs=ref, kl_coef=hp.kl_coef, kl_estimator=hp.kl_estimator,
-        importance_weights=weights, kl_importance_weights=kl_weights,
-        entropy=entropy if hp.entropy_coef > 0 else None, entropy_coef=hp.entropy_coef,
-        normalizer=(mb["weights"], denominator), **seqs)
-    aux.update(weight_aux, **logprob_mismatch(prox, mb["old"], mask),
-               entropy=masked_mean(jax.lax.stop_gradient(entropy), mask))
+        logprobs,
+        prox if decoupled else mb["old"],
+        mb["advantages"],
+        mask,
+        policy_loss=hp.policy_loss,
+        clip_eps_low=hp.clip_eps_low,
+        clip_eps_high=hp.clip_eps_high,
+        dual_clip=hp.dual_clip,
+        aggregation=hp.loss_aggregation,
+        max_tokens=max_seq_len,
+        ref_logprobs=ref,
+        kl_coef=hp.kl_coef,
+        kl_estimator=hp.kl_estimator,
+        importance_weights=weights,
+        kl_importance_weights=kl_weights,
+        entropy=entropy if hp.entropy_coef > 0 else None,
+        entropy_coef=hp.entropy_coef,
+        normalizer=(mb["weights"], denominator),
+        **seqs,
+    )
+    aux.update(
+        weight_aux,
+        **logprob_mismatch(prox, mb["old"], mask),
+        entropy=masked_mean(jax.lax.stop_gradient(entropy), mask),
+    )
     tokens = aux.pop("num_tokens")
     sums = {k: v if k == "mismatch_ratio_max" else v * tokens for k, v in aux.items()}
-    sums.update(num_tokens=tokens, generated=jnp.sum(mb["generated"] > 0),
-                out_of_support=jnp.sum((mb["generated"] > 0) & out_of_support))
+    sums.update(
+        num_tokens=tokens,
+        generated=jnp.sum(mb["generated"] > 0),
+        out_of_support=jnp.sum((mb["generated"] > 0) & out_of_support),
+    )
     return loss, sums, (prox, support)
 
 
-def value_loss_terms(values: jax.Array, mb: dict[str, jax.Array], denominator: jax.Array,
-                     hp: RLHyperparams) -> tuple[jax.Array, dict[str, jax.Array]]:
+def value_loss_terms(
+    values: jax.Array, mb: dict[str, jax.Array], denominator: jax.Array, hp: RLHyperparams
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """PPO's clipped value loss of one micro-batch (``clipped_value_loss``, Schulman et al.
     2017, arXiv:1707.06347, as in openai/baselines; ``hp.value_clip``), aggregated like the
     policy loss over ``mb["value_mask"]``. ``values`` float32[B, T-1] are the value head's
@@ -653,20 +797,33 @@ def value_loss_terms(values: jax.Array, mb: dict[str, jax.Array], denominator: j
     Returns ``(value_loss, sums)``, sums of ``value_loss``, ``value_clip_fraction``,
     ``value_mean`` and ``value_tokens`` over the micro-batch's trained tokens."""
     value_loss, clipped = clipped_value_loss(
-        values, mb["old_values"], mb["returns"], mb["value_mask"],
-        value_clip=hp.value_clip, normalizer=(mb["weights"], denominator))
+        values,
+        mb["old_values"],
+        mb["returns"],
+        mb["value_mask"],
+        value_clip=hp.value_clip,
+        normalizer=(mb["weights"], denominator),
+    )
     on = mb["value_mask"] > 0
     return value_loss, {
         "value_loss": value_loss,
         "value_clip_fraction": jnp.sum(clipped).astype(jnp.float32),
         "value_mean": jnp.sum(jnp.where(on, jax.lax.stop_gradient(values), 0.0)),
-        "value_tokens": jnp.sum(on).astype(jnp.float32)}
+        "value_tokens": jnp.sum(on).astype(jnp.float32),
+    }
 
 
-def micro_batch_loss(trainable: tuple[nnx.State, Any], ref_params: nnx.State | None,
-                     mb: dict[str, jax.Array], denominator: jax.Array,
-                     anchor: tuple[jax.Array, jax.Array] | None, *, graphdef: nnx.GraphDef,
-                     hp: RLHyperparams, max_seq_len: int) -> tuple[jax.Array, tuple]:
+def micro_batch_loss(
+    trainable: tuple[nnx.State, Any],
+    ref_params: nnx.State | None,
+    mb: dict[str, jax.Array],
+    denominator: jax.Array,
+    anchor: tuple[jax.Array, jax.Array] | None,
+    *,
+    graphdef: nnx.GraphDef,
+    hp: RLHyperparams,
+    max_seq_len: int,
+) -> tuple[jax.Array, tuple]:
     """The loss of one micro-batch (one row-slice of ``micro_batches``): one forward pass
     of the policy (and of the value head on its hidden state when ``trainable`` is
     ``(params, value_head)`` with a head), one of the reference when ``ref_params`` are
@@ -676,14 +833,16 @@ def micro_batch_loss(trainable: tuple[nnx.State, Any], ref_params: nnx.State | N
     packing = {k: mb[k] for k in ("positions", "segment_ids") if k in mb}
     seqs = packed_sequence_index(mb["segment_ids"][:, 1:]) if packing else {}
     sampling = {"temperature": hp.temperature, "top_k": hp.top_k, "top_p": hp.top_p}
-    scored = _scored_tokens(graphdef, params, mb["tokens"], **sampling, **packing,
-                            value_head=value_head)
+    scored = _scored_tokens(
+        graphdef, params, mb["tokens"], **sampling, **packing, value_head=value_head
+    )
     ref = None
     if ref_params is not None:
         ref = _scored_tokens(graphdef, ref_params, mb["tokens"], **sampling, **packing)[0]
         ref = jax.lax.stop_gradient(jnp.maximum(ref, REF_LOGPROB_FLOOR))
-    loss, sums, anchors = policy_loss_terms(scored[0], scored[1], ref, mb, denominator,
-                                            anchor, hp, max_seq_len=max_seq_len, seqs=seqs)
+    loss, sums, anchors = policy_loss_terms(
+        scored[0], scored[1], ref, mb, denominator, anchor, hp, max_seq_len=max_seq_len, seqs=seqs
+    )
     if value_head is not None:
         value_loss, value_sums = value_loss_terms(scored[-1], mb, denominator, hp)  # with a head
         loss = loss + hp.value_coef * value_loss
@@ -692,9 +851,14 @@ def micro_batch_loss(trainable: tuple[nnx.State, Any], ref_params: nnx.State | N
     return loss, (sums, *anchors)
 
 
-def accumulate_gradients(grad_fn: Callable, trainable: Any, ref_params: nnx.State | None,
-                         mbs: dict[str, jax.Array], denominator: jax.Array,
-                         anchors: Any) -> tuple[Any, dict[str, jax.Array], jax.Array, jax.Array]:
+def accumulate_gradients(
+    grad_fn: Callable,
+    trainable: Any,
+    ref_params: nnx.State | None,
+    mbs: dict[str, jax.Array],
+    denominator: jax.Array,
+    anchors: Any,
+) -> tuple[Any, dict[str, jax.Array], jax.Array, jax.Array]:
     """Gradients and statistic sums over the micro-batches (the leading axis ``M`` of every
     leaf of ``mbs``): ``grad_fn(trainable, ref_params, mb, denominator, anchor)`` is
     ``jax.grad(micro_batch_loss, has_aux=True)``; each micro-batch is normalised by the
@@ -706,16 +870,19 @@ def accumulate_gradients(grad_fn: Callable, trainable: Any, ref_params: nnx.Stat
     first = jax.tree.map(lambda x: x[0], mbs)
     first_anchor = None if anchors is None else jax.tree.map(lambda x: x[0], anchors)
     if jax.tree.leaves(mbs)[0].shape[0] == 1:
-        grads, (sums, prox, support) = grad_fn(trainable, ref_params, first, denominator,
-                                               first_anchor)
+        grads, (sums, prox, support) = grad_fn(
+            trainable, ref_params, first, denominator, first_anchor
+        )
         return grads, sums, prox[None], support[None]
 
     def accumulate(carry, xs):
         grads, sums = carry
         mb, anchor = xs
         g, (s, prox, support) = grad_fn(trainable, ref_params, mb, denominator, anchor)
-        sums = {k: jnp.maximum(sums[k], v) if k == "mismatch_ratio_max" else sums[k] + v
-                for k, v in s.items()}
+        sums = {
+            k: jnp.maximum(sums[k], v) if k == "mismatch_ratio_max" else sums[k] + v
+            for k, v in s.items()
+        }
         return (jax.tree.map(jnp.add, grads, g), sums), (prox, support)
 
     shapes = jax.eval_shape(grad_fn, trainable, ref_params, first, denominator, first_anchor)
@@ -724,8 +891,17 @@ def accumulate_gradients(grad_fn: Callable, trainable: Any, ref_params: nnx.Stat
     return grads, sums, prox, support
 
 
-_SUMMED = ("loss", "num_tokens", "generated", "out_of_support", "mismatch_ratio_max",
-           "value_loss", "value_clip_fraction", "value_mean", "value_tokens")
+_SUMMED = (
+    "loss",
+    "num_tokens",
+    "generated",
+    "out_of_support",
+    "mismatch_ratio_max",
+    "value_loss",
+    "value_clip_fraction",
+    "value_mean",
+    "value_tokens",
+)
 
 
 def step_metrics(sums: dict[str, jax.Array], grads: Any, value_grads: Any) -> Metrics:
@@ -737,21 +913,26 @@ def step_metrics(sums: dict[str, jax.Array], grads: Any, value_grads: Any) -> Me
     tokens = jnp.maximum(sums["num_tokens"], 1.0)
     metrics = {k: v / tokens for k, v in sums.items() if k not in _SUMMED}
     metrics.update(
-        loss=sums["loss"], num_tokens=sums["num_tokens"],
-        mismatch_ratio_max=sums["mismatch_ratio_max"], grad_norm=optax.tree.norm(grads),
-        out_of_support_fraction=sums["out_of_support"] / jnp.maximum(sums["generated"], 1))
+        loss=sums["loss"],
+        num_tokens=sums["num_tokens"],
+        mismatch_ratio_max=sums["mismatch_ratio_max"],
+        grad_norm=optax.tree.norm(grads),
+        out_of_support_fraction=sums["out_of_support"] / jnp.maximum(sums["generated"], 1),
+    )
     if value_grads is not None:
         value_tokens = jnp.maximum(sums["value_tokens"], 1.0)
-        metrics.update(value_loss=sums["value_loss"],
-                       value_clip_fraction=sums["value_clip_fraction"] / value_tokens,
-                       value_mean=sums["value_mean"] / value_tokens,
-                       value_grad_norm=optax.tree.norm(value_grads))
+        metrics.update(
+            value_loss=sums["value_loss"],
+            value_clip_fraction=sums["value_clip_fraction"] / value_tokens,
+            value_mean=sums["value_mean"] / value_tokens,
+            value_grad_norm=optax.tree.norm(value_grads),
+        )
     return metrics
 
 
-def apply_policy_gradients(optimizer: optax.GradientTransformation, state: TrainState,
-                           grads: nnx.State, value_grads: Any
-                           ) -> tuple[TrainState, jax.Array]:
+def apply_policy_gradients(
+    optimizer: optax.GradientTransformation, state: TrainState, grads: nnx.State, value_grads: Any
+) -> tuple[TrainState, jax.Array]:
     """One optimizer step: ``grads`` on ``state.params`` (the step counter +1) and, when
     ``value_grads`` is not None, the value head's own step with the same optimizer.
     Returns ``(new_state, finite)``, ``finite`` a bool scalar: every float leaf of the new
@@ -759,16 +940,21 @@ def apply_policy_gradients(optimizer: optax.GradientTransformation, state: Train
     ``new_state``); the caller decides whether to keep it (``keep_if_finite``)."""
     new_state = _apply_gradients(optimizer, state, grads)
     if value_grads is not None:
-        updates, value_opt_state = optimizer.update(value_grads, state.value_opt_state,
-                                                    state.value_head)
-        new_state = new_state.replace(value_head=optax.apply_updates(state.value_head, updates),
-                                      value_opt_state=value_opt_state)
-    return new_state, _all_finite((new_state.params, new_state.opt_state,
-                                   new_state.value_head, new_state.value_opt_state))
+        updates, value_opt_state = optimizer.update(
+            value_grads, state.value_opt_state, state.value_head
+        )
+        new_state = new_state.replace(
+            value_head=optax.apply_updates(state.value_head, updates),
+            value_opt_state=value_opt_state,
+        )
+    return new_state, _all_finite(
+        (new_state.params, new_state.opt_state, new_state.value_head, new_state.value_opt_state)
+    )
 
 
-def keep_if_finite(finite: dict[str, jax.Array], new: TrainState,
-                   start: TrainState) -> tuple[TrainState, jax.Array]:
+def keep_if_finite(
+    finite: dict[str, jax.Array], new: TrainState, start: TrainState
+) -> tuple[TrainState, jax.Array]:
     """The non-finite guard: ``new`` when every check of ``finite`` (bool scalars keyed
     by ``NONFINITE_PARTS``) holds, else ``start`` bit for bit (params, optimizer moments,
     step), a select per leaf inside the jitted program. Returns ``(state, applied)``."""
@@ -776,30 +962,41 @@ def keep_if_finite(finite: dict[str, jax.Array], new: TrainState,
     return jax.tree.map(lambda n, o: jnp.where(applied, n, o), new, start), applied
 
 
-def optimizer_step(state: TrainState, ref_params: nnx.State | None, mbs: dict[str, jax.Array],
-                   denominator: jax.Array, anchors: Any, *, grad_fn: Callable,
-                   optimizer: optax.GradientTransformation, gae: bool
-                   ) -> tuple[TrainState, Metrics, tuple[jax.Array, jax.Array]]:
+def optimizer_step(
+    state: TrainState,
+    ref_params: nnx.State | None,
+    mbs: dict[str, jax.Array],
+    denominator: jax.Array,
+    anchors: Any,
+    *,
+    grad_fn: Callable,
+    optimizer: optax.GradientTransformation,
+    gae: bool,
+) -> tuple[TrainState, Metrics, tuple[jax.Array, jax.Array]]:
     """compute-gradients then apply: ``accumulate_gradients`` over ``mbs``, then
     ``apply_policy_gradients``. Returns ``(new_state, metrics, (prox, support))``, the
     metrics of ``step_metrics`` plus bool ``finite_<part>`` for each of
     ``NONFINITE_PARTS`` (the new state is not yet checked against them)."""
     trainable = (state.params, state.value_head if gae else None)
     (grads, value_grads), sums, prox, support = accumulate_gradients(
-        grad_fn, trainable, ref_params, mbs, denominator, anchors)
+        grad_fn, trainable, ref_params, mbs, denominator, anchors
+    )
     metrics = step_metrics(sums, grads, value_grads if gae else None)
-    new_state, finite_state = apply_policy_gradients(optimizer, state, grads,
-                                                     value_grads if gae else None)
+    new_state, finite_state = apply_policy_gradients(
+        optimizer, state, grads, value_grads if gae else None
+    )
     metrics.update(
         finite_loss=jnp.isfinite(sums["loss"]),
-        finite_gradients=jnp.isfinite(metrics["grad_norm"]) & (
-            jnp.isfinite(metrics["value_grad_norm"]) if gae else True),
-        finite_new_state=finite_state)
+        finite_gradients=jnp.isfinite(metrics["grad_norm"])
+        & (jnp.isfinite(metrics["value_grad_norm"]) if gae else True),
+        finite_new_state=finite_state,
+    )
     return new_state, metrics, (prox, support)
 
 
-def iterate_and_guard(step: Callable, state: TrainState, num_iterations: int
-                      ) -> tuple[TrainState, Metrics]:
+def iterate_and_guard(
+    step: Callable, state: TrainState, num_iterations: int
+) -> tuple[TrainState, Metrics]:
     """``num_iterations`` optimizer steps on one batch, ``step(state, anchors) -> (state,
     metrics, anchors)`` (``optimizer_step`` bound to its micro-batches): the first with
     ``anchors`` None, the later ones (a ``lax.scan``) anchored at the first's proximal
@@ -813,23 +1010,35 @@ def iterate_and_guard(step: Callable, state: TrainState, num_iterations: int
     state, metrics, anchors = step(state, None)
     finite = {k: metrics.pop(f"finite_{k}") for k in NONFINITE_PARTS}
     if num_iterations > 1:
+
         def iteration(state, _):
             state, m, _ = step(state, anchors)
-            return state, {k: m[k] for k in ("loss", "clip_fraction", "approx_kl",
-                                             *(f"finite_{p}" for p in NONFINITE_PARTS))}
+            return state, {
+                k: m[k]
+                for k in (
+                    "loss",
+                    "clip_fraction",
+                    "approx_kl",
+                    *(f"finite_{p}" for p in NONFINITE_PARTS),
+                )
+            }
 
         state, later = jax.lax.scan(iteration, state, None, length=num_iterations - 1)
         finite = {k: v & jnp.all(later.pop(f"finite_{k}")) for k, v in finite.items()}
         metrics.update({f"{k}_last": v[-1] for k, v in later.items()})
     state, applied = keep_if_finite(finite, state, start)
     skipped = 1.0 - applied.astype(jnp.float32)
-    metrics.update(update_skipped=skipped, update_nonfinite=skipped,
-                   **{f"nonfinite_{k}": 1.0 - v.astype(jnp.float32) for k, v in finite.items()})
+    metrics.update(
+        update_skipped=skipped,
+        update_nonfinite=skipped,
+        **{f"nonfinite_{k}": 1.0 - v.astype(jnp.float32) for k, v in finite.items()},
+    )
     return state, metrics
 
 
-def _prepare_batch(batch: Batch | PackedBatch, hp: RLHyperparams, shards: int
-                   ) -> Batch | PackedBatch | None:
+def _prepare_batch(
+    batch: Batch | PackedBatch, hp: RLHyperparams, shards: int
+) -> Batch | PackedBatch | None:
     """The host-side checks of a batch before the jitted update: its rewards finite, its
     rows a multiple of the micro-batch size and the mesh's batch shards (a padded
     ``Batch`` is padded here; a packed one must come so). None: the batch has no
@@ -837,9 +1046,11 @@ def _prepare_batch(batch: Batch | PackedBatch, hp: RLHyperparams, shards: int
     for its row count; the caller checks the rest."""
     if isinstance(batch.rewards, jax.core.Tracer):
         if len(batch.tokens) % (hp.micro_batch_size or shards):
-            raise ValueError(f"a traced batch of {len(batch.rewards)} rows must be a multiple "
-                             f"of micro_batch_size={hp.micro_batch_size} and of the mesh's "
-                             f"{shards} batch shards; pad it with Batch.pad_rows first.")
+            raise ValueError(
+                f"a traced batch of {len(batch.rewards)} rows must be a multiple "
+                f"of micro_batch_size={hp.micro_batch_size} and of the mesh's "
+                f"{shards} batch shards; pad it with Batch.pad_rows first."
+            )
         return batch
     check_finite_rewards(batch.rewards)
     if not np.any(np.asarray(batch.loss_mask)[:, 1:] > 0):
@@ -850,41 +1061,55 @@ def _prepare_batch(batch: Batch | PackedBatch, hp: RLHyperparams, shards: int
             raise ValueError(
                 f"a packed batch of {token_rows} rows cannot be split into micro-batches of "
                 f"{hp.micro_batch_size} rows over {shards} batch shards; pack it with "
-                f"row_multiple={packed_row_multiple(hp.micro_batch_size, shards)}.")
+                f"row_multiple={packed_row_multiple(hp.micro_batch_size, shards)}."
+            )
         return batch
     if hp.micro_batch_size or shards > 1:
         return batch.pad_rows(hp.micro_batch_size or shards)
     return batch
 
 
-def _placed_batch(batch: Batch | PackedBatch, num_rows: int, mesh: jax.sharding.Mesh | None
-                  ) -> tuple[Batch | PackedBatch, jax.Array | np.float32]:
+def _placed_batch(
+    batch: Batch | PackedBatch, num_rows: int, mesh: jax.sharding.Mesh | None
+) -> tuple[Batch | PackedBatch, jax.Array | np.float32]:
     """The batch as device arrays (split by rows over ``mesh``) and its real row count,
     float32: what the jitted update takes."""
     if mesh is None or isinstance(batch.rewards, jax.core.Tracer):
         return jax.tree.map(jnp.asarray, batch), jnp.asarray(num_rows, jnp.float32)
     if isinstance(batch, PackedBatch):  # token rows split over the devices, the rest whole
-        return PackedBatch(**{
-            k: _replicated(v, mesh) if k in ("rewards", "group_ids", "valid")
-            else place_rows(v, mesh) for k, v in batch._asdict().items()}), np.float32(num_rows)
+        return PackedBatch(
+            **{
+                k: _replicated(v, mesh)
+                if k in ("rewards", "group_ids", "valid")
+                else place_rows(v, mesh)
+                for k, v in batch._asdict().items()
+            }
+        ), np.float32(num_rows)
     # Global arrays, so that several processes can each pass their full copy.
     return place_batch(batch, mesh), np.float32(num_rows)
 
 
-def _check_update_inputs(state: TrainState, ref_params: nnx.State | None,
-                         batch: Batch | PackedBatch, hp: RLHyperparams) -> None:
+def _check_update_inputs(
+    state: TrainState, ref_params: nnx.State | None, batch: Batch | PackedBatch, hp: RLHyperparams
+) -> None:
     """Raises TypeError for a batch that is not a ``Batch`` / ``PackedBatch``, ValueError
     for GAE without a value head or ``kl_coef > 0`` without ``ref_params``."""
     if not isinstance(batch, (Batch, PackedBatch)):
-        raise TypeError(f"the policy update takes a Batch or PackedBatch, got "
-                        f"{type(batch).__name__}; build it with Batch.from_record_batch "
-                        "(or PackedBatch.from_record_batch).")
+        raise TypeError(
+            f"the policy update takes a Batch or PackedBatch, got "
+            f"{type(batch).__name__}; build it with Batch.from_record_batch "
+            "(or PackedBatch.from_record_batch)."
+        )
     if hp.advantage_estimator == "gae" and state.value_head is None:
-        raise ValueError("advantage_estimator='gae' needs a value head in the TrainState; "
-                         "add one with add_value_head(state, optimizer, d_model).")
+        raise ValueError(
+            "advantage_estimator='gae' needs a value head in the TrainState; "
+            "add one with add_value_head(state, optimizer, d_model)."
+        )
     if hp.kl_coef > 0 and ref_params is None:
-        raise ValueError(f"kl_coef={hp.kl_coef} needs the reference policy's params; pass "
-                         "ref_params or set kl_coef=0.")
+        raise ValueError(
+            f"kl_coef={hp.kl_coef} needs the reference policy's params; pass "
+            "ref_params or set kl_coef=0."
+        )
 
 
 def make_policy_update(
@@ -934,22 +1159,33 @@ def make_policy_update(
         raise ValueError(
             f"micro_batch_size={hp.micro_batch_size} cannot be split over the mesh's data x "
             f"fsdp = {shards} devices; set learner.micro_batch_size to a multiple of {shards} "
-            "(or 0, the whole batch).")
-    grad_fn = jax.grad(functools.partial(micro_batch_loss, graphdef=graphdef, hp=hp,
-                                         max_seq_len=max_seq_len), has_aux=True)
-    step = functools.partial(optimizer_step, grad_fn=grad_fn, optimizer=optimizer,
-                             gae=hp.advantage_estimator == "gae")
+            "(or 0, the whole batch)."
+        )
+    grad_fn = jax.grad(
+        functools.partial(micro_batch_loss, graphdef=graphdef, hp=hp, max_seq_len=max_seq_len),
+        has_aux=True,
+    )
+    step = functools.partial(
+        optimizer_step, grad_fn=grad_fn, optimizer=optimizer, gae=hp.advantage_estimator == "gae"
+    )
 
     @jax.jit
     def _update(state, ref_params, batch, num_rows):
-        mbs, denominator, extra = micro_batches(graphdef, state, batch, hp, num_rows,
-                                                max_seq_len=max_seq_len)
+        mbs, denominator, extra = micro_batches(
+            graphdef, state, batch, hp, num_rows, max_seq_len=max_seq_len
+        )
         if mesh is not None:  # each micro-batch split over the devices, not across them
-            mbs = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
-                x, row_sharding(mesh, x.ndim, leading=1)), mbs)
+            mbs = jax.tree.map(
+                lambda x: jax.lax.with_sharding_constraint(
+                    x, row_sharding(mesh, x.ndim, leading=1)
+                ),
+                mbs,
+            )
         state, metrics = iterate_and_guard(
-            lambda s, anchors: step(s, ref_params, mbs, denominator, anchors), state,
-            hp.num_iterations)
+            lambda s, anchors: step(s, ref_params, mbs, denominator, anchors),
+            state,
+            hp.num_iterations,
+        )
         real = (jnp.arange(batch.rewards.shape[0]) < num_rows).astype(jnp.float32)
         metrics.update(extra, reward_mean=jnp.sum(batch.rewards * real) / num_rows)
         return (constrain(state, mesh) if mesh is not None else state), metrics
@@ -959,8 +1195,11 @@ def make_policy_update(
         num_rows = len(batch.rewards)
         prepared = _prepare_batch(batch, hp, shards)
         if prepared is None:
-            return state, {"update_skipped": 1.0, "num_tokens": 0.0,
-                           "reward_mean": float(np.mean(batch.rewards))}
+            return state, {
+                "update_skipped": 1.0,
+                "num_tokens": 0.0,
+                "reward_mean": float(np.mean(batch.rewards)),
+            }
         placed, rows = _placed_batch(prepared, num_rows, mesh)
         return _update(state, ref_params if hp.kl_coef > 0 else None, placed, rows)
 
@@ -982,7 +1221,9 @@ def packed_row_multiple(micro_batch_size: int, shards: int = 1) -> int:
 
 
 def make_sft_update(
-    graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, *,
+    graphdef: nnx.GraphDef,
+    optimizer: optax.GradientTransformation,
+    *,
     mesh: jax.sharding.Mesh | None = None,
 ) -> Callable[[TrainState, jax.Array, jax.Array], tuple[TrainState, Metrics]]:
     """Builds jitted ``update(state, tokens, loss_mask, positions=None, segment_ids=None)
@@ -1006,12 +1247,19 @@ def make_sft_update(
     """
 
     @jax.jit
-    def update(state: TrainState, tokens: jax.Array, loss_mask: jax.Array,
-               positions: jax.Array | None = None, segment_ids: jax.Array | None = None):
+    def update(
+        state: TrainState,
+        tokens: jax.Array,
+        loss_mask: jax.Array,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+    ):
         if mesh is not None:
             tokens, loss_mask, positions, segment_ids = (
                 None if x is None else jax.lax.with_sharding_constraint(x, row_sharding(mesh, 2))
-                for x in (tokens, loss_mask, positions, segment_ids))
+                for x in (tokens, loss_mask, positions, segment_ids)
+            )
+
         def loss_fn(params):
             logits = _next_token_logits(graphdef, params, tokens, positions, segment_ids)
             return sft_loss(logits, tokens[:, 1:], loss_mask[:, 1:])
@@ -1019,11 +1267,18 @@ def make_sft_update(
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
         grad_norm = optax.tree.norm(grads)
         new_state = _apply_gradients(optimizer, state, grads)
-        finite = {"loss": jnp.isfinite(loss), "gradients": jnp.isfinite(grad_norm),
-                  "new_state": _all_finite((new_state.params, new_state.opt_state))}
+        finite = {
+            "loss": jnp.isfinite(loss),
+            "gradients": jnp.isfinite(grad_norm),
+            "new_state": _all_finite((new_state.params, new_state.opt_state)),
+        }
         state, applied = keep_if_finite(finite, new_state, state)
-        metrics = {"loss": loss, "grad_norm": grad_norm, **aux,
-                   "update_nonfinite": 1.0 - applied.astype(jnp.float32)}
+        metrics = {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            **aux,
+            "update_nonfinite": 1.0 - applied.astype(jnp.float32),
+        }
         return (constrain(state, mesh) if mesh is not None else state), metrics
 
     return update

@@ -77,8 +77,7 @@ def message_header(role: str) -> str:
     return f"<|{role}|>"
 
 
-def render_chat(messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = False
-                ) -> str:
+def render_chat(messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = False) -> str:
     """Renders a conversation with ``CHAT_TEMPLATE``.
 
     Args:
@@ -96,14 +95,15 @@ def render_chat(messages: Sequence[Mapping[str, str]], add_generation_prompt: bo
         if "role" not in message or "content" not in message:
             raise ValueError(
                 f"Message {index} is {dict(message)!r}; every message needs 'role' and "
-                "'content' keys.")
+                "'content' keys."
+            )
         message_header(message["role"])
         if not isinstance(message["content"], str):
             raise ValueError(
                 f"Message {index} ({message['role']}) has content of type "
-                f"{type(message['content']).__name__}; content must be a str.")
-    return _TEMPLATE.render(messages=list(messages),
-                            add_generation_prompt=add_generation_prompt)
+                f"{type(message['content']).__name__}; content must be a str."
+            )
+    return _TEMPLATE.render(messages=list(messages), add_generation_prompt=add_generation_prompt)
 
 
 # -- Hugging Face-style chat templates ------------------------------------------------
@@ -113,11 +113,17 @@ class ChatTemplateError(ValueError):
     """A chat template could not be loaded or rendered; the message names the template."""
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     # Jinja's own ``tojson`` escapes < > & ' for HTML; chat templates need the plain JSON.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _template_exception(message: str):
@@ -142,8 +148,8 @@ class _GenerationBlock(jinja2.ext.Extension):
 @functools.lru_cache(maxsize=64)
 def _compile(source: str) -> jinja2.Template:
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True,
-        extensions=[jinja2.ext.loopcontrols, _GenerationBlock])
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationBlock]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _template_exception
     env.globals["strftime_now"] = _strftime_now
@@ -175,9 +181,15 @@ class ChatTemplate:
     tool_use_source: str | None = None
     verbatim_roles: frozenset[str] = frozenset()
 
-    def render(self, messages: Sequence[Mapping[str, Any]], *,
-               add_generation_prompt: bool = False, tools: Sequence[Mapping[str, Any]] | None = None,
-               now: datetime.datetime | None = None, **kwargs: Any) -> str:
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        now: datetime.datetime | None = None,
+        **kwargs: Any,
+    ) -> str:
         """Renders ``messages`` as ``apply_chat_template(..., tokenize=False)`` would.
 
         Args:
@@ -200,11 +212,16 @@ class ChatTemplate:
             context["strftime_now"] = now.strftime
         try:
             template = _compile(source)
-            return template.render(messages=list(messages), tools=list(tools) if tools else None,
-                                   add_generation_prompt=add_generation_prompt, **context)
+            return template.render(
+                messages=list(messages),
+                tools=list(tools) if tools else None,
+                add_generation_prompt=add_generation_prompt,
+                **context,
+            )
         except jinja2.TemplateError as e:
             raise ChatTemplateError(
-                f"chat template {self.name!r} failed: {e.message or type(e).__name__}") from e
+                f"chat template {self.name!r} failed: {e.message or type(e).__name__}"
+            ) from e
 
 
 # Built-in templates, written for raytunix from the public descriptions of each format.
@@ -357,15 +374,23 @@ _GEMMA_SOURCE = r"""
 {%- endif %}
 """
 
-_CHATML = ChatTemplate(_CHATML_SOURCE, name="chatml",
-                       special_tokens={"bos_token": "", "eos_token": "<|im_end|>"},
-                       end_of_turn="<|im_end|>", verbatim_roles=frozenset(ROLES))
+_CHATML = ChatTemplate(
+    _CHATML_SOURCE,
+    name="chatml",
+    special_tokens={"bos_token": "", "eos_token": "<|im_end|>"},
+    end_of_turn="<|im_end|>",
+    verbatim_roles=frozenset(ROLES),
+)
 
 BUILTIN_TEMPLATES: dict[str, ChatTemplate] = {
     # The raytunix format; the default tiny model's tokenizer has its special tokens.
-    "raytunix": ChatTemplate(CHAT_TEMPLATE, name="raytunix",
-                             special_tokens={"bos_token": "", "eos_token": MESSAGE_END},
-                             end_of_turn=MESSAGE_END, verbatim_roles=frozenset(ROLES)),
+    "raytunix": ChatTemplate(
+        CHAT_TEMPLATE,
+        name="raytunix",
+        special_tokens={"bos_token": "", "eos_token": MESSAGE_END},
+        end_of_turn=MESSAGE_END,
+        verbatim_roles=frozenset(ROLES),
+    ),
     # ChatML (<|im_start|>role ... <|im_end|>), with tools and tool results the way Qwen2.5
     # shows them: signatures in <tools> in the system message, calls in <tool_call>,
     # results in <tool_response> inside a user turn.
@@ -373,15 +398,21 @@ BUILTIN_TEMPLATES: dict[str, ChatTemplate] = {
     "qwen": dataclasses.replace(_CHATML, name="qwen"),
     # Llama 3.x headers; tools as JSON in the system message, calls as one JSON object
     # {"name", "parameters"}, results in an ipython turn.
-    "llama3": ChatTemplate(_LLAMA3_SOURCE, name="llama3",
-                           special_tokens={"bos_token": "<|begin_of_text|>",
-                                           "eos_token": "<|eot_id|>"},
-                           end_of_turn="<|eot_id|>", verbatim_roles=frozenset({"tool"})),
+    "llama3": ChatTemplate(
+        _LLAMA3_SOURCE,
+        name="llama3",
+        special_tokens={"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"},
+        end_of_turn="<|eot_id|>",
+        verbatim_roles=frozenset({"tool"}),
+    ),
     # Gemma 2/3 turns (user and model only): the system prompt opens the first user turn,
     # tool results come back as user turns; tools are described in the system prompt.
-    "gemma": ChatTemplate(_GEMMA_SOURCE, name="gemma",
-                          special_tokens={"bos_token": "<bos>", "eos_token": "<eos>"},
-                          end_of_turn="<end_of_turn>"),
+    "gemma": ChatTemplate(
+        _GEMMA_SOURCE,
+        name="gemma",
+        special_tokens={"bos_token": "<bos>", "eos_token": "<eos>"},
+        end_of_turn="<end_of_turn>",
+    ),
 }
 """Built-in chat templates by name (``agent.chat_template``)."""
 
@@ -418,7 +449,8 @@ def _sources(value: Any, path: str) -> tuple[str, str | None]:
             return named["default"], tool_use if isinstance(tool_use, str) else None
     raise ChatTemplateError(
         f"the chat_template in {path!r} must be a string or a list of {{\"name\", \"template\"}} "
-        "entries with a 'default' one.")
+        "entries with a 'default' one."
+    )
 
 
 def chat_template_from_folder(path: str) -> ChatTemplate:
@@ -435,11 +467,15 @@ def chat_template_from_folder(path: str) -> ChatTemplate:
     folder = path if os.path.isdir(path) else os.path.dirname(path) or "."
     config_path = os.path.join(folder, "tokenizer_config.json")
     config = _read_json(config_path) if os.path.isfile(config_path) else {}
-    special = {key: text for key in ("bos_token", "eos_token", "pad_token", "unk_token")
-               if (text := _token_text(config.get(key))) is not None}
+    special = {
+        key: text
+        for key in ("bos_token", "eos_token", "pad_token", "unk_token")
+        if (text := _token_text(config.get(key))) is not None
+    }
     candidates = ([path] if os.path.isfile(path) else []) + [
         os.path.join(folder, name)
-        for name in ("chat_template.jinja", "chat_template.json", "tokenizer_config.json")]
+        for name in ("chat_template.jinja", "chat_template.json", "tokenizer_config.json")
+    ]
     for candidate in candidates:
         if not os.path.isfile(candidate):
             continue
@@ -449,12 +485,14 @@ def chat_template_from_folder(path: str) -> ChatTemplate:
         field = _read_json(candidate).get("chat_template")
         if field is not None:
             source, tool_use = _sources(field, candidate)
-            return ChatTemplate(source, name=candidate, special_tokens=special,
-                                tool_use_source=tool_use)
+            return ChatTemplate(
+                source, name=candidate, special_tokens=special, tool_use_source=tool_use
+            )
     raise ChatTemplateError(
         f"no chat template in {path!r}: expected chat_template.jinja, chat_template.json or a "
         "'chat_template' field in tokenizer_config.json; name a built-in template instead "
-        f"({', '.join(BUILTIN_TEMPLATES)}).")
+        f"({', '.join(BUILTIN_TEMPLATES)})."
+    )
 
 
 @functools.lru_cache(maxsize=32)
@@ -474,4 +512,5 @@ def load_chat_template(spec: str) -> ChatTemplate:
         return chat_template_from_folder(spec)
     raise ChatTemplateError(
         f"chat template {spec!r} is neither a built-in ({', '.join(BUILTIN_TEMPLATES)}) nor an "
-        "existing model folder or tokenizer_config.json / chat_template.jinja file.")
+        "existing model folder or tokenizer_config.json / chat_template.jinja file."
+    )

@@ -44,13 +44,24 @@ from raytunix.models.chat_template import ChatTemplate, ChatTemplateError, chat_
 from raytunix.models.llama import ModelConfig, RopeScaling, Transformer
 from raytunix.models.tokenizer import Tokenizer
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 """Supported ``model_type`` values of ``config.json`` and their model classes."""
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json", "chat_template.jinja", "chat_template.json",
-                   "added_tokens.json", "vocab.json", "merges.txt")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+)
 """Files an export copies from the source folder, when there."""
 
 SINGLE_FILE = "model.safetensors"
@@ -95,8 +106,10 @@ def _read_json(path: str) -> dict[str, Any]:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except FileNotFoundError:
-        raise CheckpointError(f"{path} does not exist; a Hugging Face model folder needs it "
-                              "(save the model with save_pretrained).") from None
+        raise CheckpointError(
+            f"{path} does not exist; a Hugging Face model folder needs it "
+            "(save the model with save_pretrained)."
+        ) from None
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"cannot read {path} as JSON ({e}); fix or replace it.") from None
     if not isinstance(data, dict):
@@ -109,35 +122,44 @@ def _rope_settings(hf: Mapping[str, Any], where: str) -> tuple[float, RopeScalin
     and ``rope_scaling`` (transformers 4)."""
     params = dict(hf.get("rope_parameters") or {})
     if params and all(isinstance(v, Mapping) for v in params.values()):
-        raise CheckpointError(f"{where}: rope_parameters differ per layer type "
-                              f"({sorted(params)}); only one RoPE for all layers is supported.")
+        raise CheckpointError(
+            f"{where}: rope_parameters differ per layer type "
+            f"({sorted(params)}); only one RoPE for all layers is supported."
+        )
     params = {**(hf.get("rope_scaling") or {}), **params}
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     kind = params.get("rope_type", params.get("type", "default"))
     if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise CheckpointError(f"{where}: partial_rotary_factor is not supported (RoPE must "
-                              "rotate the whole head).")
+        raise CheckpointError(
+            f"{where}: partial_rotary_factor is not supported (RoPE must rotate the whole head)."
+        )
     if kind in (None, "default"):
         return float(theta), None
     if kind not in ("linear", "llama3"):
-        raise CheckpointError(f"{where}: rope type {kind!r} is not supported; raytunix reads "
-                              "'default', 'linear' and 'llama3' RoPE.")
+        raise CheckpointError(
+            f"{where}: rope type {kind!r} is not supported; raytunix reads "
+            "'default', 'linear' and 'llama3' RoPE."
+        )
     try:
         if kind == "linear":
             return float(theta), RopeScaling("linear", float(params["factor"]))
-        original = params.get("original_max_position_embeddings",
-                              hf.get("max_position_embeddings"))
+        original = params.get("original_max_position_embeddings", hf.get("max_position_embeddings"))
         return float(theta), RopeScaling(
-            "llama3", float(params["factor"]), float(params["low_freq_factor"]),
-            float(params["high_freq_factor"]), int(original))
+            "llama3",
+            float(params["factor"]),
+            float(params["low_freq_factor"]),
+            float(params["high_freq_factor"]),
+            int(original),
+        )
     except KeyError as e:
         raise CheckpointError(f"{where}: rope type {kind!r} needs the key {e.args[0]!r}.") from None
     except ValueError as e:
         raise CheckpointError(f"{where}: {e}") from None
 
 
-def model_config_from_hf(hf: Mapping[str, Any], max_seq_len: int | None = None,
-                         where: str = "config.json") -> ModelConfig:
+def model_config_from_hf(
+    hf: Mapping[str, Any], max_seq_len: int | None = None, where: str = "config.json"
+) -> ModelConfig:
     """The ``ModelConfig`` of a Hugging Face ``config.json`` (a dict).
 
     Args:
@@ -156,31 +178,39 @@ def model_config_from_hf(hf: Mapping[str, Any], max_seq_len: int | None = None,
     if model_type not in ARCHITECTURES:
         raise CheckpointError(
             f"{where}: model_type {model_type!r} is not supported; raytunix loads "
-            f"{', '.join(sorted(ARCHITECTURES))} checkpoints.")
+            f"{', '.join(sorted(ARCHITECTURES))} checkpoints."
+        )
     if hf.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"{where}: hidden_act {hf['hidden_act']!r} is not supported "
-                              "(the MLP is SwiGLU with SiLU).")
+        raise CheckpointError(
+            f"{where}: hidden_act {hf['hidden_act']!r} is not supported "
+            "(the MLP is SwiGLU with SiLU)."
+        )
     if hf.get("mlp_bias"):
-        raise CheckpointError(f"{where}: mlp_bias=true is not supported (the MLP has no "
-                              "biases).")
+        raise CheckpointError(f"{where}: mlp_bias=true is not supported (the MLP has no biases).")
     if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ()):
-        raise CheckpointError(f"{where}: sliding-window attention is not supported; set "
-                              "use_sliding_window to false if the model was trained without it.")
+        raise CheckpointError(
+            f"{where}: sliding-window attention is not supported; set "
+            "use_sliding_window to false if the model was trained without it."
+        )
     try:
         d_model = int(hf["hidden_size"])
         n_heads = int(hf["num_attention_heads"])
         fields = dict(
-            vocab_size=int(hf["vocab_size"]), d_model=d_model,
-            n_layers=int(hf["num_hidden_layers"]), n_heads=n_heads,
+            vocab_size=int(hf["vocab_size"]),
+            d_model=d_model,
+            n_layers=int(hf["num_hidden_layers"]),
+            n_heads=n_heads,
             n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
             d_ff=int(hf["intermediate_size"]),
             max_seq_len=int(max_seq_len or hf.get("max_position_embeddings") or 2048),
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            head_dim=int(hf.get("head_dim") or d_model // n_heads))
+            head_dim=int(hf.get("head_dim") or d_model // n_heads),
+        )
     except KeyError as e:
-        raise CheckpointError(f"{where} lacks {e.args[0]!r}; it is not a complete "
-                              f"{model_type} config.") from None
+        raise CheckpointError(
+            f"{where} lacks {e.args[0]!r}; it is not a complete {model_type} config."
+        ) from None
     theta, scaling = _rope_settings(hf, where)
     attention_bias = bool(hf.get("attention_bias", False))
     if model_type == "qwen2":  # Qwen2 always has q/k/v biases and none on o_proj
@@ -188,8 +218,14 @@ def model_config_from_hf(hf: Mapping[str, Any], max_seq_len: int | None = None,
     else:
         qkv_bias = o_bias = attention_bias
     try:
-        return ModelConfig(**fields, rope_theta=theta, rope_scaling=scaling, qkv_bias=qkv_bias,
-                           o_bias=o_bias, qk_norm=model_type == "qwen3")
+        return ModelConfig(
+            **fields,
+            rope_theta=theta,
+            rope_scaling=scaling,
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            qk_norm=model_type == "qwen3",
+        )
     except ValueError as e:
         raise CheckpointError(f"{where}: {e}") from None
 
@@ -205,8 +241,9 @@ def read_model_config(folder: str, max_seq_len: int | None = None) -> ModelConfi
     return model_config_from_hf(_read_json(path), max_seq_len, path)
 
 
-def hf_config_from_model(config: ModelConfig, base: Mapping[str, Any] | None = None,
-                         dtype: str = "float32") -> dict[str, Any]:
+def hf_config_from_model(
+    config: ModelConfig, base: Mapping[str, Any] | None = None, dtype: str = "float32"
+) -> dict[str, Any]:
     """A ``config.json`` dict for ``config``.
 
     With ``base`` (the source folder's ``config.json``), that dict with only its dtype
@@ -222,7 +259,8 @@ def hf_config_from_model(config: ModelConfig, base: Mapping[str, Any] | None = N
         if described != config:
             raise CheckpointError(
                 f"the source config.json describes {described}, not the exported model "
-                f"{config}; export without a source or from the folder the model came from.")
+                f"{config}; export without a source or from the folder the model came from."
+            )
         out = dict(base)
         # transformers 4 names the dtype torch_dtype, 5 names it dtype; keep the base's.
         for key in [k for k in ("torch_dtype", "dtype") if k in base] or ["dtype"]:
@@ -233,18 +271,27 @@ def hf_config_from_model(config: ModelConfig, base: Mapping[str, Any] | None = N
     elif config.qkv_bias and not config.o_bias:
         model_type = "qwen2"
     elif config.qkv_bias != config.o_bias:
-        raise CheckpointError(f"no Hugging Face architecture has o_bias={config.o_bias} with "
-                              f"qkv_bias={config.qkv_bias}; it cannot be exported.")
+        raise CheckpointError(
+            f"no Hugging Face architecture has o_bias={config.o_bias} with "
+            f"qkv_bias={config.qkv_bias}; it cannot be exported."
+        )
     else:
         model_type = "llama"
     out: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[model_type]], "model_type": model_type,
-        "vocab_size": config.vocab_size, "hidden_size": config.d_model,
-        "intermediate_size": config.d_ff, "num_hidden_layers": config.n_layers,
-        "num_attention_heads": config.n_heads, "num_key_value_heads": config.n_kv_heads,
-        "head_dim": config.head_dim, "hidden_act": "silu",
-        "max_position_embeddings": config.max_seq_len, "rms_norm_eps": config.norm_eps,
-        "tie_word_embeddings": config.tie_embeddings, "rope_theta": config.rope_theta,
+        "architectures": [ARCHITECTURES[model_type]],
+        "model_type": model_type,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.d_model,
+        "intermediate_size": config.d_ff,
+        "num_hidden_layers": config.n_layers,
+        "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.n_kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_seq_len,
+        "rms_norm_eps": config.norm_eps,
+        "tie_word_embeddings": config.tie_embeddings,
+        "rope_theta": config.rope_theta,
         "dtype": dtype,
     }
     if model_type != "qwen2":
@@ -256,7 +303,8 @@ def hf_config_from_model(config: ModelConfig, base: Mapping[str, Any] | None = N
             out["rope_scaling"].update(
                 low_freq_factor=scaling.low_freq_factor,
                 high_freq_factor=scaling.high_freq_factor,
-                original_max_position_embeddings=scaling.original_max_len)
+                original_max_position_embeddings=scaling.original_max_len,
+            )
     return out
 
 
@@ -280,25 +328,37 @@ def _weight_files(folder: str) -> dict[str, str]:
     if os.path.isfile(index_path):
         weight_map = _read_json(index_path).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointError(f"{index_path} has no 'weight_map' of tensor names to "
-                                  "files; rewrite it with save_pretrained.")
+            raise CheckpointError(
+                f"{index_path} has no 'weight_map' of tensor names to "
+                "files; rewrite it with save_pretrained."
+            )
         files = {name: os.path.join(folder, file) for name, file in weight_map.items()}
         for path in sorted(set(files.values())):
             if not os.path.isfile(path):
-                raise CheckpointError(f"{index_path} names the shard {os.path.basename(path)}, "
-                                      f"which is not in {folder}; copy the missing shard.")
+                raise CheckpointError(
+                    f"{index_path} names the shard {os.path.basename(path)}, "
+                    f"which is not in {folder}; copy the missing shard."
+                )
         return files
     single = os.path.join(folder, SINGLE_FILE)
     if os.path.isfile(single):
         with safe_open(single, framework="np") as f:
             return {name: single for name in f.keys()}
-    legacy = [n for n in ("pytorch_model.bin", "model.pt", "flax_model.msgpack")
-              if os.path.isfile(os.path.join(folder, n))]
+    legacy = [
+        n
+        for n in ("pytorch_model.bin", "model.pt", "flax_model.msgpack")
+        if os.path.isfile(os.path.join(folder, n))
+    ]
     raise CheckpointError(
         f"no {SINGLE_FILE} or {INDEX_FILE} in {folder}"
-        + (f" (found {', '.join(legacy)}: convert it to safetensors, e.g. "
-           "save_pretrained(folder, safe_serialization=True))" if legacy else "")
-        + "; raytunix reads safetensors weights only.")
+        + (
+            f" (found {', '.join(legacy)}: convert it to safetensors, e.g. "
+            "save_pretrained(folder, safe_serialization=True))"
+            if legacy
+            else ""
+        )
+        + "; raytunix reads safetensors weights only."
+    )
 
 
 def _abstract_model(config: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
@@ -306,8 +366,9 @@ def _abstract_model(config: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
     return nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
 
 
-def load_weights(folder: str, config: ModelConfig, dtype=jnp.float32
-                 ) -> tuple[nnx.GraphDef, nnx.State]:
+def load_weights(
+    folder: str, config: ModelConfig, dtype=jnp.float32
+) -> tuple[nnx.GraphDef, nnx.State]:
     """Reads a folder's safetensors weights into the Flax model of ``config``.
 
     Args:
@@ -335,7 +396,8 @@ def load_weights(folder: str, config: ModelConfig, dtype=jnp.float32
                 raise CheckpointError(
                     f"tensor {name!r} is missing from the weights in {folder}; the config "
                     "(n_layers, tie_word_embeddings, attention_bias, model_type) must match "
-                    "the checkpoint's tensors.")
+                    "the checkpoint's tensors."
+                )
             file = files[name]
             if file not in handles:
                 handles[file] = stack.enter_context(safe_open(file, framework="np"))
@@ -349,7 +411,8 @@ def load_weights(folder: str, config: ModelConfig, dtype=jnp.float32
                 raise CheckpointError(
                     f"tensor {name!r} in {os.path.basename(file)} has shape {tuple(stored)}; "
                     f"the model config.json describes needs {tuple(wanted)}; config.json and "
-                    "the weights disagree.")
+                    "the weights disagree."
+                )
             values[path] = jnp.asarray(array.astype(np.dtype(dtype), copy=False))
     used = {_hf_name(path) for path in flat}
     if config.tie_embeddings:
@@ -359,14 +422,15 @@ def load_weights(folder: str, config: ModelConfig, dtype=jnp.float32
         raise CheckpointError(
             f"the weights in {folder} hold tensors the model has no place for: "
             f"{', '.join(unused[:5])}{' ...' if len(unused) > 5 else ''}; the checkpoint's "
-            "architecture differs from what config.json says.")
-    params = nnx.from_flat_state([(path, var.replace(values[path]))
-                                  for path, var in nnx.to_flat_state(abstract)])
+            "architecture differs from what config.json says."
+        )
+    params = nnx.from_flat_state(
+        [(path, var.replace(values[path])) for path, var in nnx.to_flat_state(abstract)]
+    )
     return graphdef, params
 
 
-def load_checkpoint(path: str, max_seq_len: int | None = None, dtype=jnp.float32
-                    ) -> Checkpoint:
+def load_checkpoint(path: str, max_seq_len: int | None = None, dtype=jnp.float32) -> Checkpoint:
     """Loads a Hugging Face Llama / Qwen2 / Qwen3 model folder (see the module docstring).
 
     Args:
@@ -381,8 +445,10 @@ def load_checkpoint(path: str, max_seq_len: int | None = None, dtype=jnp.float32
       FileNotFoundError, ValueError: the tokenizer files (``Tokenizer.from_folder``).
     """
     if not os.path.isdir(path):
-        raise CheckpointError(f"model path {path!r} is not a folder; pass the folder that "
-                              "holds config.json, the safetensors weights and tokenizer.json.")
+        raise CheckpointError(
+            f"model path {path!r} is not a folder; pass the folder that "
+            "holds config.json, the safetensors weights and tokenizer.json."
+        )
     hf_config = _read_json(os.path.join(path, "config.json"))
     config = read_model_config(path, max_seq_len)
     graphdef, params = load_weights(path, config, dtype)
@@ -394,9 +460,15 @@ def load_checkpoint(path: str, max_seq_len: int | None = None, dtype=jnp.float32
     return Checkpoint(path, config, graphdef, params, tokenizer, template, hf_config)
 
 
-def export_checkpoint(out_dir: str, config: ModelConfig, params: nnx.State, *,
-                      source: str | None = None, dtype=None,
-                      max_shard_bytes: int = 5 * 2**30) -> list[str]:
+def export_checkpoint(
+    out_dir: str,
+    config: ModelConfig,
+    params: nnx.State,
+    *,
+    source: str | None = None,
+    dtype=None,
+    max_shard_bytes: int = 5 * 2**30,
+) -> list[str]:
     """Writes ``params`` as a Hugging Face model folder that ``load_checkpoint`` and
     ``transformers``' ``from_pretrained`` read.
 
@@ -440,8 +512,11 @@ def export_checkpoint(out_dir: str, config: ModelConfig, params: nnx.State, *,
         shards[-1][name] = tensors[name]
         size += nbytes
     for stale in os.listdir(out_dir):  # shards of an earlier export would confuse a reader
-        if stale == SINGLE_FILE or stale == INDEX_FILE or (
-                stale.startswith("model-") and stale.endswith(".safetensors")):
+        if (
+            stale == SINGLE_FILE
+            or stale == INDEX_FILE
+            or (stale.startswith("model-") and stale.endswith(".safetensors"))
+        ):
             os.remove(os.path.join(out_dir, stale))
     if len(shards) == 1:
         save_file(shards[0], os.path.join(out_dir, SINGLE_FILE), metadata={"format": "pt"})
@@ -453,8 +528,10 @@ def export_checkpoint(out_dir: str, config: ModelConfig, params: nnx.State, *,
             save_file(shard, os.path.join(out_dir, file), metadata={"format": "pt"})
             weight_map.update({name: file for name in shard})
             written.append(file)
-        index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
-                 "weight_map": weight_map}
+        index = {
+            "metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+            "weight_map": weight_map,
+        }
         with open(os.path.join(out_dir, INDEX_FILE), "w", encoding="utf-8") as f:
             json.dump(index, f, indent=2)
         written.append(INDEX_FILE)

@@ -69,17 +69,20 @@ class RopeScaling:
 
     def __post_init__(self):
         if self.kind not in ROPE_SCALING_KINDS:
-            raise ValueError(f"RopeScaling.kind={self.kind!r} is not supported; use one of "
-                             f"{ROPE_SCALING_KINDS}.")
+            raise ValueError(
+                f"RopeScaling.kind={self.kind!r} is not supported; use one of {ROPE_SCALING_KINDS}."
+            )
         if not self.factor > 0:
             raise ValueError(f"RopeScaling.factor must be positive, got {self.factor!r}.")
         if self.kind == "llama3" and not (
-                self.high_freq_factor > self.low_freq_factor > 0 and self.original_max_len > 0):
+            self.high_freq_factor > self.low_freq_factor > 0 and self.original_max_len > 0
+        ):
             raise ValueError(
                 f"RopeScaling llama3 needs high_freq_factor > low_freq_factor > 0 and a "
                 f"positive original_max_len, got high_freq_factor={self.high_freq_factor}, "
                 f"low_freq_factor={self.low_freq_factor}, "
-                f"original_max_len={self.original_max_len}.")
+                f"original_max_len={self.original_max_len}."
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,8 +130,15 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
 
     def __post_init__(self):
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
-                     "max_seq_len"):
+        for name in (
+            "vocab_size",
+            "d_model",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "d_ff",
+            "max_seq_len",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}.")
@@ -141,25 +151,34 @@ class ModelConfig:
                 raise ValueError(
                     f"ModelConfig.d_model={self.d_model} is not divisible by "
                     f"n_heads={self.n_heads}; pick n_heads that divides d_model or give "
-                    "head_dim.")
+                    "head_dim."
+                )
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
-        elif (not isinstance(self.head_dim, int) or isinstance(self.head_dim, bool)
-              or self.head_dim <= 0):
-            raise ValueError(f"ModelConfig.head_dim must be a positive int or None, got "
-                             f"{self.head_dim!r}.")
+        elif (
+            not isinstance(self.head_dim, int)
+            or isinstance(self.head_dim, bool)
+            or self.head_dim <= 0
+        ):
+            raise ValueError(
+                f"ModelConfig.head_dim must be a positive int or None, got {self.head_dim!r}."
+            )
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"ModelConfig.n_heads={self.n_heads} is not divisible by "
                 f"n_kv_heads={self.n_kv_heads}; each key/value head must serve a whole "
-                "group of query heads.")
+                "group of query heads."
+            )
         if self.head_dim % 2:
             raise ValueError(
                 f"ModelConfig.head_dim={self.head_dim} is odd (d_model={self.d_model}, "
                 f"n_heads={self.n_heads}); rotary embeddings rotate pairs of features, so "
-                "choose an even head_dim.")
+                "choose an even head_dim."
+            )
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
-            raise ValueError(f"ModelConfig.rope_scaling must be a RopeScaling or None, got "
-                             f"{self.rope_scaling!r}.")
+            raise ValueError(
+                f"ModelConfig.rope_scaling must be a RopeScaling or None, got "
+                f"{self.rope_scaling!r}."
+            )
 
 
 class KVCache(NamedTuple):
@@ -179,8 +198,9 @@ class KVCache(NamedTuple):
     v: jax.Array
 
 
-def init_kv_cache(config: ModelConfig, batch_size: int, max_len: int | None = None,
-                  dtype=jnp.float32) -> KVCache:
+def init_kv_cache(
+    config: ModelConfig, batch_size: int, max_len: int | None = None, dtype=jnp.float32
+) -> KVCache:
     """Returns an all-zero KV cache.
 
     Args:
@@ -236,8 +256,9 @@ class KVPages(NamedTuple):
         return self.k.shape[1]
 
 
-def init_kv_pages(config: ModelConfig, num_blocks: int, block_size: int,
-                  dtype=jnp.float32) -> KVPages:
+def init_kv_pages(
+    config: ModelConfig, num_blocks: int, block_size: int, dtype=jnp.float32
+) -> KVPages:
     """Returns an all-zero paged KV cache of ``num_blocks`` blocks of ``block_size``
     positions (see ``KVPages``); ``num_blocks * block_size`` tokens in all.
 
@@ -245,8 +266,10 @@ def init_kv_pages(config: ModelConfig, num_blocks: int, block_size: int,
       ValueError: if ``num_blocks`` or ``block_size`` is not positive.
     """
     if num_blocks <= 0 or block_size <= 0:
-        raise ValueError(f"init_kv_pages: num_blocks={num_blocks} and block_size={block_size} "
-                         "must both be positive.")
+        raise ValueError(
+            f"init_kv_pages: num_blocks={num_blocks} and block_size={block_size} "
+            "must both be positive."
+        )
     shape = (config.n_layers, num_blocks, config.n_kv_heads, block_size, config.head_dim)
     return KVPages(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
@@ -256,8 +279,7 @@ def kv_bytes_per_token(config: ModelConfig, dtype=jnp.float32) -> int:
     return 2 * config.n_layers * config.n_kv_heads * config.head_dim * jnp.dtype(dtype).itemsize
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None
-                  ) -> jax.Array:
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
     """Inverse frequencies of the rotary embedding: ``float32[head_dim / 2]``, radians per
     position; ``theta ** (-2i / head_dim)``, then scaled as ``scaling`` says (see
     ``RopeScaling``; the formulas of Hugging Face ``modeling_rope_utils``)."""
@@ -270,15 +292,20 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
     wavelen = 2 * math.pi / inv_freq
     low_freq_wavelen = scaling.original_max_len / scaling.low_freq_factor
     high_freq_wavelen = scaling.original_max_len / scaling.high_freq_factor
-    smooth = ((scaling.original_max_len / wavelen - scaling.low_freq_factor)
-              / (scaling.high_freq_factor - scaling.low_freq_factor))
+    smooth = (scaling.original_max_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
     blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
-    return jnp.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor,
-                     jnp.where(wavelen < high_freq_wavelen, inv_freq, blended))
+    return jnp.where(
+        wavelen > low_freq_wavelen,
+        inv_freq / scaling.factor,
+        jnp.where(wavelen < high_freq_wavelen, inv_freq, blended),
+    )
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, theta: float,
-               scaling: RopeScaling | None = None) -> jax.Array:
+def apply_rope(
+    x: jax.Array, positions: jax.Array, theta: float, scaling: RopeScaling | None = None
+) -> jax.Array:
     """Rotates feature pairs of ``x`` by angles proportional to the token position.
 
     Rotary position embedding (Su et al. 2021, arXiv:2104.09864) in the "rotate half"
@@ -321,16 +348,22 @@ class Attention(nnx.Module):
         self.q_proj = nnx.Linear(d, h * hd, use_bias=qkv_bias, kernel_init=init, rngs=rngs)
         self.k_proj = nnx.Linear(d, kv * hd, use_bias=qkv_bias, kernel_init=init, rngs=rngs)
         self.v_proj = nnx.Linear(d, kv * hd, use_bias=qkv_bias, kernel_init=init, rngs=rngs)
-        self.o_proj = nnx.Linear(h * hd, d, use_bias=config.o_bias, kernel_init=out_init,
-                                 rngs=rngs)
+        self.o_proj = nnx.Linear(h * hd, d, use_bias=config.o_bias, kernel_init=out_init, rngs=rngs)
         if config.qk_norm:
             self.q_norm = nnx.RMSNorm(hd, epsilon=config.norm_eps, rngs=rngs)
             self.k_norm = nnx.RMSNorm(hd, epsilon=config.norm_eps, rngs=rngs)
         else:
             self.q_norm = self.k_norm = None
 
-    def __call__(self, x, positions, cache: tuple[jax.Array, jax.Array] | None, layer: int,
-                 block_tables: jax.Array | None = None, segment_ids: jax.Array | None = None):
+    def __call__(
+        self,
+        x,
+        positions,
+        cache: tuple[jax.Array, jax.Array] | None,
+        layer: int,
+        block_tables: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+    ):
         """``x: float[B, T, d_model]``; ``cache``: the whole ``(k, v)`` of the model, each
         ``[n_layers, B, n_kv_heads, S, head_dim]``, or None; ``layer``: this layer's index.
         Returns the output ``[B, T, d_model]`` and the updated ``(k, v)`` (None without a
@@ -362,8 +395,9 @@ class Attention(nnx.Module):
         if cache is None:
             keys, values = k, v
             idx = jnp.arange(length)
-            mask = jnp.broadcast_to(idx[None, :, None] >= idx[None, None, :],
-                                    (batch, length, length))  # [B, T, S=T]
+            mask = jnp.broadcast_to(
+                idx[None, :, None] >= idx[None, None, :], (batch, length, length)
+            )  # [B, T, S=T]
             if segment_ids is not None:
                 mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
         else:
@@ -375,9 +409,11 @@ class Attention(nnx.Module):
             rows = jnp.arange(batch)[:, None, None]
             heads = jnp.arange(cfg.n_kv_heads)[None, :, None]
             cache_k = cache_k.at[layer, rows, heads, write_at].set(
-                k.astype(cache_k.dtype), mode="drop")
+                k.astype(cache_k.dtype), mode="drop"
+            )
             cache_v = cache_v.at[layer, rows, heads, write_at].set(
-                v.astype(cache_v.dtype), mode="drop")
+                v.astype(cache_v.dtype), mode="drop"
+            )
             cache = (cache_k, cache_v)
             keys, values = cache_k[layer], cache_v[layer]  # [B, KVH, S, D]
             mask = jnp.arange(cache_len)[None, None, :] <= positions[:, :, None]  # [B, T, S]
@@ -385,13 +421,13 @@ class Attention(nnx.Module):
         # Query head h uses key/value head h // groups, as in the HF repeat_kv layout.
         q = q.reshape(batch, length, cfg.n_kv_heads, groups, cfg.head_dim)
         q = q.transpose(0, 2, 3, 1, 4).reshape(batch, cfg.n_kv_heads, groups * length, cfg.head_dim)
-        scores = jnp.einsum("bkqd,bksd->bkqs", q.astype(jnp.float32), keys.astype(jnp.float32),
-                            precision=_PRECISION) / math.sqrt(cfg.head_dim)
+        scores = jnp.einsum(
+            "bkqd,bksd->bkqs", q.astype(jnp.float32), keys.astype(jnp.float32), precision=_PRECISION
+        ) / math.sqrt(cfg.head_dim)
         scores = scores.reshape(batch, cfg.n_kv_heads, groups, length, -1)
         scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
         probs = jax.nn.softmax(scores, axis=-1).reshape(batch, cfg.n_kv_heads, groups * length, -1)
-        out = jnp.einsum("bkqs,bksd->bkqd", probs, values.astype(jnp.float32),
-                         precision=_PRECISION)
+        out = jnp.einsum("bkqs,bksd->bkqd", probs, values.astype(jnp.float32), precision=_PRECISION)
         out = out.reshape(batch, cfg.n_kv_heads, groups, length, cfg.head_dim)
         out = out.transpose(0, 3, 1, 2, 4).reshape(batch, length, cfg.n_heads * cfg.head_dim)
         return self.o_proj(out.astype(x.dtype)), cache
@@ -410,9 +446,11 @@ class Attention(nnx.Module):
         offset = safe % block_size
         # Indexed [layer, block[b, t], :, offset[b, t]]: the written slice is [B, T, KVH, D].
         pages_k = pages_k.at[layer, block, :, offset].set(
-            k.transpose(0, 2, 1, 3).astype(pages_k.dtype), mode="drop")
+            k.transpose(0, 2, 1, 3).astype(pages_k.dtype), mode="drop"
+        )
         pages_v = pages_v.at[layer, block, :, offset].set(
-            v.transpose(0, 2, 1, 3).astype(pages_v.dtype), mode="drop")
+            v.transpose(0, 2, 1, 3).astype(pages_v.dtype), mode="drop"
+        )
         span = block_tables.shape[1] * block_size
 
         def gather(pages):  # [B, NB, KVH, BS, D] -> [B, KVH, NB * BS, D]
@@ -423,16 +461,16 @@ class Attention(nnx.Module):
         mask = jnp.arange(span)[None, None, :] <= positions[:, :, None]  # [B, T, span]
         # The layout of the dense path: query head h uses key/value head h // groups.
         q = q.reshape(batch, length, cfg.n_kv_heads, groups, cfg.head_dim)
-        q = q.transpose(0, 2, 3, 1, 4).reshape(batch, cfg.n_kv_heads, groups * length,
-                                               cfg.head_dim)
-        scores = jnp.einsum("bkqd,bksd->bkqs", q.astype(jnp.float32), keys.astype(jnp.float32),
-                            precision=_PRECISION) / math.sqrt(cfg.head_dim)
+        q = q.transpose(0, 2, 3, 1, 4).reshape(batch, cfg.n_kv_heads, groups * length, cfg.head_dim)
+        scores = jnp.einsum(
+            "bkqd,bksd->bkqs", q.astype(jnp.float32), keys.astype(jnp.float32), precision=_PRECISION
+        ) / math.sqrt(cfg.head_dim)
         scores = scores.reshape(batch, cfg.n_kv_heads, groups, length, span)
         scores = jnp.where(mask[:, None, None], scores, _MASK_VALUE)
-        probs = jax.nn.softmax(scores, axis=-1).reshape(batch, cfg.n_kv_heads,
-                                                        groups * length, span)
-        out = jnp.einsum("bkqs,bksd->bkqd", probs, values.astype(jnp.float32),
-                         precision=_PRECISION)
+        probs = jax.nn.softmax(scores, axis=-1).reshape(
+            batch, cfg.n_kv_heads, groups * length, span
+        )
+        out = jnp.einsum("bkqs,bksd->bkqd", probs, values.astype(jnp.float32), precision=_PRECISION)
         out = out.reshape(batch, cfg.n_kv_heads, groups, length, cfg.head_dim)
         out = out.transpose(0, 3, 1, 2, 4).reshape(batch, length, cfg.n_heads * cfg.head_dim)
         return self.o_proj(out.astype(dtype)), (pages_k, pages_v)
@@ -460,13 +498,15 @@ class Block(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.input_layernorm = nnx.RMSNorm(config.d_model, epsilon=config.norm_eps, rngs=rngs)
         self.self_attn = Attention(config, rngs=rngs)
-        self.post_attention_layernorm = nnx.RMSNorm(config.d_model, epsilon=config.norm_eps,
-                                                    rngs=rngs)
+        self.post_attention_layernorm = nnx.RMSNorm(
+            config.d_model, epsilon=config.norm_eps, rngs=rngs
+        )
         self.mlp = MLP(config, rngs=rngs)
 
     def __call__(self, x, positions, cache, layer: int, block_tables=None, segment_ids=None):
-        attn_out, cache = self.self_attn(self.input_layernorm(x), positions, cache, layer,
-                                         block_tables, segment_ids)
+        attn_out, cache = self.self_attn(
+            self.input_layernorm(x), positions, cache, layer, block_tables, segment_ids
+        )
         x = x + attn_out
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, cache
@@ -477,22 +517,31 @@ class Transformer(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
-        self.embed_tokens = nnx.Embed(config.vocab_size, config.d_model,
-                                      embedding_init=_normal(0.02), rngs=rngs)
+        self.embed_tokens = nnx.Embed(
+            config.vocab_size, config.d_model, embedding_init=_normal(0.02), rngs=rngs
+        )
         self.layers = nnx.List([Block(config, rngs=rngs) for _ in range(config.n_layers)])
         self.norm = nnx.RMSNorm(config.d_model, epsilon=config.norm_eps, rngs=rngs)
         if config.tie_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nnx.Linear(config.d_model, config.vocab_size, use_bias=False,
-                                      kernel_init=_normal(0.02), rngs=rngs)
+            self.lm_head = nnx.Linear(
+                config.d_model,
+                config.vocab_size,
+                use_bias=False,
+                kernel_init=_normal(0.02),
+                rngs=rngs,
+            )
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array,
-                 kv_cache: KVCache | KVPages | None = None,
-                 block_tables: jax.Array | None = None,
-                 logit_index: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None
-                 ) -> tuple[jax.Array, KVCache | KVPages | None]:
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        kv_cache: KVCache | KVPages | None = None,
+        block_tables: jax.Array | None = None,
+        logit_index: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> tuple[jax.Array, KVCache | KVPages | None]:
         """Computes next-token logits for every input token (or one per row).
 
         Args:
@@ -532,27 +581,36 @@ class Transformer(nnx.Module):
         """
         if tokens.shape != positions.shape or tokens.ndim != 2:
             raise ValueError(
-                f"tokens {tokens.shape} and positions {positions.shape} must both be [B, T].")
-        if segment_ids is not None and (kv_cache is not None
-                                        or segment_ids.shape != tokens.shape):
+                f"tokens {tokens.shape} and positions {positions.shape} must both be [B, T]."
+            )
+        if segment_ids is not None and (kv_cache is not None or segment_ids.shape != tokens.shape):
             raise ValueError(
                 f"segment_ids {segment_ids.shape} go with a cache-free forward over tokens "
-                f"{tokens.shape} of the same shape; drop them for cached inference.")
+                f"{tokens.shape} of the same shape; drop them for cached inference."
+            )
         cfg = self.config
         paged = isinstance(kv_cache, KVPages)
         if paged != (block_tables is not None):
-            raise ValueError("A KVPages cache and block_tables go together: pass both (paged "
-                             "attention) or neither.")
+            raise ValueError(
+                "A KVPages cache and block_tables go together: pass both (paged "
+                "attention) or neither."
+            )
         if paged:
             expected = (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
             got = (kv_cache.k.shape[0], kv_cache.k.shape[2], kv_cache.k.shape[4])
-            if (kv_cache.k.ndim != 5 or got != expected or kv_cache.v.shape != kv_cache.k.shape
-                    or block_tables.ndim != 2 or block_tables.shape[0] != tokens.shape[0]):
+            if (
+                kv_cache.k.ndim != 5
+                or got != expected
+                or kv_cache.v.shape != kv_cache.k.shape
+                or block_tables.ndim != 2
+                or block_tables.shape[0] != tokens.shape[0]
+            ):
                 raise ValueError(
                     f"KVPages k {kv_cache.k.shape} / block_tables {block_tables.shape} do not "
                     f"fit [n_layers={cfg.n_layers}, blocks, n_kv_heads={cfg.n_kv_heads}, "
                     f"block_size, head_dim={cfg.head_dim}] and "
-                    f"[B={tokens.shape[0]}, NB]; build the cache with init_kv_pages(config, ...).")
+                    f"[B={tokens.shape[0]}, NB]; build the cache with init_kv_pages(config, ...)."
+                )
         elif kv_cache is not None:
             expected = (cfg.n_layers, tokens.shape[0], cfg.n_kv_heads, cfg.head_dim)
             got = (*kv_cache.k.shape[:3], kv_cache.k.shape[4])
@@ -561,7 +619,8 @@ class Transformer(nnx.Module):
                     f"KV cache k {kv_cache.k.shape} / v {kv_cache.v.shape} does not fit "
                     f"[n_layers={cfg.n_layers}, B={tokens.shape[0]}, "
                     f"n_kv_heads={cfg.n_kv_heads}, S, head_dim={cfg.head_dim}]; build it with "
-                    "init_kv_cache(config, batch_size).")
+                    "init_kv_cache(config, batch_size)."
+                )
 
         cache = None if kv_cache is None else (kv_cache.k, kv_cache.v)
         x, cache = self.hidden(tokens, positions, cache, block_tables, logit_index, segment_ids)
@@ -571,8 +630,9 @@ class Transformer(nnx.Module):
             new_cache = (KVPages if paged else KVCache)(k=cache[0], v=cache[1])
         return self.logits(x), new_cache
 
-    def hidden(self, tokens, positions, cache=None, block_tables=None, logit_index=None,
-               segment_ids=None):
+    def hidden(
+        self, tokens, positions, cache=None, block_tables=None, logit_index=None, segment_ids=None
+    ):
         """The blocks and the final norm, unchecked (``__call__`` checks the arguments):
         ``(hidden [B, T, d_model], cache as (k, v) arrays or None)``, ``hidden`` being what
         the LM head reads (only row b's token ``logit_index[b]`` with it: ``[B, 1, ...]``)."""
@@ -600,11 +660,16 @@ def init_model(config: ModelConfig, seed: int) -> tuple[nnx.GraphDef, nnx.State]
     return nnx.split(Transformer(config, rngs=nnx.Rngs(seed)))
 
 
-def forward(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array,
-            positions: jax.Array, kv_cache: KVCache | KVPages | None = None,
-            block_tables: jax.Array | None = None, logit_index: jax.Array | None = None,
-            segment_ids: jax.Array | None = None
-            ) -> tuple[jax.Array, KVCache | KVPages | None]:
+def forward(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    tokens: jax.Array,
+    positions: jax.Array,
+    kv_cache: KVCache | KVPages | None = None,
+    block_tables: jax.Array | None = None,
+    logit_index: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+) -> tuple[jax.Array, KVCache | KVPages | None]:
     """Functional ``Transformer.__call__``: merges ``graphdef`` and ``state`` and runs the
     model. Pure, so it can be wrapped in ``jax.jit`` (with ``graphdef`` static or closed
     over). Arguments and return value are those of ``Transformer.__call__``."""
@@ -612,9 +677,13 @@ def forward(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array,
     return model(tokens, positions, kv_cache, block_tables, logit_index, segment_ids)
 
 
-def forward_with_hidden(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array,
-                        positions: jax.Array, segment_ids: jax.Array | None = None
-                        ) -> tuple[jax.Array, jax.Array]:
+def forward_with_hidden(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    tokens: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """Cache-free ``forward`` that also returns the final hidden state: ``(logits
     float32[B, T, vocab_size], hidden [B, T, d_model])``, ``hidden`` being the output of
     the final norm, what the LM head reads (a PPO value head reads it too,

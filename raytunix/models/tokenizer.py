@@ -29,8 +29,18 @@ from typing import Any
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-SPECIAL_TOKENS = ("<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|end|>",
-                  "<tool_call>", "</tool_call>", "<answer>", "</answer>")
+SPECIAL_TOKENS = (
+    "<|pad|>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|tool|>",
+    "<|end|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<answer>",
+    "</answer>",
+)
 """Special tokens, with ids 0..9 in this order in every raytunix tokenizer."""
 
 # Tokens a pre-tokenizer may add to a text (a prefix space or a metaspace, in up to three
@@ -39,10 +49,12 @@ PREFIX_TOKENS_BOUND = 4
 
 
 def _pre_tokenizer() -> pre_tokenizers.PreTokenizer:
-    return pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
 
 
 def _byte_chars() -> list[str]:
@@ -51,8 +63,11 @@ def _byte_chars() -> list[str]:
     Printable Latin-1 bytes stand for themselves; the others are shifted to code points
     256 and up (the GPT-2 ``bytes_to_unicode`` table, Radford et al. 2019).
     """
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     chars, shifted = {}, 0
     for byte in range(256):
         if byte in printable:
@@ -85,8 +100,14 @@ class Tokenizer:
     Hugging Face model folder's tokenizer).
     """
 
-    def __init__(self, tokenizer: tokenizers.Tokenizer, *, pad_id: int | None = None,
-                 end_id: int | None = None, stop_ids: Sequence[int] = ()):
+    def __init__(
+        self,
+        tokenizer: tokenizers.Tokenizer,
+        *,
+        pad_id: int | None = None,
+        end_id: int | None = None,
+        stop_ids: Sequence[int] = (),
+    ):
         """Wraps an existing ``tokenizers.Tokenizer``.
 
         Args:
@@ -104,8 +125,10 @@ class Tokenizer:
             ``pad_id``/``end_id`` is given, or an id is outside the vocabulary.
         """
         if (pad_id is None) != (end_id is None):
-            raise ValueError(f"Tokenizer: pad_id={pad_id} and end_id={end_id} go together; "
-                             "give both (a model's own tokenizer) or neither (a raytunix one).")
+            raise ValueError(
+                f"Tokenizer: pad_id={pad_id} and end_id={end_id} go together; "
+                "give both (a model's own tokenizer) or neither (a raytunix one)."
+            )
         if pad_id is None:
             for expected_id, token in enumerate(SPECIAL_TOKENS):
                 got = tokenizer.token_to_id(token)
@@ -114,22 +137,31 @@ class Tokenizer:
                         f"Special token {token!r} has id {got}, expected {expected_id}; a "
                         "raytunix tokenizer must hold SPECIAL_TOKENS at ids 0..9. Build it "
                         "with Tokenizer.train or Tokenizer.byte_level, or read a model's own "
-                        "with Tokenizer.from_folder.")
+                        "with Tokenizer.from_folder."
+                    )
             pad_id, end_id = SPECIAL_TOKENS.index("<|pad|>"), SPECIAL_TOKENS.index("<|end|>")
         size = tokenizer.get_vocab_size(with_added_tokens=True)
-        for name, value in (("pad_id", pad_id), ("end_id", end_id),
-                            *(("stop_ids", i) for i in stop_ids)):
+        for name, value in (
+            ("pad_id", pad_id),
+            ("end_id", end_id),
+            *(("stop_ids", i) for i in stop_ids),
+        ):
             if not isinstance(value, int) or not 0 <= value < size:
-                raise ValueError(f"Tokenizer: {name} {value!r} is not an id of this "
-                                 f"{size}-token vocabulary.")
+                raise ValueError(
+                    f"Tokenizer: {name} {value!r} is not an id of this {size}-token vocabulary."
+                )
         self._tokenizer = tokenizer
         self._plain = _plain_text_copy(tokenizer)
         self._pad_id, self._end_id = pad_id, end_id
         self._stop_ids = tuple(dict.fromkeys([end_id, *stop_ids]))
 
     def __getstate__(self) -> dict:
-        return {"tokenizer": self._tokenizer, "pad_id": self._pad_id, "end_id": self._end_id,
-                "stop_ids": self._stop_ids}
+        return {
+            "tokenizer": self._tokenizer,
+            "pad_id": self._pad_id,
+            "end_id": self._end_id,
+            "stop_ids": self._stop_ids,
+        }
 
     def __setstate__(self, state: dict) -> None:
         # Rebuilt, not pickled: ``encode_special_tokens`` does not survive a pickle.
@@ -156,7 +188,8 @@ class Tokenizer:
         if vocab_size < minimum:
             raise ValueError(
                 f"vocab_size={vocab_size} is too small: it must be at least {minimum} "
-                f"({len(SPECIAL_TOKENS)} special tokens + 256 byte tokens).")
+                f"({len(SPECIAL_TOKENS)} special tokens + 256 byte tokens)."
+            )
         tok = _empty_tokenizer(models.BPE())
         trainer = trainers.BpeTrainer(
             vocab_size=vocab_size,
@@ -183,8 +216,9 @@ class Tokenizer:
         extra = list(extra_special_tokens)
         clash = [t for t in extra if t in SPECIAL_TOKENS or extra.count(t) > 1]
         if clash:
-            raise ValueError(f"extra_special_tokens {clash} repeat a special token; list each "
-                             "new token once.")
+            raise ValueError(
+                f"extra_special_tokens {clash} repeat a special token; list each new token once."
+            )
         vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
         for char in _byte_chars():
             vocab[char] = len(vocab)
@@ -228,8 +262,9 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of ``ids``; bytes that do not form valid UTF-8 become U+FFFD."""
-        return self._tokenizer.decode([int(i) for i in ids],
-                                      skip_special_tokens=skip_special_tokens)
+        return self._tokenizer.decode(
+            [int(i) for i in ids], skip_special_tokens=skip_special_tokens
+        )
 
     def token_to_id(self, token: str) -> int:
         """Id of one token string, e.g. ``"<|end|>"``.
@@ -240,7 +275,8 @@ class Tokenizer:
         token_id = self._tokenizer.token_to_id(token)
         if token_id is None:
             raise ValueError(
-                f"Token {token!r} is not in the vocabulary; use encode() for arbitrary text.")
+                f"Token {token!r} is not in the vocabulary; use encode() for arbitrary text."
+            )
         return token_id
 
     @property
@@ -279,7 +315,8 @@ class Tokenizer:
         """
         if not os.path.isfile(path):
             raise FileNotFoundError(
-                f"No tokenizer file at {path!r}; write one with Tokenizer.save(path).")
+                f"No tokenizer file at {path!r}; write one with Tokenizer.save(path)."
+            )
         return cls(tokenizers.Tokenizer.from_file(path))
 
     @classmethod
@@ -306,7 +343,8 @@ class Tokenizer:
         if not os.path.isfile(tokenizer_file):
             raise FileNotFoundError(
                 f"No tokenizer.json in {folder!r}; a model folder needs the tokenizer.json "
-                "its Hugging Face tokenizer saves (tokenizer.save_pretrained(folder)).")
+                "its Hugging Face tokenizer saves (tokenizer.save_pretrained(folder))."
+            )
         tok = tokenizers.Tokenizer.from_file(tokenizer_file)
         config = _read_json_if_present(os.path.join(folder, "tokenizer_config.json"))
         generation = _read_json_if_present(os.path.join(folder, "generation_config.json"))
@@ -318,20 +356,26 @@ class Tokenizer:
                 return None
             found = tok.token_to_id(text)
             if found is None:
-                raise ValueError(f"{key} {text!r} of {folder}/tokenizer_config.json is not a "
-                                 f"token of {tokenizer_file}; fix one of the two files.")
+                raise ValueError(
+                    f"{key} {text!r} of {folder}/tokenizer_config.json is not a "
+                    f"token of {tokenizer_file}; fix one of the two files."
+                )
             return found
 
         def ids(key: str) -> list[int]:
             value = generation.get(key)
-            return [value] if isinstance(value, int) else [
-                i for i in value or [] if isinstance(i, int)]
+            return (
+                [value]
+                if isinstance(value, int)
+                else [i for i in value or [] if isinstance(i, int)]
+            )
 
         end_ids = [i for i in [token_id("eos_token"), *ids("eos_token_id")] if i is not None]
         if not end_ids:
             raise ValueError(
                 f"{folder!r} names no end-of-sequence token: set eos_token in "
-                "tokenizer_config.json or eos_token_id in generation_config.json.")
+                "tokenizer_config.json or eos_token_id in generation_config.json."
+            )
         pad_id = token_id("pad_token")
         if pad_id is None:
             pad_id = next(iter(ids("pad_token_id")), end_ids[0])

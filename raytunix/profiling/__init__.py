@@ -19,8 +19,17 @@ from raytunix.profiling.spans import (
     span,
 )
 
-__all__ = ["ProfiledActor", "Recorder", "add", "configure", "current_flow", "enabled", "recorder", "span",
-           "write_artifacts"]
+__all__ = [
+    "ProfiledActor",
+    "Recorder",
+    "add",
+    "configure",
+    "current_flow",
+    "enabled",
+    "recorder",
+    "span",
+    "write_artifacts",
+]
 
 
 ARTIFACTS = {"report": "report.txt", "trace": "trace.json", "plot": "profile.png"}
@@ -63,11 +72,14 @@ def write_artifacts(run_dir: str, out_dir: str | None = None, log_errors: bool =
         from raytunix.profiling.report import render_report
 
         text, verdict = render_report(run_dir)
-        out.update(report_text=text, bottleneck=verdict.resource,
-                   bottleneck_summary=verdict.summary)
+        out.update(
+            report_text=text, bottleneck=verdict.resource, bottleneck_summary=verdict.summary
+        )
         if verdict.learning is not None:
-            out.update(learning_signal=verdict.learning.signal,
-                       learning_signal_summary=verdict.learning.summary)
+            out.update(
+                learning_signal=verdict.learning.signal,
+                learning_signal_summary=verdict.learning.summary,
+            )
         with open(path, "w") as f:
             f.write(text)
         return path

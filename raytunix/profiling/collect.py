@@ -35,8 +35,7 @@ def spans_path(run_dir: str) -> str:
     return os.path.join(run_dir, "profile", "spans.jsonl")
 
 
-_ORJSON_OPTIONS = (orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
-                   | orjson.OPT_APPEND_NEWLINE)
+_ORJSON_OPTIONS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE
 
 
 def dumps_line(obj: Any) -> bytes:
@@ -95,8 +94,10 @@ def append_jsonl(path: str, lines: Iterable[str | bytes]) -> None:
         if f.seek(0, os.SEEK_END) > 0:
             f.seek(-1, os.SEEK_END)
             torn = f.read(1) != b"\n"
-        f.write((b"\n" if torn else b"") + b"".join(
-            line if isinstance(line, bytes) else line.encode() for line in lines))
+        f.write(
+            (b"\n" if torn else b"")
+            + b"".join(line if isinstance(line, bytes) else line.encode() for line in lines)
+        )
 
 
 def is_rl_step(step: Any) -> bool:
@@ -137,8 +138,14 @@ class Collector:
       ValueError: ``min_window_s`` is negative.
     """
 
-    def __init__(self, run_dir: str, actors: ActorList, max_batch_size: int | None = None,
-                 timeout_s: float = DRAIN_TIMEOUT_S, min_window_s: float = 0.0):
+    def __init__(
+        self,
+        run_dir: str,
+        actors: ActorList,
+        max_batch_size: int | None = None,
+        timeout_s: float = DRAIN_TIMEOUT_S,
+        min_window_s: float = 0.0,
+    ):
         if not min_window_s >= 0:
             raise ValueError(f"min_window_s must be >= 0 seconds, got {min_window_s!r}")
         self.path = spans_path(run_dir)
@@ -162,8 +169,7 @@ class Collector:
         (``window``) at the end of the first step for which this holds, and at its last."""
         return time.perf_counter() - self._window_start >= self.min_window_s
 
-    def drain(self, phase: str, step: int, timeout_s: float | None = None
-              ) -> list[dict[str, Any]]:
+    def drain(self, phase: str, step: int, timeout_s: float | None = None) -> list[dict[str, Any]]:
         """Drains every process, appends the chunks to ``spans.jsonl``, returns them; an
         actor that does not answer within ``timeout_s`` (default: the collector's) is
         skipped."""
@@ -179,8 +185,7 @@ class Collector:
                 self._warn(name, e)
         chunks = []
         if refs:
-            ready, _ = ray.wait([ref for _, ref in refs], num_returns=len(refs),
-                                timeout=timeout_s)
+            ready, _ = ray.wait([ref for _, ref in refs], num_returns=len(refs), timeout=timeout_s)
             ready = set(ready)
             for name, ref in refs:
                 if ref not in ready:
@@ -188,22 +193,27 @@ class Collector:
                     continue
                 try:
                     chunk = spans.decode_chunk(ray.get(ref))
-                except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError,
-                        TypeError, pickle.UnpicklingError, EOFError) as e:
+                except (
+                    ray.exceptions.RayActorError,
+                    ray.exceptions.RayTaskError,
+                    TypeError,
+                    pickle.UnpicklingError,
+                    EOFError,
+                ) as e:
                     self._warn(name, e)
                     continue
                 chunk["process"] = name
                 chunks.append(chunk)
         chunks.append(spans.recorder().drain())
         try:
-            append_jsonl(self.path, (dumps_line(dict(chunk, phase=phase, step=step))
-                                     for chunk in chunks))
+            append_jsonl(
+                self.path, (dumps_line(dict(chunk, phase=phase, step=step)) for chunk in chunks)
+            )
         except OSError as e:  # a full disk must not stop training
             self._warn("spans.jsonl", e)
         return chunks
 
-    def window(self, phase: str, step: int, timeout_s: float | None = None
-               ) -> dict[str, float]:
+    def window(self, phase: str, step: int, timeout_s: float | None = None) -> dict[str, float]:
         """Drains (``drain``, with ``timeout_s``) and returns the metrics of the window
         ending now; the next window starts.
 
@@ -228,15 +238,21 @@ class Collector:
         self._window_start = now
         # Profiling's own cost in the driver, counted in the next window: its wall time
         # is mostly waiting for the actors; ``cpu_s`` is the work done here.
-        spans.add("profile_collect", start, time.perf_counter(), "profiling",
-                  {"chunks": len(self.last_span_counts), "cpu_s": time.process_time() - cpu})
+        spans.add(
+            "profile_collect",
+            start,
+            time.perf_counter(),
+            "profiling",
+            {"chunks": len(self.last_span_counts), "cpu_s": time.process_time() - cpu},
+        )
         return metrics
 
     def _warn(self, name: str, error: BaseException) -> None:
         if name not in self._warned:
             self._warned.add(name)
-            logger.warning("profiling: skipped %s (%r); its spans of this window are lost",
-                           name, error)
+            logger.warning(
+                "profiling: skipped %s (%r); its spans of this window are lost", name, error
+            )
 
 
 def _jsonable(value: Any) -> Any:

@@ -65,7 +65,7 @@ def no_signal(record: dict[str, Any], threshold: float) -> bool | None:
 
 
 def _equal_rewards(shares: list[float], threshold: float) -> str:
-    """"every group's rewards were equal" or "at least 90% of groups had equal rewards"."""
+    """ "every group's rewards were equal" or "at least 90% of groups had equal rewards"."""
     if all(share >= 1.0 for share in shares):
         return "every group's rewards were equal"
     return f"at least {threshold:.0%} of groups had equal rewards"
@@ -77,10 +77,12 @@ def _capital(text: str) -> str:
 
 def remedies(dynamic_sampling: bool) -> str:
     """The three ways out of a run without learning signal, as one sentence."""
-    sampling = ("make dynamic sampling find more groups whose rewards differ (it is on: "
-                "rollout.dynamic_sampling; raise rollout.dynamic_sampling_max_filtered)"
-                if dynamic_sampling else
-                "enable dynamic sampling (rollout.dynamic_sampling=true)")
+    sampling = (
+        "make dynamic sampling find more groups whose rewards differ (it is on: "
+        "rollout.dynamic_sampling; raise rollout.dynamic_sampling_max_filtered)"
+        if dynamic_sampling
+        else "enable dynamic sampling (rollout.dynamic_sampling=true)"
+    )
     return f"add a warm start, shape the reward, or {sampling}"
 
 
@@ -102,15 +104,19 @@ class SignalWatch:
     in_a_row: int = dataclasses.field(default=0, init=False)
     warned: bool = dataclasses.field(default=False, init=False)
     # (zero-variance share, mean reward) of the steps in a row without signal, newest last
-    _recent: list[tuple[float, float]] = dataclasses.field(default_factory=list, init=False,
-                                                           repr=False)
+    _recent: list[tuple[float, float]] = dataclasses.field(
+        default_factory=list, init=False, repr=False
+    )
 
     @classmethod
     def from_config(cls, cfg: Any) -> SignalWatch:
         """The watch of a run's ``Config``; off (``steps`` 0) for a GAE run."""
         group_relative = cfg.learner.advantage_estimator in GROUP_RELATIVE
-        return cls(cfg.run.no_signal_fraction, cfg.run.no_signal_steps if group_relative else 0,
-                   cfg.rollout.dynamic_sampling)
+        return cls(
+            cfg.run.no_signal_fraction,
+            cfg.run.no_signal_steps if group_relative else 0,
+            cfg.rollout.dynamic_sampling,
+        )
 
     def observe(self, step: int, record: dict[str, Any]) -> dict[str, Any] | None:
         """Takes RL step ``step``'s record; returns a ``{"phase": "learning_signal"}``
@@ -124,8 +130,9 @@ class SignalWatch:
         if none:
             self.in_a_row += 1
             reward = _finite(record.get("reward_mean"))
-            self._recent = (self._recent + [(share, math.nan if reward is None else reward)]
-                            )[-self.steps:]
+            self._recent = (self._recent + [(share, math.nan if reward is None else reward)])[
+                -self.steps :
+            ]
             if self.warned or self.in_a_row < self.steps:
                 return None
             self.warned = True
@@ -137,21 +144,30 @@ class SignalWatch:
                 f"advantage in those groups is 0, so the updates learn nothing. "
                 f"{_capital(remedies(self.dynamic_sampling))}. The run goes on; report.txt "
                 f"says more (run.no_signal_fraction={self.threshold:g}, "
-                f"run.no_signal_steps={self.steps}).")
+                f"run.no_signal_steps={self.steps})."
+            )
             return self._record(step, False, share, message)
         self.in_a_row, self._recent = 0, []
         if not self.warned:
             return None
         self.warned = False
-        message = (f"learning signal back at RL step {step}: {share:.0%} of its groups had "
-                   f"equal rewards (below run.no_signal_fraction={self.threshold:g}).")
+        message = (
+            f"learning signal back at RL step {step}: {share:.0%} of its groups had "
+            f"equal rewards (below run.no_signal_fraction={self.threshold:g})."
+        )
         return self._record(step, True, share, message)
 
     def _record(self, step: int, signal: bool, share: float, message: str) -> dict[str, Any]:
-        return {"phase": "learning_signal", "step": step, "signal": signal,
-                "steps_in_a_row": self.in_a_row, ZERO_VARIANCE: share,
-                "no_signal_fraction": self.threshold, "no_signal_steps": self.steps,
-                "message": message}
+        return {
+            "phase": "learning_signal",
+            "step": step,
+            "signal": signal,
+            "steps_in_a_row": self.in_a_row,
+            ZERO_VARIANCE: share,
+            "no_signal_fraction": self.threshold,
+            "no_signal_steps": self.steps,
+            "message": message,
+        }
 
 
 @dataclasses.dataclass
@@ -174,8 +190,14 @@ class LearningVerdict:
     advice: list[str]
 
 
-_MEANS = ("zero_variance_group_fraction", "format_error_fraction", "tool_error_fraction",
-          "truncated_fraction", "reward_mean", "grad_norm")
+_MEANS = (
+    "zero_variance_group_fraction",
+    "format_error_fraction",
+    "tool_error_fraction",
+    "truncated_fraction",
+    "reward_mean",
+    "grad_norm",
+)
 
 
 def _means(steps: list[dict[str, Any]]) -> dict[str, float]:
@@ -189,8 +211,9 @@ def _means(steps: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-def judge_learning(steps: list[dict[str, Any]], settings: dict[str, Any] | None = None,
-                   warm_started: bool = False) -> LearningVerdict:
+def judge_learning(
+    steps: list[dict[str, Any]], settings: dict[str, Any] | None = None, warm_started: bool = False
+) -> LearningVerdict:
     """The learning verdict from a run's RL step records (``collect.rl_steps``).
 
     Args:
@@ -203,73 +226,112 @@ def judge_learning(steps: list[dict[str, Any]], settings: dict[str, Any] | None 
     threshold = float(_setting(settings, "run.no_signal_fraction"))
     judged = [s for s in steps if no_signal(s, threshold) is not None]
     if not judged:
-        return LearningVerdict("unknown", "no RL step record has zero_variance_group_fraction "
-                               "(none logged yet, or a run from before it was logged).", {}, [])
+        return LearningVerdict(
+            "unknown",
+            "no RL step record has zero_variance_group_fraction "
+            "(none logged yet, or a run from before it was logged).",
+            {},
+            [],
+        )
     means = _means(judged)
     without = [s for s in judged if no_signal(s, threshold)]
-    evidence = {**means, "steps_without_signal": float(len(without)),
-                "steps_judged": float(len(judged))}
+    evidence = {
+        **means,
+        "steps_without_signal": float(len(without)),
+        "steps_judged": float(len(judged)),
+    }
     rewards = [_finite(s.get("reward_mean")) for s in judged]
     if rewards[0] is not None and rewards[-1] is not None:
         evidence.update(reward_mean_first=rewards[0], reward_mean_last=rewards[-1])
     estimator = _setting(settings, "learner.advantage_estimator")
     if estimator not in GROUP_RELATIVE:
-        return LearningVerdict("unknown", (
-            f"learner.advantage_estimator={estimator}: its advantages come from a value "
-            "estimate, which equal rewards within a group do not zero; read the numbers "
-            "below."), evidence, [])
+        return LearningVerdict(
+            "unknown",
+            (
+                f"learner.advantage_estimator={estimator}: its advantages come from a value "
+                "estimate, which equal rewards within a group do not zero; read the numbers "
+                "below."
+            ),
+            evidence,
+            [],
+        )
     if means[ZERO_VARIANCE] < threshold:
-        return LearningVerdict("ok", (
-            f"learning signal: {means[ZERO_VARIANCE]:.0%} of groups had equal rewards "
-            f"(below run.no_signal_fraction={threshold:g}); {len(without)} of {len(judged)} "
-            f"RL steps had none."), evidence, [])
+        return LearningVerdict(
+            "ok",
+            (
+                f"learning signal: {means[ZERO_VARIANCE]:.0%} of groups had equal rewards "
+                f"(below run.no_signal_fraction={threshold:g}); {len(without)} of {len(judged)} "
+                f"RL steps had none."
+            ),
+            evidence,
+            [],
+        )
     never = all(r == 0.0 for r in rewards)
     advice = _no_signal_advice(means, settings, warm_started)
     # A mean at or over the threshold has at least one step at or over it.
     equal = _equal_rewards([float(s[ZERO_VARIANCE]) for s in without], threshold)
-    summary = (f"no learning signal: {equal} on {len(without)} of {len(judged)} RL steps (mean reward "
-               f"{means.get('reward_mean', float('nan')):.3f}"
-               f"{', no trajectory earned any reward' if never else ''}): every advantage in "
-               f"those groups is 0, so the updates learned nothing; "
-               f"{remedies(bool(_setting(settings, 'rollout.dynamic_sampling')))}.")
+    summary = (
+        f"no learning signal: {equal} on {len(without)} of {len(judged)} RL steps (mean reward "
+        f"{means.get('reward_mean', float('nan')):.3f}"
+        f"{', no trajectory earned any reward' if never else ''}): every advantage in "
+        f"those groups is 0, so the updates learned nothing; "
+        f"{remedies(bool(_setting(settings, 'rollout.dynamic_sampling')))}."
+    )
     return LearningVerdict("none", summary, evidence, advice)
 
 
-def _no_signal_advice(means: dict[str, float], settings: dict[str, Any],
-                      warm_started: bool) -> list[str]:
+def _no_signal_advice(
+    means: dict[str, float], settings: dict[str, Any], warm_started: bool
+) -> list[str]:
     """What to change in a run without learning signal, likeliest cause first."""
     advice = []
     formats = means.get("format_error_fraction", 0.0)
     if formats >= MOSTLY:
-        advice.append(f"{formats:.0%} of trajectories had format errors (a turn with no "
-                      "answer or tool call, or several): the policy has not learned the reply "
-                      "format, which a warm start on demonstrations teaches")
+        advice.append(
+            f"{formats:.0%} of trajectories had format errors (a turn with no "
+            "answer or tool call, or several): the policy has not learned the reply "
+            "format, which a warm start on demonstrations teaches"
+        )
     truncated = means.get("truncated_fraction", 0.0)
     if truncated >= MOSTLY:
-        advice.append(f"{truncated:.0%} of trajectories were truncated: raise "
-                      f"rollout.max_new_tokens ({_setting(settings, 'rollout.max_new_tokens')}) "
-                      f"or env.max_turns ({_setting(settings, 'env.max_turns')})")
+        advice.append(
+            f"{truncated:.0%} of trajectories were truncated: raise "
+            f"rollout.max_new_tokens ({_setting(settings, 'rollout.max_new_tokens')}) "
+            f"or env.max_turns ({_setting(settings, 'env.max_turns')})"
+        )
     if warm_started:
-        advice.append(f"a longer warm start (warmup.max_steps "
-                      f"{_setting(settings, 'warmup.max_steps')} -> more): the policy it "
-                      "left earns too little reward for its samples to differ")
+        advice.append(
+            f"a longer warm start (warmup.max_steps "
+            f"{_setting(settings, 'warmup.max_steps')} -> more): the policy it "
+            "left earns too little reward for its samples to differ"
+        )
     else:
-        advice.append("add a warm start: supervised steps on demonstrations of the task "
-                      "before RL, so that some samples earn reward (warmup.enabled; its "
-                      "synthetic demonstrations cover the arithmetic tasks only)")
-    advice.append("shape the reward: partial credit (for the format, for progress, for "
-                  "being close) makes the samples of a group differ")
+        advice.append(
+            "add a warm start: supervised steps on demonstrations of the task "
+            "before RL, so that some samples earn reward (warmup.enabled; its "
+            "synthetic demonstrations cover the arithmetic tasks only)"
+        )
+    advice.append(
+        "shape the reward: partial credit (for the format, for progress, for "
+        "being close) makes the samples of a group differ"
+    )
     if _setting(settings, "rollout.dynamic_sampling"):
-        advice.append("dynamic sampling is on (rollout.dynamic_sampling) and still found too "
-                      "few groups whose rewards differ: raise "
-                      "rollout.dynamic_sampling_max_filtered, or fix the causes above first")
+        advice.append(
+            "dynamic sampling is on (rollout.dynamic_sampling) and still found too "
+            "few groups whose rewards differ: raise "
+            "rollout.dynamic_sampling_max_filtered, or fix the causes above first"
+        )
     else:
-        advice.append("enable dynamic sampling (rollout.dynamic_sampling=true): groups whose "
-                      "rewards are all equal are filtered and other tasks sampled in their "
-                      "place (at most rollout.dynamic_sampling_max_filtered per batch)")
+        advice.append(
+            "enable dynamic sampling (rollout.dynamic_sampling=true): groups whose "
+            "rewards are all equal are filtered and other tasks sampled in their "
+            "place (at most rollout.dynamic_sampling_max_filtered per batch)"
+        )
     size = _setting(settings, "rollout.group_size")
-    advice.append(f"more samples per task (rollout.group_size {size} -> {2 * int(size)}): more "
-                  "chances that one of them earns a different reward")
+    advice.append(
+        f"more samples per task (rollout.group_size {size} -> {2 * int(size)}): more "
+        "chances that one of them earns a different reward"
+    )
     return advice
 
 
@@ -294,11 +356,18 @@ def learning_lines(verdict: LearningVerdict) -> list[str]:
         lines += [f"  - {a}" for a in verdict.advice] + [""]
     e = verdict.evidence
     lines.append(f"Learning signal, means over {e['steps_judged']:.0f} RL step(s):")
-    lines += [f"  {label:<42} {e[key]:.1%}" if fmt == "pct" else f"  {label:<42} {e[key]:.4g}"
-              for key, label, fmt in _ROWS if key in e]
-    lines.append(f"  {'RL steps without signal':<42} {e['steps_without_signal']:.0f} of "
-                 f"{e['steps_judged']:.0f}")
+    lines += [
+        f"  {label:<42} {e[key]:.1%}" if fmt == "pct" else f"  {label:<42} {e[key]:.4g}"
+        for key, label, fmt in _ROWS
+        if key in e
+    ]
+    lines.append(
+        f"  {'RL steps without signal':<42} {e['steps_without_signal']:.0f} of "
+        f"{e['steps_judged']:.0f}"
+    )
     if "reward_mean_first" in e:
-        lines.append(f"  {'mean reward, first step -> last':<42} {e['reward_mean_first']:.4g} "
-                     f"-> {e['reward_mean_last']:.4g}")
+        lines.append(
+            f"  {'mean reward, first step -> last':<42} {e['reward_mean_first']:.4g} "
+            f"-> {e['reward_mean_last']:.4g}"
+        )
     return lines + [""]

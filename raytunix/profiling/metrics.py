@@ -139,12 +139,21 @@ def summarize(chunk: dict[str, Any]) -> dict[str, Any]:
         elif name == "profile_collect":
             collect_cpu_s += float(args.get("cpu_s", 0.0))
     out = {key: chunk[key] for key in SUMMARY_HEADER if key in chunk}
-    out.update(spans=len(spans), seconds=seconds, counts=counts,
-               engine_steps=any(name in counts for name in ENGINE_STEP_SPANS),
-               decode_rows=rows, queued_s=queued, generated_tokens=tokens,
-               episode_generate_s=generate_s, episode_env_s=env_s,
-               tool_latency_s=tool_latency, tool_errors=tool_errors, env_step_s=env_steps,
-               collect_cpu_s=collect_cpu_s)
+    out.update(
+        spans=len(spans),
+        seconds=seconds,
+        counts=counts,
+        engine_steps=any(name in counts for name in ENGINE_STEP_SPANS),
+        decode_rows=rows,
+        queued_s=queued,
+        generated_tokens=tokens,
+        episode_generate_s=generate_s,
+        episode_env_s=env_s,
+        tool_latency_s=tool_latency,
+        tool_errors=tool_errors,
+        env_step_s=env_steps,
+        collect_cpu_s=collect_cpu_s,
+    )
     return out
 
 
@@ -262,14 +271,20 @@ class WindowMetrics:
         own = seconds["profile_drain"] + collect_cpu_s
         if own:
             out["profiling_cpu_s"] = own
-        for name in ("weight_publish", "checkpoint", "object_store_get", "object_store_put",
-                     "batch_pack"):
+        for name in (
+            "weight_publish",
+            "checkpoint",
+            "object_store_get",
+            "object_store_put",
+            "batch_pack",
+        ):
             if counts[name]:
                 out[f"{name}_s"] = seconds[name]
         return {k: v for k, v in out.items() if math.isfinite(v)}
 
-    def _cpu_fraction(self, key: tuple, summary: dict[str, Any], kind: str,
-                      cpu: dict[str, list[float]]) -> None:
+    def _cpu_fraction(
+        self, key: tuple, summary: dict[str, Any], kind: str, cpu: dict[str, list[float]]
+    ) -> None:
         if "cpu_s" not in summary or "now_s" not in summary:
             return
         now = (float(summary["cpu_s"]), float(summary["now_s"]))

@@ -52,8 +52,10 @@ def write_plots(run_dir: str, out_path: str | None = None) -> str:
     from matplotlib.ticker import MaxNLocator
 
     if not os.path.isdir(run_dir):
-        raise FileNotFoundError(f"no run directory at {run_dir!r}: pass the directory "
-                                f"`raytunix train` made (it holds {METRICS_FILE})")
+        raise FileNotFoundError(
+            f"no run directory at {run_dir!r}: pass the directory "
+            f"`raytunix train` made (it holds {METRICS_FILE})"
+        )
     records = list(read_jsonl(os.path.join(run_dir, METRICS_FILE)))
     steps = rl_steps(records)
     evals = {r.get("when"): r for r in records if r.get("phase") == "eval"}
@@ -98,8 +100,9 @@ def _series(steps: list[dict[str, Any]], key: str) -> tuple[list[int], list[floa
 
 
 def _note(ax, text: str) -> None:
-    ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center",
-            fontsize=12, color="0.4")
+    ax.text(
+        0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", fontsize=12, color="0.4"
+    )
 
 
 def _plot_lines(ax, steps, keys_labels) -> bool:
@@ -116,11 +119,14 @@ def _plot_lines(ax, steps, keys_labels) -> bool:
 def _plot_learning(ax, steps, evals) -> None:
     ax.set_title("reward and tool use per RL step")
     ax.set_xlabel("RL step")
-    drawn = _plot_lines(ax, steps, [("reward_mean", "reward mean"),
-                                    ("tool_use_rate", "tool use rate")])
+    drawn = _plot_lines(
+        ax, steps, [("reward_mean", "reward mean"), ("tool_use_rate", "tool use rate")]
+    )
     last_step = steps[-1]["step"] if steps else 0
-    for when, x, marker, label in (("before_rl", 0, "o", "held-out success before RL"),
-                                   ("after_rl", last_step, "*", "held-out success after RL")):
+    for when, x, marker, label in (
+        ("before_rl", 0, "o", "held-out success before RL"),
+        ("after_rl", last_step, "*", "held-out success after RL"),
+    ):
         y = _number(evals.get(when, {}).get("success_rate"))
         if y is not None:
             ax.plot([x], [y], marker=marker, markersize=12, linestyle="none", label=label)
@@ -153,8 +159,11 @@ def _plot_throughput(ax, steps) -> None:
 def _plot_busy(ax, steps) -> None:
     ax.set_title("busy fractions")
     ax.set_xlabel("RL step")
-    keys = [("engine_busy_fraction", "engine busy"), ("learner_busy_fraction", "learner busy"),
-            ("orchestrator_cpu_fraction", "orchestrator CPU")]
+    keys = [
+        ("engine_busy_fraction", "engine busy"),
+        ("learner_busy_fraction", "learner busy"),
+        ("orchestrator_cpu_fraction", "orchestrator CPU"),
+    ]
     if _plot_lines(ax, steps, keys):
         top = max([1.0] + [y for k, _ in keys for y in _series(steps, k)[1]])
         ax.set_ylim(0.0, 1.05 * top)
@@ -166,8 +175,9 @@ def _plot_busy(ax, steps) -> None:
 EPISODE_PHASES = ("rl", "eval")  # drains holding the episodes' tool calls
 
 
-def tool_latencies(path: str, phases: Sequence[str] | None = EPISODE_PHASES,
-                   skipped: list[int] | None = None) -> dict[str, list[float]]:
+def tool_latencies(
+    path: str, phases: Sequence[str] | None = EPISODE_PHASES, skipped: list[int] | None = None
+) -> dict[str, list[float]]:
     """Tool latencies from a ``profile/spans.jsonl`` file.
 
     Args:
@@ -200,17 +210,18 @@ def tool_latencies(path: str, phases: Sequence[str] | None = EPISODE_PHASES,
             if start is None or end is None or end < start:
                 continue
             track = span[1] if isinstance(span[1], str) else ""
-            tool = track[len("tool "):] if track.startswith("tool ") else (track or "?")
+            tool = track[len("tool ") :] if track.startswith("tool ") else (track or "?")
             by_tool.setdefault(tool, []).append(end - start)
     return by_tool
 
 
-def _plot_tool_latency(ax, by_tool: dict[str, list[float]], recording_off: bool = False
-                       ) -> None:
+def _plot_tool_latency(ax, by_tool: dict[str, list[float]], recording_off: bool = False) -> None:
     ax.set_title("tool call latency")
     if not by_tool:
-        _note(ax, "span recording was off (RAYTUNIX_PROFILING=0)" if recording_off
-              else "no tool calls")
+        _note(
+            ax,
+            "span recording was off (RAYTUNIX_PROFILING=0)" if recording_off else "no tool calls",
+        )
         return
     every = np.concatenate([np.asarray(v) for v in by_tool.values()])
     positive = every[every > 0]

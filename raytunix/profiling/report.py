@@ -75,10 +75,15 @@ def with_learning(verdict: Verdict, learning: LearningVerdict) -> Verdict:
     if learning.signal != "none":
         return dataclasses.replace(verdict, learning=learning)
     return dataclasses.replace(
-        verdict, learning=learning, advice=[], summary=(
+        verdict,
+        learning=learning,
+        advice=[],
+        summary=(
             f"{verdict.resource} bounded throughput, but its advice is held back while there "
             "is no learning signal: faster steps would only make more batches with nothing "
-            "to learn (see \"Learning signal\"; the evidence is below)."))
+            "to learn (see \"Learning signal\"; the evidence is below)."
+        ),
+    )
 
 
 def compile_steps(records: list[dict[str, Any]]) -> set[int]:
@@ -100,8 +105,9 @@ def compile_steps(records: list[dict[str, Any]]) -> set[int]:
 MAX_OVER_STEPS = ("staleness_max", "spans_dropped")
 
 
-def weighted_means(steps: list[dict[str, Any]], leave_out: set[int] | None = None
-                   ) -> dict[str, float]:
+def weighted_means(
+    steps: list[dict[str, Any]], leave_out: set[int] | None = None
+) -> dict[str, float]:
     """Each numeric metric's mean over ``steps``, weighted by the step's share of its
     profiling window, ``window_s / window_steps`` (the steps of one window share its
     metrics; ``window_steps`` is 1 where absent, the weight 1 where ``window_s`` is);
@@ -147,21 +153,29 @@ def learner_advice(learner_cfg: dict[str, Any], colocated: bool) -> list[str]:
     (``config.yaml``); the first item leads the report's summary."""
     advice = []
     if learner_cfg.get("sequence_packing") is False:
-        advice.append("pack trajectories into rows (learner.sequence_packing=true): the "
-                      "update then computes no padding")
+        advice.append(
+            "pack trajectories into rows (learner.sequence_packing=true): the "
+            "update then computes no padding"
+        )
     iterations = learner_cfg.get("num_iterations", 1)
     if isinstance(iterations, int) and iterations > 1:
-        advice.append(f"fewer optimizer steps per batch (learner.num_iterations {iterations}"
-                      " -> less): each one is a full pass over the batch")
+        advice.append(
+            f"fewer optimizer steps per batch (learner.num_iterations {iterations}"
+            " -> less): each one is a full pass over the batch"
+        )
     micro = learner_cfg.get("micro_batch_size", 0)
     if isinstance(micro, int) and micro > 0:
-        advice.append(f"larger micro-batches (learner.micro_batch_size {micro} -> more, as "
-                      "far as device memory allows): fewer, fuller passes")
+        advice.append(
+            f"larger micro-batches (learner.micro_batch_size {micro} -> more, as "
+            "far as device memory allows): fewer, fuller passes"
+        )
     advice.append("fewer trajectories per batch (rollout.groups_per_batch) or a smaller model")
     if colocated:
-        advice.append("on an accelerator, give the learner devices of its own "
-                      "(engine.placement=disaggregated): colocated, its updates and the "
-                      "engine's decoding share one")
+        advice.append(
+            "on an accelerator, give the learner devices of its own "
+            "(engine.placement=disaggregated): colocated, its updates and the "
+            "engine's decoding share one"
+        )
     return advice
 
 
@@ -188,11 +202,21 @@ def diagnose(means: dict[str, float], settings: dict[str, Any] | None = None) ->
     engine_cfg, learner_cfg = settings.get("engine", {}), settings.get("learner", {})
     if "episode_generate_fraction" not in means and "learner_busy_fraction" not in means:
         if means.get("profiling_enabled", 1.0) == 0.0:
-            return Verdict("unknown", "span recording was off in this run "
-                           "(RAYTUNIX_PROFILING=0), so there is no evidence to judge; run "
-                           "without it to get a verdict.", {}, [])
-        return Verdict("unknown", "no RL step has been profiled (the run stopped or is "
-                       "still before RL), so nothing is known to bound it.", {}, [])
+            return Verdict(
+                "unknown",
+                "span recording was off in this run "
+                "(RAYTUNIX_PROFILING=0), so there is no evidence to judge; run "
+                "without it to get a verdict.",
+                {},
+                [],
+            )
+        return Verdict(
+            "unknown",
+            "no RL step has been profiled (the run stopped or is "
+            "still before RL), so nothing is known to bound it.",
+            {},
+            [],
+        )
     E = means.get("engine_busy_fraction", float("nan"))  # noqa: N806
     L = means.get("learner_busy_fraction", float("nan"))  # noqa: N806
     W = means.get("learner_wait_fraction", float("nan"))  # noqa: N806
@@ -201,98 +225,149 @@ def diagnose(means: dict[str, float], settings: dict[str, Any] | None = None) ->
     o = means.get("episode_other_fraction", 0.0)
     O = means.get("orchestrator_cpu_fraction", float("nan"))  # noqa: E741, N806
     occupancy = means.get("engine_batch_occupancy", float("nan"))
-    episodes = means.get("max_concurrent_episodes",
-                         float(rollout.get("max_concurrent_episodes", 0) or 0))
-    evidence = {k: means[k] for k in (
-        "engine_busy_fraction", "engine_batch_occupancy", "learner_busy_fraction",
-        "learner_wait_fraction", "episode_generate_fraction", "episode_env_fraction",
-        "episode_other_fraction", "orchestrator_cpu_fraction", "env_cpu_fraction",
-        "trajectories_per_s", "generated_tokens_per_s", "max_concurrent_episodes",
-        "engine_queue_wait_s_mean") if k in means}
+    episodes = means.get(
+        "max_concurrent_episodes", float(rollout.get("max_concurrent_episodes", 0) or 0)
+    )
+    evidence = {
+        k: means[k]
+        for k in (
+            "engine_busy_fraction",
+            "engine_batch_occupancy",
+            "learner_busy_fraction",
+            "learner_wait_fraction",
+            "episode_generate_fraction",
+            "episode_env_fraction",
+            "episode_other_fraction",
+            "orchestrator_cpu_fraction",
+            "env_cpu_fraction",
+            "trajectories_per_s",
+            "generated_tokens_per_s",
+            "max_concurrent_episodes",
+            "engine_queue_wait_s_mean",
+        )
+        if k in means
+    }
 
     def more_episodes() -> str:
         if not (episodes > 0 and E > 0):
             return "raise rollout.max_concurrent_episodes"
-        wanted = max(int(math.ceil(episodes * _target_engine_busy(rollout) / max(E, 0.05))),
-                     int(episodes) + 1)
-        advice = (f"raise rollout.max_concurrent_episodes from {episodes:.0f} to ~{wanted}"
-                  + (" (rollout.adaptive_max_episodes too: adaptive concurrency is on)"
-                     if rollout.get("adaptive_concurrency") else ""))
+        wanted = max(
+            int(math.ceil(episodes * _target_engine_busy(rollout) / max(E, 0.05))),
+            int(episodes) + 1,
+        )
+        advice = f"raise rollout.max_concurrent_episodes from {episodes:.0f} to ~{wanted}" + (
+            " (rollout.adaptive_max_episodes too: adaptive concurrency is on)"
+            if rollout.get("adaptive_concurrency")
+            else ""
+        )
         # Admission never lets more groups in than the learner will consume within
         # max_staleness versions; past that, more budget changes nothing.
         try:
-            cap = ((int(rollout["max_staleness"]) + 1) * int(rollout["groups_per_batch"])
-                   * int(rollout["group_size"]))
+            cap = (
+                (int(rollout["max_staleness"]) + 1)
+                * int(rollout["groups_per_batch"])
+                * int(rollout["group_size"])
+            )
         except (KeyError, TypeError, ValueError):
             return advice
         if wanted > cap:
-            advice += (f"; admission lets at most {cap} in flight ((rollout.max_staleness + 1)"
-                       " x groups_per_batch x group_size), so raise rollout.max_staleness "
-                       "(with off-policy correction) or rollout.groups_per_batch as well")
+            advice += (
+                f"; admission lets at most {cap} in flight ((rollout.max_staleness + 1)"
+                " x groups_per_batch x group_size), so raise rollout.max_staleness "
+                "(with off-policy correction) or rollout.groups_per_batch as well"
+            )
         return advice
 
     colocated = engine_cfg.get("placement", "colocated") == "colocated"
     if not math.isnan(W) and W < LEARNER_WAIT_LOW and not math.isnan(L) and L >= LEARNER_BUSY_HIGH:
         # Throughput is the learner's: advice that makes rollouts faster changes nothing.
         advice = learner_advice(learner_cfg, colocated)
-        summary = (f"learner: it updated {L:.0%} of the time and waited for rollouts only "
-                   f"{W:.0%}: a batch was nearly always ready when it asked (engine busy "
-                   f"{_pct(E)}). {advice[0][0].upper() + advice[0][1:]}.")
+        summary = (
+            f"learner: it updated {L:.0%} of the time and waited for rollouts only "
+            f"{W:.0%}: a batch was nearly always ready when it asked (engine busy "
+            f"{_pct(E)}). {advice[0][0].upper() + advice[0][1:]}."
+        )
         return Verdict("learner", summary, evidence, advice)
     if (not math.isnan(O) and O >= ORCHESTRATOR_CPU_HIGH) or o >= EPISODE_OTHER_HIGH:
-        advice = ["cut per-turn work in the agent/parser or the orchestrator (profile the "
-                  "orchestrator actor with py-spy)",
-                  "fewer episodes in flight per orchestrator, or shard episodes across "
-                  "orchestrators"]
-        summary = (f"orchestrator: its process used {_pct(O)} of a core and episodes "
-                   f"spent {o:.0%} of their time waiting on it (generation {g:.0%}, "
-                   f"environment {v:.0%}). {advice[0][0].upper() + advice[0][1:]}.")
+        advice = [
+            "cut per-turn work in the agent/parser or the orchestrator (profile the "
+            "orchestrator actor with py-spy)",
+            "fewer episodes in flight per orchestrator, or shard episodes across orchestrators",
+        ]
+        summary = (
+            f"orchestrator: its process used {_pct(O)} of a core and episodes "
+            f"spent {o:.0%} of their time waiting on it (generation {g:.0%}, "
+            f"environment {v:.0%}). {advice[0][0].upper() + advice[0][1:]}."
+        )
         return Verdict("orchestrator", summary, evidence, advice)
     if v > g:
         advice = [more_episodes()]
         env_cpu = means.get("env_cpu_fraction", float("nan"))
         actors = env.get("num_env_actors")
         if not math.isnan(env_cpu) and env_cpu >= 0.7 and actors:
-            advice.insert(0, f"add env actors (env.num_env_actors {actors} -> {2 * int(actors)}): "
-                             f"they are CPU-bound ({env_cpu:.0%} of a core each)")
+            advice.insert(
+                0,
+                f"add env actors (env.num_env_actors {actors} -> {2 * int(actors)}): "
+                f"they are CPU-bound ({env_cpu:.0%} of a core each)",
+            )
         elif actors:
             advice.append(f"or add env actors (env.num_env_actors {actors} -> {2 * int(actors)})")
         slow = _slowest_tool(means)
         if slow:
             advice.append(f"speed up or time-limit the slowest tool: {slow}")
-        summary = (f"environment/tools: engine busy {_pct(E)}; episodes wait on the "
-                   f"environment and its tools {v:.0%} of the time (generation {g:.0%}); "
-                   f"{advice[0]}.")
+        summary = (
+            f"environment/tools: engine busy {_pct(E)}; episodes wait on the "
+            f"environment and its tools {v:.0%} of the time (generation {g:.0%}); "
+            f"{advice[0]}."
+        )
         return Verdict("environment/tools", summary, evidence, advice)
-    replicas = ("add engine replicas (engine.placement=disaggregated with engine.num_replicas "
-                "2 or more, one device each)" if colocated else
-                f"add engine replicas (engine.num_replicas {engine_cfg.get('num_replicas', 1)}"
-                " -> more, one device each)")
-    if not math.isnan(E) and E >= ENGINE_BUSY_HIGH and not math.isnan(occupancy) \
-            and occupancy < 0.5:
+    replicas = (
+        "add engine replicas (engine.placement=disaggregated with engine.num_replicas "
+        "2 or more, one device each)"
+        if colocated
+        else f"add engine replicas (engine.num_replicas {engine_cfg.get('num_replicas', 1)}"
+        " -> more, one device each)"
+    )
+    if (
+        not math.isnan(E)
+        and E >= ENGINE_BUSY_HIGH
+        and not math.isnan(occupancy)
+        and occupancy < 0.5
+    ):
         prefill = means.get("engine_prefill_fraction", float("nan"))
-        advice = [more_episodes() + ": a decode step costs about the same with more rows",
-                  "cut prefill (engine.sessions on, shared prompts for the prefix cache)",
-                  replicas + " once batches are full"]
-        summary = (f"engine: busy {E:.0%} of the time, but its batches are only "
-                   f"{occupancy:.0%} full (prefill {_pct(prefill)} of the wall time): it "
-                   f"spends its time on few rows at a time; {advice[0]}.")
+        advice = [
+            more_episodes() + ": a decode step costs about the same with more rows",
+            "cut prefill (engine.sessions on, shared prompts for the prefix cache)",
+            replicas + " once batches are full",
+        ]
+        summary = (
+            f"engine: busy {E:.0%} of the time, but its batches are only "
+            f"{occupancy:.0%} full (prefill {_pct(prefill)} of the wall time): it "
+            f"spends its time on few rows at a time; {advice[0]}."
+        )
         return Verdict("engine", summary, evidence, advice)
     if not math.isnan(E) and E >= ENGINE_BUSY_HIGH:
         advice = [replicas + " or a faster device"]
         if not math.isnan(occupancy) and occupancy >= 0.9:
-            advice.insert(0, f"batches are full ({occupancy:.0%} of engine.max_batch_size="
-                             f"{engine_cfg.get('max_batch_size', '?')}): raise "
-                             "engine.max_batch_size if KV memory allows")
+            advice.insert(
+                0,
+                f"batches are full ({occupancy:.0%} of engine.max_batch_size="
+                f"{engine_cfg.get('max_batch_size', '?')}): raise "
+                "engine.max_batch_size if KV memory allows",
+            )
         advice.append("shorter generations (rollout.max_new_tokens) cost less engine time")
-        summary = (f"engine: busy {E:.0%} of the time and episodes wait on generation "
-                   f"{g:.0%} of theirs (environment {v:.0%}); {advice[0]}.")
+        summary = (
+            f"engine: busy {E:.0%} of the time and episodes wait on generation "
+            f"{g:.0%} of theirs (environment {v:.0%}); {advice[0]}."
+        )
         return Verdict("engine", summary, evidence, advice)
     advice = [more_episodes()]
-    summary = (f"engine: episodes wait on generation {g:.0%} of their time (environment "
-               f"{v:.0%}), but the engine is busy only {_pct(E)} with batches "
-               f"{_pct(occupancy)} full: too few episodes in flight keep it fed; "
-               f"{advice[0]}.")
+    summary = (
+        f"engine: episodes wait on generation {g:.0%} of their time (environment "
+        f"{v:.0%}), but the engine is busy only {_pct(E)} with batches "
+        f"{_pct(occupancy)} full: too few episodes in flight keep it fed; "
+        f"{advice[0]}."
+    )
     return Verdict("engine", summary, evidence, advice)
 
 
@@ -301,23 +376,29 @@ def _pct(x: float) -> str:
 
 
 def _slowest_tool(means: dict[str, float]) -> str:
-    p90 = {key.split("/")[1]: value for key, value in means.items()
-           if key.startswith("tool_latency_s/") and key.endswith("/p90")}
+    p90 = {
+        key.split("/")[1]: value
+        for key, value in means.items()
+        if key.startswith("tool_latency_s/") and key.endswith("/p90")
+    }
     if not p90:
         return ""
     tool = max(p90, key=p90.get)
     return f"{tool} (p90 {p90[tool] * 1000:.0f} ms)"
 
 
-def tool_latency_table(spans_path: str, skipped: list[int] | None = None
-                       ) -> dict[str, dict[str, float]]:
+def tool_latency_table(
+    spans_path: str, skipped: list[int] | None = None
+) -> dict[str, dict[str, float]]:
     """``{tool: {"calls", "p50", "p90", "p99"}}`` (seconds) over the RL steps and
     evaluations of a run, from the ``tool_call`` spans in ``spans.jsonl``; ``skipped``
     as in ``plots.tool_latencies``."""
     from raytunix.profiling.plots import tool_latencies
 
-    return {tool: {"calls": float(len(values)), **percentiles(values)}
-            for tool, values in tool_latencies(spans_path, skipped=skipped).items()}
+    return {
+        tool: {"calls": float(len(values)), **percentiles(values)}
+        for tool, values in tool_latencies(spans_path, skipped=skipped).items()
+    }
 
 
 def _line_numbers(numbers: list[int]) -> str:
@@ -329,11 +410,15 @@ def _spans_file_note(path: str, skipped: list[int]) -> str | None:
     """A line for the report when ``spans.jsonl`` is missing, empty or partly unreadable
     (what the tool latencies and the trace are made from), else None."""
     if not os.path.exists(path):
-        return ("profile/spans.jsonl is missing: no tool latencies and no trace (the run "
-                "stopped before its first drain, or the file was moved)")
+        return (
+            "profile/spans.jsonl is missing: no tool latencies and no trace (the run "
+            "stopped before its first drain, or the file was moved)"
+        )
     if os.path.getsize(path) == 0:
-        return ("profile/spans.jsonl is empty: no span was drained (the run stopped before "
-                "its first RL step, or recording was off)")
+        return (
+            "profile/spans.jsonl is empty: no span was drained (the run stopped before "
+            "its first RL step, or recording was off)"
+        )
     if not skipped:
         return None
     lines = [n for n in skipped if n > 0]
@@ -362,7 +447,8 @@ def render_report(run_dir: str) -> tuple[str, Verdict]:
     if not os.path.exists(metrics_path):
         raise FileNotFoundError(
             f"{run_dir!r} has no metrics.jsonl; pass a run directory that `raytunix train` "
-            "wrote (under runs/).")
+            "wrote (under runs/)."
+        )
     skipped: list[int] = []
     records = list(read_jsonl(metrics_path, skipped))
     steps = rl_steps(records)
@@ -377,14 +463,22 @@ def render_report(run_dir: str) -> tuple[str, Verdict]:
     compiling = compile_steps(records)
     means = weighted_means(steps, compiling)
     settings = settings if isinstance(settings, dict) else {}
-    verdict = with_learning(diagnose(means, settings), judge_learning(
-        steps, settings, warm_started=any(r.get("phase") == "warmup" for r in records)))
+    verdict = with_learning(
+        diagnose(means, settings),
+        judge_learning(
+            steps, settings, warm_started=any(r.get("phase") == "warmup" for r in records)
+        ),
+    )
     no_step = sum(r.get("phase") == "rl" and not is_rl_step(r.get("step")) for r in records)
     if not steps and (skipped or no_step):  # not "before RL": the lines that would say are
-        verdict = dataclasses.replace(verdict, summary=(  # unreadable
-            f"no RL step could be read: {len(skipped) + no_step} line(s) of metrics.jsonl "
-            "are not JSON or have no step number (damaged?), so nothing is known to bound "
-            "the run."))
+        verdict = dataclasses.replace(
+            verdict,
+            summary=(  # unreadable
+                f"no RL step could be read: {len(skipped) + no_step} line(s) of metrics.jsonl "
+                "are not JSON or have no step number (damaged?), so nothing is known to bound "
+                "the run."
+            ),
+        )
     spans_path = os.path.join(run_dir, "profile", "spans.jsonl")
     spans_skipped: list[int] = []
     tools = tool_latency_table(spans_path, spans_skipped)
@@ -393,30 +487,45 @@ def render_report(run_dir: str) -> tuple[str, Verdict]:
     learner_cfg = settings.get("learner")
     planned = learner_cfg.get("rl_steps") if isinstance(learner_cfg, dict) else None
     last = steps[-1]["step"] if steps else 0
-    lines = [f"raytunix bottleneck report: {os.path.abspath(run_dir)}",
-             f"RL steps logged: {len(steps)}"
-             + (f" (of {planned} planned: the run is still going or stopped early)"
-                if isinstance(planned, int) and not isinstance(planned, bool)
-                and last < planned else "")
-             + (f" (left out of the means, as they include compiling: step"
-                f"{'s' if len(left_out) > 1 else ''} {', '.join(map(str, left_out))})"
-                if left_out else "")]
+    lines = [
+        f"raytunix bottleneck report: {os.path.abspath(run_dir)}",
+        f"RL steps logged: {len(steps)}"
+        + (
+            f" (of {planned} planned: the run is still going or stopped early)"
+            if isinstance(planned, int) and not isinstance(planned, bool) and last < planned
+            else ""
+        )
+        + (
+            f" (left out of the means, as they include compiling: step"
+            f"{'s' if len(left_out) > 1 else ''} {', '.join(map(str, left_out))})"
+            if left_out
+            else ""
+        ),
+    ]
     if skipped:
-        lines.append(f"metrics.jsonl lines that could not be read, skipped: {len(skipped)} "
-                     f"({_line_numbers(skipped)})")
+        lines.append(
+            f"metrics.jsonl lines that could not be read, skipped: {len(skipped)} "
+            f"({_line_numbers(skipped)})"
+        )
     if no_step:
-        lines.append(f"metrics.jsonl RL records whose step is not a whole number >= 1, "
-                     f"skipped: {no_step}")
+        lines.append(
+            f"metrics.jsonl RL records whose step is not a whole number >= 1, skipped: {no_step}"
+        )
     if spans_note:
         lines.append(spans_note)
     lines += _verdict_lines(verdict, means, bool(steps))
     lines += _losses_section(steps, run_dir)
     if tools:
-        lines += ["", "Tool latency in RL steps and evaluations (seconds):",
-                  f"  {'tool':<20} {'calls':>7} {'p50':>9} {'p90':>9} {'p99':>9}"]
+        lines += [
+            "",
+            "Tool latency in RL steps and evaluations (seconds):",
+            f"  {'tool':<20} {'calls':>7} {'p50':>9} {'p90':>9} {'p99':>9}",
+        ]
         for tool, row in sorted(tools.items()):
-            lines.append(f"  {tool:<20} {row['calls']:>7.0f} {row.get('p50', 0):>9.4f} "
-                         f"{row.get('p90', 0):>9.4f} {row.get('p99', 0):>9.4f}")
+            lines.append(
+                f"  {tool:<20} {row['calls']:>7.0f} {row.get('p50', 0):>9.4f} "
+                f"{row.get('p90', 0):>9.4f} {row.get('p99', 0):>9.4f}"
+            )
     return "\n".join(lines) + "\n", verdict
 
 
@@ -433,8 +542,10 @@ def _verdict_lines(verdict: Verdict, means: dict[str, float], any_steps: bool) -
         lines.append("")
     rows = _evidence_rows(means)
     if rows:
-        lines.append("Evidence (means over RL steps, weighted by step time; maxima for "
-                     "staleness and dropped spans):")
+        lines.append(
+            "Evidence (means over RL steps, weighted by step time; maxima for "
+            "staleness and dropped spans):"
+        )
         lines += [f"  {key:<34} {value}" for key, value in rows]
     if learning and not none:
         lines += [""] + learning[:-1]
@@ -459,8 +570,9 @@ def write_report(run_dir: str, out_dir: str | None = None) -> tuple[str, Verdict
 DROPPED_PREFIX = "generated_tokens_dropped_"
 
 
-def dropped_tokens_and_env_errors(steps: list[dict[str, Any]]
-                                  ) -> tuple[dict[str, int], dict[str, int]]:
+def dropped_tokens_and_env_errors(
+    steps: list[dict[str, Any]],
+) -> tuple[dict[str, int], dict[str, int]]:
     """Sums over RL step records: ``({kind: generated tokens kept from the loss}, {kind:
     env errors})``, from each step's ``generated_tokens_dropped_<kind>`` and
     ``env_errors`` (``raytunix.rollout.orchestrator.DROPPED_TOKEN_KINDS``, the learner's
@@ -470,7 +582,7 @@ def dropped_tokens_and_env_errors(steps: list[dict[str, Any]]
     for record in steps:
         for key, value in record.items():
             if key.startswith(DROPPED_PREFIX) and isinstance(value, (int, float)):
-                kind = key[len(DROPPED_PREFIX):]
+                kind = key[len(DROPPED_PREFIX) :]
                 dropped[kind] = dropped.get(kind, 0) + int(value)
         by_kind = record.get("env_errors")
         if isinstance(by_kind, dict):
@@ -494,11 +606,16 @@ def _losses_section(steps: list[dict[str, Any]], run_dir: str) -> list[str]:
         for r in read_jsonl(os.path.join(run_dir, "env_errors.jsonl")):
             if isinstance(r, dict) and "kind" in r:
                 where.setdefault(r["kind"], str(r.get("location", "")))
-        lines += ["", "Environment errors by kind, over the RL steps (episodes ended "
-                  "env_error; the first of each kind with its traceback is in "
-                  "env_errors.jsonl):"]
-        lines += [f"  {kind:<44} {n:>6}" + (f"  at {where[kind]}" if kind in where else "")
-                  for kind, n in sorted(errors.items())]
+        lines += [
+            "",
+            "Environment errors by kind, over the RL steps (episodes ended "
+            "env_error; the first of each kind with its traceback is in "
+            "env_errors.jsonl):",
+        ]
+        lines += [
+            f"  {kind:<44} {n:>6}" + (f"  at {where[kind]}" if kind in where else "")
+            for kind, n in sorted(errors.items())
+        ]
     return lines
 
 

@@ -117,18 +117,29 @@ class TensorBoardSink:
         """Writes every number of ``record`` as scalar ``<prefix>/<key>`` at ``step`` in
         the run ``prefix`` (``step`` and ``time`` are the event's step and wall time, not
         scalars)."""
-        values = [Summary.Value(tag=_tensorboard_tag(f"{prefix}/{k}"), simple_value=v)
-                  for k, v in flatten_metrics(record).items() if k not in AXIS_KEYS]
+        values = [
+            Summary.Value(tag=_tensorboard_tag(f"{prefix}/{k}"), simple_value=v)
+            for k, v in flatten_metrics(record).items()
+            if k not in AXIS_KEYS
+        ]
         if values:
-            self._write(prefix, Event(wall_time=_wall_time(record), step=int(step),
-                                      summary=Summary(value=values)))
+            self._write(
+                prefix,
+                Event(wall_time=_wall_time(record), step=int(step), summary=Summary(value=values)),
+            )
 
     def restart(self, prefix: str, step: int) -> None:
         """Marks that run ``prefix`` goes on at ``step`` (a resume): TensorBoard then drops
         the events of that run it read before the mark with a step >= ``step``
         (``SessionLog.START``; files are read in the order they were made)."""
-        self._write(prefix, Event(wall_time=time.time(), step=int(step),
-                                  session_log=SessionLog(status=SessionLog.START)))
+        self._write(
+            prefix,
+            Event(
+                wall_time=time.time(),
+                step=int(step),
+                session_log=SessionLog(status=SessionLog.START),
+            ),
+        )
 
     def _write(self, prefix: str, event: Event) -> None:
         if not self.enabled:
@@ -139,7 +150,8 @@ class TensorBoardSink:
                 directory = os.path.join(self.logdir, _tensorboard_tag(prefix))
                 os.makedirs(directory, exist_ok=True)
                 writer = self._writers[prefix] = EventsWriter(
-                    os.path.join(directory, "events"), filename_suffix=f".{os.getpid()}")
+                    os.path.join(directory, "events"), filename_suffix=f".{os.getpid()}"
+                )
             writer.write_event(event)
             writer.flush()
         except OSError as e:
@@ -168,8 +180,12 @@ class TensorBoardSink:
         self.enabled = False
 
     def _turn_off(self, error: OSError) -> None:
-        logger.warning("TensorBoard metrics stop for this run: writing under %s failed (%s). "
-                       "metrics.jsonl still holds every record.", self.logdir, error)
+        logger.warning(
+            "TensorBoard metrics stop for this run: writing under %s failed (%s). "
+            "metrics.jsonl still holds every record.",
+            self.logdir,
+            error,
+        )
         self.enabled = False
         writers, self._writers = list(self._writers.values()), {}
         for writer in writers:
@@ -243,16 +259,22 @@ class RayMetricsSink:
             return None if name is None else self._gauges[name]
         name = ray_metric_name(key)
         if name in self._gauges or len(self._gauges) >= self.max_gauges:
-            why = (f"its name {name} is taken by another key" if name in self._gauges else
-                   f"the sink has made its max_gauges={self.max_gauges} gauges")
+            why = (
+                f"its name {name} is taken by another key"
+                if name in self._gauges
+                else f"the sink has made its max_gauges={self.max_gauges} gauges"
+            )
             if not self._warned:
-                logger.warning("Ray metric %r (and any later such key) is not exported: %s. "
-                               "metrics.jsonl and TensorBoard still have it.", key, why)
+                logger.warning(
+                    "Ray metric %r (and any later such key) is not exported: %s. "
+                    "metrics.jsonl and TensorBoard still have it.",
+                    key,
+                    why,
+                )
                 self._warned = True
             self._name_of[key] = None
             return None
-        gauge = Gauge(name, description=f"raytunix metric {key}",
-                                       tag_keys=("run",))
+        gauge = Gauge(name, description=f"raytunix metric {key}", tag_keys=("run",))
         gauge.set_default_tags({"run": self.run_name})
         self._gauges[name] = gauge
         self._name_of[key] = name
@@ -263,13 +285,17 @@ def format_headline(record: Mapping[str, Any]) -> str:
     """The headline numbers of an RL step record, e.g. ``reward 0.512  tool use 98.0%  loss
     +0.0123  tok/s 5321  engine busy 41%  learner busy 63%  staleness<= 1  in flight 96``;
     a number the record lacks (or holds as a non-number) is left out."""
-    fields = (("reward_mean", "reward {:.3f}"), ("tool_use_rate", "tool use {:.1%}"),
-              ("loss", "loss {:+.4f}"), ("generated_tokens_per_s", "tok/s {:.0f}"),
-              ("engine_busy_fraction", "engine busy {:.0%}"),
-              ("learner_busy_fraction", "learner busy {:.0%}"),
-              ("staleness_max", "staleness<= {:g}"),
-              ("mismatch_logprob_abs_mean", "|dlogp| {:.4f}"),
-              ("episodes_in_flight", "in flight {:g}"))
+    fields = (
+        ("reward_mean", "reward {:.3f}"),
+        ("tool_use_rate", "tool use {:.1%}"),
+        ("loss", "loss {:+.4f}"),
+        ("generated_tokens_per_s", "tok/s {:.0f}"),
+        ("engine_busy_fraction", "engine busy {:.0%}"),
+        ("learner_busy_fraction", "learner busy {:.0%}"),
+        ("staleness_max", "staleness<= {:g}"),
+        ("mismatch_logprob_abs_mean", "|dlogp| {:.4f}"),
+        ("episodes_in_flight", "in flight {:g}"),
+    )
     flat = flatten_metrics(record)
     return "  ".join(fmt.format(flat[k]) for k, fmt in fields if k in flat)
 
@@ -297,8 +323,13 @@ class ConsoleProgress:
       start_step: where the bar starts (a resumed run's step).
     """
 
-    def __init__(self, total_steps: int, enabled: bool = True, stream: TextIO | None = None,
-                 start_step: int = 0):
+    def __init__(
+        self,
+        total_steps: int,
+        enabled: bool = True,
+        stream: TextIO | None = None,
+        start_step: int = 0,
+    ):
         self.total_steps = int(total_steps)
         self.enabled = enabled
         self.stream = sys.stdout if stream is None else stream
@@ -308,11 +339,17 @@ class ConsoleProgress:
         self._progress = None
         if self.live:
             self._progress = Progress(
-                TextColumn("RL step"), MofNCompleteColumn(), BarColumn(),
-                TextColumn("{task.fields[headline]}"), TimeElapsedColumn(),
-                console=console, refresh_per_second=2)
-            self._task = self._progress.add_task("rl", total=self.total_steps,
-                                                 completed=start_step, headline="")
+                TextColumn("RL step"),
+                MofNCompleteColumn(),
+                BarColumn(),
+                TextColumn("{task.fields[headline]}"),
+                TimeElapsedColumn(),
+                console=console,
+                refresh_per_second=2,
+            )
+            self._task = self._progress.add_task(
+                "rl", total=self.total_steps, completed=start_step, headline=""
+            )
             self._started = False
 
     def update(self, step: int, record: Mapping[str, Any]) -> None:
@@ -330,8 +367,11 @@ class ConsoleProgress:
         if not isinstance(ended, (int, float)) or isinstance(ended, bool):
             ended = time.time()
         elapsed = max(0.0, ended - self._t0)
-        print(f"RL step {step}/{self.total_steps}: {headline}  ({elapsed:.0f} s)",
-              file=self.stream, flush=True)
+        print(
+            f"RL step {step}/{self.total_steps}: {headline}  ({elapsed:.0f} s)",
+            file=self.stream,
+            flush=True,
+        )
 
     def close(self) -> None:
         """Ends the live display (its last state stays on screen)."""
@@ -372,16 +412,26 @@ class MetricSinks:
       stream: the console's stream (None: ``sys.stdout``).
     """
 
-    def __init__(self, run_dir: str, total_rl_steps: int, log_every: int = 1,
-                 run_name: str | None = None, tensorboard: bool = True,
-                 ray_metrics: bool = True, console: bool = True, stream: TextIO | None = None):
+    def __init__(
+        self,
+        run_dir: str,
+        total_rl_steps: int,
+        log_every: int = 1,
+        run_name: str | None = None,
+        tensorboard: bool = True,
+        ray_metrics: bool = True,
+        console: bool = True,
+        stream: TextIO | None = None,
+    ):
         if log_every < 1:
-            raise ValueError(f"log_every must be >= 1 (RL steps between console lines), "
-                             f"got {log_every}")
+            raise ValueError(
+                f"log_every must be >= 1 (RL steps between console lines), got {log_every}"
+            )
         self.total_rl_steps = int(total_rl_steps)
         self.log_every = int(log_every)
-        self.tensorboard = (TensorBoardSink(os.path.join(run_dir, TENSORBOARD_SUBDIR))
-                            if tensorboard else None)
+        self.tensorboard = (
+            TensorBoardSink(os.path.join(run_dir, TENSORBOARD_SUBDIR)) if tensorboard else None
+        )
         name = run_name or os.path.basename(os.path.normpath(os.path.abspath(run_dir)))
         self.ray_metrics = RayMetricsSink(name) if ray_metrics else None
         self._console_on = console
@@ -419,8 +469,12 @@ class MetricSinks:
 
     def _start_console(self, start_step: int) -> None:
         if self.console is None:
-            self.console = ConsoleProgress(self.total_rl_steps, enabled=self._console_on,
-                                           stream=self._stream, start_step=start_step)
+            self.console = ConsoleProgress(
+                self.total_rl_steps,
+                enabled=self._console_on,
+                stream=self._stream,
+                start_step=start_step,
+            )
 
     def close(self) -> None:
         """Ends the console display and closes the TensorBoard file."""

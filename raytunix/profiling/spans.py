@@ -64,8 +64,9 @@ class Recorder:
       enabled: record at all; off, ``add`` and ``span`` cost one attribute test.
     """
 
-    def __init__(self, process: str, kind: str, capacity: int = DEFAULT_CAPACITY,
-                 enabled: bool = True):
+    def __init__(
+        self, process: str, kind: str, capacity: int = DEFAULT_CAPACITY, enabled: bool = True
+    ):
         if capacity < 1:
             raise ValueError(f"a span recorder needs capacity >= 1, got {capacity}")
         self.process = process
@@ -75,15 +76,27 @@ class Recorder:
         self._recorded = 0  # spans appended since the last drain
         self._created_s = time.perf_counter()
 
-    def add(self, name: str, start_s: float, end_s: float, track: str = "main",
-            args: dict[str, Any] | None = None, flow: str | None = None) -> None:
+    def add(
+        self,
+        name: str,
+        start_s: float,
+        end_s: float,
+        track: str = "main",
+        args: dict[str, Any] | None = None,
+        flow: str | None = None,
+    ) -> None:
         """Records one finished span (``perf_counter`` seconds of this process)."""
         if self.enabled:
             self._spans.append((name, track, start_s, end_s, args, flow))
             self._recorded += 1
 
-    def span(self, name: str, track: str = "main", args: dict[str, Any] | None = None,
-             flow: str | None = None) -> "_Span":
+    def span(
+        self,
+        name: str,
+        track: str = "main",
+        args: dict[str, Any] | None = None,
+        flow: str | None = None,
+    ) -> "_Span":
         """Records the ``with`` block as one span; ``as`` gives ``args`` so the block can
         add what it learns (a status, a token count). An exception still records the span,
         with ``args["error"]`` set to the exception's type name, and propagates. (A class,
@@ -113,10 +126,18 @@ class Recorder:
         # Spans appended while draining are counted now and drained next time.
         self._recorded -= recorded
         dropped = max(0, recorded - len(spans))
-        return {"process": self.process, "kind": self.kind, "pid": os.getpid(),
-                "host": socket.gethostname(), "clock_offset_s": time.time() - time.perf_counter(),
-                "cpu_s": time.process_time(), "now_s": time.perf_counter(),
-                "enabled": self.enabled, "dropped": dropped, "spans": spans}
+        return {
+            "process": self.process,
+            "kind": self.kind,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "clock_offset_s": time.time() - time.perf_counter(),
+            "cpu_s": time.process_time(),
+            "now_s": time.perf_counter(),
+            "enabled": self.enabled,
+            "dropped": dropped,
+            "spans": spans,
+        }
 
 
 class _Span:
@@ -124,10 +145,21 @@ class _Span:
 
     __slots__ = ("recorder", "name", "track", "args", "flow", "start")
 
-    def __init__(self, recorder: Recorder, name: str, track: str,
-                 args: dict[str, Any] | None, flow: str | None):
+    def __init__(
+        self,
+        recorder: Recorder,
+        name: str,
+        track: str,
+        args: dict[str, Any] | None,
+        flow: str | None,
+    ):
         self.recorder, self.name, self.track, self.args, self.flow = (
-            recorder, name, track, args, flow)
+            recorder,
+            name,
+            track,
+            args,
+            flow,
+        )
 
     def __enter__(self) -> dict[str, Any] | None:
         self.start = time.perf_counter()
@@ -138,8 +170,9 @@ class _Span:
             args = self.args
             if error_type is not None:
                 args = dict(args or {}, error=error_type.__name__)
-            self.recorder.add(self.name, self.start, time.perf_counter(), self.track, args,
-                              self.flow)
+            self.recorder.add(
+                self.name, self.start, time.perf_counter(), self.track, args, self.flow
+            )
         return False
 
 
@@ -147,7 +180,8 @@ class _Span:
 # around an episode, so that clients it creates (an env lease) can name their remote spans
 # after it without threading the id through every signature.
 current_flow: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "raytunix_current_flow", default=None)
+    "raytunix_current_flow", default=None
+)
 
 
 def _enabled_by_env() -> bool:
@@ -169,14 +203,21 @@ def configure(process: str, kind: str) -> Recorder:
     return _recorder
 
 
-def add(name: str, start_s: float, end_s: float, track: str = "main",
-        args: dict[str, Any] | None = None, flow: str | None = None) -> None:
+def add(
+    name: str,
+    start_s: float,
+    end_s: float,
+    track: str = "main",
+    args: dict[str, Any] | None = None,
+    flow: str | None = None,
+) -> None:
     """``recorder().add(...)``."""
     _recorder.add(name, start_s, end_s, track, args, flow)
 
 
-def span(name: str, track: str = "main", args: dict[str, Any] | None = None,
-         flow: str | None = None):
+def span(
+    name: str, track: str = "main", args: dict[str, Any] | None = None, flow: str | None = None
+):
     """``recorder().span(...)``."""
     return _recorder.span(name, track, args, flow)
 
@@ -194,8 +235,9 @@ def decode_chunk(encoded: bytes) -> dict[str, Any]:
       pickle.UnpicklingError, EOFError: it is not a pickled chunk (truncated or foreign).
     """
     if not isinstance(encoded, (bytes, bytearray, memoryview)):
-        raise TypeError(f"a drained chunk is bytes (profile_drain's result), "
-                        f"got {type(encoded).__name__}")
+        raise TypeError(
+            f"a drained chunk is bytes (profile_drain's result), got {type(encoded).__name__}"
+        )
     chunk = pickle.loads(encoded)
     if not isinstance(chunk, dict) or "spans" not in chunk:
         raise pickle.UnpicklingError(f"not a drained chunk: a {type(chunk).__name__}")
@@ -241,8 +283,13 @@ class ProfiledActor:
         start = time.perf_counter()
         chunk = _recorder.drain()
         encoded = pickle.dumps(chunk, protocol=pickle.HIGHEST_PROTOCOL)
-        _recorder.add("profile_drain", start, time.perf_counter(), "profiling",
-                      {"spans": len(chunk["spans"]), "bytes": len(encoded)})
+        _recorder.add(
+            "profile_drain",
+            start,
+            time.perf_counter(),
+            "profiling",
+            {"spans": len(chunk["spans"]), "bytes": len(encoded)},
+        )
         return encoded
 
     def profile_cpu_s(self) -> float:

@@ -50,8 +50,15 @@ from raytunix.profiling.collect import loads_line
 SPANS_FILE = os.path.join("profile", "spans.jsonl")
 TRACE_FILE = "trace.json"
 FLOW_NAME = "episode"  # name and category of the flow events
-_KIND_ORDER = {"driver": 0, "orchestrator": 1, "engine": 2, "policy": 2, "learner": 3,
-               "env": 4, "sandbox": 5}
+_KIND_ORDER = {
+    "driver": 0,
+    "orchestrator": 1,
+    "engine": 2,
+    "policy": 2,
+    "learner": 3,
+    "env": 4,
+    "sandbox": 5,
+}
 
 # A stored span: (start_us, end_us, name, args, flow); start/end are absolute wall-clock
 # microseconds once the process's clock offset is applied.
@@ -73,8 +80,12 @@ class _Process:
         return f"{self.name} (host {self.host}, pid {self.pid})"
 
     def sort_key(self) -> tuple:
-        return (_KIND_ORDER.get(self.kind, len(_KIND_ORDER)), _natural(self.name),
-                self.host, self.pid)
+        return (
+            _KIND_ORDER.get(self.kind, len(_KIND_ORDER)),
+            _natural(self.name),
+            self.host,
+            self.pid,
+        )
 
 
 def _natural(text: str) -> tuple:
@@ -82,8 +93,7 @@ def _natural(text: str) -> tuple:
     return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text))
 
 
-def _turn_parts(start: float, end: float, args: dict[str, Any], flow: str | None
-                ) -> list[tuple]:
+def _turn_parts(start: float, end: float, args: dict[str, Any], flow: str | None) -> list[tuple]:
     """The children of an orchestrator's ``turn`` span (``rollout.episode``), which records
     them in its args to keep the spans per turn to one: ``generate`` from the turn's start
     for ``generate_s``, and ``env_step`` ending at its end, ``env_s`` long (none when the
@@ -91,16 +101,22 @@ def _turn_parts(start: float, end: float, args: dict[str, Any], flow: str | None
     parts = []
     generate_s, env_s = args.get("generate_s"), args.get("env_s")
     if _number(generate_s) and generate_s >= 0:
-        parts.append((start, min(end, start + generate_s), "generate",
-                      {"turn": args.get("turn"), "tokens": args.get("tokens")}, flow))
+        parts.append(
+            (
+                start,
+                min(end, start + generate_s),
+                "generate",
+                {"turn": args.get("turn"), "tokens": args.get("tokens")},
+                flow,
+            )
+        )
     if _number(env_s) and env_s >= 0:
         parts.append((max(start, end - env_s), end, "env_step", None, flow))
     return parts
 
 
 def _number(value: Any) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value))
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 class _TraceBuilder:
@@ -122,8 +138,11 @@ class _TraceBuilder:
     def add(self, chunk: Any) -> None:
         """Adds one ``Recorder.drain()`` result; a malformed chunk or span is counted and
         skipped."""
-        if (not isinstance(chunk, dict) or not isinstance(chunk.get("spans"), list)
-                or not _number(chunk.get("clock_offset_s"))):
+        if (
+            not isinstance(chunk, dict)
+            or not isinstance(chunk.get("spans"), list)
+            or not _number(chunk.get("clock_offset_s"))
+        ):
             self.bad_chunks += 1
             return
         host, pid = str(chunk.get("host", "?")), chunk.get("pid", 0)
@@ -133,13 +152,19 @@ class _TraceBuilder:
         key = (host, pid, name)
         process = self.processes.get(key)
         if process is None:
-            process = self.processes[key] = _Process(host, pid, name,
-                                                     str(chunk.get("kind", "process")))
+            process = self.processes[key] = _Process(
+                host, pid, name, str(chunk.get("kind", "process"))
+            )
         process.offsets.append(float(chunk["clock_offset_s"]))
         earliest = None
         for span in chunk["spans"]:
-            if (not isinstance(span, (list, tuple)) or len(span) != 6
-                    or not _number(span[2]) or not _number(span[3]) or span[3] < span[2]):
+            if (
+                not isinstance(span, (list, tuple))
+                or len(span) != 6
+                or not _number(span[2])
+                or not _number(span[3])
+                or span[3] < span[2]
+            ):
                 self.bad_spans += 1
                 continue
             span_name, track, start, end, args, flow = span
@@ -163,8 +188,10 @@ class _TraceBuilder:
         for process in self.processes.values():
             offset = statistics.median(process.offsets)
             for track, spans in process.tracks.items():
-                spans = [(round((s + offset) * 1e6), round((e + offset) * 1e6), name, args, flow)
-                         for s, e, name, args, flow in spans]
+                spans = [
+                    (round((s + offset) * 1e6), round((e + offset) * 1e6), name, args, flow)
+                    for s, e, name, args, flow in spans
+                ]
                 spans.sort(key=lambda span: (span[0], -span[1]))
                 process.tracks[track] = spans
                 if self.t0_us is None or spans[0][0] < self.t0_us:
@@ -189,24 +216,51 @@ class _TraceBuilder:
         flows: dict[str, list[tuple]] = collections.defaultdict(list)
         ordered = sorted(self.processes.values(), key=_Process.sort_key)
         for pid, process in enumerate(ordered, start=1):
-            yield {"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
-                   "args": {"name": process.label()}}
-            yield {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0,
-                   "args": {"sort_index": pid}}
+            yield {
+                "ph": "M",
+                "name": "process_name",
+                "pid": pid,
+                "tid": 0,
+                "args": {"name": process.label()},
+            }
+            yield {
+                "ph": "M",
+                "name": "process_sort_index",
+                "pid": pid,
+                "tid": 0,
+                "args": {"sort_index": pid},
+            }
             decode_rows, episodes = [], []  # (ts, change) of the two counters
             tid = 0
             for track in sorted(process.tracks, key=_natural):
                 for lane, spans in enumerate(_lanes(process.tracks[track])):
                     tid += 1
                     thread = track if lane == 0 else f"{track} #{lane + 1}"
-                    yield {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
-                           "args": {"name": thread}}
-                    yield {"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid,
-                           "args": {"sort_index": tid}}
+                    yield {
+                        "ph": "M",
+                        "name": "thread_name",
+                        "pid": pid,
+                        "tid": tid,
+                        "args": {"name": thread},
+                    }
+                    yield {
+                        "ph": "M",
+                        "name": "thread_sort_index",
+                        "pid": pid,
+                        "tid": tid,
+                        "args": {"sort_index": tid},
+                    }
                     for start, end, name, args, flow in spans:
                         ts, dur = start - t0, end - start
-                        event = {"ph": "X", "name": name, "cat": process.kind, "pid": pid,
-                                 "tid": tid, "ts": ts, "dur": dur}
+                        event = {
+                            "ph": "X",
+                            "name": name,
+                            "cat": process.kind,
+                            "pid": pid,
+                            "tid": tid,
+                            "ts": ts,
+                            "dur": dur,
+                        }
                         if flow is not None:
                             args = dict(args or (), flow=flow)
                             flows[flow].append((ts, -dur, pid, tid, name == "episode"))
@@ -228,9 +282,15 @@ class _TraceBuilder:
         first = min((spans[0][0] for spans in process.tracks.values()), default=t0)
         for start_s, dropped, phase, step in process.drops:
             ts = first if start_s is None else round((start_s + process.offset) * 1e6)
-            yield {"ph": "i", "s": "p", "name": f"{dropped} spans dropped", "pid": pid,
-                   "tid": 0, "ts": ts - t0,
-                   "args": {"dropped": dropped, "phase": phase, "step": step}}
+            yield {
+                "ph": "i",
+                "s": "p",
+                "name": f"{dropped} spans dropped",
+                "pid": pid,
+                "tid": 0,
+                "ts": ts - t0,
+                "args": {"dropped": dropped, "phase": phase, "step": step},
+            }
 
 
 def _lanes(spans: list[_Span]) -> list[list[_Span]]:
@@ -274,8 +334,9 @@ def _lanes(spans: list[_Span]) -> list[list[_Span]]:
     return lanes
 
 
-def _counter(changes: list[tuple[int, float]], name: str, key: str,
-             pid: int) -> Iterator[dict[str, Any]]:
+def _counter(
+    changes: list[tuple[int, float]], name: str, key: str, pid: int
+) -> Iterator[dict[str, Any]]:
     """Counter events of a running sum of ``(ts, change)``: one value per distinct ts, only
     when it changes. Perfetto names the track ``"<name> <key>"``."""
     changes.sort(key=lambda change: change[0])
@@ -286,8 +347,7 @@ def _counter(changes: list[tuple[int, float]], name: str, key: str,
             continue
         if value != shown:
             shown = value
-            yield {"ph": "C", "name": name, "pid": pid, "tid": 0, "ts": ts,
-                   "args": {key: value}}
+            yield {"ph": "C", "name": name, "pid": pid, "tid": 0, "ts": ts, "args": {key: value}}
 
 
 def _by_episode(points: list[tuple]) -> list[list[tuple]]:
@@ -321,8 +381,15 @@ def _flow_events(flows: dict[str, list[tuple]]) -> Iterator[dict[str, Any]]:
             continue
         last = len(points) - 1
         for i, (ts, _, pid, tid, _) in enumerate(points):
-            event = {"ph": "s" if i == 0 else "f" if i == last else "t", "id": number,
-                     "cat": FLOW_NAME, "name": FLOW_NAME, "pid": pid, "tid": tid, "ts": ts}
+            event = {
+                "ph": "s" if i == 0 else "f" if i == last else "t",
+                "id": number,
+                "cat": FLOW_NAME,
+                "name": FLOW_NAME,
+                "pid": pid,
+                "tid": tid,
+                "ts": ts,
+            }
             if i == last:
                 event["bp"] = "e"
             yield event
@@ -349,8 +416,11 @@ def trace_events(chunks: Iterable[dict]) -> dict[str, Any]:
       ``dur`` in whole microseconds since ``metadata["start_unix_s"]`` (None without spans).
     """
     builder = _build(chunks)
-    return {"displayTimeUnit": "ms", "metadata": builder.metadata(),
-            "traceEvents": list(builder.events())}
+    return {
+        "displayTimeUnit": "ms",
+        "metadata": builder.metadata(),
+        "traceEvents": list(builder.events()),
+    }
 
 
 def _spans_path(run_dir_or_spans_path: str | os.PathLike) -> tuple[Path, Path]:
@@ -375,8 +445,9 @@ def _read_chunks(path: Path, bad_lines: list[int]) -> Iterator[Any]:
                 bad_lines[0] += 1
 
 
-def write_trace(run_dir_or_spans_path: str | os.PathLike,
-                out_path: str | os.PathLike | None = None) -> str:
+def write_trace(
+    run_dir_or_spans_path: str | os.PathLike, out_path: str | os.PathLike | None = None
+) -> str:
     """Writes the Chrome JSON trace of a run's spans; returns its path.
 
     Args:
@@ -395,7 +466,8 @@ def write_trace(run_dir_or_spans_path: str | os.PathLike,
         raise FileNotFoundError(
             f"no span file at {spans_path}: a run writes it from its first drain (the "
             "warm start's first check, or RL step 1); point at a run directory that got "
-            "that far")
+            "that far"
+        )
     out = Path(out_path) if out_path is not None else run_dir / TRACE_FILE
     bad_lines = [0]
     builder = _build(_read_chunks(spans_path, bad_lines))

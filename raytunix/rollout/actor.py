@@ -70,9 +70,11 @@ class RayEngineClient:
         """
         missing = [i for i, h in enumerate(self._handles) if not hasattr(h, "engine_stats")]
         if missing:
-            raise TypeError(f"engine replicas {missing} have no engine_stats() method, which "
-                            "adaptive concurrency reads; add one returning "
-                            "InferenceEngine.stats(), or set rollout.adaptive_concurrency=false.")
+            raise TypeError(
+                f"engine replicas {missing} have no engine_stats() method, which "
+                "adaptive concurrency reads; add one returning "
+                "InferenceEngine.stats(), or set rollout.adaptive_concurrency=false."
+            )
         try:
             return list(await asyncio.gather(*(h.engine_stats.remote() for h in self._handles)))
         except ray.exceptions.RayActorError as e:
@@ -96,9 +98,18 @@ class OrchestratorActor(profiling.ProfiledActor):
       orchestrator_kwargs: the rest of ``RolloutOrchestrator``'s arguments.
     """
 
-    def __init__(self, *, tasks: Sequence[Task], tokenizer, agent_name: str, env_pool: EnvPool,
-                 engine, agent_kwargs: dict[str, Any] | None = None,
-                 import_paths: Sequence[str] = (), **orchestrator_kwargs: Any):
+    def __init__(
+        self,
+        *,
+        tasks: Sequence[Task],
+        tokenizer,
+        agent_name: str,
+        env_pool: EnvPool,
+        engine,
+        agent_kwargs: dict[str, Any] | None = None,
+        import_paths: Sequence[str] = (),
+        **orchestrator_kwargs: Any,
+    ):
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         add_import_paths(import_paths)
         profiling.configure("orchestrator", "orchestrator")

@@ -35,7 +35,9 @@ def trajectories_to_record_batch(trajectories: Sequence[Trajectory]) -> pa.Recor
       ValueError: if ``trajectories`` is empty.
     """
     if not trajectories:
-        raise ValueError("trajectories_to_record_batch got no trajectories; pack at least one group.")
+        raise ValueError(
+            "trajectories_to_record_batch got no trajectories; pack at least one group."
+        )
     columns = {
         "task_id": [t.task_id for t in trajectories],
         "group_id": [t.group_id for t in trajectories],
@@ -114,6 +116,11 @@ def record_batch_to_arrays(
         "rewards": batch.column("reward").to_numpy().astype(np.float32),
         "group_ids": group_ids,
         "lengths": lengths,
-        "valid": np.array([0.0 if is_infrastructure_failure(s) else 1.0
-                           for s in batch.column("status").to_pylist()], np.float32),
+        "valid": np.array(
+            [
+                0.0 if is_infrastructure_failure(s) else 1.0
+                for s in batch.column("status").to_pylist()
+            ],
+            np.float32,
+        ),
     }

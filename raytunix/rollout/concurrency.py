@@ -69,13 +69,17 @@ class EngineLoadMeter:
           ValueError: ``replicas`` is empty or a dict lacks one of the keys.
         """
         if not replicas:
-            raise ValueError("EngineLoadMeter.update got no replica stats; pass one "
-                             "InferenceEngine.stats() dict per engine replica.")
+            raise ValueError(
+                "EngineLoadMeter.update got no replica stats; pass one "
+                "InferenceEngine.stats() dict per engine replica."
+            )
         for stats in replicas:
             missing = {"busy_s", "wall_s", "waiting", "preemptions"} - set(stats)
             if missing:
-                raise ValueError(f"EngineLoadMeter.update: engine stats lack {sorted(missing)};"
-                                 " pass InferenceEngine.stats() dicts.")
+                raise ValueError(
+                    f"EngineLoadMeter.update: engine stats lack {sorted(missing)};"
+                    " pass InferenceEngine.stats() dicts."
+                )
         previous, self._previous = self._previous, [dict(s) for s in replicas]
         if previous is None or len(previous) != len(replicas):
             return None
@@ -91,8 +95,9 @@ class EngineLoadMeter:
             saturated |= now["waiting"] > 0 or now["preemptions"] > before["preemptions"]
         if window_s == 0:
             return None
-        return EngineLoad(busy_fraction=sum(fractions) / len(fractions), saturated=saturated,
-                          window_s=window_s)
+        return EngineLoad(
+            busy_fraction=sum(fractions) / len(fractions), saturated=saturated, window_s=window_s
+        )
 
 
 class ConcurrencyController:
@@ -133,24 +138,42 @@ class ConcurrencyController:
       ValueError: an argument is out of range (the message names it).
     """
 
-    def __init__(self, *, initial: int, minimum: int, maximum: int, target_busy: float = 0.9,
-                 granularity: int = 1, dead_band: float = 0.05, patience: int = 2,
-                 max_step: float = 2.0):
-        for name, value in (("initial", initial), ("minimum", minimum), ("maximum", maximum),
-                            ("granularity", granularity), ("patience", patience)):
+    def __init__(
+        self,
+        *,
+        initial: int,
+        minimum: int,
+        maximum: int,
+        target_busy: float = 0.9,
+        granularity: int = 1,
+        dead_band: float = 0.05,
+        patience: int = 2,
+        max_step: float = 2.0,
+    ):
+        for name, value in (
+            ("initial", initial),
+            ("minimum", minimum),
+            ("maximum", maximum),
+            ("granularity", granularity),
+            ("patience", patience),
+        ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ConcurrencyController: {name}={value!r} must be an int >= 1.")
         if not minimum <= initial <= maximum:
             raise ValueError(
                 f"ConcurrencyController: need minimum <= initial <= maximum, got minimum="
                 f"{minimum}, initial={initial}, maximum={maximum}; widen the bounds or move "
-                "the start value inside them.")
+                "the start value inside them."
+            )
         if not 0 < target_busy <= 1:
-            raise ValueError(f"ConcurrencyController: target_busy={target_busy!r} must be in "
-                             "(0, 1], e.g. 0.9.")
+            raise ValueError(
+                f"ConcurrencyController: target_busy={target_busy!r} must be in (0, 1], e.g. 0.9."
+            )
         if not 0 <= dead_band < target_busy:
-            raise ValueError(f"ConcurrencyController: dead_band={dead_band!r} must be in "
-                             f"[0, target_busy={target_busy}).")
+            raise ValueError(
+                f"ConcurrencyController: dead_band={dead_band!r} must be in "
+                f"[0, target_busy={target_busy})."
+            )
         if not max_step > 1:
             raise ValueError(f"ConcurrencyController: max_step={max_step!r} must be > 1.")
         self.minimum, self.maximum = minimum, maximum
@@ -173,12 +196,19 @@ class ConcurrencyController:
         minimum = rollout.adaptive_min_episodes or min(group, rollout.max_concurrent_episodes)
         maximum = rollout.adaptive_max_episodes or max(
             rollout.max_concurrent_episodes,
-            (rollout.max_staleness + 1) * rollout.groups_per_batch * group)
-        return cls(initial=rollout.max_concurrent_episodes, minimum=minimum, maximum=maximum,
-                   target_busy=rollout.target_engine_busy, granularity=group)
+            (rollout.max_staleness + 1) * rollout.groups_per_batch * group,
+        )
+        return cls(
+            initial=rollout.max_concurrent_episodes,
+            minimum=minimum,
+            maximum=maximum,
+            target_busy=rollout.target_engine_busy,
+            granularity=group,
+        )
 
-    def update(self, busy_fraction: float, *, limit_reached: bool = True,
-               backpressure: bool = False) -> int:
+    def update(
+        self, busy_fraction: float, *, limit_reached: bool = True, backpressure: bool = False
+    ) -> int:
         """Feeds one window's reading; returns the (possibly new) budget in episodes.
 
         Args:
@@ -192,8 +222,10 @@ class ConcurrencyController:
           ValueError: ``busy_fraction`` is not a number in [0, 1].
         """
         if not (isinstance(busy_fraction, (int, float)) and 0 <= busy_fraction <= 1):
-            raise ValueError(f"ConcurrencyController.update: busy_fraction={busy_fraction!r} "
-                             "must be a number in [0, 1] (device seconds / wall seconds).")
+            raise ValueError(
+                f"ConcurrencyController.update: busy_fraction={busy_fraction!r} "
+                "must be a number in [0, 1] (device seconds / wall seconds)."
+            )
         self.last_busy_fraction = float(busy_fraction)
         if self._skip_next:
             self._skip_next = False

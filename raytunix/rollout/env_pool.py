@@ -66,8 +66,13 @@ class EnvActor(profiling.ProfiledActor):
     imports JAX, a warning says which environment did.
     """
 
-    def __init__(self, env_name: str, env_kwargs: dict[str, Any], max_threads: int = 256,
-                 import_paths: Sequence[str] = ()):
+    def __init__(
+        self,
+        env_name: str,
+        env_kwargs: dict[str, Any],
+        max_threads: int = 256,
+        import_paths: Sequence[str] = (),
+    ):
         os.environ.setdefault("JAX_PLATFORMS", "cpu")  # never grab an accelerator
         add_import_paths(import_paths)
         profiling.configure("env actor", "env")
@@ -80,21 +85,26 @@ class EnvActor(profiling.ProfiledActor):
             make_env(env_name, **env_kwargs).close()
         except Exception as e:  # noqa: BLE001 - reported whole, with the fix
             if isinstance(e, PluginError):
-                fix = (f"This actor's sys.path starts with {sys.path[:3]}; on a multi-node "
-                       "cluster install the module on every node or ship it with the job "
-                       "(runtime_env working_dir or py_modules).")
+                fix = (
+                    f"This actor's sys.path starts with {sys.path[:3]}; on a multi-node "
+                    "cluster install the module on every node or ship it with the job "
+                    "(runtime_env working_dir or py_modules)."
+                )
             else:
                 fix = "Fix env.kwargs or the environment's constructor."
             raise EnvBuildError(
                 f"environment {env_name!r} with env.kwargs={env_kwargs!r} cannot be built in "
                 f"the env actor (pid {os.getpid()}): {type(e).__name__}: "
-                f"{str(e).rstrip('.')}. {fix}") from e
+                f"{str(e).rstrip('.')}. {fix}"
+            ) from e
         if "jax" in sys.modules and not jax_before:
             logger.warning(
                 "building environment %r imported JAX into the env actor (pid %d). Tools and "
                 "sandboxes fork from this process, and a fork of a process running JAX can "
                 "deadlock; import JAX lazily in the environment's module, or not at all.",
-                env_name, os.getpid())
+                env_name,
+                os.getpid(),
+            )
         heap.settle()  # start-up state out of the garbage collector's scans
 
     def first_observation(self, task: Task) -> str:
@@ -116,8 +126,13 @@ class EnvActor(profiling.ProfiledActor):
             except Exception as e:  # noqa: BLE001 - the environment's code
                 # Only the observation is measured here; an episode's close that raises
                 # ends that episode as env_error (with its traceback) when it runs.
-                logger.warning("closing %s after measuring task %r's prompt raised %s: %s",
-                               type(env).__qualname__, task.task_id, type(e).__name__, e)
+                logger.warning(
+                    "closing %s after measuring task %r's prompt raised %s: %s",
+                    type(env).__qualname__,
+                    task.task_id,
+                    type(e).__name__,
+                    e,
+                )
 
     def tasks(self, split: str, size: int, seed: int) -> list[Task] | None:
         """The environment's own tasks (``BaseEnv.tasks``, checked by
@@ -141,15 +156,17 @@ class EnvActor(profiling.ProfiledActor):
     async def reset(self, episode_id: str, task: Task) -> str | EnvErrorReport:
         env = make_env(self._env_name, **self._env_kwargs)
         self._envs[episode_id] = (env, task.task_id)
-        return await self._in_thread(_recorded, "env_reset", episode_id, guarded_call, env,
-                                     "reset", task.task_id, task)
+        return await self._in_thread(
+            _recorded, "env_reset", episode_id, guarded_call, env, "reset", task.task_id, task
+        )
 
     async def step(self, episode_id: str, action: Action) -> StepResult | EnvErrorReport:
         env, task_id = self._envs.get(episode_id, (None, ""))
         if env is None:
             raise KeyError(f"episode {episode_id!r} has no environment on this actor (restarted?)")
-        return await self._in_thread(_recorded, "env_step", episode_id, guarded_call, env,
-                                     "step", task_id, action)
+        return await self._in_thread(
+            _recorded, "env_step", episode_id, guarded_call, env, "step", task_id, action
+        )
 
     async def close(self, episode_id: str) -> EnvErrorReport | None:
         env, task_id = self._envs.pop(episode_id, (None, ""))
@@ -194,8 +211,9 @@ class RemoteEnv:
         the failure is raised; the pool uses it to check whether the actor is gone for good.
     """
 
-    def __init__(self, actor, episode_id: str,
-                 on_actor_died: Callable[[], Awaitable[None]] | None = None):
+    def __init__(
+        self, actor, episode_id: str, on_actor_died: Callable[[], Awaitable[None]] | None = None
+    ):
         self._actor = actor
         self._episode_id = episode_id
         self._on_actor_died = on_actor_died
@@ -208,8 +226,9 @@ class RemoteEnv:
                 await self._on_actor_died()
             raise EnvFailure(f"{method} failed: the env actor died ({e})", retryable=True) from e
         except ray.exceptions.RayActorError as e:  # ActorUnavailableError: restarting
-            raise EnvFailure(f"{method} failed: the env actor is unavailable ({e})",
-                             retryable=True) from e
+            raise EnvFailure(
+                f"{method} failed: the env actor is unavailable ({e})", retryable=True
+            ) from e
         except ray.exceptions.RayTaskError as e:
             gone = isinstance(e, KeyError)  # the episode's env was lost in a restart
             # The environment's own exception, not Ray's text of its whole traceback (which
@@ -290,17 +309,29 @@ class EnvPool:
     ``membership`` / ``adopt`` (for profiling drains and shutdown).
     """
 
-    def __init__(self, env_name: str, env_kwargs: dict[str, Any], num_actors: int,
-                 max_restarts: int = 3, resources: dict[str, float] | None = None,
-                 threads_per_actor: int = 256, probe_timeout_s: float = 60.0,
-                 import_paths: Sequence[str] = ()):
+    def __init__(
+        self,
+        env_name: str,
+        env_kwargs: dict[str, Any],
+        num_actors: int,
+        max_restarts: int = 3,
+        resources: dict[str, float] | None = None,
+        threads_per_actor: int = 256,
+        probe_timeout_s: float = 60.0,
+        import_paths: Sequence[str] = (),
+    ):
         _check_size("num_actors", num_actors)
         self.env_name = env_name
         self.max_restarts = max_restarts
         self.probe_timeout_s = probe_timeout_s
-        self._options = {"num_cpus": 0, "max_restarts": max_restarts, "max_task_retries": 0,
-                         "max_concurrency": 10_000, "resources": dict(resources or {}),
-                         "runtime_env": CPU_ONLY_RUNTIME_ENV}
+        self._options = {
+            "num_cpus": 0,
+            "max_restarts": max_restarts,
+            "max_task_retries": 0,
+            "max_concurrency": 10_000,
+            "resources": dict(resources or {}),
+            "runtime_env": CPU_ONLY_RUNTIME_ENV,
+        }
         self._args = (env_name, env_kwargs, threads_per_actor, tuple(import_paths))
         self.actors: list[Any] = []  # every actor this pool started, by index
         self._load: list[int] = []  # episodes leased per actor now
@@ -355,14 +386,16 @@ class EnvPool:
         if not alive and self._retiring:  # the active ones died: take retiring ones back
             alive = sorted(self._retiring - self._dead)
             self._retiring.difference_update(alive)
-            logger.warning("env pool: no active env actor left; retiring actors %s serve "
-                           "again", alive)
+            logger.warning(
+                "env pool: no active env actor left; retiring actors %s serve again", alive
+            )
         if not alive:
             total = len(self.actors) - len(self._retired)
             raise EnvPoolExhausted(
                 f"all {total} env actors are dead (each was restarted up to "
                 f"env.env_actor_max_restarts={self.max_restarts} times); no episode can run. "
-                "Check the env actors' logs (`ray logs`), fix the cause, and resume the run.")
+                "Check the env actors' logs (`ray logs`), fix the cause, and resume the run."
+            )
         i = min(alive, key=self._load.__getitem__)
         self._load[i] += 1
         self._leases[i] += 1
@@ -390,8 +423,13 @@ class EnvPool:
         except ray.exceptions.ActorDiedError as e:
             self._dead.add(index)
             self._starting.pop(index, None)
-            logger.error("env actor %d is dead for good (%d of %d left): %s", index,
-                         self.size, len(self.actors) - len(self._retired), e)
+            logger.error(
+                "env actor %d is dead for good (%d of %d left): %s",
+                index,
+                self.size,
+                len(self.actors) - len(self._retired),
+                e,
+            )
         except (ray.exceptions.RayActorError, TimeoutError):
             pass  # restarting or slow: not known dead
 
@@ -428,8 +466,13 @@ class EnvPool:
             started = [self._start_actor() for _ in range(num_actors - len(serving) - len(back))]
             for i in started:
                 self._starting[i] = self.actors[i].num_envs.remote()
-            logger.info("env pool: %d -> %d actors (%d taken back from retiring, %d started)",
-                        len(serving), num_actors, len(back), len(started))
+            logger.info(
+                "env pool: %d -> %d actors (%d taken back from retiring, %d started)",
+                len(serving),
+                num_actors,
+                len(back),
+                len(started),
+            )
         elif len(serving) > num_actors:
             order = sorted(serving, key=lambda i: (i not in self._starting, self._load[i], -i))
             retire = order[: len(serving) - num_actors]
@@ -439,16 +482,19 @@ class EnvPool:
                 self._retiring.add(i)
                 if self._load[i] == 0:
                     self._retire_now(i)
-            logger.info("env pool: %d -> %d actors (retiring %s once their episodes end)",
-                        len(serving), num_actors, retire)
+            logger.info(
+                "env pool: %d -> %d actors (retiring %s once their episodes end)",
+                len(serving),
+                num_actors,
+                retire,
+            )
         return self.membership()
 
     def _retire_now(self, index: int) -> None:
         self._retiring.discard(index)
         self._retired.add(index)
         ray.kill(self.actors[index], no_restart=True)
-        logger.info("env pool: env actor %d retired after %d episodes", index,
-                    self._leases[index])
+        logger.info("env pool: env actor %d retired after %d episodes", index, self._leases[index])
 
     def _promote_started(self) -> None:
         """Starting actors that answered their probe become active; one whose environment
@@ -465,8 +511,9 @@ class EnvPool:
                 logger.info("env pool: env actor %d is ready and takes episodes", index)
             else:
                 self._dead.add(index)
-                logger.error("env pool: env actor %d could not start and is left out: %s",
-                             index, error)
+                logger.error(
+                    "env pool: env actor %d could not start and is left out: %s", index, error
+                )
 
     def membership(self) -> dict[str, Any]:
         """The pool's actors as the orchestrator's copy knows them (JSON-able but for the
@@ -475,11 +522,16 @@ class EnvPool:
         and ``leases`` (episodes leased to each since it started)."""
         self._promote_started()
         serving = self._serving()
-        return {"actors": list(self.actors),
-                "active": [i for i in serving if i not in self._starting],
-                "starting": sorted(self._starting), "retiring": sorted(self._retiring),
-                "retired": sorted(self._retired), "dead": sorted(self._dead),
-                "load": list(self._load), "leases": list(self._leases)}
+        return {
+            "actors": list(self.actors),
+            "active": [i for i in serving if i not in self._starting],
+            "starting": sorted(self._starting),
+            "retiring": sorted(self._retiring),
+            "retired": sorted(self._retired),
+            "dead": sorted(self._dead),
+            "load": list(self._load),
+            "leases": list(self._leases),
+        }
 
     def adopt(self, membership: dict[str, Any]) -> None:
         """Takes the membership of another copy of this pool (the orchestrator's, after a
@@ -531,21 +583,25 @@ class EnvPool:
             lines = [line for line in str(getattr(e, "error_msg", e)).splitlines() if line.strip()]
             cause = lines[-1] if lines else str(e)
             prefix = f"{__name__}.EnvBuildError: "
-            raise EnvBuildError(cause[len(prefix):] if cause.startswith(prefix) else
-                                f"environment {self.env_name!r} cannot be built in the env "
-                                f"actors: {cause}") from None
+            raise EnvBuildError(
+                cause[len(prefix) :]
+                if cause.startswith(prefix)
+                else f"environment {self.env_name!r} cannot be built in the env actors: {cause}"
+            ) from None
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(
                 f"the {len(serving)} env actors of {self.env_name!r} were not ready within "
                 f"{timeout_s} s; check that the cluster has the resources they ask for "
-                "(`ray status`) and the env actors' logs (`ray logs`).") from None
+                "(`ray status`) and the env actors' logs (`ray logs`)."
+            ) from None
         self._promote_started()
 
 
 def _check_size(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r}: an env pool needs a whole number of actors, at "
-                         "least 1.")
+        raise ValueError(
+            f"{name}={value!r}: an env pool needs a whole number of actors, at least 1."
+        )
 
 
 _REMOTE_ENV_ACTOR = None

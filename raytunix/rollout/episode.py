@@ -58,7 +58,8 @@ def _add_reward(total: float, reward: float, env, task) -> float:
         raise EnvFailure(
             f"{type(env).__qualname__}: the episode's rewards sum to {total!r}, more than "
             f"{MAX_REWARD:g} in size (batches hold rewards as float32, where that is inf); "
-            f"scale the rewards down (task {task.task_id!r})")
+            f"scale the rewards down (task {task.task_id!r})"
+        )
     return total
 
 
@@ -108,8 +109,13 @@ async def run_episode(
     start = time.perf_counter()
     # The episode's turns share one engine session: each turn prefills only its new tokens.
     session_id = f"{group_id}/{seed}"
-    timings = {"generate_s": 0.0, "env_s": 0.0, TOOL_ERRORS_KEY: 0.0, "tool_calls": 0.0,
-               "engine_retries": 0.0}
+    timings = {
+        "generate_s": 0.0,
+        "env_s": 0.0,
+        TOOL_ERRORS_KEY: 0.0,
+        "tool_calls": 0.0,
+        "engine_retries": 0.0,
+    }
     reward, status = 0.0, EpisodeStatus.TRUNCATED
     error = ""  # an ENV_ERROR's message, kept on the trajectory for the user to see
     report = None  # and its EnvErrorReport, when the environment's code failed
@@ -117,9 +123,15 @@ async def run_episode(
 
     def on_engine_retry(attempt: int, error: BaseException, delay_s: float) -> None:
         timings["engine_retries"] += 1
-        _rate_limited.log(logging.WARNING, "engine_retry",
-                          "engine call of %s failed (%r); retry %d in %.2f s",
-                          group_id, error, attempt + 1, delay_s)
+        _rate_limited.log(
+            logging.WARNING,
+            "engine_retry",
+            "engine call of %s failed (%r); retry %d in %.2f s",
+            group_id,
+            error,
+            attempt + 1,
+            delay_s,
+        )
 
     async def env_call(coro, record):
         """Awaits an env call, adds its seconds to ``env_s`` and calls ``record(start,
@@ -143,8 +155,15 @@ async def run_episode(
 
     try:
         async with asyncio.timeout(timeout_s):
-            agent.reset(task, await env_call(env.reset(task), lambda t0, seconds: profiling.add(
-                "env_reset", t0, t0 + seconds, "episodes", None, session_id)))
+            agent.reset(
+                task,
+                await env_call(
+                    env.reset(task),
+                    lambda t0, seconds: profiling.add(
+                        "env_reset", t0, t0 + seconds, "episodes", None, session_id
+                    ),
+                ),
+            )
             for turn in range(max_turns):
                 room = max_context_tokens - len(agent.token_ids) - 1
                 if room <= 0:
@@ -152,16 +171,23 @@ async def run_episode(
                 # replace, not a new SamplingParams: every other setting (temperature,
                 # top-k, top-p, stops) reaches the engine as the caller gave it.
                 turn_sampling = dataclasses.replace(
-                    sampling, max_new_tokens=min(sampling.max_new_tokens, room))
+                    sampling, max_new_tokens=min(sampling.max_new_tokens, room)
+                )
                 request = dataclasses.replace(
-                    agent.next_request(f"{group_id}/{seed}/{turn}", turn_sampling,
-                                       seed * MAX_TURN_SEEDS + turn),
-                    session_id=session_id)
+                    agent.next_request(
+                        f"{group_id}/{seed}/{turn}", turn_sampling, seed * MAX_TURN_SEEDS + turn
+                    ),
+                    session_id=session_id,
+                )
                 t0 = time.perf_counter()
                 try:
                     result = await retry_async(
-                        lambda: engine.generate(request), engine_backoff,
-                        retry_on=ENGINE_OUTAGE_ERRORS, rng=rng, on_retry=on_engine_retry)
+                        lambda: engine.generate(request),
+                        engine_backoff,
+                        retry_on=ENGINE_OUTAGE_ERRORS,
+                        rng=rng,
+                        on_retry=on_engine_retry,
+                    )
                 except ENGINE_OUTAGE_ERRORS as e:
                     if isinstance(e, EngineFailure):
                         raise
@@ -178,8 +204,9 @@ async def run_episode(
                     record_turn(turn, t0, t1, tokens, None)
                     break  # the turn did not end (an agent may close a cut reply): TRUNCATED
                 timings["tool_calls"] += len(action.tool_calls)
-                step = await env_call(env.step(action), lambda _, seconds: record_turn(
-                    turn, t0, t1, tokens, seconds))
+                step = await env_call(
+                    env.step(action), lambda _, seconds: record_turn(turn, t0, t1, tokens, seconds)
+                )
                 step = _check_step(step, env, task)
                 reward = _add_reward(reward, step.reward, env, task)
                 for kind, count in (step.info.get(TOOL_ERRORS_KEY) or {}).items():
@@ -189,8 +216,9 @@ async def run_episode(
                 if step.done:
                     status = step.status or EpisodeStatus.COMPLETED
                     if status == EpisodeStatus.ENV_ERROR:  # BaseEnv.step caught the raise
-                        error = str(step.info.get("error") or "the environment reported "
-                                    "env_error")[:MAX_ERROR_CHARS]
+                        error = str(step.info.get("error") or "the environment reported env_error")[
+                            :MAX_ERROR_CHARS
+                        ]
                         report = step.info.get("env_error_report")
                     break
                 if turn + 1 < max_turns:
@@ -203,8 +231,9 @@ async def run_episode(
         report = e.report
         if e.retryable:  # the host failed, not the environment: the caller may re-run it
             timings["env_failure_retryable"] = 1.0
-        _rate_limited.log(logging.WARNING, "env_failure", "episode of %s ended as env_error: %s",
-                          group_id, e)
+        _rate_limited.log(
+            logging.WARNING, "env_failure", "episode of %s ended as env_error: %s", group_id, e
+        )
     finally:
         end_session = getattr(engine, "end_session", None)
         if end_session is not None:
@@ -217,21 +246,34 @@ async def run_episode(
             # failure's status and report are kept); a host failure only warns.
             if e.report is not None and not is_infrastructure_failure(status):
                 status, error, report = EpisodeStatus.ENV_ERROR, str(e)[:MAX_ERROR_CHARS], e.report
-            _rate_limited.log(logging.WARNING, "env_close", "closing the env of %s failed: %s",
-                              group_id, e)
+            _rate_limited.log(
+                logging.WARNING, "env_close", "closing the env of %s failed: %s", group_id, e
+            )
         except TimeoutError as e:  # a hung close must not hide the episode's outcome
-            _rate_limited.log(logging.WARNING, "env_close", "closing the env of %s failed: %r",
-                              group_id, e)
+            _rate_limited.log(
+                logging.WARNING, "env_close", "closing the env of %s failed: %r", group_id, e
+            )
     if is_infrastructure_failure(status):
         reward = 0.0
     timings["generated_tokens"] = float(agent.num_generated_tokens)
     end = time.perf_counter()
     timings["wall_s"] = end - start
     trajectory = agent.to_trajectory(task.task_id, group_id, reward, status, metrics=timings)
-    profiling.add("episode", start, end, "episodes",
-                  {"task_id": task.task_id, "status": status.value, "turns": trajectory.num_turns,
-                   "reward": reward, "generate_s": timings["generate_s"],
-                   "env_s": timings["env_s"]}, session_id)
+    profiling.add(
+        "episode",
+        start,
+        end,
+        "episodes",
+        {
+            "task_id": task.task_id,
+            "status": status.value,
+            "turns": trajectory.num_turns,
+            "reward": reward,
+            "generate_s": timings["generate_s"],
+            "env_s": timings["env_s"],
+        },
+        session_id,
+    )
     trajectory.error = error
     trajectory.error_report = report
     return trajectory

@@ -50,11 +50,14 @@ class Backoff:
 
     def __post_init__(self) -> None:
         if not self.initial_delay_s > 0:
-            raise ValueError(f"Backoff.initial_delay_s must be > 0 seconds, got {self.initial_delay_s!r}")
+            raise ValueError(
+                f"Backoff.initial_delay_s must be > 0 seconds, got {self.initial_delay_s!r}"
+            )
         if not self.max_delay_s >= self.initial_delay_s:
             raise ValueError(
                 f"Backoff.max_delay_s={self.max_delay_s!r} must be >= initial_delay_s="
-                f"{self.initial_delay_s!r}")
+                f"{self.initial_delay_s!r}"
+            )
         if not self.multiplier >= 1:
             raise ValueError(f"Backoff.multiplier must be >= 1, got {self.multiplier!r}")
         if not (isinstance(self.max_attempts, int) and self.max_attempts >= 1):
@@ -69,8 +72,10 @@ class Backoff:
 
     def max_total_delay_s(self) -> float:
         """Longest total wait over all retries (jitter at its maximum), seconds."""
-        return sum(min(self.max_delay_s, self.initial_delay_s * self.multiplier ** k)
-                   for k in range(self.max_attempts - 1))
+        return sum(
+            min(self.max_delay_s, self.initial_delay_s * self.multiplier**k)
+            for k in range(self.max_attempts - 1)
+        )
 
 
 async def retry_async(
@@ -114,8 +119,12 @@ class RateLimitedLog:
       clock: monotonic seconds (a parameter so tests can drive it).
     """
 
-    def __init__(self, logger: logging.Logger, interval_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        logger: logging.Logger,
+        interval_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self._logger = logger
         self._interval_s = interval_s
         self._clock = clock

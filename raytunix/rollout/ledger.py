@@ -47,9 +47,11 @@ class IndexRanges:
             if not 0 <= start < end:
                 raise ValueError(f"range [{start}, {end}) must be non-empty and non-negative")
             if self._ends and start <= self._ends[-1]:
-                raise ValueError(f"range [{start}, {end}) overlaps or touches the one before "
-                                 f"([{self._starts[-1]}, {self._ends[-1]})); ranges must be "
-                                 "sorted and disjoint")
+                raise ValueError(
+                    f"range [{start}, {end}) overlaps or touches the one before "
+                    f"([{self._starts[-1]}, {self._ends[-1]})); ranges must be "
+                    "sorted and disjoint"
+                )
             self._starts.append(start)
             self._ends.append(end)
 
@@ -103,20 +105,27 @@ class TaskLedger:
       LedgerError: an index is both trained and filtered, or filtered for two reasons.
     """
 
-    def __init__(self, trained: Iterable[Iterable[int]] = (),
-                 filtered: dict[str, Iterable[Iterable[int]]] | None = None):
+    def __init__(
+        self,
+        trained: Iterable[Iterable[int]] = (),
+        filtered: dict[str, Iterable[Iterable[int]]] | None = None,
+    ):
         self.trained = IndexRanges(trained)
         self.filtered = {reason: IndexRanges(r) for reason, r in (filtered or {}).items()}
-        tagged = sorted((start, end, name) for name, indices in self._sets()
-                        for start, end in indices.ranges())
+        tagged = sorted(
+            (start, end, name) for name, indices in self._sets() for start, end in indices.ranges()
+        )
         for (s0, e0, n0), (s1, _, n1) in zip(tagged, tagged[1:]):
             if s1 < e0:  # each set is disjoint in itself, so this is two sets
-                raise LedgerError(f"task index {s1} is recorded as {n0} and as {n1}; the "
-                                  "saved ledger is corrupt")
+                raise LedgerError(
+                    f"task index {s1} is recorded as {n0} and as {n1}; the saved ledger is corrupt"
+                )
 
     def _sets(self) -> list[tuple[str, IndexRanges]]:
-        return [("trained", self.trained),
-                *((f"filtered:{reason}", r) for reason, r in self.filtered.items())]
+        return [
+            ("trained", self.trained),
+            *((f"filtered:{reason}", r) for reason, r in self.filtered.items()),
+        ]
 
     @classmethod
     def from_json(cls, tree: dict[str, Any] | None) -> TaskLedger:
@@ -125,8 +134,10 @@ class TaskLedger:
         return cls(tree.get("trained", ()), tree.get("filtered", {}))
 
     def to_json(self) -> dict[str, Any]:
-        return {"trained": self.trained.to_json(),
-                "filtered": {reason: r.to_json() for reason, r in sorted(self.filtered.items())}}
+        return {
+            "trained": self.trained.to_json(),
+            "filtered": {reason: r.to_json() for reason, r in sorted(self.filtered.items())},
+        }
 
     def outcome(self, index: int) -> str | None:
         """``"trained"``, ``"filtered:<reason>"``, or None while unsettled."""
@@ -156,7 +167,8 @@ class TaskLedger:
             raise LedgerError(
                 f"task index {index} is already {old} and would now be {new}: a task must be "
                 "settled exactly once. This is a bug in the orchestrator; please report it "
-                "with the run's metrics.jsonl.")
+                "with the run's metrics.jsonl."
+            )
 
     def check(self, next_index: int, pending: Iterable[int]) -> None:
         """Checks the exactly-once invariant: every index in ``[0, next_index)`` is
@@ -172,14 +184,19 @@ class TaskLedger:
             settled = self.outcome(index)
             if settled is not None:
                 raise LedgerError(f"task index {index} is pending and {settled}")
-        ranges = sorted([*(r for _, rs in self._sets() for r in rs.ranges()),
-                         *((i, i + 1) for i in pending)])
+        ranges = sorted(
+            [*(r for _, rs in self._sets() for r in rs.ranges()), *((i, i + 1) for i in pending)]
+        )
         covered = 0
         for start, end in [*ranges, (next_index, next_index)]:  # must chain up to next_index
             if start < covered:
-                raise LedgerError(f"task index {start} is recorded twice, or settled beyond "
-                                  f"the data position {next_index}")
+                raise LedgerError(
+                    f"task index {start} is recorded twice, or settled beyond "
+                    f"the data position {next_index}"
+                )
             if start > covered:
-                raise LedgerError(f"task indices [{covered}, {start}) were handed out but are "
-                                  "neither trained, filtered nor pending")
+                raise LedgerError(
+                    f"task indices [{covered}, {start}) were handed out but are "
+                    "neither trained, filtered nor pending"
+                )
             covered = end

@@ -87,7 +87,9 @@ EnvProvider = Callable[[str], tuple[EnvClient, Callable[[], None]]]
 STALE_TOKEN_POLICIES: tuple[str, ...] = get_args(StaleTokenPolicy)  # rollout.stale_token_policy
 
 DROPPED_TOKEN_KINDS = (
-    "failed_env_error", "failed_timeout", "failed_aborted",  # loss mask zeroed, by status
+    "failed_env_error",
+    "failed_timeout",
+    "failed_aborted",  # loss mask zeroed, by status
     "group_failed",  # a group whose every member failed, retried or filtered
     "failed_group_dropped",  # drop_failed_groups: a group with a failed member
     "zero_variance",  # dynamic sampling filtered the group
@@ -122,16 +124,19 @@ class _OneVersionEngine:
 
     async def generate(self, request):
         if self.version is not None and self._current_version() > self.version:
-            raise WeightUpdated(f"policy version {self._current_version()} arrived while "
-                                f"{request.request_id} ran on version {self.version}")
+            raise WeightUpdated(
+                f"policy version {self._current_version()} arrived while "
+                f"{request.request_id} ran on version {self.version}"
+            )
         result = await self._engine.generate(request)
         versions = set(result.policy_versions)
         if self.version is None and versions:
             self.version = min(versions)
         if versions - {self.version}:
             self.discarded_tokens = len(result.token_ids)
-            raise WeightUpdated(f"{request.request_id} holds tokens of versions "
-                                f"{sorted(versions | {self.version})}")
+            raise WeightUpdated(
+                f"{request.request_id} holds tokens of versions {sorted(versions | {self.version})}"
+            )
         return result
 
     def __getattr__(self, name: str):
@@ -233,11 +238,14 @@ class RolloutOrchestrator:
         if not tasks:
             raise ValueError("RolloutOrchestrator got no tasks; give it a non-empty dataset.")
         if stale_token_policy not in STALE_TOKEN_POLICIES:
-            raise ValueError(f"stale_token_policy={stale_token_policy!r} is not one of "
-                             f"{', '.join(STALE_TOKEN_POLICIES)}.")
+            raise ValueError(
+                f"stale_token_policy={stale_token_policy!r} is not one of "
+                f"{', '.join(STALE_TOKEN_POLICIES)}."
+            )
         if max_weight_update_restarts < 0:
-            raise ValueError(f"max_weight_update_restarts={max_weight_update_restarts} must "
-                             "be >= 0.")
+            raise ValueError(
+                f"max_weight_update_restarts={max_weight_update_restarts} must be >= 0."
+            )
         self._tasks = list(tasks)
         self._agent_factory = agent_factory
         self._engine = engine
@@ -264,10 +272,13 @@ class RolloutOrchestrator:
             raise ValueError(
                 f"RolloutOrchestrator: the concurrency controller starts at {concurrency.budget} "
                 f"episodes but max_concurrent_episodes={max_concurrent_episodes}; build the "
-                "controller with initial=max_concurrent_episodes.")
+                "controller with initial=max_concurrent_episodes."
+            )
         if not concurrency_interval_s > 0:
-            raise ValueError(f"RolloutOrchestrator: concurrency_interval_s="
-                             f"{concurrency_interval_s!r} must be > 0 seconds.")
+            raise ValueError(
+                f"RolloutOrchestrator: concurrency_interval_s="
+                f"{concurrency_interval_s!r} must be > 0 seconds."
+            )
         self._concurrency = concurrency
         self.concurrency_interval_s = concurrency_interval_s
         self._budget_binding = False  # the budget alone held a group back since the last reading
@@ -316,7 +327,8 @@ class RolloutOrchestrator:
         if self._halt_error is not None:
             return False
         room = self._in_flight_episodes == 0 or (
-            self._in_flight_episodes + self.group_size <= self.max_concurrent_episodes)
+            self._in_flight_episodes + self.group_size <= self.max_concurrent_episodes
+        )
         allowed = (self._version - self._version0 + self.max_staleness + 1) * self.groups_per_batch
         backlog = self._queue is not None and self._queue.full()  # the learner is behind
         fresh = self._groups_started - self._groups_dropped < allowed
@@ -361,10 +373,17 @@ class RolloutOrchestrator:
             # A TaskGroup (unlike gather) cancels and awaits the other episodes when one
             # raises, so none keeps running, unbudgeted, after the group is given up.
             async with asyncio.TaskGroup() as episodes:
-                runs = [episodes.create_task(self._episode(
-                    task, group_id, self.sampling,
-                    seed=(self.seed * 1_000_003 + index * self.group_size + j) % 2**31))
-                    for j in range(self.group_size)]
+                runs = [
+                    episodes.create_task(
+                        self._episode(
+                            task,
+                            group_id,
+                            self.sampling,
+                            seed=(self.seed * 1_000_003 + index * self.group_size + j) % 2**31,
+                        )
+                    )
+                    for j in range(self.group_size)
+                ]
             trajectories = [run.result() for run in runs]
         except asyncio.CancelledError:
             self._release_group()
@@ -386,8 +405,11 @@ class RolloutOrchestrator:
         infra_failed = [t for t in trajectories if is_infrastructure_failure(t.status)]
         if len(infra_failed) == len(trajectories):  # nothing to learn from: try again later
             self._count_dropped("group_failed", trajectories)
-            await self._retry_or_filter(index, infra_failed[0].status.value,
-                                        f"every episode ended as {infra_failed[0].status.value}")
+            await self._retry_or_filter(
+                index,
+                infra_failed[0].status.value,
+                f"every episode ended as {infra_failed[0].status.value}",
+            )
             return
         self._failures.pop(index, None)
         if self.dynamic_sampling and self._filter_zero_variance(index, trajectories):
@@ -417,13 +439,18 @@ class RolloutOrchestrator:
             self._zero_variance_batch, self._zero_variance_filtered = self._batches_formed, 0
         if self._zero_variance_filtered >= self.dynamic_sampling_max_filtered:
             self.counters["groups_kept_zero_variance"] += 1
-            self._log.log(logging.WARNING, "dynamic_sampling_cap",
-                          "dynamic sampling: %d groups filtered while batch %d fills, all with "
-                          "equal rewards (last: %r); past dynamic_sampling_max_filtered such "
-                          "groups are kept (zero advantage) until the batch forms. Rewards that "
-                          "never differ within a group mean the tasks are too easy or too hard "
-                          "for the policy, or the reward is broken.",
-                          self._zero_variance_filtered, self._batches_formed, rewards[0])
+            self._log.log(
+                logging.WARNING,
+                "dynamic_sampling_cap",
+                "dynamic sampling: %d groups filtered while batch %d fills, all with "
+                "equal rewards (last: %r); past dynamic_sampling_max_filtered such "
+                "groups are kept (zero advantage) until the batch forms. Rewards that "
+                "never differ within a group mean the tasks are too easy or too hard "
+                "for the policy, or the reward is broken.",
+                self._zero_variance_filtered,
+                self._batches_formed,
+                rewards[0],
+            )
             return False
         self._zero_variance_filtered += 1
         self._count_dropped("zero_variance", trajectories)
@@ -463,23 +490,31 @@ class RolloutOrchestrator:
             failure += f": {t.error}"
         # An env_error whose host did not die is the environment's own exception (a bug in
         # it, or in what it calls), not an outage.
-        env_raised = (t.status == EpisodeStatus.ENV_ERROR
-                      and not t.metrics.get("env_failure_retryable"))
+        env_raised = t.status == EpisodeStatus.ENV_ERROR and not t.metrics.get(
+            "env_failure_retryable"
+        )
         self._record_episode(ok=not failed, failure=failure, env_raised=env_raised)
 
     def _record_episode(self, ok: bool, failure: str, env_raised: bool = False) -> None:
         if self._breaker.record(ok, failure) and self._halt_error is None:
             if env_raised:
-                what = (f"{self._breaker.consecutive} episodes in a row failed: the environment "
-                        f"raised (last: {failure}). Fix the environment (or what it calls).")
+                what = (
+                    f"{self._breaker.consecutive} episodes in a row failed: the environment "
+                    f"raised (last: {failure}). Fix the environment (or what it calls)."
+                )
             else:
-                what = (f"{self._breaker.consecutive} episodes in a row failed by infrastructure "
-                        f"(last: {failure}); the engine or the environments look down for "
-                        "good. Fix the cause.")
-            self._halt(RolloutHalted(
-                f"{what} The run stops here; checkpoints and the data ledger are kept. Resume "
-                "once fixed, or raise the breaker's threshold (rollout.max_consecutive_failures;"
-                " a resume may change it)."))
+                what = (
+                    f"{self._breaker.consecutive} episodes in a row failed by infrastructure "
+                    f"(last: {failure}); the engine or the environments look down for "
+                    "good. Fix the cause."
+                )
+            self._halt(
+                RolloutHalted(
+                    f"{what} The run stops here; checkpoints and the data ledger are kept. Resume "
+                    "once fixed, or raise the breaker's threshold (rollout.max_consecutive_failures;"
+                    " a resume may change it)."
+                )
+            )
 
     async def _retry_or_filter(self, index: int, reason: str, cause: Any) -> None:
         """The group made no data: its task goes back in the queue after a backoff, or is
@@ -488,8 +523,13 @@ class RolloutOrchestrator:
         failures = self._failures[index]
         if failures > self.max_group_retries:
             self._failures.pop(index, None)
-            logger.error("group g%d failed %d times (last: %s); task index %d is filtered",
-                         index, failures, cause, index)
+            logger.error(
+                "group g%d failed %d times (last: %s); task index %d is filtered",
+                index,
+                failures,
+                cause,
+                index,
+            )
             self._drop(index, reason)
             return
         self.counters[f"groups_retried_{reason}"] += 1
@@ -497,9 +537,16 @@ class RolloutOrchestrator:
         self._wake.set()
         delay = self.retry_backoff.delay_s(failures - 1, self._rng)
         self._cooldown_until = max(self._cooldown_until, time.monotonic() + delay)
-        self._log.log(logging.WARNING, f"group_retry_{reason}",
-                      "group g%d failed (%s: %s); task index %d is retried in %.1f s",
-                      index, reason, cause, index, delay)
+        self._log.log(
+            logging.WARNING,
+            f"group_retry_{reason}",
+            "group g%d failed (%s: %s); task index %d is retried in %.1f s",
+            index,
+            reason,
+            cause,
+            index,
+            delay,
+        )
         await asyncio.sleep(delay)  # still pending meanwhile: a checkpoint keeps the task
         self._pending.discard(index)
         self._retry.append(index)
@@ -512,8 +559,14 @@ class RolloutOrchestrator:
         self._halted.set()
         self._wake.set()
 
-    async def _episode(self, task: Task, group_id: str, sampling: SamplingParams, seed: int,
-                       one_version: bool | None = None) -> Trajectory:
+    async def _episode(
+        self,
+        task: Task,
+        group_id: str,
+        sampling: SamplingParams,
+        seed: int,
+        one_version: bool | None = None,
+    ) -> Trajectory:
         """One episode; re-run on a fresh environment (after a backoff) while its env actor
         died under it, up to ``max_episode_restarts`` times; with ``one_version`` (default:
         ``not partial_rollout``) restarted from its prompt when the weights change under
@@ -524,35 +577,55 @@ class RolloutOrchestrator:
         env_restarts = version_restarts = 0
         while True:
             restartable = one_version and version_restarts < self.max_weight_update_restarts
-            engine = (_OneVersionEngine(self._engine, lambda: self._version) if restartable
-                      else self._engine)
+            engine = (
+                _OneVersionEngine(self._engine, lambda: self._version)
+                if restartable
+                else self._engine
+            )
             profiling.current_flow.set(f"{group_id}/{seed}")  # run_episode's session id
             env, release = self._env_provider(group_id)
             agent = self._agent_factory()
             try:
                 trajectory = await run_episode(
-                    task, group_id, agent, env, engine, sampling,
-                    max_turns=self.max_turns, max_context_tokens=self.max_context_tokens,
-                    seed=seed, timeout_s=self.episode_timeout_s,
-                    engine_backoff=self.engine_backoff)
+                    task,
+                    group_id,
+                    agent,
+                    env,
+                    engine,
+                    sampling,
+                    max_turns=self.max_turns,
+                    max_context_tokens=self.max_context_tokens,
+                    seed=seed,
+                    timeout_s=self.episode_timeout_s,
+                    engine_backoff=self.engine_backoff,
+                )
             except WeightUpdated:
                 version_restarts += 1
                 self.counters["episodes_restarted_weight_update"] += 1
                 if not group_id.startswith("eval"):
-                    self._count_dropped_tokens("restarted_weight_update", getattr(
-                        agent, "num_generated_tokens", 0) + engine.discarded_tokens)
+                    self._count_dropped_tokens(
+                        "restarted_weight_update",
+                        getattr(agent, "num_generated_tokens", 0) + engine.discarded_tokens,
+                    )
                 continue
             finally:
                 release()
-            if trajectory.metrics.get("env_failure_retryable") and env_restarts < self.max_episode_restarts:
+            if (
+                trajectory.metrics.get("env_failure_retryable")
+                and env_restarts < self.max_episode_restarts
+            ):
                 self.counters["episodes_restarted_env_error"] += 1
                 if not group_id.startswith("eval"):
                     self._count_dropped("restarted_env_failure", [trajectory])
                 await asyncio.sleep(self.retry_backoff.delay_s(env_restarts, rng))
                 env_restarts += 1
                 continue
-            if one_version and not restartable and len(
-                    {v for v, m in zip(trajectory.policy_versions, trajectory.loss_mask) if m}) > 1:
+            if (
+                one_version
+                and not restartable
+                and len({v for v, m in zip(trajectory.policy_versions, trajectory.loss_mask) if m})
+                > 1
+            ):
                 self.counters["episodes_accepted_mixed_versions"] += 1
             return trajectory
 
@@ -564,12 +637,16 @@ class RolloutOrchestrator:
         while True:
             await asyncio.sleep(self.concurrency_interval_s)
             try:
-                replicas = await asyncio.wait_for(self._engine.engine_stats(),
-                                                  timeout=10 * self.concurrency_interval_s)
+                replicas = await asyncio.wait_for(
+                    self._engine.engine_stats(), timeout=10 * self.concurrency_interval_s
+                )
             except (EngineFailure, ConnectionError, TimeoutError) as error:
-                self._log.log(logging.WARNING, "engine_stats",
-                              "adaptive concurrency: no engine stats (%r); the budget holds",
-                              error)
+                self._log.log(
+                    logging.WARNING,
+                    "engine_stats",
+                    "adaptive concurrency: no engine stats (%r); the budget holds",
+                    error,
+                )
                 continue
             except Exception as error:  # noqa: BLE001 - a bug: stop the run, do not hide it
                 self._halt(error)
@@ -581,8 +658,10 @@ class RolloutOrchestrator:
             if load is None:
                 continue
             self.max_concurrent_episodes = self._concurrency.update(
-                load.busy_fraction, limit_reached=limit_reached,
-                backpressure=load.saturated or backlog)
+                load.busy_fraction,
+                limit_reached=limit_reached,
+                backpressure=load.saturated or backlog,
+            )
             self._wake.set()
 
     def _drop(self, index: int, reason: str) -> None:
@@ -612,7 +691,7 @@ class RolloutOrchestrator:
             self._finished = fresh
             if len(fresh) < self.groups_per_batch:
                 return
-            chosen, self._finished = fresh[: self.groups_per_batch], fresh[self.groups_per_batch:]
+            chosen, self._finished = fresh[: self.groups_per_batch], fresh[self.groups_per_batch :]
             chosen.sort(key=lambda item: item[0])  # task order: timing must not reorder rows
             batch_id = self._batches_formed
             self._batches_formed += 1
@@ -620,14 +699,18 @@ class RolloutOrchestrator:
             if self.stale_token_policy == "accept":
                 for t in trajectories:  # counted once, in the batch that trains on them
                     t.metrics["stale_tokens_accepted"] = float(_count_stale(t, oldest_allowed))
-                    self.counters["stale_tokens_accepted"] += int(t.metrics["stale_tokens_accepted"])
+                    self.counters["stale_tokens_accepted"] += int(
+                        t.metrics["stale_tokens_accepted"]
+                    )
             self._batch_members[batch_id] = [index for index, _ in chosen]
-            with profiling.span("batch_pack", "batches", {"batch_id": batch_id,
-                                                          "trajectories": len(trajectories)}):
+            with profiling.span(
+                "batch_pack", "batches", {"batch_id": batch_id, "trajectories": len(trajectories)}
+            ):
                 record_batch = trajectories_to_record_batch(trajectories)
                 info = self._batch_info(batch_id, consume_version, [g for _, g in chosen])
-            with profiling.span("object_store_put", "batches",
-                                {"batch_id": batch_id, "bytes": record_batch.nbytes}):
+            with profiling.span(
+                "object_store_put", "batches", {"batch_id": batch_id, "bytes": record_batch.nbytes}
+            ):
                 handle = self._put(record_batch)
             await self._queue.put((handle, info))
 
@@ -644,18 +727,28 @@ class RolloutOrchestrator:
         for t in group:
             masked = _count_stale(t, oldest_allowed)
             if masked:
-                t.loss_mask = [0 if m and v < oldest_allowed else m
-                               for v, m in zip(t.policy_versions, t.loss_mask)]
-                t.metrics["stale_tokens_masked"] = t.metrics.get("stale_tokens_masked", 0.0) + masked
+                t.loss_mask = [
+                    0 if m and v < oldest_allowed else m
+                    for v, m in zip(t.policy_versions, t.loss_mask)
+                ]
+                t.metrics["stale_tokens_masked"] = (
+                    t.metrics.get("stale_tokens_masked", 0.0) + masked
+                )
         self.counters["stale_tokens_masked"] += stale
         return any(any(t.loss_mask) for t in group)
 
-    def _batch_info(self, batch_id: int, consume_version: int, groups: list[list[Trajectory]]) -> dict:
+    def _batch_info(
+        self, batch_id: int, consume_version: int, groups: list[list[Trajectory]]
+    ) -> dict:
         trajectories = [t for group in groups for t in group]
         statuses = collections.Counter(t.status.value for t in trajectories)
         infra_failed = sum(is_infrastructure_failure(t.status) for t in trajectories)
-        staleness = [consume_version - v for t in trajectories
-                     for v, m in zip(t.policy_versions, t.loss_mask) if m]
+        staleness = [
+            consume_version - v
+            for t in trajectories
+            for v, m in zip(t.policy_versions, t.loss_mask)
+            if m
+        ]
         used_tool = [t.metrics.get("tool_calls", 0) > 0 for t in trajectories]
         return {
             "batch_id": batch_id,
@@ -664,17 +757,29 @@ class RolloutOrchestrator:
             **learning_signal_metrics(groups),
             "tool_use_rate": float(np.mean(used_tool)),
             "turns_mean": float(np.mean([t.num_turns for t in trajectories])),
-            "generated_tokens_mean": float(np.mean([t.metrics.get("generated_tokens", 0.0) for t in trajectories])),
-            "episode_generate_s_mean": float(np.mean([t.metrics.get("generate_s", 0.0) for t in trajectories])),
-            "episode_env_s_mean": float(np.mean([t.metrics.get("env_s", 0.0) for t in trajectories])),
+            "generated_tokens_mean": float(
+                np.mean([t.metrics.get("generated_tokens", 0.0) for t in trajectories])
+            ),
+            "episode_generate_s_mean": float(
+                np.mean([t.metrics.get("generate_s", 0.0) for t in trajectories])
+            ),
+            "episode_env_s_mean": float(
+                np.mean([t.metrics.get("env_s", 0.0) for t in trajectories])
+            ),
             "staleness_min": int(min(staleness, default=0)),
             "staleness_max": int(max(staleness, default=0)),
             "staleness_mean": float(np.mean(staleness)) if staleness else 0.0,
-            "stale_tokens_masked": int(sum(t.metrics.get("stale_tokens_masked", 0) for t in trajectories)),
-            "stale_tokens_accepted": int(sum(t.metrics.get("stale_tokens_accepted", 0) for t in trajectories)),
+            "stale_tokens_masked": int(
+                sum(t.metrics.get("stale_tokens_masked", 0) for t in trajectories)
+            ),
+            "stale_tokens_accepted": int(
+                sum(t.metrics.get("stale_tokens_accepted", 0) for t in trajectories)
+            ),
             "valid_trajectories": len(trajectories) - infra_failed,
             "trainable_tokens": int(sum(sum(t.loss_mask) for t in trajectories)),  # loss mask 1
-            "tool_errors_mean": float(np.mean([t.metrics.get(TOOL_ERRORS_KEY, 0.0) for t in trajectories])),
+            "tool_errors_mean": float(
+                np.mean([t.metrics.get(TOOL_ERRORS_KEY, 0.0) for t in trajectories])
+            ),
             "statuses": dict(statuses),
         }
 
@@ -692,7 +797,8 @@ class RolloutOrchestrator:
                     raise TypeError(
                         f"adaptive concurrency reads the engine's load, but the engine client "
                         f"{type(self._engine).__name__} has no engine_stats(); give it one "
-                        "(see RayEngineClient) or turn it off (rollout.adaptive_concurrency=false).")
+                        "(see RayEngineClient) or turn it off (rollout.adaptive_concurrency=false)."
+                    )
                 self._controller = asyncio.create_task(self._control_concurrency())
 
     async def next_batch(self) -> tuple[list[Any], dict]:
@@ -729,8 +835,12 @@ class RolloutOrchestrator:
         info["episodes_in_flight"] = self._in_flight_episodes
         info.update(self._concurrency_info())
         info["env_error_reports"], info["env_errors"] = self._env_errors.take()
-        info.update({f"generated_tokens_dropped_{kind}": self._dropped[kind]
-                     for kind in DROPPED_TOKEN_KINDS})
+        info.update(
+            {
+                f"generated_tokens_dropped_{kind}": self._dropped[kind]
+                for kind in DROPPED_TOKEN_KINDS
+            }
+        )
         self._dropped.clear()
         if self.dynamic_sampling:
             info["groups_filtered_zero_variance"] = self.counters["groups_filtered_zero_variance"]
@@ -805,16 +915,20 @@ class RolloutOrchestrator:
         self._producer = None
 
     # ----------------------------------------------------------------- evaluation
-    async def evaluate(self, tasks: Sequence[Task], max_new_tokens: int,
-                       max_concurrent: int | None = None) -> dict[str, Any]:
+    async def evaluate(
+        self, tasks: Sequence[Task], max_new_tokens: int, max_concurrent: int | None = None
+    ) -> dict[str, Any]:
         """Greedy episodes on ``tasks`` (one each); returns ``evaluation_result``'s
         success rate (an episode succeeds when its reward is at least ``SUCCESS_REWARD``,
         1.0), mean reward and tool-use rates, with ``env_error_reports`` and ``env_errors``
         as in ``next_batch``'s info (training's errors not yet taken included).
         """
-        sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
-                                  stop_token_ids=self.sampling.stop_token_ids,
-                                  stop_strings=self.sampling.stop_strings)
+        sampling = SamplingParams(
+            max_new_tokens=max_new_tokens,
+            temperature=0.0,
+            stop_token_ids=self.sampling.stop_token_ids,
+            stop_strings=self.sampling.stop_strings,
+        )
         limit = asyncio.Semaphore(max_concurrent or self.max_concurrent_episodes)
 
         async def one(i: int, task: Task) -> Trajectory:
@@ -826,8 +940,11 @@ class RolloutOrchestrator:
             if t.error_report is not None:
                 self._env_errors.add(t.error_report)
         reports, by_kind = self._env_errors.take()
-        return {**evaluation_result(trajectories), "env_error_reports": reports,
-                "env_errors": by_kind}
+        return {
+            **evaluation_result(trajectories),
+            "env_error_reports": reports,
+            "env_errors": by_kind,
+        }
 
 
 SUCCESS_REWARD = 1.0
@@ -888,11 +1005,11 @@ def learning_signal_metrics(groups: Sequence[Sequence[Trajectory]]) -> dict[str,
     format_key = f"{TOOL_ERRORS_KEY}/{ToolErrorKind.FORMAT.value}"
     return {
         "reward_mean": sum(t.reward for t in trajectories) / n,
-        "zero_variance_group_fraction": (sum(map(rewards_all_equal, groups)) / len(groups)
-                                         if groups else 0.0),
+        "zero_variance_group_fraction": (
+            sum(map(rewards_all_equal, groups)) / len(groups) if groups else 0.0
+        ),
         "format_error_fraction": sum(t.metrics.get(format_key, 0) > 0 for t in trajectories) / n,
-        "tool_error_fraction": sum(t.metrics.get(TOOL_ERRORS_KEY, 0) > 0
-                                   for t in trajectories) / n,
+        "tool_error_fraction": sum(t.metrics.get(TOOL_ERRORS_KEY, 0) > 0 for t in trajectories) / n,
         "truncated_fraction": sum(t.status == EpisodeStatus.TRUNCATED for t in trajectories) / n,
     }
 

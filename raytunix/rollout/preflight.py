@@ -45,7 +45,9 @@ def check_env_actors(pool: EnvPool, timeout_s: float) -> None:
     try:
         pool.wait_ready(timeout_s=timeout_s)
     except (EnvBuildError, TimeoutError) as e:
-        raise PreflightError(f"the env actors are not ready, so nothing can be trained: {e}") from None
+        raise PreflightError(
+            f"the env actors are not ready, so nothing can be trained: {e}"
+        ) from None
 
 
 def sample_tasks(tasks: Sequence[Task], n: int) -> list[Task]:
@@ -58,8 +60,9 @@ def sample_tasks(tasks: Sequence[Task], n: int) -> list[Task]:
     return [tasks[round(i * step)] for i in range(n)]
 
 
-def prompt_lengths(pool: EnvPool, tasks: Sequence[Task], new_agent: Callable[[], Any],
-                   timeout_s: float = 120.0) -> list[tuple[int, str]]:
+def prompt_lengths(
+    pool: EnvPool, tasks: Sequence[Task], new_agent: Callable[[], Any], timeout_s: float = 120.0
+) -> list[tuple[int, str]]:
     """Resets each task in the env actors and renders its first prompt with a fresh agent,
     exactly as an episode starts.
 
@@ -86,9 +89,11 @@ def prompt_lengths(pool: EnvPool, tasks: Sequence[Task], new_agent: Callable[[],
     actors = pool.actors
     measured = []
     for start in range(0, len(tasks), PROMPT_CHUNK):
-        chunk = tasks[start:start + PROMPT_CHUNK]
-        refs = [actors[(start + i) % len(actors)].first_observation.remote(task)
-                for i, task in enumerate(chunk)]
+        chunk = tasks[start : start + PROMPT_CHUNK]
+        refs = [
+            actors[(start + i) % len(actors)].first_observation.remote(task)
+            for i, task in enumerate(chunk)
+        ]
         for task, ref in zip(chunk, refs):
             try:
                 observation = ray.get(ref, timeout=timeout_s)
@@ -96,11 +101,13 @@ def prompt_lengths(pool: EnvPool, tasks: Sequence[Task], new_agent: Callable[[],
                 cause = e.cause if isinstance(e.cause, BaseException) else e
                 raise PreflightError(
                     f"environment {pool.env_name!r} raised on reset of task {task.task_id!r} "
-                    f"in an env actor: {type(cause).__name__}: {cause}") from None
+                    f"in an env actor: {type(cause).__name__}: {cause}"
+                ) from None
             except ray.exceptions.GetTimeoutError:
                 raise PreflightError(
                     f"resetting {len(chunk)} tasks in the env actors took over {timeout_s} s; "
-                    f"environment {pool.env_name!r} hangs in reset.") from None
+                    f"environment {pool.env_name!r} hangs in reset."
+                ) from None
             agent = new_agent()
             agent.reset(task, observation)
             measured.append((len(agent.token_ids), observation))
@@ -138,9 +145,15 @@ class PromptCheck:
     tokenized: int = 0
 
 
-def check_prompt_lengths(pool: EnvPool, tasks: Sequence[Task], samples: Sequence[Task],
-                         new_agent: Callable[[], Any], tokenizer: Any,
-                         max_context_tokens: int, timeout_s: float = 120.0) -> PromptCheck:
+def check_prompt_lengths(
+    pool: EnvPool,
+    tasks: Sequence[Task],
+    samples: Sequence[Task],
+    new_agent: Callable[[], Any],
+    tokenizer: Any,
+    max_context_tokens: int,
+    timeout_s: float = 120.0,
+) -> PromptCheck:
     """Finds every task of ``tasks`` whose first prompt does not ``fit``, without building
     an environment per task.
 
@@ -177,8 +190,9 @@ def check_prompt_lengths(pool: EnvPool, tasks: Sequence[Task], samples: Sequence
     measured = prompt_lengths(pool, samples, new_agent, timeout_s)
     for task, (n, _) in zip(samples, measured):
         exact[id(task)] = n
-    bound_applies = all(task.question in observation
-                        for task, (_, observation) in zip(samples, measured))
+    bound_applies = all(
+        task.question in observation for task, (_, observation) in zip(samples, measured)
+    )
     extra = tokenized = 0
     if bound_applies and samples:
         question_tokens = tokenizer.count_tokens([t.question for t in samples])
@@ -188,21 +202,35 @@ def check_prompt_lengths(pool: EnvPool, tasks: Sequence[Task], samples: Sequence
         # Bytes bound tokens for most tokenizers; only rows that bound does not clear are
         # tokenized, so a dataset of short questions costs one pass over its bytes.
         bounds = tokenizer.token_count_bounds([t.question for t in tasks])
-        candidates = tasks if bounds is None else [
-            t for t, b in zip(tasks, bounds) if not fits(b + margin, max_context_tokens)]
+        candidates = (
+            tasks
+            if bounds is None
+            else [t for t, b in zip(tasks, bounds) if not fits(b + margin, max_context_tokens)]
+        )
         counts = tokenizer.count_tokens([t.question for t in candidates])
         tokenized = len(candidates)
-        flagged = [t for t, q in zip(candidates, counts)
-                   if not fits(q + margin, max_context_tokens) and id(t) not in exact]
+        flagged = [
+            t
+            for t, q in zip(candidates, counts)
+            if not fits(q + margin, max_context_tokens) and id(t) not in exact
+        ]
     else:
         flagged = [t for t in tasks if id(t) not in exact]
     for task, (n, _) in zip(flagged, prompt_lengths(pool, flagged, new_agent, timeout_s)):
         exact[id(task)] = n
-    too_long = [(t, exact[id(t)]) for t in tasks
-                if id(t) in exact and not fits(exact[id(t)], max_context_tokens)]
-    return PromptCheck(too_long=too_long, sample_tokens=sorted(n for n, _ in measured),
-                       measured_exactly=len(exact), bound_applies=bound_applies,
-                       max_extra_tokens=extra, tokenized=tokenized)
+    too_long = [
+        (t, exact[id(t)])
+        for t in tasks
+        if id(t) in exact and not fits(exact[id(t)], max_context_tokens)
+    ]
+    return PromptCheck(
+        too_long=too_long,
+        sample_tokens=sorted(n for n, _ in measured),
+        measured_exactly=len(exact),
+        bound_applies=bound_applies,
+        max_extra_tokens=extra,
+        tokenized=tokenized,
+    )
 
 
 def check_batch(info: dict[str, Any], step: int) -> None:
@@ -222,10 +250,12 @@ def check_batch(info: dict[str, Any], step: int) -> None:
         raise PreflightError(
             f"RL step {step}: every one of the batch's {info.get('num_trajectories')} episodes "
             f"failed (statuses {statuses}); nothing to train on. Check the env actors' logs "
-            "(`ray logs`) for the environment's errors.")
+            "(`ray logs`) for the environment's errors."
+        )
     if info.get("trainable_tokens", 1) == 0:
         raise PreflightError(
             f"RL step {step}: the batch's {info.get('num_trajectories')} trajectories hold no "
             f"generated token (statuses {statuses}); episodes end before the model replies, "
             "usually because prompts fill model.max_seq_len. Raise model.max_seq_len or "
-            "shorten the prompts.")
+            "shorten the prompts."
+        )

@@ -54,8 +54,9 @@ _MNT_DETACH = 2
 _DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 _LIBC = ctypes.CDLL(None, use_errno=True)
 # pivot_root has no libc wrapper; its syscall number by architecture.
-_SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217,
-                   "riscv64": 41}.get(os.uname().machine)
+_SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217, "riscv64": 41}.get(
+    os.uname().machine
+)
 
 
 def _setrlimit(which, soft, hard):
@@ -106,8 +107,9 @@ def _sweep(uid):
         if not _processes(uid, live_only=True):
             return 0
         if time.monotonic() > deadline:
-            sys.stderr.write("%d processes of user %d still alive\n"
-                             % (_processes(uid, live_only=True), uid))
+            sys.stderr.write(
+                "%d processes of user %d still alive\n" % (_processes(uid, live_only=True), uid)
+            )
             return 1
         time.sleep(0.002)
 
@@ -123,9 +125,10 @@ def _enc(value):
 
 
 def _mount(source, target, fstype, flags, data=None):
-    _call("mount %s on %s" % (source or fstype or "-", target),
-          _LIBC.mount(_enc(source), _enc(target), _enc(fstype), ctypes.c_ulong(flags),
-                      _enc(data)))
+    _call(
+        "mount %s on %s" % (source or fstype or "-", target),
+        _LIBC.mount(_enc(source), _enc(target), _enc(fstype), ctypes.c_ulong(flags), _enc(data)),
+    )
 
 
 def _kept_flags(path):
@@ -133,9 +136,13 @@ def _kept_flags(path):
     (``mount(2)``: EPERM on a remount that clears a locked flag)."""
     f = os.statvfs(path).f_flag
     flags = 0
-    for st, ms in ((os.ST_NOSUID, _MS_NOSUID), (os.ST_NODEV, _MS_NODEV),
-                   (os.ST_NOEXEC, _MS_NOEXEC), (os.ST_RDONLY, _MS_RDONLY),
-                   (os.ST_NODIRATIME, _MS_NODIRATIME)):
+    for st, ms in (
+        (os.ST_NOSUID, _MS_NOSUID),
+        (os.ST_NODEV, _MS_NODEV),
+        (os.ST_NOEXEC, _MS_NOEXEC),
+        (os.ST_RDONLY, _MS_RDONLY),
+        (os.ST_NODIRATIME, _MS_NODIRATIME),
+    ):
         if f & st:
             flags |= ms
     if f & os.ST_NOATIME:
@@ -182,10 +189,13 @@ def _build_root(iso):
     _mount("tmpfs", "/newroot/dev", "tmpfs", _MS_NOSUID | _MS_NOEXEC, "mode=0755,size=64k")
     for name in _DEVICES:
         if os.path.exists("/oldroot/dev/" + name):
-            _bind("/oldroot/dev/" + name, "/newroot/dev/" + name, read_only=False,
-                  extra=_MS_NOSUID)
-    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
-                         ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+            _bind("/oldroot/dev/" + name, "/newroot/dev/" + name, read_only=False, extra=_MS_NOSUID)
+    for name, target in (
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ):
         os.symlink(target, "/newroot/dev/" + name)
     for path in ("/newroot/dev/shm", "/newroot/tmp"):
         os.makedirs(path, exist_ok=True)
@@ -214,8 +224,11 @@ def _isolate(iso):
     flags = _CLONE_NEWNS | _CLONE_NEWPID | _CLONE_NEWNET | _CLONE_NEWIPC | _CLONE_NEWUTS
     _call("unshare", _LIBC.unshare((_CLONE_NEWUSER if iso["user_ns"] else 0) | flags))
     if iso["user_ns"]:  # the same ids inside; no capability survives the command's exec
-        for name, text in (("setgroups", "deny"), ("uid_map", "%d %d 1" % (uid, uid)),
-                           ("gid_map", "%d %d 1" % (gid, gid))):
+        for name, text in (
+            ("setgroups", "deny"),
+            ("uid_map", "%d %d 1" % (uid, uid)),
+            ("gid_map", "%d %d 1" % (gid, gid)),
+        ):
             with open("/proc/self/" + name, "w") as f:
                 f.write(text)
     child = os.fork()

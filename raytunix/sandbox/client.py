@@ -25,8 +25,13 @@ _LOCAL: dict[tuple[SandboxLimits, str, bool], Sandbox] = {}
 _LOCAL_LOCK = threading.Lock()
 
 
-def connect(pool: str = DEFAULT_POOL_NAME, *, limits: SandboxLimits | None = None,
-            backend: str = "auto", allow_weak_isolation: bool = False) -> SandboxClient:
+def connect(
+    pool: str = DEFAULT_POOL_NAME,
+    *,
+    limits: SandboxLimits | None = None,
+    backend: str = "auto",
+    allow_weak_isolation: bool = False,
+) -> SandboxClient:
     """The sandbox pool named ``pool`` if this process runs in a Ray job that started one
     (``SandboxPool``; its actors' own limits and isolation apply), else a ``Sandbox`` in
     this process, one per (``limits``, ``backend``, ``allow_weak_isolation``), shared by
@@ -79,9 +84,14 @@ class SandboxSession:
         """The work dir's id, or None before the first run."""
         return self._workspace
 
-    def run(self, argv: Sequence[str], *, stdin: bytes | str = b"",
-            env: Mapping[str, str] | None = None,
-            limits: SandboxLimits | None = None) -> SandboxResult:
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        stdin: bytes | str = b"",
+        env: Mapping[str, str] | None = None,
+        limits: SandboxLimits | None = None,
+    ) -> SandboxResult:
         """``SandboxClient.run`` in this session's work dir (opened on first use).
 
         Raises:

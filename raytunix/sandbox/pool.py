@@ -43,8 +43,14 @@ from raytunix.sandbox.types import (
     WorkspaceLost,
 )
 
-__all__ = ["DEFAULT_POOL_NAME", "RemoteSandbox", "SandboxActor", "SandboxPool",
-           "SandboxRetiring", "find_pool"]
+__all__ = [
+    "DEFAULT_POOL_NAME",
+    "RemoteSandbox",
+    "SandboxActor",
+    "SandboxPool",
+    "SandboxRetiring",
+    "find_pool",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -67,15 +73,25 @@ class SandboxActor(profiling.ProfiledActor):
     restarted actor first deletes what its previous life left.
     """
 
-    def __init__(self, limits: SandboxLimits, backend: str = "auto",
-                 root_dir: str | None = None, ro_binds: Sequence[str] = (),
-                 allow_weak_isolation: bool = False) -> None:
+    def __init__(
+        self,
+        limits: SandboxLimits,
+        backend: str = "auto",
+        root_dir: str | None = None,
+        ro_binds: Sequence[str] = (),
+        allow_weak_isolation: bool = False,
+    ) -> None:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         profiling.configure("sandbox", "sandbox")
         actor_id = ray.get_runtime_context().get_actor_id() or f"p{os.getpid()}"
-        self._sandbox = Sandbox(limits, backend=backend, root_dir=root_dir,
-                                instance=f"actor-{actor_id}", ro_binds=ro_binds,
-                                allow_weak_isolation=allow_weak_isolation)
+        self._sandbox = Sandbox(
+            limits,
+            backend=backend,
+            root_dir=root_dir,
+            instance=f"actor-{actor_id}",
+            ro_binds=ro_binds,
+            allow_weak_isolation=allow_weak_isolation,
+        )
         self._runs = 0
         self._count_lock = threading.Lock()
         self._retiring = False
@@ -89,8 +105,9 @@ class SandboxActor(profiling.ProfiledActor):
         """
         with self._count_lock:  # after retire() returns, no work dir is opened here
             if self._retiring:
-                raise SandboxRetiring("this sandbox actor is leaving the pool; open the work "
-                                      "dir on another one.")
+                raise SandboxRetiring(
+                    "this sandbox actor is leaving the pool; open the work dir on another one."
+                )
             return self._sandbox.open_workspace(name)
 
     def retire(self) -> int:
@@ -100,9 +117,14 @@ class SandboxActor(profiling.ProfiledActor):
             self._retiring = True
             return self._sandbox.num_workspaces()
 
-    def run(self, workspace: str, argv: Sequence[str], stdin: bytes | str = b"",
-            env: Mapping[str, str] | None = None,
-            limits: SandboxLimits | None = None) -> SandboxResult:
+    def run(
+        self,
+        workspace: str,
+        argv: Sequence[str],
+        stdin: bytes | str = b"",
+        env: Mapping[str, str] | None = None,
+        limits: SandboxLimits | None = None,
+    ) -> SandboxResult:
         with self._count_lock:
             self._runs += 1
         with profiling.span("sandbox_run", "sandbox", {"argv0": str(argv[0]) if argv else ""}):
@@ -118,11 +140,15 @@ class SandboxActor(profiling.ProfiledActor):
     def stats(self) -> dict[str, Any]:
         """``pid``, ``backend``, ``isolation``, ``missing`` (the guarantees that do not
         hold here, ``Sandbox.missing_guarantees``), ``workspaces`` open, ``runs`` started."""
-        return {"pid": os.getpid(), "backend": self._sandbox.backend.value,
-                "isolation": self._sandbox.isolation.value,
-                "missing": list(self._sandbox.missing_guarantees),
-                "workspaces": self._sandbox.num_workspaces(), "runs": self._runs,
-                "retiring": self._retiring}
+        return {
+            "pid": os.getpid(),
+            "backend": self._sandbox.backend.value,
+            "isolation": self._sandbox.isolation.value,
+            "missing": list(self._sandbox.missing_guarantees),
+            "workspaces": self._sandbox.num_workspaces(),
+            "runs": self._runs,
+            "retiring": self._retiring,
+        }
 
 
 class RemoteSandbox:
@@ -143,10 +169,16 @@ class RemoteSandbox:
         (``WorkspaceLost``) when it restarted.
     """
 
-    def __init__(self, actors: Sequence[Any] | Mapping[int, Any], seed: int | None = None,
-                 pool_name: str | None = None, refresh_s: float = REFRESH_S) -> None:
-        self.actors: dict[int, Any] = dict(actors if isinstance(actors, Mapping)
-                                           else enumerate(actors))
+    def __init__(
+        self,
+        actors: Sequence[Any] | Mapping[int, Any],
+        seed: int | None = None,
+        pool_name: str | None = None,
+        refresh_s: float = REFRESH_S,
+    ) -> None:
+        self.actors: dict[int, Any] = dict(
+            actors if isinstance(actors, Mapping) else enumerate(actors)
+        )
         if not self.actors and pool_name is None:
             raise ValueError("RemoteSandbox needs at least one sandbox actor.")
         self._rng = random.Random(seed)
@@ -195,7 +227,8 @@ class RemoteSandbox:
             if not alive:
                 raise error or SandboxUnavailable(
                     f"no sandbox actor of pool {self._pool_name!r} takes a new work dir "
-                    "(every one is leaving the pool).")
+                    "(every one is leaving the pool)."
+                )
             index = self._rng.choice(alive)
             tried.add(index)
             try:
@@ -207,9 +240,15 @@ class RemoteSandbox:
             except SandboxUnavailable as e:  # dead (marked by _call) or restarting
                 error = e
 
-    def run(self, workspace: str, argv: Sequence[str], *, stdin: bytes | str = b"",
-            env: Mapping[str, str] | None = None,
-            limits: SandboxLimits | None = None) -> SandboxResult:
+    def run(
+        self,
+        workspace: str,
+        argv: Sequence[str],
+        *,
+        stdin: bytes | str = b"",
+        env: Mapping[str, str] | None = None,
+        limits: SandboxLimits | None = None,
+    ) -> SandboxResult:
         index, name = self._split(workspace)
         return self._call(index, "run", name, list(argv), stdin, dict(env or {}), limits)
 
@@ -236,7 +275,8 @@ class RemoteSandbox:
             raise SandboxUnavailable(f"sandbox actor {index} died during {method}: {e}") from e
         except ray.exceptions.RayActorError as e:  # restarting, or unreachable
             raise SandboxUnavailable(
-                f"sandbox actor {index} is unavailable for {method}: {e}") from e
+                f"sandbox actor {index} is unavailable for {method}: {e}"
+            ) from e
         except ray.exceptions.RayTaskError as e:
             cause = getattr(e, "cause", None)  # the exception raised in the actor
             if isinstance(cause, Exception):
@@ -264,24 +304,42 @@ class SandboxPool:
       ValueError: a count is out of range.
     """
 
-    def __init__(self, num_actors: int = 1, limits: SandboxLimits | None = None, *,
-                 backend: str = "auto", root_dir: str | None = None,
-                 ro_binds: Sequence[str] = (), num_cpus: float = 0.5,
-                 resource: str | None = None, max_concurrent_runs: int = 32,
-                 max_restarts: int = 3, name: str = DEFAULT_POOL_NAME,
-                 allow_weak_isolation: bool = False) -> None:
+    def __init__(
+        self,
+        num_actors: int = 1,
+        limits: SandboxLimits | None = None,
+        *,
+        backend: str = "auto",
+        root_dir: str | None = None,
+        ro_binds: Sequence[str] = (),
+        num_cpus: float = 0.5,
+        resource: str | None = None,
+        max_concurrent_runs: int = 32,
+        max_restarts: int = 3,
+        name: str = DEFAULT_POOL_NAME,
+        allow_weak_isolation: bool = False,
+    ) -> None:
         _check_size(num_actors)
         if num_cpus < 0:
             raise ValueError(f"num_cpus={num_cpus} must be >= 0.")
         if max_concurrent_runs < 1:
             raise ValueError(f"max_concurrent_runs={max_concurrent_runs} must be >= 1.")
         self.name = name
-        self._options = {"num_cpus": num_cpus, "max_concurrency": max_concurrent_runs,
-                         "max_restarts": max_restarts, "max_task_retries": 0,
-                         "resources": {resource: 1} if resource else {},
-                         "runtime_env": _CPU_ONLY}
-        self._args = (limits or SandboxLimits(), backend, root_dir, tuple(ro_binds),
-                      allow_weak_isolation)
+        self._options = {
+            "num_cpus": num_cpus,
+            "max_concurrency": max_concurrent_runs,
+            "max_restarts": max_restarts,
+            "max_task_retries": 0,
+            "resources": {resource: 1} if resource else {},
+            "runtime_env": _CPU_ONLY,
+        }
+        self._args = (
+            limits or SandboxLimits(),
+            backend,
+            root_dir,
+            tuple(ro_binds),
+            allow_weak_isolation,
+        )
         self._slots: dict[int, Any] = {}  # index -> handle, of every actor not yet killed
         self._retiring: set[int] = set()
         self.retired: list[int] = []  # indices of the actors killed by reap, in order
@@ -294,8 +352,9 @@ class SandboxPool:
         index, self._next = self._next, self._next + 1
         actor_name = f"{self.name}-{index}"
         _kill_named(actor_name)
-        self._slots[index] = ray.remote(SandboxActor).options(
-            name=actor_name, **self._options).remote(*self._args)
+        self._slots[index] = (
+            ray.remote(SandboxActor).options(name=actor_name, **self._options).remote(*self._args)
+        )
         return index
 
     @property
@@ -317,12 +376,18 @@ class SandboxPool:
     def from_config(cls, sandbox, name: str = DEFAULT_POOL_NAME) -> "SandboxPool":
         """The pool a run's ``sandbox`` config section (``raytunix.config.SandboxConfig``)
         describes."""
-        return cls(sandbox.num_actors, SandboxLimits.from_config(sandbox),
-                   backend=sandbox.backend, root_dir=sandbox.root_dir or None,
-                   num_cpus=sandbox.num_cpus_per_actor, resource=sandbox.resource or None,
-                   max_concurrent_runs=sandbox.max_concurrent_runs,
-                   max_restarts=sandbox.actor_max_restarts, name=name,
-                   allow_weak_isolation=sandbox.allow_weak_isolation)
+        return cls(
+            sandbox.num_actors,
+            SandboxLimits.from_config(sandbox),
+            backend=sandbox.backend,
+            root_dir=sandbox.root_dir or None,
+            num_cpus=sandbox.num_cpus_per_actor,
+            resource=sandbox.resource or None,
+            max_concurrent_runs=sandbox.max_concurrent_runs,
+            max_restarts=sandbox.actor_max_restarts,
+            name=name,
+            allow_weak_isolation=sandbox.allow_weak_isolation,
+        )
 
     def client(self, seed: int | None = None) -> RemoteSandbox:
         active = {i: a for i, a in self._slots.items() if i not in self._retiring}
@@ -348,8 +413,13 @@ class SandboxPool:
         serving = [i for i in sorted(self._slots) if i not in self._retiring]
         if len(serving) < num_actors:
             started = [self._start_actor() for _ in range(num_actors - len(serving))]
-            logger.info("sandbox pool %r: %d -> %d actors (started %s)", self.name,
-                        len(serving), num_actors, started)
+            logger.info(
+                "sandbox pool %r: %d -> %d actors (started %s)",
+                self.name,
+                len(serving),
+                num_actors,
+                started,
+            )
         elif len(serving) > num_actors:
             held = self._workspaces(serving, timeout_s)
             order = sorted(serving, key=lambda i: (held.get(i, 0), -i))
@@ -358,11 +428,17 @@ class SandboxPool:
             try:  # once retire() returned, the actor opens no new work dir
                 ray.get(refs, timeout=timeout_s)
             except (ray.exceptions.RayError, TimeoutError) as e:
-                logger.warning("sandbox pool %r: not every retiring actor answered: %s",
-                               self.name, e)
+                logger.warning(
+                    "sandbox pool %r: not every retiring actor answered: %s", self.name, e
+                )
             self._retiring.update(retire)
-            logger.info("sandbox pool %r: %d -> %d actors (retiring %s once their work dirs "
-                        "are closed)", self.name, len(serving), num_actors, retire)
+            logger.info(
+                "sandbox pool %r: %d -> %d actors (retiring %s once their work dirs are closed)",
+                self.name,
+                len(serving),
+                num_actors,
+                retire,
+            )
         _CLIENTS.pop(self.name, None)
         self.reap(timeout_s)
         return self.membership()
@@ -406,8 +482,11 @@ class SandboxPool:
 
     def membership(self) -> dict[str, list[int]]:
         """``active`` and ``retiring`` actor indices now, and those ``retired`` so far."""
-        return {"active": sorted(set(self._slots) - self._retiring),
-                "retiring": sorted(self._retiring), "retired": list(self.retired)}
+        return {
+            "active": sorted(set(self._slots) - self._retiring),
+            "retiring": sorted(self._retiring),
+            "retired": list(self.retired),
+        }
 
     def wait_ready(self, timeout_s: float = 60.0) -> list[dict[str, Any]]:
         """Blocks until every actor has built its sandbox; returns their ``stats``.
@@ -436,8 +515,9 @@ class SandboxPool:
 
 def _check_size(num_actors: Any) -> None:
     if isinstance(num_actors, bool) or not isinstance(num_actors, int) or num_actors < 1:
-        raise ValueError(f"num_actors={num_actors!r}: a sandbox pool needs a whole number of "
-                         "actors, at least 1.")
+        raise ValueError(
+            f"num_actors={num_actors!r}: a sandbox pool needs a whole number of actors, at least 1."
+        )
 
 
 def _kill_named(actor_name: str) -> None:

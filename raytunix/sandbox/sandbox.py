@@ -103,8 +103,13 @@ _SYSTEM_RO = ("/usr", "/etc")
 # The first process of a run's PID namespace (see ``Sandbox._inside_bwrap``).
 _INIT = ("/bin/sh", "-c", 'exec 3>&2 2>/dev/null; ("$@" 2>&3 3>&-); exit $?', "sh")
 _SYSTEM_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
-_MEMORY_ERRORS = ("MemoryError", "Cannot allocate memory", "std::bad_alloc", "out of memory",
-                  "memory exhausted")
+_MEMORY_ERRORS = (
+    "MemoryError",
+    "Cannot allocate memory",
+    "std::bad_alloc",
+    "out of memory",
+    "memory exhausted",
+)
 _DISK_ERRORS = ("No space left on device", "Disk quota exceeded")
 _PROCESS_ERRORS = ("Resource temporarily unavailable", "Cannot fork", "can't fork")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -116,13 +121,15 @@ MISSING_GUARANTEES: dict[IsolationLevel, tuple[str, ...]] = {
         "GCS) and beyond",
         "host files: whatever other users may read is readable, and /tmp and /dev/shm "
         "are shared and unbounded",
-        "host processes: their command lines are visible"),
+        "host processes: their command lines are visible",
+    ),
     IsolationLevel.PROCESS: (
         "secrets: commands run as the host user, so they read its files (~/.ray/auth_token "
         "for one) and its processes' environments (/proc/<pid>/environ)",
         "network: commands can connect to the host's loopback services and beyond",
         "work dirs: other episodes' work dirs are readable and writable",
-        "processes: a process that leaves its session (setsid) outlives the run"),
+        "processes: a process that leaves its session (setsid) outlives the run",
+    ),
 }
 
 
@@ -143,8 +150,9 @@ class _Mode:
         if self.backend is SandboxBackend.BWRAP:
             return "bwrap" + (" as its own user" if self.own_uid else "")
         if self.isolate:
-            return ("subprocess in namespaces of its own"
-                    + (" as its own user" if self.own_uid else " (a user namespace)"))
+            return "subprocess in namespaces of its own" + (
+                " as its own user" if self.own_uid else " (a user namespace)"
+            )
         return "subprocess" + (" as its own user" if self.own_uid else "")
 
 
@@ -197,9 +205,16 @@ class Sandbox:
         by others, or (as root) it is closed to the sandbox's users.
     """
 
-    def __init__(self, limits: SandboxLimits | None = None, *, backend: str = "auto",
-                 root_dir: str | None = None, instance: str | None = None,
-                 ro_binds: Sequence[str] = (), allow_weak_isolation: bool = False) -> None:
+    def __init__(
+        self,
+        limits: SandboxLimits | None = None,
+        *,
+        backend: str = "auto",
+        root_dir: str | None = None,
+        instance: str | None = None,
+        ro_binds: Sequence[str] = (),
+        allow_weak_isolation: bool = False,
+    ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not one of {', '.join(BACKENDS)}.")
         for path in ro_binds:
@@ -221,8 +236,9 @@ class Sandbox:
         # Why a work dir's disk budget does not hold here (None: it holds).
         self.disk_budget_missing: str | None = None
         if not self._root:
-            self._no_disk_budget("only a sandbox running as root mounts a size-limited "
-                                 "tmpfs on each work dir")
+            self._no_disk_budget(
+                "only a sandbox running as root mounts a size-limited tmpfs on each work dir"
+            )
         self._mode, self.fallback_reason = self._choose_mode(backend)
 
     # -- public API ------------------------------------------------------------------
@@ -252,9 +268,15 @@ class Sandbox:
         """
         return self._open(name, self._mode)
 
-    def run(self, workspace: str, argv: Sequence[str], *, stdin: bytes | str = b"",
-            env: Mapping[str, str] | None = None,
-            limits: SandboxLimits | None = None) -> SandboxResult:
+    def run(
+        self,
+        workspace: str,
+        argv: Sequence[str],
+        *,
+        stdin: bytes | str = b"",
+        env: Mapping[str, str] | None = None,
+        limits: SandboxLimits | None = None,
+    ) -> SandboxResult:
         """Runs ``argv`` (``argv[0]`` looked up on the sandbox's ``PATH``) in the work dir.
 
         Args:
@@ -277,8 +299,10 @@ class Sandbox:
         """
         argv, data, env = _check_call(argv, stdin, env)
         if limits is not None and not isinstance(limits, SandboxLimits):
-            raise ValueError(f"limits must be a SandboxLimits, got {limits!r}; e.g. "
-                             "SandboxLimits(wall_time_s=5).")
+            raise ValueError(
+                f"limits must be a SandboxLimits, got {limits!r}; e.g. "
+                "SandboxLimits(wall_time_s=5)."
+            )
         ws = self._workspace(workspace)
         with ws.run_lock:
             return self._execute(ws, argv, data, env, limits or self.limits, self._mode)
@@ -327,8 +351,11 @@ class Sandbox:
         bwrap = _Mode(SandboxBackend.BWRAP, self._root)
         isolated = _Mode(SandboxBackend.SUBPROCESS, self._root, isolate=True)
         plain = _Mode(SandboxBackend.SUBPROCESS, self._root)
-        candidates = {"auto": [bwrap, isolated, plain], "bwrap": [bwrap],
-                      "subprocess": [isolated, plain]}[backend]
+        candidates = {
+            "auto": [bwrap, isolated, plain],
+            "bwrap": [bwrap],
+            "subprocess": [isolated, plain],
+        }[backend]
         reasons = []
         for mode in candidates:
             reason = self._probe(mode)
@@ -336,32 +363,45 @@ class Sandbox:
                 break
             reasons.append(f"{mode.describe()}: {reason}")
         else:
-            raise SandboxError(f"sandbox backend={backend!r} cannot run here: "
-                               + "; ".join(reasons))
+            raise SandboxError(
+                f"sandbox backend={backend!r} cannot run here: " + "; ".join(reasons)
+            )
         why = "; ".join(reasons) or None
         missing = MISSING_GUARANTEES.get(mode.isolation, ())
         if missing and not self._allow_weak:
-            fix = ("backend='auto' (sandbox.backend=auto) tries bubblewrap, which is installed"
-                   if backend == SandboxBackend.SUBPROCESS.value and shutil.which("bwrap") else
-                   "Install bubblewrap (apt-get install bubblewrap) and allow user namespaces "
-                   "(sysctl kernel.unprivileged_userns_clone=1, user.max_user_namespaces > 0), "
-                   "or run the sandbox as root")
+            fix = (
+                "backend='auto' (sandbox.backend=auto) tries bubblewrap, which is installed"
+                if backend == SandboxBackend.SUBPROCESS.value and shutil.which("bwrap")
+                else "Install bubblewrap (apt-get install bubblewrap) and allow user namespaces "
+                "(sysctl kernel.unprivileged_userns_clone=1, user.max_user_namespaces > 0), "
+                "or run the sandbox as root"
+            )
             raise SandboxError(
                 f"sandbox backend={backend!r} cannot isolate untrusted code here: with "
                 f"{mode.describe()} (isolation {mode.isolation.value!r}) "
-                + "; ".join(missing) + (f". Stronger backends failed: {why}" if why else "")
+                + "; ".join(missing)
+                + (f". Stronger backends failed: {why}" if why else "")
                 + f". {fix}; or accept the weaker isolation with "
-                "sandbox.allow_weak_isolation=true (Sandbox(allow_weak_isolation=True)).")
+                "sandbox.allow_weak_isolation=true (Sandbox(allow_weak_isolation=True))."
+            )
         if missing and (backend, mode.isolation) not in _WARNED:
             _WARNED.add((backend, mode.isolation))
             logger.warning(
                 "sandbox: running tools with the %s backend, isolation %r, as "
-                "sandbox.allow_weak_isolation allows: %s%s.", mode.describe(),
-                mode.isolation.value, "; ".join(missing), f"; because {why}" if why else "")
+                "sandbox.allow_weak_isolation allows: %s%s.",
+                mode.describe(),
+                mode.isolation.value,
+                "; ".join(missing),
+                f"; because {why}" if why else "",
+            )
         elif why and (backend, mode.isolation) not in _WARNED:
             _WARNED.add((backend, mode.isolation))
-            logger.info("sandbox: %s runs the tools (isolation %r); %s", mode.describe(),
-                        mode.isolation.value, why)
+            logger.info(
+                "sandbox: %s runs the tools (isolation %r); %s",
+                mode.describe(),
+                mode.isolation.value,
+                why,
+            )
         return mode, why
 
     def _probe(self, mode: _Mode) -> str | None:
@@ -376,16 +416,22 @@ class Sandbox:
         workspace = self._open("probe", mode)
         try:
             ws = self._workspace(workspace)
-            limits = dataclasses.replace(self.limits, wall_time_s=30.0, max_processes=8,
-                                         memory_bytes=max(self.limits.memory_bytes, 256 << 20))
+            limits = dataclasses.replace(
+                self.limits,
+                wall_time_s=30.0,
+                max_processes=8,
+                memory_bytes=max(self.limits.memory_bytes, 256 << 20),
+            )
             result = self._execute(ws, ["true"], b"", {}, limits, mode)
         except OSError as e:
             return f"cannot start it: {e}"
         finally:
             self.close_workspace(workspace)
         if result.exit_code != 0:
-            return (f"'true' exited with {result.exit_code}: "
-                    f"{result.stderr.strip()[-300:] or 'no message'}")
+            return (
+                f"'true' exited with {result.exit_code}: "
+                f"{result.stderr.strip()[-300:] or 'no message'}"
+            )
         return None
 
     # -- work dirs ---------------------------------------------------------------------
@@ -401,7 +447,8 @@ class Sandbox:
             raise SandboxError(
                 f"root_dir {base!r} is closed to other users (no x permission on it or a "
                 "parent), and the sandbox runs commands as users of their own; choose a "
-                "directory they can traverse (the default is in the system temp dir)")
+                "directory they can traverse (the default is in the system temp dir)"
+            )
 
     def _open(self, name: str, mode: _Mode) -> str:
         workspace = f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)[:48]}-{secrets.token_hex(6)}"
@@ -431,9 +478,12 @@ class Sandbox:
     def _no_disk_budget(self, why: str) -> None:
         if self.disk_budget_missing is None:
             self.disk_budget_missing = why
-            logger.warning("sandbox: the disk budget of a work dir (max_workdir_bytes) is not "
-                           "enforced here: %s; a command can fill the file system of %s.",
-                           why, self._dir)
+            logger.warning(
+                "sandbox: the disk budget of a work dir (max_workdir_bytes) is not "
+                "enforced here: %s; a command can fill the file system of %s.",
+                why,
+                self._dir,
+            )
 
     def _workspace(self, workspace: str) -> _Workspace:
         try:
@@ -441,7 +491,8 @@ class Sandbox:
         except KeyError:
             raise WorkspaceLost(
                 f"work dir {workspace!r} is not open in this sandbox (closed, or lost when "
-                "its sandbox actor restarted); open a new one") from None
+                "its sandbox actor restarted); open a new one"
+            ) from None
 
     def _discard(self, ws: _Workspace) -> None:
         # Under the lock, so a run whose process is being started right now either is
@@ -455,8 +506,15 @@ class Sandbox:
 
     # -- one run -----------------------------------------------------------------------
 
-    def _execute(self, ws: _Workspace, argv: list[str], stdin: bytes, env: dict[str, str],
-                 limits: SandboxLimits, mode: _Mode) -> SandboxResult:
+    def _execute(
+        self,
+        ws: _Workspace,
+        argv: list[str],
+        stdin: bytes,
+        env: dict[str, str],
+        limits: SandboxLimits,
+        mode: _Mode,
+    ) -> SandboxResult:
         if ws.uid is not None and _take_killed(ws.uid):
             _await_reaped(ws.uid, _REAP_WAIT_S)
         command = self._command(ws, argv, limits, mode)
@@ -466,13 +524,22 @@ class Sandbox:
             os.write(stdin_fd, stdin)  # a memfd takes it all at once; no writer thread
             os.lseek(stdin_fd, 0, os.SEEK_SET)
             start = time.monotonic()
-            proc = subprocess.Popen(command, stdin=stdin_fd, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, cwd=ws.path, env=environ,
-                                    start_new_session=True, close_fds=True)
+            proc = subprocess.Popen(
+                command,
+                stdin=stdin_fd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=ws.path,
+                env=environ,
+                start_new_session=True,
+                close_fds=True,
+            )
         except FileNotFoundError:
             if ws.closed:  # closed while this run waited to start: its dir is gone
-                raise WorkspaceLost(f"work dir {os.path.basename(ws.path)!r} was closed "
-                                    "before this run started; open a new one") from None
+                raise WorkspaceLost(
+                    f"work dir {os.path.basename(ws.path)!r} was closed "
+                    "before this run started; open a new one"
+                ) from None
             raise
         except OSError as e:
             if e.errno == errno.E2BIG:
@@ -480,7 +547,8 @@ class Sandbox:
                 raise ValueError(
                     f"argv ({len(argv)} items, {size} bytes) and env are over the kernel's "
                     "limit for a command line; pass large input on stdin or in a file of "
-                    "the work dir.") from None
+                    "the work dir."
+                ) from None
             raise
         finally:
             os.close(stdin_fd)
@@ -499,11 +567,26 @@ class Sandbox:
             ws.running = None
             proc.stdout.close()
             proc.stderr.close()
-        return _result(proc.returncode, out, err, timed_out, time.monotonic() - start, mode,
-                       limits, disk_full=_full(ws))
+        return _result(
+            proc.returncode,
+            out,
+            err,
+            timed_out,
+            time.monotonic() - start,
+            mode,
+            limits,
+            disk_full=_full(ws),
+        )
 
-    def _supervise(self, proc: subprocess.Popen, ws: _Workspace, mode: _Mode,
-                   out: "_Capture", err: "_Capture", deadline: float) -> bool:
+    def _supervise(
+        self,
+        proc: subprocess.Popen,
+        ws: _Workspace,
+        mode: _Mode,
+        out: "_Capture",
+        err: "_Capture",
+        deadline: float,
+    ) -> bool:
         """Reads both pipes until they close, killing the tree at the deadline and any
         leftovers once the command exits. Returns whether the deadline passed."""
         timed_out = exited = False
@@ -553,13 +636,18 @@ class Sandbox:
         if ws.uid is not None and (_sweep(ws.uid) or killed):
             _note_killed(ws.uid)
 
-    def _command(self, ws: _Workspace, argv: list[str], limits: SandboxLimits,
-                 mode: _Mode) -> list[str]:
+    def _command(
+        self, ws: _Workspace, argv: list[str], limits: SandboxLimits, mode: _Mode
+    ) -> list[str]:
         cpu = math.ceil(limits.cpu_time_s)
-        spec = {"rlimits": [["RLIMIT_CPU", cpu, cpu + 1],
-                            ["RLIMIT_AS", limits.memory_bytes, limits.memory_bytes],
-                            ["RLIMIT_FSIZE", limits.max_file_bytes, limits.max_file_bytes],
-                            ["RLIMIT_CORE", 0, 0]]}
+        spec = {
+            "rlimits": [
+                ["RLIMIT_CPU", cpu, cpu + 1],
+                ["RLIMIT_AS", limits.memory_bytes, limits.memory_bytes],
+                ["RLIMIT_FSIZE", limits.max_file_bytes, limits.max_file_bytes],
+                ["RLIMIT_CORE", 0, 0],
+            ]
+        }
         if ws.uid is not None:
             spec.update(nproc=limits.max_processes, nproc_on_top=True, uid=ws.uid, gid=ws.uid)
         elif mode.isolate:  # counted in its own user namespace: this run's processes only
@@ -569,19 +657,31 @@ class Sandbox:
         if mode.backend is SandboxBackend.BWRAP:
             argv = self._bwrap_argv(ws, limits) + self._inside_bwrap(ws, limits, argv)
         elif mode.isolate:
-            spec.update(no_new_privs=True, isolate={
-                "user_ns": ws.uid is None, "workdir": ws.path, "tmp_bytes": limits.tmp_bytes,
-                "links": [[os.readlink(p), p] for p in _SYSTEM_LINKS if os.path.islink(p)],
-                "ro": [p for p in (*(p for p in _SYSTEM_LINKS if not os.path.islink(p)),
-                                   *_SYSTEM_RO, *self._python_dirs(ws), *self._ro_binds)
-                       if os.path.exists(p)]})
+            spec.update(
+                no_new_privs=True,
+                isolate={
+                    "user_ns": ws.uid is None,
+                    "workdir": ws.path,
+                    "tmp_bytes": limits.tmp_bytes,
+                    "links": [[os.readlink(p), p] for p in _SYSTEM_LINKS if os.path.islink(p)],
+                    "ro": [
+                        p
+                        for p in (
+                            *(p for p in _SYSTEM_LINKS if not os.path.islink(p)),
+                            *_SYSTEM_RO,
+                            *self._python_dirs(ws),
+                            *self._ro_binds,
+                        )
+                        if os.path.exists(p)
+                    ],
+                },
+            )
             argv = [*_INIT, *argv]
         else:
             spec.update(no_new_privs=True)
         return _launcher(spec) + argv
 
-    def _inside_bwrap(self, ws: _Workspace, limits: SandboxLimits,
-                      argv: list[str]) -> list[str]:
+    def _inside_bwrap(self, ws: _Workspace, limits: SandboxLimits, argv: list[str]) -> list[str]:
         """What bubblewrap runs: a shell as the PID namespace's first process
         (``--as-pid-1``), which runs the command, reaps the namespace's orphans while it
         waits, and exits as the command did (128 + N for signal N; 127 for a command
@@ -604,8 +704,14 @@ class Sandbox:
         return ["--as-pid-1", "--", *init, *argv]
 
     def _bwrap_argv(self, ws: _Workspace, limits: SandboxLimits) -> list[str]:
-        args = [shutil.which("bwrap") or "bwrap", "--unshare-all", "--die-with-parent",
-                "--new-session", "--hostname", "sandbox"]
+        args = [
+            shutil.which("bwrap") or "bwrap",
+            "--unshare-all",
+            "--die-with-parent",
+            "--new-session",
+            "--hostname",
+            "sandbox",
+        ]
         for path in _SYSTEM_LINKS:
             if os.path.islink(path):
                 args += ["--symlink", os.readlink(path), path]
@@ -679,8 +785,16 @@ def _full(ws: _Workspace) -> bool:
     return st.f_bavail == 0 or st.f_favail == 0
 
 
-def _result(returncode: int, out: _Capture, err: _Capture, timed_out: bool, wall_s: float,
-            mode: _Mode, limits: SandboxLimits, disk_full: bool = False) -> SandboxResult:
+def _result(
+    returncode: int,
+    out: _Capture,
+    err: _Capture,
+    timed_out: bool,
+    wall_s: float,
+    mode: _Mode,
+    limits: SandboxLimits,
+    disk_full: bool = False,
+) -> SandboxResult:
     exit_code = 128 - returncode if returncode < 0 else returncode
     sig = exit_code - 128 if 128 < exit_code <= 128 + 64 else None
     stderr = err.text()
@@ -694,8 +808,9 @@ def _result(returncode: int, out: _Capture, err: _Capture, timed_out: bool, wall
     if any(marker in stderr for marker in _PROCESS_ERRORS):
         hits.add(SandboxLimit.PROCESSES)
     # A shell reports a child's SIGXFSZ as "File size limit exceeded".
-    if sig == signal.SIGXFSZ or any(m in stderr for m in ("File too large",
-                                                          "File size limit exceeded")):
+    if sig == signal.SIGXFSZ or any(
+        m in stderr for m in ("File too large", "File size limit exceeded")
+    ):
         hits.add(SandboxLimit.FILE_SIZE)
     if disk_full or any(m in stderr for m in _DISK_ERRORS):
         hits.add(SandboxLimit.DISK)
@@ -709,28 +824,52 @@ def _result(returncode: int, out: _Capture, err: _Capture, timed_out: bool, wall
     elif sig == signal.SIGXFSZ:
         killed_by = SandboxLimit.FILE_SIZE
     elif exit_code != 0:
-        killed_by = next((limit for limit in (SandboxLimit.MEMORY, SandboxLimit.FILE_SIZE,
-                                              SandboxLimit.DISK, SandboxLimit.PROCESSES)
-                          if limit in hits), None)
+        killed_by = next(
+            (
+                limit
+                for limit in (
+                    SandboxLimit.MEMORY,
+                    SandboxLimit.FILE_SIZE,
+                    SandboxLimit.DISK,
+                    SandboxLimit.PROCESSES,
+                )
+                if limit in hits
+            ),
+            None,
+        )
     return SandboxResult(
-        exit_code=exit_code, signal=sig, stdout=out.text(), stderr=stderr,
-        stdout_bytes=out.total, stderr_bytes=err.total, stdout_truncated=out.truncated,
-        stderr_truncated=err.truncated, timed_out=timed_out, killed_by_limit=killed_by,
+        exit_code=exit_code,
+        signal=sig,
+        stdout=out.text(),
+        stderr=stderr,
+        stdout_bytes=out.total,
+        stderr_bytes=err.total,
+        stdout_truncated=out.truncated,
+        stderr_truncated=err.truncated,
+        timed_out=timed_out,
+        killed_by_limit=killed_by,
         limits_hit=tuple(limit for limit in SandboxLimit if limit in hits),
-        wall_time_s=wall_s, backend=mode.backend, isolation=mode.isolation, limits=limits)
+        wall_time_s=wall_s,
+        backend=mode.backend,
+        isolation=mode.isolation,
+        limits=limits,
+    )
 
 
-def _check_call(argv: Sequence[str], stdin: bytes | str,
-                env: Mapping[str, str] | None) -> tuple[list[str], bytes, dict[str, str]]:
+def _check_call(
+    argv: Sequence[str], stdin: bytes | str, env: Mapping[str, str] | None
+) -> tuple[list[str], bytes, dict[str, str]]:
     if isinstance(argv, (str, bytes)) or not isinstance(argv, Sequence) or not argv:
         raise ValueError(f"argv must be a non-empty list of strings, got {argv!r}.")
     for arg in argv:
         if not isinstance(arg, str) or "\0" in arg:
             raise ValueError(f"argv item {arg!r} must be a string without NUL bytes.")
         if len(arg.encode("utf-8", "surrogateescape")) >= _MAX_ARG_BYTES:
-            raise ValueError(f"argv item {arg[:40]!r}... is {len(arg)} characters, over the "
-                             f"kernel's {_MAX_ARG_BYTES}-byte limit for one argument; pass "
-                             "large input on stdin or in a file of the work dir.")
+            raise ValueError(
+                f"argv item {arg[:40]!r}... is {len(arg)} characters, over the "
+                f"kernel's {_MAX_ARG_BYTES}-byte limit for one argument; pass "
+                "large input on stdin or in a file of the work dir."
+            )
     if not argv[0]:
         raise ValueError(f"argv[0] is empty in {list(argv)!r}; it names the command to run.")
     if isinstance(stdin, str):
@@ -770,12 +909,21 @@ def _sweep(uid: int) -> int:
     """Kills every process of the sandbox user ``uid`` (as that user: ``kill(-1)``).
     Returns how many live processes it found: each is a zombie until the host's init
     reaps it (see ``_await_reaped``)."""
-    done = subprocess.run(_launcher({"sweep_uid": uid}), stdin=subprocess.DEVNULL,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={},
-                          timeout=30, check=False)
+    done = subprocess.run(
+        _launcher({"sweep_uid": uid}),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={},
+        timeout=30,
+        check=False,
+    )
     if done.returncode != 0:
-        logger.error("sandbox: could not kill the processes of user %d: %s", uid,
-                     done.stderr.decode(errors="replace")[-300:])
+        logger.error(
+            "sandbox: could not kill the processes of user %d: %s",
+            uid,
+            done.stderr.decode(errors="replace")[-300:],
+        )
     try:
         return int(done.stdout.split()[0])
     except (IndexError, ValueError):
@@ -807,8 +955,9 @@ def _zombies(uid: int) -> int:
                 fields = dict(line.split(":", 1) for line in f if ":" in line)
         except (OSError, ValueError):
             continue
-        if (fields.get("State", "").split()[:1] == ["Z"]
-                and fields.get("Uid", "").split()[:1] == [str(uid)]):
+        if fields.get("State", "").split()[:1] == ["Z"] and fields.get("Uid", "").split()[:1] == [
+            str(uid)
+        ]:
             count += 1
     return count
 
@@ -838,7 +987,10 @@ def _await_reaped(uid: int, timeout_s: float) -> None:
                 "this host's init (PID 1 %r); runs no longer wait for them, and a run may "
                 "have one process more than max_processes for each one reaped while it "
                 "runs. Give the host or container an init that reaps orphans (docker run "
-                "--init, tini, dumb-init).", timeout_s, _init_name())
+                "--init, tini, dumb-init).",
+                timeout_s,
+                _init_name(),
+            )
             return
         time.sleep(0.02)
 
@@ -862,15 +1014,20 @@ def _claim_uid() -> tuple[int, int]:
     (held until ``_release_uid``, or until this process dies)."""
     lock_dir = _uid_lock_dir()
     for uid in range(SANDBOX_UID_BASE, SANDBOX_UID_BASE + SANDBOX_UID_SLOTS):
-        fd = os.open(os.path.join(lock_dir, str(uid)),
-                     os.O_CREAT | os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        fd = os.open(
+            os.path.join(lock_dir, str(uid)),
+            os.O_CREAT | os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW,
+            0o600,
+        )
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return uid, fd
         except BlockingIOError:
             os.close(fd)
-    raise SandboxError(f"all {SANDBOX_UID_SLOTS} sandbox user ids are in use on this host; "
-                       "close work dirs that are no longer needed")
+    raise SandboxError(
+        f"all {SANDBOX_UID_SLOTS} sandbox user ids are in use on this host; "
+        "close work dirs that are no longer needed"
+    )
 
 
 def _release_uid(lock_fd: int | None) -> None:
@@ -938,8 +1095,9 @@ def _remove_at(dir_fd: int, name: str, dev: int | None, tries: int = 3) -> None:
     try:
         own = os.fstat(fd)  # what was opened, whatever the name pointed to before
         if dev is not None and own.st_dev != dev:
-            logger.error("sandbox: %r is another file system inside a work dir; left in "
-                         "place", name)
+            logger.error(
+                "sandbox: %r is another file system inside a work dir; left in place", name
+            )
             return
         if stat.S_IMODE(own.st_mode) & 0o700 != 0o700:
             os.fchmod(fd, 0o700)  # the directory itself, never what a link points to
@@ -960,8 +1118,7 @@ def _open_dir_at(dir_fd: int, name: str) -> int | None:
         return None
     except PermissionError:
         pass
-    handle = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     dir_fd=dir_fd)
+    handle = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
         # Through the fd's /proc link: the inode just opened, a directory, not a name
         # that could have been swapped for a link since.
@@ -1001,13 +1158,17 @@ def _owned_dir(path: str, mode: int, what: str) -> None:
         pass
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
-        kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else (
-            "a directory" if stat.S_ISDIR(st.st_mode) else "not a directory")
+        kind = (
+            "a symbolic link"
+            if stat.S_ISLNK(st.st_mode)
+            else ("a directory" if stat.S_ISDIR(st.st_mode) else "not a directory")
+        )
         raise SandboxError(
             f"{what} {path!r} is {kind} owned by uid {st.st_uid} with mode "
             f"{stat.S_IMODE(st.st_mode):o}; it must be a directory of this user "
             f"(uid {os.geteuid()}) that no one else can write. Remove it, or choose "
-            "another (sandbox.root_dir).")
+            "another (sandbox.root_dir)."
+        )
 
 
 _MS_NOSUID, _MS_NODEV = 2, 4
@@ -1053,8 +1214,9 @@ def _unmount_under(path: str) -> None:
         return
     for point in _mounts_under(path):
         if _LIBC.umount2(point.encode(), _MNT_DETACH | _UMOUNT_NOFOLLOW) != 0:
-            logger.error("sandbox: could not unmount %s: %s", point,
-                         os.strerror(ctypes.get_errno()))
+            logger.error(
+                "sandbox: could not unmount %s: %s", point, os.strerror(ctypes.get_errno())
+            )
 
 
 _BWRAP_SIZE: bool | None = None
@@ -1065,8 +1227,12 @@ def _bwrap_has_size() -> bool:
     global _BWRAP_SIZE
     if _BWRAP_SIZE is None:
         try:
-            help_text = subprocess.run([shutil.which("bwrap") or "bwrap", "--help"],
-                                       capture_output=True, text=True, timeout=10).stdout
+            help_text = subprocess.run(
+                [shutil.which("bwrap") or "bwrap", "--help"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout
         except (OSError, subprocess.TimeoutExpired):
             help_text = ""
         _BWRAP_SIZE = "--size" in help_text

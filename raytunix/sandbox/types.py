@@ -113,27 +113,41 @@ class SandboxLimits:
     def from_config(cls, sandbox) -> "SandboxLimits":
         """The limits a run's ``sandbox`` config section (``raytunix.config.SandboxConfig``,
         sizes in MiB and KiB) sets."""
-        return cls(wall_time_s=sandbox.wall_time_s, cpu_time_s=sandbox.cpu_time_s,
-                   memory_bytes=sandbox.memory_mb << 20, max_processes=sandbox.max_processes,
-                   max_file_bytes=sandbox.max_file_mb << 20,
-                   max_output_bytes=sandbox.max_output_kb << 10, tmp_bytes=sandbox.tmp_mb << 20,
-                   max_workdir_bytes=sandbox.max_workdir_mb << 20)
+        return cls(
+            wall_time_s=sandbox.wall_time_s,
+            cpu_time_s=sandbox.cpu_time_s,
+            memory_bytes=sandbox.memory_mb << 20,
+            max_processes=sandbox.max_processes,
+            max_file_bytes=sandbox.max_file_mb << 20,
+            max_output_bytes=sandbox.max_output_kb << 10,
+            tmp_bytes=sandbox.tmp_mb << 20,
+            max_workdir_bytes=sandbox.max_workdir_mb << 20,
+        )
 
     def __post_init__(self) -> None:
         for name in ("wall_time_s", "cpu_time_s"):
             value = getattr(self, name)
             if not (_is_number(value) and math.isfinite(value) and 0 < value <= MAX_SECONDS):
-                raise ValueError(f"SandboxLimits.{name}={value!r} must be a number of seconds "
-                                 f"> 0 and <= {MAX_SECONDS:g}.")
-        for name, low in (("memory_bytes", 16 << 20), ("max_processes", 1),
-                          ("max_file_bytes", 0), ("max_output_bytes", 1),
-                          ("tmp_bytes", 1 << 20), ("max_workdir_bytes", 1 << 20)):
+                raise ValueError(
+                    f"SandboxLimits.{name}={value!r} must be a number of seconds "
+                    f"> 0 and <= {MAX_SECONDS:g}."
+                )
+        for name, low in (
+            ("memory_bytes", 16 << 20),
+            ("max_processes", 1),
+            ("max_file_bytes", 0),
+            ("max_output_bytes", 1),
+            ("tmp_bytes", 1 << 20),
+            ("max_workdir_bytes", 1 << 20),
+        ):
             value = getattr(self, name)
             high = MAX_PROCESSES if name == "max_processes" else MAX_BYTES
-            if not (isinstance(value, int) and not isinstance(value, bool)
-                    and low <= value <= high):
-                raise ValueError(f"SandboxLimits.{name}={value!r} must be a whole number "
-                                 f">= {low} and <= {high}.")
+            if not (
+                isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+            ):
+                raise ValueError(
+                    f"SandboxLimits.{name}={value!r} must be a whole number >= {low} and <= {high}."
+                )
 
 
 # Upper bounds of SandboxLimits, defined with the sandbox settings they bound.
@@ -225,9 +239,15 @@ class SandboxClient(Protocol):
     def open_workspace(self, name: str = "") -> str:
         """Creates a private, empty, writable work dir and returns its id."""
 
-    def run(self, workspace: str, argv: Sequence[str], *, stdin: bytes | str = b"",
-            env: Mapping[str, str] | None = None,
-            limits: SandboxLimits | None = None) -> SandboxResult:
+    def run(
+        self,
+        workspace: str,
+        argv: Sequence[str],
+        *,
+        stdin: bytes | str = b"",
+        env: Mapping[str, str] | None = None,
+        limits: SandboxLimits | None = None,
+    ) -> SandboxResult:
         """Runs ``argv`` in the work dir ``workspace``."""
 
     def close_workspace(self, workspace: str) -> None:

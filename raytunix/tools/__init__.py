@@ -37,5 +37,14 @@ def get_tool(name: str) -> Tool:
         raise ValueError(f"unknown tool {name!r}; valid names: {sorted(TOOLS)}") from None
 
 
-__all__ = ["BashTool", "Calculator", "PythonTool", "TOOLS", "Tool", "ToolError", "ToolResult",
-           "get_tool", "resolve_tool"]
+__all__ = [
+    "BashTool",
+    "Calculator",
+    "PythonTool",
+    "TOOLS",
+    "Tool",
+    "ToolError",
+    "ToolResult",
+    "get_tool",
+    "resolve_tool",
+]

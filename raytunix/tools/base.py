@@ -24,6 +24,7 @@ from raytunix.types import EnvFailure, ToolErrorKind
 
 logger = logging.getLogger(__name__)
 
+
 @dataclasses.dataclass(frozen=True)
 class ToolResult:
     """What one tool call produced.
@@ -105,20 +106,29 @@ class Tool(abc.ABC):
             kind = ToolErrorKind.TOOL_EXCEPTION
             try:
                 output = self.run(**arguments)
-                return self._recorded(ToolResult(output=output,
-                                                 latency_s=time.perf_counter() - start), start)
+                return self._recorded(
+                    ToolResult(output=output, latency_s=time.perf_counter() - start), start
+                )
             except ToolError as e:
                 error, kind = str(e), e.kind
             except EnvFailure:
-                profiling.add("tool_call", start, time.perf_counter(), f"tool {self.name}",
-                              {"tool": self.name, "error": "env_failure"})
+                profiling.add(
+                    "tool_call",
+                    start,
+                    time.perf_counter(),
+                    f"tool {self.name}",
+                    {"tool": self.name, "error": "env_failure"},
+                )
                 raise
             except Exception as e:  # noqa: BLE001 - a tool bug is reported to the model and logged
                 logger.warning("tool %r raised %r on %r", self.name, e, arguments, exc_info=True)
                 error = f"{self.name} failed with {type(e).__name__}: {_short(str(e))}"
-        return self._recorded(ToolResult(output="", error=error,
-                                         latency_s=time.perf_counter() - start,
-                                         error_kind=kind), start)
+        return self._recorded(
+            ToolResult(
+                output="", error=error, latency_s=time.perf_counter() - start, error_kind=kind
+            ),
+            start,
+        )
 
     def _recorded(self, result: ToolResult, start: float) -> ToolResult:
         """Records the call as a ``tool_call`` span on this tool's track (latency per
@@ -137,8 +147,14 @@ class Tool(abc.ABC):
         """The tool as the model is shown it: ``{"type": "function", "function": {"name",
         "description", "parameters"}}``, the JSON-schema layout chat templates take as
         ``tools`` (Hugging Face ``apply_chat_template``, OpenAI function tools)."""
-        return {"type": "function", "function": {
-            "name": self.name, "description": self.description, "parameters": self.parameters}}
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": self.parameters,
+            },
+        }
 
     @abc.abstractmethod
     def run(self, /, **arguments: Any) -> str:

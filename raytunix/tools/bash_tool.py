@@ -33,16 +33,23 @@ class BashTool(SandboxedTool):
     )
     parameters = {
         "type": "object",
-        "properties": {"command": {
-            "type": "string",
-            "description": "e.g. 'ls -la && cat notes.txt'",
-        }},
+        "properties": {
+            "command": {
+                "type": "string",
+                "description": "e.g. 'ls -la && cat notes.txt'",
+            }
+        },
         "required": ["command"],
     }
 
-    def __init__(self, session: SandboxSession | None = None, *,
-                 limits: SandboxLimits | None = None,
-                 max_input_chars: int = DEFAULT_MAX_INPUT_CHARS, shell: str = "bash") -> None:
+    def __init__(
+        self,
+        session: SandboxSession | None = None,
+        *,
+        limits: SandboxLimits | None = None,
+        max_input_chars: int = DEFAULT_MAX_INPUT_CHARS,
+        shell: str = "bash",
+    ) -> None:
         super().__init__(session, limits=limits, max_input_chars=max_input_chars)
         self.shell = shell
 
@@ -50,6 +57,9 @@ class BashTool(SandboxedTool):
         result = self._execute([self.shell, "--noprofile", "--norc", "-c", command], command)
         output = render_output(result)
         if result.exit_code != 0:
-            output = f"{output}\n[exit code {result.exit_code}]" if output else \
-                f"[exit code {result.exit_code}]"
+            output = (
+                f"{output}\n[exit code {result.exit_code}]"
+                if output
+                else f"[exit code {result.exit_code}]"
+            )
         return output or "(no output)"

@@ -32,16 +32,23 @@ class PythonTool(SandboxedTool):
     )
     parameters = {
         "type": "object",
-        "properties": {"code": {
-            "type": "string",
-            "description": "a complete program; print() the results, e.g. 'print(sum(range(10)))'",
-        }},
+        "properties": {
+            "code": {
+                "type": "string",
+                "description": "a complete program; print() the results, e.g. 'print(sum(range(10)))'",
+            }
+        },
         "required": ["code"],
     }
 
-    def __init__(self, session: SandboxSession | None = None, *,
-                 limits: SandboxLimits | None = None,
-                 max_input_chars: int = DEFAULT_MAX_INPUT_CHARS, python: str = "python3") -> None:
+    def __init__(
+        self,
+        session: SandboxSession | None = None,
+        *,
+        limits: SandboxLimits | None = None,
+        max_input_chars: int = DEFAULT_MAX_INPUT_CHARS,
+        python: str = "python3",
+    ) -> None:
         super().__init__(session, limits=limits, max_input_chars=max_input_chars)
         self.python = python
 
@@ -49,6 +56,8 @@ class PythonTool(SandboxedTool):
         result = self._execute([self.python, "-I", "-"], code, stdin=code)
         output = render_output(result)
         if result.exit_code != 0:
-            raise ToolError(f"python: the program failed with exit code {result.exit_code}:\n"
-                            f"{output or '(no output)'}")
+            raise ToolError(
+                f"python: the program failed with exit code {result.exit_code}:\n"
+                f"{output or '(no output)'}"
+            )
         return output or "(no output; print() what you want to see)"

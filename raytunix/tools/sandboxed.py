@@ -34,9 +34,13 @@ class SandboxedTool(Tool):
       ValueError: ``max_input_chars`` is not positive.
     """
 
-    def __init__(self, session: SandboxSession | None = None, *,
-                 limits: SandboxLimits | None = None,
-                 max_input_chars: int = DEFAULT_MAX_INPUT_CHARS) -> None:
+    def __init__(
+        self,
+        session: SandboxSession | None = None,
+        *,
+        limits: SandboxLimits | None = None,
+        max_input_chars: int = DEFAULT_MAX_INPUT_CHARS,
+    ) -> None:
         if max_input_chars < 1:
             raise ValueError(f"max_input_chars={max_input_chars} must be > 0.")
         self._owns_session = session is None
@@ -51,13 +55,16 @@ class SandboxedTool(Tool):
 
     def _execute(self, argv: Sequence[str], source: str, stdin: str = "") -> SandboxResult:
         if len(source) > self.max_input_chars:
-            raise ToolError(f"{self.name}: input of {len(source)} characters is longer than "
-                            f"the limit of {self.max_input_chars}; send less at once")
+            raise ToolError(
+                f"{self.name}: input of {len(source)} characters is longer than "
+                f"the limit of {self.max_input_chars}; send less at once"
+            )
         result = self.session.run(argv, stdin=stdin, limits=self.limits)
         if result.killed_by_limit is not None:
-            raise ToolError(_limit_message(self.name, result),
-                            ToolErrorKind.TIMEOUT if result.timed_out
-                            else ToolErrorKind.TOOL_EXCEPTION)
+            raise ToolError(
+                _limit_message(self.name, result),
+                ToolErrorKind.TIMEOUT if result.timed_out else ToolErrorKind.TOOL_EXCEPTION,
+            )
         return result
 
 
@@ -67,13 +74,17 @@ def render_output(result: SandboxResult) -> str:
     if result.stdout:
         parts.append(result.stdout.rstrip("\n"))
     if result.stdout_truncated:
-        parts.append(f"[stdout cut: first {result.limits.max_output_bytes} of "
-                     f"{result.stdout_bytes} bytes shown]")
+        parts.append(
+            f"[stdout cut: first {result.limits.max_output_bytes} of "
+            f"{result.stdout_bytes} bytes shown]"
+        )
     if result.stderr:
         parts.append("[stderr]\n" + result.stderr.rstrip("\n"))
     if result.stderr_truncated:
-        parts.append(f"[stderr cut: first {result.limits.max_output_bytes} of "
-                     f"{result.stderr_bytes} bytes shown]")
+        parts.append(
+            f"[stderr cut: first {result.limits.max_output_bytes} of "
+            f"{result.stderr_bytes} bytes shown]"
+        )
     return "\n".join(parts)
 
 
@@ -83,9 +94,9 @@ def _limit_message(tool: str, result: SandboxResult) -> str:
         SandboxLimit.WALL_TIME: f"did not finish within {limits.wall_time_s:g} s and was stopped",
         SandboxLimit.CPU_TIME: f"used up its {limits.cpu_time_s:g} s of CPU time and was stopped",
         SandboxLimit.MEMORY: f"ran out of memory (limit {limits.memory_bytes / 2**20:g} MiB "
-                             "of address space)",
+        "of address space)",
         SandboxLimit.FILE_SIZE: f"tried to write a file larger than the limit of "
-                                f"{limits.max_file_bytes / 2**20:g} MiB",
+        f"{limits.max_file_bytes / 2**20:g} MiB",
         SandboxLimit.PROCESSES: f"tried to start more than {limits.max_processes} processes",
     }[result.killed_by_limit]
     output = render_output(result)
