@@ -192,6 +192,13 @@ class ModelConfig:
         "the context), and the trained policy is exported to RUN_DIR/export/ in the same "
         'layout; "" = a fresh model of the sizes below',
     )
+    init_from: str = setting(
+        "",
+        "an earlier run's directory to start from: its newest checkpoint's policy weights, "
+        "its tokenizer and its model shape (model.path and d_model..tokenizer_vocab_size are "
+        "taken from its config.yaml); the optimizer, steps and data start fresh, so the run "
+        'may train another env; "" = start from model.path or a fresh model',
+    )
     d_model: int = setting(128, "residual width", bounds="> 0")
     n_layers: int = setting(3, "transformer blocks", bounds="> 0")
     n_heads: int = setting(4, "query heads", bounds="> 0")

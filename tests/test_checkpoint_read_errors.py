@@ -13,6 +13,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from raytunix.learner.checkpoint import (  # noqa: E402
@@ -187,3 +188,30 @@ def test_the_error_classes():
     )
     assert not is_corruption(structure) and not is_transient(structure)
     assert not is_corruption(PermissionError(errno.EACCES, "Permission denied"))
+
+
+# -- the policy alone, from another run's directory (model.init_from) -------------------------
+
+
+def test_restore_params_reads_the_newest_policy_whatever_the_optimizer_state(two_checkpoints):
+    ck, _ = two_checkpoints
+    params, step = ck.restore_params({"w": jax.ShapeDtypeStruct((4,), jnp.float32)})
+    assert step == 20 and np.asarray(params["w"]).tolist() == [20.0] * 4
+
+
+def test_restore_params_skips_a_damaged_step_and_leaves_it_in_place(two_checkpoints):
+    ck, directory = two_checkpoints
+    _damage(directory, 20, "truncate_arrays")
+    params, step = ck.restore_params({"w": jax.ShapeDtypeStruct((4,), jnp.float32)})
+    assert step == 10 and np.asarray(params["w"]).tolist() == [10.0] * 4
+    assert _moved(directory) == [] and ck.all_steps() == [10, 20]  # not this run's to move
+
+
+def test_restore_params_of_another_shape_or_of_nothing_says_so(two_checkpoints, tmp_path):
+    ck, _ = two_checkpoints
+    with pytest.raises(CheckpointMismatch, match="step 20"):
+        ck.restore_params({"w": jax.ShapeDtypeStruct((8,), jnp.float32)})
+    empty = Checkpointer(str(tmp_path / "empty"), read_backoff=FAST)
+    with pytest.raises(FileNotFoundError, match="No checkpoint"):
+        empty.restore_params({"w": jax.ShapeDtypeStruct((4,), jnp.float32)})
+    empty.close()

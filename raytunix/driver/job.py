@@ -12,6 +12,7 @@ import ray
 
 from raytunix.config import Config, RolloutConfig
 from raytunix.driver import prepare
+from raytunix.driver.init_from import initial_checkpoints
 from raytunix.driver.prepare import Tasks
 from raytunix.driver.run_dir import RunDir, RunError, say
 from raytunix.models.tokenizer import Tokenizer
@@ -38,12 +39,19 @@ class Job:
     """The actors of one run, built from its config: the learner (with the engine in one
     process when ``engine.placement=colocated``, else beside ``engine.num_replicas``
     engine actors), the env pool, the sandbox pool (or None) and, once started, the
-    orchestrator."""
+    orchestrator. ``init_from``: a checkpoint directory whose newest policy the learner
+    (and so the engines) start from (``model.init_from``); "" for the model itself."""
 
     def __init__(
-        self, cfg: Config, tokenizer: Tokenizer, train_tasks, env_pool: EnvPool, sandbox_pool=None
+        self,
+        cfg: Config,
+        tokenizer: Tokenizer,
+        train_tasks,
+        env_pool: EnvPool,
+        sandbox_pool=None,
+        init_from: str = "",
     ):
-        from raytunix.learner.actor import LearnerActor, PolicyActor
+        from raytunix.learner.actor import PolicyActor
 
         self.cfg = cfg
         self.tokenizer = tokenizer
@@ -61,35 +69,21 @@ class Job:
             self.learner = (
                 ray.remote(PolicyActor)
                 .options(max_concurrency=10_000, **hosts.actor_options(), **jit_options)
-                .remote(model_config, cfg.run.seed, tokenizer, cfg.engine.engine_kwargs(), path)
+                .remote(
+                    model_config,
+                    cfg.run.seed,
+                    tokenizer,
+                    cfg.engine.engine_kwargs(),
+                    path,
+                    init_from,
+                )
             )
             self.engine = self.learner
             self.engines = [self.learner]
         else:
             from raytunix.inference.actor import EngineActor
 
-            if self.learner_group:  # one actor per host, one JAX program; calls as a LearnerActor
-                from raytunix.learner.group import LearnerGroup
-
-                self.learner = (
-                    ray.remote(LearnerGroup)
-                    .options(num_cpus=0)
-                    .remote(
-                        hosts,
-                        model_config,
-                        cfg.run.seed,
-                        tokenizer.pad_id,
-                        path,
-                        call_timeout_s=cfg.learner.call_timeout_s,
-                        slow_call_timeout_s=cfg.learner.slow_call_timeout_s,
-                    )
-                )
-            else:
-                self.learner = (
-                    ray.remote(LearnerActor)
-                    .options(max_concurrency=100, **hosts.actor_options(), **jit_options)
-                    .remote(model_config, cfg.run.seed, tokenizer.pad_id, path)
-                )
+            self.learner = self._disaggregated_learner(model_config, hosts, init_from)
             # A crashed engine is restarted by Ray under the same handle (the orchestrator's
             # router keeps it; calls wait for it) and takes the learner's weights first.
             engine_options = {
@@ -111,6 +105,38 @@ class Job:
             )
             self.engines = [self._new_engine() for _ in range(cfg.engine.num_replicas)]
             self.engine = self.engines[0]
+        if init_from:  # the engines built a fresh model; the learner holds the earlier run's
+            self.publish_weights()
+
+    def _disaggregated_learner(self, model_config, hosts: LearnerHostsSpec, init_from: str):
+        """The learner's actor beside the engines: a ``LearnerGroup`` (one actor per host,
+        one JAX program; called as a ``LearnerActor``) for ``learner.num_hosts`` > 1."""
+        from raytunix.learner.actor import LearnerActor
+
+        cfg, path, pad_id = self.cfg, self.cfg.model.path, self.tokenizer.pad_id
+        if self.learner_group:
+            from raytunix.learner.group import LearnerGroup
+
+            return (
+                ray.remote(LearnerGroup)
+                .options(num_cpus=0)
+                .remote(
+                    hosts,
+                    model_config,
+                    cfg.run.seed,
+                    pad_id,
+                    path,
+                    init_from,
+                    call_timeout_s=cfg.learner.call_timeout_s,
+                    slow_call_timeout_s=cfg.learner.slow_call_timeout_s,
+                )
+            )
+        options = dict(max_concurrency=100, **hosts.actor_options())
+        return (
+            ray.remote(LearnerActor)
+            .options(**options, **prepare.jit_actor_options(cfg))
+            .remote(model_config, cfg.run.seed, pad_id, path, init_from)
+        )
 
     def learner_get(self, ref, what: str, slow: bool = False, fetch: bool = True):
         """``ray.get`` of a learner call's ``ref`` within its deadline:
@@ -362,7 +388,8 @@ def started_job(cfg: Config, run: RunDir, dataset) -> Iterator[tuple[Job, Tasks]
         tasks = prepare.task_splits(cfg, env_pool, dataset)
         tokenizer = prepare.run_tokenizer(cfg, run, tasks.train)
         tasks = prepare.check_prompts(cfg, env_pool, tasks, tokenizer)
-        job = Job(cfg, tokenizer, tasks.train, env_pool, sandbox_pool)
+        init_from = initial_checkpoints(cfg, run)  # model.init_from's, until the run saves its own
+        job = Job(cfg, tokenizer, tasks.train, env_pool, sandbox_pool, init_from)
         stack.pop_all()  # the job's shutdown takes them all down now
         try:
             _check_mesh(cfg, job)

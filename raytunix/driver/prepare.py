@@ -17,6 +17,7 @@ import ray
 
 from raytunix import plugins
 from raytunix.config import Config
+from raytunix.driver.init_from import copy_tokenizer
 from raytunix.driver.run_dir import RunDir, RunError, say
 from raytunix.models.llama import ModelConfig
 from raytunix.models.tokenizer import Tokenizer
@@ -378,7 +379,8 @@ def _tasks(cfg: Config, train, heldout, source: str) -> Tasks:
 
 def run_tokenizer(cfg: Config, run: RunDir, train_tasks) -> Tokenizer:
     """``model.path``'s tokenizer; else the run's ``tokenizer.json`` if it has one (a
-    resumed run); else one trained on the train tasks and saved there.
+    resumed run, or a ``model.init_from`` run, which copies the earlier run's there first);
+    else one trained on the train tasks and saved there.
 
     Raises:
       RunError: ``model.path``'s tokenizer is missing or bad, or the folder has no chat
@@ -387,6 +389,7 @@ def run_tokenizer(cfg: Config, run: RunDir, train_tasks) -> Tokenizer:
     """
     if cfg.model.path:  # the model's own tokenizer; nothing to train or save
         return _folder_tokenizer(cfg)
+    copy_tokenizer(cfg, run)  # model.init_from's, which its weights' ids are of
     if os.path.exists(run.tokenizer):
         return Tokenizer.load(run.tokenizer)
     if run.has_rl_checkpoint() or os.path.isdir(run.warmup):

@@ -29,6 +29,7 @@ import ray
 from raytunix import profiling
 from raytunix.config import Config, ConfigError
 from raytunix.driver import prepare
+from raytunix.driver.init_from import adopt_init_from
 from raytunix.driver.job import Job
 from raytunix.driver.prepare import Tasks
 from raytunix.driver.run_dir import RunDir, RunError, load_run_config, new_run_dir, say
@@ -95,6 +96,7 @@ def open_run(
         except BaseException:
             run.unlock()
             raise
+    cfg = adopt_init_from(cfg)  # model.init_from's shape, checked before anything is made
     try:
         dataset = dataset_splits(cfg.data)  # a file, split or column missing: stop before Ray
     except DatasetError as e:

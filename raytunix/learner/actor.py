@@ -9,13 +9,19 @@ accepting generation requests while an update is computed.
 from __future__ import annotations
 
 import asyncio
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+import jax
+import jax.numpy as jnp
 
 from raytunix import heap, profiling
 from raytunix.learner.checkpoint import Checkpointer
 from raytunix.learner.learner import Learner, RLHyperparams, SFTHyperparams
 from raytunix.models.llama import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 
 class LearnerActor(profiling.ProfiledActor):
@@ -26,12 +32,18 @@ class LearnerActor(profiling.ProfiledActor):
     with ``raytunix.models.hf.load_weights``); "" for a fresh model of ``model_config``.
     """
 
-    def __init__(self, model_config: ModelConfig, seed: int, pad_id: int, model_path: str = ""):
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        seed: int,
+        pad_id: int,
+        model_path: str = "",
+        init_from: str = "",
+    ):
         profiling.configure("learner", "learner")
         self.model_path = model_path
-        self.learner = Learner(
-            model_config, seed=seed, pad_id=pad_id, model=_load(model_path, model_config)
-        )
+        model = _load(model_path, model_config, init_from, seed)
+        self.learner = Learner(model_config, seed=seed, pad_id=pad_id, model=model)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="learner")
         self._demos = None
         self._checkpointers: dict[str, Checkpointer] = {}
@@ -215,8 +227,9 @@ class PolicyActor(LearnerActor):
         tokenizer,
         engine_kwargs: dict[str, Any],
         model_path: str = "",
+        init_from: str = "",
     ):
-        super().__init__(model_config, seed, tokenizer.pad_id, model_path)
+        super().__init__(model_config, seed, tokenizer.pad_id, model_path, init_from)
         profiling.configure("policy (learner + engine)", "policy")
         from raytunix.inference.engine import InferenceEngine
 
@@ -246,10 +259,32 @@ class PolicyActor(LearnerActor):
         return self.engine.stats()
 
 
-def _load(model_path: str, model_config: ModelConfig):
-    """(graphdef, params) of the Hugging Face folder ``model_path``; None for ""."""
-    if not model_path:
-        return None
-    from raytunix.models.hf import load_weights
+def _load(model_path: str, model_config: ModelConfig, init_from: str = "", seed: int = 0):
+    """``(graphdef, params)`` to start from: the Hugging Face folder ``model_path``'s (else
+    a fresh ``init_model`` with ``seed``) with, when ``init_from`` names a checkpoint
+    directory (``model.init_from``'s), the parameters of its newest readable checkpoint
+    in their place; None when both are "" (the learner inits the model itself).
 
-    return load_weights(model_path, model_config)
+    Raises:
+      FileNotFoundError: ``init_from`` holds no checkpoint.
+      CheckpointMismatch: its checkpoint holds another model shape.
+    """
+    if not model_path and not init_from:
+        return None
+    if model_path:
+        from raytunix.models.hf import load_weights
+
+        graphdef, params = load_weights(model_path, model_config)
+    else:
+        from raytunix.models.llama import init_model
+
+        graphdef, params = init_model(model_config, seed)
+    if init_from:
+        checkpointer = Checkpointer(init_from)
+        try:
+            restored, step = checkpointer.restore_params(params)
+        finally:
+            checkpointer.close()
+        params = jax.tree.map(lambda new, old: jnp.asarray(new, old.dtype), restored, params)
+        logger.info("policy weights from %s, step %d", init_from, step)
+    return graphdef, params

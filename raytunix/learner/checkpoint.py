@@ -34,8 +34,11 @@ import logging
 import os
 import random
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
+import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers
 
@@ -53,6 +56,9 @@ class CheckpointUnavailable(RuntimeError):
 class CheckpointMismatch(ValueError):
     """A checkpoint does not restore into the learner (another structure or shape: the
     config changed), or failed in a way that is no evidence of damage; left in place."""
+
+
+T = TypeVar("T")
 
 
 class CheckpointCorrupt(RuntimeError):
@@ -189,6 +195,20 @@ def _as_tree(state: TrainState) -> dict[str, Any]:
     if state.value_head is not None:  # PPO's value head (GAE runs only)
         tree.update(value_head=state.value_head, value_opt_state=state.value_opt_state)
     return tree
+
+
+def _check_shapes(params: Any, abstract_params: Any, where: str) -> None:
+    """Raises ``CheckpointMismatch`` naming the first parameter of ``params`` whose shape
+    is not its ``abstract_params`` counterpart's (numpy restores do not check it)."""
+    found = jax.tree_util.tree_flatten_with_path(params)[0]
+    wanted = jax.tree.leaves(abstract_params)
+    for (path, got), want in zip(found, wanted, strict=True):
+        if tuple(np.shape(got)) != tuple(want.shape):
+            raise CheckpointMismatch(
+                f"{where} holds {jax.tree_util.keystr(path)} of shape {tuple(np.shape(got))}, "
+                f"but this model's is {tuple(want.shape)}: it was trained with another model "
+                "shape; start from a run of the same model.* sizes."
+            )
 
 
 class Checkpointer:
@@ -386,17 +406,27 @@ class Checkpointer:
     ) -> tuple[TrainState | None, dict[str, Any]]:
         """``_restore(step)`` with the retry policy of ``restore`` (``read_backoff``); with
         ``abstract_state`` None, the extras alone (``(None, extras)``)."""
+
+        def load() -> tuple[TrainState | None, dict[str, Any]]:
+            if abstract_state is None:
+                restored = self._manager.restore(
+                    step, args=ocp.args.Composite(extras=ocp.args.JsonRestore())
+                )
+                return None, dict(restored["extras"] or {})
+            return self._restore(step, abstract_state)
+
+        return self._retried(step, load)
+
+    def _retried(self, step: int, load: Callable[[], T]) -> T:
+        """``load()`` (a read of checkpoint ``step``) under ``read_backoff``: transient
+        errors are retried, the same corruption seen twice raises ``CheckpointCorrupt``,
+        anything else ``CheckpointMismatch``."""
         rng = random.Random(step)
         evidence: BaseException | None = None
         attempts = self.read_backoff.max_attempts
         for attempt in range(attempts):
             try:
-                if abstract_state is None:
-                    restored = self._manager.restore(
-                        step, args=ocp.args.Composite(extras=ocp.args.JsonRestore())
-                    )
-                    return None, dict(restored["extras"] or {})
-                return self._restore(step, abstract_state)
+                return load()
             except Exception as e:  # noqa: BLE001 - sorted below; none is swallowed
                 error = e
             what = f"{type(error).__name__}: {str(error)[:500]}"
@@ -505,6 +535,63 @@ class Checkpointer:
             target,
         )
         self._manager.reload()
+
+    def restore_params(self, abstract_params: Any) -> tuple[Any, int]:
+        """The policy parameters alone of the newest checkpoint that reads, into the
+        structure, shapes and dtypes of ``abstract_params`` (arrays or
+        ``jax.ShapeDtypeStruct``); the optimizer state, step and extras are not read, so a
+        checkpoint of any optimizer or advantage estimator serves (``model.init_from``).
+
+        Read-only: the directory may be another run's, so a damaged step is skipped (and
+        logged), never moved aside as ``restore`` does with the run's own.
+
+        Returns:
+          ``(params as numpy arrays, the step they came from)``.
+
+        Raises:
+          FileNotFoundError: no checkpoint in the directory.
+          CheckpointMismatch: the newest readable checkpoint holds another model shape.
+          CheckpointUnavailable: a transient error persisted past the retries.
+          CheckpointCorrupt: every checkpoint is damaged.
+        """
+        steps = self.all_steps()
+        if not steps:
+            raise FileNotFoundError(f"No checkpoint found in {self.directory}.")
+        item = {"params": abstract_params}
+        args = ocp.args.PyTreeRestore(
+            item=item,
+            restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+            partial_restore=True,
+        )
+        # A manager of its own: this one's has registered the full-state handler, which
+        # cannot read a part of the tree; read_only, as the files may be another run's.
+        reader = ocp.CheckpointManager(
+            self.directory, options=ocp.CheckpointManagerOptions(read_only=True)
+        )
+        damaged = []
+        try:
+            for step in reversed(steps):
+
+                def load(step: int = step) -> Any:
+                    restored = reader.restore(step, args=ocp.args.Composite(state=args))
+                    return restored["state"]["params"]
+
+                try:
+                    params = self._retried(step, load)
+                except CheckpointCorrupt as e:
+                    damaged.append(str(e))
+                    logger.error("%s; trying the next older step (left in place).", e)
+                    continue
+                _check_shapes(
+                    params, abstract_params, f"checkpoint step {step} in {self.directory}"
+                )
+                return params, step
+        finally:
+            reader.close()
+        raise CheckpointCorrupt(
+            f"every checkpoint in {self.directory} is damaged:\n" + "\n".join(damaged),
+            reason="; ".join(damaged),
+        )
 
     def _restore(self, step: int, abstract_state: TrainState) -> tuple[TrainState, dict[str, Any]]:
         restored = self._manager.restore(

@@ -190,6 +190,7 @@ class LearnerHost(LearnerActor):
         seed: int,
         pad_id: int,
         model_path: str = "",
+        init_from: str = "",
         timeout_s: int = 300,
     ) -> dict[str, Any]:
         """Joins the group's JAX program as process ``rank`` of ``num_processes`` and
@@ -209,7 +210,7 @@ class LearnerHost(LearnerActor):
             initialization_timeout=timeout_s,
         )
         self.rank = rank
-        LearnerActor.__init__(self, model_config, seed, pad_id, model_path)
+        LearnerActor.__init__(self, model_config, seed, pad_id, model_path, init_from)
         profiling.configure(f"learner host {rank}", "learner")
         return {
             "process_index": jax.process_index(),
@@ -304,7 +305,7 @@ class LearnerGroup:
 
     Args:
       spec: the hosts to reserve (``LearnerHostsSpec.from_config(cfg.learner)``).
-      model_config, seed, pad_id, model_path: each host's ``Learner`` (as
+      model_config, seed, pad_id, model_path, init_from: each host's ``Learner`` (as
         ``LearnerActor`` takes them).
       start_timeout_s: seconds allowed for reserving the hosts, starting the actors and
         joining ``jax.distributed``.
@@ -334,6 +335,7 @@ class LearnerGroup:
         seed: int,
         pad_id: int,
         model_path: str = "",
+        init_from: str = "",
         *,
         start_timeout_s: float = 600.0,
         call_timeout_s: float = 1800.0,
@@ -349,7 +351,7 @@ class LearnerGroup:
         self.spec = spec
         self.max_rebuilds = max_rebuilds
         self.runtime_env = runtime_env
-        self._learner_args = (model_config, seed, pad_id, model_path)
+        self._learner_args = (model_config, seed, pad_id, model_path, init_from)
         self.start_timeout_s = start_timeout_s
         self.call_timeout_s = float(call_timeout_s)
         self.slow_call_timeout_s = max(self.call_timeout_s, float(slow_call_timeout_s or 0.0))
