@@ -1575,7 +1575,9 @@ def _read_yaml(text: str, source: str) -> dict[str, Any]:
 
 def parse_override(item: str, schema: type[Config] | None = None) -> tuple[str, str, Any]:
     """'section.key=value' -> (section, key, YAML-parsed value); for a mapping-valued key
-    of ``schema`` (default ``Config``), 'env.kwargs.turns=2' -> ("env", "kwargs.turns", 2)."""
+    of ``schema`` (default ``Config``), 'env.kwargs.turns=2' -> ("env", "kwargs.turns", 2)
+    and, into nested mappings, 'env.kwargs.make_kwargs.n=2' -> ("env",
+    "kwargs.make_kwargs.n", 2)."""
     mappings = _mappings(schema)
     if "=" not in item:
         raise ConfigError(
@@ -1583,8 +1585,8 @@ def parse_override(item: str, schema: type[Config] | None = None) -> tuple[str, 
         )
     dotted, raw = item.split("=", 1)
     parts = dotted.strip().split(".")
-    if len(parts) == 3 and ".".join(parts[:2]) in mappings and parts[2]:
-        parts = [parts[0], f"{parts[1]}.{parts[2]}"]
+    if len(parts) >= 3 and ".".join(parts[:2]) in mappings and all(parts[2:]):
+        parts = [parts[0], ".".join(parts[1:])]  # env.kwargs.make_kwargs.seed: a nested entry
     if len(parts) != 2 or not all(parts):
         raise ConfigError(
             f"override key {dotted!r} must be section.key, e.g. rollout.group_size "
@@ -1645,11 +1647,35 @@ def apply_override(cfg: Config, item: str) -> str:
         ones), or a value of the wrong type.
     """
     section, key, value = parse_override(item, type(cfg))
-    if "." in key:  # one entry of a mapping: env.kwargs.turns=2
-        key, name = key.split(".", 1)
-        value = {**getattr(getattr(cfg, section), key), name: value}
+    if "." in key:  # one entry of a mapping: env.kwargs.turns=2, env.kwargs.make_kwargs.n=2
+        key, *names = key.split(".")
+        mapping = getattr(getattr(cfg, section), key)
+        value = _with_entry(mapping, names, value, item, f"{section}.{key}")
     _merge(cfg, {section: {key: value}}, f"override {item!r}")
     return f"{section}.{key}"
+
+
+def _with_entry(
+    mapping: dict[str, Any], names: list[str], value: Any, item: str, where: str
+) -> dict[str, Any]:
+    """A copy of ``mapping`` (the setting ``where``, e.g. ``env.kwargs``) with ``value`` at
+    the nested entry ``names`` (mappings on the way are made where missing; the others'
+    entries are kept).
+
+    Raises:
+      ConfigError: an entry on the way holds something other than a mapping.
+    """
+    head, *rest = names
+    if not rest:
+        return {**mapping, head: value}
+    inner = mapping.get(head, {})
+    if not isinstance(inner, dict):
+        raise ConfigError(
+            f"override {item!r}: {where}.{head} is {inner!r}, not a mapping, so it has no "
+            f"entry {rest[0]!r}; set {where}.{head} as a whole, e.g. "
+            f"'{where}.{head}={{{rest[0]}: ...}}'."
+        )
+    return {**mapping, head: _with_entry(inner, rest, value, item, f"{where}.{head}")}
 
 
 def config_from_dict(tree: dict[str, Any], schema: type[Config] | None = None) -> Config:

@@ -264,3 +264,22 @@ def test_an_empty_file_is_the_defaults(tmp_path):
     path = tmp_path / "empty.yaml"
     path.write_text("# nothing set\n")
     assert load_config(str(path)) == load_config(None)
+
+
+def test_dotted_overrides_reach_into_nested_mappings_and_keep_their_neighbours():
+    from raytunix.config import Config, apply_override
+
+    cfg = Config()
+    for item in (
+        "env.kwargs.make_kwargs.gem_id=abc",
+        "env.kwargs.make_kwargs.n=3",
+        "env.kwargs.x=1",
+    ):
+        assert apply_override(cfg, item) == "env.kwargs"
+    assert cfg.env.kwargs == {"make_kwargs": {"gem_id": "abc", "n": 3}, "x": 1}
+    apply_override(cfg, "env.kwargs.make_kwargs.n=4")
+    assert cfg.env.kwargs == {"make_kwargs": {"gem_id": "abc", "n": 4}, "x": 1}
+    with pytest.raises(ConfigError, match=r"env.kwargs.x is 1, not a mapping.*'env.kwargs.x=\{y"):
+        apply_override(cfg, "env.kwargs.x.y=2")
+    with pytest.raises(ConfigError, match="must be section.key"):
+        apply_override(cfg, "env.kwargs..y=2")  # an empty name on the way
