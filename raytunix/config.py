@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
 import json
 import math
 import os
@@ -84,9 +83,14 @@ def _parse_bounds(bounds: str) -> typing.Callable[[float], bool]:
             "<=": lambda v: v <= edge,
         }[op]
     low, high = float(m.group(4)), float(m.group(5))
-    low_ok = (lambda v: v >= low) if m.group(3) == "[" else (lambda v: v > low)
-    high_ok = (lambda v: v <= high) if m.group(6) == "]" else (lambda v: v < high)
-    return lambda v: low_ok(v) and high_ok(v)
+    closed_low, closed_high = m.group(3) == "[", m.group(6) == "]"
+
+    def inside(v: float) -> bool:
+        above = v >= low if closed_low else v > low
+        below = v <= high if closed_high else v < high
+        return above and below
+
+    return inside
 
 
 def setting(
@@ -871,7 +875,7 @@ class Config:
         return dataclasses.asdict(self)
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+        return str(yaml.safe_dump(self.to_dict(), sort_keys=False))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -906,18 +910,30 @@ class Setting:
             return "str"
         if typing.get_args(self.type):
             return str(self.type).replace("typing.", "")
-        return self.type.__name__
+        return str(self.type.__name__)
 
 
-@functools.cache
+# settings() of each schema, read once: a dict rather than functools.cache, whose wrapper
+# wants Hashable arguments, which a dataclass's type object is not to a type checker.
+_SETTINGS: dict[type[Config], dict[str, Setting]] = {}
+
+
 def settings(schema: type[Config] | None = None) -> dict[str, Setting]:
     """Every setting of ``schema`` (default ``Config``; a subclass may add sections), in
-    section and field order, keyed ``section.name``.
+    section and field order, keyed ``section.name``; read once per schema (do not change
+    the dict returned).
 
     Raises:
       TypeError: a field was declared without ``setting`` (it has no doc).
     """
     schema = Config if schema is None else schema
+    if schema not in _SETTINGS:
+        _SETTINGS[schema] = _read_settings(schema)
+    return _SETTINGS[schema]
+
+
+def _read_settings(schema: type[Config]) -> dict[str, Setting]:
+    """``settings(schema)``, read from the dataclass fields' metadata."""
     found: dict[str, Setting] = {}
     for section_name, section_type in typing.get_type_hints(schema).items():
         hints = typing.get_type_hints(section_type)
@@ -1105,7 +1121,7 @@ def _set(
     setattr(section, key, _coerce(full, value, settings(schema)[full].type))
 
 
-def _a_number_if_nan(value) -> str:
+def _a_number_if_nan(value: object) -> str:
     """ " a number" in a range error about nan (which fails every comparison), else ""."""
     return " a number" if isinstance(value, float) and math.isnan(value) else ""
 
@@ -1290,12 +1306,13 @@ def _validate_env(env: EnvConfig) -> None:
         raise ConfigError(str(e)) from None
     agent = env.agent
     if agent == "auto":
-        agent = getattr(env_cls, "default_agent", None)
-        if not isinstance(agent, str):
+        declared = getattr(env_cls, "default_agent", None)
+        if not isinstance(declared, str):
             raise ConfigError(
                 f"env.agent=auto: {env_cls.__qualname__} has no default_agent; set env.agent "
                 "(e.g. env.agent=text) or give the class default_agent = \"text\"."
             )
+        agent = declared
     try:
         agent_cls = resolve("agent", agent)
     except PluginError as e:
