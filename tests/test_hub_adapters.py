@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import random
 import re
 import sys
 
@@ -100,6 +101,30 @@ def test_textarena_resets_in_threads_start_from_the_seeded_state():
     finally:
         sys.setswitchinterval(interval)
     assert [set(numbers) for numbers in got] == [{n} for n in expected]
+    assert len(set(expected)) > 1
+
+
+def test_textarena_episodes_interleaved_draw_as_if_each_ran_alone():
+    # 2048 draws a new tile from the global random on every move: each episode keeps its
+    # own stream, so two episodes of a group stepped in turn see the same boards as one
+    # that runs alone, and the caller's global random is left as it was.
+    moves = ["[Up]", "[Left]", "[Down]", "[Right]", "[Up]", "[Left]"]
+    alone = make_env("textarena", env_id="2048-v0")
+    (task,) = alone.tasks("train", 1, seed=5)
+    alone.reset(task)
+    expected = [alone.step(Action(text=m)).observation for m in moves]
+    first, second = (make_env("textarena", env_id="2048-v0") for _ in range(2))
+    first.reset(task)
+    second.reset(task)
+    random.seed(123)
+    before = random.getstate()
+    boards = []
+    for move in moves:
+        boards.append(
+            (first.step(Action(text=move)).observation, second.step(Action(text=move)).observation)
+        )
+    assert boards == [(board, board) for board in expected]
+    assert random.getstate() == before
     assert len(set(expected)) > 1
 
 

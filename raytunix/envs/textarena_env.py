@@ -22,7 +22,9 @@ downloaded weights, so none plays offline.
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 import importlib
+import random
 import threading
 from typing import Any
 
@@ -33,7 +35,8 @@ from raytunix.types import TOOL_ERRORS_KEY, Action, EpisodeStatus, StepResult, T
 # TextArena seeds and draws from Python's global ``random`` (State.__init__ calls
 # random.seed), and an env actor runs episodes in threads: without this lock two resets in
 # one process interleave their seeding and draws, and episodes of one group start from
-# different states. Every reset, step and close of every TextArenaEnv in the process holds it.
+# different states. Every reset, step and close of every TextArenaEnv in the process holds it,
+# and swaps in its own episode's stream of ``random`` (``_own_stream``).
 GLOBAL_RNG_LOCK = threading.Lock()
 # Reset seeds of one data seed: train from 0, held-out from SEEDS_PER_SPLIT, all below 2**31.
 SEEDS_PER_SPLIT = 1 << 20
@@ -45,8 +48,11 @@ class TextArenaEnv(BaseEnv):
     """Runs one TextArena single-player game per raytunix episode.
 
     A task is a reset seed (``tasks``): the G episodes of a group reset with the same seed,
-    under ``GLOBAL_RNG_LOCK`` (TextArena's games are not thread-safe: they use the global
-    ``random``), so they start from the same state.
+    so they start from the same state. TextArena's games are not thread-safe (they seed and
+    draw from the global ``random``): every call into the game holds ``GLOBAL_RNG_LOCK``
+    with this episode's own stream of ``random`` swapped in, so episodes interleaved in one
+    env actor draw as if each ran alone (same seed and moves, same game) and the process's
+    global ``random`` is left as it was.
 
     Per step, the model's reply (``Action.text``) goes to the game as it is: the game's own
     action syntax applies (``[5]`` in GuessTheNumber, ``[crane]`` in Wordle; the game's first
@@ -80,9 +86,9 @@ class TextArenaEnv(BaseEnv):
             raise TypeError(f"make_kwargs must be a mapping, got {make_kwargs!r}.")
         self.env_id = env_id
         self.game = _make(env_id, dict(make_kwargs or {}))
+        self._rng_state: Any = None
         try:
-            with GLOBAL_RNG_LOCK:
-                self.game.reset(num_players=1, seed=0)
+            self._reset(0)
         except AssertionError as e:
             raise ValueError(
                 f"TextArena game {env_id!r} is not single-player ({e}); raytunix runs "
@@ -127,7 +133,7 @@ class TextArenaEnv(BaseEnv):
         return self._reset(seed)
 
     def _step_impl(self, action: Action) -> StepResult:
-        with GLOBAL_RNG_LOCK:
+        with self._own_stream():
             done, _ = self.game.step(action.text)
             state = self.game.state
             warned = not done and getattr(state, "error_count", 0) > 0
@@ -157,9 +163,26 @@ class TextArenaEnv(BaseEnv):
         )
 
     def _reset(self, seed: int) -> str:
-        with GLOBAL_RNG_LOCK:
+        self._rng_state = None  # the game's reset seeds a fresh stream
+        with self._own_stream():
             self.game.reset(num_players=1, seed=seed)
             return self._drain()
+
+    @contextlib.contextmanager
+    def _own_stream(self) -> Any:
+        # Games also draw from the global random while they step (2048's new tile,
+        # Blackjack's cards): each episode keeps its own stream, so episodes that run
+        # interleaved in one process draw as if each ran alone, and the process's global
+        # random is left as it was.
+        with GLOBAL_RNG_LOCK:
+            outer = random.getstate()
+            if self._rng_state is not None:
+                random.setstate(self._rng_state)
+            try:
+                yield
+            finally:
+                self._rng_state = random.getstate()
+                random.setstate(outer)
 
     def _drain(self) -> str:
         # Called under GLOBAL_RNG_LOCK. The game echoes the player's own move back as a
