@@ -38,7 +38,8 @@ from raytunix.types import TOOL_ERRORS_KEY, Action, EpisodeStatus, StepResult, T
 # different states. Every reset, step and close of every TextArenaEnv in the process holds it,
 # and swaps in its own episode's stream of ``random`` (``_own_stream``).
 GLOBAL_RNG_LOCK = threading.Lock()
-# Reset seeds of one data seed: train from 0, held-out from SEEDS_PER_SPLIT, all below 2**31.
+# Reset seeds: data seed s trains on seeds from 2*s*SEEDS_PER_SPLIT and holds out the next
+# SEEDS_PER_SPLIT, modulo 2**31.
 SEEDS_PER_SPLIT = 1 << 20
 _SPLIT_INDEX = {"train": 0, "heldout": 1}
 
