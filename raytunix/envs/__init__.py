@@ -1,6 +1,7 @@
 """Environments: the ``BaseEnv`` contract, gymnasium adapters both ways, math environments
 (calculator and Python tools, single-turn verifier), a bash terminal, text-to-SQL, a
-web-API shop, repository repair, and a simulated slow-tool environment for benchmarks.
+web-API shop, repository repair, TextArena's single-player games, and a simulated slow-tool
+environment for benchmarks.
 
 Each environment registers itself by name (``@register("env", name)``,
 ``raytunix.registry``); ``make_env`` builds one from a registered name, a package's entry
@@ -32,6 +33,7 @@ from raytunix.envs.reasoning_gym_env import ReasoningGymEnv
 from raytunix.envs.repo_repair import RepoRepairEnv
 from raytunix.envs.simulated_tool import SimulatedToolEnv
 from raytunix.envs.sql_env import TextToSQLEnv
+from raytunix.envs.textarena_env import TextArenaEnv
 from raytunix.envs.web_api_env import WebAPIEnv
 
 # The live registry: each environment registers itself on import (the modules above).
@@ -63,6 +65,7 @@ __all__ = [
     "ReasoningGymEnv",
     "RepoRepairEnv",
     "SimulatedToolEnv",
+    "TextArenaEnv",
     "TextToSQLEnv",
     "WebAPIEnv",
     "make_env",
