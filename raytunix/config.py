@@ -1121,6 +1121,55 @@ def _set(
     setattr(section, key, _coerce(full, value, settings(schema)[full].type))
 
 
+# What a setting is shadowed by: (the setting that decides, whether it decides now, the
+# settings it makes of no effect, why).
+_SHADOWS: tuple[tuple[str, typing.Callable[[Config], bool], tuple[str, ...], str], ...] = (
+    (
+        "model.path",
+        lambda cfg: bool(cfg.model.path),
+        (
+            "model.d_model",
+            "model.n_layers",
+            "model.n_heads",
+            "model.n_kv_heads",
+            "model.d_ff",
+            "model.tokenizer_vocab_size",
+        ),
+        "the folder's config.json and tokenizer set the model's shape and vocabulary",
+    ),
+    (
+        "warmup.enabled",
+        lambda cfg: not cfg.warmup.enabled,
+        tuple(f"warmup.{f.name}" for f in dataclasses.fields(WarmupConfig) if f.name != "enabled"),
+        "there is no warm start",
+    ),
+)
+
+
+def shadowed_settings(cfg: Config) -> list[str]:
+    """One line per setting ``cfg`` sets to a value other than its default that has no
+    effect because another setting decides instead, naming both (for the driver to print
+    at start: a silent override looks like a setting that does nothing)."""
+    flat = {f"{s}.{k}": v for s, d in cfg.to_dict().items() for k, v in d.items()}
+    table = settings(type(cfg))
+    found = []
+    for decider, decides, shadowed, why in _SHADOWS:
+        if decider not in flat or not decides(cfg):
+            continue
+        for key in shadowed:
+            if key in flat and flat[key] != table[key].default:
+                found.append(
+                    f"{key}={_spelled(flat[key])} has no effect: "
+                    f"{decider}={_spelled(flat[decider])}, so {why}."
+                )
+    return found
+
+
+def _spelled(value: object) -> str:
+    """A value as an override spells it: ``false``, ``null``, ``'text'``, ``3``."""
+    return json.dumps(value) if isinstance(value, bool) or value is None else repr(value)
+
+
 def _a_number_if_nan(value: object) -> str:
     """ " a number" in a range error about nan (which fails every comparison), else ""."""
     return " a number" if isinstance(value, float) and math.isnan(value) else ""

@@ -283,3 +283,22 @@ def test_dotted_overrides_reach_into_nested_mappings_and_keep_their_neighbours()
         apply_override(cfg, "env.kwargs.x.y=2")
     with pytest.raises(ConfigError, match="must be section.key"):
         apply_override(cfg, "env.kwargs..y=2")  # an empty name on the way
+
+
+def test_a_setting_another_one_makes_of_no_effect_is_named_with_the_one_that_decides():
+    from raytunix.config import shadowed_settings
+
+    cfg = load_config(None, ["warmup.enabled=false", "warmup.max_steps=500"])
+    assert shadowed_settings(cfg) == [
+        "warmup.max_steps=500 has no effect: warmup.enabled=false, so there is no warm start."
+    ]
+    assert shadowed_settings(load_config(None, ["warmup.max_steps=500"])) == []
+    cfg.model.path, cfg.model.d_model = "/models/qwen", 64  # unvalidated: no folder needed
+    assert any(
+        line.startswith("model.d_model=64 has no effect: model.path='/models/qwen'")
+        for line in shadowed_settings(cfg)
+    )
+    from raytunix.config import preset_names
+
+    for name in preset_names():  # the shipped presets say nothing twice
+        assert shadowed_settings(load_config(name)) == [], name

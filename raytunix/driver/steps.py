@@ -27,7 +27,7 @@ from typing import Any
 import ray
 
 from raytunix import profiling
-from raytunix.config import Config, ConfigError
+from raytunix.config import Config, ConfigError, shadowed_settings
 from raytunix.driver import prepare
 from raytunix.driver.init_from import adopt_init_from
 from raytunix.driver.job import Job
@@ -97,6 +97,8 @@ def open_run(
             run.unlock()
             raise
     cfg = adopt_init_from(cfg)  # model.init_from's shape, checked before anything is made
+    for line in shadowed_settings(cfg):
+        say(f"note: {line}")
     try:
         dataset = dataset_splits(cfg.data)  # a file, split or column missing: stop before Ray
     except DatasetError as e:
