@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from raytunix import registry
+from raytunix.envs.agent_program import AgentProgramEnv
 from raytunix.envs.base import BaseEnv
 from raytunix.envs.bash_env import BashTerminalEnv
 from raytunix.envs.gym_text import (
@@ -51,6 +52,7 @@ def make_env(name: str, **kwargs: Any) -> BaseEnv:
 
 
 __all__ = [
+    "AgentProgramEnv",
     "BaseEnv",
     "BashTerminalEnv",
     "CalculatorMathEnv",
