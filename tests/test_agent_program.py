@@ -269,3 +269,21 @@ def test_a_program_brings_its_tasks_from_a_function():
 
 def some_tasks(split, size, seed):
     return [{"question": f"{i}+{i}?", "answer": str(2 * i)} for i in range(1, 10)]
+
+
+@pytest.mark.slow
+def test_the_readme_agent_program_trains_two_rl_steps_by_config(ray_session, tmp_path):
+    from test_byo_env import _cli_train, _rl_steps, _run_dirs
+
+    result = _cli_train(
+        ray_session,
+        tmp_path,
+        "env.name=agent_program",
+        "env.kwargs.entrypoint=agent_program_example:run",
+        "env.kwargs.reward=agent_program_example:score",
+        "model.max_seq_len=512",
+        "rollout.episode_timeout_s=300",
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    [run_dir] = _run_dirs(tmp_path)
+    assert _rl_steps(run_dir) == [1, 2]
