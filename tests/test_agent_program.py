@@ -283,7 +283,45 @@ def test_the_readme_agent_program_trains_two_rl_steps_by_config(ray_session, tmp
         "env.kwargs.reward=agent_program_example:score",
         "model.max_seq_len=512",
         "rollout.episode_timeout_s=300",
+        "warmup.enabled=false",
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     [run_dir] = _run_dirs(tmp_path)
     assert _rl_steps(run_dir) == [1, 2]
+
+
+@pytest.mark.slow
+def test_the_program_orchestrator_packs_every_segment_of_a_group_into_its_batch():
+    from raytunix.rollout.program import ProgramOrchestrator
+    from raytunix.types import SamplingParams
+
+    engine = InferenceEngine(GRAPHDEF, PARAMS, CONFIG, TOKENIZER, max_batch_size=2, block_size=16)
+    orchestrator = ProgramOrchestrator(
+        program=AgentProgramEnv(entrypoint="test_agent_program:rewriter"),
+        make_gateway=lambda client: Gateway(client, make_renderer(TOKENIZER)),
+        tasks=[TASK],
+        agent_factory=lambda: None,
+        engine=engine,
+        env_provider=lambda group_id: (None, lambda: None),
+        group_size=2,
+        groups_per_batch=1,
+        max_concurrent_episodes=2,
+        max_staleness=0,
+        max_turns=1,
+        max_context_tokens=CONFIG.max_seq_len,
+        sampling=SamplingParams(max_new_tokens=6),
+    )
+
+    async def one_batch():
+        orchestrator.start()
+        try:
+            return await orchestrator.next_batch()
+        finally:
+            await orchestrator.stop()
+
+    [batch], info = asyncio.run(one_batch())
+    # Two episodes of two segments each (the rewritten history), all with the reward 1.
+    assert batch.num_rows == 4
+    assert batch.column("group_id").to_pylist() == ["g0"] * 4
+    assert batch.column("reward").to_pylist() == [1.0] * 4
+    assert orchestrator.counters["episodes_completed"] == 4  # counted per row (segment)

@@ -74,8 +74,8 @@ async def run_program_episode(
     Returns:
       One ``Trajectory`` per segment of the recorded calls (``episode_trajectories``), all
       with the episode's reward and status; metrics ``program_s`` (seconds) and
-      ``gateway_calls``. ``error`` holds the program's exception (``env_error``) or the
-      deadline (``timeout``), with the traceback in ``metrics``-free ``error`` text.
+      ``gateway_calls``; ``error`` says the deadline (``timeout``) or holds the
+      program's traceback, its last 2,000 characters (``env_error``).
     """
     episode_id = f"{group_id}/{seed}/{time.monotonic_ns()}"
     base_url, key = gateway.open_episode(episode_id=episode_id, seed=seed)
@@ -135,14 +135,17 @@ class ProgramOrchestrator(RolloutOrchestrator):
         self.program = program
         self.segments = segments
         self.gateway = make_gateway(self._engine)
-        self._gateway_started: asyncio.Lock | None = None
+        self._gateway_lock: asyncio.Lock | None = None
+        self._gateway_up = False
 
     async def _ensure_gateway(self) -> Gateway:
-        if self._gateway_started is None:
-            self._gateway_started = asyncio.Lock()
-        async with self._gateway_started:
-            if self.gateway._runner is None:
+        """Starts the gateway on this loop, once (the engine client is served from it)."""
+        if self._gateway_lock is None:
+            self._gateway_lock = asyncio.Lock()
+        async with self._gateway_lock:
+            if not self._gateway_up:
                 await self.gateway.start()
+                self._gateway_up = True
         return self.gateway
 
     async def _episode(  # type: ignore[override]
@@ -165,8 +168,10 @@ class ProgramOrchestrator(RolloutOrchestrator):
         return segments[0] if group_id.startswith("eval") else segments
 
     async def stop(self) -> None:
+        """Stops the episodes, then the gateway."""
         await super().stop()
         await self.gateway.stop()
+        self._gateway_up = False
 
 
 def program_parts(settings: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
