@@ -42,6 +42,7 @@ LRSchedule = Literal["constant", "linear", "cosine"]
 AdvantageEstimator = Literal["grpo", "rloo", "reinforce_pp", "gae"]
 PolicyLoss = Literal["ppo_clip", "gspo", "cispo"]
 KLEstimator = Literal["k1", "k2", "k3"]
+SegmentRule = Literal["latest", "any"]  # raytunix.gateway.recorder.EXTEND_RULES
 StaleTokenPolicy = Literal["drop", "mask", "accept"]
 KeepBestMode = Literal["max", "min"]
 PlacementStrategy = Literal["STRICT_SPREAD", "SPREAD", "PACK", "STRICT_PACK"]
@@ -859,6 +860,28 @@ class SandboxConfig:
 
 
 @dataclasses.dataclass
+class GatewayConfig:
+    """The OpenAI-compatible endpoint that ``env.name=agent_program`` episodes call
+    (``raytunix.gateway``); started in the orchestrator actor, in front of the run's engines."""
+
+    host: str = setting(
+        "127.0.0.1", "interface the gateway binds (loopback; the cluster network by choice)"
+    )
+    port: int = setting(0, "TCP port of the gateway; 0 = any free port", bounds="[0, 65535]")
+    call_timeout_s: float = setting(
+        300.0, "deadline of one call, seconds; past it the call is answered 504", bounds="> 0"
+    )
+    segments: SegmentRule = setting(
+        "latest",
+        "which earlier conversation a call may extend: latest (the previous call's) | any "
+        "(any of the episode's); a call that extends none starts a new segment",
+    )
+    tool_parser: str = setting(
+        "hermes", "how replies are parsed into OpenAI tool_calls (a raytunix tool-call parser)"
+    )
+
+
+@dataclasses.dataclass
 class Config:
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -870,6 +893,7 @@ class Config:
     warmup: WarmupConfig = dataclasses.field(default_factory=WarmupConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     sandbox: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)
+    gateway: GatewayConfig = dataclasses.field(default_factory=GatewayConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -1375,12 +1399,16 @@ def _validate_env(env: EnvConfig) -> None:
         raise ConfigError(str(e)) from None
     # An agent may check its values too (a chat template that does not load, a tool parser
     # that does not exist) so a bad one stops the run here, not in an actor.
-    validate_kwargs = getattr(agent_cls, "validate_kwargs", None)
-    if validate_kwargs is not None:
-        try:
-            validate_kwargs(env.agent_kwargs)
-        except ValueError as e:
-            raise ConfigError(f"env.agent_kwargs: {e}") from None
+    for cls, kwargs, key in (
+        (agent_cls, env.agent_kwargs, "env.agent_kwargs"),
+        (env_cls, env.kwargs, "env.kwargs"),
+    ):
+        validate_kwargs = getattr(cls, "validate_kwargs", None)
+        if validate_kwargs is not None:
+            try:
+                validate_kwargs(kwargs)
+            except ValueError as e:
+                raise ConfigError(f"{key}: {e}") from None
 
 
 def _validate_learner(cfg: Config) -> None:

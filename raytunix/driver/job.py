@@ -200,6 +200,7 @@ class Job:
                 agent_name=prepare.agent_name(cfg),
                 agent_kwargs=prepare.agent_kwargs(cfg),
                 import_paths=prepare.import_paths(cfg),
+                program=prepare.program_settings(cfg),
                 env_pool=self.env_pool,
                 engine=self.engines,
                 group_size=cfg.rollout.group_size,

@@ -165,6 +165,20 @@ def agent_kwargs(cfg: Config) -> dict[str, Any]:
     return kwargs
 
 
+def program_settings(cfg: Config) -> dict[str, Any] | None:
+    """What the orchestrator needs to run ``env.name=agent_program`` episodes through a
+    gateway (``raytunix.rollout.program.program_parts``); None for any other env."""
+    if cfg.env.name != "agent_program":
+        return None
+    return {
+        "env_kwargs": dict(cfg.env.kwargs),
+        "chat_template": agent_kwargs(cfg).get("chat_template", "raytunix"),
+        "default_max_tokens": cfg.rollout.max_new_tokens,
+        "max_model_len": cfg.model.max_seq_len,
+        **dataclasses.asdict(cfg.gateway),
+    }
+
+
 def new_agent(cfg: Config, tokenizer: Tokenizer):
     from raytunix.agents import make_agent
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from raytunix import registry
+from raytunix.envs.agent_program import AgentProgramEnv
 from raytunix.envs.base import BaseEnv
 from raytunix.envs.bash_env import BashTerminalEnv
 from raytunix.envs.gym_text import (
@@ -53,6 +54,7 @@ def make_env(name: str, **kwargs: Any) -> BaseEnv:
 
 
 __all__ = [
+    "AgentProgramEnv",
     "BaseEnv",
     "BashTerminalEnv",
     "CalculatorMathEnv",

@@ -95,6 +95,9 @@ class OrchestratorActor(profiling.ProfiledActor):
       env_pool: an ``EnvPool`` whose actors host the environments.
       engine: an actor handle with ``generate`` (``PolicyActor`` or ``EngineActor``), or
         a list of them (engine replicas).
+      program: ``raytunix.driver.prepare.program_settings``: episodes are agent programs
+        run through a gateway served from this actor (``ProgramOrchestrator``); None =
+        native episodes.
       orchestrator_kwargs: the rest of ``RolloutOrchestrator``'s arguments.
     """
 
@@ -108,6 +111,7 @@ class OrchestratorActor(profiling.ProfiledActor):
         engine,
         agent_kwargs: dict[str, Any] | None = None,
         import_paths: Sequence[str] = (),
+        program: dict[str, Any] | None = None,
         **orchestrator_kwargs: Any,
     ):
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -122,7 +126,13 @@ class OrchestratorActor(profiling.ProfiledActor):
             env, index = env_pool.lease(group_id)
             return env, lambda: env_pool.release(index)
 
-        self.orchestrator = RolloutOrchestrator(
+        orchestrator_cls: type[RolloutOrchestrator] = RolloutOrchestrator
+        if program is not None:
+            from raytunix.rollout.program import ProgramOrchestrator, program_parts
+
+            orchestrator_cls = ProgramOrchestrator
+            orchestrator_kwargs.update(program_parts(program, tokenizer))
+        self.orchestrator = orchestrator_cls(
             tasks=tasks,
             agent_factory=lambda: make_agent(agent_name, tokenizer, **agent_kwargs),
             engine=RayEngineClient(engine),

@@ -124,3 +124,12 @@ def record_batch_to_arrays(
             np.float32,
         ),
     }
+
+
+def episode_rows(results: Sequence[Trajectory | list[Trajectory]]) -> list[Trajectory]:
+    """The trajectories of a group's episodes, in order: a native episode is one, an agent
+    program's is one per segment."""
+    rows: list[Trajectory] = []
+    for result in results:
+        rows.extend(result if isinstance(result, list) else [result])
+    return rows

@@ -60,7 +60,7 @@ import numpy as np
 from raytunix.config import StaleTokenPolicy
 from raytunix import profiling
 from raytunix.envs.contract import EnvErrorTally
-from raytunix.rollout.batch import trajectories_to_record_batch
+from raytunix.rollout.batch import episode_rows, trajectories_to_record_batch
 from raytunix.rollout.concurrency import ConcurrencyController, EngineLoadMeter
 from raytunix.rollout.episode import run_episode
 from raytunix.rollout.faults import Backoff, FailureBreaker, RateLimitedLog
@@ -384,7 +384,7 @@ class RolloutOrchestrator:
                     )
                     for j in range(self.group_size)
                 ]
-            trajectories = [run.result() for run in runs]
+            trajectories = episode_rows([run.result() for run in runs])
         except asyncio.CancelledError:
             self._release_group()
             raise

@@ -1,0 +1,327 @@
+"""Episodes that are programs (``env.name=agent_program``): a user's unchanged OpenAI-client
+program runs through the gateway in front of the real engine on the tiny model; its recorded
+calls become the episode's trajectories, token for token; its faults end only its episode."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import asyncio
+import json
+import threading
+
+import openai
+import pytest
+
+from raytunix.config import ConfigError, config_from_dict, validate
+from raytunix.envs.agent_program import AgentProgramEnv, reward_of
+from raytunix.gateway import Gateway, GatewayThread, make_renderer
+from raytunix.inference.engine import InferenceEngine
+from raytunix.models.llama import ModelConfig, init_model
+from raytunix.models.tokenizer import Tokenizer
+from raytunix.rollout.batch import episode_rows
+from raytunix.rollout.program import run_program_episode
+from raytunix.types import EpisodeStatus, Task
+
+TOKENIZER = Tokenizer.byte_level()
+CONFIG = ModelConfig(
+    vocab_size=TOKENIZER.vocab_size,
+    d_model=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    d_ff=64,
+    max_seq_len=160,
+)
+GRAPHDEF, PARAMS = init_model(CONFIG, seed=0)
+TASK = Task(task_id="t0", question="Say hi.", answer="hi")
+
+
+class RecordingEngine:
+    """The real engine, with every request it was given and result it returned kept."""
+
+    def __init__(self, engine):
+        self.engine, self.seen = engine, []
+        self.max_seq_len = engine.max_seq_len
+
+    async def generate(self, request):
+        result = await self.engine.generate(request)
+        self.seen.append((request, result))
+        return result
+
+    def end_session(self, session_id):
+        self.engine.end_session(session_id)
+
+
+@pytest.fixture(scope="module")
+def served():
+    engine = RecordingEngine(
+        InferenceEngine(
+            GRAPHDEF,
+            PARAMS,
+            CONFIG,
+            TOKENIZER,
+            max_batch_size=2,
+            block_size=16,
+            prefill_chunk_tokens=64,
+        )
+    )
+    thread = GatewayThread(
+        Gateway(engine, make_renderer(TOKENIZER), vocab_size=TOKENIZER.vocab_size)
+    )
+    yield thread, engine
+    thread.stop()
+
+
+def _chat(base_url, api_key, messages):
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    reply = client.chat.completions.create(
+        model="tiny", messages=messages, temperature=0, max_tokens=6
+    )
+    return reply.choices[0].message
+
+
+# -- the programs the tests run (resolved by import path, as a config names them) ----------
+
+
+def conversation(task, base_url, api_key):
+    """Three calls, each appending to the history: one conversation."""
+    messages = [{"role": "user", "content": task["question"]}]
+    for _ in range(3):
+        messages.append(_chat(base_url, api_key, messages).model_dump(exclude_none=True))
+        messages.append({"role": "user", "content": "Again."})
+    return {"reward": 0.5}
+
+
+def rewriter(task, base_url, api_key):
+    """A second call whose history drops the first reply (a summary instead)."""
+    _chat(base_url, api_key, [{"role": "user", "content": task["question"]}])
+    _chat(base_url, api_key, [{"role": "user", "content": "Summary: said hi. Go on."}])
+    return 1
+
+
+def crasher(task, base_url, api_key):
+    _chat(base_url, api_key, [{"role": "user", "content": task["question"]}])
+    raise ValueError("the agent's own bug")
+
+
+HANG = threading.Event()
+AFTER_HANG: list = []
+
+
+def hanger(task, base_url, api_key):
+    """One call, then waits past its deadline and tries another call."""
+    _chat(base_url, api_key, [{"role": "user", "content": task["question"]}])
+    HANG.wait(60)
+    try:
+        _chat(base_url, api_key, [{"role": "user", "content": "still here"}])
+    except openai.AuthenticationError as e:
+        AFTER_HANG.append(e)
+    return 1.0
+
+
+async def async_program(task, base_url, api_key):
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    await client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4
+    )
+    return True
+
+
+def two_args(task, result):
+    return 1.0
+
+
+def _episode(thread, name, timeout_s=120.0, extend="latest", group="g0", seed=0):
+    program = AgentProgramEnv(entrypoint=f"test_agent_program:{name}")
+    return run_program_episode(thread.gateway, program, TASK, group, seed, timeout_s, extend)
+
+
+# -- tests -----------------------------------------------------------------------------------
+
+
+def test_a_program_that_extends_its_history_is_one_trajectory_of_the_engines_own_ids(served):
+    thread, engine = served
+    engine.seen.clear()
+    [t] = thread.run(_episode(thread, "conversation"))
+    assert (t.status, t.reward, t.num_turns) == (EpisodeStatus.COMPLETED, 0.5, 3)
+    assert len(engine.seen) == 3
+    generated = []
+    for request, result in engine.seen:  # call for call: prefilled ids, then generated ids
+        n = len(request.prompt_ids)
+        assert t.token_ids[:n] == list(request.prompt_ids)
+        assert t.token_ids[n : n + len(result.token_ids)] == list(result.token_ids)
+        assert t.loss_mask[n : n + len(result.token_ids)] == [1] * len(result.token_ids)
+        assert t.logprobs[n : n + len(result.token_ids)] == list(result.logprobs)
+        generated += list(result.token_ids)
+    assert [i for i, m in zip(t.token_ids, t.loss_mask) if m] == generated
+
+
+def test_a_program_that_rewrites_its_history_yields_segments_sharing_the_reward(served):
+    thread, engine = served
+    engine.seen.clear()
+    segments = thread.run(_episode(thread, "rewriter"))
+    assert len(segments) == 2
+    assert [t.reward for t in segments] == [1.0, 1.0]
+    assert [t.metrics["segment"] for t in segments] == [0.0, 1.0]
+    for t, (request, result) in zip(segments, engine.seen):
+        assert t.token_ids == list(request.prompt_ids) + list(result.token_ids)
+    assert len(episode_rows([segments, segments[0]])) == 3
+
+
+def test_a_crashing_program_ends_only_its_episode_with_the_traceback(served):
+    thread, _ = served
+
+    async def both():
+        return await asyncio.gather(
+            _episode(thread, "crasher", group="g1"), _episode(thread, "rewriter", group="g2")
+        )
+
+    crashed, fine = thread.run(both())
+    assert [t.status for t in crashed] == [EpisodeStatus.ENV_ERROR]
+    assert "ValueError: the agent's own bug" in crashed[0].error
+    assert "Traceback" in crashed[0].error
+    assert crashed[0].reward == 0.0 and sum(crashed[0].loss_mask) > 0  # its call's tokens
+    assert {t.status for t in fine} == {EpisodeStatus.COMPLETED}
+
+
+def test_a_hanging_program_times_out_alone_and_its_later_calls_are_refused(served):
+    thread, _ = served
+    HANG.clear()
+    AFTER_HANG.clear()
+
+    async def both():
+        return await asyncio.gather(
+            _episode(thread, "hanger", timeout_s=2.0, group="g3"),
+            _episode(thread, "conversation", group="g4"),
+        )
+
+    hung, fine = thread.run(both())
+    assert [t.status for t in hung] == [EpisodeStatus.TIMEOUT]
+    assert "episode_timeout_s=2" in hung[0].error
+    assert fine[0].status == EpisodeStatus.COMPLETED
+    HANG.set()  # the abandoned program goes on: its next call is refused (401)
+    for _ in range(600):
+        if AFTER_HANG:
+            break
+        threading.Event().wait(0.1)
+    assert "ended" in str(AFTER_HANG[0])
+
+
+def test_an_async_program_returning_a_bool_is_rewarded(served):
+    thread, _ = served
+    [t] = thread.run(_episode(thread, "async_program"))
+    assert (t.status, t.reward, t.num_turns) == (EpisodeStatus.COMPLETED, 1.0, 1)
+
+
+def test_rewards_are_numbers_or_a_dict_with_one():
+    assert reward_of(True, "p") == 1.0 and reward_of({"reward": 2}, "p") == 2.0
+    with pytest.raises(ValueError, match="without a 'reward' key"):
+        reward_of({"score": 1}, "the program p")
+    with pytest.raises(ValueError, match="'done' as the reward"):
+        reward_of("done", "the program p")
+    with pytest.raises(ValueError, match="finite"):
+        reward_of(float("nan"), "p")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"entrypoint": "no_such_module_xyz:run"}, "no module named 'no_such_module_xyz'"),
+        ({"entrypoint": "test_agent_program:nothing"}, "has no attribute 'nothing'"),
+        ({"entrypoint": "test_agent_program:TASK"}, "is a Task, not a function"),
+        ({"entrypoint": "test_agent_program:two_args"}, "must take 3"),
+        ({"entrypoint": "run_without_module"}, "not an import path"),
+        (
+            {"entrypoint": "test_agent_program:crasher", "reward": "test_agent_program:crasher"},
+            "env.kwargs.reward.*must take 2",
+        ),
+    ],
+)
+def test_bad_entrypoints_are_named_when_the_config_is_checked(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        AgentProgramEnv(**kwargs)
+    with pytest.raises(ConfigError, match="env.kwargs"):
+        validate(config_from_dict({"env": {"name": "agent_program", "kwargs": kwargs}}))
+
+
+def test_the_gateway_settings_are_config_with_bounds():
+    cfg = config_from_dict({"gateway": {"port": 0, "segments": "any"}})
+    assert (cfg.gateway.host, cfg.gateway.segments) == ("127.0.0.1", "any")
+    with pytest.raises(ConfigError, match="gateway.port"):
+        validate(config_from_dict({"gateway": {"port": 70000}}))
+    with pytest.raises(ConfigError, match="gateway.segments"):
+        config_from_dict({"gateway": {"segments": "newest"}})
+
+
+def test_a_program_brings_its_tasks_from_a_function():
+    env = AgentProgramEnv(
+        entrypoint="test_agent_program:crasher", tasks="test_agent_program:some_tasks"
+    )
+    tasks = env.tasks("train", 2, 0)
+    assert [(t.task_id, t.question, t.answer) for t in tasks] == [
+        ("train-0", "1+1?", "2"),
+        ("train-1", "2+2?", "4"),
+    ]
+    assert env.reset(tasks[0]) == "1+1?"
+    assert json.dumps([t.metadata for t in tasks]) == "[{}, {}]"
+
+
+def some_tasks(split, size, seed):
+    return [{"question": f"{i}+{i}?", "answer": str(2 * i)} for i in range(1, 10)]
+
+
+@pytest.mark.slow
+def test_the_readme_agent_program_trains_two_rl_steps_by_config(ray_session, tmp_path):
+    from test_byo_env import _cli_train, _rl_steps, _run_dirs
+
+    result = _cli_train(
+        ray_session,
+        tmp_path,
+        "env.name=agent_program",
+        "env.kwargs.entrypoint=agent_program_example:run",
+        "env.kwargs.reward=agent_program_example:score",
+        "model.max_seq_len=512",
+        "rollout.episode_timeout_s=300",
+        "warmup.enabled=false",
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    [run_dir] = _run_dirs(tmp_path)
+    assert _rl_steps(run_dir) == [1, 2]
+
+
+@pytest.mark.slow
+def test_the_program_orchestrator_packs_every_segment_of_a_group_into_its_batch():
+    from raytunix.rollout.program import ProgramOrchestrator
+    from raytunix.types import SamplingParams
+
+    engine = InferenceEngine(GRAPHDEF, PARAMS, CONFIG, TOKENIZER, max_batch_size=2, block_size=16)
+    orchestrator = ProgramOrchestrator(
+        program=AgentProgramEnv(entrypoint="test_agent_program:rewriter"),
+        make_gateway=lambda client: Gateway(client, make_renderer(TOKENIZER)),
+        tasks=[TASK],
+        agent_factory=lambda: None,
+        engine=engine,
+        env_provider=lambda group_id: (None, lambda: None),
+        group_size=2,
+        groups_per_batch=1,
+        max_concurrent_episodes=2,
+        max_staleness=0,
+        max_turns=1,
+        max_context_tokens=CONFIG.max_seq_len,
+        sampling=SamplingParams(max_new_tokens=6),
+    )
+
+    async def one_batch():
+        orchestrator.start()
+        try:
+            return await orchestrator.next_batch()
+        finally:
+            await orchestrator.stop()
+
+    [batch], info = asyncio.run(one_batch())
+    # Two episodes of two segments each (the rewritten history), all with the reward 1.
+    assert batch.num_rows == 4
+    assert batch.column("group_id").to_pylist() == ["g0"] * 4
+    assert batch.column("reward").to_pylist() == [1.0] * 4
+    assert orchestrator.counters["episodes_completed"] == 4  # counted per row (segment)
