@@ -8,6 +8,7 @@ raytunix profile RUN_DIR [--out DIR]   report.txt, trace.json and profile.png of
 raytunix submit [--address ADDR] [--config PRESET|FILE] [section.key=value ...]
 raytunix status [--address ADDR] [JOB_ID]
 raytunix scale RUN_DIR --env-actors N [--sandbox-actors M]   resize a running run's pools
+raytunix eval RUN_DIR [--env NAME] [--k N] [--episodes N] [--temperature T] [--json]
 """
 
 from __future__ import annotations
@@ -141,7 +142,67 @@ def _parser() -> argparse.ArgumentParser:
     scale.add_argument("run_dir", metavar="RUN_DIR", help="the run directory of a running run")
     scale.add_argument("--env-actors", metavar="N", help="env actors wanted (>= 1)")
     scale.add_argument("--sandbox-actors", metavar="M", help="sandbox actors wanted (>= 1)")
+    return _with_eval(parser, sub)
+
+
+def _with_eval(parser: argparse.ArgumentParser, sub) -> argparse.ArgumentParser:
+    """``parser`` with the ``eval`` subcommand (``raytunix.driver.evaluate_run``)."""
+    ev = sub.add_parser(
+        "eval",
+        help="a run's newest RL checkpoint on held-out tasks: success, mean reward, pass@k",
+        description="Greedy and sampled episodes on the held-out tasks of the run's env (or "
+        "of each --env, same tokenizer); prints a per-env table and writes "
+        "RUN_DIR/eval/summary.json. Success: episode reward >= 1.0.",
+    )
+    ev.add_argument("run_dir", metavar="RUN_DIR", help="a run directory with an RL checkpoint")
+    ev.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="env.name to evaluate on instead of the run's (repeat for several)",
+    )
+    ev.add_argument("--k", type=int, default=1, metavar="N", help="pass@k's k (default 1)")
+    ev.add_argument(
+        "--episodes",
+        type=int,
+        metavar="N",
+        help="sampled episodes per task (>= k; default max(k, 4))",
+    )
+    ev.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        metavar="T",
+        help="temperature of the sampled episodes (default 1.0)",
+    )
+    ev.add_argument("--json", action="store_true", help="print the summary as JSON at the end")
     return parser
+
+
+def _eval(args: argparse.Namespace) -> int:
+    """``raytunix eval``: 0 once the summary is written, 2 for a bad request."""
+    import json
+
+    import ray
+
+    from raytunix.driver.evaluate_run import evaluate_run
+    from raytunix.driver.run_dir import RunError
+
+    try:
+        summary = evaluate_run(args.run_dir, args.env, args.k, args.episodes, args.temperature)
+    except ConfigError as e:
+        print(f"raytunix: config error: {e}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, RunError, ValueError) as e:
+        print(f"raytunix: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    return 0
 
 
 def _run_dir_problem(run_dir: str) -> str | None:
@@ -297,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     # would find it; the console script's own path does not include it.
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
+    if args.command == "eval":
+        return _eval(args)
     if getattr(args, "resume", None) and args.config is not None:
         print(
             f"raytunix: --config {args.config} cannot be combined with --resume: a resumed run "

@@ -276,9 +276,11 @@ class Job:
                 delay = min(2 * delay, 5.0)
             calls = {i: self.engines[i].update_weights.remote(weights) for i in failed}
 
-    def evaluate(self, tasks) -> dict[str, Any]:
-        """Greedy episodes on ``tasks`` (``RolloutOrchestrator.evaluate``'s result)."""
-        return ray.get(self.orchestrator.evaluate.remote(tasks, self.cfg.eval.max_new_tokens))
+    def evaluate(self, tasks, temperature: float = 0.0) -> dict[str, Any]:
+        """One episode per task, greedy unless ``temperature`` > 0
+        (``RolloutOrchestrator.evaluate``'s result)."""
+        max_new_tokens = self.cfg.eval.max_new_tokens
+        return ray.get(self.orchestrator.evaluate.remote(tasks, max_new_tokens, temperature))
 
     def engine_stats(self) -> dict[str, Any]:
         """The engine's counters; across replicas, sums, the mean busy fraction and the

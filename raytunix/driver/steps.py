@@ -213,6 +213,7 @@ def warm_start(cfg: Config, job: Job, run: RunDir, tasks: Tasks, collector) -> d
         job.publish_weights()
         with profiling.span("eval", "driver", {"tasks": len(tasks.dev)}):
             dev = job.evaluate(tasks.dev)
+            dev.pop("rewards", None)
         score = dev["tool_path_accuracy"] if uses_tools else dev["success_rate"]
         done = steps >= w.max_steps or (steps >= w.min_steps and score >= w.target_tool_accuracy)
         job.learner_get(
@@ -275,6 +276,7 @@ def evaluate(job: Job, run: RunDir, heldout, collector, when: str, step: int) ->
     """
     with profiling.span("eval", "driver", {"tasks": len(heldout)}):
         result = job.evaluate(heldout)
+    result.pop("rewards", None)  # per episode: for `raytunix eval`, not for every record
     run.record_env_errors(result.pop("env_error_reports", ()))
     collector.drain("eval", step)
     run.log({"phase": "eval", "when": when, **result})

@@ -151,8 +151,10 @@ class OrchestratorActor(profiling.ProfiledActor):
     def set_policy_version(self, policy_version: int) -> None:
         self.orchestrator.set_policy_version(policy_version)
 
-    async def evaluate(self, tasks: Sequence[Task], max_new_tokens: int) -> dict:
-        return await self.orchestrator.evaluate(tasks, max_new_tokens)
+    async def evaluate(
+        self, tasks: Sequence[Task], max_new_tokens: int, temperature: float = 0.0
+    ) -> dict:
+        return await self.orchestrator.evaluate(tasks, max_new_tokens, temperature)
 
     def state(self) -> dict:
         return self.orchestrator.state()

@@ -916,20 +916,18 @@ class RolloutOrchestrator:
 
     # ----------------------------------------------------------------- evaluation
     async def evaluate(
-        self, tasks: Sequence[Task], max_new_tokens: int, max_concurrent: int | None = None
+        self, tasks: Sequence[Task], max_new_tokens: int, temperature: float = 0.0
     ) -> dict[str, Any]:
-        """Greedy episodes on ``tasks`` (one each); returns ``evaluation_result``'s
-        success rate (an episode succeeds when its reward is at least ``SUCCESS_REWARD``,
-        1.0), mean reward and tool-use rates, with ``env_error_reports`` and ``env_errors``
-        as in ``next_batch``'s info (training's errors not yet taken included).
-        """
+        """One episode per task, greedy unless ``temperature`` > 0 (each episode's seed is
+        its index in ``tasks``); returns ``evaluation_result``'s numbers, with
+        ``env_error_reports`` and ``env_errors`` as in ``next_batch``'s info."""
         sampling = SamplingParams(
             max_new_tokens=max_new_tokens,
-            temperature=0.0,
+            temperature=temperature,
             stop_token_ids=self.sampling.stop_token_ids,
             stop_strings=self.sampling.stop_strings,
         )
-        limit = asyncio.Semaphore(max_concurrent or self.max_concurrent_episodes)
+        limit = asyncio.Semaphore(self.max_concurrent_episodes)
 
         async def one(i: int, task: Task) -> Trajectory:
             async with limit:  # no weight update during evaluation: nothing to restart
@@ -962,7 +960,8 @@ def evaluation_result(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
       (share that called a tool); ``tool_path_accuracy`` / ``direct_accuracy`` (success
       rate among the episodes that did / did not call one, 0.0 when there are none);
       ``statuses`` (``{EpisodeStatus value: episodes}``); ``error`` (the first failed
-      episode's ``Trajectory.error``, "" when none).
+      episode's ``Trajectory.error``, "" when none); ``rewards`` (``[len(trajectories)]``,
+      each episode's reward, in order).
     """
     rewards = np.array([t.reward for t in trajectories], np.float64)
     success = rewards >= SUCCESS_REWARD
@@ -976,6 +975,7 @@ def evaluation_result(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
         "direct_accuracy": float(success[~used_tool].mean()) if (~used_tool).any() else 0.0,
         "statuses": dict(collections.Counter(t.status.value for t in trajectories)),
         "error": next((t.error for t in trajectories if t.error), ""),
+        "rewards": rewards.tolist(),
     }
 
 
