@@ -534,7 +534,7 @@ def limit_ladder(graphdef, params, config, bare) -> dict:
     loop (``tuned_step_fn``, at the bare loop's rows, attending the live span), and the
     machine's matmul and copy rates; with the model's FLOPs and bytes per generated token
     at the tuned loop's settings, and the GFLOP/s each loop reaches."""
-    from raytunix.inference.engine import _bucket, _row_buckets, _span_buckets
+    from raytunix.inference.scheduler import bucket, row_buckets, span_buckets
 
     block = 16
     longest = (
@@ -542,8 +542,8 @@ def limit_ladder(graphdef, params, config, bare) -> dict:
         + ARGS.question_tokens
         + ARGS.turns * (ARGS.new_tokens + ARGS.tool_tokens)
     )
-    rows = _bucket(_row_buckets(ARGS.max_batch_size), ARGS.max_batch_size)
-    span_blocks = _bucket(_span_buckets(-(-ARGS.max_seq_len // block), block), -(-longest // block))
+    rows = bucket(row_buckets(ARGS.max_batch_size), ARGS.max_batch_size)
+    span_blocks = bucket(span_buckets(-(-ARGS.max_seq_len // block), block), -(-longest // block))
     live_span = -(-(ARGS.system_tokens + ARGS.question_tokens + ARGS.bare_steps) // 8) * 8
     tuned_rows = ARGS.max_batch_size_bare
     agree = check_tuned_loop(graphdef, params, config)

@@ -9,7 +9,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import pytest  # noqa: E402
 from tokenizers import models  # noqa: E402
 
-from raytunix.inference import engine as engine_module  # noqa: E402
+from raytunix.inference.kv_cache import Sequence  # noqa: E402
 from raytunix.inference.engine import InferenceEngine  # noqa: E402
 from raytunix.inference.stops import completed_stop, stop_window  # noqa: E402
 from raytunix.models import tokenizer as tokenizer_module  # noqa: E402
@@ -68,7 +68,7 @@ def _first_stop(engine, tokenizer, stops, text, prompt="Q: "):
         sampling=SamplingParams(max_new_tokens=1000, stop_strings=tuple(stops)),
     )
     loop = asyncio.new_event_loop()
-    seq = engine_module._Sequence(
+    seq = Sequence(
         request=request,
         future=loop.create_future(),
         seed_lo=0,

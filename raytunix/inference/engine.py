@@ -57,6 +57,12 @@ recompute preemption). Steps are launched from the event loop (JAX dispatches th
 asynchronously) and one waiter thread takes their samples to the host, so the loop keeps
 accepting requests while the device computes.
 
+Three parts, as vLLM splits them: ``raytunix.inference.scheduler.Scheduler`` admits
+requests and plans each step, ``raytunix.inference.kv_cache.KVCacheManager`` says which
+request and session holds which block, and this class runs the device loop (launch the
+planned calls, take their samples back, resolve the requests that stopped). The first
+two are plain Python, testable without JAX.
+
 Plain Python class, no Ray: an actor wraps it.
 """
 
@@ -69,7 +75,7 @@ import dataclasses
 import functools
 import logging
 import time
-from typing import Any, Iterable, Sequence, get_args
+from typing import Any, Iterable, get_args
 
 import jax
 import jax.numpy as jnp
@@ -78,8 +84,9 @@ import numpy as np
 from raytunix.config import KVOnWeightUpdate
 from raytunix import profiling
 from raytunix.inference.accounting import DeviceAccounting
-from raytunix.inference.kv_blocks import ROOT_KEY, BlockPool, PrefixCache, block_key
+from raytunix.inference.kv_cache import NO_KV, KVCacheManager, Sequence
 from raytunix.inference.programs import Shape, StepPrograms, programs_in_process, shared_programs
+from raytunix.inference.scheduler import Row, Scheduler
 from raytunix.inference.sampling import check_sampling_settings, sample_tokens, split_seed
 from raytunix.inference.stops import completed_stop
 from raytunix.models.llama import (
@@ -94,7 +101,6 @@ from raytunix.types import FinishReason, GenerationRequest, GenerationResult
 logger = logging.getLogger(__name__)
 
 KV_ON_WEIGHT_UPDATE: tuple[str, ...] = get_args(KVOnWeightUpdate)  # engine.kv_on_weight_update
-_NO_KV = 1 << 62  # kv_version of a sequence that holds no KV yet
 
 
 def _forward_step(
@@ -234,95 +240,154 @@ def _wait_ready(tokens, logprobs):
     return tokens, logprobs, time.perf_counter()
 
 
-def _span_buckets(cap: int, block_size: int) -> tuple[int, ...]:
-    """Block counts an attention span is padded to: one bucket for everything up to 256
-    tokens (attention over that many is cheap beside the rest of a step, and each bucket
-    is a program to compile), then every multiple of 8 blocks up to ``cap``. A long
-    context pays for at most 7 blocks it does not use, and the programs a workload needs
-    depend on its lengths, not on ``max_seq_len``."""
-    first = max(1, 256 // block_size)
-    values = {first} | {v for v in range(8, cap, 8) if v > first}
-    return tuple(sorted({v for v in values if v < cap} | {cap}))
+def _step_inputs(rows: list[Row], shape: Shape, pad_slot: int) -> tuple[tuple, int, int]:
+    """The host inputs of one call feeding ``n`` tokens for each ``(sequence, n)`` row,
+    padded to ``shape``: ``(tokens, positions, block_tables, last_index, temperature,
+    top_k, top_p, seed_lo, seed_hi, token_index, slots, from_slot)`` as ``_forward_step``
+    takes them (padding rows write to slot ``pad_slot``), then the prompt tokens and the
+    generated tokens fed again (recomputed) among the fed. A row whose token is a sample
+    not yet on the host takes it from the device's token buffer (``from_slot``)."""
+    batch, length, span = shape.batch, shape.length, shape.span
+    samplings = [seq.request.sampling for seq, _ in rows]
+    tokens = np.zeros((batch, length), np.int32)
+    positions = np.full((batch, length), -1, np.int32)
+    tables = np.zeros((batch, span), np.int32)
+    # Per-row scalars as lists first: one array each, not one numpy store per row.
+    pad = batch - len(rows)
+    last = np.array([n - 1 for _, n in rows] + [0] * pad, np.int32)
+    temperature = np.array([s.temperature for s in samplings] + [1.0] * pad, np.float32)
+    top_k = np.array([s.top_k for s in samplings] + [0] * pad, np.int32)
+    top_p = np.array([s.top_p for s in samplings] + [1.0] * pad, np.float32)
+    seed_lo = np.array([seq.seed_lo for seq, _ in rows] + [0] * pad, np.uint32)
+    seed_hi = np.array([seq.seed_hi for seq, _ in rows] + [0] * pad, np.uint32)
+    index = np.array([len(seq.tokens) + seq.pending for seq, _ in rows] + [0] * pad, np.int32)
+    slots = np.array([seq.slot for seq, _ in rows] + [pad_slot] * pad, np.int32)
+    from_slot = np.zeros((batch,), bool)
+    prompt_fed = generated_fed = 0
+    for row, (seq, n) in enumerate(rows):
+        start = seq.num_cached
+        end = len(seq.context) + seq.pending  # tokens known or sampled so far
+        if n == 1:
+            if start < len(seq.context):
+                tokens[row, 0] = seq.context[start]
+            else:  # the newest sample, still on the device
+                from_slot[row] = True
+            positions[row, 0] = start
+        else:
+            tokens[row, :n] = seq.context[start : start + n]
+            positions[row, :n] = np.arange(start, start + n)
+        tables[row, : len(seq.blocks)] = seq.blocks
+        in_prompt = max(0, min(start + n, len(seq.request.prompt_ids)) - start)
+        prompt_fed += in_prompt
+        if start + n < end:  # generated tokens fed again
+            generated_fed += n - in_prompt
+        elif n - in_prompt > 1:
+            generated_fed += n - in_prompt - 1
+    arrays = (tokens, positions, tables, last, temperature, top_k, top_p)
+    return (*arrays, seed_lo, seed_hi, index, slots, from_slot), prompt_fed, generated_fed
 
 
-def _row_buckets(cap: int) -> tuple[int, ...]:
-    """Decode batch sizes: 1, 2, 4, 8, 16, 24, 32, then multiples of 32 up to ``cap``.
-    Fine where a step's rows are few and cost the most per row, coarse above: each size
-    is a program to compile (about a second on a CPU)."""
-    values = {1, 2, 4, 8, 16, 24} | set(range(32, cap, 32))
-    return tuple(sorted({v for v in values if v < cap} | {cap}))
+def _check_request(request: GenerationRequest, max_seq_len: int, vocab_size: int) -> None:
+    """Raises ValueError naming what is wrong with a request on its own: its prompt's
+    length or token ids, or its sampling settings."""
+    rid = request.request_id
+    n = len(request.prompt_ids)
+    if n == 0:
+        raise ValueError(f"Request {rid!r} has an empty prompt; give at least one token.")
+    if n > max_seq_len - 1:
+        raise ValueError(
+            f"Request {rid!r}: prompt has {n} tokens but the engine's limit "
+            f"is max_seq_len - 1 = {max_seq_len - 1}; shorten the "
+            "prompt or raise max_seq_len."
+        )
+    bad = [t for t in request.prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(
+            f"Request {rid!r}: token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})."
+        )
+    sampling = request.sampling
+    if sampling.max_new_tokens < 1:
+        raise ValueError(
+            f"Request {rid!r}: max_new_tokens must be >= 1, got {sampling.max_new_tokens}."
+        )
+    try:
+        check_sampling_settings(
+            sampling.temperature, sampling.top_k, sampling.top_p, allow_greedy=True
+        )
+    except ValueError as error:
+        raise ValueError(f"Request {rid!r}: {error}") from None
 
 
-def _powers_of_four(cap: int) -> tuple[int, ...]:
-    values, v = [], 1
-    while v < cap:
-        values.append(v)
-        v *= 4
-    return (*values, cap)
-
-
-def _all_buckets(
-    max_batch_size: int, max_blocks: int, block_size: int, longest_chunk: int
-) -> tuple[tuple[int, ...], ...]:
-    """Decode rows, prefill rows, span blocks and tokens per prefill row a program may
-    have. Prefill calls take coarser row counts (they are few, and each shape compiles);
-    tokens per prefill row go 8, 32, 128, ... (x4) up to the chunk."""
-    chunks = {t for t in (8, 32, 128, 512, 2048, 8192) if t < longest_chunk} | {longest_chunk}
-    return (
-        _row_buckets(max_batch_size),
-        _powers_of_four(max_batch_size),
-        _span_buckets(max_blocks, block_size),
-        tuple(sorted(chunks)),
+def _request_span(seq: Sequence, reason: FinishReason) -> None:
+    """Records a finished request's profiling span."""
+    # One span per request on the track of the slot it held: who occupied the
+    # batch row, from admission to its end, and how long it queued before.
+    profiling.add(
+        "request",
+        seq.admitted_s,
+        time.perf_counter(),
+        f"slot {seq.slot}",
+        {
+            "request_id": seq.request.request_id,
+            "reason": reason.value,
+            "prompt_tokens": len(seq.request.prompt_ids),
+            "cached_tokens": seq.cached_tokens,
+            "generated": len(seq.tokens),
+            "queued_s": round(seq.admitted_s - seq.arrived_s, 6),
+        },
+        seq.request.session_id,
     )
 
 
-def _bucket(buckets: Sequence[int], n: int) -> int:
-    return next(b for b in buckets if b >= n)
+def _signature(tree) -> tuple:
+    """A weights tree's structure, shapes and dtypes."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, [(jnp.shape(x), jnp.result_type(x)) for x in leaves]
 
 
-@dataclasses.dataclass(eq=False)
-class _Sequence:
-    """One request while the engine holds it."""
+def _check_settings(
+    seq_len: int, kv_cache_tokens: int | None, kv_on_weight_update: str, **ints: int
+) -> int:
+    """Checks the engine's settings; returns the number of KV blocks.
 
-    request: GenerationRequest
-    future: asyncio.Future
-    seed_lo: int
-    seed_hi: int
-    order: int  # arrival order: older requests are scheduled first
-    context: list[int]  # prompt, then the tokens generated so far
-    kv_version: int  # oldest weights version among the KV this sequence attends to
-    blocks: list[int] = dataclasses.field(default_factory=list)
-    keys: list[bytes] = dataclasses.field(default_factory=list)  # of full blocks, in order
-    num_cached: int = 0  # positions of the context whose KV is in ``blocks``
-    computing: list[bytes] = dataclasses.field(default_factory=list)  # keys being written now
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    versions: list[int] = dataclasses.field(default_factory=list)
-    cached_tokens: int = 0  # prompt tokens whose KV came from a session or the prefix cache
-    stale_tokens: int = 0
-    prefill_wait: int = 0
-    session_kv_version: int = _NO_KV  # of the KV taken over from the session
-    attached: bool = False
-    running: bool = False
-    done: bool = False
-    slot: int = -1  # row of the device token buffer while running
-    arrived_s: float = 0.0  # perf_counter when the request came in
-    admitted_s: float = 0.0  # perf_counter when it last got a slot
-    pending: int = 0  # tokens sampled by launched steps the host has not taken in yet
-    epoch: int = 0  # bumped by preemption: samples of steps launched before are dropped
-
-    @property
-    def remaining(self) -> int:
-        """Tokens of the context (pending samples included) still to feed; 1 means
-        "decode the last token"."""
-        return len(self.context) + self.pending - self.num_cached
+    Raises:
+      ValueError: a setting out of range (named in the message), or a KV capacity below
+        one full context.
+    """
+    for name, low in (
+        ("max_batch_size", 1),
+        ("max_seq_len", 2),
+        ("block_size", 1),
+        ("prefill_chunk_tokens", 2),
+        ("prefill_min_batch", 1),
+        ("max_prefill_delay_steps", 0),
+    ):
+        value = seq_len if name == "max_seq_len" else ints[name]
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"InferenceEngine: {name} must be an int >= {low}, got {value!r}.")
+    if kv_on_weight_update not in KV_ON_WEIGHT_UPDATE:
+        raise ValueError(
+            f"InferenceEngine: kv_on_weight_update must be one of "
+            f"{KV_ON_WEIGHT_UPDATE}, got {kv_on_weight_update!r}."
+        )
+    block_size = ints["block_size"]
+    max_blocks = -(-seq_len // block_size)  # blocks of one full context
+    if kv_cache_tokens is None:
+        kv_cache_tokens = 4 * ints["max_batch_size"] * max_blocks * block_size
+    num_blocks = -(-kv_cache_tokens // block_size) if isinstance(kv_cache_tokens, int) else 0
+    if num_blocks < max_blocks:
+        raise ValueError(
+            f"InferenceEngine: kv_cache_tokens={kv_cache_tokens!r} holds less than one "
+            f"context of max_seq_len={seq_len} tokens; give at least {seq_len}."
+        )
+    return num_blocks
 
 
 @dataclasses.dataclass(eq=False)
 class _Launch:
     """One device call launched and not yet taken in."""
 
-    rows: list[tuple[_Sequence, int, int, bool]]  # (sequence, tokens fed, its epoch, samples)
+    rows: list[tuple[Sequence, int, int, bool]]  # (sequence, tokens fed, its epoch, samples)
     prefill: bool
     version: int  # weights it runs with
     epoch: int  # the engine's epoch at launch (pause and close bump it)
@@ -330,17 +395,6 @@ class _Launch:
     result: asyncio.Future  # -> (tokens, logprobs, perf_counter when they were ready)
     prompt_fed: int  # prompt tokens it feeds
     generated_fed: int  # generated tokens it feeds again (recomputed)
-
-
-@dataclasses.dataclass(eq=False)
-class _Session:
-    """KV an idle session keeps between two requests."""
-
-    tokens: list[int]  # the context whose KV is in ``blocks``
-    blocks: list[int]
-    keys: list[bytes]
-    kv_version: int
-    order: int  # arrival order of the session's first request
 
 
 class InferenceEngine:
@@ -403,81 +457,49 @@ class InferenceEngine:
         compile_ahead: bool = False,
     ):
         seq_len = model_config.max_seq_len if max_seq_len is None else max_seq_len
-        for name, value, low in (
-            ("max_batch_size", max_batch_size, 1),
-            ("max_seq_len", seq_len, 2),
-            ("block_size", block_size, 1),
-            ("prefill_chunk_tokens", prefill_chunk_tokens, 2),
-            ("prefill_min_batch", prefill_min_batch, 1),
-            ("max_prefill_delay_steps", max_prefill_delay_steps, 0),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"InferenceEngine: {name} must be an int >= {low}, got {value!r}.")
-        if kv_on_weight_update not in KV_ON_WEIGHT_UPDATE:
-            raise ValueError(
-                f"InferenceEngine: kv_on_weight_update must be one of "
-                f"{KV_ON_WEIGHT_UPDATE}, got {kv_on_weight_update!r}."
-            )
-        self._graphdef = graphdef
+        num_blocks = _check_settings(
+            seq_len,
+            kv_cache_tokens,
+            kv_on_weight_update,
+            max_batch_size=max_batch_size,
+            block_size=block_size,
+            prefill_chunk_tokens=prefill_chunk_tokens,
+            prefill_min_batch=prefill_min_batch,
+            max_prefill_delay_steps=max_prefill_delay_steps,
+        )
         self._config = model_config
         self._tokenizer = tokenizer
-        self._max_batch_size = max_batch_size
-        # Requests holding KV: the decoded rows plus half as many ready to take a row the
-        # moment one frees. More would prefill young requests early, delaying old ones.
-        self._max_running = max_batch_size + (max_batch_size + 1) // 2
         self._max_seq_len = seq_len
-        self._block_size = block_size
-        self._max_blocks = -(-seq_len // block_size)  # blocks of one full context
-        if kv_cache_tokens is None:
-            kv_cache_tokens = 4 * max_batch_size * self._max_blocks * block_size
-        num_blocks = -(-kv_cache_tokens // block_size) if isinstance(kv_cache_tokens, int) else 0
-        if num_blocks < self._max_blocks:
-            raise ValueError(
-                f"InferenceEngine: kv_cache_tokens={kv_cache_tokens!r} holds less than one "
-                f"context of max_seq_len={seq_len} tokens; give at least {seq_len}."
-            )
-        self._num_blocks = num_blocks
-        self._chunk = prefill_chunk_tokens
         self._kv_mode = kv_on_weight_update
         self._keep_sessions = bool(sessions)
-        self._prefill_min_batch = prefill_min_batch
-        self._max_prefill_delay = max_prefill_delay_steps
-        (
-            self._batch_buckets,
-            self._prefill_batch_buckets,
-            self._span_buckets,
-            self._chunk_buckets,
-        ) = _all_buckets(
-            max_batch_size, self._max_blocks, block_size, min(prefill_chunk_tokens, seq_len)
+        self._counters: collections.Counter[str] = collections.Counter()
+        self._kv = KVCacheManager(num_blocks, block_size, kv_on_weight_update, self._counters)
+        self._scheduler = Scheduler(
+            self._kv,
+            self._counters,
+            max_batch_size=max_batch_size,
+            max_seq_len=seq_len,
+            prefill_chunk_tokens=prefill_chunk_tokens,
+            prefill_min_batch=prefill_min_batch,
+            max_prefill_delay_steps=max_prefill_delay_steps,
         )
         self._params = _on_engine_device(params)
         self._version = int(policy_version)
         self._pending_weights: tuple[Any, int] | None = None
-
         self._step = _step_fn(graphdef)
-        layout = (self._params, model_config, num_blocks, block_size, self._max_running)
+        layout = (self._params, model_config, num_blocks, block_size, self._scheduler.max_running)
         self._programs = StepPrograms(
             shared_programs((self._step, _layout_key(*layout))),
             functools.partial(_lower_step, self._step, *layout),
             self._reachable,
             ahead=bool(compile_ahead),
         )
-        self._pool = BlockPool(num_blocks)
-        self._prefix = PrefixCache(self._pool)
         self._pages: KVPages | None = None  # None: (re)build before the next device call
         # Token each running request sampled last, by slot; the last slot is padding's.
         self._last_tokens: jax.Array | None = None
-        self._free_slots = list(range(self._max_running))
         self._launched: collections.deque[list[_Launch]] = collections.deque()  # by step
-        self._running: list[_Sequence] = []
-        self._waiting: collections.deque[_Sequence] = collections.deque()
-        self._by_id: dict[str, _Sequence] = {}
-        self._sessions: collections.OrderedDict[str, _Session] = collections.OrderedDict()
-        self._busy_sessions: dict[str, _Sequence] = {}
-        self._ended_sessions: set[str] = set()  # running sessions to drop when they finish
-        self._computing: dict[bytes, _Sequence] = {}
+        self._by_id: dict[str, Sequence] = {}
         self._arrivals = 0
-
         # Waits for launched steps' samples, in launch order.
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="raytunix-engine"
@@ -489,11 +511,9 @@ class InferenceEngine:
         self._paused = False
         self._closed = False
         self._epoch = 0  # bumped by pause/close: device results from an older epoch are dropped
-
         self._first_request_t: float | None = None
         self._device = DeviceAccounting()
         self._shapes: set[tuple[int, int, int]] = set()
-        self._counters = collections.Counter()
 
     # ------------------------------------------------------------------ public API
 
@@ -522,31 +542,30 @@ class InferenceEngine:
             self._first_request_t = time.monotonic()
         self._device.request_arrived()
         lo, hi = split_seed(int(request.seed))
-        session = self._sessions.get(request.session_id) if request.session_id else None
+        session = self._kv.sessions.get(request.session_id) if request.session_id else None
         # A session's turns keep the place of its first request: older episodes go first,
         # so groups finish one after another instead of all at the end.
         order = session.order if session is not None else self._arrivals
-        seq = _Sequence(
+        seq = Sequence(
             request=request,
             future=self._loop.create_future(),
             seed_lo=lo,
             seed_hi=hi,
             order=order,
             context=list(request.prompt_ids),
-            kv_version=_NO_KV,
+            kv_version=NO_KV,
             arrived_s=time.perf_counter(),
         )
         self._arrivals += 1
         self._by_id[request.request_id] = seq
-        if request.session_id is not None:
-            self._busy_sessions[request.session_id] = seq
+        self._kv.begin(seq)
         self._counters["prompt_tokens"] += len(request.prompt_ids)
-        self._waiting.append(seq)
+        self._scheduler.waiting.append(seq)
         seq.future.add_done_callback(self._on_future_done(seq))
         self._wake.set()
         return await seq.future
 
-    def _on_future_done(self, seq: _Sequence):
+    def _on_future_done(self, seq: Sequence):
         def done(future: asyncio.Future) -> None:
             if future.cancelled():  # the caller gave up: free its id, session and KV now
                 self._finish(seq, FinishReason.ABORT)
@@ -572,11 +591,7 @@ class InferenceEngine:
     def end_session(self, session_id: str) -> None:
         """Frees the KV a session keeps (call when its episode ends). A request of the
         session still in flight finishes normally and keeps nothing."""
-        session = self._sessions.pop(session_id, None)
-        if session is not None:
-            self._pool.release(session.blocks)
-        if session_id in self._busy_sessions:
-            self._ended_sessions.add(session_id)
+        self._kv.end_session(session_id)
 
     def update_weights(self, params, version: int) -> None:
         """Queues new weights; the loop swaps them in between two device steps.
@@ -602,11 +617,7 @@ class InferenceEngine:
                 f"version {latest}; policy versions must not decrease."
             )
 
-        def signature(tree):
-            leaves, treedef = jax.tree.flatten(tree)
-            return treedef, [(jnp.shape(x), jnp.result_type(x)) for x in leaves]
-
-        if signature(params) != signature(self._params):
+        if _signature(params) != _signature(self._params):
             raise ValueError(
                 "update_weights: params do not match the engine's model "
                 "(tree structure, shapes or dtypes differ); pass the state of "
@@ -676,7 +687,7 @@ class InferenceEngine:
         built, and the seconds every live request waited with them),
         ``steps_on_larger_program``, ``compile_queue``.
         """
-        c = self._counters
+        c, kv = self._counters, self._kv
         wall = 0.0 if self._first_request_t is None else time.monotonic() - self._first_request_t
         token_bytes = kv_bytes_per_token(self._config)
         prompt = c["prompt_tokens"]
@@ -688,20 +699,20 @@ class InferenceEngine:
             "requests_finished": c["requests_finished"],
             "policy_version": self._version,
             "policy_version_received": self._version if pending is None else pending[1],
-            "active_slots": len(self._running),
-            "waiting": len(self._waiting),
+            "active_slots": len(self._scheduler.running),
+            "waiting": len(self._scheduler.waiting),
             "prompt_tokens": prompt,
             "prompt_tokens_from_sessions": c["prompt_tokens_from_sessions"],
             "prompt_tokens_from_prefix_cache": c["prompt_tokens_from_prefix_cache"],
             "prefix_cache_hit_rate": (
                 c["prompt_tokens_from_prefix_cache"] / prompt if prompt else 0.0
             ),
-            "kv_bytes_in_use": self._pool.num_used * self._block_size * token_bytes,
-            "kv_bytes_capacity": self._num_blocks * self._block_size * token_bytes,
-            "kv_blocks_in_use": self._pool.num_used,
-            "kv_blocks_total": self._num_blocks,
-            "sessions_held": len(self._sessions),
-            "prefix_cache_blocks": len(self._prefix),
+            "kv_bytes_in_use": kv.pool.num_used * kv.block_size * token_bytes,
+            "kv_bytes_capacity": kv.num_blocks * kv.block_size * token_bytes,
+            "kv_blocks_in_use": kv.pool.num_used,
+            "kv_blocks_total": kv.num_blocks,
+            "sessions_held": len(kv.sessions),
+            "prefix_cache_blocks": len(kv.prefix),
             "stale_kv_tokens": c["stale_kv_tokens"],
             "preemptions": c["preemptions"],
             "session_evictions": c["session_evictions"],
@@ -738,39 +749,14 @@ class InferenceEngine:
     def _validate(self, request: GenerationRequest) -> None:
         if self._closed:
             raise RuntimeError("InferenceEngine is closed; build a new one.")
+        _check_request(request, self._max_seq_len, self._config.vocab_size)
         rid = request.request_id
-        n = len(request.prompt_ids)
-        if n == 0:
-            raise ValueError(f"Request {rid!r} has an empty prompt; give at least one token.")
-        if n > self._max_seq_len - 1:
-            raise ValueError(
-                f"Request {rid!r}: prompt has {n} tokens but the engine's limit "
-                f"is max_seq_len - 1 = {self._max_seq_len - 1}; shorten the "
-                "prompt or raise max_seq_len."
-            )
-        vocab = self._config.vocab_size
-        bad = [t for t in request.prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(
-                f"Request {rid!r}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})."
-            )
-        sampling = request.sampling
-        if sampling.max_new_tokens < 1:
-            raise ValueError(
-                f"Request {rid!r}: max_new_tokens must be >= 1, got {sampling.max_new_tokens}."
-            )
-        try:
-            check_sampling_settings(
-                sampling.temperature, sampling.top_k, sampling.top_p, allow_greedy=True
-            )
-        except ValueError as error:
-            raise ValueError(f"Request {rid!r}: {error}") from None
         if rid in self._by_id:
             raise ValueError(
                 f"Request id {rid!r} is already in flight; request ids must be "
                 "unique among requests in flight."
             )
-        if request.session_id is not None and request.session_id in self._busy_sessions:
+        if request.session_id is not None and request.session_id in self._kv.busy_sessions:
             raise ValueError(
                 f"Request {rid!r}: session {request.session_id!r} already has a "
                 "request in flight; a session's turns must come one at a time."
@@ -791,18 +777,11 @@ class InferenceEngine:
 
     def _reset_state(self) -> None:
         """Forgets every request, session and cached block (the pages are rebuilt)."""
-        self._waiting.clear()
-        self._running.clear()
+        self._scheduler.reset()
+        self._kv.reset()
         self._by_id.clear()
-        self._sessions.clear()
-        self._busy_sessions.clear()
-        self._ended_sessions.clear()
-        self._computing.clear()
-        self._pool = BlockPool(self._num_blocks)
-        self._prefix = PrefixCache(self._pool)
         self._pages = None
         self._last_tokens = None
-        self._free_slots = list(range(self._max_running))
         self._launched.clear()
         if self._idle is not None:
             self._idle.set()
@@ -819,7 +798,7 @@ class InferenceEngine:
         else:
             self._loop.call_soon_threadsafe(self._wake.set)
 
-    def _finish(self, seq: _Sequence, reason: FinishReason) -> None:
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Resolves a request and hands its KV blocks to its session or back to the pool."""
         if seq.done:
             return
@@ -827,54 +806,16 @@ class InferenceEngine:
         self._counters["requests_finished"] += 1
         self._by_id.pop(seq.request.request_id, None)
         if seq.running:
-            # One span per request on the track of the slot it held: who occupied the
-            # batch row, from admission to its end, and how long it queued before.
-            profiling.add(
-                "request",
-                seq.admitted_s,
-                time.perf_counter(),
-                f"slot {seq.slot}",
-                {
-                    "request_id": seq.request.request_id,
-                    "reason": reason.value,
-                    "prompt_tokens": len(seq.request.prompt_ids),
-                    "cached_tokens": seq.cached_tokens,
-                    "generated": len(seq.tokens),
-                    "queued_s": round(seq.admitted_s - seq.arrived_s, 6),
-                },
-                seq.request.session_id,
-            )
-            self._stop_running(seq)
+            _request_span(seq, reason)
+            self._scheduler.stop_running(seq)
         else:
             try:
-                self._waiting.remove(seq)
+                self._scheduler.waiting.remove(seq)
             except ValueError:
                 pass
-        self._stop_computing(seq)
-        if not self._running and not self._waiting:
+        if not self._scheduler.running and not self._scheduler.waiting:
             self._device.requests_all_done()
-        session_id = seq.request.session_id
-        keep = (
-            session_id is not None
-            and reason != FinishReason.ABORT
-            and not seq.future.done()
-            and session_id not in self._ended_sessions
-        )
-        if session_id is not None:
-            self._busy_sessions.pop(session_id, None)
-            self._ended_sessions.discard(session_id)
-        if keep:
-            self._sessions[session_id] = _Session(
-                tokens=seq.context[: seq.num_cached],
-                blocks=seq.blocks,
-                keys=seq.keys,
-                kv_version=seq.kv_version,
-                order=seq.order,
-            )
-            self._sessions.move_to_end(session_id)
-        else:
-            self._pool.release(seq.blocks)
-        seq.blocks = []
+        self._kv.finish(seq, keep=reason != FinishReason.ABORT and not seq.future.done())
         if seq.future.done():  # the caller cancelled
             return
         seq.future.set_result(
@@ -890,25 +831,18 @@ class InferenceEngine:
             )
         )
 
-    def _stop_running(self, seq: _Sequence) -> None:
-        seq.running = False
-        self._running.remove(seq)
-        self._free_slots.append(seq.slot)
-        seq.slot, seq.pending = -1, 0
-        seq.epoch += 1  # samples still in flight for it are dropped
-
     def _abort_all(self) -> None:
         self._epoch += 1
-        for seq in [*self._running, *self._waiting]:
+        for seq in self._scheduler.requests():
             self._finish(seq, FinishReason.ABORT)
 
     def _fail_all(self, error: BaseException) -> None:
-        for seq in [*self._running, *self._waiting]:
+        for seq in self._scheduler.requests():
             if not seq.future.done():
                 seq.future.set_exception(error)
         self._reset_state()
 
-    def _stop_reason(self, seq: _Sequence) -> FinishReason | None:
+    def _stop_reason(self, seq: Sequence) -> FinishReason | None:
         sampling = seq.request.sampling
         if seq.tokens[-1] in sampling.stop_token_ids:
             return FinishReason.STOP
@@ -925,7 +859,7 @@ class InferenceEngine:
             return FinishReason.LENGTH
         return None
 
-    def _record(self, seq: _Sequence, token: int, logprob: float, version: int) -> None:
+    def _record(self, seq: Sequence, token: int, logprob: float, version: int) -> None:
         seq.tokens.append(int(token))
         seq.context.append(int(token))
         seq.logprobs.append(float(logprob))
@@ -938,176 +872,14 @@ class InferenceEngine:
         if reason is not None:
             self._finish(seq, reason)
 
-    # ------------------------------------------------------------------ KV bookkeeping
+    # ------------------------------------------------------------------ device buffers
 
     def _ensure_buffers(self) -> None:
         """Builds the KV pages and the token buffer if there are none (first use, reset)."""
         if self._pages is None:
-            self._pages = init_kv_pages(self._config, self._num_blocks, self._block_size)
+            self._pages = init_kv_pages(self._config, self._kv.num_blocks, self._kv.block_size)
         if self._last_tokens is None:
-            self._last_tokens = jnp.zeros((self._max_running + 1,), jnp.int32)
-
-    def _attach(self, seq: _Sequence) -> None:
-        """Gives a newly admitted request the KV its session kept, where it matches."""
-        seq.attached = True
-        session_id = seq.request.session_id
-        session = self._sessions.pop(session_id, None) if session_id is not None else None
-        if session is None:
-            return
-        if self._kv_mode == "recompute" and session.kv_version < self._version:
-            self._pool.release(session.blocks)
-            return
-        prompt = seq.context
-        limit = min(len(session.tokens), len(prompt) - 1)  # at least one token is fed
-        common = 0
-        while common < limit and session.tokens[common] == prompt[common]:
-            common += 1
-        bs = self._block_size
-        keep_blocks = -(-common // bs)
-        if common % bs and self._pool.refs(session.blocks[keep_blocks - 1]) > 1:
-            keep_blocks -= 1  # a shared block is never written: recompute its part
-            common = keep_blocks * bs
-        self._pool.release(session.blocks[keep_blocks:])
-        seq.blocks = session.blocks[:keep_blocks]
-        seq.keys = session.keys[: common // bs]
-        seq.num_cached = common
-        seq.session_kv_version = session.kv_version
-        if common:
-            seq.kv_version = min(seq.kv_version, session.kv_version)
-        seq.cached_tokens += common
-        self._counters["prompt_tokens_from_sessions"] += common
-
-    def _detach(self, seq: _Sequence) -> None:
-        """Hands the KV of a request that must keep waiting back to its session, where
-        eviction can reach it (a waiting request's blocks could be freed by nobody)."""
-        seq.attached = False
-        if not seq.blocks:
-            return
-        session_id = seq.request.session_id
-        self._sessions[session_id] = _Session(
-            tokens=seq.context[: seq.num_cached],
-            blocks=seq.blocks,
-            keys=seq.keys,
-            kv_version=seq.session_kv_version,
-            order=seq.order,
-        )
-        seq.cached_tokens -= seq.num_cached
-        self._counters["prompt_tokens_from_sessions"] -= seq.num_cached
-        seq.blocks, seq.keys, seq.num_cached, seq.kv_version = [], [], 0, _NO_KV
-
-    def _adopt_prefix(self, seq: _Sequence) -> None:
-        """Takes the longest run of cached full blocks that continues the sequence."""
-        bs = self._block_size
-        min_version = self._version if self._kv_mode == "recompute" else None
-        while seq.num_cached % bs == 0 and seq.num_cached + bs <= len(seq.context) - 1:
-            i = seq.num_cached // bs
-            key = block_key(
-                seq.keys[-1] if seq.keys else ROOT_KEY, seq.context[i * bs : (i + 1) * bs]
-            )
-            entry = self._prefix.get(key, min_version)
-            if entry is None:
-                return
-            self._pool.release(seq.blocks[i:])  # written past num_cached: nothing to keep
-            del seq.blocks[i:]
-            self._pool.share(entry.block)
-            seq.blocks.append(entry.block)
-            seq.keys.append(key)
-            seq.num_cached += bs
-            seq.kv_version = min(seq.kv_version, entry.version)
-            prompt_part = max(
-                0, min(seq.num_cached, len(seq.request.prompt_ids)) - (seq.num_cached - bs)
-            )
-            seq.cached_tokens += prompt_part
-            self._counters["prompt_tokens_from_prefix_cache"] += prompt_part
-
-    def _next_key(self, seq: _Sequence) -> bytes | None:
-        """Key of the block the sequence writes next, if it starts a full block."""
-        bs = self._block_size
-        start = seq.num_cached
-        if start % bs or start + bs > len(seq.context):
-            return None
-        return block_key(seq.keys[-1] if seq.keys else ROOT_KEY, seq.context[start : start + bs])
-
-    def _start_computing(self, seq: _Sequence, n: int) -> None:
-        """Announces the full blocks the next ``n`` fed tokens complete."""
-        bs = self._block_size
-        parent = seq.keys[-1] if seq.keys else ROOT_KEY
-        for i in range(len(seq.keys), (seq.num_cached + n) // bs):
-            parent = block_key(parent, seq.context[i * bs : (i + 1) * bs])
-            if parent not in self._computing:
-                self._computing[parent] = seq
-                seq.computing.append(parent)
-
-    def _stop_computing(self, seq: _Sequence) -> None:
-        for key in seq.computing:
-            if self._computing.get(key) is seq:
-                del self._computing[key]
-        seq.computing = []
-
-    def _register_blocks(self, seq: _Sequence, version: int) -> None:
-        """Indexes the full blocks the sequence has finished writing."""
-        bs = self._block_size
-        # Blocks whose tokens the host knows: a pending sample's KV may be launched already.
-        for i in range(len(seq.keys), min(seq.num_cached, len(seq.context)) // bs):
-            parent = seq.keys[-1] if seq.keys else ROOT_KEY
-            key = block_key(parent, seq.context[i * bs : (i + 1) * bs])
-            seq.keys.append(key)
-            self._prefix.put(key, seq.blocks[i], min(version, seq.kv_version))
-        self._stop_computing(seq)
-
-    def _evict_one(self) -> bool:
-        """Frees KV nobody is running on: cached prefixes first, then idle sessions."""
-        if self._prefix.evict_one():
-            return True
-        if self._sessions:
-            _, session = self._sessions.popitem(last=False)
-            self._pool.release(session.blocks)
-            self._counters["session_evictions"] += 1
-            return True
-        return False
-
-    def _preempt(self, seq: _Sequence) -> None:
-        """Takes a running request off the device; it is re-queued first in line and its
-        context recomputed when it is admitted again."""
-        self._counters["preemptions"] += 1
-        self._stop_running(seq)  # a sample in flight is dropped; it is drawn again later
-        self._stop_computing(seq)
-        self._pool.release(seq.blocks)
-        seq.blocks, seq.keys, seq.num_cached = [], [], 0
-        seq.kv_version = _NO_KV
-        self._waiting.appendleft(seq)
-
-    def _allocate(self, seq: _Sequence, n: int, protected: set) -> bool:
-        """Gives the sequence the blocks that ``n`` more fed tokens need, evicting and
-        then preempting younger requests (outside ``protected``) when blocks run out."""
-        need = -(-(seq.num_cached + n) // self._block_size) - len(seq.blocks)
-        while self._pool.num_free < need:
-            if self._evict_one():
-                continue
-            victims = [
-                s
-                for s in self._running
-                if s is not seq and s not in protected and s.order > seq.order
-            ]
-            if not victims:
-                return False
-            self._preempt(max(victims, key=lambda s: s.order))
-        for _ in range(need):
-            seq.blocks.append(self._pool.allocate())
-        return True
-
-    def _drop_weights_kv(self) -> None:
-        """After a weight swap in recompute mode: no KV of older weights survives."""
-        self._prefix.clear()
-        for session in self._sessions.values():
-            self._pool.release(session.blocks)
-        self._sessions.clear()
-        self._computing.clear()
-        for seq in [*self._running, *self._waiting]:
-            seq.computing = []
-            self._pool.release(seq.blocks)
-            seq.blocks, seq.keys, seq.num_cached = [], [], 0
-            seq.kv_version = _NO_KV
+            self._last_tokens = jnp.zeros((self._scheduler.max_running + 1,), jnp.int32)
 
     # ------------------------------------------------------------------ scheduler loop
 
@@ -1121,7 +893,7 @@ class InferenceEngine:
                     self._params, self._version = self._pending_weights
                     self._pending_weights = None
                     if self._kv_mode == "recompute":
-                        self._drop_weights_kv()
+                        self._kv.drop_weights_kv(self._scheduler.requests())
                     profiling.add(
                         "weight_swap",
                         swap_start,
@@ -1134,11 +906,12 @@ class InferenceEngine:
                     await self._wake.wait()
                     continue
                 self._drop_cancelled()
-                self._admit()
-                step = [self._launch(group, prefill=True) for group in self._plan_prefill()]
-                decode = self._plan_decode()
-                if decode:
-                    step.append(self._launch(decode, prefill=False))
+                # Each call is launched before the next is planned: a row whose prompt a
+                # prefill call finishes decodes in the same step.
+                step = [
+                    self._launch(rows, prefill)
+                    for rows, prefill in self._scheduler.schedule(self._version)
+                ]
                 step = [launch for launch in step if launch is not None]
                 if step:
                     self._launched.append(step)
@@ -1155,209 +928,33 @@ class InferenceEngine:
             self._fail_all(error)
 
     def _drop_cancelled(self) -> None:
-        for seq in [*self._running, *self._waiting]:
+        for seq in self._scheduler.requests():
             if seq.future.done():
                 self._finish(seq, FinishReason.ABORT)
 
-    def _admit(self) -> None:
-        """Moves waiting requests (oldest first) to the running set while it has room and
-        the KV they need can be had without preempting anyone."""
-        if not self._waiting or len(self._running) >= self._max_running:
-            return  # the common case of a decode step: skip the bookkeeping below
-        if len(self._waiting) > 1:
-            self._waiting = collections.deque(sorted(self._waiting, key=lambda s: s.order))
-        held = {b for s in self._running for b in s.blocks}
-        while self._waiting and len(self._running) < self._max_running:
-            seq = self._waiting[0]
-            if not seq.attached:
-                self._attach(seq)
-            need = -(-len(seq.context) // self._block_size) - len(seq.blocks)
-            if self._num_blocks - len(held) - len(set(seq.blocks) - held) < need:
-                self._detach(seq)
-                break  # wait for running requests to finish
-            self._waiting.popleft()
-            seq.running = True
-            seq.slot = self._free_slots.pop()
-            seq.admitted_s = time.perf_counter()
-            seq.prefill_wait = 0
-            self._running.append(seq)
-            held.update(seq.blocks)
-
-    def _plan_prefill(self) -> list[list[tuple[_Sequence, int]]]:
-        """Chooses up to ``prefill_chunk_tokens`` tokens to feed, oldest requests first,
-        and groups the rows into calls of one (rows, tokens) bucket each."""
-        todo = [s for s in self._running if s.remaining > 1]
-        for seq in todo:
-            self._adopt_prefix(seq)
-        todo = [s for s in todo if s.remaining > 1]
-        if not todo:
-            return []
-        decoding = any(s.remaining == 1 for s in self._running)
-        if (
-            decoding
-            and len(todo) < self._prefill_min_batch
-            and max(s.prefill_wait for s in todo) < self._max_prefill_delay
-        ):
-            for seq in todo:
-                seq.prefill_wait += 1
-            return []
-        budget, rows, protected = self._chunk, [], set()
-        for seq in sorted(todo, key=lambda s: s.order):
-            if budget < 2:
-                break
-            owner = self._computing.get(self._next_key(seq) or b"")
-            if owner is not None and owner is not seq:
-                continue  # another request is computing this block: adopt it next step
-            n = min(seq.remaining, budget)
-            if n < seq.remaining and n >= self._block_size:
-                n -= (seq.num_cached + n) % self._block_size  # end chunks on a block edge
-            if not seq.running or not self._allocate(seq, n, protected):
-                break
-            protected.add(seq)
-            self._start_computing(seq, n)
-            seq.prefill_wait = 0
-            rows.append((seq, n))
-            budget -= n
-        rows = [(s, n) for s, n in rows if s.running]  # an allocation may have preempted
-        groups: dict[int, list[tuple[_Sequence, int]]] = collections.defaultdict(list)
-        for seq, n in rows:
-            groups[_bucket(self._chunk_buckets, n)].append((seq, n))
-        calls = []
-        for length, members in sorted(groups.items()):
-            width = self._prefill_batch_cap(length)
-            calls += [members[i : i + width] for i in range(0, len(members), width)]
-        return calls
-
-    def _prefill_batch_cap(self, length: int) -> int:
-        """Most rows of one prefill call feeding ``length`` tokens each."""
-        fits = [b for b in self._prefill_batch_buckets if b * length <= max(self._chunk, length)]
-        return fits[-1]
-
-    def _plan_decode(self) -> list[tuple[_Sequence, int]]:
-        """The oldest ``max_batch_size`` requests ready to decode; the others keep their
-        KV and wait a step (a row is not a reservation: an episode back from its tool
-        takes a row from a younger one at once). A request whose pending samples reach
-        its length limit is done already and is not decoded further."""
-        rows, protected = [], set()
-        ready = sorted(
-            (
-                s
-                for s in self._running
-                if s.remaining == 1
-                and len(s.tokens) + s.pending < s.request.sampling.max_new_tokens
-                and len(s.context) + s.pending < self._max_seq_len
-            ),
-            key=lambda s: s.order,
-        )
-        for seq in ready[: self._max_batch_size]:
-            if not seq.running:
-                continue  # preempted to make room for an older row
-            if self._allocate(seq, 1, protected):
-                protected.add(seq)
-                rows.append((seq, 1))
-        return [(s, n) for s, n in rows if s.running]
-
     def _reachable(self, truncate: bool) -> list[Shape]:
-        return [Shape(truncate, b, t, s) for b, t, s in self._all_shapes()]
+        return [Shape(truncate, b, t, s) for b, t, s in self._scheduler.all_shapes()]
 
-    def _all_shapes(self) -> list[tuple[int, int, int]]:
-        shapes = [(b, 1, s) for b in self._batch_buckets for s in self._span_buckets]
-        for length in self._chunk_buckets:
-            min_span = -(-(length // 4 + 1) // self._block_size)  # rows feed > length / 4
-            cap = self._prefill_batch_cap(length)
-            shapes += [
-                (b, length, s)
-                for b in self._prefill_batch_buckets
-                if b <= cap
-                for s in self._span_buckets
-                if s >= min_span
-            ]
-        return shapes
-
-    def _launch(self, rows: list[tuple[_Sequence, int]], prefill: bool) -> _Launch | None:
+    def _launch(self, rows: list[Row], prefill: bool) -> _Launch | None:
         """Launches one device call feeding ``n`` tokens for each ``(sequence, n)`` row,
         without waiting for it, and counts its tokens as fed: the next step may build on
-        them (JAX orders the calls). A row whose last fed token is a sample not yet on
-        the host takes it from the device's token buffer."""
+        them (JAX orders the calls)."""
         # A row preempted while planning this step has no blocks.
         rows = [(seq, n) for seq, n in rows if seq.running]
         if not rows:
             return None
-        samplings = [seq.request.sampling for seq, _ in rows]
-        needed = Shape(
-            truncate=any(s.top_k > 0 or s.top_p < 1.0 for s in samplings),
-            batch=_bucket(
-                self._prefill_batch_buckets if prefill else self._batch_buckets, len(rows)
-            ),
-            length=(_bucket(self._chunk_buckets, max(n for _, n in rows)) if prefill else 1),
-            span=_bucket(self._span_buckets, max(len(s.blocks) for s, _ in rows)),
-        )
-        program, shape = self._programs.program_for(needed)
-        batch, length, span = shape.batch, shape.length, shape.span
-        tokens = np.zeros((batch, length), np.int32)
-        positions = np.full((batch, length), -1, np.int32)
-        tables = np.zeros((batch, span), np.int32)
-        # Per-row scalars as lists first: one array each, not one numpy store per row.
-        pad = batch - len(rows)
-        last = np.array([n - 1 for _, n in rows] + [0] * pad, np.int32)
-        temperature = np.array([s.temperature for s in samplings] + [1.0] * pad, np.float32)
-        top_k = np.array([s.top_k for s in samplings] + [0] * pad, np.int32)
-        top_p = np.array([s.top_p for s in samplings] + [1.0] * pad, np.float32)
-        seed_lo = np.array([seq.seed_lo for seq, _ in rows] + [0] * pad, np.uint32)
-        seed_hi = np.array([seq.seed_hi for seq, _ in rows] + [0] * pad, np.uint32)
-        index = np.array([len(seq.tokens) + seq.pending for seq, _ in rows] + [0] * pad, np.int32)
-        slots = np.array([seq.slot for seq, _ in rows] + [self._max_running] * pad, np.int32)
-        from_slot = np.zeros((batch,), bool)
-        prompt_fed = generated_fed = 0
+        program, shape = self._programs.program_for(self._scheduler.shape_for(rows, prefill))
+        inputs, prompt_fed, generated_fed = _step_inputs(rows, shape, self._scheduler.max_running)
         version = self._version
-        launched_rows = []
-        for row, (seq, n) in enumerate(rows):
-            start = seq.num_cached
-            end = len(seq.context) + seq.pending  # tokens known or sampled so far
-            if n == 1:
-                if start < len(seq.context):
-                    tokens[row, 0] = seq.context[start]
-                else:  # the newest sample, still on the device
-                    from_slot[row] = True
-                positions[row, 0] = start
-            else:
-                tokens[row, :n] = seq.context[start : start + n]
-                positions[row, :n] = np.arange(start, start + n)
-            tables[row, : len(seq.blocks)] = seq.blocks
-            in_prompt = max(0, min(start + n, len(seq.request.prompt_ids)) - start)
-            prompt_fed += in_prompt
-            if start + n < end:  # generated tokens fed again
-                generated_fed += n - in_prompt
-            elif n - in_prompt > 1:
-                generated_fed += n - in_prompt - 1
-            samples = start + n == end
-            launched_rows.append((seq, n, seq.epoch, samples))
-            seq.num_cached += n
-            seq.kv_version = min(seq.kv_version, version)
-            if samples:
-                seq.pending += 1
-            # Its KV is as good as written for every later call: others may adopt it.
-            self._register_blocks(seq, version)
-        self._shapes.add((batch, length, span))
-        self._device.launched(batch, length)
+        launched_rows = [
+            (seq, n, seq.epoch, self._scheduler.fed(seq, n, version)) for seq, n in rows
+        ]
+        self._shapes.add((shape.batch, shape.length, shape.span))
+        self._device.launched(shape.batch, shape.length)
         self._ensure_buffers()
         start_s = time.perf_counter()
         self._pages, self._last_tokens, sampled, logprobs = program(
-            self._params,
-            self._pages,
-            self._last_tokens,
-            tokens,
-            positions,
-            tables,
-            last,
-            temperature,
-            top_k,
-            top_p,
-            seed_lo,
-            seed_hi,
-            index,
-            slots,
-            from_slot,
+            self._params, self._pages, self._last_tokens, *inputs
         )
         result = asyncio.wrap_future(self._executor.submit(_wait_ready, sampled, logprobs))
         self._idle.clear()
@@ -1395,7 +992,7 @@ class InferenceEngine:
                     seq.pending -= 1
                     self._record(seq, sampled[row], logprobs[row], launch.version)
                     if seq.running:
-                        self._register_blocks(seq, launch.version)
+                        self._kv.register_blocks(seq, launch.version)
         finally:
             self._launched.popleft()
             if not self._launched:
