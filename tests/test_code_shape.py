@@ -29,7 +29,6 @@ ALLOWED = {
     "inference/engine.py::InferenceEngine.__init__": 111,
     "inference/engine.py::InferenceEngine._launch": 97,
     "learner/learner.py::Learner.train_step": 83,
-    "learner/losses.py::grpo_policy_loss": 149,
     "learner/train_state.py::make_policy_update": 92,
     "learner/train_state.py::policy_loss_terms": 87,
     "models/hf.py::export_checkpoint": 84,
