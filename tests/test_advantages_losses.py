@@ -12,7 +12,14 @@ import numpy as np
 import pytest
 
 from raytunix.learner.advantages import grpo_advantages
-from raytunix.learner.losses import AGGREGATIONS, grpo_policy_loss, sft_loss, token_logprobs
+from raytunix.learner.losses import (
+    AGGREGATIONS,
+    policy_gradient_loss,
+    policy_surrogate,
+    ratio_statistics,
+    sft_loss,
+    token_logprobs,
+)
 
 
 # Two interleaved groups. Group 0: rewards 1, 2, 3 -> mean 2, population std sqrt(2/3).
@@ -85,7 +92,7 @@ PPO = {
 
 
 def test_clipped_surrogate_token_mean_hand_computed():
-    loss, aux = grpo_policy_loss(NEW, OLD, ADV, MASK, **PPO)
+    loss, aux = policy_gradient_loss(NEW, OLD, ADV, MASK, **PPO)
     # Per-token losses: -1.2, -0.5 | 0.8, 1.5, 1.0 -> sum 1.6 over 5 tokens.
     np.testing.assert_allclose(loss, 0.32, rtol=1e-5)
     np.testing.assert_allclose(aux["clip_fraction"], 0.4, rtol=1e-6)
@@ -96,8 +103,34 @@ def test_clipped_surrogate_token_mean_hand_computed():
     assert "kl_ref" not in aux
 
 
+def test_policy_surrogate_per_token_hand_computed_and_weighted():
+    clip = {"clip_eps_low": 0.2, "clip_eps_high": 0.2, "dual_clip": 0.0}
+    logprobs = np.where(MASK > 0, NEW, 0.0)
+    per_token, clipped, log_ratio = policy_surrogate(
+        logprobs, OLD, ADV, MASK, policy_loss="ppo_clip", **clip
+    )
+    # The same per-token numbers as above, before any aggregation.
+    np.testing.assert_allclose(per_token * MASK, [[-1.2, -0.5, 0], [0.8, 1.5, 1.0]], rtol=1e-5)
+    np.testing.assert_array_equal(clipped * (MASK > 0), [[1, 0, 0], [1, 0, 0]])
+    np.testing.assert_allclose(log_ratio, np.where(MASK > 0, np.log(RATIOS), 0.0), rtol=1e-5)
+    weights = np.array([[2.0, 0.0, 9.0], [1.0, 0.5, 1.0]], np.float32)
+    weighted, _, _ = policy_surrogate(
+        logprobs, OLD, ADV, MASK, policy_loss="ppo_clip", importance_weights=weights, **clip
+    )
+    np.testing.assert_allclose(weighted, [[-2.4, 0.0, 0.0], [0.8, 0.75, 1.0]], rtol=1e-5)
+
+
+def test_ratio_statistics_are_token_means_over_the_mask():
+    log_ratio = np.log(np.array([[2.0, 1.0, 7.0]], np.float32))
+    stats = ratio_statistics(log_ratio, np.array([[True, False, True]]), np.array([[1, 1, 0]]))
+    np.testing.assert_allclose(stats["clip_fraction"], 0.5)
+    np.testing.assert_allclose(stats["ratio_mean"], 1.5, rtol=1e-6)
+    np.testing.assert_allclose(stats["approx_kl"], (1.0 - math.log(2.0)) / 2, rtol=1e-5)
+    np.testing.assert_allclose(stats["num_tokens"], 2.0)
+
+
 def test_clipped_surrogate_sequence_mean_hand_computed():
-    loss, _ = grpo_policy_loss(
+    loss, _ = policy_gradient_loss(
         NEW, OLD, ADV, MASK, **{**PPO, "aggregation": "sequence_mean_token_mean"}
     )
     # Sequence means: (-1.2 - 0.5) / 2 = -0.85 and (0.8 + 1.5 + 1.0) / 3 = 1.1.
@@ -107,7 +140,7 @@ def test_clipped_surrogate_sequence_mean_hand_computed():
 def test_sequence_mean_ignores_sequences_without_tokens():
     mask = MASK.copy()
     mask[1] = 0.0
-    loss, aux = grpo_policy_loss(
+    loss, aux = policy_gradient_loss(
         NEW, OLD, ADV, mask, **{**PPO, "aggregation": "sequence_mean_token_mean"}
     )
     np.testing.assert_allclose(loss, -0.85, rtol=1e-5)
@@ -115,7 +148,7 @@ def test_sequence_mean_ignores_sequences_without_tokens():
 
 
 def test_asymmetric_clip_higher():
-    loss, _ = grpo_policy_loss(NEW, OLD, ADV, MASK, **{**PPO, "clip_eps_high": 0.28})
+    loss, _ = policy_gradient_loss(NEW, OLD, ADV, MASK, **{**PPO, "clip_eps_high": 0.28})
     # Only the upper bound moved: the first token now scores -1.28 instead of -1.2.
     np.testing.assert_allclose(loss, (-1.28 - 0.5 + 0.8 + 1.5 + 1.0) / 5, rtol=1e-5)
 
@@ -123,7 +156,7 @@ def test_asymmetric_clip_higher():
 def test_kl_penalty_k3_hand_computed():
     logprobs = np.full((1, 2), -1.0, np.float32)
     ref = logprobs + np.array([[math.log(2.0), 0.0]], np.float32)
-    loss, aux = grpo_policy_loss(
+    loss, aux = policy_gradient_loss(
         logprobs, logprobs, np.zeros(1), np.ones((1, 2)), **PPO, ref_logprobs=ref, kl_coef=0.1
     )
     # k3 with pi_ref / pi = 2: 2 - log 2 - 1 = 0.3068528; the other token has 0.
@@ -133,7 +166,7 @@ def test_kl_penalty_k3_hand_computed():
 
 def test_unknown_aggregation_raises():
     with pytest.raises(ValueError, match="aggregation"):
-        grpo_policy_loss(NEW, OLD, ADV, MASK, **{**PPO, "aggregation": "sum"})
+        policy_gradient_loss(NEW, OLD, ADV, MASK, **{**PPO, "aggregation": "sum"})
 
 
 def test_masked_nan_logprobs_give_finite_loss_and_zero_grads():
@@ -143,7 +176,7 @@ def test_masked_nan_logprobs_give_finite_loss_and_zero_grads():
     ref[0, 2] = np.inf
 
     def loss_fn(lp):
-        return grpo_policy_loss(lp, OLD, ADV, MASK, **PPO, ref_logprobs=ref, kl_coef=0.1)[0]
+        return policy_gradient_loss(lp, OLD, ADV, MASK, **PPO, ref_logprobs=ref, kl_coef=0.1)[0]
 
     loss, grads = jax.value_and_grad(loss_fn)(jnp.asarray(new))
     assert np.isfinite(loss)
@@ -164,7 +197,7 @@ def test_perturbing_masked_logits_changes_neither_loss_nor_grads(aggregation):
 
     def loss_fn(lg):
         lp = token_logprobs(lg, targets, **OFF)
-        return grpo_policy_loss(
+        return policy_gradient_loss(
             lp,
             old,
             adv,

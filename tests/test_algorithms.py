@@ -25,7 +25,7 @@ from raytunix.learner.advantages import (
 from raytunix.learner.losses import (
     AGGREGATIONS,
     aggregate_loss,
-    grpo_policy_loss,
+    policy_gradient_loss,
     kl_estimate,
     loss_normalizer,
 )
@@ -215,7 +215,9 @@ COMMON = {
 
 
 def _loss(policy_loss, new=NEW, **kwargs):
-    return grpo_policy_loss(new, OLD, ADV, MASK, policy_loss=policy_loss, **{**COMMON, **kwargs})
+    return policy_gradient_loss(
+        new, OLD, ADV, MASK, policy_loss=policy_loss, **{**COMMON, **kwargs}
+    )
 
 
 def test_ppo_clip_and_dual_clip_hand_computed():
@@ -263,8 +265,8 @@ def test_gspo_clips_the_length_normalised_sequence_ratio():
 def test_gspo_of_single_token_responses_is_the_token_clip():
     new, mask = NEW[:, :1], MASK[:, :1]
     kwargs = {**COMMON, "aggregation": "sequence_mean_token_mean"}
-    gspo = grpo_policy_loss(new, OLD[:, :1], ADV, mask, policy_loss="gspo", **kwargs)[0]
-    ppo = grpo_policy_loss(new, OLD[:, :1], ADV, mask, policy_loss="ppo_clip", **kwargs)[0]
+    gspo = policy_gradient_loss(new, OLD[:, :1], ADV, mask, policy_loss="gspo", **kwargs)[0]
+    ppo = policy_gradient_loss(new, OLD[:, :1], ADV, mask, policy_loss="ppo_clip", **kwargs)[0]
     np.testing.assert_allclose(gspo, ppo, rtol=1e-6)
 
 
@@ -290,7 +292,7 @@ def test_masked_junk_and_an_empty_mask_leave_loss_and_gradients_finite(policy_lo
     ref[0, 2] = np.inf
 
     def loss_fn(lp, mask):
-        return grpo_policy_loss(
+        return policy_gradient_loss(
             lp,
             OLD,
             ADV,
@@ -328,7 +330,7 @@ def test_kl_estimators_hand_computed():
     for estimator, want in [("k1", -log2), ("k2", log2**2 / 2), ("k3", 2 - 1 - log2)]:
         got = kl_estimate(logprobs, ref, mask, estimator=estimator)
         np.testing.assert_allclose(got, [[want, 0.0]], rtol=1e-6, atol=1e-7)
-        loss, aux = grpo_policy_loss(
+        loss, aux = policy_gradient_loss(
             logprobs,
             logprobs,
             np.zeros(1),
@@ -346,7 +348,7 @@ def test_kl_estimators_hand_computed():
 def test_entropy_bonus_lowers_the_loss_by_the_aggregated_entropy():
     logprobs = np.array([[-1.0, -1.0]], np.float32)
     entropy = jnp.array([[0.5, 1.0]], jnp.float32)
-    loss, _ = grpo_policy_loss(
+    loss, _ = policy_gradient_loss(
         logprobs,
         logprobs,
         np.zeros(1),
@@ -358,7 +360,7 @@ def test_entropy_bonus_lowers_the_loss_by_the_aggregated_entropy():
     )
     np.testing.assert_allclose(loss, -0.1 * 0.75, rtol=1e-6)
     grad = jax.grad(
-        lambda h: grpo_policy_loss(
+        lambda h: policy_gradient_loss(
             logprobs,
             logprobs,
             np.zeros(1),

@@ -12,7 +12,7 @@ import pytest
 from raytunix.config import ConfigError, load_config
 from raytunix.learner.advantages import gae_advantages, last_token_rewards, whiten
 from raytunix.learner.batch import Batch, PackedBatch
-from raytunix.learner.losses import grpo_policy_loss, loss_normalizer
+from raytunix.learner.losses import policy_gradient_loss, loss_normalizer
 from raytunix.learner.train_state import (
     RLHyperparams,
     add_value_head,
@@ -138,7 +138,7 @@ def test_first_update_loss_is_ppo_on_gae_advantages_plus_the_value_loss():
     adv, ret = gae_advantages(rewards, np.zeros(mask.shape), mask, gamma=1.0, lam=0.95)
     adv = whiten(adv, mask)
     normalizer = loss_normalizer(mask, aggregation="token_mean", max_tokens=64)
-    policy, _ = grpo_policy_loss(
+    policy, _ = policy_gradient_loss(
         logprobs,
         batch.logprobs[:, 1:],
         adv,

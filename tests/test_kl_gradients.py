@@ -2,7 +2,7 @@
 estimator the config accepts and whoever sampled the tokens.
 
 One token position with a 4-way vocabulary and logits theta: the exact expected gradient
-of the penalty ``grpo_policy_loss`` adds, ``sum_a mu(a) * grad_theta loss(theta, a)`` over
+of the penalty ``policy_gradient_loss`` adds, ``sum_a mu(a) * grad_theta loss(theta, a)`` over
 the distribution mu that sampled the token, against ``grad_theta KL(pi_theta || pi_ref)``
 computed from the full distributions. On-policy (mu = pi, the anchor its stop-gradient
 copy), off-policy (the anchor is a stale behaviour policy's logprob) and decoupled (the
@@ -22,7 +22,7 @@ from raytunix.config import _CHOICES, ConfigError, LearnerConfig, load_config  #
 from raytunix.learner.losses import (  # noqa: E402
     KL_ESTIMATORS,
     POLICY_LOSSES,
-    grpo_policy_loss,
+    policy_gradient_loss,
     kl_estimate,
     kl_penalty,
 )
@@ -35,12 +35,12 @@ ACCEPTED = _CHOICES["learner.kl_estimator"]
 
 
 def _penalty(theta, action, estimator, *, anchor=None, kl_weight=None, policy_loss="ppo_clip"):
-    """``grpo_policy_loss`` of one sampled token with advantage 0 and kl_coef 1: only the
+    """``policy_gradient_loss`` of one sampled token with advantage 0 and kl_coef 1: only the
     KL term. ``anchor``: the logprob the ratio is taken to (None: on-policy, the current
     one without gradient)."""
     logp = jax.nn.log_softmax(theta)[action]
     old = jax.lax.stop_gradient(logp) if anchor is None else anchor[action]
-    loss, _ = grpo_policy_loss(
+    loss, _ = policy_gradient_loss(
         logp[None, None],
         old[None, None],
         jnp.zeros((1,)),
@@ -142,7 +142,7 @@ def test_the_reported_value_is_the_estimator_and_on_policy_the_loss_term_equals_
     np.testing.assert_allclose(
         kl_penalty(logp, ref, logp, mask, estimator=estimator), value, rtol=1e-6, atol=1e-7
     )
-    _, aux = grpo_policy_loss(
+    _, aux = policy_gradient_loss(
         logp,
         logp + 0.3,
         jnp.zeros((1,)),

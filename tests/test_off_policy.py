@@ -18,7 +18,7 @@ from raytunix.config import ConfigError, load_config
 from raytunix.learner.advantages import grpo_advantages
 from raytunix.learner.learner import Learner, RLHyperparams
 from raytunix.learner.losses import (
-    grpo_policy_loss,
+    policy_gradient_loss,
     logprob_mismatch,
     token_logprobs,
     truncated_importance_weights,
@@ -127,10 +127,10 @@ def test_decoupled_ppo_is_the_standard_clip_when_prox_equals_behaviour(level):
     weights, _ = truncated_importance_weights(BEHAV, BEHAV, MASK, level=level, cap=2.0)
 
     def decoupled(lp):
-        return grpo_policy_loss(lp, BEHAV, ADV, MASK, **PPO, importance_weights=weights)[0]
+        return policy_gradient_loss(lp, BEHAV, ADV, MASK, **PPO, importance_weights=weights)[0]
 
     def standard(lp):
-        return grpo_policy_loss(lp, BEHAV, ADV, MASK, **PPO)[0]
+        return policy_gradient_loss(lp, BEHAV, ADV, MASK, **PPO)[0]
 
     new = jnp.asarray(BEHAV + np.log(NEW_OVER_PROX))
     np.testing.assert_allclose(decoupled(new), standard(new), rtol=1e-6)
@@ -139,7 +139,7 @@ def test_decoupled_ppo_is_the_standard_clip_when_prox_equals_behaviour(level):
 
 def test_decoupled_ppo_loss_hand_computed():
     weights, _ = truncated_importance_weights(PROX, BEHAV, MASK, level="token_tis", cap=2.0)
-    loss, aux = grpo_policy_loss(NEW, PROX, ADV, MASK, **PPO, importance_weights=weights)
+    loss, aux = policy_gradient_loss(NEW, PROX, ADV, MASK, **PPO, importance_weights=weights)
     # Per token: -2 * 1.2, -0.5 * 0.9 | 1.5 * 0.8, 1.2 * 1.1, 2 * 1.0 -> sum 1.67 over 5.
     np.testing.assert_allclose(loss, (-2.4 - 0.45 + 1.2 + 1.32 + 2.0) / 5, rtol=1e-5)
     np.testing.assert_allclose(
@@ -153,7 +153,7 @@ def test_masked_tokens_contribute_zero_to_the_weighted_loss_and_its_gradient(lev
     weights, _ = truncated_importance_weights(PROX, BEHAV, MASK, level=level, cap=2.0)
 
     def loss_fn(lp):
-        return grpo_policy_loss(lp, PROX, ADV, MASK, **PPO, importance_weights=weights)[0]
+        return policy_gradient_loss(lp, PROX, ADV, MASK, **PPO, importance_weights=weights)[0]
 
     new = NEW.copy()
     new[0, 2] = np.nan
@@ -318,7 +318,7 @@ def test_decoupled_step_equals_one_computed_with_a_separate_no_grad_proximal_pas
         positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
         logits, _ = forward(graphdef, p, inputs, positions)
         lp = token_logprobs(logits.astype(jnp.float32), tokens[:, 1:], **SAMPLING)
-        return grpo_policy_loss(
+        return policy_gradient_loss(
             lp, prox, advantages, mask, **{**PPO, "clip_eps_high": 0.28}, importance_weights=weights
         )[0]
 

@@ -23,7 +23,7 @@ from raytunix.learner.advantages import (
     overlong_penalty,
 )
 from raytunix.learner.batch import Batch, PackedBatch, widest_packed_row
-from raytunix.learner.losses import clipped_value_loss, grpo_policy_loss, loss_normalizer
+from raytunix.learner.losses import clipped_value_loss, policy_gradient_loss, loss_normalizer
 from raytunix.learner.train_state import (
     NONFINITE_PARTS,
     RLHyperparams,
@@ -264,7 +264,7 @@ def test_policy_loss_terms_are_the_policy_loss_with_token_sums():
     loss, sums, (prox, support) = policy_loss_terms(
         logprobs, logits, None, mb, denominator, None, hp, max_seq_len=8, seqs={}
     )
-    want, aux = grpo_policy_loss(
+    want, aux = policy_gradient_loss(
         logprobs,
         mb["old"],
         mb["advantages"],

@@ -373,7 +373,7 @@ def test_iterations_without_correction_anchor_every_step_at_the_behaviour_policy
 
 def test_iterations_with_decoupled_ppo_keep_the_proximal_policy_of_the_batch_start(model):
     from raytunix.learner.losses import (
-        grpo_policy_loss,
+        policy_gradient_loss,
         token_logprobs,
         truncated_importance_weights,
     )
@@ -406,7 +406,7 @@ def test_iterations_with_decoupled_ppo_keep_the_proximal_policy_of_the_batch_sta
             jnp.broadcast_to(jnp.arange(tokens.shape[1] - 1), tokens[:, :-1].shape),
         )
         lp = token_logprobs(logits.astype(jnp.float32), tokens[:, 1:], **SAMPLING)
-        return grpo_policy_loss(
+        return policy_gradient_loss(
             lp,
             prox,
             advantages,

@@ -58,6 +58,35 @@ __all__ = ["Learner", "RLHyperparams", "SFTHyperparams"]
 SFT_ROW_MULTIPLE = 4
 
 
+def update_arrays(
+    batch: pa.RecordBatch,
+    hp: RLHyperparams,
+    *,
+    pad_id: int,
+    max_seq_len: int,
+    mesh: jax.sharding.Mesh | None,
+) -> tuple[Batch | PackedBatch, int]:
+    """A trajectory batch as the update's arrays, and the widest row they can have.
+
+    Padded to one of a few widths (``raytunix.learner.batch.padding_buckets`` of
+    ``max_seq_len``) as a ``Batch``; with ``hp.sequence_packing`` packed into rows of at
+    most ``hp.pack_width`` tokens (``PackedBatch``; the row count a multiple of
+    ``packed_row_multiple`` of the micro-batch size and the mesh's batch shards), the width
+    then ``widest_packed_row``.
+    """
+    if not hp.sequence_packing:
+        arrays = Batch.from_record_batch(batch, pad_id=pad_id, max_seq_len=max_seq_len)
+        return arrays, max_seq_len
+    packed = PackedBatch.from_record_batch(
+        batch,
+        pad_id=pad_id,
+        max_seq_len=max_seq_len,
+        pack_width=hp.pack_width,
+        row_multiple=packed_row_multiple(hp.micro_batch_size, batch_shards(mesh)),
+    )
+    return packed, widest_packed_row(hp.pack_width, max_seq_len)
+
+
 class Learner:
     """Policy weights, optimizer state and the version counter.
 
@@ -230,24 +259,12 @@ class Learner:
         """
         if self._hp is None:
             raise RuntimeError("call start_rl before train_step")
-        if self._hp.sequence_packing:
-            arrays = PackedBatch.from_record_batch(
-                batch,
-                pad_id=self.pad_id,
-                max_seq_len=self.model_config.max_seq_len,
-                pack_width=self._hp.pack_width,
-                row_multiple=packed_row_multiple(
-                    self._hp.micro_batch_size, batch_shards(self.mesh)
-                ),
-            )
-        else:
-            arrays = Batch.from_record_batch(
-                batch, pad_id=self.pad_id, max_seq_len=self.model_config.max_seq_len
-            )
-        width = (
-            widest_packed_row(self._hp.pack_width, self.model_config.max_seq_len)
-            if self._hp.sequence_packing
-            else self.model_config.max_seq_len
+        arrays, width = update_arrays(
+            batch,
+            self._hp,
+            pad_id=self.pad_id,
+            max_seq_len=self.model_config.max_seq_len,
+            mesh=self.mesh,
         )
         dropped = generated_tokens_cut(batch, width)
         versions = arrays.policy_versions[arrays.loss_mask > 0]

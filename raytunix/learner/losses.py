@@ -378,7 +378,89 @@ def cispo_loss(
     return -weight * advantages * logprobs, weight != ratio
 
 
-def grpo_policy_loss(
+def policy_surrogate(
+    logprobs: jax.Array,
+    old_logprobs: jax.Array,
+    advantages: jax.Array,
+    loss_mask: jax.Array,
+    *,
+    policy_loss: PolicyLoss,
+    clip_eps_low: float,
+    clip_eps_high: float,
+    dual_clip: float,
+    importance_weights: jax.Array | None = None,
+    sequence_index: jax.Array | None = None,
+    num_sequences: int = 0,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The per-token policy surrogate ``w_t * surrogate_t`` of ``policy_loss``:
+    ``ppo_clip_loss`` (with ``dual_clip``), ``gspo_loss`` or ``cispo_loss``, with
+    ``old_logprobs`` as the anchor of the ratio and ``w_t`` the ``importance_weights``.
+
+    Args:
+      logprobs: float32[B, T], the current policy's log-probabilities, 0 off the mask.
+      old_logprobs: float32[B, T], under the policy the ratio is taken to: the behaviour
+        policy that sampled the tokens, or a proximal policy.
+      advantages: float32[B], one per sequence, or float32[B, T], one per token (GAE).
+      loss_mask: float[B, T], nonzero on tokens that count.
+      policy_loss: one of ``POLICY_LOSSES``.
+      clip_eps_low, clip_eps_high: the ratio (or CISPO's weight) is clipped to
+        ``[1 - clip_eps_low, 1 + clip_eps_high]``.
+      dual_clip: ``ppo_clip``'s dual-clip constant (> 1), 0 for none.
+      importance_weights: float32[B, T] >= 0 multiplying each token's surrogate, treated
+        as constants (no gradient); None for all 1.
+      sequence_index, num_sequences: packed rows (several sequences to a row, see
+        ``sequence_sum``), for GSPO's sequence ratio; ``advantages`` is then per token.
+
+    Returns:
+      ``(per_token float32[B, T], clipped bool[B, T], log_ratio float32[B, T])``: the
+      surrogate, where a clip is active, and ``log pi - log pi_old`` (0 off the mask).
+
+    Raises:
+      ValueError: an unknown ``policy_loss``.
+    """
+    _check_choice("policy_loss", policy_loss, POLICY_LOSSES)
+    on = loss_mask > 0
+    log_ratio = jnp.where(on, logprobs - old_logprobs, 0.0)
+    adv = jnp.asarray(advantages, jnp.float32)
+    adv = adv[:, None] if adv.ndim == 1 else adv
+    clip = {"clip_eps_low": clip_eps_low, "clip_eps_high": clip_eps_high}
+    if policy_loss == "ppo_clip":
+        per_token, clipped = ppo_clip_loss(log_ratio, adv, dual_clip=dual_clip, **clip)
+    elif policy_loss == "gspo":
+        per_token, clipped = gspo_loss(
+            log_ratio,
+            adv,
+            loss_mask,
+            sequence_index=sequence_index,
+            num_sequences=num_sequences,
+            **clip,
+        )
+    else:
+        per_token, clipped = cispo_loss(logprobs, log_ratio, adv, **clip)
+    if importance_weights is not None:
+        weights = jax.lax.stop_gradient(jnp.asarray(importance_weights, jnp.float32))
+        per_token = jnp.where(on, weights, 0.0) * per_token
+    return per_token, clipped, log_ratio
+
+
+def ratio_statistics(
+    log_ratio: jax.Array, clipped: jax.Array, loss_mask: jax.Array
+) -> dict[str, jax.Array]:
+    """Token means over the masked tokens of the importance ratio ``exp(log_ratio)``:
+    float32 scalars ``clip_fraction`` (share of tokens where ``clipped``), ``approx_kl``
+    (k3 estimate of KL(old || current), Schulman 2020), ``ratio_mean`` and ``num_tokens``
+    (the masked tokens' count). ``log_ratio`` float32[B, T], ``clipped`` bool[B, T]."""
+    on = loss_mask > 0
+    ratio = jnp.exp(log_ratio)
+    return {
+        "clip_fraction": masked_mean(clipped.astype(jnp.float32), on),
+        "approx_kl": masked_mean(ratio - 1.0 - log_ratio, on),
+        "ratio_mean": masked_mean(ratio, on),
+        "num_tokens": jnp.sum(on).astype(jnp.float32),
+    }
+
+
+def policy_gradient_loss(
     logprobs: jax.Array,
     old_logprobs: jax.Array,
     advantages: jax.Array,
@@ -401,98 +483,39 @@ def grpo_policy_loss(
     sequence_index: jax.Array | None = None,
     num_sequences: int = 0,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The policy-gradient loss of one batch: a surrogate per token, weighted, with an
-    optional KL penalty and entropy bonus, aggregated to a scalar::
+    """The policy-gradient loss of one batch (PPO/GRPO, GSPO or CISPO), aggregated::
 
         loss_t = w_t * surrogate_t + kl_coef * KL_t - entropy_coef * H_t
         loss   = sum_t weights_t * loss_t / denominator          (``loss_normalizer``)
 
-    ``surrogate_t`` is ``ppo_clip_loss`` (``policy_loss="ppo_clip"``, with
-    ``dual_clip``), ``gspo_loss`` or ``cispo_loss``, with ``old_logprobs`` as the anchor
-    of the ratio; ``w_t`` is ``importance_weights`` (1 if None); ``KL_t`` is
-    ``kl_penalty`` to ``ref_logprobs``, importance-weighted by ``pi / old *
-    kl_importance_weights`` so that its expected gradient is that of KL(pi || pi_ref)
-    whichever estimator (GRPO, arXiv:2402.03300, uses k3; the weighting is DeepSeek-V3.2's,
-    arXiv:2512.02556); ``H_t`` is the token entropy (an exploration bonus, Williams & Peng
-    1991; Mnih et al. 2016).
+    ``w_t * surrogate_t`` is ``policy_surrogate`` (whose Args these share); ``KL_t`` is
+    ``kl_penalty`` (``kl_estimator``) to ``ref_logprobs`` float32[B, T] (None: no KL), its
+    ratio taken to the behaviour policy by ``kl_importance_weights`` (``pi_old / pi_behav``,
+    None for 1); ``H_t`` is ``entropy`` float32[B, T] (nats, with its gradient; None: no
+    bonus). ``normalizer`` replaces ``loss_normalizer``'s (a micro-batch passes its rows of
+    the whole batch's). Masked-out tokens add exactly zero to the loss and its gradients.
 
-    With ``old_logprobs`` the behaviour policy's and no weights this is PPO/GRPO as
-    usual. The decoupled objective (Hilton et al. 2021, arXiv:2110.00641; AReaL,
-    arXiv:2505.24298) passes the proximal policy's logprobs as ``old_logprobs`` and
-    ``truncated_importance_weights(prox, behaviour, ...)`` as ``importance_weights``.
-
-    Args:
-      logprobs: float32[B, T], log-probabilities of the tokens under the current policy.
-      old_logprobs: float32[B, T], under the policy the ratio is taken to: the behaviour
-        policy that sampled the tokens, or a proximal policy.
-      advantages: float32[B], one per sequence, or float32[B, T], one per token (GAE).
-      loss_mask: float[B, T], nonzero on tokens that count. Masked-out tokens contribute
-        exactly zero to the loss and its gradients, even if their logprobs are NaN/inf.
-      policy_loss: one of ``POLICY_LOSSES``.
-      clip_eps_low, clip_eps_high: the ratio (or CISPO's weight) is clipped to
-        ``[1 - clip_eps_low, 1 + clip_eps_high]``.
-      dual_clip: ``ppo_clip``'s dual-clip constant (> 1), 0 for none.
-      aggregation: one of ``AGGREGATIONS``; max_tokens: its constant (see
-        ``loss_normalizer``).
-      ref_logprobs: float32[B, T] under the reference policy, or None for no KL term.
-      kl_coef: weight of the KL penalty; ignored when ``ref_logprobs`` is None.
-      kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"``: the value ``kl_ref`` reports
-        (``kl_estimate``) and the form of the loss term (``kl_penalty``); each has the
-        gradient of KL(pi || pi_ref).
-      importance_weights: float32[B, T] >= 0 multiplying each token's surrogate (not the
-        KL or entropy terms), treated as constants (no gradient); None for all 1.
-      kl_importance_weights: float32[B, T] >= 0, per-token ``pi_old / pi_behaviour``
-        (constants) when ``old_logprobs`` are not the behaviour policy's (the decoupled
-        objective's proximal policy), so that the KL term's ratio reaches the policy
-        that sampled the tokens; None for 1 (``old_logprobs`` are the behaviour's).
-      entropy: float32[B, T], the current policy's token entropy (nats), with its
-        gradient, for the bonus; None for no bonus.
-      entropy_coef: weight of the entropy bonus.
-      normalizer: ``(weights, denominator)`` to aggregate with instead of
-        ``loss_normalizer(loss_mask, ...)``: a micro-batch passes its rows of the whole
-        batch's weights and the whole batch's denominator.
-      sequence_index, num_sequences: packed rows (several sequences to a row): int32[B,
-        T], the sequence of each token, and how many there are, for GSPO's sequence ratio
-        and the aggregation (``sequence_sum``); ``advantages`` is then per token. None:
-        a row is a sequence.
-
-    Returns:
-      ``(loss, aux)``: a float32 scalar and float32 scalars ``clip_fraction`` (share of
-      masked tokens where a clip is active), ``approx_kl`` (k3 estimate of
-      KL(old || current)), ``ratio_mean``, ``num_tokens``, and ``kl_ref`` (the chosen
-      estimator's value, ``kl_estimate``, unweighted) when ``ref_logprobs`` is given.
-      Token statistics are token means.
-
-    Raises:
-      ValueError: an unknown ``policy_loss``, ``aggregation`` or ``kl_estimator``.
-    """
-    _check_choice("policy_loss", policy_loss, POLICY_LOSSES)
+    Returns ``(loss, aux)``: a float32 scalar and ``ratio_statistics``' scalars, plus
+    ``kl_ref`` (``kl_estimate``'s token mean) with ``ref_logprobs``. ValueError: an unknown
+    ``policy_loss``, ``aggregation`` or ``kl_estimator``."""
     on = loss_mask > 0
     logprobs = jnp.where(on, logprobs, 0.0)
-    log_ratio = jnp.where(on, logprobs - old_logprobs, 0.0)
-    adv = jnp.asarray(advantages, jnp.float32)
-    adv = adv[:, None] if adv.ndim == 1 else adv
-    clip = {"clip_eps_low": clip_eps_low, "clip_eps_high": clip_eps_high}
-    if policy_loss == "ppo_clip":
-        per_token, clipped = ppo_clip_loss(log_ratio, adv, dual_clip=dual_clip, **clip)
-    elif policy_loss == "gspo":
-        per_token, clipped = gspo_loss(
-            log_ratio,
-            adv,
-            loss_mask,
-            sequence_index=sequence_index,
-            num_sequences=num_sequences,
-            **clip,
-        )
-    else:
-        per_token, clipped = cispo_loss(logprobs, log_ratio, adv, **clip)
-    if importance_weights is not None:
-        weights = jax.lax.stop_gradient(jnp.asarray(importance_weights, jnp.float32))
-        per_token = jnp.where(on, weights, 0.0) * per_token
-
-    aux = {}
+    per_token, clipped, log_ratio = policy_surrogate(
+        logprobs,
+        old_logprobs,
+        advantages,
+        loss_mask,
+        policy_loss=policy_loss,
+        clip_eps_low=clip_eps_low,
+        clip_eps_high=clip_eps_high,
+        dual_clip=dual_clip,
+        importance_weights=importance_weights,
+        sequence_index=sequence_index,
+        num_sequences=num_sequences,
+    )
+    aux = ratio_statistics(log_ratio, clipped, loss_mask)
     if ref_logprobs is not None:
-        penalty = kl_penalty(
+        per_token = per_token + kl_coef * kl_penalty(
             logprobs,
             ref_logprobs,
             old_logprobs,
@@ -500,13 +523,10 @@ def grpo_policy_loss(
             estimator=kl_estimator,
             importance_weights=kl_importance_weights,
         )
-        per_token = per_token + kl_coef * penalty
-        aux["kl_ref"] = masked_mean(
-            kl_estimate(logprobs, ref_logprobs, loss_mask, estimator=kl_estimator), on
-        )
+        kl_ref = kl_estimate(logprobs, ref_logprobs, loss_mask, estimator=kl_estimator)
+        aux["kl_ref"] = masked_mean(kl_ref, on)
     if entropy is not None:
         per_token = per_token - entropy_coef * entropy
-
     if normalizer is None:
         normalizer = loss_normalizer(
             loss_mask,
@@ -519,14 +539,11 @@ def grpo_policy_loss(
         _check_choice("aggregation", aggregation, AGGREGATIONS)
     token_weights, denominator = normalizer
     loss = jnp.sum(jnp.where(on, per_token, 0.0) * token_weights) / denominator
-    ratio = jnp.exp(log_ratio)
-    aux.update(
-        clip_fraction=masked_mean(clipped.astype(jnp.float32), on),
-        approx_kl=masked_mean(ratio - 1.0 - log_ratio, on),
-        ratio_mean=masked_mean(ratio, on),
-        num_tokens=jnp.sum(on).astype(jnp.float32),
-    )
     return loss, jax.tree.map(jax.lax.stop_gradient, aux)
+
+
+# The name from when this loss was GRPO's only; tests and shared cases still call it.
+grpo_policy_loss = policy_gradient_loss
 
 
 def clipped_value_loss(

@@ -45,7 +45,7 @@ from raytunix.learner.losses import (
     KL_ESTIMATORS,
     POLICY_LOSSES,
     clipped_value_loss,
-    grpo_policy_loss,
+    policy_gradient_loss,
     logprob_mismatch,
     loss_normalizer,
     masked_mean,
@@ -697,6 +697,56 @@ def packed_sequence_index(segment_ids: jax.Array) -> dict[str, Any]:
     }
 
 
+def decoupled_importance_weights(
+    prox: jax.Array,
+    behaviour: jax.Array,
+    mask: jax.Array,
+    hp: RLHyperparams,
+    *,
+    with_kl: bool,
+    seqs: dict[str, Any],
+) -> tuple[jax.Array, jax.Array | None, dict[str, jax.Array]]:
+    """Decoupled PPO's (Hilton et al. 2021, arXiv:2110.00641) constant weights from the
+    proximal policy ``prox`` to the ``behaviour`` policy (both float32[B, T-1] logprobs):
+    ``truncated_importance_weights`` at ``hp.importance_sampling`` capped at
+    ``hp.importance_cap``, for the surrogate; token by token for the KL term (when
+    ``with_kl``, else None), so that its gradient is KL(pi || pi_ref)'s.
+
+    Returns ``(weights, kl_weights, aux)``, aux the weights' float32 scalar statistics.
+    """
+    weights, aux = truncated_importance_weights(
+        prox, behaviour, mask, level=hp.importance_sampling, cap=hp.importance_cap, **seqs
+    )
+    kl_weights = None
+    if with_kl:
+        kl_weights = (
+            weights
+            if hp.importance_sampling == "token_tis"
+            else truncated_importance_weights(
+                prox, behaviour, mask, level="token_tis", cap=hp.importance_cap
+            )[0]
+        )
+    return weights, kl_weights, aux
+
+
+def token_sums(
+    aux: dict[str, jax.Array], generated: jax.Array, out_of_support: jax.Array
+) -> dict[str, jax.Array]:
+    """A micro-batch's token means ``aux`` (with its ``num_tokens``) turned into token
+    sums, so that micro-batches add up: ``mismatch_ratio_max`` stays a max; plus the
+    counts of ``generated`` tokens (float[B, T-1] > 0) and of those ``out_of_support``
+    (bool[B, T-1], logprob -inf under the current truncated sampling distribution)."""
+    aux = dict(aux)
+    tokens = aux.pop("num_tokens")
+    sums = {k: v if k == "mismatch_ratio_max" else v * tokens for k, v in aux.items()}
+    sums.update(
+        num_tokens=tokens,
+        generated=jnp.sum(generated > 0),
+        out_of_support=jnp.sum((generated > 0) & out_of_support),
+    )
+    return sums
+
+
 def policy_loss_terms(
     logprobs: jax.Array,
     logits: jax.Array,
@@ -709,7 +759,7 @@ def policy_loss_terms(
     max_seq_len: int,
     seqs: dict[str, Any],
 ) -> tuple[jax.Array, dict, Any]:
-    """The policy loss of one micro-batch ``mb`` (``grpo_policy_loss``: ``hp.policy_loss``
+    """The policy loss of one micro-batch ``mb`` (``policy_gradient_loss``: ``hp.policy_loss``
     ppo_clip / GSPO / CISPO, clip, KL to ``ref``, entropy bonus), normalised by the whole
     batch's ``(mb["weights"], denominator)``, and token *sums* of its statistics.
 
@@ -733,24 +783,14 @@ def policy_loss_terms(
     weights, kl_weights = None, None
     weight_aux: dict[str, jax.Array] = {}
     if decoupled:
-        weights, weight_aux = truncated_importance_weights(
-            prox, mb["old"], mask, level=hp.importance_sampling, cap=hp.importance_cap, **seqs
+        weights, kl_weights, weight_aux = decoupled_importance_weights(
+            prox, mb["old"], mask, hp, with_kl=ref is not None, seqs=seqs
         )
-        if ref is not None:
-            kl_weights = (
-                weights
-                if hp.importance_sampling == "token_tis"
-                else (
-                    truncated_importance_weights(
-                        prox, mb["old"], mask, level="token_tis", cap=hp.importance_cap
-                    )[0]
-                )
-            )
     sampling = {"temperature": hp.temperature, "top_k": hp.top_k, "top_p": hp.top_p}
     entropy = token_entropy(
         logits if hp.entropy_coef > 0 else jax.lax.stop_gradient(logits), **sampling
     )
-    loss, aux = grpo_policy_loss(
+    loss, aux = policy_gradient_loss(
         logprobs,
         prox if decoupled else mb["old"],
         mb["advantages"],
@@ -776,14 +816,7 @@ def policy_loss_terms(
         **logprob_mismatch(prox, mb["old"], mask),
         entropy=masked_mean(jax.lax.stop_gradient(entropy), mask),
     )
-    tokens = aux.pop("num_tokens")
-    sums = {k: v if k == "mismatch_ratio_max" else v * tokens for k, v in aux.items()}
-    sums.update(
-        num_tokens=tokens,
-        generated=jnp.sum(mb["generated"] > 0),
-        out_of_support=jnp.sum((mb["generated"] > 0) & out_of_support),
-    )
-    return loss, sums, (prox, support)
+    return loss, token_sums(aux, mb["generated"], out_of_support), (prox, support)
 
 
 def value_loss_terms(
@@ -1112,6 +1145,42 @@ def _check_update_inputs(
         )
 
 
+def micro_batch_shards(hp: RLHyperparams, mesh: jax.sharding.Mesh | None) -> int:
+    """How many devices each micro-batch's rows are split over: the mesh's data x fsdp
+    devices (``batch_shards``), 1 without a mesh.
+
+    Raises:
+      ValueError: a ``hp.micro_batch_size`` those devices do not divide.
+    """
+    shards = batch_shards(mesh) if mesh is not None else 1
+    if hp.micro_batch_size % shards:
+        raise ValueError(
+            f"micro_batch_size={hp.micro_batch_size} cannot be split over the mesh's data x "
+            f"fsdp = {shards} devices; set learner.micro_batch_size to a multiple of {shards} "
+            "(or 0, the whole batch)."
+        )
+    return shards
+
+
+def _rows_split_within_micro_batches(mbs: Any, mesh: jax.sharding.Mesh) -> Any:
+    """Stacked micro-batches ``[M, rows, ...]`` constrained so that each micro-batch is
+    split over the mesh's devices (its rows), not the micro-batches across them."""
+    return jax.tree.map(
+        lambda x: jax.lax.with_sharding_constraint(x, row_sharding(mesh, x.ndim, leading=1)),
+        mbs,
+    )
+
+
+def skipped_update_metrics(batch: Batch | PackedBatch) -> dict[str, float]:
+    """The metrics of an update skipped for a batch with no trainable token: the state is
+    unchanged, ``update_skipped`` 1, ``num_tokens`` 0 and the batch's ``reward_mean``."""
+    return {
+        "update_skipped": 1.0,
+        "num_tokens": 0.0,
+        "reward_mean": float(np.mean(batch.rewards)),
+    }
+
+
 def make_policy_update(
     graphdef: nnx.GraphDef,
     optimizer: optax.GradientTransformation,
@@ -1154,13 +1223,7 @@ def make_policy_update(
       TypeError: from ``update``, for a batch that is not a ``Batch``.
     """
     hp.check()
-    shards = batch_shards(mesh) if mesh is not None else 1
-    if hp.micro_batch_size % shards:
-        raise ValueError(
-            f"micro_batch_size={hp.micro_batch_size} cannot be split over the mesh's data x "
-            f"fsdp = {shards} devices; set learner.micro_batch_size to a multiple of {shards} "
-            "(or 0, the whole batch)."
-        )
+    shards = micro_batch_shards(hp, mesh)
     grad_fn = jax.grad(
         functools.partial(micro_batch_loss, graphdef=graphdef, hp=hp, max_seq_len=max_seq_len),
         has_aux=True,
@@ -1174,13 +1237,8 @@ def make_policy_update(
         mbs, denominator, extra = micro_batches(
             graphdef, state, batch, hp, num_rows, max_seq_len=max_seq_len
         )
-        if mesh is not None:  # each micro-batch split over the devices, not across them
-            mbs = jax.tree.map(
-                lambda x: jax.lax.with_sharding_constraint(
-                    x, row_sharding(mesh, x.ndim, leading=1)
-                ),
-                mbs,
-            )
+        if mesh is not None:
+            mbs = _rows_split_within_micro_batches(mbs, mesh)
         state, metrics = iterate_and_guard(
             lambda s, anchors: step(s, ref_params, mbs, denominator, anchors),
             state,
@@ -1195,11 +1253,7 @@ def make_policy_update(
         num_rows = len(batch.rewards)
         prepared = _prepare_batch(batch, hp, shards)
         if prepared is None:
-            return state, {
-                "update_skipped": 1.0,
-                "num_tokens": 0.0,
-                "reward_mean": float(np.mean(batch.rewards)),
-            }
+            return state, skipped_update_metrics(batch)
         placed, rows = _placed_batch(prepared, num_rows, mesh)
         return _update(state, ref_params if hp.kl_coef > 0 else None, placed, rows)
 
