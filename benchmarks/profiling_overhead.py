@@ -43,7 +43,7 @@ themselves, the chunk's serialisation included, and the driver's CPU seconds in 
 ``profile_collect`` spans; ``profiling_drain_cost.py`` measures a drain's CPU in every
 process, Ray's own threads included). ``gc_fraction_by_process_off`` and ``_on``: the
 share of each process's wall time spent in Python's garbage collector (``gc.callbacks``),
-which is where a process's cost of holding spans would show (``raytunix/heap.py``).
+which is where a process's cost of holding spans would show (``raytunix/cluster/heap.py``).
 
     python benchmarks/profiling_overhead.py
 """

@@ -264,7 +264,7 @@ def _profile(run_dir: str, out_dir: str | None) -> int:
 
 
 def _scale(run_dir: str, env_actors: str | None, sandbox_actors: str | None) -> int:
-    from raytunix.scaling import ScaleRequestError, write_scale_request
+    from raytunix.cluster.scaling import ScaleRequestError, write_scale_request
 
     try:
         counts = [
@@ -308,7 +308,7 @@ def _explain(key: str, markdown: bool) -> int:
 
 
 def _whole_number(flag: str, value: str | None) -> int | None:
-    from raytunix.scaling import ScaleRequestError
+    from raytunix.cluster.scaling import ScaleRequestError
 
     if value is None:
         return None
@@ -322,7 +322,7 @@ def _whole_number(flag: str, value: str | None) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from raytunix.jobs import check_shipped_package
+    from raytunix.cluster.jobs import check_shipped_package
 
     wrong = check_shipped_package()  # in a submitted job: the shipped raytunix, or stop
     if wrong:
@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "scale":
         return _scale(args.run_dir, args.env_actors, args.sandbox_actors)
     if args.command in ("submit", "status"):
-        from raytunix import jobs
+        from raytunix.cluster import jobs
 
         if args.command == "status":
             return jobs.status_command(args.address, args.job_id)

@@ -1474,8 +1474,8 @@ def _validate_learner(cfg: Config) -> None:
 
 
 def _validate_placement(cfg: Config) -> None:
-    """Resources of learner hosts and env actors (``raytunix.placement``)."""
-    from raytunix.placement import check_resources
+    """Resources of learner hosts and env actors (``raytunix.cluster.placement``)."""
+    from raytunix.cluster.placement import check_resources
 
     learner = cfg.learner
     if learner.slow_call_timeout_s < learner.call_timeout_s:

@@ -89,7 +89,7 @@ def test_env_pool_grown_then_shrunk_mid_run_loses_and_fails_no_episode(ray_sessi
 
     from raytunix.rollout.actor import OrchestratorActor
     from raytunix.rollout.env_pool import EnvPool
-    from raytunix.scaling import ScaleWatcher, write_scale_request
+    from raytunix.cluster.scaling import ScaleWatcher, write_scale_request
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # tests/ is not on workers' path
     (tmp_path / "config.yaml").write_text("{}\n")
@@ -241,7 +241,7 @@ def test_sandbox_pool_grows_and_a_retiring_actor_serves_its_work_dirs_then_is_ki
 
 def test_scale_cli_writes_the_request_atomically_and_rejects_bad_input(tmp_path, capsys):
     from raytunix.cli import main
-    from raytunix.scaling import SCALE_FILE, read_scale_request
+    from raytunix.cluster.scaling import SCALE_FILE, read_scale_request
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -294,7 +294,7 @@ def test_the_driver_applies_each_request_once_and_reports_a_bad_file_once(ray_se
     from ray import cloudpickle
 
     from raytunix.rollout.env_pool import EnvPool
-    from raytunix.scaling import SCALE_FILE, ScaleWatcher, write_scale_request
+    from raytunix.cluster.scaling import SCALE_FILE, ScaleWatcher, write_scale_request
 
     (tmp_path / "config.yaml").write_text("{}\n")
     orchestrator_copy = EnvPool("calculator_math", {}, num_actors=1, max_restarts=0)

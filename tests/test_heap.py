@@ -1,4 +1,4 @@
-"""raytunix.heap: actor processes take their start-up heap out of the garbage collector's
+"""raytunix.cluster.heap: actor processes take their start-up heap out of the garbage collector's
 scans and collect the young generation less often; other processes are left alone."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import gc
 
 import pytest
 
-from raytunix import heap
+from raytunix.cluster import heap
 
 
 @pytest.fixture

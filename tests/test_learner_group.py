@@ -59,7 +59,7 @@ def test_a_two_host_group_matches_one_process_and_is_rebuilt_after_a_host_dies(
     from raytunix.learner.group import LearnerGroup, LearnerHostFailure
     from raytunix.learner.learner import Learner, RLHyperparams
     from raytunix.models.llama import ModelConfig
-    from raytunix.placement import LearnerHostsSpec
+    from raytunix.cluster.placement import LearnerHostsSpec
 
     config = ModelConfig(**CONFIG_KW)
     hp = RLHyperparams(

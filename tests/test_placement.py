@@ -24,7 +24,7 @@ SCENARIO = textwrap.dedent('''
     from ray.cluster_utils import Cluster
 
     from raytunix.learner.group import place_learner_hosts
-    from raytunix.placement import LearnerHostsSpec, cpu_actor_options
+    from raytunix.cluster.placement import LearnerHostsSpec, cpu_actor_options
     from raytunix.rollout.env_pool import EnvPool
 
     cluster = Cluster(initialize_head=True, head_node_args={
@@ -112,7 +112,7 @@ def test_env_actors_land_only_on_cpu_nodes_and_never_see_the_tpu(scenario):
 
 
 def test_learner_ranks_come_from_worker_ids_and_are_checked():
-    from raytunix.placement import assign_ranks
+    from raytunix.cluster.placement import assign_ranks
 
     assert assign_ranks([2, 0, 3, 1]) == [2, 0, 3, 1]
     assert assign_ranks([None, None]) == [0, 1]
@@ -123,7 +123,7 @@ def test_learner_ranks_come_from_worker_ids_and_are_checked():
 
 
 def test_env_actors_may_not_ask_for_an_accelerator():
-    from raytunix.placement import cpu_actor_options
+    from raytunix.cluster.placement import cpu_actor_options
 
     with pytest.raises(ValueError, match="TPU.*JAX_PLATFORMS=cpu"):
         cpu_actor_options({"TPU": 1})
@@ -138,7 +138,7 @@ def test_env_actors_may_not_ask_for_an_accelerator():
 
 def test_placement_config_keys_are_validated_with_the_fix_in_the_message():
     from raytunix.config import ConfigError, load_config
-    from raytunix.placement import LearnerHostsSpec
+    from raytunix.cluster.placement import LearnerHostsSpec
 
     slice_keys = [
         "learner.num_hosts=4",
@@ -173,7 +173,7 @@ def test_placement_config_keys_are_validated_with_the_fix_in_the_message():
 
 def test_engine_and_single_learner_resources():
     from raytunix.config import ConfigError, load_config
-    from raytunix.placement import LearnerHostsSpec
+    from raytunix.cluster.placement import LearnerHostsSpec
 
     cfg = load_config(
         None,

@@ -15,7 +15,7 @@ import pytest
 from raytunix.config import ConfigError, load_config
 from raytunix.driver import steps
 from raytunix.driver.run_dir import RunDir, RunError, load_run_config
-from raytunix.scaling import ScaleRequestError, write_scale_request
+from raytunix.cluster.scaling import ScaleRequestError, write_scale_request
 
 from test_train import TINY  # the tiny model and run of the main job's tests
 

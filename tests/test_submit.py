@@ -22,7 +22,7 @@ import psutil
 import pytest
 from test_train import TINY  # the tiny model and run of the main job's tests
 
-from raytunix import jobs
+from raytunix.cluster import jobs
 from raytunix.config import ConfigError
 
 RAYTUNIX = [sys.executable, "-m", "raytunix.cli"]

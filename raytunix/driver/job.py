@@ -16,7 +16,7 @@ from raytunix.driver.init_from import initial_checkpoints
 from raytunix.driver.prepare import Tasks
 from raytunix.driver.run_dir import RunDir, RunError, say
 from raytunix.models.tokenizer import Tokenizer
-from raytunix.placement import LearnerHostsSpec, resource_options
+from raytunix.cluster.placement import LearnerHostsSpec, resource_options
 from raytunix.rollout.env_pool import CPU_ONLY_RUNTIME_ENV, EnvPool
 from raytunix.types import SamplingParams
 

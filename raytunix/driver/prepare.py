@@ -55,7 +55,7 @@ def connect_ray() -> None:
                     "cluster of this machine."
                 ) from e
         else:
-            from raytunix.watchdog import start_watchdog
+            from raytunix.cluster.watchdog import start_watchdog
 
             # address="local": a new cluster, even where `ray start` left one running on
             # this machine (ray.init() alone would join it); RAY_ADDRESS joins one.

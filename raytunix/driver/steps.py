@@ -37,7 +37,7 @@ from raytunix.learner.group import LearnerHostFailure, LearnerStateDivergence
 from raytunix.learner.learner import RLHyperparams, SFTHyperparams
 from raytunix.profiling.learning import SignalWatch
 from raytunix.rollout import preflight
-from raytunix.scaling import ScaleWatcher
+from raytunix.cluster.scaling import ScaleWatcher
 from raytunix.types import EpisodeStatus, RolloutHalted
 
 

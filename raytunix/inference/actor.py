@@ -7,7 +7,8 @@ from typing import Any
 import jax
 import ray
 
-from raytunix import heap, profiling
+from raytunix import profiling
+from raytunix.cluster import heap
 from raytunix.inference.engine import InferenceEngine
 from raytunix.models.llama import ModelConfig, init_model
 

@@ -16,7 +16,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from raytunix import heap, profiling
+from raytunix import profiling
+from raytunix.cluster import heap
 from raytunix.learner.checkpoint import Checkpointer
 from raytunix.learner.learner import Learner, RLHyperparams, SFTHyperparams
 from raytunix.models.llama import ModelConfig

@@ -13,11 +13,11 @@
 
 How it starts (``_start``):
 
-1. The hosts are reserved as one placement group (``raytunix.placement.
+1. The hosts are reserved as one placement group (``raytunix.cluster.placement.
    reserve_learner_hosts``; on a TPU slice, Ray's slice placement group) and one
    ``LearnerHost`` actor is placed in each bundle.
 2. Each host reports its TPU worker id; the JAX process ranks are those ids, not the
-   bundle indices (``raytunix.placement.assign_ranks``; bundle order off a TPU slice).
+   bundle indices (``raytunix.cluster.placement.assign_ranks``; bundle order off a TPU slice).
 3. Rank 0 picks a free port on its node: the coordinator address is its node's IP and
    that port, new at every start, so a rebuilt group never meets the old one's
    coordinator.
@@ -59,7 +59,7 @@ from raytunix import profiling
 from raytunix.learner.actor import LearnerActor
 from raytunix.learner.learner import RLHyperparams, SFTHyperparams
 from raytunix.models.llama import ModelConfig
-from raytunix.placement import (
+from raytunix.cluster.placement import (
     LearnerHosts,
     LearnerHostsSpec,
     assign_ranks,
@@ -161,10 +161,10 @@ class LearnerHost(LearnerActor):
 
     def host_info(self) -> dict[str, Any]:
         """Where this actor runs: ``node_id``, ``node_ip``, ``pid`` and the host's TPU
-        ``worker_id`` (None off a TPU slice; ``raytunix.placement.tpu_worker_id``)."""
+        ``worker_id`` (None off a TPU slice; ``raytunix.cluster.placement.tpu_worker_id``)."""
         import os
 
-        from raytunix.placement import tpu_worker_id
+        from raytunix.cluster.placement import tpu_worker_id
 
         return {
             "node_id": ray.get_runtime_context().get_node_id(),

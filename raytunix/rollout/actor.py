@@ -9,7 +9,8 @@ from typing import Any, Sequence
 
 import ray
 
-from raytunix import heap, profiling
+from raytunix import profiling
+from raytunix.cluster import heap
 from raytunix.agents import make_agent
 from raytunix.inference.router import EngineRouter
 from raytunix.plugins import add_import_paths

@@ -26,7 +26,8 @@ from typing import Any, Awaitable, Callable, Sequence
 
 import ray
 
-from raytunix import heap, profiling
+from raytunix import profiling
+from raytunix.cluster import heap
 from raytunix.envs import make_env
 from raytunix.envs.contract import EnvErrorReport, check_observation, guarded_call
 from raytunix.plugins import PluginError, add_import_paths

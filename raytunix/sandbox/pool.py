@@ -33,7 +33,8 @@ from typing import Any, Mapping, Sequence
 
 import ray
 
-from raytunix import heap, profiling
+from raytunix import profiling
+from raytunix.cluster import heap
 from raytunix.sandbox.sandbox import Sandbox
 from raytunix.sandbox.types import (
     DEFAULT_POOL_NAME,
