@@ -22,6 +22,7 @@ from raytunix.models.tokenizer import Tokenizer
 from raytunix.rollout.batch import episode_rows
 from raytunix.rollout.program import run_program_episode
 from raytunix.types import EpisodeStatus, Task
+from test_gateway import RecordingEngine  # the real engine, with what it was asked kept
 
 TOKENIZER = Tokenizer.byte_level()
 CONFIG = ModelConfig(
@@ -35,22 +36,6 @@ CONFIG = ModelConfig(
 )
 GRAPHDEF, PARAMS = init_model(CONFIG, seed=0)
 TASK = Task(task_id="t0", question="Say hi.", answer="hi")
-
-
-class RecordingEngine:
-    """The real engine, with every request it was given and result it returned kept."""
-
-    def __init__(self, engine):
-        self.engine, self.seen = engine, []
-        self.max_seq_len = engine.max_seq_len
-
-    async def generate(self, request):
-        result = await self.engine.generate(request)
-        self.seen.append((request, result))
-        return result
-
-    def end_session(self, session_id):
-        self.engine.end_session(session_id)
 
 
 @pytest.fixture(scope="module")
