@@ -80,6 +80,24 @@ def test_orchestrator_overhead_runs_and_reports_cpu_per_turn():
 
 
 @pytest.mark.benchmark
+def test_gateway_overhead_runs_both_arms_on_equal_work_and_reports_its_keys():
+    report = _run(
+        "gateway_overhead.py",
+        *("--prompts", "2", "--group-size", "2", "--repeats", "1", "--calls", "3"),
+        *("--max-batch-size", "4", "--concurrency", "4"),
+        *("--system-tokens", "16", "--question-tokens", "8", "--tool-tokens", "4"),
+        timeout_s=600,
+    )
+    assert report["tokens_per_s_ratio_vs_native"] > 0
+    assert isinstance(report["overhead_ms_per_call"], float)
+    for arm in ("native", "program"):
+        (run,) = report["runs"][arm]
+        assert run["calls"] == 4 * 3 and 0 < run["generated_tokens"] <= 4 * 3 * 32
+        stats = report["single_call_ms"][arm]
+        assert 0 < stats["median"] <= stats["worst"]
+
+
+@pytest.mark.benchmark
 def test_rollout_overlap_runs_and_reports_its_three_keys():
     # One engine row and a short context: 4 programs to compile, the bulk of the time.
     report = _run(
