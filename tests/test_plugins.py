@@ -70,7 +70,7 @@ def test_registered_names_resolve_to_the_package_registry():
     assert plugins.resolve("env", "raytunix.envs:MathVerifierEnv") is MathVerifierEnv
     with pytest.raises(
         plugins.PluginError,
-        match="unknown environment 'chess'; registered: bash_terminal, calculator_math, gymnasium",
+        match="unknown environment 'chess'; registered: agent_program, bash_terminal, calculator_math",
     ):
         plugins.resolve("env", "chess")
     with pytest.raises(plugins.PluginError, match="not a subclass of raytunix.envs.base.BaseEnv"):
