@@ -11,6 +11,7 @@ import sys
 import textwrap
 
 import ray
+import pytest
 
 from raytunix.config import load_config
 from raytunix.driver.prepare import compilation_cache_env, jit_actor_options
@@ -74,6 +75,7 @@ def test_an_empty_dir_turns_the_cache_off():
     assert jit_actor_options(cfg) == {}
 
 
+@pytest.mark.slow
 def test_a_second_process_with_the_same_cache_dir_compiles_nothing(tmp_path):
     cfg = load_config(
         None,

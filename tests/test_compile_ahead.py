@@ -92,6 +92,7 @@ async def _serve(engine, waves):
     return results
 
 
+@pytest.mark.slow
 def test_after_start_up_no_step_waits_for_a_compile():
     async def main():
         engine = _engine(compile_ahead=True)

@@ -65,6 +65,7 @@ async def _wait_for_decode_steps(engine, n):
         await asyncio.sleep(0.001)
 
 
+@pytest.mark.slow
 def test_batched_greedy_equals_one_at_a_time():
     requests = [
         _request(f"r{i}", _prompt(2 + 5 * i, start=11 + i), max_new_tokens=10) for i in range(6)

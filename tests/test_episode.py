@@ -8,6 +8,7 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 from raytunix.agents import make_agent  # noqa: E402
 from raytunix.data.arithmetic import make_arithmetic_splits  # noqa: E402
@@ -62,6 +63,7 @@ def _memorized_engine(tokenizer, task):
     return InferenceEngine(learner.graphdef, learner.params, config, tokenizer, max_batch_size=4)
 
 
+@pytest.mark.slow
 def test_multi_turn_trajectory_is_exactly_engine_inputs_plus_outputs():
     train, _ = make_arithmetic_splits(8, 2, seed=3)
     task = train[0]

@@ -252,6 +252,7 @@ def test_failed_member_excluded_from_group_baseline():
     assert float(metrics["grad_norm"]) < 1e-7
 
 
+@pytest.mark.slow
 def test_an_infrastructure_failure_changes_nothing_in_the_update():
     update, state = _update()
     valid = [

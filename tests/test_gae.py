@@ -124,6 +124,7 @@ def _setup(**settings):
     return graphdef, state, update, hp
 
 
+@pytest.mark.slow
 def test_first_update_loss_is_ppo_on_gae_advantages_plus_the_value_loss():
     graphdef, state, update, _ = _setup()
     batch = Batch.from_record_batch(_record_batch(), pad_id=0, max_seq_len=64)

@@ -181,6 +181,7 @@ def test_masked_junk_gives_a_zero_term_and_zero_gradient():
         assert np.isfinite(term) and np.all(np.isfinite(grad)) and grad[0, 1] == 0.0
 
 
+@pytest.mark.slow
 def test_the_update_weights_the_kl_term_to_the_behaviour_policy_under_decoupled_ppo():
     """With zero advantages only the KL penalty moves the policy. Its ratio goes to the
     behaviour policy token by token whichever way the update anchors the clip: plain PPO

@@ -9,6 +9,7 @@ import asyncio
 
 import numpy as np
 import pyarrow as pa
+import pytest
 
 from raytunix import profiling
 from raytunix.config import load_config
@@ -58,6 +59,7 @@ def ready(value):
     return future
 
 
+@pytest.mark.slow
 def test_engine_decodes_while_the_colocated_learner_updates():
     cfg = load_config(None, ["learner.mesh_data=1"])
     hp = RLHyperparams.from_config(cfg)

@@ -235,6 +235,7 @@ def _off_policy_batch(graphdef, params):
 @pytest.mark.parametrize(
     "correction,level", [("none", "token_tis")] + [("decoupled_ppo", level) for level in LEVELS]
 )
+@pytest.mark.slow
 def test_a_learner_step_runs_in_every_mode_with_finite_metrics_and_the_mismatch(
     model, correction, level
 ):

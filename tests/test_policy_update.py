@@ -378,6 +378,7 @@ def test_micro_batch_loss_adds_value_coef_times_the_value_loss(model):
     assert float(sums["value_loss"]) > 0
 
 
+@pytest.mark.slow
 def test_accumulated_gradients_of_micro_batches_equal_the_whole_batchs(model):
     graphdef, _ = model
     state = create_train_state(*model, optax.sgd(0.1), seed=0)

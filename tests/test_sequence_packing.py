@@ -206,6 +206,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_packed_update_equals_padded(models, record_batch, name):
     graphdef, params, ref_params = models

@@ -75,6 +75,7 @@ def test_bad_shapes_are_refused():
         )
 
 
+@pytest.mark.slow
 def test_a_packed_step_equals_the_padded_step():
     graphdef, params = init_model(CONFIG, seed=0)
     optimizer = make_optimizer(1e-2)
@@ -100,6 +101,7 @@ def test_a_packed_step_equals_the_padded_step():
         )  # Adam: ~lr * sign
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch_size", [1, 5])
 def test_learner_warm_start_steps_train_on_packed_rows(batch_size):
     learner = Learner(CONFIG, seed=0)

@@ -142,6 +142,7 @@ def test_grpo_update_kl_penalty_needs_reference_params(model):
     np.testing.assert_allclose(metrics["kl_ref"], 0.0, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_grpo_update_with_truncation_scores_like_the_sampler_and_stays_finite(model):
     """With top-k on, completion tokens outside the current policy's top-k set have
     logprob -inf: they get no gradient, are counted, and the loss (with a KL penalty)
@@ -329,6 +330,7 @@ def _assert_trees_close(a, b, rtol=1e-5, atol=1e-7):
         ),
     ],
 )
+@pytest.mark.slow
 def test_four_micro_batches_make_the_whole_batch_update(model, aggregation, settings):
     graphdef, params = model
     optimizer = optax.sgd(0.5)  # the step is the gradient itself: nothing hides a mismatch
@@ -371,6 +373,7 @@ def test_iterations_without_correction_anchor_every_step_at_the_behaviour_policy
     np.testing.assert_allclose(metrics["clip_fraction_last"], second["clip_fraction"], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_iterations_with_decoupled_ppo_keep_the_proximal_policy_of_the_batch_start(model):
     from raytunix.learner.losses import (
         policy_gradient_loss,
