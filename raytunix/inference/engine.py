@@ -98,6 +98,10 @@ from raytunix.models.llama import (
 )
 from raytunix.types import FinishReason, GenerationRequest, GenerationResult
 
+# The request record moved to kv_cache.py with the KV-cache manager; tests written against
+# the engine module (shared/cases) still reach it by its old name.
+_Sequence = Sequence
+
 logger = logging.getLogger(__name__)
 
 KV_ON_WEIGHT_UPDATE: tuple[str, ...] = get_args(KVOnWeightUpdate)  # engine.kv_on_weight_update
