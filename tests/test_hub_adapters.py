@@ -18,7 +18,9 @@ import pytest
 from raytunix.envs import make_env
 from raytunix.types import TOOL_ERRORS_KEY, Action, EpisodeStatus
 
-textarena = pytest.importorskip("textarena")
+textarena = pytest.importorskip(
+    "textarena", reason="TextArena is the hubs extra: pip install -e '.[test,hubs]'"
+)
 
 
 def _binary_search_episode(env, task, first_reply="[10]"):
