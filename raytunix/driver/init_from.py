@@ -14,7 +14,7 @@ import os
 import shutil
 
 from raytunix.config import Config, ConfigError, ModelConfig
-from raytunix.driver.run_dir import RunDir, load_run_config, say
+from raytunix.driver.run_dir import RunDir, has_steps, load_run_config, say
 
 # What the weights depend on: a new run takes these from the run it starts from.
 SHAPE_KEYS = (
@@ -28,16 +28,11 @@ SHAPE_KEYS = (
 )
 
 
-def _has_steps(directory: str) -> bool:
-    """Whether ``directory`` holds a committed orbax step (a ``<step>`` subdirectory)."""
-    return os.path.isdir(directory) and any(name.isdigit() for name in os.listdir(directory))
-
-
 def source_checkpoints(source: RunDir) -> str:
     """The checkpoint directory of the run ``source`` whose newest policy a new run starts
     from: its RL checkpoints when it has any, else its warm start's; "" for neither."""
     for directory in (source.checkpoints, source.warmup):
-        if _has_steps(directory):
+        if has_steps(directory):
             return directory
     return ""
 

@@ -188,9 +188,13 @@ class RunDir:
         state.json still resumes from it)."""
         if "checkpoint_step" in self.read_state():
             return True
-        return os.path.isdir(self.checkpoints) and any(
-            name.isdigit() for name in os.listdir(self.checkpoints)
-        )
+        return has_steps(self.checkpoints)
+
+
+def has_steps(directory: str) -> bool:
+    """Whether the orbax directory ``directory`` holds a committed step (a ``<step>``
+    subdirectory; one still being written is ``<step>.orbax-checkpoint-tmp-*``)."""
+    return os.path.isdir(directory) and any(name.isdigit() for name in os.listdir(directory))
 
 
 def new_run_dir(cfg: Config) -> RunDir:
