@@ -9,6 +9,7 @@ raytunix submit [--address ADDR] [--config PRESET|FILE] [section.key=value ...]
 raytunix status [--address ADDR] [JOB_ID]
 raytunix scale RUN_DIR --env-actors N [--sandbox-actors M]   resize a running run's pools
 raytunix eval RUN_DIR [--env NAME] [--k N] [--episodes N] [--temperature T] [--json]
+raytunix samples RUN_DIR [--step N] [--json]   a run's logged episodes of an RL step, decoded
 """
 
 from __future__ import annotations
@@ -177,7 +178,42 @@ def _with_eval(parser: argparse.ArgumentParser, sub) -> argparse.ArgumentParser:
         help="temperature of the sampled episodes (default 1.0)",
     )
     ev.add_argument("--json", action="store_true", help="print the summary as JSON at the end")
+    return _with_samples(parser, sub)
+
+
+def _with_samples(parser: argparse.ArgumentParser, sub) -> argparse.ArgumentParser:
+    """``parser`` with the ``samples`` subcommand (``raytunix.samples``)."""
+    samples = sub.add_parser(
+        "samples",
+        help="print the episodes a run kept of an RL step: what the model said, what it got",
+        description="Prints RL step N's episodes from RUN_DIR/samples.jsonl (the best, the "
+        "worst and random ones of its batch; run.samples_per_step): each message, the "
+        "action parsed from each reply, the reward and the status.",
+    )
+    samples.add_argument("run_dir", metavar="RUN_DIR", help="a run directory")
+    samples.add_argument(
+        "--step", type=int, metavar="N", help="the RL step (default: the last one logged)"
+    )
+    samples.add_argument("--json", action="store_true", help="print the step's line as JSON")
     return parser
+
+
+def _samples(run_dir: str, step: int | None, as_json: bool) -> int:
+    """``raytunix samples``: 0 once printed, 2 when the run or the step has no samples."""
+    import json
+
+    from raytunix.samples import SamplesError, format_step, step_samples
+
+    try:
+        record = step_samples(run_dir, step)
+    except SamplesError as e:
+        print(f"raytunix: {e}", file=sys.stderr)
+        return 2
+    print(
+        json.dumps(record, indent=2) if as_json else format_step(record),
+        end="\n" if as_json else "",
+    )
+    return 0
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -328,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     if wrong:
         print(f"raytunix: {wrong}", file=sys.stderr)
         return 2
+    if args.command == "samples":
+        return _samples(args.run_dir, args.step, args.json)
     if args.command == "profile":
         return _profile(args.run_dir, args.out)
     if args.command == "config" and (args.explain is not None or args.markdown):

@@ -177,6 +177,14 @@ class RunConfig:
         resume=True,
         hint="a share of groups, e.g. 0.9",
     )
+    samples_per_step: int = setting(
+        3,
+        "episodes of each RL step's batch written to RUN_DIR/samples.jsonl (decoded messages, "
+        "actions, rewards, status): the best, the worst, then random ones; 0 = off",
+        bounds=">= 0",
+        resume=True,
+        hint="e.g. 3 (best, worst, one at random)",
+    )
     no_signal_steps: int = setting(
         3,
         "the driver warns once (a console line and a learning_signal record in metrics.jsonl) "

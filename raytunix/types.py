@@ -298,6 +298,11 @@ class Trajectory:
       error_report: for an ``ENV_ERROR`` episode whose environment code raised or returned
         a value of the wrong kind, its ``raytunix.envs.contract.EnvErrorReport``; None
         otherwise (not carried into record batches).
+      transcript: the conversation as the agent saw it, for people to read (the sample
+        log, ``raytunix.samples``): ``{"role", "content"}`` messages in order (system, the
+        first observation as ``user``, each generation decoded as ``assistant`` with its
+        parsed ``action``, each later observation under the template's tool role); empty
+        for trajectories built without an agent (not carried into record batches).
     """
 
     task_id: str
@@ -312,6 +317,7 @@ class Trajectory:
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     error: str = ""
     error_report: Any = None
+    transcript: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)

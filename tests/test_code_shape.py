@@ -33,8 +33,8 @@ ALLOWED = {
     "profiling/report.py::diagnose": 181,
     "profiling/report.py::render_report": 93,
     "rollout/episode.py::run_episode": 214,
-    "rollout/orchestrator.py::RolloutOrchestrator": 802,
-    "rollout/orchestrator.py::RolloutOrchestrator.__init__": 120,
+    "rollout/orchestrator.py::RolloutOrchestrator": 754,
+    "rollout/orchestrator.py::RolloutOrchestrator.__init__": 112,
     "rollout/preflight.py::check_prompt_lengths": 86,
     "sandbox/sandbox.py::Sandbox": 576,
 }

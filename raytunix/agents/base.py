@@ -138,8 +138,12 @@ class ConversationAgentBase(abc.ABC):
         ``observation``, then the assistant header the model continues from (mask 0)."""
         self._clear()
         self.task = task
-        self._encoder = self._encoder_for(self.system_prompt_for(task))
+        system_prompt = self.system_prompt_for(task)
+        self._encoder = self._encoder_for(system_prompt)
         self._append_context(self._encoder.prompt({"role": "user", "content": observation}))
+        if system_prompt is not None:
+            self.transcript.append({"role": "system", "content": system_prompt})
+        self.transcript.append({"role": "user", "content": observation})
 
     def next_request(
         self, request_id: str, sampling: SamplingParams, seed: int
@@ -194,7 +198,11 @@ class ConversationAgentBase(abc.ABC):
         if closing:
             self._append_context(closing)
         text = self.tokenizer.decode(list(result.token_ids), skip_special_tokens=False)
-        return self.parse(text)
+        action = self.parse(text)
+        self.transcript.append(
+            {"role": "assistant", "content": text, "action": action_summary(action)}
+        )
+        return action
 
     def on_observation(self, text: str) -> None:
         """Appends the environment's reply (``observation_message``), then the assistant
@@ -204,7 +212,9 @@ class ConversationAgentBase(abc.ABC):
           RuntimeError: called before ``reset`` or after an unfinished turn.
         """
         self._check_turn_open("on_observation")
-        self._append_context(self._encoder.message(self.observation_message(text)))
+        message = self.observation_message(text)
+        self._append_context(self._encoder.message(message))
+        self.transcript.append({"role": message["role"], "content": text})
 
     @abc.abstractmethod
     def parse(self, text: str) -> Action:
@@ -231,6 +241,7 @@ class ConversationAgentBase(abc.ABC):
             status=status,
             num_turns=self._num_turns,
             metrics=dict(metrics or {}),
+            transcript=list(self.transcript),
         )
 
     @property
@@ -297,6 +308,7 @@ class ConversationAgentBase(abc.ABC):
         self.loss_mask: list[int] = []
         self.logprobs: list[float] = []
         self.policy_versions: list[int] = []
+        self.transcript: list[dict[str, Any]] = []  # for people to read: Trajectory.transcript
         self._num_turns = 0
         self._turn_finished = True
 
@@ -338,3 +350,21 @@ class ConversationAgentBase(abc.ABC):
         self.loss_mask.extend([1] * len(ids))
         self.logprobs.extend(float(x) for x in logprobs)
         self.policy_versions.extend(int(v) for v in versions)
+
+
+def action_summary(action: Action) -> dict[str, Any]:
+    """What the agent made of one generation, as JSON for the transcript: ``tool_calls``
+    (``[{"name", "arguments"}]``), ``answer`` or ``parse_error`` (with its kind), whichever
+    it holds; {} for a turn that holds none."""
+    summary: dict[str, Any] = {}
+    if action.tool_calls:
+        summary["tool_calls"] = [
+            {"name": c.name, "arguments": c.arguments} for c in action.tool_calls
+        ]
+    if action.answer is not None:
+        summary["answer"] = action.answer
+    if action.parse_error is not None:
+        summary["parse_error"] = action.parse_error
+        kind = action.parse_error_kind
+        summary["parse_error_kind"] = kind.value if kind is not None else "format"
+    return summary

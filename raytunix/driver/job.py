@@ -233,6 +233,7 @@ class Job:
                 seed=cfg.run.seed,
                 policy_version=policy_version,
                 state=state,
+                samples_per_step=cfg.run.samples_per_step,
             )
         )
 

@@ -8,6 +8,7 @@ what a stopped run left to resume from.
     RUN_DIR/checkpoints/      the RL checkpoints (orbax; learner state + orchestrator state)
     RUN_DIR/state.json        the newest committed RL checkpoint's step and data position
     RUN_DIR/summary.json      written once the run ends
+    RUN_DIR/samples.jsonl     a few whole episodes of each RL step, decoded (``raytunix.samples``)
     RUN_DIR/env_errors.jsonl  the first error of each kind from the environment's code
                               (an ``EnvErrorReport`` a line: kind, env class, task id,
                               file:line, traceback); later ones are counted, not kept
@@ -39,6 +40,7 @@ from raytunix.config import (
     validate,
 )
 from raytunix.profiling.collect import append_jsonl
+from raytunix.samples import SampleLog
 
 
 class RunError(RuntimeError):
@@ -68,6 +70,7 @@ class RunDir:
         self.summary = os.path.join(self.path, "summary.json")
         self.state = os.path.join(self.path, "state.json")
         self.env_errors = os.path.join(self.path, "env_errors.jsonl")
+        self.samples = SampleLog(self.path)  # RUN_DIR/samples.jsonl
         self.sinks = None  # profiling.sinks.MetricSinks once the run starts its actors
         self.checkpoint_in_flight: dict[str, Any] | None = None  # state.json once it commits
         self.lock_file = os.path.join(self.path, "driver.lock")

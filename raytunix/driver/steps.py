@@ -454,7 +454,7 @@ def rl_steps(cfg: Config, job: Job, run: RunDir, start: RLStart, collector) -> f
             if scaled is not None:
                 run.log(scaled)
             refs, info = _next_batch(cfg, job, run, step)
-            run.record_env_errors(info.pop("env_error_reports", ()))
+            _keep_batch_reports(run, step, info)
             prepare.run_preflight(preflight.check_batch, info, step)  # nothing to learn from
             with profiling.span("train_step", "driver", {"step": step}):
                 metrics = job.learner_get(
@@ -500,6 +500,19 @@ def rl_steps(cfg: Config, job: Job, run: RunDir, start: RLStart, collector) -> f
     finish_checkpoints(job, run)
     ray.get(job.orchestrator.stop.remote())
     return time.monotonic() - t0
+
+
+def _keep_batch_reports(run: RunDir, step: int, info: dict[str, Any]) -> None:
+    """Takes what RL step ``step``'s batch ``info`` carries for files of their own out of
+    it: the env error reports (env_errors.jsonl) and the episodes for samples.jsonl
+    (``raytunix.samples``), written before the update so a step that fails keeps them."""
+    run.record_env_errors(info.pop("env_error_reports", ()))
+    run.samples.write(
+        step,
+        info.pop("samples", ()),
+        consume_version=info.get("consume_version"),
+        batch_trajectories=info.get("num_trajectories"),
+    )
 
 
 def watch_learning_signal(

@@ -65,6 +65,7 @@ from raytunix.rollout.concurrency import ConcurrencyController, EngineLoadMeter
 from raytunix.rollout.episode import run_episode
 from raytunix.rollout.faults import Backoff, FailureBreaker, RateLimitedLog
 from raytunix.rollout.ledger import TaskLedger
+from raytunix.samples import batch_samples
 from raytunix.types import (
     TOOL_ERRORS_KEY,
     EngineClient,
@@ -143,6 +144,22 @@ class _OneVersionEngine:
         return getattr(self._engine, name)
 
 
+def _check_arguments(
+    tasks: Sequence[Task], stale_token_policy: str, max_weight_update_restarts: int
+) -> None:
+    """Raises ValueError for no tasks, an unknown stale-token policy or a negative restart
+    limit, naming the value."""
+    if not tasks:
+        raise ValueError("RolloutOrchestrator got no tasks; give it a non-empty dataset.")
+    if stale_token_policy not in STALE_TOKEN_POLICIES:
+        raise ValueError(
+            f"stale_token_policy={stale_token_policy!r} is not one of "
+            f"{', '.join(STALE_TOKEN_POLICIES)}."
+        )
+    if max_weight_update_restarts < 0:
+        raise ValueError(f"max_weight_update_restarts={max_weight_update_restarts} must be >= 0.")
+
+
 class RolloutOrchestrator:
     """Runs GRPO groups concurrently and emits trajectory batches.
 
@@ -188,6 +205,8 @@ class RolloutOrchestrator:
         warning), so a run whose every group is degenerate trains on instead of sampling
         forever. 0 means ``4 * groups_per_batch``.
       seed: base seed; sample j of task index i uses its own seed.
+      samples_per_step: episodes of each batch put in its info's ``samples`` for the
+        sample log (``raytunix.samples``; ``run.samples_per_step``); 0 = none.
       policy_version: the version the engine holds now.
       state: a dict from ``state()`` to resume from (data position, ledger, pending tasks).
 
@@ -234,18 +253,9 @@ class RolloutOrchestrator:
         seed: int = 0,
         policy_version: int = 0,
         state: dict[str, Any] | None = None,
+        samples_per_step: int = 0,
     ):
-        if not tasks:
-            raise ValueError("RolloutOrchestrator got no tasks; give it a non-empty dataset.")
-        if stale_token_policy not in STALE_TOKEN_POLICIES:
-            raise ValueError(
-                f"stale_token_policy={stale_token_policy!r} is not one of "
-                f"{', '.join(STALE_TOKEN_POLICIES)}."
-            )
-        if max_weight_update_restarts < 0:
-            raise ValueError(
-                f"max_weight_update_restarts={max_weight_update_restarts} must be >= 0."
-            )
+        _check_arguments(tasks, stale_token_policy, max_weight_update_restarts)
         self._tasks = list(tasks)
         self._agent_factory = agent_factory
         self._engine = engine
@@ -268,6 +278,7 @@ class RolloutOrchestrator:
         self.partial_rollout = partial_rollout
         self.max_weight_update_restarts = max_weight_update_restarts
         self.seed = seed
+        self.samples_per_step = samples_per_step
         if concurrency is not None and concurrency.budget != max_concurrent_episodes:
             raise ValueError(
                 f"RolloutOrchestrator: the concurrency controller starts at {concurrency.budget} "
@@ -707,7 +718,13 @@ class RolloutOrchestrator:
                 "batch_pack", "batches", {"batch_id": batch_id, "trajectories": len(trajectories)}
             ):
                 record_batch = trajectories_to_record_batch(trajectories)
-                info = self._batch_info(batch_id, consume_version, [g for _, g in chosen])
+                info = batch_info(
+                    batch_id,
+                    consume_version,
+                    [g for _, g in chosen],
+                    self.samples_per_step,
+                    self.seed,
+                )
             with profiling.span(
                 "object_store_put", "batches", {"batch_id": batch_id, "bytes": record_batch.nbytes}
             ):
@@ -736,52 +753,6 @@ class RolloutOrchestrator:
                 )
         self.counters["stale_tokens_masked"] += stale
         return any(any(t.loss_mask) for t in group)
-
-    def _batch_info(
-        self, batch_id: int, consume_version: int, groups: list[list[Trajectory]]
-    ) -> dict:
-        trajectories = [t for group in groups for t in group]
-        statuses = collections.Counter(t.status.value for t in trajectories)
-        infra_failed = sum(is_infrastructure_failure(t.status) for t in trajectories)
-        staleness = [
-            consume_version - v
-            for t in trajectories
-            for v, m in zip(t.policy_versions, t.loss_mask)
-            if m
-        ]
-        used_tool = [t.metrics.get("tool_calls", 0) > 0 for t in trajectories]
-        return {
-            "batch_id": batch_id,
-            "consume_version": consume_version,
-            "num_trajectories": len(trajectories),
-            **learning_signal_metrics(groups),
-            "tool_use_rate": float(np.mean(used_tool)),
-            "turns_mean": float(np.mean([t.num_turns for t in trajectories])),
-            "generated_tokens_mean": float(
-                np.mean([t.metrics.get("generated_tokens", 0.0) for t in trajectories])
-            ),
-            "episode_generate_s_mean": float(
-                np.mean([t.metrics.get("generate_s", 0.0) for t in trajectories])
-            ),
-            "episode_env_s_mean": float(
-                np.mean([t.metrics.get("env_s", 0.0) for t in trajectories])
-            ),
-            "staleness_min": int(min(staleness, default=0)),
-            "staleness_max": int(max(staleness, default=0)),
-            "staleness_mean": float(np.mean(staleness)) if staleness else 0.0,
-            "stale_tokens_masked": int(
-                sum(t.metrics.get("stale_tokens_masked", 0) for t in trajectories)
-            ),
-            "stale_tokens_accepted": int(
-                sum(t.metrics.get("stale_tokens_accepted", 0) for t in trajectories)
-            ),
-            "valid_trajectories": len(trajectories) - infra_failed,
-            "trainable_tokens": int(sum(sum(t.loss_mask) for t in trajectories)),  # loss mask 1
-            "tool_errors_mean": float(
-                np.mean([t.metrics.get(TOOL_ERRORS_KEY, 0.0) for t in trajectories])
-            ),
-            "statuses": dict(statuses),
-        }
 
     # ----------------------------------------------------------------- learner side
     def start(self) -> None:
@@ -943,6 +914,59 @@ class RolloutOrchestrator:
             "env_error_reports": reports,
             "env_errors": by_kind,
         }
+
+
+def batch_info(
+    batch_id: int,
+    consume_version: int,
+    groups: list[list[Trajectory]],
+    samples_per_step: int = 0,
+    seed: int = 0,
+) -> dict:
+    """The numbers of one batch (``next_batch``'s info before the orchestrator adds its
+    own), and under ``samples`` its ``samples_per_step`` episodes for the sample log
+    (``raytunix.samples.batch_samples``, chosen by ``seed`` and ``consume_version``)."""
+    trajectories = [t for group in groups for t in group]
+    statuses = collections.Counter(t.status.value for t in trajectories)
+    infra_failed = sum(is_infrastructure_failure(t.status) for t in trajectories)
+    staleness = [
+        consume_version - v
+        for t in trajectories
+        for v, m in zip(t.policy_versions, t.loss_mask)
+        if m
+    ]
+    used_tool = [t.metrics.get("tool_calls", 0) > 0 for t in trajectories]
+    return {
+        "batch_id": batch_id,
+        "consume_version": consume_version,
+        "num_trajectories": len(trajectories),
+        **learning_signal_metrics(groups),
+        "tool_use_rate": float(np.mean(used_tool)),
+        "turns_mean": float(np.mean([t.num_turns for t in trajectories])),
+        "generated_tokens_mean": float(
+            np.mean([t.metrics.get("generated_tokens", 0.0) for t in trajectories])
+        ),
+        "episode_generate_s_mean": float(
+            np.mean([t.metrics.get("generate_s", 0.0) for t in trajectories])
+        ),
+        "episode_env_s_mean": float(np.mean([t.metrics.get("env_s", 0.0) for t in trajectories])),
+        "staleness_min": int(min(staleness, default=0)),
+        "staleness_max": int(max(staleness, default=0)),
+        "staleness_mean": float(np.mean(staleness)) if staleness else 0.0,
+        "stale_tokens_masked": int(
+            sum(t.metrics.get("stale_tokens_masked", 0) for t in trajectories)
+        ),
+        "stale_tokens_accepted": int(
+            sum(t.metrics.get("stale_tokens_accepted", 0) for t in trajectories)
+        ),
+        "valid_trajectories": len(trajectories) - infra_failed,
+        "trainable_tokens": int(sum(sum(t.loss_mask) for t in trajectories)),  # loss mask 1
+        "tool_errors_mean": float(
+            np.mean([t.metrics.get(TOOL_ERRORS_KEY, 0.0) for t in trajectories])
+        ),
+        "statuses": dict(statuses),
+        "samples": batch_samples(trajectories, samples_per_step, (seed << 32) + consume_version),
+    }
 
 
 SUCCESS_REWARD = 1.0
