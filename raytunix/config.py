@@ -801,6 +801,14 @@ class EvalConfig:
     max_new_tokens: int = setting(
         48, "per model turn in the held-out evaluation", bounds="> 0", resume=True
     )
+    every: int = setting(
+        0,
+        "also evaluate the held-out tasks greedily every this many RL steps while training "
+        "goes on (logged as phase eval, when during_rl, with the step it started at); one at "
+        "a time, a due one is skipped while the last still runs; 0 = only before and after RL",
+        bounds=">= 0",
+        resume=True,
+    )
 
 
 @dataclasses.dataclass

@@ -203,7 +203,14 @@ def format_step(record: dict[str, Any]) -> str:
             lines.append("   (no transcript: this episode was not run by a raytunix agent)")
         for message in episode["messages"]:
             lines.append(f"-- {message['role']}:")
-            lines.extend(f"   {text}" for text in str(message["content"]).splitlines() or [""])
+            text = _printable(str(message["content"]))
+            lines.extend(f"   {line}" for line in text.splitlines() or [""])
             if message.get("action"):
                 lines.append(f"   => action: {json.dumps(message['action'])}")
     return "\n".join(lines) + "\n"
+
+
+def _printable(text: str) -> str:
+    """``text`` with control characters other than newline and tab escaped (``\\x1b``), so
+    a reply of stray bytes cannot move the terminal's cursor or change its colours."""
+    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)

@@ -76,7 +76,7 @@ def train(
                     warm = steps.warm_start(cfg, job, run, tasks, collector)
                     before = steps.evaluate(job, run, tasks.heldout, collector, "before_rl", step=0)
                     start = steps.begin_rl(cfg, job, run, before, warm)
-                rl_s = steps.rl_loop(cfg, job, run, start, collector)
+                rl_s = steps.rl_loop(cfg, job, run, start, collector, tasks.heldout)
                 engine_stats = job.engine_stats()  # before the evaluation adds its own decoding
                 after = steps.evaluate(
                     job, run, tasks.heldout, collector, "after_rl", step=cfg.learner.rl_steps

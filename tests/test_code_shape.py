@@ -23,7 +23,7 @@ ALLOWED = {
     "config.py::validate": 93,
     "data/datasets.py::load_tasks": 95,
     "driver/prepare.py::check_prompts": 84,
-    "driver/steps.py::rl_steps": 83,
+    "driver/steps.py::rl_steps": 82,
     "envs/sql_worker.py::run_one": 92,
     "inference/engine.py::InferenceEngine": 605,
     "models/hf.py::export_checkpoint": 84,

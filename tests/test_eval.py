@@ -159,3 +159,40 @@ def test_eval_of_a_trained_tiny_run(ray_session, tmp_path):
         assert 0.0 <= row[key] <= 1.0
     assert row["pass_at_k"] >= row["sampled_success_rate"] - 1e-9  # pass@2 >= pass@1 per task
     assert sum(row["statuses"]["sampled"].values()) == 8 * 3
+
+
+@pytest.mark.slow
+def test_eval_every_logs_held_out_evaluations_at_the_named_steps(ray_session, tmp_path, capsys):
+    from test_train import TINY
+
+    from raytunix.train import train
+
+    cfg = load_config(
+        None,
+        TINY
+        + [
+            f"run.output_dir={tmp_path / 'runs'}",
+            "env.name=test_byo_env:ParityEnv",
+            "env.kwargs.max_number=50",
+            "env.max_turns=1",
+            "learner.rl_steps=5",
+            "eval.every=2",  # due after steps 2 and 4; step 5's is the after_rl one
+        ],
+    )
+    summary = train(cfg)
+    out = capsys.readouterr().out
+    with open(os.path.join(summary["run_dir"], "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    during = [r for r in records if r["phase"] == "eval" and r["when"] == "during_rl"]
+    skipped = [r["step"] for r in records if r["phase"] == "eval_skipped"]
+    # One runs at a time: the one due after step 4 is skipped if step 2's still runs.
+    assert [r["step"] for r in during][:1] == [2]
+    assert sorted([r["step"] for r in during] + skipped) == [2, 4]
+    rl_versions = {r["step"]: r["policy_version"] for r in records if r["phase"] == "rl"}
+    for r in during:
+        assert r["policy_version"] == rl_versions[r["step"]]
+        assert r["step"] <= r["finished_after_step"] <= 5
+        assert r["num_tasks"] == 16 and 0.0 <= r["success_rate"] <= 1.0 and "reward_mean" in r
+        assert f"held-out at RL step {r['step']} (policy version {r['policy_version']})" in out
+    whens = [r["when"] for r in records if r["phase"] == "eval"]
+    assert whens[0] == "before_rl" and whens[-1] == "after_rl"

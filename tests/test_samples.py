@@ -245,3 +245,10 @@ def test_a_tiny_run_leaves_the_episodes_of_each_rl_step(ray_session, tmp_path, c
     assert "RL step 2: 4 of 4 episodes" in out and "even or odd" in out
     assert main(["samples", run_dir, "--step", "9"]) == 2
     assert "steps with samples: 1-2" in capsys.readouterr().err
+
+
+def test_control_characters_of_a_reply_are_escaped_not_sent_to_the_terminal():
+    episode = _episode("t", 0.0)
+    episode["messages"][1]["content"] = "a\x1b[2Jb\nc\td"
+    text = format_step({"step": 1, "episodes": [episode]})
+    assert "\x1b" not in text and "a\\x1b[2Jb\n   c\td" in text

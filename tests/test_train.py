@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 
 from raytunix.config import ConfigError, load_config  # noqa: E402
 from raytunix.driver.run_dir import removed_if_left_empty as _removed_if_left_empty  # noqa: E402
-from raytunix.driver.steps import unfinished_episodes as _unfinished_episodes  # noqa: E402
+from raytunix.driver.heldout import unfinished_episodes as _unfinished_episodes  # noqa: E402
 from raytunix.train import RunDir, RunError, load_run_config, train  # noqa: E402
 
 TINY = [

@@ -280,8 +280,12 @@ class Job:
     def evaluate(self, tasks, temperature: float = 0.0) -> dict[str, Any]:
         """One episode per task, greedy unless ``temperature`` > 0
         (``RolloutOrchestrator.evaluate``'s result)."""
+        return ray.get(self.start_evaluation(tasks, temperature))
+
+    def start_evaluation(self, tasks, temperature: float = 0.0):
+        """``evaluate`` without waiting for it: the object reference of its result."""
         max_new_tokens = self.cfg.eval.max_new_tokens
-        return ray.get(self.orchestrator.evaluate.remote(tasks, max_new_tokens, temperature))
+        return self.orchestrator.evaluate.remote(tasks, max_new_tokens, temperature)
 
     def engine_stats(self) -> dict[str, Any]:
         """The engine's counters; across replicas, sums, the mean busy fraction and the

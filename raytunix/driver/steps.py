@@ -29,6 +29,7 @@ import ray
 from raytunix import profiling
 from raytunix.config import Config, ConfigError, shadowed_settings
 from raytunix.driver import prepare
+from raytunix.driver.heldout import PeriodicEval, heldout_line
 from raytunix.driver.init_from import adopt_init_from
 from raytunix.driver.job import Job
 from raytunix.driver.prepare import Tasks
@@ -280,27 +281,8 @@ def evaluate(job: Job, run: RunDir, heldout, collector, when: str, step: int) ->
     run.record_env_errors(result.pop("env_error_reports", ()))
     collector.drain("eval", step)
     run.log({"phase": "eval", "when": when, **result})
-    say(
-        f"held-out {when.replace('_rl', ' RL')}: success {result['success_rate']:.1%}"
-        f"{unfinished_episodes(result)}, mean reward {result['reward_mean']:.3f} (tool use "
-        f"{result['tool_use_rate']:.1%}) on {result['num_tasks']} tasks"
-    )
+    say(heldout_line(when.replace("_rl", " RL"), result))
     return result
-
-
-def unfinished_episodes(result: dict[str, Any]) -> str:
-    """For an evaluation's log line: " (8 of 8 episodes ended env_error; first error:
-    <error>)" when some episodes did not complete (``result`` is
-    ``RolloutOrchestrator.evaluate``'s), else "". A 0% success from a broken environment
-    must not read as a policy that cannot solve anything."""
-    statuses = result.get("statuses") or {}
-    total = sum(statuses.values())
-    other = {s: n for s, n in sorted(statuses.items()) if s != EpisodeStatus.COMPLETED.value}
-    if not other:
-        return ""
-    ended = ", ".join(f"{n} of {total} episodes ended {s}" for s, n in other.items())
-    error = result.get("error")
-    return f" ({ended}" + (f"; first error: {error}" if error else "") + ")"
 
 
 # -- into RL: fresh or restored ------------------------------------------------------------
@@ -378,19 +360,22 @@ def restore_rl(cfg: Config, job: Job, run: RunDir) -> RLStart:
 # -- the RL loop -------------------------------------------------------------------------
 
 
-def rl_loop(cfg: Config, job: Job, run: RunDir, start: RLStart, collector) -> float:
+def rl_loop(
+    cfg: Config, job: Job, run: RunDir, start: RLStart, collector, heldout: Sequence[Any] = ()
+) -> float:
     """The RL steps (``rl_steps``); when a host of a multi-host learner dies in them, the
     learner group is rebuilt and the steps go on from the newest checkpoint
-    (``recover_learner``). Returns the wall time, seconds, the lost steps included.
+    (``recover_learner``). ``heldout``: the tasks of the periodic evaluation
+    (``eval.every``). Returns the wall time, seconds, the lost steps included.
 
     Raises:
       RunError: as ``rl_steps`` does, or the learner group cannot be rebuilt.
     """
     t0 = time.monotonic()
     try:
-        rl_steps(cfg, job, run, start, collector)
+        rl_steps(cfg, job, run, start, collector, heldout)
     except LearnerHostFailure as e:
-        rl_loop(cfg, job, run, recover_learner(cfg, job, run, e), collector)
+        rl_loop(cfg, job, run, recover_learner(cfg, job, run, e), collector, heldout)
     return time.monotonic() - t0
 
 
@@ -417,7 +402,9 @@ def recover_learner(cfg: Config, job: Job, run: RunDir, error: Exception) -> RLS
     return restore_rl(cfg, job, run)
 
 
-def rl_steps(cfg: Config, job: Job, run: RunDir, start: RLStart, collector) -> float:
+def rl_steps(
+    cfg: Config, job: Job, run: RunDir, start: RLStart, collector, heldout: Sequence[Any] = ()
+) -> float:
     """RL steps ``start.step + 1`` .. ``learner.rl_steps``: a new scale request
     (``raytunix scale``, ``RUN_DIR/scale.json``) applied to the env and sandbox pools, the
     orchestrator's next batch (by reference), one learner update, the new weights to the
@@ -432,6 +419,8 @@ def rl_steps(cfg: Config, job: Job, run: RunDir, start: RLStart, collector) -> f
     ``window_s`` (its length) and ``window_steps`` (how many steps share it). When a step
     raises (or the run is interrupted), the window closes with a drain of at most
     ``CLOSING_DRAIN_TIMEOUT_S``; if that fails, the records are written without them.
+    Every ``eval.every`` steps a held-out evaluation on ``heldout`` starts beside the
+    training (``PeriodicEval``); the last one is waited for after the last step.
 
     Returns:
       the loop's wall time, seconds.
@@ -448,6 +437,7 @@ def rl_steps(cfg: Config, job: Job, run: RunDir, start: RLStart, collector) -> f
     scaler = ScaleWatcher(run.path, job.env_pool, job.sandbox_pool, say=say)
     watch = SignalWatch.from_config(cfg)
     waiting: list[dict[str, Any]] = []  # records of the steps of the open profiling window
+    evals = PeriodicEval(job, run, heldout, cfg.eval.every, cfg.learner.rl_steps)
     try:
         for step in range(start.step + 1, cfg.learner.rl_steps + 1):
             scaled = scaler.poll(job.orchestrator, step)
@@ -464,15 +454,8 @@ def rl_steps(cfg: Config, job: Job, run: RunDir, start: RLStart, collector) -> f
                 job.publish_weights()
             version = int(metrics["policy_version"])
             ray.get(job.orchestrator.mark_trained.remote(info["batch_id"], version))
-            record = {
-                "phase": "rl",
-                "step": step,
-                **metrics,
-                **{k: v for k, v in info.items() if k != "statuses"},
-                "statuses": info["statuses"],
-                "env_actors": job.env_pool.size,
-                "time": time.time(),
-            }
+            evals.after_step(step, version)
+            record = _step_record(step, metrics, info, job.env_pool.size)
             waiting.append(record)
             watch_learning_signal(watch, run, step, record)
             check_nonfinite_update(
@@ -497,9 +480,26 @@ def rl_steps(cfg: Config, job: Job, run: RunDir, start: RLStart, collector) -> f
                 for record in waiting:
                     run.log(record)
         raise
+    evals.finish(cfg.learner.rl_steps, cfg.rollout.batch_timeout_s)
     finish_checkpoints(job, run)
     ray.get(job.orchestrator.stop.remote())
     return time.monotonic() - t0
+
+
+def _step_record(
+    step: int, metrics: dict[str, Any], info: dict[str, Any], env_actors: int
+) -> dict[str, Any]:
+    """RL step ``step``'s metrics record: the learner's ``metrics``, the batch's ``info``
+    (its ``statuses`` last), the env pool's size, the time now."""
+    return {
+        "phase": "rl",
+        "step": step,
+        **metrics,
+        **{k: v for k, v in info.items() if k != "statuses"},
+        "statuses": info["statuses"],
+        "env_actors": env_actors,
+        "time": time.time(),
+    }
 
 
 def _keep_batch_reports(run: RunDir, step: int, info: dict[str, Any]) -> None:

@@ -393,7 +393,7 @@ class MetricSinks:
       from RL steps).
     * ``"eval"``: ``eval/*`` at step 0 for ``when == "before_rl"`` and at
       ``total_rl_steps`` for ``"after_rl"``, so the held-out success sits at both ends of
-      the RL step axis.
+      the RL step axis; ``"during_rl"`` (``eval.every``) at the RL step it started at.
     * ``"resume"``: the console bar restarts at ``record["rl_step"]``, and TensorBoard's
       ``rl`` run is marked to go on after it (``TensorBoardSink.restart``: the steps the
       crashed process logged past its checkpoint are dropped, as in ``metrics.jsonl``).
@@ -451,8 +451,11 @@ class MetricSinks:
                 self._start_console(at)
             return
         if phase == "eval":
-            when = record.get("when")
-            step = 0 if when == "before_rl" else self.total_rl_steps
+            when = str(record.get("when"))
+            at = {"before_rl": 0, "during_rl": record.get("step")}.get(when, self.total_rl_steps)
+            if not isinstance(at, numbers.Integral):
+                return
+            step = int(at)
             if when == "before_rl":
                 self._start_console(0)
         elif phase in ("rl", "warmup") and isinstance(record.get("step"), numbers.Integral):
