@@ -160,6 +160,8 @@ def test_metric_sinks_route_each_phase_to_its_tags_and_steps(tmp_path):
     sinks.write({"phase": "eval", "when": "before_rl", "success_rate": 0.25, "tool_use_rate": 0.5})
     for step in range(1, 5):
         sinks.write(_rl_record(step))
+    # eval.every's evaluation started after step 2 sits at step 2
+    sinks.write({"phase": "eval", "when": "during_rl", "step": 2, "success_rate": 0.5})
     # Resumed from the checkpoint at step 2: steps 3 and 4 are redone, and TensorBoard
     # keeps only the new ones (here with reward 0).
     sinks.write({"phase": "resume", "rl_step": 2, "policy_version": 2})
@@ -172,7 +174,7 @@ def test_metric_sinks_route_each_phase_to_its_tags_and_steps(tmp_path):
     assert scalars["warmup/loss"] == [(5, 1.25)]
     assert scalars["warmup/dev_success_rate"] == [(5, 0.5)]
     # held-out success at both ends of the RL step axis
-    assert scalars["eval/success_rate"] == [(0, 0.25), (4, 0.75)]
+    assert scalars["eval/success_rate"] == [(0, 0.25), (2, 0.5), (4, 0.75)]
     assert scalars["rl/reward_mean"] == [(1, 0.25), (2, 0.5), (3, 0.0), (4, 0.0)]
     assert not any(tag.startswith("resume/") for tag in scalars)
     assert sorted(os.listdir(tmp_path / "tensorboard")) == ["eval", "rl", "warmup"]
