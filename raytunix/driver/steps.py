@@ -163,10 +163,13 @@ def profiled(cfg: Config, job: Job, run: RunDir) -> Iterator[Any]:
 
 
 def warm_start(cfg: Config, job: Job, run: RunDir, tasks: Tasks, collector) -> dict[str, Any]:
-    """Supervised steps on demonstrations, ``warmup.eval_every`` at a time, until the dev
-    check passes (after ``warmup.min_steps``) or ``warmup.max_steps``; the engines get the
-    weights after each chunk. Skipped (returns {}) when ``warmup.enabled`` is off or the
-    tasks are not arithmetic.
+    """Supervised steps on demonstrations (``prepare.warm_start_demonstrations``: a file,
+    the environment's expert or the arithmetic ones), ``warmup.eval_every`` at a time, up
+    to ``warmup.max_steps``; the arithmetic ones stop early once the dev check passes
+    (after ``warmup.min_steps``), the others run the step budget and log the supervised
+    loss. The engines get the weights after each dev check and at the end. Skipped
+    (returns {}, said once on the console with the ways to get one) when ``warmup.enabled``
+    is off or no source has demonstrations for the tasks.
 
     After each chunk its progress is checkpointed in ``RUN_DIR/warmup`` (the learner's SFT
     state, the step count, whether it is done), so a run stopped during the warm start, or
@@ -176,16 +179,17 @@ def warm_start(cfg: Config, job: Job, run: RunDir, tasks: Tasks, collector) -> d
       ``{"warmup_steps": int, "warmup_s": float seconds}`` (seconds across resumes).
     """
     w = cfg.warmup
-    if not prepare.warm_start_applies(cfg, tasks):
+    demos = prepare.warm_start_demonstrations(
+        cfg, job.train_tasks[: max(4000, w.batch_size)], job.env_pool
+    )
+    if demos is None:
         if w.enabled:
             say(
-                f"warm start: skipped; its demonstrations are arithmetic and the tasks "
-                f"({tasks.source}) are not"
+                f"warm start: skipped; nothing demonstrates these tasks ({tasks.source}): "
+                f"{prepare.NO_WARM_START}"
             )
         return {}
-    tokens, mask = prepare.demonstration_arrays(
-        cfg, job.train_tasks[: max(4000, w.batch_size)], job.tokenizer
-    )
+    tokens, mask, dropped = prepare.demonstration_arrays(cfg, demos, job.tokenizer)
     job.learner_get(job.learner.set_demonstrations.remote(tokens, mask), "set_demonstrations")
     job.learner_get(
         job.learner.start_warmup.remote(SFTHyperparams.from_config(cfg)), "start_warmup", slow=True
@@ -194,50 +198,78 @@ def warm_start(cfg: Config, job: Job, run: RunDir, tasks: Tasks, collector) -> d
     steps = progress["warmup_steps"]
     if progress["done"]:
         return {"warmup_steps": steps, "warmup_s": progress["warmup_s"]}
-    done = steps >= w.max_steps
-    uses_tools = prepare.uses_tools(cfg)
-    measure = "tool-path accuracy" if uses_tools else "success"
+    dev_check = demos.kind == "arithmetic"
+    measure = "tool-path accuracy" if prepare.uses_tools(cfg) else "success"
+    left_out = ", ".join(f"{n} {why.replace('_', ' ')}" for why, n in dropped.items() if n)
     say(
-        f"warm start: {len(tokens)} demonstrations of <= {tokens.shape[1]} tokens, "
-        f"up to {w.max_steps} steps (stop at dev {measure} >= {w.target_tool_accuracy:.0%})"
+        f"warm start: {len(tokens)} demonstrations from {demos.where} of <= {tokens.shape[1]} "
+        f"tokens" + (f" ({left_out} left out)" if left_out else "") + f", up to {w.max_steps} "
+        "steps"
+        + (
+            f" (stop at dev {measure} >= {w.target_tool_accuracy:.0%})"
+            if dev_check
+            else " (the step budget: no dev check for this source)"
+        )
     )
+    run.log({"phase": "warmup_source", "source": demos.kind, "rows": len(tokens), **dropped})
     t0 = time.monotonic() - progress["warmup_s"]
+    done = steps >= w.max_steps
     while not done:
-        n = min(w.eval_every, w.max_steps - steps)
-        with profiling.span("sft_steps", "driver", {"steps": n}):
-            metrics = job.learner_get(
-                job.learner.sft_steps.remote(n, w.batch_size), "sft_steps", slow=True
-            )
-        steps += n
-        check_nonfinite_warmup(metrics, cfg.learner.max_consecutive_nonfinite_updates, steps, run)
-        job.publish_weights()
-        with profiling.span("eval", "driver", {"tasks": len(tasks.dev)}):
-            dev = job.evaluate(tasks.dev)
-            dev.pop("rewards", None)
-        score = dev["tool_path_accuracy"] if uses_tools else dev["success_rate"]
-        done = steps >= w.max_steps or (steps >= w.min_steps and score >= w.target_tool_accuracy)
-        job.learner_get(
-            job.learner.save_warmup.remote(
-                run.warmup,
-                steps,
-                {"warmup_steps": steps, "warmup_s": time.monotonic() - t0, "done": done},
-            ),
-            "save_warmup",
-            slow=True,
-        )
-        collector.drain("warmup", steps)
-        run.log(
-            {"phase": "warmup", "step": steps, **metrics, **{f"dev_{k}": v for k, v in dev.items()}}
-        )
-        say(
-            f"warm start step {steps}: loss {metrics['loss']:.3f}  dev success "
-            f"{dev['success_rate']:.1%}  tool use {dev['tool_use_rate']:.1%}  tool-path accuracy "
-            f"{dev['tool_path_accuracy']:.1%}  ({time.monotonic() - t0:.0f} s)"
-        )
+        steps, done = _warm_start_chunk(cfg, job, run, tasks, collector, steps, t0, dev_check)
     job.learner_get(
         job.learner.finish_checkpoints.remote(), "finish_checkpoints", slow=True
     )  # committed before RL's checkpoint 0
     return {"warmup_steps": steps, "warmup_s": time.monotonic() - t0}
+
+
+def _warm_start_chunk(
+    cfg: Config, job: Job, run: RunDir, tasks: Tasks, collector, steps: int, t0: float, dev_check
+) -> tuple[int, bool]:
+    """``warmup.eval_every`` supervised steps (fewer to end at ``max_steps``), the dev
+    check when ``dev_check``, a checkpoint and the log line; returns ``(steps, done)``."""
+    w = cfg.warmup
+    n = min(w.eval_every, w.max_steps - steps)
+    with profiling.span("sft_steps", "driver", {"steps": n}):
+        metrics = job.learner_get(
+            job.learner.sft_steps.remote(n, w.batch_size), "sft_steps", slow=True
+        )
+    steps += n
+    check_nonfinite_warmup(metrics, cfg.learner.max_consecutive_nonfinite_updates, steps, run)
+    done = steps >= w.max_steps
+    dev: dict[str, Any] = {}
+    if dev_check:
+        job.publish_weights()
+        with profiling.span("eval", "driver", {"tasks": len(tasks.dev)}):
+            dev = job.evaluate(tasks.dev)
+            dev.pop("rewards", None)
+        score = dev["tool_path_accuracy"] if prepare.uses_tools(cfg) else dev["success_rate"]
+        done = done or (steps >= w.min_steps and score >= w.target_tool_accuracy)
+    elif done:
+        job.publish_weights()
+    job.learner_get(
+        job.learner.save_warmup.remote(
+            run.warmup,
+            steps,
+            {"warmup_steps": steps, "warmup_s": time.monotonic() - t0, "done": done},
+        ),
+        "save_warmup",
+        slow=True,
+    )
+    collector.drain("warmup", steps)
+    run.log(
+        {"phase": "warmup", "step": steps, **metrics, **{f"dev_{k}": v for k, v in dev.items()}}
+    )
+    say(
+        f"warm start step {steps}: loss {metrics['loss']:.3f}"
+        + (
+            f"  dev success {dev['success_rate']:.1%}  tool use {dev['tool_use_rate']:.1%}  "
+            f"tool-path accuracy {dev['tool_path_accuracy']:.1%}"
+            if dev
+            else f" (last step {metrics['loss_last']:.3f})"
+        )
+        + f"  ({time.monotonic() - t0:.0f} s)"
+    )
+    return steps, done
 
 
 def restore_warm_start(job: Job, run: RunDir) -> dict[str, Any] | None:
