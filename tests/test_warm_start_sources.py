@@ -73,9 +73,17 @@ def test_a_parquet_file_without_messages_names_its_columns(tmp_path):
         ({"prompt": "hi"}, "row 1: no messages"),
         ({"messages": []}, "row 1: no messages"),
         ({"messages": "hello"}, "row 1: no messages"),
-        ({"messages": [{"role": "human", "content": "x"}]}, "row 1 message 0: unknown role 'human'"),
         (
-            {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None}]},
+            {"messages": [{"role": "human", "content": "x"}]},
+            "row 1 message 0: unknown role 'human'",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "x"},
+                    {"role": "assistant", "content": None},
+                ]
+            },
             r"row 1 message 1 \(assistant\): content is None, not text",
         ),
         (
