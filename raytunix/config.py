@@ -50,7 +50,9 @@ FileSource = Literal["parquet", "jsonl", "hf"]  # the data sources read from dat
 DataSource = Literal["auto", "env", "reasoning_gym", FileSource]
 OverlongPrompts = Literal["error", "drop"]
 SandboxBackendChoice = Literal["auto", "bwrap", "subprocess"]
-WarmupSource = Literal["auto", "file", "expert", "arithmetic"]  # raytunix.driver.prepare
+WarmupSource = Literal[
+    "auto", "file", "expert", "arithmetic", "rejection"
+]  # raytunix.driver.prepare
 
 # Upper bounds of the sandbox's limits (raytunix.sandbox.types.SandboxLimits reads them from
 # here, so the schema stays a leaf): kernel limits are signed 64-bit, a process count cannot
@@ -768,7 +770,15 @@ class WarmupConfig:
         "auto",
         "where demonstrations come from: auto (the file if warmup.demonstrations is set, else "
         "the environment's expert, else arithmetic ones for arithmetic tasks) | file | expert | "
-        "arithmetic",
+        "arithmetic | rejection (the run's own successful episodes, sampled before RL)",
+    )
+    rejection_episodes: int = setting(
+        512,
+        "rejection: episodes sampled before the warm start, one per train task in turn",
+        bounds="> 0",
+    )
+    rejection_temperature: float = setting(
+        1.0, "rejection: sampling temperature of those episodes", bounds="> 0"
     )
     demonstrations: str = setting(
         "",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -15,7 +16,8 @@ from raytunix.data.demonstration_file import DemonstrationError, read_demonstrat
 from raytunix.driver import prepare
 from raytunix.driver.run_dir import RunError
 from raytunix.models.tokenizer import Tokenizer
-from raytunix.types import Action, Task
+from raytunix.envs.base import BaseEnv
+from raytunix.types import Action, EpisodeStatus, StepResult, Task
 
 GAME = [
     {"role": "user", "content": "Guess a number between 1 and 20."},
@@ -292,3 +294,76 @@ def test_a_reasoning_gym_run_warm_starts_from_the_expert(ray_session, tmp_path):
     assert not any(k.startswith("dev_") for r in warm for k in r)
     with open(os.path.join(run_dir, "summary.json")) as f:
         assert json.load(f)["warm_start_steps"] == 4
+
+
+class EvenReplyEnv(BaseEnv):
+    """Pays 1.0 for a reply of an even number of characters, 0.0 otherwise: a random
+    model earns it about half the time, so rejection sampling keeps some episodes."""
+
+    default_agent = "text"
+
+    def tasks(self, split, size, seed):
+        return [Task(f"{split}-{i}", f"Say anything ({seed}, {i}).", "") for i in range(size)]
+
+    def _initial_observation(self, task):
+        return task.question
+
+    def _step_impl(self, action):
+        reward = 1.0 if len(action.text) % 2 == 0 else 0.0
+        return StepResult(observation="", reward=reward, done=True, status=EpisodeStatus.COMPLETED)
+
+
+@pytest.mark.slow
+def test_rejection_sampling_warm_starts_from_the_runs_own_successes(ray_session, tmp_path):
+    from test_byo_env import _cli_train, _run_dirs
+
+    result = _cli_train(
+        ray_session,
+        tmp_path,
+        "env.name=test_warm_start_sources:EvenReplyEnv",
+        "env.max_turns=1",
+        "warmup.source=rejection",
+        "warmup.rejection_episodes=32",
+        "warmup.max_steps=2",
+        "warmup.min_steps=0",
+        "warmup.eval_every=2",
+        "warmup.batch_size=4",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    kept = re.search(r"rejection sampling kept (\d+) of 32 episodes", result.stdout)
+    assert kept is not None, result.stdout[-3000:]
+    (run_dir,) = _run_dirs(tmp_path)
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        records = list(map(json.loads, f))
+    (source,) = [r for r in records if r["phase"] == "warmup_source"]
+    assert source["source"] == "rejection" and source["rows"] == int(kept.group(1)) > 0
+    assert [r["step"] for r in records if r["phase"] == "warmup"] == [2]
+
+
+def test_rejection_keeps_only_completed_episodes_that_succeeded():
+    from raytunix.rollout.orchestrator import successful_episodes
+    from raytunix.types import Trajectory
+
+    def episode(reward, status, ids):
+        n = len(ids)
+        return Trajectory(
+            task_id="t",
+            group_id="g",
+            token_ids=ids,
+            loss_mask=[0] + [1] * (n - 1),
+            logprobs=[0.0] * n,
+            policy_versions=[0] * n,
+            reward=reward,
+            status=status,
+            num_turns=1,
+        )
+
+    kept = successful_episodes(
+        [
+            episode(1.0, EpisodeStatus.COMPLETED, [5, 6, 7]),
+            episode(0.5, EpisodeStatus.COMPLETED, [5, 6]),  # partial credit is no success
+            episode(1.0, EpisodeStatus.TRUNCATED, [5, 8]),
+            episode(2.0, EpisodeStatus.COMPLETED, [9, 9]),
+        ]
+    )
+    assert kept == [([5, 6, 7], [0, 1, 1]), ([9, 9], [0, 1])]

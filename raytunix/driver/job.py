@@ -276,11 +276,14 @@ class Job:
                 delay = min(2 * delay, 5.0)
             calls = {i: self.engines[i].update_weights.remote(weights) for i in failed}
 
-    def evaluate(self, tasks, temperature: float = 0.0) -> dict[str, Any]:
-        """One episode per task, greedy unless ``temperature`` > 0
-        (``RolloutOrchestrator.evaluate``'s result)."""
-        max_new_tokens = self.cfg.eval.max_new_tokens
-        return ray.get(self.orchestrator.evaluate.remote(tasks, max_new_tokens, temperature))
+    def evaluate(
+        self, tasks, temperature: float = 0.0, max_new_tokens: int = 0, keep: bool = False
+    ) -> dict[str, Any]:
+        """One episode per task, greedy unless ``temperature`` > 0, ``max_new_tokens`` per
+        turn (0: ``eval.max_new_tokens``); with ``keep``, the successful episodes' tokens
+        too (``RolloutOrchestrator.evaluate``'s result)."""
+        max_new_tokens = max_new_tokens or self.cfg.eval.max_new_tokens
+        return ray.get(self.orchestrator.evaluate.remote(tasks, max_new_tokens, temperature, keep))
 
     def engine_stats(self) -> dict[str, Any]:
         """The engine's counters; across replicas, sums, the mean busy fraction and the

@@ -544,7 +544,7 @@ def _named(too_long, shown: int = 8) -> str:
 @dataclasses.dataclass(frozen=True)
 class Demonstrations:
     """The warm start's conversations: ``kind`` (``file``, ``expert`` or ``arithmetic``:
-    ``warmup.source``'s choices), ``rows`` of ``(task, messages)`` (messages as
+    ``warmup.source``'s choices but ``rejection``, which ``steps.rejection_arrays`` makes), ``rows`` of ``(task, messages)`` (messages as
     ``ConversationAgentBase.render_demonstration`` takes them) and ``where`` (the file
     or the environment, for messages)."""
 
@@ -575,6 +575,8 @@ def warm_start_demonstrations(cfg: Config, tasks, env_pool: EnvPool) -> Demonstr
     w = cfg.warmup
     if not w.enabled:
         return None
+    if w.source == "rejection":
+        raise ValueError("warmup.source=rejection samples episodes: steps.rejection_arrays")
     if w.source in ("auto", "file") and w.demonstrations:
         return _file_demonstrations(w.demonstrations)
     if w.source in ("auto", "expert"):
@@ -697,13 +699,20 @@ def demonstration_arrays(
         rows.append((ids, m))
     if not rows:
         raise RunError(_none_left(cfg, demos, dropped, lengths, first_bad))
+    return (*padded_arrays(rows, tokenizer.pad_id), dropped)
+
+
+def padded_arrays(rows, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """``rows`` of ``(token_ids, loss_mask)`` as ``(tokens int32[N, T], loss_mask
+    float32[N, T])``, right-padded with ``pad_id`` (mask 0), T the longest row rounded up
+    to a multiple of 16 (few shapes to compile)."""
     width = -(-max(len(r[0]) for r in rows) // 16) * 16
-    tokens = np.full((len(rows), width), tokenizer.pad_id, np.int32)
+    tokens = np.full((len(rows), width), pad_id, np.int32)
     mask = np.zeros((len(rows), width), np.float32)
     for i, (ids, m) in enumerate(rows):
         tokens[i, : len(ids)] = ids
         mask[i, : len(m)] = m
-    return tokens, mask, dropped
+    return tokens, mask
 
 
 def _none_left(cfg, demos, dropped, lengths, first_bad) -> str:

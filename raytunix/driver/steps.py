@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import ray
 
 from raytunix import profiling
@@ -179,17 +180,22 @@ def warm_start(cfg: Config, job: Job, run: RunDir, tasks: Tasks, collector) -> d
       ``{"warmup_steps": int, "warmup_s": float seconds}`` (seconds across resumes).
     """
     w = cfg.warmup
-    demos = prepare.warm_start_demonstrations(
-        cfg, job.train_tasks[: max(4000, w.batch_size)], job.env_pool
-    )
-    if demos is None:
-        if w.enabled:
-            say(
-                f"warm start: skipped; nothing demonstrates these tasks ({tasks.source}): "
-                f"{prepare.NO_WARM_START}"
-            )
-        return {}
-    tokens, mask, dropped = prepare.demonstration_arrays(cfg, demos, job.tokenizer)
+    if w.enabled and w.source == "rejection":
+        tokens, mask, dropped = rejection_arrays(cfg, job)
+        kind, where = "rejection", f"{len(tokens)} successful sampled episodes"
+    else:
+        demos = prepare.warm_start_demonstrations(
+            cfg, job.train_tasks[: max(4000, w.batch_size)], job.env_pool
+        )
+        if demos is None:
+            if w.enabled:
+                say(
+                    f"warm start: skipped; nothing demonstrates these tasks ({tasks.source}): "
+                    f"{prepare.NO_WARM_START}"
+                )
+            return {}
+        tokens, mask, dropped = prepare.demonstration_arrays(cfg, demos, job.tokenizer)
+        kind, where = demos.kind, demos.where
     job.learner_get(job.learner.set_demonstrations.remote(tokens, mask), "set_demonstrations")
     job.learner_get(
         job.learner.start_warmup.remote(SFTHyperparams.from_config(cfg)), "start_warmup", slow=True
@@ -198,11 +204,11 @@ def warm_start(cfg: Config, job: Job, run: RunDir, tasks: Tasks, collector) -> d
     steps = progress["warmup_steps"]
     if progress["done"]:
         return {"warmup_steps": steps, "warmup_s": progress["warmup_s"]}
-    dev_check = demos.kind == "arithmetic"
+    dev_check = kind == "arithmetic"
     measure = "tool-path accuracy" if prepare.uses_tools(cfg) else "success"
     left_out = ", ".join(f"{n} {why.replace('_', ' ')}" for why, n in dropped.items() if n)
     say(
-        f"warm start: {len(tokens)} demonstrations from {demos.where} of <= {tokens.shape[1]} "
+        f"warm start: {len(tokens)} demonstrations from {where} of <= {tokens.shape[1]} "
         f"tokens" + (f" ({left_out} left out)" if left_out else "") + f", up to {w.max_steps} "
         "steps"
         + (
@@ -211,7 +217,7 @@ def warm_start(cfg: Config, job: Job, run: RunDir, tasks: Tasks, collector) -> d
             else " (the step budget: no dev check for this source)"
         )
     )
-    run.log({"phase": "warmup_source", "source": demos.kind, "rows": len(tokens), **dropped})
+    run.log({"phase": "warmup_source", "source": kind, "rows": len(tokens), **dropped})
     t0 = time.monotonic() - progress["warmup_s"]
     done = steps >= w.max_steps
     while not done:
@@ -220,6 +226,38 @@ def warm_start(cfg: Config, job: Job, run: RunDir, tasks: Tasks, collector) -> d
         job.learner.finish_checkpoints.remote(), "finish_checkpoints", slow=True
     )  # committed before RL's checkpoint 0
     return {"warmup_steps": steps, "warmup_s": time.monotonic() - t0}
+
+
+def rejection_arrays(cfg: Config, job: Job) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
+    """``warmup.source=rejection``: ``warmup.rejection_episodes`` episodes of the run's own
+    engine (the train tasks in turn, at ``warmup.rejection_temperature``,
+    ``rollout.max_new_tokens`` a turn), the successful ones kept as demonstrations: their
+    exact tokens, the loss on the generated ones (``prepare.padded_arrays``). Sampled
+    again on a resume.
+
+    Raises:
+      RunError: no episode succeeded (the policy earns no reward yet).
+    """
+    w = cfg.warmup
+    train = job.train_tasks
+    sampled = [train[i % len(train)] for i in range(w.rejection_episodes)]
+    with profiling.span("rejection_sampling", "driver", {"episodes": len(sampled)}):
+        result = job.evaluate(
+            sampled, w.rejection_temperature, cfg.rollout.max_new_tokens, keep=True
+        )
+    successes = result["successes"]
+    say(
+        f"warm start: rejection sampling kept {len(successes)} of {len(sampled)} episodes "
+        f"(success {result['success_rate']:.1%}, mean reward {result['reward_mean']:.3f})"
+    )
+    if not successes:
+        raise RunError(
+            f"warmup.source=rejection: none of {len(sampled)} sampled episodes succeeded "
+            f"(reward >= 1; mean reward {result['reward_mean']:.3f}), so there is nothing to "
+            f"learn from; {prepare.NO_WARM_START}, or raise warmup.rejection_episodes."
+        )
+    tokens, mask = prepare.padded_arrays(successes, job.tokenizer.pad_id)
+    return tokens, mask, {"too_long": 0, "unparseable": 0}
 
 
 def _warm_start_chunk(
