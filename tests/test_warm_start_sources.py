@@ -367,3 +367,46 @@ def test_rejection_keeps_only_completed_episodes_that_succeeded():
         ]
     )
     assert kept == [([5, 6, 7], [0, 1, 1]), ([9, 9], [0, 1])]
+
+
+@pytest.mark.slow
+def test_a_run_warm_starts_from_a_demonstrations_file(ray_session, tmp_path):
+    from test_byo_env import _cli_train, _run_dirs
+
+    rows = [
+        {
+            "messages": [
+                {"role": "system", "content": "Add."},
+                {"role": "user", "content": f"What is {a} + {b}?"},
+                {"role": "assistant", "content": f"<answer>{a + b}</answer>"},
+            ]
+        }
+        for a in range(6)
+        for b in range(6)
+    ]
+    rows.append({"messages": [rows[0]["messages"][1], {"role": "assistant", "content": "9"}]})
+    path = _jsonl(tmp_path, rows)
+    result = _cli_train(
+        ray_session,
+        tmp_path / "runs",
+        "env.name=reasoning_gym",
+        "env.kwargs.task=chain_sum",
+        "env.max_turns=1",
+        "model.max_seq_len=192",
+        f"warmup.demonstrations={path}",
+        "warmup.max_steps=2",
+        "warmup.min_steps=0",
+        "warmup.eval_every=2",
+        "warmup.batch_size=4",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "36 rows of" in result.stdout and "start with a system message" in result.stdout
+    assert f"warm start: 36 demonstrations from {path}" in result.stdout
+    assert "(1 unparseable left out)" in result.stdout  # "9" is no <answer> for the agent
+    (run_dir,) = _run_dirs(tmp_path / "runs")
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        records = list(map(json.loads, f))
+    (source,) = [r for r in records if r["phase"] == "warmup_source"]
+    counts = {k: source[k] for k in ("source", "rows", "too_long", "unparseable")}
+    assert counts == {"source": "file", "rows": 36, "too_long": 0, "unparseable": 1}
+    assert [r["step"] for r in records if r["phase"] == "warmup"] == [2]

@@ -394,12 +394,13 @@ def _tasks(cfg: Config, train, heldout, source: str) -> Tasks:
 def run_tokenizer(cfg: Config, run: RunDir, train_tasks) -> Tokenizer:
     """``model.path``'s tokenizer; else the run's ``tokenizer.json`` if it has one (a
     resumed run, or a ``model.init_from`` run, which copies the earlier run's there first);
-    else one trained on the train tasks and saved there.
+    else one trained on the train tasks (and a ``warmup.demonstrations`` file's
+    conversations) and saved there.
 
     Raises:
       RunError: ``model.path``'s tokenizer is missing or bad, or the folder has no chat
         template and ``env.agent_kwargs`` names none; or the run has a checkpoint but
-        lost its tokenizer.json.
+        lost its tokenizer.json; or the demonstrations file is bad.
     """
     if cfg.model.path:  # the model's own tokenizer; nothing to train or save
         return _folder_tokenizer(cfg)
@@ -411,11 +412,20 @@ def run_tokenizer(cfg: Config, run: RunDir, train_tasks) -> Tokenizer:
             f"{run.tokenizer} is missing but the run has checkpoints made with it; "
             "restore the file or start a new run."
         )
-    from raytunix.data.demonstrations import tokenizer_corpus
+    import itertools
 
-    tokenizer = Tokenizer.train(
-        tokenizer_corpus(train_tasks[:3000]), cfg.model.tokenizer_vocab_size
-    )
+    from raytunix.data.demonstrations import tokenizer_corpus
+    from raytunix.models.chat_template import render_chat
+
+    corpus: Any = tokenizer_corpus(train_tasks[:3000])
+    w = cfg.warmup
+    if w.enabled and w.demonstrations and w.source in ("auto", "file"):
+        # The file's replies are what the warm start teaches: tokens of their own.
+        rows = _file_demonstrations(w.demonstrations, tell=False).rows[:3000]
+        corpus = itertools.chain(
+            corpus, (render_chat(m, add_generation_prompt=False) for _, m in rows)
+        )
+    tokenizer = Tokenizer.train(corpus, cfg.model.tokenizer_vocab_size)
     tokenizer.save(run.tokenizer)
     return tokenizer
 
@@ -617,7 +627,7 @@ def arithmetic_demonstrations(cfg: Config, tasks) -> Demonstrations:
     return Demonstrations("arithmetic", list(zip(tasks, demos)), "synthetic arithmetic")
 
 
-def _file_demonstrations(path: str) -> Demonstrations:
+def _file_demonstrations(path: str, tell: bool = True) -> Demonstrations:
     from raytunix.data.demonstration_file import DemonstrationError, read_demonstrations
     from raytunix.types import Task
 
@@ -625,7 +635,7 @@ def _file_demonstrations(path: str) -> Demonstrations:
         found = read_demonstrations(path)
     except DemonstrationError as e:
         raise RunError(str(e)) from None
-    if found.system_replaced:
+    if found.system_replaced and tell:
         say(
             f"warm start: {found.system_replaced} rows of {path} start with a system message; "
             "the agent's own system prompt (what RL shows the model) is used instead"

@@ -1,7 +1,8 @@
 """The steps of the main job, in the order ``raytunix.train.train`` runs them:
 
     open_run          a new run directory, or a stopped run's own (its config, what it left)
-    warm_start        supervised steps on demonstrations until the dev check passes
+    warm_start        supervised steps on demonstrations (a file, the env's expert,
+                      arithmetic, or rejection-sampled episodes) before RL
     evaluate          greedy episodes on the held-out tasks (before RL and after)
     begin_rl          the RL optimizer, the KL reference, checkpoint 0
     restore_rl        ...or the newest RL checkpoint of a stopped run
