@@ -73,7 +73,9 @@ def main() -> None:
         dataclasses.replace(cfg.data, train_size=args.tasks, heldout_size=10)
     )
     tokenizer = Tokenizer.train(tokenizer_corpus(train[:3000]), cfg.model.tokenizer_vocab_size)
-    tokens, mask = prepare.demonstration_arrays(cfg, train, tokenizer)
+    tokens, mask, _ = prepare.demonstration_arrays(
+        cfg, prepare.arithmetic_demonstrations(cfg, train), tokenizer
+    )
     model_config = prepare.model_config(cfg, tokenizer)
     graphdef, params = init_model(model_config, seed=0)
     w = cfg.warmup

@@ -50,6 +50,9 @@ FileSource = Literal["parquet", "jsonl", "hf"]  # the data sources read from dat
 DataSource = Literal["auto", "env", "reasoning_gym", FileSource]
 OverlongPrompts = Literal["error", "drop"]
 SandboxBackendChoice = Literal["auto", "bwrap", "subprocess"]
+WarmupSource = Literal[
+    "auto", "file", "expert", "arithmetic", "rejection"
+]  # raytunix.driver.prepare
 
 # Upper bounds of the sandbox's limits (raytunix.sandbox.types.SandboxLimits reads them from
 # here, so the schema stays a leaf): kernel limits are signed 64-bit, a process count cannot
@@ -768,7 +771,28 @@ class LearnerConfig:
 
 @dataclasses.dataclass
 class WarmupConfig:
-    enabled: bool = setting(True, "supervised warm start on synthetic tool-use demonstrations")
+    enabled: bool = setting(
+        True, "supervised warm start on demonstrations before RL (warmup.source says which)"
+    )
+    source: WarmupSource = setting(
+        "auto",
+        "where demonstrations come from: auto (the file if warmup.demonstrations is set, else "
+        "the environment's expert, else arithmetic ones for arithmetic tasks) | file | expert | "
+        "arithmetic | rejection (the run's own successful episodes, sampled before RL)",
+    )
+    rejection_episodes: int = setting(
+        512,
+        "rejection: episodes sampled before the warm start, one per train task in turn",
+        bounds="> 0",
+    )
+    rejection_temperature: float = setting(
+        1.0, "rejection: sampling temperature of those episodes", bounds="> 0"
+    )
+    demonstrations: str = setting(
+        "",
+        "chat-format .jsonl or .parquet file with a messages column (lists of {role, content}) "
+        '("" = none)',
+    )
     max_steps: int = setting(1400, "most supervised steps of the warm start", bounds=">= 0")
     min_steps: int = setting(
         300, "fewest supervised steps before the stop condition is read", bounds=">= 0"
@@ -784,12 +808,17 @@ class WarmupConfig:
     tool_use_prob_3_terms: float = setting(
         0.85, "share of 3-term demonstrations that call the tool", bounds="[0, 1]"
     )
-    eval_every: int = setting(100, "steps between checks of the stop condition", bounds="> 0")
+    eval_every: int = setting(
+        100, "steps between checks of the stop condition (and checkpoints)", bounds="> 0"
+    )
     eval_size: int = setting(
-        128, "held-out-free dev tasks used for the stop condition", bounds="> 0"
+        128, "held-out-free dev tasks used for the arithmetic stop condition", bounds="> 0"
     )
     target_tool_accuracy: float = setting(
-        0.6, "stop once greedy tool-path accuracy reaches this", bounds="[0, 1]"
+        0.6,
+        "arithmetic: stop once greedy dev tool-path accuracy reaches this (other sources run "
+        "warmup.max_steps)",
+        bounds="[0, 1]",
     )
 
 
@@ -1288,10 +1317,7 @@ def validate(cfg: Config) -> Config:
             f"engine.num_replicas={e.num_replicas} needs engine.placement=disaggregated (a "
             "colocated engine lives in the learner's process, one per run)."
         )
-    if cfg.warmup.min_steps > cfg.warmup.max_steps:
-        raise ConfigError(
-            f"warmup.min_steps={cfg.warmup.min_steps} exceeds warmup.max_steps={cfg.warmup.max_steps}."
-        )
+    _validate_warmup(cfg.warmup)
     if cfg.env.max_turns >= 1 << 16:
         raise ConfigError(
             f"env.max_turns={cfg.env.max_turns} must be below 65536 (one sampling seed per turn)."
@@ -1607,6 +1633,19 @@ def _validate_backoffs(rollout: RolloutConfig) -> None:
                 f"rollout.{prefix}_multiplier={multiplier!r} must be a finite "
                 "number >= 1 (1: constant waits, 2: each wait doubles)."
             )
+
+
+def _validate_warmup(w: WarmupConfig) -> None:
+    """``warmup.*`` against each other: the file and ``warmup.source=file`` come together,
+    and the step bounds are ordered."""
+    if w.source != "auto" and (w.source == "file") != bool(w.demonstrations):
+        raise ConfigError(
+            f"warmup.source={w.source} with warmup.demonstrations={w.demonstrations!r}: the "
+            "file is what warmup.source=file reads, and only it; set both, or neither "
+            "(warmup.source=auto uses the file when one is given)."
+        )
+    if w.min_steps > w.max_steps:
+        raise ConfigError(f"warmup.min_steps={w.min_steps} exceeds warmup.max_steps={w.max_steps}.")
 
 
 def _validate_sampling(rollout: RolloutConfig, model: ModelConfig) -> None:

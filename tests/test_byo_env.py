@@ -175,6 +175,10 @@ def test_own_env_trains_by_import_path_from_the_command_line(ray_session, tmp_pa
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "warm start: skipped" in result.stdout
+    # ...once, naming the three ways to get one (the env has no expert, the tasks no file).
+    assert result.stdout.count("warm start: skipped") == 1
+    for way in ("warmup.demonstrations=FILE", "demonstrate(task) expert", "arithmetic tasks"):
+        assert way in result.stdout
     assert "tasks: the environment's own" in result.stdout
     (run_dir,) = _run_dirs(tmp_path)
     assert _rl_steps(run_dir) == [1, 2]

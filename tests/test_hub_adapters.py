@@ -150,9 +150,15 @@ def test_textarena_trains_by_config(ray_session, tmp_path):
         "env.kwargs.env_id=GuessTheNumber-v0",
         "env.max_turns=2",
         "model.max_seq_len=1024",
+        "warmup.max_steps=2",
+        "warmup.min_steps=0",
+        "warmup.eval_every=2",
+        "warmup.batch_size=4",
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "tasks: the environment's own" in result.stdout
+    # The game's expert (binary search) gives the warm start its demonstrations.
+    assert "demonstrations from environment 'textarena''s expert" in result.stdout
     (run_dir,) = _run_dirs(tmp_path)
     assert _rl_steps(run_dir) == [1, 2]
     with open(os.path.join(run_dir, "summary.json")) as f:

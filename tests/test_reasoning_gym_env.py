@@ -76,10 +76,12 @@ def test_clear_errors():
 
 def test_preset_and_gymnasium_id():
     cfg = load_config("reasoning_gym", ["env.kwargs.task=spell_backward"])
-    assert (cfg.env.name, cfg.env.kwargs, cfg.warmup.enabled) == (
+    # The warm start is on: the environment's expert gives it demonstrations.
+    assert (cfg.env.name, cfg.env.kwargs, cfg.warmup.enabled, cfg.warmup.max_steps) == (
         "reasoning_gym",
         {"task": "spell_backward"},
-        False,
+        True,
+        300,
     )
     register_gymnasium_ids()
     env = gymnasium.make("raytunix/reasoning_gym", task="leg_counting", num_tasks=4)

@@ -277,15 +277,20 @@ class Job:
                 delay = min(2 * delay, 5.0)
             calls = {i: self.engines[i].update_weights.remote(weights) for i in failed}
 
-    def evaluate(self, tasks, temperature: float = 0.0) -> dict[str, Any]:
-        """One episode per task, greedy unless ``temperature`` > 0
-        (``RolloutOrchestrator.evaluate``'s result)."""
-        return ray.get(self.start_evaluation(tasks, temperature))
+    def evaluate(
+        self, tasks, temperature: float = 0.0, max_new_tokens: int = 0, keep: bool = False
+    ) -> dict[str, Any]:
+        """One episode per task, greedy unless ``temperature`` > 0, ``max_new_tokens`` per
+        turn (0: ``eval.max_new_tokens``); with ``keep``, the successful episodes' tokens
+        too (``RolloutOrchestrator.evaluate``'s result)."""
+        return ray.get(self.start_evaluation(tasks, temperature, max_new_tokens, keep))
 
-    def start_evaluation(self, tasks, temperature: float = 0.0):
+    def start_evaluation(
+        self, tasks, temperature: float = 0.0, max_new_tokens: int = 0, keep: bool = False
+    ):
         """``evaluate`` without waiting for it: the object reference of its result."""
-        max_new_tokens = self.cfg.eval.max_new_tokens
-        return self.orchestrator.evaluate.remote(tasks, max_new_tokens, temperature)
+        max_new_tokens = max_new_tokens or self.cfg.eval.max_new_tokens
+        return self.orchestrator.evaluate.remote(tasks, max_new_tokens, temperature, keep)
 
     def engine_stats(self) -> dict[str, Any]:
         """The engine's counters; across replicas, sums, the mean busy fraction and the

@@ -394,12 +394,13 @@ def _tasks(cfg: Config, train, heldout, source: str) -> Tasks:
 def run_tokenizer(cfg: Config, run: RunDir, train_tasks) -> Tokenizer:
     """``model.path``'s tokenizer; else the run's ``tokenizer.json`` if it has one (a
     resumed run, or a ``model.init_from`` run, which copies the earlier run's there first);
-    else one trained on the train tasks and saved there.
+    else one trained on the train tasks (and a ``warmup.demonstrations`` file's
+    conversations) and saved there.
 
     Raises:
       RunError: ``model.path``'s tokenizer is missing or bad, or the folder has no chat
         template and ``env.agent_kwargs`` names none; or the run has a checkpoint but
-        lost its tokenizer.json.
+        lost its tokenizer.json; or the demonstrations file is bad.
     """
     if cfg.model.path:  # the model's own tokenizer; nothing to train or save
         return _folder_tokenizer(cfg)
@@ -411,11 +412,20 @@ def run_tokenizer(cfg: Config, run: RunDir, train_tasks) -> Tokenizer:
             f"{run.tokenizer} is missing but the run has checkpoints made with it; "
             "restore the file or start a new run."
         )
-    from raytunix.data.demonstrations import tokenizer_corpus
+    import itertools
 
-    tokenizer = Tokenizer.train(
-        tokenizer_corpus(train_tasks[:3000]), cfg.model.tokenizer_vocab_size
-    )
+    from raytunix.data.demonstrations import tokenizer_corpus
+    from raytunix.models.chat_template import render_chat
+
+    corpus: Any = tokenizer_corpus(train_tasks[:3000])
+    w = cfg.warmup
+    if w.enabled and w.demonstrations and w.source in ("auto", "file"):
+        # The file's replies are what the warm start teaches: tokens of their own.
+        rows = _file_demonstrations(w.demonstrations, tell=False).rows[:3000]
+        corpus = itertools.chain(
+            corpus, (render_chat(m, add_generation_prompt=False) for _, m in rows)
+        )
+    tokenizer = Tokenizer.train(corpus, cfg.model.tokenizer_vocab_size)
     tokenizer.save(run.tokenizer)
     return tokenizer
 
@@ -541,47 +551,195 @@ def _named(too_long, shown: int = 8) -> str:
     return names + (f", and {len(too_long) - shown} more" if len(too_long) > shown else "")
 
 
-def warm_start_applies(cfg: Config, tasks: Tasks) -> bool:
-    """The warm start's demonstrations (and its stop check) are arithmetic; for any other
-    tasks it is off rather than teaching a format on tasks it cannot solve."""
-    from raytunix.data.tasks import is_arithmetic
+@dataclasses.dataclass(frozen=True)
+class Demonstrations:
+    """The warm start's conversations: ``kind`` (``file``, ``expert`` or ``arithmetic``:
+    ``warmup.source``'s choices but ``rejection``, which ``steps.rejection_arrays`` makes), ``rows`` of ``(task, messages)`` (messages as
+    ``ConversationAgentBase.render_demonstration`` takes them) and ``where`` (the file
+    or the environment, for messages)."""
 
-    return cfg.warmup.enabled and is_arithmetic(tasks.train)
+    kind: str
+    rows: list[tuple[Any, list[dict[str, str]]]]
+    where: str
 
 
-def demonstration_arrays(cfg: Config, tasks, tokenizer: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
-    """The warm start's demonstrations of ``tasks``, rendered through the agent's own token
-    path: ``(tokens int32[N, T], loss_mask float32[N, T])``, right-padded with the pad id,
-    T a multiple of 16; rows longer than ``model.max_seq_len`` are left out. Deterministic
-    in ``run.seed``, so a resumed warm start trains on the same rows.
+NO_WARM_START = (
+    "give warmup.demonstrations=FILE (chat-format .jsonl or .parquet with a messages column), "
+    "use an environment whose demonstrate(task) expert covers these tasks, or train on "
+    "arithmetic tasks (the synthetic calculator demonstrations)"
+)
+
+
+def warm_start_demonstrations(cfg: Config, tasks, env_pool: EnvPool) -> Demonstrations | None:
+    """The warm start's demonstrations by ``warmup.source``: ``auto`` takes the file
+    (``warmup.demonstrations``) if given, else the environment's expert episodes on
+    ``tasks`` (``BaseEnv.demonstrate``, played in the env actors), else the synthetic
+    calculator ones for arithmetic tasks; None when ``warmup.enabled`` is off or none
+    applies. Deterministic in ``run.seed`` (and the environment's expert).
 
     Raises:
-      RunError: no demonstration fits ``model.max_seq_len``.
+      RunError: the file cannot be read or a row is bad (``DemonstrationError``'s
+        message); ``warmup.source`` names a source that has nothing for these tasks; the
+        expert raised.
     """
+    w = cfg.warmup
+    if not w.enabled:
+        return None
+    if w.source == "rejection":
+        raise ValueError("warmup.source=rejection samples episodes: steps.rejection_arrays")
+    if w.source in ("auto", "file") and w.demonstrations:
+        return _file_demonstrations(w.demonstrations)
+    if w.source in ("auto", "expert"):
+        found = _expert_demonstrations(cfg, tasks, env_pool)
+        if found is not None or w.source == "expert":
+            if found is None:
+                raise RunError(
+                    f"warmup.source=expert but environment {cfg.env.name!r} has no expert "
+                    f"episode for any of {len(tasks)} train tasks (its demonstrate(task) "
+                    f"returns None); {NO_WARM_START}."
+                )
+            return found
+    from raytunix.data.tasks import is_arithmetic
+
+    if not is_arithmetic(tasks):
+        if w.source == "arithmetic":
+            raise RunError(
+                "warmup.source=arithmetic but the tasks are not arithmetic (no string "
+                f"metadata['expression']); {NO_WARM_START}."
+            )
+        return None
+    return arithmetic_demonstrations(cfg, tasks)
+
+
+def arithmetic_demonstrations(cfg: Config, tasks) -> Demonstrations:
+    """The synthetic calculator demonstrations of arithmetic ``tasks``
+    (``raytunix.data.demonstrations``): with the tool by ``warmup.tool_use_prob_*`` where
+    the environment has it, else answered at once; deterministic in ``run.seed``."""
     from raytunix.data.demonstrations import sample_demonstrations
 
-    rng = random.Random(cfg.run.seed)
+    w = cfg.warmup
     probs = (
-        {2: cfg.warmup.tool_use_prob_2_terms, 3: cfg.warmup.tool_use_prob_3_terms}
+        {2: w.tool_use_prob_2_terms, 3: w.tool_use_prob_3_terms}
         if uses_tools(cfg)
         else {n: 0.0 for n in range(1, 10)}
     )
-    demos = sample_demonstrations(tasks, rng, probs)
-    agent = new_agent(cfg, tokenizer)
-    rows = [agent.render_demonstration(task, messages) for task, messages in zip(tasks, demos)]
-    limit = cfg.model.max_seq_len
-    fitting = [r for r in rows if len(r[0]) <= limit]
-    if not fitting:
-        raise RunError(
-            f"model.max_seq_len={limit} is shorter than every warm-start demonstration "
-            f"(shortest: {min(len(r[0]) for r in rows)} tokens); raise model.max_seq_len."
+    demos = sample_demonstrations(tasks, random.Random(cfg.run.seed), probs)
+    return Demonstrations("arithmetic", list(zip(tasks, demos)), "synthetic arithmetic")
+
+
+def _file_demonstrations(path: str, tell: bool = True) -> Demonstrations:
+    from raytunix.data.demonstration_file import DemonstrationError, read_demonstrations
+    from raytunix.types import Task
+
+    try:
+        found = read_demonstrations(path)
+    except DemonstrationError as e:
+        raise RunError(str(e)) from None
+    if found.system_replaced and tell:
+        say(
+            f"warm start: {found.system_replaced} rows of {path} start with a system message; "
+            "the agent's own system prompt (what RL shows the model) is used instead"
         )
-    rows = fitting
-    width = max(len(r[0]) for r in rows)
-    width = -(-width // 16) * 16
-    tokens = np.full((len(rows), width), tokenizer.pad_id, np.int32)
+    rows = [
+        (Task(f"demonstration-{row}", messages[0]["content"], "", {"row": row}), messages)
+        for row, messages in zip(found.rows, found.conversations)
+    ]
+    return Demonstrations("file", rows, path)
+
+
+def _expert_demonstrations(cfg: Config, tasks, env_pool: EnvPool) -> Demonstrations | None:
+    """The env actors' expert episodes on ``tasks``, split over the actors; None when
+    there is none."""
+    actors = env_pool.actors
+    share = -(-len(tasks) // len(actors))
+    chunks = [list(tasks[i : i + share]) for i in range(0, len(tasks), share)]
+    refs = [actor.demonstrations.remote(chunk) for actor, chunk in zip(actors, chunks)]
+    try:
+        episodes = [m for part in ray.get(refs) for m in part]
+    except ray.exceptions.RayTaskError as e:
+        cause = e.cause if isinstance(e.cause, BaseException) else e
+        raise RunError(
+            f"environment {cfg.env.name!r}'s expert (demonstrate) failed: "
+            f"{type(cause).__name__}: {cause}; fix it, or set warmup.source to another source "
+            "(or warmup.enabled=false)."
+        ) from None
+    rows = [(t, m) for t, m in zip(tasks, episodes) if m is not None]
+    if not rows:
+        return None
+    return Demonstrations("expert", rows, f"environment {cfg.env.name!r}'s expert")
+
+
+def demonstration_arrays(
+    cfg: Config, demos: Demonstrations, tokenizer: Tokenizer
+) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
+    """``demos`` rendered through the agent's own token path
+    (``render_demonstration``): ``(tokens int32[N, T], loss_mask float32[N, T],
+    dropped)``, right-padded with the pad id, T a multiple of 16, the mask 1 exactly on
+    the assistant messages' tokens (and their end-of-turn token). Left out, counted in
+    ``dropped``: ``too_long`` (over ``model.max_seq_len`` tokens) and ``unparseable``
+    (an assistant message the run's agent parses as a format error, so RL would score
+    it as one).
+
+    Raises:
+      RunError: no demonstration is left, naming why (and the rows of a file).
+    """
+    agent = new_agent(cfg, tokenizer)
+    limit = cfg.model.max_seq_len
+    rows, lengths = [], []
+    dropped = {"too_long": 0, "unparseable": 0}
+    first_bad: str = ""
+    for task, messages in demos.rows:
+        bad = next(
+            (
+                m["content"]
+                for m in messages
+                if m["role"] == "assistant" and agent.parse(m["content"]).parse_error
+            ),
+            None,
+        )
+        if bad is not None:
+            dropped["unparseable"] += 1
+            first_bad = first_bad or f"{task.task_id}: {bad[:80]!r}"
+            continue
+        ids, m = agent.render_demonstration(task, messages)
+        lengths.append(len(ids))
+        if len(ids) > limit:
+            dropped["too_long"] += 1
+            continue
+        rows.append((ids, m))
+    if not rows:
+        raise RunError(_none_left(cfg, demos, dropped, lengths, first_bad))
+    return (*padded_arrays(rows, tokenizer.pad_id), dropped)
+
+
+def padded_arrays(rows, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """``rows`` of ``(token_ids, loss_mask)`` as ``(tokens int32[N, T], loss_mask
+    float32[N, T])``, right-padded with ``pad_id`` (mask 0), T the longest row rounded up
+    to a multiple of 16 (few shapes to compile)."""
+    width = -(-max(len(r[0]) for r in rows) // 16) * 16
+    tokens = np.full((len(rows), width), pad_id, np.int32)
     mask = np.zeros((len(rows), width), np.float32)
     for i, (ids, m) in enumerate(rows):
         tokens[i, : len(ids)] = ids
         mask[i, : len(m)] = m
     return tokens, mask
+
+
+def _none_left(cfg, demos, dropped, lengths, first_bad) -> str:
+    why = []
+    if dropped["too_long"]:
+        why.append(
+            f"{dropped['too_long']} are longer than model.max_seq_len={cfg.model.max_seq_len} "
+            f"tokens (shortest: {min(lengths)}); raise model.max_seq_len or shorten them"
+        )
+    if dropped["unparseable"]:
+        why.append(
+            f"{dropped['unparseable']} have an assistant message the agent "
+            f"({agent_name(cfg)!r}) cannot parse (first: {first_bad}); write the replies in "
+            "its action format"
+        )
+    return (
+        f"no warm-start demonstration from {demos.where} is usable: of {len(demos.rows)}, "
+        + "; ".join(why)
+        + "."
+    )

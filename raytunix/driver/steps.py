@@ -1,7 +1,8 @@
 """The steps of the main job, in the order ``raytunix.train.train`` runs them:
 
     open_run          a new run directory, or a stopped run's own (its config, what it left)
-    warm_start        supervised steps on demonstrations until the dev check passes
+    warm_start        supervised steps on demonstrations (a file, the env's expert,
+                      arithmetic, or rejection-sampled episodes) before RL
     evaluate          greedy episodes on the held-out tasks (before RL and after)
     begin_rl          the RL optimizer, the KL reference, checkpoint 0
     restore_rl        ...or the newest RL checkpoint of a stopped run
@@ -24,6 +25,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import ray
 
 from raytunix import profiling
@@ -164,10 +166,13 @@ def profiled(cfg: Config, job: Job, run: RunDir) -> Iterator[Any]:
 
 
 def warm_start(cfg: Config, job: Job, run: RunDir, tasks: Tasks, collector) -> dict[str, Any]:
-    """Supervised steps on demonstrations, ``warmup.eval_every`` at a time, until the dev
-    check passes (after ``warmup.min_steps``) or ``warmup.max_steps``; the engines get the
-    weights after each chunk. Skipped (returns {}) when ``warmup.enabled`` is off or the
-    tasks are not arithmetic.
+    """Supervised steps on demonstrations (``prepare.warm_start_demonstrations``: a file,
+    the environment's expert or the arithmetic ones), ``warmup.eval_every`` at a time, up
+    to ``warmup.max_steps``; the arithmetic ones stop early once the dev check passes
+    (after ``warmup.min_steps``), the others run the step budget and log the supervised
+    loss. The engines get the weights after each dev check and at the end. Skipped
+    (returns {}, said once on the console with the ways to get one) when ``warmup.enabled``
+    is off or no source has demonstrations for the tasks.
 
     After each chunk its progress is checkpointed in ``RUN_DIR/warmup`` (the learner's SFT
     state, the step count, whether it is done), so a run stopped during the warm start, or
@@ -177,16 +182,22 @@ def warm_start(cfg: Config, job: Job, run: RunDir, tasks: Tasks, collector) -> d
       ``{"warmup_steps": int, "warmup_s": float seconds}`` (seconds across resumes).
     """
     w = cfg.warmup
-    if not prepare.warm_start_applies(cfg, tasks):
-        if w.enabled:
-            say(
-                f"warm start: skipped; its demonstrations are arithmetic and the tasks "
-                f"({tasks.source}) are not"
-            )
-        return {}
-    tokens, mask = prepare.demonstration_arrays(
-        cfg, job.train_tasks[: max(4000, w.batch_size)], job.tokenizer
-    )
+    if w.enabled and w.source == "rejection":
+        tokens, mask, dropped = rejection_arrays(cfg, job)
+        kind, where = "rejection", f"{len(tokens)} successful sampled episodes"
+    else:
+        demos = prepare.warm_start_demonstrations(
+            cfg, job.train_tasks[: max(4000, w.batch_size)], job.env_pool
+        )
+        if demos is None:
+            if w.enabled:
+                say(
+                    f"warm start: skipped; nothing demonstrates these tasks ({tasks.source}): "
+                    f"{prepare.NO_WARM_START}"
+                )
+            return {}
+        tokens, mask, dropped = prepare.demonstration_arrays(cfg, demos, job.tokenizer)
+        kind, where = demos.kind, demos.where
     job.learner_get(job.learner.set_demonstrations.remote(tokens, mask), "set_demonstrations")
     job.learner_get(
         job.learner.start_warmup.remote(SFTHyperparams.from_config(cfg)), "start_warmup", slow=True
@@ -195,50 +206,110 @@ def warm_start(cfg: Config, job: Job, run: RunDir, tasks: Tasks, collector) -> d
     steps = progress["warmup_steps"]
     if progress["done"]:
         return {"warmup_steps": steps, "warmup_s": progress["warmup_s"]}
-    done = steps >= w.max_steps
-    uses_tools = prepare.uses_tools(cfg)
-    measure = "tool-path accuracy" if uses_tools else "success"
+    dev_check = kind == "arithmetic"
+    measure = "tool-path accuracy" if prepare.uses_tools(cfg) else "success"
+    left_out = ", ".join(f"{n} {why.replace('_', ' ')}" for why, n in dropped.items() if n)
     say(
-        f"warm start: {len(tokens)} demonstrations of <= {tokens.shape[1]} tokens, "
-        f"up to {w.max_steps} steps (stop at dev {measure} >= {w.target_tool_accuracy:.0%})"
+        f"warm start: {len(tokens)} demonstrations from {where} of <= {tokens.shape[1]} "
+        f"tokens" + (f" ({left_out} left out)" if left_out else "") + f", up to {w.max_steps} "
+        "steps"
+        + (
+            f" (stop at dev {measure} >= {w.target_tool_accuracy:.0%})"
+            if dev_check
+            else " (the step budget: no dev check for this source)"
+        )
     )
+    run.log({"phase": "warmup_source", "source": kind, "rows": len(tokens), **dropped})
     t0 = time.monotonic() - progress["warmup_s"]
+    done = steps >= w.max_steps
     while not done:
-        n = min(w.eval_every, w.max_steps - steps)
-        with profiling.span("sft_steps", "driver", {"steps": n}):
-            metrics = job.learner_get(
-                job.learner.sft_steps.remote(n, w.batch_size), "sft_steps", slow=True
-            )
-        steps += n
-        check_nonfinite_warmup(metrics, cfg.learner.max_consecutive_nonfinite_updates, steps, run)
-        job.publish_weights()
-        with profiling.span("eval", "driver", {"tasks": len(tasks.dev)}):
-            dev = job.evaluate(tasks.dev)
-            dev.pop("rewards", None)
-        score = dev["tool_path_accuracy"] if uses_tools else dev["success_rate"]
-        done = steps >= w.max_steps or (steps >= w.min_steps and score >= w.target_tool_accuracy)
-        job.learner_get(
-            job.learner.save_warmup.remote(
-                run.warmup,
-                steps,
-                {"warmup_steps": steps, "warmup_s": time.monotonic() - t0, "done": done},
-            ),
-            "save_warmup",
-            slow=True,
-        )
-        collector.drain("warmup", steps)
-        run.log(
-            {"phase": "warmup", "step": steps, **metrics, **{f"dev_{k}": v for k, v in dev.items()}}
-        )
-        say(
-            f"warm start step {steps}: loss {metrics['loss']:.3f}  dev success "
-            f"{dev['success_rate']:.1%}  tool use {dev['tool_use_rate']:.1%}  tool-path accuracy "
-            f"{dev['tool_path_accuracy']:.1%}  ({time.monotonic() - t0:.0f} s)"
-        )
+        steps, done = _warm_start_chunk(cfg, job, run, tasks, collector, steps, t0, dev_check)
     job.learner_get(
         job.learner.finish_checkpoints.remote(), "finish_checkpoints", slow=True
     )  # committed before RL's checkpoint 0
     return {"warmup_steps": steps, "warmup_s": time.monotonic() - t0}
+
+
+def rejection_arrays(cfg: Config, job: Job) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
+    """``warmup.source=rejection``: ``warmup.rejection_episodes`` episodes of the run's own
+    engine (the train tasks in turn, at ``warmup.rejection_temperature``,
+    ``rollout.max_new_tokens`` a turn), the successful ones kept as demonstrations: their
+    exact tokens, the loss on the generated ones (``prepare.padded_arrays``). Sampled
+    again on a resume.
+
+    Raises:
+      RunError: no episode succeeded (the policy earns no reward yet).
+    """
+    w = cfg.warmup
+    train = job.train_tasks
+    sampled = [train[i % len(train)] for i in range(w.rejection_episodes)]
+    with profiling.span("rejection_sampling", "driver", {"episodes": len(sampled)}):
+        result = job.evaluate(
+            sampled, w.rejection_temperature, cfg.rollout.max_new_tokens, keep=True
+        )
+    successes = result["successes"]
+    say(
+        f"warm start: rejection sampling kept {len(successes)} of {len(sampled)} episodes "
+        f"(success {result['success_rate']:.1%}, mean reward {result['reward_mean']:.3f})"
+    )
+    if not successes:
+        raise RunError(
+            f"warmup.source=rejection: none of {len(sampled)} sampled episodes succeeded "
+            f"(reward >= 1; mean reward {result['reward_mean']:.3f}), so there is nothing to "
+            f"learn from; {prepare.NO_WARM_START}, or raise warmup.rejection_episodes."
+        )
+    tokens, mask = prepare.padded_arrays(successes, job.tokenizer.pad_id)
+    return tokens, mask, {"too_long": 0, "unparseable": 0}
+
+
+def _warm_start_chunk(
+    cfg: Config, job: Job, run: RunDir, tasks: Tasks, collector, steps: int, t0: float, dev_check
+) -> tuple[int, bool]:
+    """``warmup.eval_every`` supervised steps (fewer to end at ``max_steps``), the dev
+    check when ``dev_check``, a checkpoint and the log line; returns ``(steps, done)``."""
+    w = cfg.warmup
+    n = min(w.eval_every, w.max_steps - steps)
+    with profiling.span("sft_steps", "driver", {"steps": n}):
+        metrics = job.learner_get(
+            job.learner.sft_steps.remote(n, w.batch_size), "sft_steps", slow=True
+        )
+    steps += n
+    check_nonfinite_warmup(metrics, cfg.learner.max_consecutive_nonfinite_updates, steps, run)
+    done = steps >= w.max_steps
+    dev: dict[str, Any] = {}
+    if dev_check:
+        job.publish_weights()
+        with profiling.span("eval", "driver", {"tasks": len(tasks.dev)}):
+            dev = job.evaluate(tasks.dev)
+            dev.pop("rewards", None)
+        score = dev["tool_path_accuracy"] if prepare.uses_tools(cfg) else dev["success_rate"]
+        done = done or (steps >= w.min_steps and score >= w.target_tool_accuracy)
+    elif done:
+        job.publish_weights()
+    job.learner_get(
+        job.learner.save_warmup.remote(
+            run.warmup,
+            steps,
+            {"warmup_steps": steps, "warmup_s": time.monotonic() - t0, "done": done},
+        ),
+        "save_warmup",
+        slow=True,
+    )
+    collector.drain("warmup", steps)
+    run.log(
+        {"phase": "warmup", "step": steps, **metrics, **{f"dev_{k}": v for k, v in dev.items()}}
+    )
+    say(
+        f"warm start step {steps}: loss {metrics['loss']:.3f}"
+        + (
+            f"  dev success {dev['success_rate']:.1%}  tool use {dev['tool_use_rate']:.1%}  "
+            f"tool-path accuracy {dev['tool_path_accuracy']:.1%}"
+            if dev
+            else f" (last step {metrics['loss_last']:.3f})"
+        )
+        + f"  ({time.monotonic() - t0:.0f} s)"
+    )
+    return steps, done
 
 
 def restore_warm_start(job: Job, run: RunDir) -> dict[str, Any] | None:

@@ -7,7 +7,8 @@ An environment turns actions into observations and rewards::
     env.close()
 
 A new environment subclasses ``BaseEnv`` and implements ``_initial_observation`` and
-``_step_impl``; it may bring its own tasks (``tasks``). If ``_step_impl`` raises, ``step``
+``_step_impl``; it may bring its own tasks (``tasks``) and an expert (``demonstrate``)
+that the run's supervised warm start learns from. If ``_step_impl`` raises, ``step``
 ends the episode with status ``ENV_ERROR`` instead: one bad step ends one episode, never
 the run.
 
@@ -104,6 +105,24 @@ class BaseEnv(abc.ABC):
         """
         return None
 
+    def demonstrate(self, task: Task) -> list[dict[str, str]] | None:
+        """An expert's episode on ``task``, for the warm start; None when there is no
+        expert for it (the default: the environment has none).
+
+        Called in an env actor on an instance of its own, one task after another, before
+        RL; the expert may ``reset`` and ``step`` this instance to play the episode (as
+        ``answered_demonstration`` does), and should return only episodes it won.
+
+        Returns:
+          ``[{"role": "user", "content": first observation}, {"role": "assistant",
+          "content": reply}, ({"role": "tool", "content": observation}, {"role":
+          "assistant", ...})*]``: the replies in the action format of the environment's
+          ``default_agent`` (``<answer>...</answer>`` for the answer and tool agents); the
+          driver renders them through the run's agent, drops those the agent cannot parse
+          (counted) and trains on the assistant tokens only.
+        """
+        return None
+
     @staticmethod
     def from_gymnasium(env_or_id: Any, make_kwargs: dict[str, Any] | None = None) -> "BaseEnv":
         """A text ``gymnasium.Env`` (``Text`` observation and action spaces) as a raytunix
@@ -130,3 +149,19 @@ class BaseEnv(abc.ABC):
     @abc.abstractmethod
     def _step_impl(self, action: Action) -> StepResult:
         """Applies one action; may raise (``step`` turns that into ``ENV_ERROR``)."""
+
+
+def answered_demonstration(env: BaseEnv, task: Task, answer: str) -> list[dict[str, str]] | None:
+    """A one-turn expert's episode for ``BaseEnv.demonstrate``: resets ``env`` on
+    ``task``, answers ``<answer>answer</answer>`` and returns the two messages if the
+    environment scored it right (``info["correct"]``, else a reward of at least 1), None
+    otherwise (a reference answer the environment's own check does not accept teaches
+    nothing)."""
+    if not isinstance(answer, str) or not answer.strip() or "<answer>" in answer:
+        return None
+    observation = env.reset(task)
+    reply = f"<answer>{answer.strip()}</answer>"
+    result = env.step(Action(text=reply, answer=answer.strip()))
+    if not result.done or not result.info.get("correct", result.reward >= 1.0):
+        return None
+    return [{"role": "user", "content": observation}, {"role": "assistant", "content": reply}]

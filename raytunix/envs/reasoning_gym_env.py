@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from raytunix.data.answers import blank_answer
 from raytunix.data.datasets import reasoning_gym_splits
-from raytunix.envs.base import BaseEnv
+from raytunix.envs.base import BaseEnv, answered_demonstration
 from raytunix.registry import register
 from raytunix.types import Action, EpisodeStatus, StepResult, Task
 
@@ -108,6 +108,16 @@ class ReasoningGymEnv(BaseEnv):
         return reasoning_gym_splits(
             self.task_name, 0, size, seed + HELDOUT_SEED_OFFSET, **self.dataset_kwargs
         )[1]
+
+    def demonstrate(self, task: Task) -> list[dict[str, str]] | None:
+        """The expert answers the entry's reference answer (``<answer>...</answer>``);
+        None when the entry has no text answer or this environment does not score it 1
+        (``answered_demonstration``)."""
+        entry = task.metadata.get("entry")
+        answer = entry.get("answer") if isinstance(entry, dict) else None
+        if not isinstance(answer, str) or blank_answer(answer):
+            return None
+        return answered_demonstration(self, task, answer)
 
     def _initial_observation(self, task: Task) -> str:
         entry = task.metadata.get("entry")

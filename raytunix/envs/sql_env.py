@@ -29,6 +29,7 @@ import tempfile
 import threading
 from typing import Any, Callable
 
+from raytunix.envs.base import answered_demonstration
 from raytunix.envs.sql_worker import QueryFailed, SQLWorkerPool
 from raytunix.envs.tool_task import ToolTaskEnv, draw_tasks
 from raytunix.registry import register
@@ -501,6 +502,12 @@ class TextToSQLEnv(ToolTaskEnv):
         finally:
             for c in (conn, *others):
                 c.close()
+
+    def demonstrate(self, task: Task) -> list[dict[str, str]] | None:
+        """The expert answers the task's gold query (``metadata["gold_sql"]``) at once;
+        None when the task has none or it does not score 1 (``answered_demonstration``)."""
+        gold = task.metadata.get("gold_sql")
+        return answered_demonstration(self, task, gold) if isinstance(gold, str) else None
 
     def _score(self, answer: str) -> tuple[float, dict[str, Any]]:
         ordered = bool(self.task.metadata.get("ordered"))

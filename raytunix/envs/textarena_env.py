@@ -124,6 +124,15 @@ class TextArenaEnv(BaseEnv):
             )
         return tasks
 
+    def demonstrate(self, task: Task) -> list[dict[str, str]] | None:
+        """An expert's game on ``task``, played against this instance: for GuessTheNumber
+        (every registered variant), binary search over the game's range, guided by the
+        game's "higher"/"lower" hints (the secret is never read). None for other games,
+        or when the game was not won."""
+        if type(self.game).__name__ != "GuessTheNumberEnv":
+            return None
+        return _binary_search_game(self, task)
+
     def _initial_observation(self, task: Task) -> str:
         seed = task.metadata.get("seed")
         if not isinstance(seed, int):
@@ -196,6 +205,29 @@ class TextArenaEnv(BaseEnv):
             for _, text, kind in messages
             if kind != textarena.ObservationType.PLAYER_ACTION
         )
+
+
+def _binary_search_game(env: TextArenaEnv, task: Task) -> list[dict[str, str]] | None:
+    """Plays GuessTheNumber by halving ``[min_number, max_number]`` on each hint; the
+    messages of the game if it was won, else None."""
+    messages = [{"role": "user", "content": env.reset(task)}]
+    low, high = int(env.game.min_number), int(env.game.max_number)
+    while low <= high:
+        guess = (low + high) // 2
+        reply = f"[{guess}]"
+        messages.append({"role": "assistant", "content": reply})
+        result = env.step(Action(text=reply))
+        if result.done:
+            return messages if result.reward >= 1.0 else None
+        hint = result.observation.lower()
+        if "higher" in hint:
+            low = guess + 1
+        elif "lower" in hint:
+            high = guess - 1
+        else:
+            return None  # a message the expert does not understand
+        messages.append({"role": "tool", "content": result.observation})
+    return None
 
 
 def _make(env_id: str, make_kwargs: dict[str, Any]) -> Any:

@@ -308,8 +308,8 @@ def _no_signal_advice(
     else:
         advice.append(
             "add a warm start: supervised steps on demonstrations of the task "
-            "before RL, so that some samples earn reward (warmup.enabled; its "
-            "synthetic demonstrations cover the arithmetic tasks only)"
+            "before RL, so that some samples earn reward (warmup.demonstrations=FILE, "
+            "an environment expert's demonstrate(task), or arithmetic tasks)"
         )
     advice.append(
         "shape the reward: partial credit (for the format, for progress, for "

@@ -153,9 +153,9 @@ class OrchestratorActor(profiling.ProfiledActor):
         self.orchestrator.set_policy_version(policy_version)
 
     async def evaluate(
-        self, tasks: Sequence[Task], max_new_tokens: int, temperature: float = 0.0
+        self, tasks: Sequence[Task], max_new_tokens: int, temperature: float = 0.0, keep=False
     ) -> dict:
-        return await self.orchestrator.evaluate(tasks, max_new_tokens, temperature)
+        return await self.orchestrator.evaluate(tasks, max_new_tokens, temperature, keep)
 
     def state(self) -> dict:
         return self.orchestrator.state()

@@ -146,6 +146,24 @@ class EnvActor(profiling.ProfiledActor):
         finally:
             env.close()
 
+    async def demonstrations(self, tasks: list[Task]) -> list[list[dict[str, str]] | None]:
+        """The environment's expert episode for each of ``tasks`` (``BaseEnv.demonstrate``,
+        None where it has none), played one after another on one instance of its own in a
+        thread, so episodes running on this actor are not held up.
+
+        Raises:
+          Exception: whatever the expert raised (a bug in it, named by the driver).
+        """
+        return await self._in_thread(self._demonstrate, tasks)
+
+    def _demonstrate(self, tasks: list[Task]) -> list[list[dict[str, str]] | None]:
+        env = make_env(self._env_name, **self._env_kwargs)
+        try:
+            expert = getattr(env, "demonstrate", None)
+            return [expert(task) if expert is not None else None for task in tasks]
+        finally:
+            env.close()
+
     def jax_loaded(self) -> bool:
         """Whether JAX is imported in this actor's process (it should never be)."""
         return "jax" in sys.modules

@@ -887,17 +887,17 @@ class RolloutOrchestrator:
 
     # ----------------------------------------------------------------- evaluation
     async def evaluate(
-        self, tasks: Sequence[Task], max_new_tokens: int, temperature: float = 0.0
+        self, tasks: Sequence[Task], max_new_tokens: int, temperature: float = 0.0, keep=False
     ) -> dict[str, Any]:
         """One episode per task, greedy unless ``temperature`` > 0 (each episode's seed is
         its index in ``tasks``); returns ``evaluation_result``'s numbers, with
-        ``env_error_reports`` and ``env_errors`` as in ``next_batch``'s info."""
-        sampling = SamplingParams(
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            stop_token_ids=self.sampling.stop_token_ids,
-            stop_strings=self.sampling.stop_strings,
-        )
+        ``env_error_reports``, ``env_errors`` as in ``next_batch``'s info and, with ``keep``,
+        ``successes`` (``successful_episodes``)."""
+        stops: dict[str, Any] = {
+            "stop_token_ids": self.sampling.stop_token_ids,
+            "stop_strings": self.sampling.stop_strings,
+        }
+        sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, **stops)
         limit = asyncio.Semaphore(self.max_concurrent_episodes)
 
         async def one(i: int, task: Task) -> Trajectory:
@@ -909,10 +909,12 @@ class RolloutOrchestrator:
             if t.error_report is not None:
                 self._env_errors.add(t.error_report)
         reports, by_kind = self._env_errors.take()
+        extra = {"successes": successful_episodes(trajectories)} if keep else {}
         return {
             **evaluation_result(trajectories),
             "env_error_reports": reports,
             "env_errors": by_kind,
+            **extra,
         }
 
 
@@ -973,6 +975,17 @@ SUCCESS_REWARD = 1.0
 """The held-out evaluation's success rule: an episode succeeds when its reward is at least
 this (the shipped environments give 1.0 for a solved task; partial credit counts in the
 mean reward only)."""
+
+
+def successful_episodes(trajectories: Sequence[Trajectory]) -> list[tuple[list[int], list[int]]]:
+    """``(token_ids, loss_mask)`` of each completed episode whose reward is at least
+    ``SUCCESS_REWARD``: exactly the tokens the engine saw and produced, the mask 1 on the
+    generated ones (the warm start's ``warmup.source=rejection`` trains on them)."""
+    return [
+        (list(t.token_ids), list(t.loss_mask))
+        for t in trajectories
+        if t.status == EpisodeStatus.COMPLETED and t.reward >= SUCCESS_REWARD
+    ]
 
 
 def evaluation_result(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
