@@ -909,13 +909,11 @@ class RolloutOrchestrator:
             if t.error_report is not None:
                 self._env_errors.add(t.error_report)
         reports, by_kind = self._env_errors.take()
-        extra = {"successes": successful_episodes(trajectories)} if keep else {}
-        return {
-            **evaluation_result(trajectories),
-            "env_error_reports": reports,
-            "env_errors": by_kind,
-            **extra,
-        }
+        result = {**evaluation_result(trajectories), "env_error_reports": reports}
+        result["env_errors"] = by_kind
+        if keep:
+            result["successes"] = successful_episodes(trajectories)
+        return result
 
 
 def batch_info(
