@@ -30,8 +30,6 @@ ALLOWED = {
     "models/llama.py::Transformer.__call__": 96,
     "plugins.py::check_kwargs": 84,
     "profiling/metrics.py::WindowMetrics.combine": 103,
-    "profiling/report.py::diagnose": 181,
-    "profiling/report.py::render_report": 93,
     "rollout/episode.py::run_episode": 214,
     "rollout/orchestrator.py::RolloutOrchestrator": 802,
     "rollout/orchestrator.py::RolloutOrchestrator.__init__": 120,
