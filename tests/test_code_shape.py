@@ -29,7 +29,6 @@ ALLOWED = {
     "models/hf.py::export_checkpoint": 84,
     "models/llama.py::Transformer.__call__": 96,
     "plugins.py::check_kwargs": 84,
-    "profiling/metrics.py::WindowMetrics.combine": 103,
     "rollout/episode.py::run_episode": 214,
     "rollout/orchestrator.py::RolloutOrchestrator": 802,
     "rollout/orchestrator.py::RolloutOrchestrator.__init__": 120,
