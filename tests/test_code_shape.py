@@ -24,7 +24,6 @@ ALLOWED = {
     "data/datasets.py::load_tasks": 95,
     "driver/prepare.py::check_prompts": 84,
     "driver/steps.py::rl_steps": 83,
-    "envs/sql_worker.py::run_one": 92,
     "inference/engine.py::InferenceEngine": 605,
     "models/hf.py::export_checkpoint": 84,
     "models/llama.py::Transformer.__call__": 96,
