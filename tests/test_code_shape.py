@@ -26,7 +26,6 @@ ALLOWED = {
     "driver/steps.py::rl_steps": 83,
     "inference/engine.py::InferenceEngine": 605,
     "models/hf.py::export_checkpoint": 84,
-    "models/llama.py::Transformer.__call__": 96,
     "rollout/episode.py::run_episode": 214,
     "rollout/orchestrator.py::RolloutOrchestrator": 802,
     "rollout/orchestrator.py::RolloutOrchestrator.__init__": 120,
