@@ -25,7 +25,6 @@ ALLOWED = {
     "driver/prepare.py::check_prompts": 84,
     "driver/steps.py::rl_steps": 83,
     "inference/engine.py::InferenceEngine": 605,
-    "models/hf.py::export_checkpoint": 84,
     "rollout/episode.py::run_episode": 214,
     "rollout/orchestrator.py::RolloutOrchestrator": 802,
     "rollout/orchestrator.py::RolloutOrchestrator.__init__": 120,
