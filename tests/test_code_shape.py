@@ -29,7 +29,6 @@ ALLOWED = {
     "rollout/orchestrator.py::RolloutOrchestrator": 802,
     "rollout/orchestrator.py::RolloutOrchestrator.__init__": 120,
     "rollout/preflight.py::check_prompt_lengths": 86,
-    "sandbox/sandbox.py::Sandbox": 576,
 }
 
 
