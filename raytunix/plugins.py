@@ -120,7 +120,27 @@ def check_kwargs(
         signature = inspect.signature(cls)
     except (TypeError, ValueError):  # a constructor in C: nothing to check against
         return
-    provided = set(provided)
+    _check_names(cls, signature, kwargs, key, set(provided))
+    hints = _type_hints(cls)
+    for name, value in kwargs.items():
+        expected = _scalar_types(hints.get(name))
+        if expected is not None and not _fits(value, expected):
+            names = " or ".join(t.__name__ for t in expected)
+            raise PluginError(
+                f"{key}.{name}={value!r} must be {names} ({cls.__qualname__}.__init__ says so)."
+            )
+
+
+def _check_names(
+    cls: type,
+    signature: inspect.Signature,
+    kwargs: Mapping[str, Any],
+    key: str,
+    provided: set[str],
+) -> None:
+    """Raises ``PluginError`` when ``kwargs`` names a parameter raytunix ``provided``
+    itself or one ``signature`` lacks (without ``**kwargs``), or when a required one is
+    given by neither (positional-only ones can never be: they count as missing)."""
     params = {
         name: p
         for name, p in signature.parameters.items()
@@ -151,25 +171,20 @@ def check_kwargs(
             f"{key}: {cls.__qualname__} needs {', '.join(missing + positional_only)}, which "
             f"{key} does not give; add {'it' if len(missing) == 1 else 'them'} to {key}."
         )
-    hints = _type_hints(cls)
-    for name, value in kwargs.items():
-        expected = _scalar_types(hints.get(name))
-        if expected is None:
-            continue
-        # bool is a subclass of int in Python; `true` for an int or float parameter is a
-        # typo or a wrong key, not a number.
-        if isinstance(value, bool) and bool not in expected:
-            pass
-        elif isinstance(value, expected):
-            continue
-        if float in expected and isinstance(value, int) and not isinstance(value, bool):
-            continue
-        if value is None and type(None) in expected:
-            continue
-        names = " or ".join(t.__name__ for t in expected)
-        raise PluginError(
-            f"{key}.{name}={value!r} must be {names} ({cls.__qualname__}.__init__ says so)."
-        )
+
+
+def _fits(value: Any, expected: tuple[type, ...]) -> bool:
+    """Whether ``value`` passes for a parameter annotated with the scalar types
+    ``expected`` (``_scalar_types``): an int passes for a float, ``None`` only where
+    ``expected`` holds ``NoneType``, and a bool only where it holds ``bool`` (bool is a
+    subclass of int in Python; ``true`` for a number is a typo or a wrong key)."""
+    if isinstance(value, bool):
+        return bool in expected
+    if isinstance(value, expected):
+        return True
+    if float in expected and isinstance(value, int):
+        return True
+    return value is None and type(None) in expected
 
 
 def import_root(obj: Any) -> str | None:

@@ -24,19 +24,11 @@ ALLOWED = {
     "data/datasets.py::load_tasks": 95,
     "driver/prepare.py::check_prompts": 84,
     "driver/steps.py::rl_steps": 82,
-    "envs/sql_worker.py::run_one": 92,
     "inference/engine.py::InferenceEngine": 605,
-    "models/hf.py::export_checkpoint": 84,
-    "models/llama.py::Transformer.__call__": 96,
-    "plugins.py::check_kwargs": 84,
-    "profiling/metrics.py::WindowMetrics.combine": 103,
-    "profiling/report.py::diagnose": 181,
-    "profiling/report.py::render_report": 93,
     "rollout/episode.py::run_episode": 214,
     "rollout/orchestrator.py::RolloutOrchestrator": 754,
     "rollout/orchestrator.py::RolloutOrchestrator.__init__": 112,
     "rollout/preflight.py::check_prompt_lengths": 86,
-    "sandbox/sandbox.py::Sandbox": 576,
 }
 
 

@@ -173,6 +173,32 @@ def run_one(
         CTE, several statements), failed, past ``timeout_s`` (kind ``"timeout"``), or its
         result is over ``max_rows`` rows or ``max_result_bytes``.
     """
+    _check_query_text(query)
+    authorizer = _ReadOnlyAuthorizer()
+    deadline = time.monotonic() + timeout_s
+    conn = _connect_bounded(path, authorizer, deadline)
+    try:
+        try:
+            cursor = conn.execute(query)
+            rows = _fetch_bounded(cursor, max_rows, max_result_bytes)
+        except sqlite3.Error as e:
+            if time.monotonic() > deadline:
+                raise QueryFailed(
+                    f"the query ran past its {timeout_s:g} s deadline and was stopped; simplify it",
+                    "timeout",
+                ) from None
+            raise QueryFailed(_failure_message(e, authorizer.refused)) from None
+        except sqlite3.Warning as e:  # "You can only execute one statement at a time."
+            raise QueryFailed(str(e)) from None
+        columns = [d[0] for d in cursor.description or ()]
+        return {"columns": columns, "rows": rows, "tables": sorted(authorizer.tables)}
+    finally:
+        conn.close()
+
+
+def _check_query_text(query: str) -> None:
+    """Raises ``QueryFailed`` (kind ``"bad_arguments"``) for an empty query or one over
+    ``MAX_SQL_CHARS`` characters, before any database is opened."""
     if not query.strip():
         raise QueryFailed("the query is empty; write one SELECT statement", "bad_arguments")
     if len(query) > MAX_SQL_CHARS:
@@ -181,32 +207,52 @@ def run_one(
             "allowed; write a shorter one",
             "bad_arguments",
         )
-    refused: list[str] = []
-    tables: set[str] = set()
 
-    def authorize(action: int, arg1: Any, arg2: Any, db_name: Any, trigger: Any) -> int:
+
+class _ReadOnlyAuthorizer:
+    """sqlite's authorizer callback for one query: allows reading and the functions in
+    ``ALLOWED_FUNCTIONS``, denies everything else (writes, other functions, recursive
+    CTEs), and keeps what it saw.
+
+    Attributes:
+      tables: the ``main`` database's tables the query read.
+      refused: why each denied action was denied, in order (the first one explains a
+        failed query better than sqlite's "not authorized").
+    """
+
+    def __init__(self) -> None:
+        self.tables: set[str] = set()
+        self.refused: list[str] = []
+
+    def __call__(self, action: int, arg1: Any, arg2: Any, db_name: Any, trigger: Any) -> int:
         if action == sqlite3.SQLITE_SELECT:
             return sqlite3.SQLITE_OK
         if action == sqlite3.SQLITE_READ:
             if db_name == "main":
-                tables.add(arg1)
+                self.tables.add(arg1)
             return sqlite3.SQLITE_OK
         if action == sqlite3.SQLITE_FUNCTION:
             if str(arg2).lower() in ALLOWED_FUNCTIONS:
                 return sqlite3.SQLITE_OK
-            refused.append(
+            self.refused.append(
                 f"function {arg2}() is not allowed (allowed: "
                 f"{', '.join(sorted(ALLOWED_FUNCTIONS))})"
             )
             return sqlite3.SQLITE_DENY
         if action == _RECURSIVE:
-            refused.append("recursive CTEs are not allowed; no question needs one")
+            self.refused.append("recursive CTEs are not allowed; no question needs one")
             return sqlite3.SQLITE_DENY
-        refused.append("the database is read-only: only SELECT queries run")
+        self.refused.append("the database is read-only: only SELECT queries run")
         return sqlite3.SQLITE_DENY
 
+
+def _connect_bounded(
+    path: str, authorizer: _ReadOnlyAuthorizer, deadline: float
+) -> sqlite3.Connection:
+    """A read-only connection to ``path`` with ``_LIMITS``, no writes or untrusted schema
+    functions, ``authorizer`` installed, and a progress handler that stops the query once
+    ``time.monotonic()`` passes ``deadline``. The caller closes it."""
     conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None)
-    deadline = time.monotonic() + timeout_s
     try:
         for name, value in _LIMITS.items():
             if hasattr(sqlite3, name):
@@ -214,42 +260,43 @@ def run_one(
         conn.execute("PRAGMA query_only = ON")
         conn.execute("PRAGMA temp_store = MEMORY")
         conn.execute("PRAGMA trusted_schema = OFF")
-        conn.set_authorizer(authorize)
+        conn.set_authorizer(authorizer)
         # Checked every 1000 virtual-machine steps; one step is bounded by the limits above.
         conn.set_progress_handler(lambda: int(time.monotonic() > deadline), 1000)
-        try:
-            cursor = conn.execute(query)
-            rows, size = [], 0
-            for row in cursor:
-                size += sum(_value_bytes(v) for v in row)
-                rows.append(row)
-                if len(rows) > max_rows:
-                    raise QueryFailed(f"the query returned more than {max_rows} rows; narrow it")
-                if size > max_result_bytes:
-                    raise QueryFailed(
-                        f"the query's result is over {max_result_bytes:,} bytes; "
-                        "select fewer or shorter values"
-                    )
-        except sqlite3.Error as e:
-            if time.monotonic() > deadline:
-                raise QueryFailed(
-                    f"the query ran past its {timeout_s:g} s deadline and was stopped; simplify it",
-                    "timeout",
-                ) from None
-            message = str(e)
-            if refused:
-                message = refused[0]
-            elif "too big" in message:
-                message += f" (a value may be at most {MAX_VALUE_BYTES:,} bytes)"
-            elif "out of memory" in message:
-                message += f" (a query may use at most {HEAP_LIMIT_BYTES >> 20} MiB)"
-            raise QueryFailed(message) from None
-        except sqlite3.Warning as e:  # "You can only execute one statement at a time."
-            raise QueryFailed(str(e)) from None
-        columns = [d[0] for d in cursor.description or ()]
-        return {"columns": columns, "rows": rows, "tables": sorted(tables)}
-    finally:
+    except BaseException:
         conn.close()
+        raise
+    return conn
+
+
+def _fetch_bounded(cursor: sqlite3.Cursor, max_rows: int, max_result_bytes: int) -> list[Any]:
+    """The cursor's rows, raising ``QueryFailed`` as soon as there are more than
+    ``max_rows`` or their values (``_value_bytes``) pass ``max_result_bytes``."""
+    rows, size = [], 0
+    for row in cursor:
+        size += sum(_value_bytes(v) for v in row)
+        rows.append(row)
+        if len(rows) > max_rows:
+            raise QueryFailed(f"the query returned more than {max_rows} rows; narrow it")
+        if size > max_result_bytes:
+            raise QueryFailed(
+                f"the query's result is over {max_result_bytes:,} bytes; "
+                "select fewer or shorter values"
+            )
+    return rows
+
+
+def _failure_message(error: sqlite3.Error, refused: list[str]) -> str:
+    """What to tell the agent about a failed query: the authorizer's first reason when it
+    denied something, else sqlite's message with the bound it hit."""
+    if refused:
+        return refused[0]
+    message = str(error)
+    if "too big" in message:
+        message += f" (a value may be at most {MAX_VALUE_BYTES:,} bytes)"
+    elif "out of memory" in message:
+        message += f" (a query may use at most {HEAP_LIMIT_BYTES >> 20} MiB)"
+    return message
 
 
 def _encode(value: Any) -> Any:

@@ -489,19 +489,42 @@ def export_checkpoint(
     Raises:
       CheckpointError: ``source``'s config.json describes another model.
     """
-    flat = [(path, var.get_value()) for path, var in nnx.to_flat_state(params)]
-    tensors: dict[str, np.ndarray] = {}
-    for path, value in flat:
-        array = np.asarray(jax.device_get(value))
-        if dtype is not None:
-            array = array.astype(np.dtype(dtype))
-        tensors[_hf_name(path)] = np.ascontiguousarray(array.T if path[-1] == "kernel" else array)
+    tensors = _hf_tensors(params, dtype)
     dtype_name = np.dtype(next(iter(tensors.values())).dtype).name
     base = _read_json(os.path.join(source, "config.json")) if source else None
     hf_config = hf_config_from_model(config, base, dtype_name)
     os.makedirs(out_dir, exist_ok=True)
-    written = []
+    _remove_weight_files(out_dir)
+    written = _write_weights(out_dir, shard_tensors(tensors, max_shard_bytes))
+    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(hf_config, f, indent=2)
+    written.append("config.json")
+    if source:
+        for name in TOKENIZER_FILES:
+            if os.path.isfile(os.path.join(source, name)):
+                shutil.copyfile(os.path.join(source, name), os.path.join(out_dir, name))
+                written.append(name)
+    return written
 
+
+def _hf_tensors(params: nnx.State, dtype=None) -> dict[str, np.ndarray]:
+    """``params`` as host arrays under their Hugging Face names (``_hf_name``), cast to
+    ``dtype`` when given, kernels transposed to ``[out, in]`` as ``torch.nn.Linear`` keeps
+    them, each C-contiguous (what safetensors writes)."""
+    tensors: dict[str, np.ndarray] = {}
+    for path, var in nnx.to_flat_state(params):
+        array = np.asarray(jax.device_get(var.get_value()))
+        if dtype is not None:
+            array = array.astype(np.dtype(dtype))
+        tensors[_hf_name(path)] = np.ascontiguousarray(array.T if path[-1] == "kernel" else array)
+    return tensors
+
+
+def shard_tensors(
+    tensors: dict[str, np.ndarray], max_shard_bytes: int
+) -> list[dict[str, np.ndarray]]:
+    """``tensors`` in name order, cut into shards of at most ``max_shard_bytes`` bytes
+    each (a tensor larger than that gets a shard of its own); one shard when all fit."""
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for name in sorted(tensors):
@@ -511,36 +534,37 @@ def export_checkpoint(
             size = 0
         shards[-1][name] = tensors[name]
         size += nbytes
-    for stale in os.listdir(out_dir):  # shards of an earlier export would confuse a reader
+    return shards
+
+
+def _remove_weight_files(out_dir: str) -> None:
+    """Deletes the weight files of an earlier export from ``out_dir``: its shards would
+    confuse a reader of the new ones."""
+    for stale in os.listdir(out_dir):
         if (
             stale == SINGLE_FILE
             or stale == INDEX_FILE
             or (stale.startswith("model-") and stale.endswith(".safetensors"))
         ):
             os.remove(os.path.join(out_dir, stale))
+
+
+def _write_weights(out_dir: str, shards: list[dict[str, np.ndarray]]) -> list[str]:
+    """Writes ``shards`` (``shard_tensors``) into ``out_dir``: one ``SINGLE_FILE``, or
+    ``model-0000i-of-0000n.safetensors`` files and their ``INDEX_FILE``; returns the names
+    written."""
     if len(shards) == 1:
         save_file(shards[0], os.path.join(out_dir, SINGLE_FILE), metadata={"format": "pt"})
-        written.append(SINGLE_FILE)
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, os.path.join(out_dir, file), metadata={"format": "pt"})
-            weight_map.update({name: file for name in shard})
-            written.append(file)
-        index = {
-            "metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
-            "weight_map": weight_map,
-        }
-        with open(os.path.join(out_dir, INDEX_FILE), "w", encoding="utf-8") as f:
-            json.dump(index, f, indent=2)
-        written.append(INDEX_FILE)
-    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(hf_config, f, indent=2)
-    written.append("config.json")
-    if source:
-        for name in TOKENIZER_FILES:
-            if os.path.isfile(os.path.join(source, name)):
-                shutil.copyfile(os.path.join(source, name), os.path.join(out_dir, name))
-                written.append(name)
+        return [SINGLE_FILE]
+    written, weight_map = [], {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(out_dir, file), metadata={"format": "pt"})
+        weight_map.update({name: file for name in shard})
+        written.append(file)
+    total = sum(t.nbytes for shard in shards for t in shard.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    with open(os.path.join(out_dir, INDEX_FILE), "w", encoding="utf-8") as f:
+        json.dump(index, f, indent=2)
+    written.append(INDEX_FILE)
     return written

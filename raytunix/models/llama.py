@@ -579,49 +579,8 @@ class Transformer(nnx.Module):
             ``block_tables`` (or block tables without one), or ``segment_ids`` come with
             a cache or in another shape than ``tokens``.
         """
-        if tokens.shape != positions.shape or tokens.ndim != 2:
-            raise ValueError(
-                f"tokens {tokens.shape} and positions {positions.shape} must both be [B, T]."
-            )
-        if segment_ids is not None and (kv_cache is not None or segment_ids.shape != tokens.shape):
-            raise ValueError(
-                f"segment_ids {segment_ids.shape} go with a cache-free forward over tokens "
-                f"{tokens.shape} of the same shape; drop them for cached inference."
-            )
-        cfg = self.config
+        _check_forward_args(self.config, tokens, positions, kv_cache, block_tables, segment_ids)
         paged = isinstance(kv_cache, KVPages)
-        if paged != (block_tables is not None):
-            raise ValueError(
-                "A KVPages cache and block_tables go together: pass both (paged "
-                "attention) or neither."
-            )
-        if paged:
-            expected = (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
-            got = (kv_cache.k.shape[0], kv_cache.k.shape[2], kv_cache.k.shape[4])
-            if (
-                kv_cache.k.ndim != 5
-                or got != expected
-                or kv_cache.v.shape != kv_cache.k.shape
-                or block_tables.ndim != 2
-                or block_tables.shape[0] != tokens.shape[0]
-            ):
-                raise ValueError(
-                    f"KVPages k {kv_cache.k.shape} / block_tables {block_tables.shape} do not "
-                    f"fit [n_layers={cfg.n_layers}, blocks, n_kv_heads={cfg.n_kv_heads}, "
-                    f"block_size, head_dim={cfg.head_dim}] and "
-                    f"[B={tokens.shape[0]}, NB]; build the cache with init_kv_pages(config, ...)."
-                )
-        elif kv_cache is not None:
-            expected = (cfg.n_layers, tokens.shape[0], cfg.n_kv_heads, cfg.head_dim)
-            got = (*kv_cache.k.shape[:3], kv_cache.k.shape[4])
-            if kv_cache.k.ndim != 5 or got != expected or kv_cache.v.shape != kv_cache.k.shape:
-                raise ValueError(
-                    f"KV cache k {kv_cache.k.shape} / v {kv_cache.v.shape} does not fit "
-                    f"[n_layers={cfg.n_layers}, B={tokens.shape[0]}, "
-                    f"n_kv_heads={cfg.n_kv_heads}, S, head_dim={cfg.head_dim}]; build it with "
-                    "init_kv_cache(config, batch_size)."
-                )
-
         cache = None if kv_cache is None else (kv_cache.k, kv_cache.v)
         x, cache = self.hidden(tokens, positions, cache, block_tables, logit_index, segment_ids)
         if cache is None:
@@ -648,6 +607,71 @@ class Transformer(nnx.Module):
         or the LM head)."""
         logits = self.embed_tokens.attend(hidden) if self.lm_head is None else self.lm_head(hidden)
         return logits.astype(jnp.float32)
+
+
+def _check_forward_args(
+    cfg: ModelConfig,
+    tokens: jax.Array,
+    positions: jax.Array,
+    kv_cache: KVCache | KVPages | None,
+    block_tables: jax.Array | None,
+    segment_ids: jax.Array | None,
+) -> None:
+    """Raises the ``ValueError`` of ``Transformer.__call__`` for arguments that do not fit
+    together or the model (shapes only: it runs once per trace under ``jax.jit``)."""
+    if tokens.shape != positions.shape or tokens.ndim != 2:
+        raise ValueError(
+            f"tokens {tokens.shape} and positions {positions.shape} must both be [B, T]."
+        )
+    if segment_ids is not None and (kv_cache is not None or segment_ids.shape != tokens.shape):
+        raise ValueError(
+            f"segment_ids {segment_ids.shape} go with a cache-free forward over tokens "
+            f"{tokens.shape} of the same shape; drop them for cached inference."
+        )
+    _check_cache(cfg, kv_cache, block_tables, batch=tokens.shape[0])
+
+
+def _check_cache(
+    cfg: ModelConfig,
+    kv_cache: KVCache | KVPages | None,
+    block_tables: jax.Array | None,
+    batch: int,
+) -> None:
+    """Raises ``ValueError`` unless ``kv_cache`` is None or fits ``cfg`` and a batch of
+    ``batch`` rows: a ``KVCache`` ``[n_layers, batch, n_kv_heads, S, head_dim]``, or a
+    ``KVPages`` ``[n_layers, blocks, n_kv_heads, block_size, head_dim]`` with
+    ``block_tables`` ``[batch, NB]`` (and block tables only with one)."""
+    paged = isinstance(kv_cache, KVPages)
+    if paged != (block_tables is not None):
+        raise ValueError(
+            "A KVPages cache and block_tables go together: pass both (paged attention) or neither."
+        )
+    if paged:
+        expected = (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
+        got = (kv_cache.k.shape[0], kv_cache.k.shape[2], kv_cache.k.shape[4])
+        if (
+            kv_cache.k.ndim != 5
+            or got != expected
+            or kv_cache.v.shape != kv_cache.k.shape
+            or block_tables.ndim != 2
+            or block_tables.shape[0] != batch
+        ):
+            raise ValueError(
+                f"KVPages k {kv_cache.k.shape} / block_tables {block_tables.shape} do not "
+                f"fit [n_layers={cfg.n_layers}, blocks, n_kv_heads={cfg.n_kv_heads}, "
+                f"block_size, head_dim={cfg.head_dim}] and "
+                f"[B={batch}, NB]; build the cache with init_kv_pages(config, ...)."
+            )
+    elif kv_cache is not None:
+        expected = (cfg.n_layers, batch, cfg.n_kv_heads, cfg.head_dim)
+        got = (*kv_cache.k.shape[:3], kv_cache.k.shape[4])
+        if kv_cache.k.ndim != 5 or got != expected or kv_cache.v.shape != kv_cache.k.shape:
+            raise ValueError(
+                f"KV cache k {kv_cache.k.shape} / v {kv_cache.v.shape} does not fit "
+                f"[n_layers={cfg.n_layers}, B={batch}, "
+                f"n_kv_heads={cfg.n_kv_heads}, S, head_dim={cfg.head_dim}]; build it with "
+                "init_kv_cache(config, batch_size)."
+            )
 
 
 def init_model(config: ModelConfig, seed: int) -> tuple[nnx.GraphDef, nnx.State]:

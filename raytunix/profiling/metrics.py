@@ -48,6 +48,7 @@ process for everything). What each metric reads:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 from typing import Any, Iterable
 
@@ -157,6 +158,158 @@ def summarize(chunk: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+@dataclasses.dataclass
+class WindowTotals:
+    """Every process's ``summarize`` of one window, added up (``add_up``).
+
+    Attributes:
+      seconds, counts: span seconds and spans ended, by span name.
+      tool_latency: ``{tool: [seconds of each call]}``.
+      tool_errors: failed tool calls by error kind.
+      env_steps: seconds of each ``env_step`` as the env actors timed it.
+      decode_rows, queued_s: ``[sum, count]`` of decode spans' rows and of requests'
+        seconds waiting for a slot.
+      generated_tokens: tokens of the orchestrator's turns.
+      episode_generate_s, episode_env_s: seconds the episodes that ended waited on the
+        engine and on the environment.
+      collect_cpu_s: the driver's CPU seconds collecting spans.
+      engine_processes: processes that ran an engine (by kind, or having decode steps).
+      dropped: spans lost to full ring buffers.
+    """
+
+    seconds: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    counts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    tool_latency: dict[str, list[float]] = dataclasses.field(
+        default_factory=lambda: collections.defaultdict(list)
+    )
+    tool_errors: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    env_steps: list[float] = dataclasses.field(default_factory=list)
+    decode_rows: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0])
+    queued_s: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0])
+    generated_tokens: int = 0
+    episode_generate_s: float = 0.0
+    episode_env_s: float = 0.0
+    collect_cpu_s: float = 0.0
+    engine_processes: int = 0
+    dropped: int = 0
+
+
+def add_up(summaries: list[dict[str, Any]]) -> WindowTotals:
+    """The processes' summaries of one window (``summarize``) added into one total."""
+    totals = WindowTotals()
+    engines = set()
+    for s in summaries:
+        totals.dropped += int(s.get("dropped", 0))
+        if s.get("kind", "") in ENGINE_KINDS or s.get("engine_steps"):
+            engines.add(process_key(s))
+        totals.seconds.update(s.get("seconds", {}))
+        totals.counts.update(s.get("counts", {}))
+        for tool, latencies in s.get("tool_latency_s", {}).items():
+            totals.tool_latency[tool].extend(latencies)
+        totals.tool_errors.update(s.get("tool_errors", {}))
+        totals.env_steps.extend(s.get("env_step_s", ()))
+        for total, part in (
+            (totals.decode_rows, s.get("decode_rows")),
+            (totals.queued_s, s.get("queued_s")),
+        ):
+            if part:
+                total[0] += part[0]
+                total[1] += part[1]
+        totals.generated_tokens += s.get("generated_tokens", 0)
+        totals.episode_generate_s += s.get("episode_generate_s", 0.0)
+        totals.episode_env_s += s.get("episode_env_s", 0.0)
+        totals.collect_cpu_s += s.get("collect_cpu_s", 0.0)
+    totals.engine_processes = len(engines)
+    return totals
+
+
+def engine_metrics(
+    totals: WindowTotals, window_s: float, max_batch_size: int | None
+) -> dict[str, float]:
+    """``engine_busy_fraction`` and its prefill part (per engine process),
+    ``engine_decode_rows_mean``, ``engine_batch_occupancy`` (with ``max_batch_size``) and
+    ``engine_queue_wait_s_mean``, each only when the window has what it reads."""
+    out: dict[str, float] = {}
+    seconds, engines = totals.seconds, totals.engine_processes
+    if engines:
+        busy = seconds["prefill"] + seconds["decode"]
+        out["engine_busy_fraction"] = min(1.0, busy / (window_s * engines))
+        out["engine_prefill_fraction"] = min(1.0, seconds["prefill"] / (window_s * engines))
+    rows, queued = totals.decode_rows, totals.queued_s
+    if rows[1]:
+        out["engine_decode_rows_mean"] = rows[0] / rows[1]
+        if max_batch_size:
+            out["engine_batch_occupancy"] = rows[0] / rows[1] / max_batch_size
+    if queued[1]:
+        out["engine_queue_wait_s_mean"] = queued[0] / queued[1]
+    return out
+
+
+def learner_metrics(totals: WindowTotals, window_s: float) -> dict[str, float]:
+    """``learner_busy_fraction`` / ``learner_idle_fraction`` when the learner updated or
+    waited in the window, and ``learner_wait_fraction`` when it waited."""
+    seconds, counts = totals.seconds, totals.counts
+    out: dict[str, float] = {}
+    if counts["update"] or counts["next_batch_wait"]:
+        learner_busy = min(1.0, seconds["update"] / window_s)
+        out["learner_busy_fraction"] = learner_busy
+        out["learner_idle_fraction"] = 1.0 - learner_busy
+    if counts["next_batch_wait"]:
+        out["learner_wait_fraction"] = min(1.0, seconds["next_batch_wait"] / window_s)
+    return out
+
+
+def episode_metrics(totals: WindowTotals, window_s: float) -> dict[str, float]:
+    """``trajectories_per_s``, ``generated_tokens_per_s``, and where the episodes that
+    ended in the window spent their time (``episode_*_fraction``, ``episode_wall_s_mean``)."""
+    episode_s, episodes = totals.seconds["episode"], totals.counts["episode"]
+    out = {
+        "trajectories_per_s": episodes / window_s,
+        "generated_tokens_per_s": totals.generated_tokens / window_s,
+    }
+    if episode_s > 0:
+        # From the episodes that ended in the window (their span carries its totals),
+        # so an episode's turns never count in one window and its length in another.
+        generate_s, env_s = totals.episode_generate_s, totals.episode_env_s
+        out["episode_generate_fraction"] = min(1.0, generate_s / episode_s)
+        out["episode_env_fraction"] = min(1.0, env_s / episode_s)
+        out["episode_other_fraction"] = max(0.0, 1.0 - (generate_s + env_s) / episode_s)
+        out["episode_wall_s_mean"] = episode_s / episodes
+    return out
+
+
+def tool_and_env_step_metrics(totals: WindowTotals) -> dict[str, float]:
+    """Per tool: calls and latency percentiles (seconds); failed calls by kind; and the
+    percentiles of env steps as the env actors timed them (without the trip to the actor)."""
+    out: dict[str, float] = {}
+    for tool, latencies in totals.tool_latency.items():
+        out[f"tool_calls/{tool}"] = float(len(latencies))
+        for q, value in percentiles(latencies).items():
+            out[f"tool_latency_s/{tool}/{q}"] = value
+    for kind, count in totals.tool_errors.items():
+        out[f"tool_call_errors/{kind}"] = float(count)
+    for q, value in percentiles(totals.env_steps).items():
+        out[f"env_step_latency_s/{q}"] = value
+    return out
+
+
+# Spans whose seconds in a window are a metric of their own, ``<name>_s``.
+TIMED_SPANS = ("weight_publish", "checkpoint", "object_store_get", "object_store_put", "batch_pack")
+
+
+def cost_metrics(totals: WindowTotals) -> dict[str, float]:
+    """``profiling_cpu_s`` (profiling's own cost: draining plus collecting) and the
+    seconds of each ``TIMED_SPANS`` span that ran in the window."""
+    out: dict[str, float] = {}
+    own = totals.seconds["profile_drain"] + totals.collect_cpu_s
+    if own:
+        out["profiling_cpu_s"] = own
+    for name in TIMED_SPANS:
+        if totals.counts[name]:
+            out[f"{name}_s"] = totals.seconds[name]
+    return out
+
+
 class WindowMetrics:
     """Computes each window's metrics from what every process drained at its end.
 
@@ -198,88 +351,18 @@ class WindowMetrics:
             # Recording is off everywhere (RAYTUNIX_PROFILING=0): no span is evidence of
             # nothing, so no metric rather than zeros.
             return {"profiling_enabled": 0.0}
-        seconds: collections.Counter = collections.Counter()
-        counts: collections.Counter = collections.Counter()
-        tool_latency: dict[str, list[float]] = collections.defaultdict(list)
-        tool_errors: collections.Counter = collections.Counter()
-        env_steps: list[float] = []
-        rows, queued = [0.0, 0], [0.0, 0]
-        tokens, generate_s, env_s, collect_cpu_s = 0, 0.0, 0.0, 0.0
-        engine_processes, dropped = set(), 0
         cpu: dict[str, list[float]] = collections.defaultdict(list)
         for s in summaries:
-            key = process_key(s)
-            dropped += int(s.get("dropped", 0))
-            kind = s.get("kind", "")
-            if kind in ENGINE_KINDS or s.get("engine_steps"):
-                engine_processes.add(key)
-            self._cpu_fraction(key, s, kind, cpu)
-            seconds.update(s.get("seconds", {}))
-            counts.update(s.get("counts", {}))
-            for tool, latencies in s.get("tool_latency_s", {}).items():
-                tool_latency[tool].extend(latencies)
-            tool_errors.update(s.get("tool_errors", {}))
-            env_steps.extend(s.get("env_step_s", ()))
-            for total, part in ((rows, s.get("decode_rows")), (queued, s.get("queued_s"))):
-                if part:
-                    total[0] += part[0]
-                    total[1] += part[1]
-            tokens += s.get("generated_tokens", 0)
-            generate_s += s.get("episode_generate_s", 0.0)
-            env_s += s.get("episode_env_s", 0.0)
-            collect_cpu_s += s.get("collect_cpu_s", 0.0)
-
-        out: dict[str, float] = {"window_s": window_s, "spans_dropped": float(dropped)}
-        engines = max(1, len(engine_processes))
-        busy = seconds["prefill"] + seconds["decode"]
-        if engine_processes:
-            out["engine_busy_fraction"] = min(1.0, busy / (window_s * engines))
-            out["engine_prefill_fraction"] = min(1.0, seconds["prefill"] / (window_s * engines))
-        if rows[1]:
-            out["engine_decode_rows_mean"] = rows[0] / rows[1]
-            if self.max_batch_size:
-                out["engine_batch_occupancy"] = rows[0] / rows[1] / self.max_batch_size
-        if queued[1]:
-            out["engine_queue_wait_s_mean"] = queued[0] / queued[1]
-        if counts["update"] or counts["next_batch_wait"]:
-            learner_busy = min(1.0, seconds["update"] / window_s)
-            out["learner_busy_fraction"] = learner_busy
-            out["learner_idle_fraction"] = 1.0 - learner_busy
-        if counts["next_batch_wait"]:
-            out["learner_wait_fraction"] = min(1.0, seconds["next_batch_wait"] / window_s)
-        out["trajectories_per_s"] = counts["episode"] / window_s
-        out["generated_tokens_per_s"] = tokens / window_s
-        episode_s = seconds["episode"]
-        if episode_s > 0:
-            # From the episodes that ended in the window (their span carries its totals),
-            # so an episode's turns never count in one window and its length in another.
-            out["episode_generate_fraction"] = min(1.0, generate_s / episode_s)
-            out["episode_env_fraction"] = min(1.0, env_s / episode_s)
-            out["episode_other_fraction"] = max(0.0, 1.0 - (generate_s + env_s) / episode_s)
-            out["episode_wall_s_mean"] = episode_s / counts["episode"]
-        for tool, latencies in tool_latency.items():
-            out[f"tool_calls/{tool}"] = float(len(latencies))
-            for q, value in percentiles(latencies).items():
-                out[f"tool_latency_s/{tool}/{q}"] = value
-        for kind, count in tool_errors.items():
-            out[f"tool_call_errors/{kind}"] = float(count)
-        # Env steps as the env actors timed them (without the trip to the actor).
-        for q, value in percentiles(env_steps).items():
-            out[f"env_step_latency_s/{q}"] = value
+            self._cpu_fraction(process_key(s), s, s.get("kind", ""), cpu)
+        totals = add_up(summaries)
+        out: dict[str, float] = {"window_s": window_s, "spans_dropped": float(totals.dropped)}
+        out.update(engine_metrics(totals, window_s, self.max_batch_size))
+        out.update(learner_metrics(totals, window_s))
+        out.update(episode_metrics(totals, window_s))
+        out.update(tool_and_env_step_metrics(totals))
         for kind, fractions in cpu.items():
             out[f"{kind}_cpu_fraction"] = float(np.mean(fractions))
-        own = seconds["profile_drain"] + collect_cpu_s
-        if own:
-            out["profiling_cpu_s"] = own
-        for name in (
-            "weight_publish",
-            "checkpoint",
-            "object_store_get",
-            "object_store_put",
-            "batch_pack",
-        ):
-            if counts[name]:
-                out[f"{name}_s"] = seconds[name]
+        out.update(cost_metrics(totals))
         return {k: v for k, v in out.items() if math.isfinite(v)}
 
     def _cpu_fraction(

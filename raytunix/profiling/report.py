@@ -188,8 +188,29 @@ def _target_engine_busy(rollout: dict[str, Any]) -> float:
     return target
 
 
+# The metrics a throughput verdict shows as its evidence, when the run recorded them.
+_DECIDING = (
+    "engine_busy_fraction",
+    "engine_batch_occupancy",
+    "learner_busy_fraction",
+    "learner_wait_fraction",
+    "episode_generate_fraction",
+    "episode_env_fraction",
+    "episode_other_fraction",
+    "orchestrator_cpu_fraction",
+    "env_cpu_fraction",
+    "trajectories_per_s",
+    "generated_tokens_per_s",
+    "max_concurrent_episodes",
+    "engine_queue_wait_s_mean",
+)
+
+
 def diagnose(means: dict[str, float], settings: dict[str, Any] | None = None) -> Verdict:
     """The verdict from a run's mean metrics (``weighted_means``).
+
+    The verdict families are tried in the module docstring's order (learner, orchestrator,
+    environment/tools, engine); the first that the evidence fits decides.
 
     Args:
       means: fractions and latencies as ``WindowMetrics`` names them; missing ones count
@@ -198,177 +219,218 @@ def diagnose(means: dict[str, float], settings: dict[str, Any] | None = None) ->
         (``rollout.max_concurrent_episodes``, ``target_engine_busy``, ``env.num_env_actors``...).
     """
     settings = settings or {}
-    rollout, env = settings.get("rollout", {}), settings.get("env", {})
-    engine_cfg, learner_cfg = settings.get("engine", {}), settings.get("learner", {})
-    if "episode_generate_fraction" not in means and "learner_busy_fraction" not in means:
-        if means.get("profiling_enabled", 1.0) == 0.0:
-            return Verdict(
-                "unknown",
-                "span recording was off in this run "
-                "(RAYTUNIX_PROFILING=0), so there is no evidence to judge; run "
-                "without it to get a verdict.",
-                {},
-                [],
-            )
-        return Verdict(
-            "unknown",
-            "no RL step has been profiled (the run stopped or is "
-            "still before RL), so nothing is known to bound it.",
-            {},
-            [],
+    return (
+        no_evidence_verdict(means)
+        or learner_verdict(means, settings)
+        or orchestrator_verdict(means, settings)
+        or environment_verdict(means, settings)
+        or engine_verdict(means, settings)
+    )
+
+
+def _metric(means: dict[str, float], name: str) -> float:
+    """``means[name]``, NaN (unknown) when the run did not record it."""
+    return means.get(name, float("nan"))
+
+
+def _evidence(means: dict[str, float]) -> dict[str, float]:
+    """The ``_DECIDING`` metrics present in ``means``: what a verdict shows it read."""
+    return {key: means[key] for key in _DECIDING if key in means}
+
+
+def _capitalized(text: str) -> str:
+    return text[0].upper() + text[1:]
+
+
+def no_evidence_verdict(means: dict[str, float]) -> Verdict | None:
+    """An ``"unknown"`` verdict when no RL step was profiled (neither episode nor learner
+    fractions in ``means``), saying whether span recording was off; else None."""
+    if "episode_generate_fraction" in means or "learner_busy_fraction" in means:
+        return None
+    if means.get("profiling_enabled", 1.0) == 0.0:
+        reason = (
+            "span recording was off in this run (RAYTUNIX_PROFILING=0), so there is no "
+            "evidence to judge; run without it to get a verdict."
         )
-    E = means.get("engine_busy_fraction", float("nan"))  # noqa: N806
-    L = means.get("learner_busy_fraction", float("nan"))  # noqa: N806
-    W = means.get("learner_wait_fraction", float("nan"))  # noqa: N806
-    g = means.get("episode_generate_fraction", 0.0)
-    v = means.get("episode_env_fraction", 0.0)
-    o = means.get("episode_other_fraction", 0.0)
-    O = means.get("orchestrator_cpu_fraction", float("nan"))  # noqa: E741, N806
-    occupancy = means.get("engine_batch_occupancy", float("nan"))
+    else:
+        reason = (
+            "no RL step has been profiled (the run stopped or is still before RL), so "
+            "nothing is known to bound it."
+        )
+    return Verdict("unknown", reason, {}, [])
+
+
+def more_episodes_advice(means: dict[str, float], rollout: dict[str, Any]) -> str:
+    """How many episodes in flight would bring the engine to the run's busy target.
+
+    Scales ``max_concurrent_episodes`` (from ``means``, else ``rollout``) by target busy /
+    measured busy (at least one more), and says when staleness admission, which lets at
+    most ``(max_staleness + 1) * groups_per_batch * group_size`` in flight, caps it.
+    """
+    busy = _metric(means, "engine_busy_fraction")
     episodes = means.get(
         "max_concurrent_episodes", float(rollout.get("max_concurrent_episodes", 0) or 0)
     )
-    evidence = {
-        k: means[k]
-        for k in (
-            "engine_busy_fraction",
-            "engine_batch_occupancy",
-            "learner_busy_fraction",
-            "learner_wait_fraction",
-            "episode_generate_fraction",
-            "episode_env_fraction",
-            "episode_other_fraction",
-            "orchestrator_cpu_fraction",
-            "env_cpu_fraction",
-            "trajectories_per_s",
-            "generated_tokens_per_s",
-            "max_concurrent_episodes",
-            "engine_queue_wait_s_mean",
+    if not (episodes > 0 and busy > 0):
+        return "raise rollout.max_concurrent_episodes"
+    wanted = max(
+        int(math.ceil(episodes * _target_engine_busy(rollout) / max(busy, 0.05))),
+        int(episodes) + 1,
+    )
+    advice = f"raise rollout.max_concurrent_episodes from {episodes:.0f} to ~{wanted}" + (
+        " (rollout.adaptive_max_episodes too: adaptive concurrency is on)"
+        if rollout.get("adaptive_concurrency")
+        else ""
+    )
+    # Admission never lets more groups in than the learner will consume within
+    # max_staleness versions; past that, more budget changes nothing.
+    try:
+        cap = (
+            (int(rollout["max_staleness"]) + 1)
+            * int(rollout["groups_per_batch"])
+            * int(rollout["group_size"])
         )
-        if k in means
-    }
-
-    def more_episodes() -> str:
-        if not (episodes > 0 and E > 0):
-            return "raise rollout.max_concurrent_episodes"
-        wanted = max(
-            int(math.ceil(episodes * _target_engine_busy(rollout) / max(E, 0.05))),
-            int(episodes) + 1,
-        )
-        advice = f"raise rollout.max_concurrent_episodes from {episodes:.0f} to ~{wanted}" + (
-            " (rollout.adaptive_max_episodes too: adaptive concurrency is on)"
-            if rollout.get("adaptive_concurrency")
-            else ""
-        )
-        # Admission never lets more groups in than the learner will consume within
-        # max_staleness versions; past that, more budget changes nothing.
-        try:
-            cap = (
-                (int(rollout["max_staleness"]) + 1)
-                * int(rollout["groups_per_batch"])
-                * int(rollout["group_size"])
-            )
-        except (KeyError, TypeError, ValueError):
-            return advice
-        if wanted > cap:
-            advice += (
-                f"; admission lets at most {cap} in flight ((rollout.max_staleness + 1)"
-                " x groups_per_batch x group_size), so raise rollout.max_staleness "
-                "(with off-policy correction) or rollout.groups_per_batch as well"
-            )
+    except (KeyError, TypeError, ValueError):
         return advice
+    if wanted > cap:
+        advice += (
+            f"; admission lets at most {cap} in flight ((rollout.max_staleness + 1)"
+            " x groups_per_batch x group_size), so raise rollout.max_staleness "
+            "(with off-policy correction) or rollout.groups_per_batch as well"
+        )
+    return advice
 
-    colocated = engine_cfg.get("placement", "colocated") == "colocated"
-    if not math.isnan(W) and W < LEARNER_WAIT_LOW and not math.isnan(L) and L >= LEARNER_BUSY_HIGH:
-        # Throughput is the learner's: advice that makes rollouts faster changes nothing.
-        advice = learner_advice(learner_cfg, colocated)
-        summary = (
-            f"learner: it updated {L:.0%} of the time and waited for rollouts only "
-            f"{W:.0%}: a batch was nearly always ready when it asked (engine busy "
-            f"{_pct(E)}). {advice[0][0].upper() + advice[0][1:]}."
+
+def _colocated(settings: dict[str, Any]) -> bool:
+    return settings.get("engine", {}).get("placement", "colocated") == "colocated"
+
+
+def learner_verdict(means: dict[str, float], settings: dict[str, Any]) -> Verdict | None:
+    """``"learner"`` when the learner waited for rollouts under ``LEARNER_WAIT_LOW`` of
+    the time while updating at least ``LEARNER_BUSY_HIGH`` of it; else None."""
+    busy, wait = _metric(means, "learner_busy_fraction"), _metric(means, "learner_wait_fraction")
+    if math.isnan(wait) or wait >= LEARNER_WAIT_LOW or math.isnan(busy):
+        return None
+    if busy < LEARNER_BUSY_HIGH:
+        return None
+    # Throughput is the learner's: advice that makes rollouts faster changes nothing.
+    advice = learner_advice(settings.get("learner", {}), _colocated(settings))
+    summary = (
+        f"learner: it updated {busy:.0%} of the time and waited for rollouts only "
+        f"{wait:.0%}: a batch was nearly always ready when it asked (engine busy "
+        f"{_pct(_metric(means, 'engine_busy_fraction'))}). {_capitalized(advice[0])}."
+    )
+    return Verdict("learner", summary, _evidence(means), advice)
+
+
+def orchestrator_verdict(means: dict[str, float], settings: dict[str, Any]) -> Verdict | None:
+    """``"orchestrator"`` when its process used ``ORCHESTRATOR_CPU_HIGH`` of a core or
+    more, or episodes spent ``EPISODE_OTHER_HIGH`` of their time or more neither generating
+    nor in the environment; else None. ``settings`` is unused (the advice is general)."""
+    cpu = _metric(means, "orchestrator_cpu_fraction")
+    other = means.get("episode_other_fraction", 0.0)
+    if not ((not math.isnan(cpu) and cpu >= ORCHESTRATOR_CPU_HIGH) or other >= EPISODE_OTHER_HIGH):
+        return None
+    advice = [
+        "cut per-turn work in the agent/parser or the orchestrator (profile the "
+        "orchestrator actor with py-spy)",
+        "fewer episodes in flight per orchestrator, or shard episodes across orchestrators",
+    ]
+    summary = (
+        f"orchestrator: its process used {_pct(cpu)} of a core and episodes "
+        f"spent {other:.0%} of their time waiting on it (generation "
+        f"{means.get('episode_generate_fraction', 0.0):.0%}, environment "
+        f"{means.get('episode_env_fraction', 0.0):.0%}). {_capitalized(advice[0])}."
+    )
+    return Verdict("orchestrator", summary, _evidence(means), advice)
+
+
+def environment_verdict(means: dict[str, float], settings: dict[str, Any]) -> Verdict | None:
+    """``"environment/tools"`` when episodes waited longer on environment steps than on
+    generation; the advice adds env actors when they are CPU-bound (0.7 of a core or more)
+    and names the slowest tool by p90 latency. Else None."""
+    generate = means.get("episode_generate_fraction", 0.0)
+    env_wait = means.get("episode_env_fraction", 0.0)
+    if not env_wait > generate:
+        return None
+    advice = [more_episodes_advice(means, settings.get("rollout", {}))]
+    env_cpu = _metric(means, "env_cpu_fraction")
+    actors = settings.get("env", {}).get("num_env_actors")
+    if not math.isnan(env_cpu) and env_cpu >= 0.7 and actors:
+        advice.insert(
+            0,
+            f"add env actors (env.num_env_actors {actors} -> {2 * int(actors)}): "
+            f"they are CPU-bound ({env_cpu:.0%} of a core each)",
         )
-        return Verdict("learner", summary, evidence, advice)
-    if (not math.isnan(O) and O >= ORCHESTRATOR_CPU_HIGH) or o >= EPISODE_OTHER_HIGH:
-        advice = [
-            "cut per-turn work in the agent/parser or the orchestrator (profile the "
-            "orchestrator actor with py-spy)",
-            "fewer episodes in flight per orchestrator, or shard episodes across orchestrators",
-        ]
+    elif actors:
+        advice.append(f"or add env actors (env.num_env_actors {actors} -> {2 * int(actors)})")
+    slow = _slowest_tool(means)
+    if slow:
+        advice.append(f"speed up or time-limit the slowest tool: {slow}")
+    summary = (
+        f"environment/tools: engine busy {_pct(_metric(means, 'engine_busy_fraction'))}; "
+        f"episodes wait on the environment and its tools {env_wait:.0%} of the time "
+        f"(generation {generate:.0%}); {advice[0]}."
+    )
+    return Verdict("environment/tools", summary, _evidence(means), advice)
+
+
+def engine_verdict(means: dict[str, float], settings: dict[str, Any]) -> Verdict:
+    """``"engine"``, the verdict when no other family fits, in one of three readings:
+    busy at least ``ENGINE_BUSY_HIGH`` with batches under half full (few rows per step:
+    more episodes, less prefill), busy with fuller batches (at capacity: replicas, larger
+    batches), or less busy (too few episodes in flight keep it fed)."""
+    busy, occupancy = (
+        _metric(means, "engine_busy_fraction"),
+        _metric(means, "engine_batch_occupancy"),
+    )
+    generate = means.get("episode_generate_fraction", 0.0)
+    env_wait = means.get("episode_env_fraction", 0.0)
+    rollout = settings.get("rollout", {})
+    if math.isnan(busy) or busy < ENGINE_BUSY_HIGH:
+        advice = [more_episodes_advice(means, rollout)]
         summary = (
-            f"orchestrator: its process used {_pct(O)} of a core and episodes "
-            f"spent {o:.0%} of their time waiting on it (generation {g:.0%}, "
-            f"environment {v:.0%}). {advice[0][0].upper() + advice[0][1:]}."
-        )
-        return Verdict("orchestrator", summary, evidence, advice)
-    if v > g:
-        advice = [more_episodes()]
-        env_cpu = means.get("env_cpu_fraction", float("nan"))
-        actors = env.get("num_env_actors")
-        if not math.isnan(env_cpu) and env_cpu >= 0.7 and actors:
-            advice.insert(
-                0,
-                f"add env actors (env.num_env_actors {actors} -> {2 * int(actors)}): "
-                f"they are CPU-bound ({env_cpu:.0%} of a core each)",
-            )
-        elif actors:
-            advice.append(f"or add env actors (env.num_env_actors {actors} -> {2 * int(actors)})")
-        slow = _slowest_tool(means)
-        if slow:
-            advice.append(f"speed up or time-limit the slowest tool: {slow}")
-        summary = (
-            f"environment/tools: engine busy {_pct(E)}; episodes wait on the "
-            f"environment and its tools {v:.0%} of the time (generation {g:.0%}); "
+            f"engine: episodes wait on generation {generate:.0%} of their time (environment "
+            f"{env_wait:.0%}), but the engine is busy only {_pct(busy)} with batches "
+            f"{_pct(occupancy)} full: too few episodes in flight keep it fed; "
             f"{advice[0]}."
         )
-        return Verdict("environment/tools", summary, evidence, advice)
+        return Verdict("engine", summary, _evidence(means), advice)
+    engine_cfg = settings.get("engine", {})
     replicas = (
         "add engine replicas (engine.placement=disaggregated with engine.num_replicas "
         "2 or more, one device each)"
-        if colocated
+        if _colocated(settings)
         else f"add engine replicas (engine.num_replicas {engine_cfg.get('num_replicas', 1)}"
         " -> more, one device each)"
     )
-    if (
-        not math.isnan(E)
-        and E >= ENGINE_BUSY_HIGH
-        and not math.isnan(occupancy)
-        and occupancy < 0.5
-    ):
-        prefill = means.get("engine_prefill_fraction", float("nan"))
+    if not math.isnan(occupancy) and occupancy < 0.5:
         advice = [
-            more_episodes() + ": a decode step costs about the same with more rows",
+            more_episodes_advice(means, rollout)
+            + ": a decode step costs about the same with more rows",
             "cut prefill (engine.sessions on, shared prompts for the prefix cache)",
             replicas + " once batches are full",
         ]
         summary = (
-            f"engine: busy {E:.0%} of the time, but its batches are only "
-            f"{occupancy:.0%} full (prefill {_pct(prefill)} of the wall time): it "
-            f"spends its time on few rows at a time; {advice[0]}."
+            f"engine: busy {busy:.0%} of the time, but its batches are only "
+            f"{occupancy:.0%} full (prefill {_pct(_metric(means, 'engine_prefill_fraction'))}"
+            f" of the wall time): it spends its time on few rows at a time; {advice[0]}."
         )
-        return Verdict("engine", summary, evidence, advice)
-    if not math.isnan(E) and E >= ENGINE_BUSY_HIGH:
-        advice = [replicas + " or a faster device"]
-        if not math.isnan(occupancy) and occupancy >= 0.9:
-            advice.insert(
-                0,
-                f"batches are full ({occupancy:.0%} of engine.max_batch_size="
-                f"{engine_cfg.get('max_batch_size', '?')}): raise "
-                "engine.max_batch_size if KV memory allows",
-            )
-        advice.append("shorter generations (rollout.max_new_tokens) cost less engine time")
-        summary = (
-            f"engine: busy {E:.0%} of the time and episodes wait on generation "
-            f"{g:.0%} of theirs (environment {v:.0%}); {advice[0]}."
+        return Verdict("engine", summary, _evidence(means), advice)
+    advice = [replicas + " or a faster device"]
+    if not math.isnan(occupancy) and occupancy >= 0.9:
+        advice.insert(
+            0,
+            f"batches are full ({occupancy:.0%} of engine.max_batch_size="
+            f"{engine_cfg.get('max_batch_size', '?')}): raise "
+            "engine.max_batch_size if KV memory allows",
         )
-        return Verdict("engine", summary, evidence, advice)
-    advice = [more_episodes()]
+    advice.append("shorter generations (rollout.max_new_tokens) cost less engine time")
     summary = (
-        f"engine: episodes wait on generation {g:.0%} of their time (environment "
-        f"{v:.0%}), but the engine is busy only {_pct(E)} with batches "
-        f"{_pct(occupancy)} full: too few episodes in flight keep it fed; "
-        f"{advice[0]}."
+        f"engine: busy {busy:.0%} of the time and episodes wait on generation "
+        f"{generate:.0%} of theirs (environment {env_wait:.0%}); {advice[0]}."
     )
-    return Verdict("engine", summary, evidence, advice)
+    return Verdict("engine", summary, _evidence(means), advice)
 
 
 def _pct(x: float) -> str:
@@ -441,8 +503,6 @@ def render_report(run_dir: str) -> tuple[str, Verdict]:
       FileNotFoundError: ``run_dir`` has no ``metrics.jsonl`` (not a run directory, or
         one that stopped before it logged anything).
     """
-    import yaml
-
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(metrics_path):
         raise FileNotFoundError(
@@ -452,17 +512,9 @@ def render_report(run_dir: str) -> tuple[str, Verdict]:
     skipped: list[int] = []
     records = list(read_jsonl(metrics_path, skipped))
     steps = rl_steps(records)
-    settings: dict[str, Any] = {}
-    config_path = os.path.join(run_dir, "config.yaml")
-    if os.path.exists(config_path):
-        with open(config_path) as f:
-            try:
-                settings = yaml.safe_load(f) or {}
-            except yaml.YAMLError:
-                settings = {}
+    settings = _read_settings(os.path.join(run_dir, "config.yaml"))
     compiling = compile_steps(records)
     means = weighted_means(steps, compiling)
-    settings = settings if isinstance(settings, dict) else {}
     verdict = with_learning(
         diagnose(means, settings),
         judge_learning(
@@ -482,12 +534,50 @@ def render_report(run_dir: str) -> tuple[str, Verdict]:
     spans_path = os.path.join(run_dir, "profile", "spans.jsonl")
     spans_skipped: list[int] = []
     tools = tool_latency_table(spans_path, spans_skipped)
+    lines = _header_lines(run_dir, steps, compiling, settings)
+    if skipped:
+        lines.append(
+            f"metrics.jsonl lines that could not be read, skipped: {len(skipped)} "
+            f"({_line_numbers(skipped)})"
+        )
+    if no_step:
+        lines.append(
+            f"metrics.jsonl RL records whose step is not a whole number >= 1, skipped: {no_step}"
+        )
     spans_note = _spans_file_note(spans_path, spans_skipped)
+    if spans_note:
+        lines.append(spans_note)
+    lines += _verdict_lines(verdict, means, bool(steps))
+    lines += _losses_section(steps, run_dir)
+    lines += _tool_latency_lines(tools)
+    return "\n".join(lines) + "\n", verdict
+
+
+def _read_settings(config_path: str) -> dict[str, Any]:
+    """The run's ``config.yaml`` as a nested dict; ``{}`` when it is missing, not YAML or
+    not a mapping (the report then gives advice without the run's settings)."""
+    import yaml
+
+    if not os.path.exists(config_path):
+        return {}
+    with open(config_path) as f:
+        try:
+            settings = yaml.safe_load(f) or {}
+        except yaml.YAMLError:
+            return {}
+    return settings if isinstance(settings, dict) else {}
+
+
+def _header_lines(
+    run_dir: str, steps: list[dict[str, Any]], compiling: set[int], settings: dict[str, Any]
+) -> list[str]:
+    """The report's first lines: the run directory, the RL steps logged (against the
+    planned ``learner.rl_steps``) and the compiling steps left out of the means."""
     left_out = sorted(compiling) if len(steps) - len(compiling) >= 2 else []
     learner_cfg = settings.get("learner")
     planned = learner_cfg.get("rl_steps") if isinstance(learner_cfg, dict) else None
     last = steps[-1]["step"] if steps else 0
-    lines = [
+    return [
         f"raytunix bottleneck report: {os.path.abspath(run_dir)}",
         f"RL steps logged: {len(steps)}"
         + (
@@ -502,31 +592,23 @@ def render_report(run_dir: str) -> tuple[str, Verdict]:
             else ""
         ),
     ]
-    if skipped:
+
+
+def _tool_latency_lines(tools: dict[str, dict[str, float]]) -> list[str]:
+    """The report's table of ``tool_latency_table`` (seconds); no lines without tools."""
+    if not tools:
+        return []
+    lines = [
+        "",
+        "Tool latency in RL steps and evaluations (seconds):",
+        f"  {'tool':<20} {'calls':>7} {'p50':>9} {'p90':>9} {'p99':>9}",
+    ]
+    for tool, row in sorted(tools.items()):
         lines.append(
-            f"metrics.jsonl lines that could not be read, skipped: {len(skipped)} "
-            f"({_line_numbers(skipped)})"
+            f"  {tool:<20} {row['calls']:>7.0f} {row.get('p50', 0):>9.4f} "
+            f"{row.get('p90', 0):>9.4f} {row.get('p99', 0):>9.4f}"
         )
-    if no_step:
-        lines.append(
-            f"metrics.jsonl RL records whose step is not a whole number >= 1, skipped: {no_step}"
-        )
-    if spans_note:
-        lines.append(spans_note)
-    lines += _verdict_lines(verdict, means, bool(steps))
-    lines += _losses_section(steps, run_dir)
-    if tools:
-        lines += [
-            "",
-            "Tool latency in RL steps and evaluations (seconds):",
-            f"  {'tool':<20} {'calls':>7} {'p50':>9} {'p90':>9} {'p99':>9}",
-        ]
-        for tool, row in sorted(tools.items()):
-            lines.append(
-                f"  {tool:<20} {row['calls']:>7.0f} {row.get('p50', 0):>9.4f} "
-                f"{row.get('p90', 0):>9.4f} {row.get('p99', 0):>9.4f}"
-            )
-    return "\n".join(lines) + "\n", verdict
+    return lines
 
 
 def _verdict_lines(verdict: Verdict, means: dict[str, float], any_steps: bool) -> list[str]:

@@ -100,7 +100,7 @@ _REAPING_STALLS = False
 _KILLED_UIDS: set[int] = set()
 _KILLED_LOCK = threading.Lock()
 _SYSTEM_RO = ("/usr", "/etc")
-# The first process of a run's PID namespace (see ``Sandbox._inside_bwrap``).
+# The first process of a run's PID namespace (see ``_inside_bwrap``).
 _INIT = ("/bin/sh", "-c", 'exec 3>&2 2>/dev/null; ("$@" 2>&3 3>&-); exit $?', "sh")
 _SYSTEM_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _MEMORY_ERRORS = (
@@ -517,8 +517,8 @@ class Sandbox:
     ) -> SandboxResult:
         if ws.uid is not None and _take_killed(ws.uid):
             _await_reaped(ws.uid, _REAP_WAIT_S)
-        command = self._command(ws, argv, limits, mode)
-        environ = self._environment(ws, env, mode)
+        command = _command(ws, argv, limits, mode, self._ro_binds)
+        environ = _environment(ws, env, mode)
         stdin_fd = os.memfd_create("sandbox-stdin", os.MFD_CLOEXEC)
         try:
             os.write(stdin_fd, stdin)  # a memfd takes it all at once; no writer thread
@@ -636,120 +636,139 @@ class Sandbox:
         if ws.uid is not None and (_sweep(ws.uid) or killed):
             _note_killed(ws.uid)
 
-    def _command(
-        self, ws: _Workspace, argv: list[str], limits: SandboxLimits, mode: _Mode
-    ) -> list[str]:
-        cpu = math.ceil(limits.cpu_time_s)
-        spec = {
-            "rlimits": [
-                ["RLIMIT_CPU", cpu, cpu + 1],
-                ["RLIMIT_AS", limits.memory_bytes, limits.memory_bytes],
-                ["RLIMIT_FSIZE", limits.max_file_bytes, limits.max_file_bytes],
-                ["RLIMIT_CORE", 0, 0],
-            ]
-        }
-        if ws.uid is not None:
-            spec.update(nproc=limits.max_processes, nproc_on_top=True, uid=ws.uid, gid=ws.uid)
-        elif mode.isolate:  # counted in its own user namespace: this run's processes only
-            spec.update(nproc=limits.max_processes)
-        elif mode.backend is SandboxBackend.SUBPROCESS:
-            spec.update(nproc=limits.max_processes, nproc_on_top=True)
-        if mode.backend is SandboxBackend.BWRAP:
-            argv = self._bwrap_argv(ws, limits) + self._inside_bwrap(ws, limits, argv)
-        elif mode.isolate:
-            spec.update(
-                no_new_privs=True,
-                isolate={
-                    "user_ns": ws.uid is None,
-                    "workdir": ws.path,
-                    "tmp_bytes": limits.tmp_bytes,
-                    "links": [[os.readlink(p), p] for p in _SYSTEM_LINKS if os.path.islink(p)],
-                    "ro": [
-                        p
-                        for p in (
-                            *(p for p in _SYSTEM_LINKS if not os.path.islink(p)),
-                            *_SYSTEM_RO,
-                            *self._python_dirs(ws),
-                            *self._ro_binds,
-                        )
-                        if os.path.exists(p)
-                    ],
-                },
-            )
-            argv = [*_INIT, *argv]
-        else:
-            spec.update(no_new_privs=True)
-        return _launcher(spec) + argv
 
-    def _inside_bwrap(self, ws: _Workspace, limits: SandboxLimits, argv: list[str]) -> list[str]:
-        """What bubblewrap runs: a shell as the PID namespace's first process
-        (``--as-pid-1``), which runs the command, reaps the namespace's orphans while it
-        waits, and exits as the command did (128 + N for signal N; 127 for a command
-        that cannot be found), ending the namespace. In the host user's own namespace
-        our launcher first sets the process limit, which there counts this run's
-        processes only (set outside, it would also cap the user's processes outside
-        the sandbox).
-
-        Not bubblewrap's own init: bubblewrap's outer process exits before it, leaving
-        it to the host's init to reap, a zombie of the run's user for a second or two
-        after every run. ``RLIMIT_NPROC`` counts zombies, and the next run's limit adds
-        the processes the user already has (``nproc_on_top``), so that limit grew as
-        they were reaped: 17 of them let a run fork 29 processes under a limit of 16."""
-        # The shell's own stderr goes to /dev/null and the command's to the run's (the
-        # subshell execs it), so that the shell's reports of a command killed by a signal
-        # ("Killed", "Segmentation fault") are not added to the run's stderr.
-        init = list(_INIT)
-        if ws.uid is None:
-            init = _launcher({"nproc": limits.max_processes}) + init
-        return ["--as-pid-1", "--", *init, *argv]
-
-    def _bwrap_argv(self, ws: _Workspace, limits: SandboxLimits) -> list[str]:
-        args = [
-            shutil.which("bwrap") or "bwrap",
-            "--unshare-all",
-            "--die-with-parent",
-            "--new-session",
-            "--hostname",
-            "sandbox",
+def _command(
+    ws: _Workspace,
+    argv: list[str],
+    limits: SandboxLimits,
+    mode: _Mode,
+    ro_binds: tuple[str, ...],
+) -> list[str]:
+    """The host argv of one run: our launcher (``_launch.py``) with its spec of limits
+    (``RLIMIT_*``, the process limit, the run's uid) and, by ``mode``, bubblewrap's
+    namespaces or the launcher's own (``isolate``), then ``argv``; ``ro_binds`` are the
+    sandbox's extra read-only host paths."""
+    cpu = math.ceil(limits.cpu_time_s)
+    spec = {
+        "rlimits": [
+            ["RLIMIT_CPU", cpu, cpu + 1],
+            ["RLIMIT_AS", limits.memory_bytes, limits.memory_bytes],
+            ["RLIMIT_FSIZE", limits.max_file_bytes, limits.max_file_bytes],
+            ["RLIMIT_CORE", 0, 0],
         ]
-        for path in _SYSTEM_LINKS:
-            if os.path.islink(path):
-                args += ["--symlink", os.readlink(path), path]
-            elif os.path.isdir(path):
-                args += ["--ro-bind", path, path]
-        for path in (*_SYSTEM_RO, *self._python_dirs(ws), *self._ro_binds):
-            if os.path.exists(path):
-                args += ["--ro-bind", path, path]
-        args += ["--proc", "/proc", "--dev", "/dev"]
-        if _bwrap_has_size():
-            args += ["--size", str(limits.tmp_bytes)]
-        args += ["--tmpfs", "/tmp", "--bind", ws.path, ws.path, "--chdir", ws.path]
-        return args
+    }
+    if ws.uid is not None:
+        spec.update(nproc=limits.max_processes, nproc_on_top=True, uid=ws.uid, gid=ws.uid)
+    elif mode.isolate:  # counted in its own user namespace: this run's processes only
+        spec.update(nproc=limits.max_processes)
+    elif mode.backend is SandboxBackend.SUBPROCESS:
+        spec.update(nproc=limits.max_processes, nproc_on_top=True)
+    if mode.backend is SandboxBackend.BWRAP:
+        argv = _bwrap_argv(ws, limits, ro_binds) + _inside_bwrap(ws, limits, argv)
+    elif mode.isolate:
+        spec.update(
+            no_new_privs=True,
+            isolate={
+                "user_ns": ws.uid is None,
+                "workdir": ws.path,
+                "tmp_bytes": limits.tmp_bytes,
+                "links": [[os.readlink(p), p] for p in _SYSTEM_LINKS if os.path.islink(p)],
+                "ro": [
+                    p
+                    for p in (
+                        *(p for p in _SYSTEM_LINKS if not os.path.islink(p)),
+                        *_SYSTEM_RO,
+                        *_python_dirs(ws),
+                        *ro_binds,
+                    )
+                    if os.path.exists(p)
+                ],
+            },
+        )
+        argv = [*_INIT, *argv]
+    else:
+        spec.update(no_new_privs=True)
+    return _launcher(spec) + argv
 
-    def _python_dirs(self, ws: _Workspace) -> list[str]:
-        """This Python's installation when the run's user can reach it (root's own
-        home, for one, is closed to other users); the system one is under /usr anyway."""
-        dirs = []
-        for prefix in dict.fromkeys((sys.prefix, sys.base_prefix)):
-            if prefix.startswith(("/usr/", "/etc/")) or prefix == "/usr":
-                continue
-            if ws.uid is None or _open_to_others(prefix):
-                dirs.append(prefix)
-        return dirs
 
-    def _environment(self, ws: _Workspace, extra: dict[str, str], mode: _Mode) -> dict[str, str]:
-        bins = [os.path.join(p, "bin") for p in self._python_dirs(ws)]
-        env = {
-            "PATH": ":".join([*bins, "/usr/local/bin", "/usr/bin", "/bin"]),
-            "HOME": ws.path,
-            "TMPDIR": "/tmp" if mode.isolation is IsolationLevel.NAMESPACES else ws.path,
-            "LANG": "C.UTF-8",
-            "OMP_NUM_THREADS": "1",
-            "OPENBLAS_NUM_THREADS": "1",
-            "MKL_NUM_THREADS": "1",
-        }
-        env.update(extra)
-        return env
+def _inside_bwrap(ws: _Workspace, limits: SandboxLimits, argv: list[str]) -> list[str]:
+    """What bubblewrap runs: a shell as the PID namespace's first process
+    (``--as-pid-1``), which runs the command, reaps the namespace's orphans while it
+    waits, and exits as the command did (128 + N for signal N; 127 for a command
+    that cannot be found), ending the namespace. In the host user's own namespace
+    our launcher first sets the process limit, which there counts this run's
+    processes only (set outside, it would also cap the user's processes outside
+    the sandbox).
+
+    Not bubblewrap's own init: bubblewrap's outer process exits before it, leaving
+    it to the host's init to reap, a zombie of the run's user for a second or two
+    after every run. ``RLIMIT_NPROC`` counts zombies, and the next run's limit adds
+    the processes the user already has (``nproc_on_top``), so that limit grew as
+    they were reaped: 17 of them let a run fork 29 processes under a limit of 16."""
+    # The shell's own stderr goes to /dev/null and the command's to the run's (the
+    # subshell execs it), so that the shell's reports of a command killed by a signal
+    # ("Killed", "Segmentation fault") are not added to the run's stderr.
+    init = list(_INIT)
+    if ws.uid is None:
+        init = _launcher({"nproc": limits.max_processes}) + init
+    return ["--as-pid-1", "--", *init, *argv]
+
+
+def _bwrap_argv(ws: _Workspace, limits: SandboxLimits, ro_binds: tuple[str, ...]) -> list[str]:
+    """bubblewrap and its options for one run: every namespace unshared, the system's
+    directories, this Python and ``ro_binds`` read-only, a fresh ``/proc``, ``/dev`` and
+    size-limited ``/tmp``, and the work dir bound read-write as the working directory."""
+    args = [
+        shutil.which("bwrap") or "bwrap",
+        "--unshare-all",
+        "--die-with-parent",
+        "--new-session",
+        "--hostname",
+        "sandbox",
+    ]
+    for path in _SYSTEM_LINKS:
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    for path in (*_SYSTEM_RO, *_python_dirs(ws), *ro_binds):
+        if os.path.exists(path):
+            args += ["--ro-bind", path, path]
+    args += ["--proc", "/proc", "--dev", "/dev"]
+    if _bwrap_has_size():
+        args += ["--size", str(limits.tmp_bytes)]
+    args += ["--tmpfs", "/tmp", "--bind", ws.path, ws.path, "--chdir", ws.path]
+    return args
+
+
+def _python_dirs(ws: _Workspace) -> list[str]:
+    """This Python's installation when the run's user can reach it (root's own
+    home, for one, is closed to other users); the system one is under /usr anyway."""
+    dirs = []
+    for prefix in dict.fromkeys((sys.prefix, sys.base_prefix)):
+        if prefix.startswith(("/usr/", "/etc/")) or prefix == "/usr":
+            continue
+        if ws.uid is None or _open_to_others(prefix):
+            dirs.append(prefix)
+    return dirs
+
+
+def _environment(ws: _Workspace, extra: dict[str, str], mode: _Mode) -> dict[str, str]:
+    """The run's whole environment: a ``PATH`` of this Python and the system, the work dir
+    as ``HOME`` (and ``TMPDIR`` without a private ``/tmp``), one BLAS/OpenMP thread, then
+    ``extra`` over it; nothing of the host's environment (its secrets) is passed on."""
+    bins = [os.path.join(p, "bin") for p in _python_dirs(ws)]
+    env = {
+        "PATH": ":".join([*bins, "/usr/local/bin", "/usr/bin", "/bin"]),
+        "HOME": ws.path,
+        "TMPDIR": "/tmp" if mode.isolation is IsolationLevel.NAMESPACES else ws.path,
+        "LANG": "C.UTF-8",
+        "OMP_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    }
+    env.update(extra)
+    return env
 
 
 class _Capture:
