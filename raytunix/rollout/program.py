@@ -181,7 +181,8 @@ class ProgramOrchestrator(RolloutOrchestrator):
 
 def program_parts(settings: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
     """``ProgramOrchestrator``'s own arguments from the driver's ``settings``
-    (``raytunix.driver.prepare.program_settings``): the program built from ``env_kwargs``
+    (``raytunix.driver.prepare.program_settings``): the program, ``env_name`` (an
+    ``AgentProgramEnv``: ``agent_program`` or ``verifiers``) built from ``env_kwargs``
     and a gateway factory with the ``gateway.*`` settings and the run's chat template.
 
     Raises:
@@ -205,8 +206,16 @@ def program_parts(settings: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
             vocab_size=getattr(tokenizer, "vocab_size", None),
         )
 
+    from raytunix.envs import make_env
+
+    program = make_env(settings.get("env_name", "agent_program"), **settings["env_kwargs"])
+    if not isinstance(program, AgentProgramEnv):
+        raise ValueError(
+            f"env.name={settings['env_name']!r} is a {type(program).__name__}, not an agent "
+            "program (raytunix.envs.agent_program.AgentProgramEnv)."
+        )
     return {
-        "program": AgentProgramEnv(**settings["env_kwargs"]),
+        "program": program,
         "make_gateway": make_gateway,
         "segments": settings["segments"],
     }
