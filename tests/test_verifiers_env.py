@@ -69,6 +69,26 @@ def test_a_group_is_scored_by_the_environments_rubric_on_the_engines_own_tokens(
         assert TOKENIZER.decode(list(request.prompt_ids)).count(task.question) == 1
 
 
+def test_a_multi_turn_environment_resumes_the_conversation_through_the_gateway(served):
+    thread, engine = served
+    env = VerifiersEnv(env_id="verifiers_example:make_two_turn_env")
+    [task] = env.tasks("train", 1, seed=5)
+    engine.seen.clear()
+    segments = thread.run(_episode(thread, env, task))
+    (first, first_out), (second, second_out) = engine.seen
+    # The tiny model's first reply is cut short at the gateway's 8 tokens, so it cannot be
+    # put back as its ids (no end of turn): the resumed call re-renders its text and starts
+    # a second segment, by the gateway's documented rule; both share the episode's reward.
+    assert first_out.finish_reason.name == "LENGTH"
+    assert [t.status for t in segments] == [EpisodeStatus.COMPLETED] * 2, segments[0].error
+    for t, (request, result) in zip(segments, engine.seen):
+        assert t.token_ids == list(request.prompt_ids) + list(result.token_ids)
+    prompt = TOKENIZER.decode(list(second.prompt_ids))
+    assert prompt.index(task.question) < prompt.index("Check it and answer again.")
+    last_reply = TOKENIZER.decode(list(second_out.token_ids))
+    assert [t.reward for t in segments] == [pytest.approx(score(task.answer, last_reply))] * 2
+
+
 def test_a_taskset_loads_by_id_played_offline_by_raytunix_chat(served):
     thread, _ = served
     env = VerifiersEnv(env_id="verifiers_example")

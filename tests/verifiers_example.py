@@ -62,4 +62,26 @@ def make_env(harness: str = "raytunix_chat", **task: object) -> vf.Env:
     return vf.SingleAgentEnv(vf.SingleAgentEnvConfig(taskset=taskset, agent=seat))
 
 
+class TwoTurnEnvConfig(vf.EnvConfig):
+    agent: vf.AgentConfig = vf.AgentConfig()
+
+
+class TwoTurnEnv(vf.Env[TwoTurnEnvConfig]):
+    """A multi-turn environment: the agent answers, is asked to check, answers again; the
+    task's rewards score the last reply."""
+
+    async def run(self, task: vf.Task, agents: vf.Agents) -> None:
+        async with agents.agent.interaction(task) as chat:
+            await chat.turn()  # a prompted task speaks first
+            await chat.turn("Check it and answer again.")
+
+
+def make_two_turn_env() -> vf.Env:
+    seat = vf.AgentConfig(
+        harness=vf.HarnessConfig(id="raytunix_chat"), runtime=vf.SubprocessConfig()
+    )
+    taskset = SumTasksetConfig(id="verifiers_example")
+    return TwoTurnEnv(TwoTurnEnvConfig(taskset=taskset, agent=seat))
+
+
 __all__ = ["SumTaskset"]
