@@ -90,6 +90,11 @@ def crasher(task, base_url, api_key):
     raise ValueError("the agent's own bug")
 
 
+def exiter(task, base_url, api_key):
+    _chat(base_url, api_key, [{"role": "user", "content": task["question"]}])
+    raise SystemExit("not logged in")  # as some client libraries do
+
+
 HANG = threading.Event()
 AFTER_HANG: list = []
 
@@ -168,6 +173,15 @@ def test_a_crashing_program_ends_only_its_episode_with_the_traceback(served):
     assert "Traceback" in crashed[0].error
     assert crashed[0].reward == 0.0 and sum(crashed[0].loss_mask) > 0  # its call's tokens
     assert {t.status for t in fine} == {EpisodeStatus.COMPLETED}
+
+
+def test_a_program_that_raises_system_exit_ends_only_its_episode(served):
+    thread, _ = served
+    [t] = thread.run(_episode(thread, "exiter"))
+    assert t.status == EpisodeStatus.ENV_ERROR
+    assert "the program raised SystemExit: not logged in" in t.error
+    [after] = thread.run(_episode(thread, "rewriter"))[:1]  # the gateway's loop serves on
+    assert after.status == EpisodeStatus.COMPLETED
 
 
 def test_a_hanging_program_times_out_alone_and_its_later_calls_are_refused(served):

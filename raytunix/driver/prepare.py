@@ -166,11 +166,15 @@ def agent_kwargs(cfg: Config) -> dict[str, Any]:
 
 
 def program_settings(cfg: Config) -> dict[str, Any] | None:
-    """What the orchestrator needs to run ``env.name=agent_program`` episodes through a
-    gateway (``raytunix.rollout.program.program_parts``); None for any other env."""
-    if cfg.env.name != "agent_program":
+    """What the orchestrator needs to run episodes that are programs through a gateway
+    (``raytunix.rollout.program.program_parts``): for ``env.name=agent_program`` and any
+    env subclassing it (``verifiers``); None for any other env."""
+    from raytunix.envs.agent_program import AgentProgramEnv
+
+    if not issubclass(env_class(cfg), AgentProgramEnv):
         return None
     return {
+        "env_name": cfg.env.name,
         "env_kwargs": dict(cfg.env.kwargs),
         "chat_template": agent_kwargs(cfg).get("chat_template", "raytunix"),
         "default_max_tokens": cfg.rollout.max_new_tokens,

@@ -1,7 +1,8 @@
 """Environments: the ``BaseEnv`` contract, gymnasium adapters both ways, math environments
 (calculator and Python tools, single-turn verifier), a bash terminal, text-to-SQL, a
-web-API shop, repository repair, TextArena's single-player games, and a simulated slow-tool
-environment for benchmarks.
+web-API shop, repository repair, TextArena's single-player games, verifiers environments
+and agent programs (run through the gateway), and a simulated slow-tool environment for
+benchmarks.
 
 Each environment registers itself by name (``@register("env", name)``,
 ``raytunix.registry``); ``make_env`` builds one from a registered name, a package's entry
@@ -35,6 +36,7 @@ from raytunix.envs.repo_repair import RepoRepairEnv
 from raytunix.envs.simulated_tool import SimulatedToolEnv
 from raytunix.envs.sql_env import TextToSQLEnv
 from raytunix.envs.textarena_env import TextArenaEnv
+from raytunix.envs.verifiers_env import VerifiersEnv
 from raytunix.envs.web_api_env import WebAPIEnv
 
 # The live registry: each environment registers itself on import (the modules above).
@@ -68,6 +70,7 @@ __all__ = [
     "RepoRepairEnv",
     "SimulatedToolEnv",
     "TextArenaEnv",
+    "VerifiersEnv",
     "TextToSQLEnv",
     "WebAPIEnv",
     "make_env",

@@ -37,7 +37,9 @@ from raytunix.types import EpisodeStatus, SamplingParams, Task, Trajectory
 
 async def _in_thread(fn: Callable[[], Any], name: str) -> Any:
     """``fn()`` in a fresh daemon thread; awaiting it never blocks the loop, and a caller
-    that stops waiting (a deadline) leaves the thread behind instead of a pool's worker."""
+    that stops waiting (a deadline) leaves the thread behind instead of a pool's worker.
+    A ``SystemExit`` or ``KeyboardInterrupt`` of ``fn`` comes back as a ``RuntimeError``:
+    raised in the awaiting task it would stop the whole event loop, not one episode."""
     loop = asyncio.get_running_loop()
     done: asyncio.Future = loop.create_future()
 
@@ -48,8 +50,11 @@ async def _in_thread(fn: Callable[[], Any], name: str) -> Any:
     def main() -> None:
         try:
             value, ok = fn(), True
-        except BaseException as e:  # noqa: BLE001 - handed to the awaiting episode
+        except Exception as e:  # noqa: BLE001 - handed to the awaiting episode
             value, ok = e, False
+        except BaseException as e:  # noqa: BLE001 - SystemExit raised on the loop would stop it
+            value, ok = RuntimeError(f"the program raised {type(e).__name__}: {e}"), False
+            value.__cause__ = e
         try:
             loop.call_soon_threadsafe(settle, ok, value)
         except RuntimeError:  # the loop is closed: nobody waits any more
@@ -176,7 +181,8 @@ class ProgramOrchestrator(RolloutOrchestrator):
 
 def program_parts(settings: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
     """``ProgramOrchestrator``'s own arguments from the driver's ``settings``
-    (``raytunix.driver.prepare.program_settings``): the program built from ``env_kwargs``
+    (``raytunix.driver.prepare.program_settings``): the program, ``env_name`` (an
+    ``AgentProgramEnv``: ``agent_program`` or ``verifiers``) built from ``env_kwargs``
     and a gateway factory with the ``gateway.*`` settings and the run's chat template.
 
     Raises:
@@ -200,8 +206,16 @@ def program_parts(settings: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
             vocab_size=getattr(tokenizer, "vocab_size", None),
         )
 
+    from raytunix.envs import make_env
+
+    program = make_env(settings.get("env_name", "agent_program"), **settings["env_kwargs"])
+    if not isinstance(program, AgentProgramEnv):
+        raise ValueError(
+            f"env.name={settings['env_name']!r} is a {type(program).__name__}, not an agent "
+            "program (raytunix.envs.agent_program.AgentProgramEnv)."
+        )
     return {
-        "program": AgentProgramEnv(**settings["env_kwargs"]),
+        "program": program,
         "make_gateway": make_gateway,
         "segments": settings["segments"],
     }
