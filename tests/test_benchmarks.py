@@ -90,9 +90,12 @@ def test_gateway_overhead_runs_both_arms_on_equal_work_and_reports_its_keys():
     )
     assert report["tokens_per_s_ratio_vs_native"] > 0
     assert isinstance(report["overhead_ms_per_call"], float)
-    for arm in ("native", "program"):
+    assert isinstance(report["overhead_ms_per_call_openai_client"], float)
+    assert report["tokens_per_s_ratio_vs_native_client_per_episode"] > 0
+    for arm in ("native", "program", "program_client_per_episode"):
         (run,) = report["runs"][arm]
         assert run["calls"] == 4 * 3 and 0 < run["generated_tokens"] <= 4 * 3 * 32
+    for arm in ("native", "http", "openai"):
         stats = report["single_call_ms"][arm]
         assert 0 < stats["median"] <= stats["worst"]
 
