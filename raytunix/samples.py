@@ -200,7 +200,7 @@ def format_step(record: dict[str, Any]) -> str:
         if episode.get("error"):
             lines.append(f"   error: {episode['error']}")
         if not episode["messages"]:
-            lines.append("   (no transcript: this episode was not run by a raytunix agent)")
+            lines.append("   (no transcript: its calls sent token ids, not text)")
         for message in episode["messages"]:
             lines.append(f"-- {message['role']}:")
             text = _printable(str(message["content"]))

@@ -416,6 +416,13 @@ def test_a_tool_conversation_is_one_segment_and_a_rewritten_history_starts_anoth
     assert conversation.token_ids == list(seen[1][0].prompt_ids) + list(seen[1][1].token_ids)
     assert sum(conversation.loss_mask) == len(seen[0][1].token_ids) + len(seen[1][1].token_ids)
     assert rewritten.token_ids == list(seen[2][0].prompt_ids) + list(seen[2][1].token_ids)
+    # For people to read (the sample log): the conversation as sent, the reply as answered.
+    assert [m["role"] for m in calls[1].messages] == ["user", "assistant", "tool"]
+    assert calls[1].messages[2]["content"] == "5"
+    reply, text = second.choices[0].message, calls[1].choices[0].text
+    assert (reply.content or "").strip("\n") in text
+    assert all(f"{c.function.name}(" in text for c in reply.tool_calls or [])
+    assert conversation.transcript[:-1] == [dict(m) for m in calls[1].messages]
 
 
 @pytest.mark.slow

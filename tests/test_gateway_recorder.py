@@ -2,6 +2,8 @@
 segments become trajectories with the fields an agent's own trajectory has. Pure: no
 engine, no server."""
 
+import dataclasses
+
 import pytest
 
 from raytunix.gateway.recorder import (
@@ -128,3 +130,27 @@ def test_bad_rules_statuses_and_choices_are_refused_by_name():
         )
     with pytest.raises(ValueError, match="'done'"):
         RecordedChoice(token_ids=(), logprobs=(), policy_versions=(), finish_reason="done")
+
+
+def test_a_trajectory_reads_as_its_newest_calls_messages_and_reply():
+    ask = ({"role": "user", "content": "2+3?"},)
+    first = RecordedCall(
+        index=0,
+        endpoint="chat.completions",
+        prompt_ids=(1, 2),
+        choices=(dataclasses.replace(_choice([3, 4]), text="add(2, 3)"),),
+        messages=ask,
+    )
+    follow = ask + ({"role": "assistant", "content": "add(2, 3)"}, {"role": "tool", "content": "5"})
+    second = RecordedCall(
+        index=1,
+        endpoint="chat.completions",
+        prompt_ids=(1, 2, 3, 4, 9),
+        choices=(dataclasses.replace(_choice([5]), text="5"),),
+        messages=follow,
+    )
+    (trajectory,) = episode_trajectories([first, second], "t", "g", 1.0, "completed")
+    assert trajectory.transcript == [*follow, {"role": "assistant", "content": "5"}]
+    # Id prompts with no text leave it empty rather than inventing one.
+    (bare,) = episode_trajectories([_call(0, [1], [2])], "t", "g", 0.0, "completed")
+    assert bare.transcript == []

@@ -50,6 +50,8 @@ class RecordedChoice:
       finish_reason: ``FinishReason`` value (``"stop"``, ``"length"``, ``"abort"``).
       request_id: the engine request that produced it.
       num_cached_tokens: prompt tokens whose KV the engine reused for it.
+      text: the reply as the program read it (its content, then any tool calls as
+        ``name(arguments)`` lines), for people (the sample log); never tokenized.
     """
 
     token_ids: tuple[int, ...]
@@ -58,6 +60,7 @@ class RecordedChoice:
     finish_reason: str
     request_id: str = ""
     num_cached_tokens: int = 0
+    text: str = ""
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -82,6 +85,9 @@ class RecordedCall:
       choices: one ``RecordedChoice`` per completion (``n`` of them).
       started_s: ``time.time()`` when the call arrived (seconds).
       duration_s: seconds from arrival to the answer being ready.
+      messages: the request's conversation as ``{"role", "content"}`` text (a text
+        prompt of ``/v1/completions`` as one ``user`` message; none for an id prompt), for
+        people (the sample log); never tokenized.
     """
 
     index: int
@@ -90,6 +96,7 @@ class RecordedCall:
     choices: tuple[RecordedChoice, ...]
     started_s: float = 0.0
     duration_s: float = 0.0
+    messages: tuple[dict[str, str], ...] = ()
 
 
 @dataclasses.dataclass
@@ -103,6 +110,7 @@ class Segment:
     Attributes:
       calls: ``(call index, choice index)`` of each generation, in order.
       finish_reasons: the ``FinishReason`` value of each generation, in order.
+      transcript: the newest call's messages and reply as text (``Trajectory.transcript``).
     """
 
     token_ids: list[int] = dataclasses.field(default_factory=list)
@@ -111,6 +119,7 @@ class Segment:
     policy_versions: list[int] = dataclasses.field(default_factory=list)
     calls: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     finish_reasons: list[str] = dataclasses.field(default_factory=list)
+    transcript: list[dict[str, str]] = dataclasses.field(default_factory=list)
 
     @property
     def num_turns(self) -> int:
@@ -135,6 +144,11 @@ class Segment:
         self.policy_versions.extend(int(v) for v in choice.policy_versions)
         self.calls.append((call, index))
         self.finish_reasons.append(choice.finish_reason)
+
+    def _read_as(self, call: RecordedCall, choice: RecordedChoice) -> None:
+        if call.messages or choice.text:
+            reply = {"role": "assistant", "content": choice.text}
+            self.transcript = [*(dict(m) for m in call.messages), reply]
 
 
 def segment_calls(calls: Sequence[RecordedCall], extend: ExtendRule = "latest") -> list[Segment]:
@@ -172,6 +186,7 @@ def segment_calls(calls: Sequence[RecordedCall], extend: ExtendRule = "latest") 
                 segments.append(segment)
             segment._append_context(call.prompt_ids[len(segment.token_ids) :])
             segment._append_choice(call.index, j, choice)
+            segment._read_as(call, choice)
             touched.append(segment)
         previous = touched
     return segments
@@ -204,6 +219,7 @@ def segment_to_trajectory(
         status=EpisodeStatus(status),
         num_turns=segment.num_turns,
         metrics=dict(metrics or {}),
+        transcript=[dict(m) for m in segment.transcript],
     )
 
 

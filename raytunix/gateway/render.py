@@ -76,6 +76,13 @@ class Reply:
     def key(self) -> AssistantKey:
         return assistant_key(self.content, self.tool_calls)
 
+    @property
+    def text(self) -> str:
+        """The reply for people to read: its content, then one ``name(arguments)`` line per
+        tool call."""
+        calls = [f"{name}({arguments})" for name, arguments in self.tool_calls]
+        return "\n".join([self.content or "", *calls]).strip("\n")
+
 
 class _Renderer(abc.ABC):
     """What both renderers share: reply parsing with the configured tool-call parser."""

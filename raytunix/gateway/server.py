@@ -309,7 +309,13 @@ class Gateway:
             )
             for r in results
         ]
-        self._record(episode, index, "chat.completions", prompt + forced, results, started)
+        readable = (
+            tuple({"role": m.role, "content": m.content} for m in call.messages),
+            [reply.text for reply in replies],
+        )
+        self._record(
+            episode, index, "chat.completions", prompt + forced, results, started, readable
+        )
         for reply, result in zip(replies, results):
             closing = self.renderer.close_turn(
                 result.token_ids, result.finish_reason == FinishReason.STOP
@@ -334,16 +340,17 @@ class Gateway:
             started = time.time()
             ids = self.renderer.encode_text(prompt) if isinstance(prompt, str) else list(prompt)
             index, results = await self._generate(episode, ids, call.sampling)
-            self._record(episode, index, "completions", ids, results, started)
-            usage["prompt_tokens"] += len(ids)
-            for result in results:
-                reply = self.renderer.reply(
-                    [],
-                    result.token_ids,
-                    result.finish_reason,
-                    call.sampling.stop,
-                    parse_tools=False,
+            replies = [
+                self.renderer.reply(
+                    [], r.token_ids, r.finish_reason, call.sampling.stop, parse_tools=False
                 )
+                for r in results
+            ]
+            asked = ({"role": "user", "content": prompt},) if isinstance(prompt, str) else ()
+            readable = (asked, [reply.text for reply in replies])
+            self._record(episode, index, "completions", ids, results, started, readable)
+            usage["prompt_tokens"] += len(ids)
+            for result, reply in zip(results, replies):
                 choices.append(
                     _completion_choice(self.renderer, len(choices), result, reply, call.logprobs)
                 )
@@ -451,7 +458,11 @@ class Gateway:
         prompt: Sequence[int],
         results: Sequence[GenerationResult],
         started: float,
+        readable: tuple[tuple[dict[str, str], ...], Sequence[str]],
     ) -> None:
+        """Appends the call to the episode; ``readable`` is ``(the request's messages, each
+        choice's reply text)``, kept for people to read (``RecordedCall.messages``)."""
+        messages, texts = readable
         call = RecordedCall(
             index=index,
             endpoint=endpoint,
@@ -464,11 +475,13 @@ class Gateway:
                     finish_reason=r.finish_reason.value,
                     request_id=r.request_id,
                     num_cached_tokens=r.num_cached_tokens,
+                    text=text,
                 )
-                for r in results
+                for r, text in zip(results, texts)
             ),
             started_s=started,
             duration_s=time.time() - started,
+            messages=messages,
         )
         with self._lock:
             if not episode.open:
