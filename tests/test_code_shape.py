@@ -24,8 +24,6 @@ ALLOWED = {
     "data/datasets.py::load_tasks": 95,
     "driver/prepare.py::check_prompts": 84,
     "driver/steps.py::rl_steps": 82,
-    "inference/engine.py::InferenceEngine": 605,
-    "rollout/episode.py::run_episode": 214,
     "rollout/orchestrator.py::RolloutOrchestrator": 754,
     "rollout/orchestrator.py::RolloutOrchestrator.__init__": 112,
     "rollout/preflight.py::check_prompt_lengths": 86,

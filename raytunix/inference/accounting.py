@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Mapping
 
 from raytunix import profiling
+from raytunix.inference.kv_cache import KVCacheManager
 
 
 class DeviceAccounting:
@@ -110,3 +112,31 @@ class DeviceAccounting:
             "prompt_tokens_computed": int(c["prompt_tokens_computed"]),
             "generated_tokens_recomputed": int(c["generated_tokens_recomputed"]),
         }
+
+
+def prompt_stats(counters: Mapping[str, int]) -> dict[str, float | int]:
+    """An engine's prompt accounting, in tokens, from its counters: ``prompt_tokens``
+    (requested), ``prompt_tokens_from_sessions`` and ``prompt_tokens_from_prefix_cache``
+    (reused KV), ``prefix_cache_hit_rate`` (prefix-cache tokens / prompt tokens)."""
+    prompt = counters["prompt_tokens"]
+    from_prefix = counters["prompt_tokens_from_prefix_cache"]
+    return {
+        "prompt_tokens": prompt,
+        "prompt_tokens_from_sessions": counters["prompt_tokens_from_sessions"],
+        "prompt_tokens_from_prefix_cache": from_prefix,
+        "prefix_cache_hit_rate": from_prefix / prompt if prompt else 0.0,
+    }
+
+
+def kv_stats(kv: KVCacheManager, token_bytes: int) -> dict[str, int]:
+    """What the KV cache holds now, with ``token_bytes`` bytes of KV per token:
+    ``kv_bytes_in_use``, ``kv_bytes_capacity``, ``kv_blocks_in_use``, ``kv_blocks_total``,
+    ``sessions_held``, ``prefix_cache_blocks``."""
+    return {
+        "kv_bytes_in_use": kv.pool.num_used * kv.block_size * token_bytes,
+        "kv_bytes_capacity": kv.num_blocks * kv.block_size * token_bytes,
+        "kv_blocks_in_use": kv.pool.num_used,
+        "kv_blocks_total": kv.num_blocks,
+        "sessions_held": len(kv.sessions),
+        "prefix_cache_blocks": len(kv.prefix),
+    }

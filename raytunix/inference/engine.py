@@ -75,7 +75,7 @@ import dataclasses
 import functools
 import logging
 import time
-from typing import Any, Iterable, get_args
+from typing import Any, Callable, Container, Counter, Iterable, get_args
 
 import jax
 import jax.numpy as jnp
@@ -83,12 +83,13 @@ import numpy as np
 
 from raytunix.config import KVOnWeightUpdate
 from raytunix import profiling
-from raytunix.inference.accounting import DeviceAccounting
+from raytunix.inference.accounting import DeviceAccounting, kv_stats, prompt_stats
 from raytunix.inference.kv_cache import NO_KV, KVCacheManager, Sequence
 from raytunix.inference.programs import Shape, StepPrograms, programs_in_process, shared_programs
 from raytunix.inference.scheduler import Row, Scheduler
 from raytunix.inference.sampling import check_sampling_settings, sample_tokens, split_seed
 from raytunix.inference.stops import completed_stop
+from raytunix.inference.weights import check_weight_update, on_engine_device
 from raytunix.models.llama import (
     KVPages,
     ModelConfig,
@@ -170,18 +171,6 @@ def _step_fn(graphdef):
     return fn
 
 
-def _on_engine_device(params):
-    """``params`` on the engine's one device, ``jax.devices()[0]``: weights a learner split
-    over a mesh (even a one-device mesh) have another array type than plain ones, and
-    every step program would compile again for them at the first weight update. Arrays
-    some other process holds a part of stay as they are."""
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    leaves = jax.tree.leaves(params)
-    if all(not isinstance(x, jax.Array) or x.is_fully_addressable for x in leaves):
-        return jax.device_put(params, device)
-    return jax.device_put(params)
-
-
 def _layout_key(
     params, config: ModelConfig, num_blocks: int, block_size: int, max_running: int
 ) -> tuple:
@@ -235,6 +224,36 @@ def _lower_step(
         host((b,), i32),
         host((b,), bool),
     )
+
+
+def _step_programs(
+    graphdef, layout: tuple, reachable: Callable[[bool], list[Shape]], ahead: bool
+) -> StepPrograms:
+    """The step programs of one engine: ``layout`` is ``(params, config, num_blocks,
+    block_size, max_running)`` (see ``_layout_key``); programs of an equal layout are
+    shared between the engines of a process; ``reachable(truncate)`` lists the shapes the
+    scheduler can call, compiled on a background thread from now on when ``ahead``."""
+    step = _step_fn(graphdef)
+    return StepPrograms(
+        shared_programs((step, _layout_key(*layout))),
+        functools.partial(_lower_step, step, *layout),
+        reachable,
+        ahead=ahead,
+    )
+
+
+async def _wait_idle(idle: asyncio.Event, timeout_s: float) -> None:
+    """Waits until ``idle`` is set (no device call in flight), at most ``timeout_s``
+    seconds; warns when a call is still running then."""
+    try:
+        await asyncio.wait_for(idle.wait(), timeout_s)
+    except asyncio.TimeoutError:
+        logger.warning(
+            "InferenceEngine.pause: a device call is still running after "
+            "%.1f s; requests were aborted, the call's results will be "
+            "dropped.",
+            timeout_s,
+        )
 
 
 def _wait_ready(tokens, logprobs):
@@ -322,6 +341,108 @@ def _check_request(request: GenerationRequest, max_seq_len: int, vocab_size: int
         raise ValueError(f"Request {rid!r}: {error}") from None
 
 
+def _check_not_in_flight(
+    request: GenerationRequest, in_flight: Container[str], busy_sessions: Container[str]
+) -> None:
+    """Raises ValueError when a request's id is already in flight (a key of
+    ``in_flight``) or its session already has a request in flight (in ``busy_sessions``)."""
+    rid = request.request_id
+    if rid in in_flight:
+        raise ValueError(
+            f"Request id {rid!r} is already in flight; request ids must be "
+            "unique among requests in flight."
+        )
+    if request.session_id is not None and request.session_id in busy_sessions:
+        raise ValueError(
+            f"Request {rid!r}: session {request.session_id!r} already has a "
+            "request in flight; a session's turns must come one at a time."
+        )
+
+
+def _new_sequence(request: GenerationRequest, future: asyncio.Future, order: int) -> Sequence:
+    """The record of a request just arrived: its prompt as the context, no KV yet, its
+    seed split into the two 32-bit halves the sampler takes, scheduled by ``order``."""
+    lo, hi = split_seed(int(request.seed))
+    return Sequence(
+        request=request,
+        future=future,
+        seed_lo=lo,
+        seed_hi=hi,
+        order=order,
+        context=list(request.prompt_ids),
+        kv_version=NO_KV,
+        arrived_s=time.perf_counter(),
+    )
+
+
+def _stop_reason(
+    seq: Sequence, decode: Callable[[list[int]], str], max_seq_len: int
+) -> FinishReason | None:
+    """Why ``seq`` stops after its newest token, or None to go on: ``STOP`` for a stop
+    token or a stop string the newest token completes (``decode`` turns token ids into
+    text), ``LENGTH`` for ``max_new_tokens`` generated or a context of ``max_seq_len``."""
+    sampling = seq.request.sampling
+    if seq.tokens[-1] in sampling.stop_token_ids:
+        return FinishReason.STOP
+    if (
+        sampling.stop_strings
+        and completed_stop(decode, seq.tokens, sampling.stop_strings) is not None
+    ):
+        return FinishReason.STOP
+    if len(seq.tokens) >= sampling.max_new_tokens:
+        return FinishReason.LENGTH
+    # The next token would sit at position max_seq_len: the context is full.
+    if len(seq.context) >= max_seq_len:
+        return FinishReason.LENGTH
+    return None
+
+
+def _append_sample(
+    seq: Sequence, token: int, logprob: float, version: int, counters: Counter[str]
+) -> None:
+    """Appends one sampled token (its logprob in nats, the policy version that sampled
+    it) to ``seq``; counts it in ``tokens_generated``, and in ``stale_kv_tokens`` when the
+    context held KV of older weights."""
+    seq.tokens.append(int(token))
+    seq.context.append(int(token))
+    seq.logprobs.append(float(logprob))
+    seq.versions.append(version)
+    counters["tokens_generated"] += 1
+    if seq.kv_version < version:
+        seq.stale_tokens += 1
+        counters["stale_kv_tokens"] += 1
+
+
+def _result(
+    seq: Sequence, reason: FinishReason, decode: Callable[[list[int]], str]
+) -> GenerationResult:
+    """The result of a finished request: its tokens, logprobs, versions and text."""
+    return GenerationResult(
+        request_id=seq.request.request_id,
+        token_ids=tuple(seq.tokens),
+        logprobs=tuple(seq.logprobs),
+        policy_versions=tuple(seq.versions),
+        finish_reason=reason,
+        text=decode(list(seq.tokens)),
+        num_cached_tokens=seq.cached_tokens,
+        stale_kv_tokens=seq.stale_tokens,
+    )
+
+
+def _set_event(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
+    """Sets an event of ``loop`` from any thread (at once on the loop's own thread)."""
+    if loop.is_closed():
+        return
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        event.set()
+    else:
+        loop.call_soon_threadsafe(event.set)
+
+
 def _request_span(seq: Sequence, reason: FinishReason) -> None:
     """Records a finished request's profiling span."""
     # One span per request on the track of the slot it held: who occupied the
@@ -341,12 +462,6 @@ def _request_span(seq: Sequence, reason: FinishReason) -> None:
         },
         seq.request.session_id,
     )
-
-
-def _signature(tree) -> tuple:
-    """A weights tree's structure, shapes and dtypes."""
-    leaves, treedef = jax.tree.flatten(tree)
-    return treedef, [(jnp.shape(x), jnp.result_type(x)) for x in leaves]
 
 
 def _check_settings(
@@ -399,6 +514,18 @@ class _Launch:
     result: asyncio.Future  # -> (tokens, logprobs, perf_counter when they were ready)
     prompt_fed: int  # prompt tokens it feeds
     generated_fed: int  # generated tokens it feeds again (recomputed)
+
+    def count_done(self, device: DeviceAccounting, ready: float) -> None:
+        """Counts the call as done on ``device``, its samples ready at ``ready``
+        (perf_counter seconds)."""
+        device.step_done(
+            prefill=self.prefill,
+            start=self.start,
+            ready=ready,
+            rows=len(self.rows),
+            prompt_fed=self.prompt_fed,
+            generated_fed=self.generated_fed,
+        )
 
 
 class InferenceEngine:
@@ -487,17 +614,11 @@ class InferenceEngine:
             prefill_min_batch=prefill_min_batch,
             max_prefill_delay_steps=max_prefill_delay_steps,
         )
-        self._params = _on_engine_device(params)
+        self._params = on_engine_device(params)
         self._version = int(policy_version)
         self._pending_weights: tuple[Any, int] | None = None
-        self._step = _step_fn(graphdef)
         layout = (self._params, model_config, num_blocks, block_size, self._scheduler.max_running)
-        self._programs = StepPrograms(
-            shared_programs((self._step, _layout_key(*layout))),
-            functools.partial(_lower_step, self._step, *layout),
-            self._reachable,
-            ahead=bool(compile_ahead),
-        )
+        self._programs = _step_programs(graphdef, layout, self._reachable, bool(compile_ahead))
         self._pages: KVPages | None = None  # None: (re)build before the next device call
         # Token each running request sampled last, by slot; the last slot is padding's.
         self._last_tokens: jax.Array | None = None
@@ -545,21 +666,11 @@ class InferenceEngine:
         if self._first_request_t is None:
             self._first_request_t = time.monotonic()
         self._device.request_arrived()
-        lo, hi = split_seed(int(request.seed))
         session = self._kv.sessions.get(request.session_id) if request.session_id else None
         # A session's turns keep the place of its first request: older episodes go first,
         # so groups finish one after another instead of all at the end.
         order = session.order if session is not None else self._arrivals
-        seq = Sequence(
-            request=request,
-            future=self._loop.create_future(),
-            seed_lo=lo,
-            seed_hi=hi,
-            order=order,
-            context=list(request.prompt_ids),
-            kv_version=NO_KV,
-            arrived_s=time.perf_counter(),
-        )
+        seq = _new_sequence(request, self._loop.create_future(), order)
         self._arrivals += 1
         self._by_id[request.request_id] = seq
         self._kv.begin(seq)
@@ -613,21 +724,8 @@ class InferenceEngine:
         """
         if self._closed:
             raise RuntimeError("InferenceEngine is closed; build a new one.")
-        version = int(version)
-        latest = self._version if self._pending_weights is None else self._pending_weights[1]
-        if version < latest:
-            raise ValueError(
-                f"update_weights: version {version} is older than the engine's "
-                f"version {latest}; policy versions must not decrease."
-            )
-
-        if _signature(params) != _signature(self._params):
-            raise ValueError(
-                "update_weights: params do not match the engine's model "
-                "(tree structure, shapes or dtypes differ); pass the state of "
-                "the same ModelConfig."
-            )
-        self._pending_weights = (_on_engine_device(params), version)
+        version = check_weight_update(params, version, self._params, self._received_version())
+        self._pending_weights = (on_engine_device(params), version)
         self._notify()
 
     async def pause(self, timeout_s: float = 5.0) -> None:
@@ -642,15 +740,7 @@ class InferenceEngine:
         if self._wake is not None:
             self._wake.set()
         if self._idle is not None and self._task is not None and not self._task.done():
-            try:
-                await asyncio.wait_for(self._idle.wait(), timeout_s)
-            except asyncio.TimeoutError:
-                logger.warning(
-                    "InferenceEngine.pause: a device call is still running after "
-                    "%.1f s; requests were aborted, the call's results will be "
-                    "dropped.",
-                    timeout_s,
-                )
+            await _wait_idle(self._idle, timeout_s)
 
     def resume(self) -> None:
         """Restarts admission and decoding after ``pause``."""
@@ -677,46 +767,29 @@ class InferenceEngine:
         padded tokens, steps, tokens fed), ``wall_s`` (seconds since the first request),
         ``tokens_generated``, ``requests_finished``, ``policy_version`` (of the weights in
         use) and ``policy_version_received`` (newest weights handed over, swapped in at the
-        next step), ``active_slots`` and ``waiting`` (now); prompt accounting in tokens:
-        ``prompt_tokens`` (requested), ``prompt_tokens_from_sessions`` and
-        ``prompt_tokens_from_prefix_cache`` (reused KV), ``prefix_cache_hit_rate``
-        (prefix-cache tokens / prompt tokens); memory: ``kv_bytes_in_use``,
-        ``kv_bytes_capacity``, ``kv_blocks_in_use``, ``kv_blocks_total``,
-        ``sessions_held``, ``prefix_cache_blocks``; ``stale_kv_tokens`` (tokens sampled
-        over KV of older weights), ``preemptions``, ``session_evictions``;
-        ``compiled_shapes`` (program shapes this engine used) and ``compiled_programs``
-        (programs compiled in this process, all engines: constant once warm); compiling
-        (``StepPrograms``): ``compiles``, ``compile_s``, ``compiles_ahead``,
-        ``compile_stalls`` and ``compile_stall_s`` (steps that waited for a program to be
-        built, and the seconds every live request waited with them),
+        next step), ``active_slots`` and ``waiting`` (now); prompt accounting in tokens
+        (``accounting.prompt_stats``) and the KV cache's memory (``accounting.kv_stats``);
+        ``stale_kv_tokens`` (tokens sampled over KV of older weights), ``preemptions``,
+        ``session_evictions``; ``compiled_shapes`` (program shapes this engine used) and
+        ``compiled_programs`` (programs compiled in this process, all engines: constant
+        once warm); compiling (``StepPrograms``): ``compiles``, ``compile_s``,
+        ``compiles_ahead``, ``compile_stalls`` and ``compile_stall_s`` (steps that waited
+        for a program to be built, and the seconds every live request waited with them),
         ``steps_on_larger_program``, ``compile_queue``.
         """
-        c, kv = self._counters, self._kv
+        c = self._counters
         wall = 0.0 if self._first_request_t is None else time.monotonic() - self._first_request_t
-        token_bytes = kv_bytes_per_token(self._config)
-        prompt = c["prompt_tokens"]
-        pending = self._pending_weights
         return {
             **self._device.stats(wall, c["tokens_generated"]),
             "wall_s": wall,
             "tokens_generated": c["tokens_generated"],
             "requests_finished": c["requests_finished"],
             "policy_version": self._version,
-            "policy_version_received": self._version if pending is None else pending[1],
+            "policy_version_received": self._received_version(),
             "active_slots": len(self._scheduler.running),
             "waiting": len(self._scheduler.waiting),
-            "prompt_tokens": prompt,
-            "prompt_tokens_from_sessions": c["prompt_tokens_from_sessions"],
-            "prompt_tokens_from_prefix_cache": c["prompt_tokens_from_prefix_cache"],
-            "prefix_cache_hit_rate": (
-                c["prompt_tokens_from_prefix_cache"] / prompt if prompt else 0.0
-            ),
-            "kv_bytes_in_use": kv.pool.num_used * kv.block_size * token_bytes,
-            "kv_bytes_capacity": kv.num_blocks * kv.block_size * token_bytes,
-            "kv_blocks_in_use": kv.pool.num_used,
-            "kv_blocks_total": kv.num_blocks,
-            "sessions_held": len(kv.sessions),
-            "prefix_cache_blocks": len(kv.prefix),
+            **prompt_stats(c),
+            **kv_stats(self._kv, kv_bytes_per_token(self._config)),
             "stale_kv_tokens": c["stale_kv_tokens"],
             "preemptions": c["preemptions"],
             "session_evictions": c["session_evictions"],
@@ -748,23 +821,17 @@ class InferenceEngine:
         """Version of the weights in use now (a queued update is not counted yet)."""
         return self._version
 
+    def _received_version(self) -> int:
+        """Version of the newest weights handed over (queued, or in use if none is)."""
+        return self._version if self._pending_weights is None else self._pending_weights[1]
+
     # ------------------------------------------------------------------ plumbing
 
     def _validate(self, request: GenerationRequest) -> None:
         if self._closed:
             raise RuntimeError("InferenceEngine is closed; build a new one.")
         _check_request(request, self._max_seq_len, self._config.vocab_size)
-        rid = request.request_id
-        if rid in self._by_id:
-            raise ValueError(
-                f"Request id {rid!r} is already in flight; request ids must be "
-                "unique among requests in flight."
-            )
-        if request.session_id is not None and request.session_id in self._kv.busy_sessions:
-            raise ValueError(
-                f"Request {rid!r}: session {request.session_id!r} already has a "
-                "request in flight; a session's turns must come one at a time."
-            )
+        _check_not_in_flight(request, self._by_id, self._kv.busy_sessions)
 
     def _ensure_started(self) -> None:
         loop = asyncio.get_running_loop()
@@ -791,16 +858,8 @@ class InferenceEngine:
             self._idle.set()
 
     def _notify(self) -> None:
-        if self._loop is None or self._wake is None or self._loop.is_closed():
-            return
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is self._loop:
-            self._wake.set()
-        else:
-            self._loop.call_soon_threadsafe(self._wake.set)
+        if self._loop is not None and self._wake is not None:
+            _set_event(self._loop, self._wake)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Resolves a request and hands its KV blocks to its session or back to the pool."""
@@ -822,18 +881,7 @@ class InferenceEngine:
         self._kv.finish(seq, keep=reason != FinishReason.ABORT and not seq.future.done())
         if seq.future.done():  # the caller cancelled
             return
-        seq.future.set_result(
-            GenerationResult(
-                request_id=seq.request.request_id,
-                token_ids=tuple(seq.tokens),
-                logprobs=tuple(seq.logprobs),
-                policy_versions=tuple(seq.versions),
-                finish_reason=reason,
-                text=self._tokenizer.decode(list(seq.tokens)),
-                num_cached_tokens=seq.cached_tokens,
-                stale_kv_tokens=seq.stale_tokens,
-            )
-        )
+        seq.future.set_result(_result(seq, reason, self._tokenizer.decode))
 
     def _abort_all(self) -> None:
         self._epoch += 1
@@ -847,31 +895,10 @@ class InferenceEngine:
         self._reset_state()
 
     def _stop_reason(self, seq: Sequence) -> FinishReason | None:
-        sampling = seq.request.sampling
-        if seq.tokens[-1] in sampling.stop_token_ids:
-            return FinishReason.STOP
-        if (
-            sampling.stop_strings
-            and completed_stop(self._tokenizer.decode, seq.tokens, sampling.stop_strings)
-            is not None
-        ):
-            return FinishReason.STOP
-        if len(seq.tokens) >= sampling.max_new_tokens:
-            return FinishReason.LENGTH
-        # The next token would sit at position max_seq_len: the context is full.
-        if len(seq.context) >= self._max_seq_len:
-            return FinishReason.LENGTH
-        return None
+        return _stop_reason(seq, self._tokenizer.decode, self._max_seq_len)
 
     def _record(self, seq: Sequence, token: int, logprob: float, version: int) -> None:
-        seq.tokens.append(int(token))
-        seq.context.append(int(token))
-        seq.logprobs.append(float(logprob))
-        seq.versions.append(version)
-        self._counters["tokens_generated"] += 1
-        if seq.kv_version < version:
-            seq.stale_tokens += 1
-            self._counters["stale_kv_tokens"] += 1
+        _append_sample(seq, token, logprob, version, self._counters)
         reason = self._stop_reason(seq)
         if reason is not None:
             self._finish(seq, reason)
@@ -980,14 +1007,7 @@ class InferenceEngine:
             for launch in step:
                 sampled, logprobs, ready = await launch.result
                 # Counted when done, so stats() describes steps the device has finished.
-                self._device.step_done(
-                    prefill=launch.prefill,
-                    start=launch.start,
-                    ready=ready,
-                    rows=len(launch.rows),
-                    prompt_fed=launch.prompt_fed,
-                    generated_fed=launch.generated_fed,
-                )
+                launch.count_done(self._device, ready)
                 if launch.epoch != self._epoch:
                     continue  # a pause or close happened meanwhile
                 for row, (seq, n, epoch, samples) in enumerate(launch.rows):
