@@ -19,8 +19,6 @@ MAX_CLASS_LINES = 500
 # block and brought 15 more over the limit. Shrink these; never raise them.
 ALLOWED = {
     "cli.py::_parser": 122,
-    "config.py::_validate_placement": 82,
-    "config.py::validate": 93,
     "data/datasets.py::load_tasks": 95,
     "driver/prepare.py::check_prompts": 84,
     "driver/steps.py::rl_steps": 82,
