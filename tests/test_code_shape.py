@@ -18,7 +18,6 @@ MAX_CLASS_LINES = 500
 # were re-measured when the code was first formatted, which added about a fifth to every
 # block and brought 15 more over the limit. Shrink these; never raise them.
 ALLOWED = {
-    "data/datasets.py::load_tasks": 95,
     "driver/prepare.py::check_prompts": 84,
     "driver/steps.py::rl_steps": 82,
     "inference/engine.py::InferenceEngine": 605,
