@@ -18,13 +18,11 @@ MAX_CLASS_LINES = 500
 # were re-measured when the code was first formatted, which added about a fifth to every
 # block and brought 15 more over the limit. Shrink these; never raise them.
 ALLOWED = {
-    "driver/prepare.py::check_prompts": 84,
     "driver/steps.py::rl_steps": 82,
     "inference/engine.py::InferenceEngine": 605,
     "rollout/episode.py::run_episode": 214,
     "rollout/orchestrator.py::RolloutOrchestrator": 754,
     "rollout/orchestrator.py::RolloutOrchestrator.__init__": 112,
-    "rollout/preflight.py::check_prompt_lengths": 86,
 }
 
 
