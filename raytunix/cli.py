@@ -23,10 +23,25 @@ from raytunix.config import ConfigError, load_config, preset_names
 
 
 def _parser() -> argparse.ArgumentParser:
+    """The ``raytunix`` argument parser: one subcommand per verb, in the order ``--help``
+    lists them."""
     parser = argparse.ArgumentParser(
         prog="raytunix", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_train(sub)
+    _add_config(sub)
+    _add_profile(sub)
+    _add_submit(sub)
+    _add_status(sub)
+    _add_scale(sub)
+    _add_eval(sub)
+    _add_samples(sub)
+    return parser
+
+
+def _add_train(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``raytunix train``: a preset or file, or ``--resume RUN_DIR``, and overrides."""
     train = sub.add_parser(
         "train",
         help="warm start, then asynchronous GRPO on Ray; prints a summary",
@@ -50,6 +65,10 @@ def _parser() -> argparse.ArgumentParser:
         metavar="section.key=value",
         help="config overrides, e.g. rollout.max_concurrent_episodes=64",
     )
+
+
+def _add_config(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``raytunix config``: the resolved config as YAML, or ``--explain`` of settings."""
     show = sub.add_parser(
         "config",
         help="print the resolved config as YAML, or explain settings",
@@ -77,6 +96,10 @@ def _parser() -> argparse.ArgumentParser:
         metavar="section.key=value",
         help="config overrides, e.g. learner.rl_steps=20",
     )
+
+
+def _add_profile(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``raytunix profile RUN_DIR``: a run's trace, report and plots, made again."""
     profile = sub.add_parser(
         "profile",
         help="write a run's trace.json, report.txt and profile.png again",
@@ -91,6 +114,10 @@ def _parser() -> argparse.ArgumentParser:
         help="write the three files here instead of into RUN_DIR (for a "
         "run directory you cannot write to)",
     )
+
+
+def _add_submit(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``raytunix submit``: ``raytunix train`` as a Ray job on a cluster."""
     submit = sub.add_parser(
         "submit",
         help="run `raytunix train` as a Ray job on a cluster and follow its logs",
@@ -122,6 +149,10 @@ def _parser() -> argparse.ArgumentParser:
         metavar="section.key=value",
         help="config overrides, e.g. learner.rl_steps=200",
     )
+
+
+def _add_status(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``raytunix status [JOB_ID]``: the cluster's raytunix jobs, or one of them."""
     status = sub.add_parser(
         "status",
         help="list the cluster's raytunix jobs, or show one",
@@ -134,6 +165,10 @@ def _parser() -> argparse.ArgumentParser:
         "RAY_API_SERVER_ADDRESS, else the local head)",
     )
     status.add_argument("job_id", nargs="?", metavar="JOB_ID", help="one job to show")
+
+
+def _add_scale(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``raytunix scale RUN_DIR``: resize a running run's actor pools."""
     scale = sub.add_parser(
         "scale",
         help="grow or shrink a running run's env (and sandbox) actor pools",
@@ -143,11 +178,11 @@ def _parser() -> argparse.ArgumentParser:
     scale.add_argument("run_dir", metavar="RUN_DIR", help="the run directory of a running run")
     scale.add_argument("--env-actors", metavar="N", help="env actors wanted (>= 1)")
     scale.add_argument("--sandbox-actors", metavar="M", help="sandbox actors wanted (>= 1)")
-    return _with_eval(parser, sub)
 
 
-def _with_eval(parser: argparse.ArgumentParser, sub) -> argparse.ArgumentParser:
-    """``parser`` with the ``eval`` subcommand (``raytunix.driver.evaluate_run``)."""
+def _add_eval(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``raytunix eval RUN_DIR``: held-out episodes of a run's newest RL checkpoint
+    (``raytunix.driver.evaluate_run``)."""
     ev = sub.add_parser(
         "eval",
         help="a run's newest RL checkpoint on held-out tasks: success, mean reward, pass@k",
@@ -178,11 +213,11 @@ def _with_eval(parser: argparse.ArgumentParser, sub) -> argparse.ArgumentParser:
         help="temperature of the sampled episodes (default 1.0)",
     )
     ev.add_argument("--json", action="store_true", help="print the summary as JSON at the end")
-    return _with_samples(parser, sub)
 
 
-def _with_samples(parser: argparse.ArgumentParser, sub) -> argparse.ArgumentParser:
-    """``parser`` with the ``samples`` subcommand (``raytunix.samples``)."""
+def _add_samples(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``raytunix samples RUN_DIR``: the episodes a run logged of one RL step
+    (``raytunix.samples``)."""
     samples = sub.add_parser(
         "samples",
         help="print the episodes a run kept of an RL step: what the model said, what it got",
@@ -195,7 +230,6 @@ def _with_samples(parser: argparse.ArgumentParser, sub) -> argparse.ArgumentPars
         "--step", type=int, metavar="N", help="the RL step (default: the last one logged)"
     )
     samples.add_argument("--json", action="store_true", help="print the step's line as JSON")
-    return parser
 
 
 def _samples(run_dir: str, step: int | None, as_json: bool) -> int:

@@ -1253,33 +1253,7 @@ def validate(cfg: Config) -> Config:
         if spec.choices is not None and flat[key] not in spec.choices:
             raise ConfigError(f"{key}={flat[key]!r} is not one of {', '.join(spec.choices)}.")
     for key, spec in table.items():
-        value = flat[key]
-        # Numbers reach float32 math (the learner) and int64 (seeds, counts): beyond
-        # those, a value that passes here overflows later, deep in a run.
-        if (
-            spec.type is float
-            and isinstance(value, float)
-            and math.isfinite(value)
-            and abs(value) > _FLOAT32_MAX
-        ):
-            raise ConfigError(
-                f"{key}={value!r} overflows float32: it must be a finite "
-                f"float32 number (|value| <= {_FLOAT32_MAX:.4g})."
-            )
-        if spec.type is int and isinstance(value, int) and not _INT64[0] <= value <= _INT64[1]:
-            raise ConfigError(
-                f"{key}={value!r} must fit in a signed 64-bit integer ({_INT64[0]} to {_INT64[1]})."
-            )
-        if spec.bounds is None:
-            continue
-        # A declared range is a finite one: inf passes "> 0" but no deadline, rate or size
-        # here means "unbounded" by it (it overflowed timers and kernel limits).
-        finite = not (isinstance(value, float) and math.isinf(value))
-        if not (finite and _parse_bounds(spec.bounds)(value)):
-            within = spec.bounds if spec.bounds[0] in "<>" else f"in {spec.bounds}"
-            hint = f" ({spec.hint})" if spec.hint else ""
-            what = " a finite number" if not finite else _a_number_if_nan(value)
-            raise ConfigError(f"{key}={value!r} must be{what} {within}{hint}.")
+        _validate_number(key, spec, flat[key])
     if not (cfg.learner.importance_cap >= 1.0 and math.isfinite(cfg.learner.importance_cap)):
         raise ConfigError(
             f"learner.importance_cap={cfg.learner.importance_cap!r} must be a finite number "
@@ -1287,36 +1261,8 @@ def validate(cfg: Config) -> Config:
         )
     _validate_learner(cfg)
     _validate_placement(cfg)
-    m = cfg.model
-    if m.path and not os.path.isfile(os.path.join(m.path, "config.json")):
-        raise ConfigError(
-            f"model.path={m.path!r} is not a Hugging Face model folder (no config.json in it); "
-            "pass the folder save_pretrained wrote, or \"\" to train a fresh model."
-        )
-    if m.d_model % m.n_heads:
-        raise ConfigError(
-            f"model.d_model={m.d_model} must be divisible by model.n_heads={m.n_heads}."
-        )
-    if m.n_heads % m.n_kv_heads:
-        raise ConfigError(
-            f"model.n_heads={m.n_heads} must be divisible by model.n_kv_heads={m.n_kv_heads}."
-        )
-    e = cfg.engine
-    if e.kv_cache_tokens and e.kv_cache_tokens < m.max_seq_len:
-        raise ConfigError(
-            f"engine.kv_cache_tokens={e.kv_cache_tokens} cannot hold one context of "
-            f"model.max_seq_len={m.max_seq_len} tokens; raise it, or use 0 for the default."
-        )
-    if e.block_size > m.max_seq_len:
-        raise ConfigError(
-            f"engine.block_size={e.block_size} exceeds model.max_seq_len={m.max_seq_len}: no "
-            "KV block would ever fill, so nothing could be shared; use a block of 8-32 tokens."
-        )
-    if e.num_replicas > 1 and e.placement != "disaggregated":
-        raise ConfigError(
-            f"engine.num_replicas={e.num_replicas} needs engine.placement=disaggregated (a "
-            "colocated engine lives in the learner's process, one per run)."
-        )
+    _validate_model(cfg.model)
+    _validate_engine(cfg.engine, cfg.model)
     _validate_warmup(cfg.warmup)
     if cfg.env.max_turns >= 1 << 16:
         raise ConfigError(
@@ -1334,6 +1280,73 @@ def validate(cfg: Config) -> Config:
     _validate_data(cfg.data)
     _validate_sandbox(cfg.sandbox)
     return cfg
+
+
+def _validate_number(key: str, spec: Setting, value: Any) -> None:
+    """One setting's value fits the machine types it reaches and its declared bounds;
+    raises ConfigError naming ``key`` and ``value``."""
+    # Numbers reach float32 math (the learner) and int64 (seeds, counts): beyond
+    # those, a value that passes here overflows later, deep in a run.
+    if (
+        spec.type is float
+        and isinstance(value, float)
+        and math.isfinite(value)
+        and abs(value) > _FLOAT32_MAX
+    ):
+        raise ConfigError(
+            f"{key}={value!r} overflows float32: it must be a finite "
+            f"float32 number (|value| <= {_FLOAT32_MAX:.4g})."
+        )
+    if spec.type is int and isinstance(value, int) and not _INT64[0] <= value <= _INT64[1]:
+        raise ConfigError(
+            f"{key}={value!r} must fit in a signed 64-bit integer ({_INT64[0]} to {_INT64[1]})."
+        )
+    if spec.bounds is None:
+        return
+    # A declared range is a finite one: inf passes "> 0" but no deadline, rate or size
+    # here means "unbounded" by it (it overflowed timers and kernel limits).
+    finite = not (isinstance(value, float) and math.isinf(value))
+    if not (finite and _parse_bounds(spec.bounds)(value)):
+        within = spec.bounds if spec.bounds[0] in "<>" else f"in {spec.bounds}"
+        hint = f" ({spec.hint})" if spec.hint else ""
+        what = " a finite number" if not finite else _a_number_if_nan(value)
+        raise ConfigError(f"{key}={value!r} must be{what} {within}{hint}.")
+
+
+def _validate_model(m: ModelConfig) -> None:
+    """The model folder exists when named, and the heads divide the width evenly."""
+    if m.path and not os.path.isfile(os.path.join(m.path, "config.json")):
+        raise ConfigError(
+            f"model.path={m.path!r} is not a Hugging Face model folder (no config.json in it); "
+            "pass the folder save_pretrained wrote, or \"\" to train a fresh model."
+        )
+    if m.d_model % m.n_heads:
+        raise ConfigError(
+            f"model.d_model={m.d_model} must be divisible by model.n_heads={m.n_heads}."
+        )
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(
+            f"model.n_heads={m.n_heads} must be divisible by model.n_kv_heads={m.n_kv_heads}."
+        )
+
+
+def _validate_engine(e: EngineConfig, m: ModelConfig) -> None:
+    """The KV cache and its blocks fit one context; replicas need their own actors."""
+    if e.kv_cache_tokens and e.kv_cache_tokens < m.max_seq_len:
+        raise ConfigError(
+            f"engine.kv_cache_tokens={e.kv_cache_tokens} cannot hold one context of "
+            f"model.max_seq_len={m.max_seq_len} tokens; raise it, or use 0 for the default."
+        )
+    if e.block_size > m.max_seq_len:
+        raise ConfigError(
+            f"engine.block_size={e.block_size} exceeds model.max_seq_len={m.max_seq_len}: no "
+            "KV block would ever fill, so nothing could be shared; use a block of 8-32 tokens."
+        )
+    if e.num_replicas > 1 and e.placement != "disaggregated":
+        raise ConfigError(
+            f"engine.num_replicas={e.num_replicas} needs engine.placement=disaggregated (a "
+            "colocated engine lives in the learner's process, one per run)."
+        )
 
 
 def _validate_data(data: DataConfig) -> None:
@@ -1553,50 +1566,56 @@ def _validate_placement(cfg: Config) -> None:
             "slice, or neither."
         )
     if learner.tpu_topology:
-        from ray._private.accelerators import TPUAcceleratorManager
-        from ray.util.tpu import get_tpu_version_from_type, get_tpu_worker_resources
+        _validate_tpu_slice(learner)
 
-        try:
-            version = get_tpu_version_from_type(learner.tpu_version)
-        except ValueError as e:
-            hint = (
-                " (Ray names TPU v5e 'v5litepod': set learner.tpu_version=v5litepod)"
-                if learner.tpu_version.lower().replace("tpu-", "") == "v5e"
-                else ""
-            )
-            raise ConfigError(f"learner.tpu_version={learner.tpu_version!r}: {e}{hint}") from None
-        if not TPUAcceleratorManager.is_valid_tpu_accelerator_topology(
-            tpu_accelerator_version=version, tpu_topology=learner.tpu_topology
-        ):
-            raise ConfigError(
-                f"learner.tpu_topology={learner.tpu_topology!r} is not a topology "
-                f"of TPU {version} (e.g. 2x4, 4x4, 4x8 for v6e)."
-            )
-        try:
-            hosts, bundle = get_tpu_worker_resources(
-                learner.tpu_topology,
-                learner.tpu_version,
-                resources_per_worker=dict(learner.resources) or None,
-            )
-        except ValueError as e:
-            raise ConfigError(
-                f"learner.tpu_topology={learner.tpu_topology!r}, "
-                f"learner.tpu_version={learner.tpu_version!r}: {e}"
-            ) from None
-        _, host = get_tpu_worker_resources(learner.tpu_topology, learner.tpu_version)
-        asked = dict(learner.resources).get("TPU")
-        if asked is not None and asked != host["TPU"]:
-            raise ConfigError(
-                f"learner.resources asks for TPU: {asked:g} per host, but a {learner.tpu_version} "
-                f"host of topology {learner.tpu_topology} has {host['TPU']} chips; set "
-                f"learner.resources={{TPU: {host['TPU']}}} (or leave it empty)."
-            )
-        if hosts != learner.num_hosts:
-            raise ConfigError(
-                f"a {learner.tpu_version} slice of topology {learner.tpu_topology} makes {hosts} "
-                f"learner hosts of {bundle}, but learner.num_hosts={learner.num_hosts}; set "
-                f"learner.num_hosts={hosts}."
-            )
+
+def _validate_tpu_slice(learner: LearnerConfig) -> None:
+    """``learner.tpu_version`` and ``learner.tpu_topology`` name a slice Ray knows, and
+    ``learner.resources`` and ``learner.num_hosts`` match the hosts that slice has."""
+    from ray._private.accelerators import TPUAcceleratorManager
+    from ray.util.tpu import get_tpu_version_from_type, get_tpu_worker_resources
+
+    try:
+        version = get_tpu_version_from_type(learner.tpu_version)
+    except ValueError as e:
+        hint = (
+            " (Ray names TPU v5e 'v5litepod': set learner.tpu_version=v5litepod)"
+            if learner.tpu_version.lower().replace("tpu-", "") == "v5e"
+            else ""
+        )
+        raise ConfigError(f"learner.tpu_version={learner.tpu_version!r}: {e}{hint}") from None
+    if not TPUAcceleratorManager.is_valid_tpu_accelerator_topology(
+        tpu_accelerator_version=version, tpu_topology=learner.tpu_topology
+    ):
+        raise ConfigError(
+            f"learner.tpu_topology={learner.tpu_topology!r} is not a topology "
+            f"of TPU {version} (e.g. 2x4, 4x4, 4x8 for v6e)."
+        )
+    try:
+        hosts, bundle = get_tpu_worker_resources(
+            learner.tpu_topology,
+            learner.tpu_version,
+            resources_per_worker=dict(learner.resources) or None,
+        )
+    except ValueError as e:
+        raise ConfigError(
+            f"learner.tpu_topology={learner.tpu_topology!r}, "
+            f"learner.tpu_version={learner.tpu_version!r}: {e}"
+        ) from None
+    _, host = get_tpu_worker_resources(learner.tpu_topology, learner.tpu_version)
+    asked = dict(learner.resources).get("TPU")
+    if asked is not None and asked != host["TPU"]:
+        raise ConfigError(
+            f"learner.resources asks for TPU: {asked:g} per host, but a {learner.tpu_version} "
+            f"host of topology {learner.tpu_topology} has {host['TPU']} chips; set "
+            f"learner.resources={{TPU: {host['TPU']}}} (or leave it empty)."
+        )
+    if hosts != learner.num_hosts:
+        raise ConfigError(
+            f"a {learner.tpu_version} slice of topology {learner.tpu_topology} makes {hosts} "
+            f"learner hosts of {bundle}, but learner.num_hosts={learner.num_hosts}; set "
+            f"learner.num_hosts={hosts}."
+        )
 
 
 def _validate_adaptive_concurrency(rollout: RolloutConfig) -> None:

@@ -18,15 +18,9 @@ MAX_CLASS_LINES = 500
 # were re-measured when the code was first formatted, which added about a fifth to every
 # block and brought 15 more over the limit. Shrink these; never raise them.
 ALLOWED = {
-    "cli.py::_parser": 122,
-    "config.py::_validate_placement": 82,
-    "config.py::validate": 93,
-    "data/datasets.py::load_tasks": 95,
-    "driver/prepare.py::check_prompts": 84,
     "driver/steps.py::rl_steps": 82,
     "rollout/orchestrator.py::RolloutOrchestrator": 754,
     "rollout/orchestrator.py::RolloutOrchestrator.__init__": 112,
-    "rollout/preflight.py::check_prompt_lengths": 86,
 }
 
 

@@ -161,16 +161,7 @@ def load_tasks(spec: DatasetSpec) -> list[Task]:
         others); ids of the id column repeat.
     """
     names, records = read_records(spec)
-    for key, column in (
-        ("data.question_column", spec.question_column),
-        ("data.answer_column", spec.answer_column),
-        ("data.id_column", spec.id_column),
-    ):
-        if column and column not in names:
-            raise DatasetError(
-                f"{key}={column!r} is not a column of {spec.path!r} (split {spec.split!r}); its "
-                f"columns are {names}. Set {key} to the column that holds it."
-            )
+    _check_columns(spec, names)
     used = {spec.question_column, spec.answer_column, spec.id_column}
     tasks, seen, bad, markers = [], {}, [], []
     for row, record in enumerate(records):
@@ -181,26 +172,13 @@ def load_tasks(spec: DatasetSpec) -> list[Task]:
                 f"{where}: question column {spec.question_column!r} is "
                 f"{question!r}; every row needs a question text."
             )
-        answer, why = _reference(raw)
-        if why:
-            bad.append(
-                (row, f"{where}: answer column {spec.answer_column!r} is {raw!r:.80} ({why})")
-            )
+        answer, solution, problem = _row_answer(spec, raw, where)
+        if problem:
+            bad.append((row, problem))
             continue
         metadata: dict[str, Any] = {"row": row, "split": spec.split}
-        if GSM8K_ANSWER_MARK in answer:
-            metadata["solution"] = answer
-            answer = answer.rsplit(GSM8K_ANSWER_MARK, 1)[1].strip()
-            if blank_answer(answer):
-                bad.append(
-                    (
-                        row,
-                        f"{where}: answer column {spec.answer_column!r} is "
-                        f"{raw!r:.80}, with nothing after its last "
-                        f"{GSM8K_ANSWER_MARK!r} mark (the GSM8K layout's answer)",
-                    )
-                )
-                continue
+        if solution is not None:
+            metadata["solution"] = solution
         if answer.strip().casefold() in MISSING_MARKERS:
             markers.append(
                 (
@@ -215,16 +193,77 @@ def load_tasks(spec: DatasetSpec) -> list[Task]:
             for k, v in record.items()
             if k not in used and isinstance(v, (str, int, float, bool))
         }
-        task_id = str(record[spec.id_column]) if spec.id_column else f"{spec.split}-{row:06d}"
-        if task_id in seen:
-            raise DatasetError(
-                f"{where}: id {task_id!r} of data.id_column={spec.id_column!r} "
-                f"repeats row {seen[task_id]}; ids must be unique (the rollout "
-                "ledger counts each task once). Use another column or leave "
-                "data.id_column empty for row-number ids."
-            )
+        task_id = _task_id(spec, row, record, where, seen)
         seen[task_id] = row
         tasks.append(Task(task_id=task_id, question=question, answer=answer, metadata=metadata))
+    _check_answers(spec, tasks, bad, markers, len(records))
+    return tasks
+
+
+def _check_columns(spec: DatasetSpec, names: list[str]) -> None:
+    """Each column ``spec`` maps (question, answer, id if set) is one of ``names``; raises
+    DatasetError naming the key and listing the columns there are."""
+    for key, column in (
+        ("data.question_column", spec.question_column),
+        ("data.answer_column", spec.answer_column),
+        ("data.id_column", spec.id_column),
+    ):
+        if column and column not in names:
+            raise DatasetError(
+                f"{key}={column!r} is not a column of {spec.path!r} (split {spec.split!r}); its "
+                f"columns are {names}. Set {key} to the column that holds it."
+            )
+
+
+def _row_answer(spec: DatasetSpec, raw: Any, where: str) -> tuple[str, str | None, str]:
+    """One row's reference answer from its answer cell ``raw``: ``(answer, solution,
+    "")``, where ``solution`` is the whole cell in the GSM8K layout (worked solution, then
+    ``#### answer``) and None otherwise, or ``("", None, problem)`` naming the row
+    (``where``) and why the cell cannot be an answer."""
+    answer, why = _reference(raw)
+    if why:
+        return "", None, f"{where}: answer column {spec.answer_column!r} is {raw!r:.80} ({why})"
+    if GSM8K_ANSWER_MARK not in answer:
+        return answer, None, ""
+    solution = answer
+    answer = answer.rsplit(GSM8K_ANSWER_MARK, 1)[1].strip()
+    if blank_answer(answer):
+        return (
+            "",
+            None,
+            f"{where}: answer column {spec.answer_column!r} is "
+            f"{raw!r:.80}, with nothing after its last "
+            f"{GSM8K_ANSWER_MARK!r} mark (the GSM8K layout's answer)",
+        )
+    return answer, solution, ""
+
+
+def _task_id(
+    spec: DatasetSpec, row: int, record: dict[str, Any], where: str, seen: dict[str, int]
+) -> str:
+    """Row ``row``'s task id: its ``data.id_column`` cell, or ``<split>-<row>`` when that
+    key is empty; raises DatasetError when the id is already in ``seen`` (id -> row)."""
+    task_id = str(record[spec.id_column]) if spec.id_column else f"{spec.split}-{row:06d}"
+    if task_id in seen:
+        raise DatasetError(
+            f"{where}: id {task_id!r} of data.id_column={spec.id_column!r} "
+            f"repeats row {seen[task_id]}; ids must be unique (the rollout "
+            "ledger counts each task once). Use another column or leave "
+            "data.id_column empty for row-number ids."
+        )
+    return task_id
+
+
+def _check_answers(
+    spec: DatasetSpec,
+    tasks: list[Task],
+    bad: list[tuple[int, str]],
+    markers: list[tuple[int, str]],
+    n_records: int,
+) -> None:
+    """Raises DatasetError when rows lack a reference answer: the ``bad`` ones (row, why),
+    and the ``markers`` ones (text such as ``nan``) when every other answer is a number,
+    so the marker stood for a missing number. The first row is named, with the count."""
     marked = {r for r, _ in markers}
     if markers and all(
         parse_number(unwrap(t.answer)) is not None for t in tasks if t.metadata["row"] not in marked
@@ -237,10 +276,9 @@ def load_tasks(spec: DatasetSpec) -> list[Task]:
         raise DatasetError(
             f"{bad[0][1]}: every row needs a reference answer the reward can be checked "
             f"against, or the policy earns reward by answering nothing. {len(rows)} of the "
-            f"{len(records)} rows have none (rows {shown}); fill in their "
+            f"{n_records} rows have none (rows {shown}); fill in their "
             f"{spec.answer_column!r} or remove them from the dataset."
         )
-    return tasks
 
 
 def _reference(value: Any) -> tuple[str, str]:

@@ -481,19 +481,7 @@ def check_prompts(cfg: Config, env_pool: EnvPool, tasks: Tasks, tokenizer: Token
         tokenizer,
         limit,
     )
-    sizes = check.sample_tokens
-    say(
-        f"env {cfg.env.name!r} ready on {cfg.env.num_env_actors} actors; tasks: {tasks.source} "
-        f"({len(tasks.train)} train, {len(tasks.heldout)} held out); "
-        f"prompts {sizes[0]}-{sizes[-1]} tokens on {len(sizes)} samples (context {limit}); "
-        f"all {len(tasks.train) + len(tasks.heldout)} length-checked, "
-        f"{check.measured_exactly} through the environment"
-        + (
-            " (the rest by question tokens)"
-            if check.bound_applies
-            else " (its first observation does not hold the task's question, so no bound applies)"
-        )
-    )
+    _say_prompt_lengths(cfg, tasks, check)
     if not check.too_long:
         return tasks
     too_long = {id(t) for t, _ in check.too_long}
@@ -517,6 +505,43 @@ def check_prompts(cfg: Config, env_pool: EnvPool, tasks: Tasks, tokenizer: Token
             dev=train[-cfg.warmup.eval_size :],
             dropped={**tasks.dropped, **dropped},
         )
+    raise _overlong_prompts_error(cfg, tasks, tokenizer, check, train, heldout, dropped)
+
+
+def _say_prompt_lengths(cfg: Config, tasks: Tasks, check: preflight.PromptCheck) -> None:
+    """Logs the env's readiness, the tasks and the sampled prompt lengths in tokens."""
+    limit = cfg.model.max_seq_len
+    sizes = check.sample_tokens
+    say(
+        f"env {cfg.env.name!r} ready on {cfg.env.num_env_actors} actors; tasks: {tasks.source} "
+        f"({len(tasks.train)} train, {len(tasks.heldout)} held out); "
+        f"prompts {sizes[0]}-{sizes[-1]} tokens on {len(sizes)} samples (context {limit}); "
+        f"all {len(tasks.train) + len(tasks.heldout)} length-checked, "
+        f"{check.measured_exactly} through the environment"
+        + (
+            " (the rest by question tokens)"
+            if check.bound_applies
+            else " (its first observation does not hold the task's question, so no bound applies)"
+        )
+    )
+
+
+def _overlong_prompts_error(
+    cfg: Config,
+    tasks: Tasks,
+    tokenizer: Tokenizer,
+    check: preflight.PromptCheck,
+    train: list,
+    heldout: list,
+    dropped: dict[str, int],
+) -> RunError:
+    """The error that stops a run whose prompts leave no room for a reply: ``dropped``'s
+    counts per split (``train`` and ``heldout`` are what is left without those tasks), the
+    first tasks named, the longest prompt, and the fix (``data.overlong_prompts=drop``,
+    unless dropping is what emptied a split; a larger vocabulary for a run-trained
+    tokenizer)."""
+    limit = cfg.model.max_seq_len
+    sizes = check.sample_tokens
     worst = max(n for _, n in check.too_long)
     emptied = [name for name, kept in (("train", train), ("held-out", heldout)) if not kept]
     hint = (
@@ -531,7 +556,7 @@ def check_prompts(cfg: Config, env_pool: EnvPool, tasks: Tasks, tokenizer: Token
         if cfg.data.overlong_prompts == "drop"
         else "Or set data.overlong_prompts=drop to leave them out (counted in summary.json). "
     )
-    raise RunError(
+    return RunError(
         f"{dropped['overlong_prompt_train']} of {len(tasks.train)} train and "
         f"{dropped['overlong_prompt_heldout']} of {len(tasks.heldout)} held-out tasks have a "
         f"first prompt that leaves no room for a reply in model.max_seq_len={limit} tokens: "

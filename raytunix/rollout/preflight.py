@@ -195,25 +195,9 @@ def check_prompt_lengths(
     )
     extra = tokenized = 0
     if bound_applies and samples:
-        question_tokens = tokenizer.count_tokens([t.question for t in samples])
-        extras = [n - q for (n, _), q in zip(measured, question_tokens)]
-        extra = max(extras)
-        margin = extra + BOUND_SLACK_TOKENS + (extra - min(extras))
-        # Bytes bound tokens for most tokenizers; only rows that bound does not clear are
-        # tokenized, so a dataset of short questions costs one pass over its bytes.
-        bounds = tokenizer.token_count_bounds([t.question for t in tasks])
-        candidates = (
-            tasks
-            if bounds is None
-            else [t for t, b in zip(tasks, bounds) if not fits(b + margin, max_context_tokens)]
+        flagged, extra, tokenized = _flagged_by_bound(
+            tasks, samples, [n for n, _ in measured], exact, tokenizer, max_context_tokens
         )
-        counts = tokenizer.count_tokens([t.question for t in candidates])
-        tokenized = len(candidates)
-        flagged = [
-            t
-            for t, q in zip(candidates, counts)
-            if not fits(q + margin, max_context_tokens) and id(t) not in exact
-        ]
     else:
         flagged = [t for t in tasks if id(t) not in exact]
     for task, (n, _) in zip(flagged, prompt_lengths(pool, flagged, new_agent, timeout_s)):
@@ -231,6 +215,43 @@ def check_prompt_lengths(
         max_extra_tokens=extra,
         tokenized=tokenized,
     )
+
+
+def _flagged_by_bound(
+    tasks: Sequence[Task],
+    samples: Sequence[Task],
+    sample_tokens: Sequence[int],
+    exact: dict[int, int],
+    tokenizer: Any,
+    max_context_tokens: int,
+) -> tuple[list[Task], int, int]:
+    """The tasks of ``tasks`` whose question tokens plus the samples' margin leave no room
+    for a reply, less those already measured (``exact``, keyed by ``id(task)``).
+
+    ``sample_tokens`` are the samples' exact prompt tokens, in ``samples``' order; the
+    margin is their largest extra over the question tokens plus ``BOUND_SLACK_TOKENS``
+    plus the spread of that extra. Returns ``(flagged tasks, largest extra in tokens,
+    questions tokenized)``.
+    """
+    question_tokens = tokenizer.count_tokens([t.question for t in samples])
+    extras = [n - q for n, q in zip(sample_tokens, question_tokens)]
+    extra = max(extras)
+    margin = extra + BOUND_SLACK_TOKENS + (extra - min(extras))
+    # Bytes bound tokens for most tokenizers; only rows that bound does not clear are
+    # tokenized, so a dataset of short questions costs one pass over its bytes.
+    bounds = tokenizer.token_count_bounds([t.question for t in tasks])
+    candidates = (
+        tasks
+        if bounds is None
+        else [t for t, b in zip(tasks, bounds) if not fits(b + margin, max_context_tokens)]
+    )
+    counts = tokenizer.count_tokens([t.question for t in candidates])
+    flagged = [
+        t
+        for t, q in zip(candidates, counts)
+        if not fits(q + margin, max_context_tokens) and id(t) not in exact
+    ]
+    return flagged, extra, len(candidates)
 
 
 def check_batch(info: dict[str, Any], step: int) -> None:
