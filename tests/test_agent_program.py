@@ -38,22 +38,29 @@ GRAPHDEF, PARAMS = init_model(CONFIG, seed=0)
 TASK = Task(task_id="t0", question="Say hi.", answer="hi")
 
 
-@pytest.fixture(scope="module")
-def served():
+def serve_tiny_engine(max_batch_size: int, **gateway_kwargs):
+    """``(GatewayThread, RecordingEngine)``: the tiny model's real engine behind a running
+    gateway (the caller stops the thread)."""
     engine = RecordingEngine(
         InferenceEngine(
             GRAPHDEF,
             PARAMS,
             CONFIG,
             TOKENIZER,
-            max_batch_size=2,
+            max_batch_size=max_batch_size,
             block_size=16,
             prefill_chunk_tokens=64,
         )
     )
-    thread = GatewayThread(
-        Gateway(engine, make_renderer(TOKENIZER), vocab_size=TOKENIZER.vocab_size)
+    gateway = Gateway(
+        engine, make_renderer(TOKENIZER), vocab_size=TOKENIZER.vocab_size, **gateway_kwargs
     )
+    return GatewayThread(gateway), engine
+
+
+@pytest.fixture(scope="module")
+def served():
+    thread, engine = serve_tiny_engine(max_batch_size=2)
     yield thread, engine
     thread.stop()
 

@@ -17,32 +17,15 @@ pytest.importorskip(
 
 from raytunix.config import ConfigError, config_from_dict, validate
 from raytunix.envs.verifiers_env import VerifiersEnv
-from raytunix.gateway import Gateway, GatewayThread, make_renderer
-from raytunix.inference.engine import InferenceEngine
 from raytunix.rollout.program import run_program_episode
 from raytunix.types import EpisodeStatus
-from test_agent_program import CONFIG, GRAPHDEF, PARAMS, TOKENIZER
-from test_gateway import RecordingEngine  # the real engine, with what it was asked kept
+from test_agent_program import TOKENIZER, serve_tiny_engine
 from verifiers_example import SUMS, score
 
 
 @pytest.fixture(scope="module")
 def served():
-    engine = RecordingEngine(
-        InferenceEngine(
-            GRAPHDEF,
-            PARAMS,
-            CONFIG,
-            TOKENIZER,
-            max_batch_size=4,
-            block_size=16,
-            prefill_chunk_tokens=64,
-        )
-    )
-    gateway = Gateway(
-        engine, make_renderer(TOKENIZER), vocab_size=TOKENIZER.vocab_size, default_max_tokens=8
-    )
-    thread = GatewayThread(gateway)
+    thread, engine = serve_tiny_engine(max_batch_size=4, default_max_tokens=8)
     yield thread, engine
     thread.stop()
 
