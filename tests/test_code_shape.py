@@ -18,7 +18,6 @@ MAX_CLASS_LINES = 500
 # were re-measured when the code was first formatted, which added about a fifth to every
 # block and brought 15 more over the limit. Shrink these; never raise them.
 ALLOWED = {
-    "driver/steps.py::rl_steps": 82,
     "rollout/orchestrator.py::RolloutOrchestrator": 754,
     "rollout/orchestrator.py::RolloutOrchestrator.__init__": 112,
 }

@@ -473,6 +473,19 @@ def recover_learner(cfg: Config, job: Job, run: RunDir, error: Exception) -> RLS
     return restore_rl(cfg, job, run)
 
 
+def _step_batch(cfg: Config, job: Job, run: RunDir, scaler: ScaleWatcher, step: int):
+    """``(refs, info)`` of step ``step``'s batch (``_next_batch``), after applying a pending
+    scale request; the batch's env error reports and samples are kept, and a batch with
+    nothing to learn from is refused (``preflight.check_batch``, a ``RunError``)."""
+    scaled = scaler.poll(job.orchestrator, step)
+    if scaled is not None:
+        run.log(scaled)
+    refs, info = _next_batch(cfg, job, run, step)
+    _keep_batch_reports(run, step, info)
+    prepare.run_preflight(preflight.check_batch, info, step)
+    return refs, info
+
+
 def rl_steps(
     cfg: Config, job: Job, run: RunDir, start: RLStart, collector, heldout: Sequence[Any] = ()
 ) -> float:
@@ -511,12 +524,7 @@ def rl_steps(
     evals = PeriodicEval(job, run, heldout, cfg.eval.every, cfg.learner.rl_steps)
     try:
         for step in range(start.step + 1, cfg.learner.rl_steps + 1):
-            scaled = scaler.poll(job.orchestrator, step)
-            if scaled is not None:
-                run.log(scaled)
-            refs, info = _next_batch(cfg, job, run, step)
-            _keep_batch_reports(run, step, info)
-            prepare.run_preflight(preflight.check_batch, info, step)  # nothing to learn from
+            refs, info = _step_batch(cfg, job, run, scaler, step)
             with profiling.span("train_step", "driver", {"step": step}):
                 metrics = job.learner_get(
                     job.learner.train_step.remote(refs), "train_step", slow=step == start.step + 1
