@@ -62,7 +62,7 @@ def test_orchestrator_overhead_runs_and_reports_cpu_per_turn():
         "32",
         "--env-actors",
         "1",
-        timeout_s=300,
+        timeout_s=900,
     )
     assert report["benchmark"] == "orchestrator_overhead"
     assert report["cpu_ms_per_turn"] > 0
@@ -133,7 +133,7 @@ def test_rollout_overlap_runs_and_reports_its_three_keys():
         "4",
         "--repeats",
         "1",
-        timeout_s=300,
+        timeout_s=900,
     )
     for key in (
         "engine_busy_fraction",
@@ -200,7 +200,7 @@ def test_profiling_overhead_alternates_profiling_and_reports_its_cost():
         "1",
         "--window-s",
         "0",
-        timeout_s=300,
+        timeout_s=900,
     )  # a drain after every batch
     assert report["benchmark"] == "profiling_overhead"
     assert isinstance(report["overhead_fraction"], float)
@@ -285,7 +285,7 @@ def test_learner_step_compares_the_update_with_a_bare_train_step():
         "8",
         "--seq-len",
         "32",
-        timeout_s=300,
+        timeout_s=900,
     )
     assert report["benchmark"] == "learner_step"
     tiny = report["configs"]["tiny"]
