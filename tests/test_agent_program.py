@@ -11,10 +11,12 @@ import json
 import threading
 
 import openai
+import numpy as np
 import pytest
 
 from raytunix.config import ConfigError, config_from_dict, validate
 from raytunix.envs.agent_program import AgentProgramEnv, reward_of
+from raytunix.envs.contract import EnvContractError
 from raytunix.gateway import Gateway, GatewayThread, make_renderer
 from raytunix.inference.engine import InferenceEngine
 from raytunix.models.llama import ModelConfig, init_model
@@ -100,6 +102,19 @@ def crasher(task, base_url, api_key):
 def exiter(task, base_url, api_key):
     _chat(base_url, api_key, [{"role": "user", "content": task["question"]}])
     raise SystemExit("not logged in")  # as some client libraries do
+
+
+def overflower(task, base_url, api_key):
+    _chat(base_url, api_key, [{"role": "user", "content": task["question"]}])
+    return 1e308  # a Python float; inf in the float32 batch
+
+
+class InfinitePlay(AgentProgramEnv):
+    """An adapter whose own ``play`` skips ``reward_of`` (as the verifiers one computes its
+    reward itself): the episode runner's check still holds."""
+
+    def play(self, task, base_url, api_key):
+        return float("inf")
 
 
 HANG = threading.Event()
@@ -191,6 +206,16 @@ def test_a_program_that_raises_system_exit_ends_only_its_episode(served):
     assert after.status == EpisodeStatus.COMPLETED
 
 
+def test_a_reward_beyond_float32_ends_its_episode_not_the_run(served):
+    thread, _ = served
+    [t] = thread.run(_episode(thread, "overflower"))
+    assert t.status == EpisodeStatus.ENV_ERROR and t.reward == 0.0
+    assert "returned reward 1e+308" in t.error and "float32" in t.error
+    program = InfinitePlay(entrypoint="test_agent_program:overflower")
+    [t] = thread.run(run_program_episode(thread.gateway, program, TASK, "g0", 0, 60.0))
+    assert t.status == EpisodeStatus.ENV_ERROR and "InfinitePlay.play returned reward" in t.error
+
+
 def test_a_hanging_program_times_out_alone_and_its_later_calls_are_refused(served):
     thread, _ = served
     HANG.clear()
@@ -220,14 +245,22 @@ def test_an_async_program_returning_a_bool_is_rewarded(served):
     assert (t.status, t.reward, t.num_turns) == (EpisodeStatus.COMPLETED, 1.0, 1)
 
 
-def test_rewards_are_numbers_or_a_dict_with_one():
+def test_rewards_are_numbers_or_a_dict_with_one_within_float32():
     assert reward_of(True, "p") == 1.0 and reward_of({"reward": 2}, "p") == 2.0
+    assert reward_of(np.float32(0.5), "p") == 0.5 and reward_of(np.int64(1), "p") == 1.0
     with pytest.raises(ValueError, match="without a 'reward' key"):
         reward_of({"score": 1}, "the program p")
-    with pytest.raises(ValueError, match="'done' as the reward"):
-        reward_of("done", "the program p")
-    with pytest.raises(ValueError, match="finite"):
-        reward_of(float("nan"), "p")
+    # Finite in Python but inf in the float32 batch: refused here, not in the learner.
+    for bad, problem in (
+        ("done", "reward_str"),
+        (float("nan"), "reward_nan"),
+        (1e308, "reward_out_of_range"),
+        (10**400, "reward_inf"),
+        (-(10**400), "reward_-inf"),
+    ):
+        with pytest.raises(EnvContractError, match="the program p returned reward") as e:
+            reward_of(bad, "the program p")
+        assert e.value.problem == problem
 
 
 @pytest.mark.parametrize(

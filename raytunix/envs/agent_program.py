@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import math
 from collections.abc import Callable, Mapping
 from typing import Any, Sequence
 
 from raytunix.envs.base import BaseEnv
+from raytunix.envs.contract import check_reward
 from raytunix.registry import PluginError, import_object, register
 from raytunix.types import Action, StepResult, Task
 
@@ -78,11 +78,14 @@ def task_dict(task: Task) -> dict[str, Any]:
 
 
 def reward_of(value: Any, source: str) -> float:
-    """A finite float from a reward function's or program's return value.
+    """The reward in a reward function's or program's return value: a number (numpy
+    scalars and ``True`` taken) or a dict with a numeric ``"reward"``, checked by
+    ``raytunix.envs.contract.check_reward`` (finite, within float32).
 
     Raises:
-      ValueError: ``value`` is not a number (or a dict with a numeric ``"reward"``), or it
-        is not finite; ``source`` names who returned it.
+      ValueError: a dict without ``"reward"``; ``EnvContractError`` (a ``TypeError``) for
+        a reward that is not a finite float32-sized number; ``source`` names who returned
+        it.
     """
     if isinstance(value, Mapping):
         if "reward" not in value:
@@ -91,14 +94,7 @@ def reward_of(value: Any, source: str) -> float:
                 "return a number, a dict with 'reward', or set env.kwargs.reward."
             )
         value = value["reward"]
-    if isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, (int, float)) or not math.isfinite(float(value)):
-        raise ValueError(
-            f"{source} returned {value!r} as the reward; it must be a finite number "
-            "(or set env.kwargs.reward=pkg.mod:score to compute it)."
-        )
-    return float(value)
+    return check_reward(value, source)
 
 
 @register("env", "agent_program")

@@ -103,8 +103,18 @@ def check_observation(value: Any, env: Any, method: str) -> str:
     )
 
 
-def _reward(value: Any, env: Any) -> float:
-    name = type(env).__qualname__
+def check_reward(value: Any, source: str) -> float:
+    """``value`` as a reward: a finite real number (numpy scalars taken) of magnitude at
+    most ``MAX_REWARD``, as a float. One rule for every place a reward comes from (an env's
+    step, an agent program, a reward function).
+
+    Args:
+      source: who returned it, for the message (``"MyEnv.step"``, ``"the program m:run"``).
+
+    Raises:
+      EnvContractError: not a real number (``reward_<type>``), not finite
+        (``reward_nan`` / ``reward_inf``), or beyond float32 (``reward_out_of_range``).
+    """
     real = isinstance(value, numbers.Real) or (
         isinstance(value, np.ndarray)
         and value.ndim == 0
@@ -112,20 +122,23 @@ def _reward(value: Any, env: Any) -> float:
     )
     if not real:
         raise EnvContractError(
-            f"{name}.step returned reward {value!r:.80} ({type(value).__name__}); a reward "
+            f"{source} returned reward {value!r:.80} ({type(value).__name__}); a reward "
             "is a finite real number: return float(...).",
             f"reward_{type(value).__name__}",
         )
-    reward = float(value)
+    try:
+        reward = float(value)
+    except OverflowError:  # an int past float64 (10**400)
+        reward = math.inf if value > 0 else -math.inf
     if not math.isfinite(reward):
         raise EnvContractError(
-            f"{name}.step returned reward {reward!r}; rewards must be finite numbers (a bug "
+            f"{source} returned reward {value!r:.80}; rewards must be finite numbers (a bug "
             "in its verifier).",
             f"reward_{reward!r}",
         )
     if abs(reward) > MAX_REWARD:
         raise EnvContractError(
-            f"{name}.step returned reward {reward!r}; rewards must be at most {MAX_REWARD:g} "
+            f"{source} returned reward {reward!r}; rewards must be at most {MAX_REWARD:g} "
             "in size (batches hold them as float32, where a larger one is inf): scale the "
             "reward down.",
             "reward_out_of_range",
@@ -157,7 +170,7 @@ def check_step_result(value: Any, env: Any) -> StepResult:
             f"result_{kind}",
         )
     observation = check_observation(value.observation, env, "step")
-    reward = _reward(value.reward, env)
+    reward = check_reward(value.reward, f"{type(env).__qualname__}.step")
     if not isinstance(value.done, (bool, np.bool_)):
         raise EnvContractError(
             f"{name}.step returned done={value.done!r:.80}; it must be a bool.",

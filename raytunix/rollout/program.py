@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from raytunix.envs.agent_program import AgentProgramEnv
+from raytunix.envs.contract import check_reward
 from raytunix.gateway import Gateway, episode_trajectories
 from raytunix.gateway.recorder import ExtendRule
 from raytunix.rollout.orchestrator import RolloutOrchestrator
@@ -88,9 +89,11 @@ async def run_program_episode(
     reward, status, error = 0.0, EpisodeStatus.COMPLETED, ""
     try:
         async with asyncio.timeout(timeout_s):
-            reward = await _in_thread(
+            played = await _in_thread(
                 lambda: program.play(task, base_url, key), f"agent-program-{episode_id}"
             )
+            # Whatever env played it (a subclass's play too), one rule for its reward.
+            reward = check_reward(played, f"{type(program).__name__}.play")
     except TimeoutError:
         status = EpisodeStatus.TIMEOUT
         error = f"the program did not return within episode_timeout_s={timeout_s:g} s"
