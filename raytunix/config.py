@@ -43,6 +43,8 @@ AdvantageEstimator = Literal["grpo", "rloo", "reinforce_pp", "gae"]
 PolicyLoss = Literal["ppo_clip", "gspo", "cispo"]
 KLEstimator = Literal["k1", "k2", "k3"]
 SegmentRule = Literal["latest", "any"]  # raytunix.gateway.recorder.EXTEND_RULES
+# raytunix.agents.parsers.TOOL_PARSERS (tests/test_config_settings.py keeps the two equal)
+ToolParserName = Literal["hermes", "qwen", "llama3_json", "gemma", "react"]
 StaleTokenPolicy = Literal["drop", "mask", "accept"]
 KeepBestMode = Literal["max", "min"]
 PlacementStrategy = Literal["STRICT_SPREAD", "SPREAD", "PACK", "STRICT_PACK"]
@@ -921,7 +923,7 @@ class GatewayConfig:
         "which earlier conversation a call may extend: latest (the previous call's) | any "
         "(any of the episode's); a call that extends none starts a new segment",
     )
-    tool_parser: str = setting(
+    tool_parser: ToolParserName = setting(
         "hermes", "how replies are parsed into OpenAI tool_calls (a raytunix tool-call parser)"
     )
 

@@ -264,3 +264,16 @@ def test_seeds_are_32_bit():
         with pytest.raises(ConfigError, match=re.escape(f"{key}=4294967296")):
             load_config(None, [f"{key}=4294967296"])
         assert load_config(None, [f"{key}=4294967295"]) is not None
+
+
+def test_choice_lists_kept_beside_the_schema_equal_the_behaviours_own():
+    import typing
+
+    from raytunix import config
+    from raytunix.agents.parsers import TOOL_PARSERS
+    from raytunix.gateway.recorder import EXTEND_RULES
+
+    assert set(typing.get_args(config.ToolParserName)) == set(TOOL_PARSERS)
+    assert set(typing.get_args(config.SegmentRule)) == set(EXTEND_RULES)
+    with pytest.raises(ConfigError, match="gateway.tool_parser='nonsense' is not one of"):
+        load_config(None, ["gateway.tool_parser=nonsense"])
