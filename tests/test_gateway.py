@@ -283,6 +283,14 @@ def test_unknown_and_closed_keys_get_401_and_bad_fields_400_naming_them(served):
         (
             {
                 "messages": user,
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}],
+            },
+            "tools[0].function.parameters",
+        ),
+        ({"messages": user, "tools": [ADD, ADD]}, "tools[1].function.name"),
+        (
+            {
+                "messages": user,
                 "tools": [ADD],
                 "tool_choice": {"type": "function", "function": {"name": "mul"}},
             },
@@ -296,6 +304,9 @@ def test_unknown_and_closed_keys_get_401_and_bad_fields_400_naming_them(served):
     with pytest.raises(urllib.error.HTTPError) as raw:
         _post(f"{base_url}/chat/completions", key, b"{oops")
     assert raw.value.code == 400 and b"not valid JSON" in raw.value.read()
+    with pytest.raises(urllib.error.HTTPError) as raw:  # past the parser's recursion limit
+        _post(f"{base_url}/chat/completions", key, b"[" * 100_000)
+    assert raw.value.code == 400 and b"nests deeper" in raw.value.read()
     with pytest.raises(openai.NotFoundError):
         client.get("/nowhere", cast_to=object)
     with pytest.raises(openai.BadRequestError, match=r"prompt\[0\]"):

@@ -327,7 +327,8 @@ def parse_tools(body: Mapping[str, Any]) -> tuple[tuple[dict[str, Any], ...], st
     """``(tools as {"type": "function", "function": {...}} schemas, tool_choice)``.
 
     Raises:
-      GatewayError: 400 for a tool that is not a function schema, a ``tool_choice`` that is
+      GatewayError: 400 for a tool that is not a function schema (``parameters`` not an
+        object, a name used twice), a ``tool_choice`` that is
         not ``"auto"``/``"none"``/``"required"``/a named function of ``tools``, or a
         ``tool_choice`` without ``tools``.
     """
@@ -349,6 +350,18 @@ def parse_tools(body: Mapping[str, Any]) -> tuple[tuple[dict[str, Any], ...], st
                 f"{_short(tool)} must be {{\"type\": \"function\", "
                 '"function": {"name": str, "description": str, '
                 '"parameters": JSON schema}}.',
+            )
+        parameters = function.get("parameters", {})
+        if not isinstance(parameters, Mapping):
+            raise bad_request(
+                f"tools[{i}].function.parameters",
+                f"{_short(parameters)} must be a JSON schema object "
+                '(e.g. {"type": "object", "properties": {...}}).',
+            )
+        if function["name"] in (s["function"]["name"] for s in schemas):
+            raise bad_request(
+                f"tools[{i}].function.name",
+                f"{function['name']!r} names two tools; give each tool its own name.",
             )
         schemas.append({"type": "function", "function": dict(function)})
     choice = body.get("tool_choice")

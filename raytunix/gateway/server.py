@@ -291,6 +291,10 @@ class Gateway:
             return await request.json(loads=json.loads)
         except (ValueError, UnicodeDecodeError) as e:
             raise protocol.bad_request("body", f"is not valid JSON ({e}).") from None
+        except RecursionError:
+            raise protocol.bad_request(
+                "body", "nests deeper than the JSON parser allows; send a flatter body."
+            ) from None
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         episode = self._episode(request)
