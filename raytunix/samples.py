@@ -188,7 +188,7 @@ def format_step(record: dict[str, Any]) -> str:
     status, turns, policy versions), then each message under its role, indented."""
     lines = [
         f"RL step {record['step']}: {len(record['episodes'])} of "
-        f"{record.get('batch_trajectories', '?')} episodes of its batch"
+        f"{record.get('batch_trajectories', '?')} trajectories of its batch"
     ]
     for episode in record["episodes"]:
         lines.append("")

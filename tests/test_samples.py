@@ -174,7 +174,7 @@ def test_the_command_prints_a_step_and_names_what_is_missing(tmp_path, capsys):
     log.write(5, [_episode("t5", 1.0)], batch_trajectories=4)
     assert main(["samples", str(tmp_path), "--step", "3"]) == 0
     out = capsys.readouterr().out
-    assert "RL step 3: 2 of 4 episodes" in out
+    assert "RL step 3: 2 of 4 trajectories" in out
     assert "== best: task t3  reward 1  completed" in out and "== worst: task t4" in out
     assert "-- assistant:\n   <answer>even</answer>\n   => action: " in out
     assert main(["samples", str(tmp_path)]) == 0
@@ -242,7 +242,7 @@ def test_a_tiny_run_leaves_the_episodes_of_each_rl_step(ray_session, tmp_path, c
     capsys.readouterr()
     assert main(["samples", run_dir]) == 0
     out = capsys.readouterr().out
-    assert "RL step 2: 4 of 4 episodes" in out and "even or odd" in out
+    assert "RL step 2: 4 of 4 trajectories" in out and "even or odd" in out
     assert main(["samples", run_dir, "--step", "9"]) == 2
     assert "steps with samples: 1-2" in capsys.readouterr().err
 
