@@ -71,17 +71,30 @@ def test_the_deadlines_are_finite_and_ordered():
 
 
 @pytest.mark.slow
-def test_a_stuck_single_learner_is_killed_and_named_instead_of_hanging_the_driver(ray_session):
+def test_a_stuck_single_learner_is_killed_and_named_instead_of_hanging_the_driver(
+    ray_session, tmp_path
+):
     from raytunix.driver.job import Job, LearnerStuck
     from raytunix.driver.run_dir import RunError
 
     cfg = load_config(None, TINY)
     job = Job(cfg, Tokenizer.byte_level(), [], env_pool=None)
+    started = tmp_path / "blocked"
+
+    def block(self, marker=str(started)):
+        open(marker, "w").close()
+        time.sleep(600)
+
     try:
         assert job.learner_get(job.learner.policy_version.remote(), "policy_version") == 0
         cfg.learner.call_timeout_s = 3.0  # once built: building it may take longer here
         # Alive but stuck: its event loop blocked (as a wedged device or storage call would).
-        job.learner.__ray_call__.remote(lambda self: time.sleep(600))
+        # An async actor may start calls out of submission order: wait until the block runs.
+        job.learner.__ray_call__.remote(block)
+        deadline = time.monotonic() + 120
+        while not started.exists():
+            assert time.monotonic() < deadline, "the blocking call never started"
+            time.sleep(0.05)
         with pytest.raises(
             LearnerStuck,
             match=r"did not answer train_step within 3 s "
