@@ -21,7 +21,9 @@ both alike. Short blocks in many pairs beat a few long runs here: on a 2-core ma
 hiccup (another process, a GC pause, the scheduler) slows one block by several percent,
 and a robust estimate over many pairs shrugs it off.
 
-Work is counted in generated tokens (the engine's ``tokens_generated`` over the block):
+Work is counted in generated tokens (the engine's ``tokens_generated`` over the block; a
+block whose batches were all made before it began, so that the counter did not move, counts
+its batches' tokens and says ``tokens_counted_from: "batches"``):
 every trajectory is the same number of turns of the same number of tokens, so seconds per
 token is seconds per trajectory without the quantisation of a short block (a block of 256
 trajectories ends with ~64 episodes half done, which moves a per-trajectory rate by
@@ -284,6 +286,8 @@ class Stream:
                 self.profiled_s += now - last
                 last = now
             n += info["num_trajectories"]
+            if block is not None:
+                block["batch_tokens"] += info["generated_tokens_mean"] * info["num_trajectories"]
             self.batches += 1
             if self.profiled and drain == "rpc-only":
                 chunks = [
@@ -320,6 +324,7 @@ class Stream:
             "recording": self.profiled,
             "spans_recorded": {},
             "drain_and_collect_s": 0.0,
+            "batch_tokens": 0.0,
         }
         cpu0, gc0 = self.cpu_seconds(), self.gc_seconds()
         engine0 = ray.get(self.engine.engine_stats.remote())
@@ -328,6 +333,13 @@ class Stream:
         wall = time.perf_counter() - start
         engine1 = ray.get(self.engine.engine_stats.remote())
         tokens = engine1["tokens_generated"] - engine0["tokens_generated"]
+        batch_tokens = block.pop("batch_tokens")
+        counted_from = "engine"
+        if tokens <= 0 < batch_tokens:
+            # A block so short that its batches were all made before it began (the
+            # orchestrator runs ahead of its consumer; on a loaded machine it may be a whole
+            # buffer ahead): the engine's counter did not move, so count the batches' tokens.
+            tokens, counted_from = batch_tokens, "batches"
         if tokens <= 0:
             raise SystemExit(
                 f"profiling_overhead: a block of {n} trajectories generated no tokens, so no "
@@ -351,6 +363,7 @@ class Stream:
             trajectories=n,
             trajectories_per_s=n / wall,
             tokens_generated=tokens,
+            tokens_counted_from=counted_from,
             tokens_per_s=tokens / wall,
             engine_decode_steps=steps,
             engine_mean_active_slots=rows / steps if steps else 0.0,
