@@ -534,8 +534,20 @@ def test_deadline_engine_failure_and_long_prompts_are_answered_and_serving_goes_
     thread.loop.call_soon_threadsafe(engine.engine.resume)
     with pytest.raises(openai.AuthenticationError, match="ended while this call ran"):
         pending.result(timeout=120)
-    with pytest.raises(openai.BadRequestError, match="context"):
-        _greedy(client, [{"role": "user", "content": "x" * 400}])
+    with pytest.raises(openai.BadRequestError, match="the prompt has .* tokens"):
+        _greedy(client, [{"role": "user", "content": "x" * 400}])  # rendered, then measured
+    # Text too long whatever it encodes to is refused before it is rendered or encoded.
+    huge = "x" * 20_000_000
+    with pytest.raises(openai.BadRequestError, match=r"20000000 characters, at least \d+ tok"):
+        _greedy(
+            client,
+            [
+                {"role": "user", "content": huge[:10_000_000]},
+                {"role": "user", "content": huge[10_000_000:]},
+            ],
+        )
+    with pytest.raises(openai.BadRequestError, match="prompt hold 20000000 characters"):
+        client.completions.create(model="tiny", prompt=huge, max_tokens=2)
     assert _greedy(client, user, max_tokens=2).usage.completion_tokens >= 1
     assert len(gateway.close_episode(key)) == 1  # only the answered call
 

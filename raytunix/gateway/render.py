@@ -98,6 +98,12 @@ class _Renderer(abc.ABC):
     def encode_text(self, text: str) -> list[int]:
         """Token ids of plain text (no special tokens)."""
 
+    @abc.abstractmethod
+    def max_token_chars(self) -> int:
+        """Characters the longest token stands for (>= 1): a prompt holding ``c``
+        characters of messages is at least ``c / max_token_chars()`` tokens, so an
+        overlong one is refused before it is rendered and encoded."""
+
     def forced_prefix(self, tool_choice: str) -> list[int]:
         """Ids put after the generation prompt so that the reply is a call:
         ``<tool_call>`` for ``"required"``, ``<tool_call>{"name": NAME, "arguments": `` for a
@@ -197,6 +203,9 @@ class EncoderRenderer(_Renderer):
 
     def encode_text(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, special_tokens=True)
+
+    def max_token_chars(self) -> int:
+        return self.tokenizer.max_token_chars
 
     def chat_prompt(
         self,
@@ -390,12 +399,18 @@ class HFRenderer(_Renderer):
         self.parser = make_tool_parser(tool_parser)
         self.template_kwargs = dict(template_kwargs or {})
         self.stop_token_ids = (int(tokenizer.eos_token_id),)
+        self._max_token_chars: int | None = None
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
     def encode_text(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def max_token_chars(self) -> int:
+        if self._max_token_chars is None:
+            self._max_token_chars = max(1, *map(len, self.tokenizer.get_vocab()))
+        return self._max_token_chars
 
     def chat_prompt(
         self,

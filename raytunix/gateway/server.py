@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import secrets
+import socket
 import threading
 import time
 import uuid
@@ -58,6 +59,22 @@ class _Episode:
 
 def _error_response(error: GatewayError) -> web.Response:
     return web.json_response(error.body(), status=error.status)
+
+
+def _node_address() -> str:
+    """This node's address on the cluster network: Ray's idea of it when Ray is up, else
+    the address the host name resolves to."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 class Gateway:
@@ -154,8 +171,14 @@ class Gateway:
 
     @property
     def url(self) -> str:
-        """``http://host:port`` of the running server."""
-        return f"http://{self.host}:{self.port}"
+        """``http://host:port`` of the running server; a wildcard ``host`` (``0.0.0.0``,
+        ``::``) is given as this node's address, which programs on other nodes can reach."""
+        host = self.host
+        if host in ("0.0.0.0", "::", ""):
+            host = _node_address()
+        if ":" in host:  # IPv6 literal
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
 
     # -- episodes --------------------------------------------------------------------------
 
@@ -299,6 +322,13 @@ class Gateway:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         episode = self._episode(request)
         call = protocol.parse_chat(await self._body(request), self.max_n)
+        self._check_length_before_rendering(
+            sum(
+                len(m.content) + sum(len(c.name) + len(c.arguments) for c in m.tool_calls)
+                for m in call.messages
+            ),
+            "messages",
+        )
         started = time.time()
         prompt = self.renderer.chat_prompt(call.messages, call.tools, episode.known)
         forced = self.renderer.forced_prefix(call.tool_choice)
@@ -342,6 +372,8 @@ class Gateway:
         usage = {"prompt_tokens": 0, "completion_tokens": 0}
         for prompt in call.prompts:
             started = time.time()
+            if isinstance(prompt, str):
+                self._check_length_before_rendering(len(prompt), "prompt")
             ids = self.renderer.encode_text(prompt) if isinstance(prompt, str) else list(prompt)
             index, results = await self._generate(episode, ids, call.sampling)
             replies = [
@@ -372,6 +404,22 @@ class Gateway:
         )
 
     # -- the engine ------------------------------------------------------------------------
+
+    def _check_length_before_rendering(self, chars: int, param: str) -> None:
+        """A 400 for text too long for the context whatever it encodes to (at least
+        ``chars / max_token_chars`` tokens): a multi-megabyte message is refused in
+        microseconds instead of after rendering and encoding it."""
+        if self.max_model_len is None:
+            return
+        at_least = chars // self.renderer.max_token_chars()
+        if at_least > self.max_model_len - 1:
+            raise GatewayError(
+                400,
+                f"the {param} hold {chars} characters, at least {at_least} tokens, but the "
+                f"model's context is {self.max_model_len} tokens; shorten the conversation.",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     def _sampling(self, prompt_len: int, sampling: protocol.Sampling) -> SamplingParams:
         if self.max_model_len is not None and prompt_len > self.max_model_len - 1:

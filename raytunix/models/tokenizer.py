@@ -21,6 +21,8 @@ This module does not import JAX; environment and agent processes use it.
 
 from __future__ import annotations
 
+import functools
+
 import json
 import os
 from collections.abc import Iterable, Sequence
@@ -283,6 +285,14 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Number of ids, special tokens included (ids are ``0..vocab_size - 1``)."""
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Characters in the longest vocabulary piece, special tokens included (>= 1): a
+        text of ``c`` characters encodes to at least ``c / max_token_chars`` ids, which
+        bounds a prompt's length before it is encoded. Byte-level pieces spell each byte
+        as one character, so a piece is never shorter than the text it stands for."""
+        return max(1, *map(len, self._tokenizer.get_vocab(with_added_tokens=True)))
 
     @property
     def pad_id(self) -> int:
