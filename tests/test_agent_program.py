@@ -11,6 +11,7 @@ import json
 import threading
 
 import openai
+import ray
 import numpy as np
 import pytest
 
@@ -22,6 +23,7 @@ from raytunix.inference.engine import InferenceEngine
 from raytunix.models.llama import ModelConfig, init_model
 from raytunix.models.tokenizer import Tokenizer
 from raytunix.rollout.batch import episode_rows
+from raytunix.rollout.env_pool import LocalEnv
 from raytunix.rollout.program import run_program_episode
 from raytunix.types import EpisodeStatus, Task
 from test_gateway import RecordingEngine  # the real engine, with what it was asked kept
@@ -145,7 +147,7 @@ def two_args(task, result):
 
 
 def _episode(thread, name, timeout_s=120.0, extend="latest", group="g0", seed=0):
-    program = AgentProgramEnv(entrypoint=f"test_agent_program:{name}")
+    program = LocalEnv.of(AgentProgramEnv(entrypoint=f"test_agent_program:{name}"))
     return run_program_episode(thread.gateway, program, TASK, group, seed, timeout_s, extend)
 
 
@@ -211,7 +213,7 @@ def test_a_reward_beyond_float32_ends_its_episode_not_the_run(served):
     [t] = thread.run(_episode(thread, "overflower"))
     assert t.status == EpisodeStatus.ENV_ERROR and t.reward == 0.0
     assert "returned reward 1e+308" in t.error and "float32" in t.error
-    program = InfinitePlay(entrypoint="test_agent_program:overflower")
+    program = LocalEnv.of(InfinitePlay(entrypoint="test_agent_program:overflower"))
     [t] = thread.run(run_program_episode(thread.gateway, program, TASK, "g0", 0, 60.0))
     assert t.status == EpisodeStatus.ENV_ERROR and "InfinitePlay.play returned reward" in t.error
 
@@ -332,16 +334,29 @@ def test_the_readme_agent_program_trains_two_rl_steps_by_config(ray_session, tmp
 @pytest.mark.slow
 def test_the_program_orchestrator_packs_every_segment_of_a_group_into_its_batch():
     from raytunix.rollout.program import ProgramOrchestrator
-    from raytunix.types import SamplingParams
+    from raytunix.types import EnvFailure, SamplingParams
 
+    class HostLostOnce:
+        """Each episode's first host dies under it (as an env actor a program ended)."""
+
+        def __init__(self):
+            self.local = LocalEnv.of(AgentProgramEnv(entrypoint="test_agent_program:rewriter"))
+            self.lost = 0
+
+        async def play(self, *args):
+            if self.lost < 2:
+                self.lost += 1
+                raise EnvFailure("play failed: the env actor died", retryable=True)
+            return await self.local.play(*args)
+
+    program = HostLostOnce()
     engine = InferenceEngine(GRAPHDEF, PARAMS, CONFIG, TOKENIZER, max_batch_size=2, block_size=16)
     orchestrator = ProgramOrchestrator(
-        program=AgentProgramEnv(entrypoint="test_agent_program:rewriter"),
         make_gateway=lambda client: Gateway(client, make_renderer(TOKENIZER)),
         tasks=[TASK],
         agent_factory=lambda: None,
         engine=engine,
-        env_provider=lambda group_id: (None, lambda: None),
+        env_provider=lambda group_id: (program, lambda: None),
         group_size=2,
         groups_per_batch=1,
         max_concurrent_episodes=2,
@@ -364,3 +379,68 @@ def test_the_program_orchestrator_packs_every_segment_of_a_group_into_its_batch(
     assert batch.column("group_id").to_pylist() == ["g0"] * 4
     assert batch.column("reward").to_pylist() == [1.0] * 4
     assert orchestrator.counters["episodes_completed"] == 4  # counted per row (segment)
+    assert orchestrator.counters["episodes_restarted_env_error"] == 2  # re-run elsewhere
+
+
+@pytest.mark.slow
+def test_a_program_that_ends_its_process_ends_only_the_episodes_of_its_env_actor(
+    ray_session, served
+):
+    from raytunix.rollout.env_pool import EnvPool
+
+    thread, _ = served
+    pool = EnvPool(
+        "agent_program",
+        {"entrypoint": "program_faults_example:run"},
+        num_actors=2,
+        max_restarts=1,
+        import_paths=[os.path.dirname(__file__)],
+    )
+    pool.wait_ready()
+    exits = Task(task_id="t-exit", question="Bye.", answer="", metadata={"exit": True})
+
+    async def on_the_pool(task, group):
+        env, index = pool.lease(group)
+        try:
+            return await run_program_episode(thread.gateway, env, task, group, 0, 120.0)
+        finally:
+            pool.release(index)
+
+    async def both():
+        return await asyncio.gather(on_the_pool(exits, "g5"), on_the_pool(TASK, "g6"))
+
+    try:
+        [crashed], fine = thread.run(both())
+        assert crashed.status == EpisodeStatus.ENV_ERROR
+        assert "play failed: the env actor" in crashed.error  # died, or restarting
+        assert crashed.metrics["env_failure_retryable"] == 1.0  # re-run by the orchestrator
+        assert crashed.reward == 0.0 and sum(crashed.loss_mask) > 0  # the call it made
+        assert [t.status for t in fine] == [EpisodeStatus.COMPLETED]
+        # The actor that died restarts and serves the next episodes; the gateway serves on.
+        for _ in range(600):
+            try:
+                ray.get([a.num_envs.remote() for a in pool.actors], timeout=5)
+                break
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                threading.Event().wait(0.1)
+
+        async def two_more():
+            return await asyncio.gather(*(on_the_pool(TASK, f"g{7 + i}") for i in range(2)))
+
+        again = thread.run(two_more())
+        assert [t.status for [t] in again] == [EpisodeStatus.COMPLETED] * 2
+        assert pool.num_alive == 2
+        # A gateway on loopback of another node cannot be reached: named, not a refusal.
+        env, index = pool.lease("g9")
+        outcome = thread.run(env.play(TASK, "http://127.0.0.1:1/v1", "k", 10.0, "ab" * 28))
+        pool.release(index)
+        assert outcome.status == EpisodeStatus.ENV_ERROR and "gateway.host=0.0.0.0" in outcome.error
+    finally:
+        for actor in pool.actors:
+            ray.kill(actor)
+
+
+def test_a_gateway_on_every_interface_gives_programs_an_address_they_can_reach():
+    gateway = Gateway(None, make_renderer(TOKENIZER), host="0.0.0.0", port=8000)
+    assert gateway.url.startswith("http://") and "0.0.0.0" not in gateway.url
+    assert Gateway(None, make_renderer(TOKENIZER), host="::1", port=1).url == "http://[::1]:1"

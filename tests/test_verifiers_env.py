@@ -17,6 +17,7 @@ pytest.importorskip(
 
 from raytunix.config import ConfigError, config_from_dict, validate
 from raytunix.envs.verifiers_env import VerifiersEnv
+from raytunix.rollout.env_pool import LocalEnv
 from raytunix.rollout.program import run_program_episode
 from raytunix.types import EpisodeStatus
 from test_agent_program import TOKENIZER, serve_tiny_engine
@@ -31,7 +32,7 @@ def served():
 
 
 def _episode(thread, env, task, group="g0", seed=0, timeout_s=120.0):
-    return run_program_episode(thread.gateway, env, task, group, seed, timeout_s)
+    return run_program_episode(thread.gateway, LocalEnv.of(env), task, group, seed, timeout_s)
 
 
 def test_a_group_is_scored_by_the_environments_rubric_on_the_engines_own_tokens(served):

@@ -168,14 +168,13 @@ def agent_kwargs(cfg: Config) -> dict[str, Any]:
 def program_settings(cfg: Config) -> dict[str, Any] | None:
     """What the orchestrator needs to run episodes that are programs through a gateway
     (``raytunix.rollout.program.program_parts``): for ``env.name=agent_program`` and any
-    env subclassing it (``verifiers``); None for any other env."""
+    env subclassing it (``verifiers``); None for any other env. The programs themselves run
+    in the env actors, which build them from ``env.*``."""
     from raytunix.envs.agent_program import AgentProgramEnv
 
     if not issubclass(env_class(cfg), AgentProgramEnv):
         return None
     return {
-        "env_name": cfg.env.name,
-        "env_kwargs": dict(cfg.env.kwargs),
         "chat_template": agent_kwargs(cfg).get("chat_template", "raytunix"),
         "default_max_tokens": cfg.rollout.max_new_tokens,
         "max_model_len": cfg.model.max_seq_len,

@@ -21,22 +21,28 @@ the run's dataset (``data.*``) unless ``env.kwargs.tasks=pkg.mod:tasks`` names a
 ``answer``, ``metadata``) or ``Task`` objects.
 
 The episodes themselves are run by ``raytunix.rollout.program.ProgramOrchestrator`` (one
-gateway key per episode, the recorded calls become the trajectories); this class holds the
-resolved callables and is what the env actors build for the prompt-length preflight, where
-the first observation is the task's question.
+gateway key per episode, the recorded calls become the trajectories). The program runs in
+an env actor (``EnvActor.play`` calls ``play_with_deadline``), never in the orchestrator:
+a program that kills its process (``os._exit``, a crash in native code) takes that env
+actor with it, and the orchestrator ends or re-runs the episodes it hosted as it does for
+any env actor that died. For the prompt-length preflight the first observation is the
+task's question.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
+import threading
+import traceback
 from collections.abc import Callable, Mapping
 from typing import Any, Sequence
 
 from raytunix.envs.base import BaseEnv
 from raytunix.envs.contract import check_reward
 from raytunix.registry import PluginError, import_object, register
-from raytunix.types import Action, StepResult, Task
+from raytunix.types import Action, EpisodeStatus, StepResult, Task
 
 
 def load_callable(path: str, key: str, arity: int) -> Callable[..., Any]:
@@ -178,3 +184,77 @@ def _as_task(row: Any, split: str, i: int) -> Task:
         answer=str(row.get("answer", "")),
         metadata=dict(row.get("metadata", {})),
     )
+
+
+@dataclasses.dataclass
+class ProgramOutcome:
+    """How one program episode ended (``play_with_deadline``), sent back from an env actor.
+
+    Attributes:
+      reward: the checked reward (``check_reward``); 0.0 unless ``completed``.
+      status: ``completed``, ``timeout`` or ``env_error``.
+      error: the deadline for ``timeout``; the traceback's last 2,000 characters for
+        ``env_error``; "" when completed.
+    """
+
+    reward: float
+    status: EpisodeStatus
+    error: str = ""
+
+
+async def _in_fresh_thread(fn: Callable[[], Any], name: str) -> Any:
+    """``fn()`` in a new daemon thread; awaiting it never blocks the loop, and a caller
+    that stops waiting (a deadline) leaves the thread behind instead of a pool's worker.
+    A ``SystemExit`` or ``KeyboardInterrupt`` of ``fn`` comes back as a ``RuntimeError``:
+    raised in the awaiting task it would stop the whole event loop, not one episode."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if not done.done():
+            (done.set_result if ok else done.set_exception)(value)
+
+    def main() -> None:
+        try:
+            value, ok = fn(), True
+        except Exception as e:  # noqa: BLE001 - handed to the awaiting episode
+            value, ok = e, False
+        except BaseException as e:  # noqa: BLE001 - SystemExit raised on the loop would stop it
+            value, ok = RuntimeError(f"the program raised {type(e).__name__}: {e}"), False
+            value.__cause__ = e
+        try:
+            loop.call_soon_threadsafe(settle, ok, value)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    threading.Thread(target=main, name=name, daemon=True).start()
+    return await done
+
+
+async def play_with_deadline(
+    program: AgentProgramEnv, task: Task, base_url: str, api_key: str, timeout_s: float
+) -> ProgramOutcome:
+    """``program.play(task, base_url, api_key)`` in a thread of its own, within
+    ``timeout_s`` seconds; never raises for the program's faults.
+
+    A program past its deadline is left running in its thread (Python cannot stop a
+    thread); the gateway refuses its key once the episode closes, so it adds nothing.
+    """
+    try:
+        async with asyncio.timeout(timeout_s):
+            played = await _in_fresh_thread(
+                lambda: program.play(task, base_url, api_key), f"agent-program-{task.task_id}"
+            )
+        # Whatever env played it (a subclass's play too), one rule for its reward.
+        reward = check_reward(played, f"{type(program).__name__}.play")
+        return ProgramOutcome(reward, EpisodeStatus.COMPLETED)
+    except TimeoutError:
+        return ProgramOutcome(
+            0.0,
+            EpisodeStatus.TIMEOUT,
+            f"the program did not return within episode_timeout_s={timeout_s:g} s",
+        )
+    except Exception as e:  # noqa: BLE001 - the program's fault ends its episode only
+        return ProgramOutcome(
+            0.0, EpisodeStatus.ENV_ERROR, "".join(traceback.format_exception(e))[-2000:]
+        )

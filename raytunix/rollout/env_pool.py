@@ -21,6 +21,7 @@ import itertools
 import logging
 import os
 import sys
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable, Sequence
 
@@ -29,15 +30,25 @@ import ray
 from raytunix import profiling
 from raytunix.cluster import heap
 from raytunix.envs import make_env
+from raytunix.envs.agent_program import AgentProgramEnv, ProgramOutcome, play_with_deadline
 from raytunix.envs.contract import EnvErrorReport, check_observation, guarded_call
 from raytunix.plugins import PluginError, add_import_paths
-from raytunix.types import Action, EnvFailure, RolloutHalted, StepResult, Task
+from raytunix.types import (
+    Action,
+    EnvFailure,
+    EpisodeStatus,
+    RolloutHalted,
+    StepResult,
+    Task,
+)
 
 logger = logging.getLogger(__name__)
 
 
 # For actors that must never take the accelerator (libtpu allows one process per host).
 CPU_ONLY_RUNTIME_ENV = {"env_vars": {"JAX_PLATFORMS": "cpu"}}
+
+_LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
 class EnvBuildError(RuntimeError):
@@ -80,6 +91,7 @@ class EnvActor(profiling.ProfiledActor):
         self._env_name = env_name
         self._env_kwargs = env_kwargs
         self._envs: dict[str, Any] = {}
+        self._program: AgentProgramEnv | None = None
         self._executor = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="env")
         jax_before = "jax" in sys.modules
         try:  # fail at start, not mid-run, on a bad config
@@ -193,6 +205,46 @@ class EnvActor(profiling.ProfiledActor):
             return guarded_call(env, "close", task_id)
         return None
 
+    async def play(
+        self,
+        episode_id: str,
+        task: Task,
+        base_url: str,
+        api_key: str,
+        timeout_s: float,
+        gateway_node_id: str | None = None,
+    ) -> ProgramOutcome:
+        """Runs one agent-program episode here (``env.name=agent_program`` and its
+        subclasses): ``play_with_deadline`` of this actor's program, built once and shared
+        by its episodes. ``gateway_node_id`` is the node serving ``base_url``: a gateway on
+        loopback cannot be reached from another node, which is named instead of a
+        connection error in every episode.
+
+        Raises:
+          TypeError: this actor's environment is not an ``AgentProgramEnv``.
+        """
+        if self._program is None:
+            program = make_env(self._env_name, **self._env_kwargs)
+            if not isinstance(program, AgentProgramEnv):
+                raise TypeError(
+                    f"environment {self._env_name!r} is a {type(program).__name__}, not an "
+                    "agent program (raytunix.envs.agent_program.AgentProgramEnv): it has "
+                    "reset/step, not play."
+                )
+            self._program = program
+        host = urllib.parse.urlsplit(base_url).hostname or ""
+        if gateway_node_id and host in _LOOPBACK and gateway_node_id != self.node_id():
+            return ProgramOutcome(
+                0.0,
+                EpisodeStatus.ENV_ERROR,
+                f"the gateway listens on loopback ({base_url}) of node {gateway_node_id}, "
+                f"but this env actor runs on node {self.node_id()} and cannot reach it. Set "
+                "gateway.host=0.0.0.0 (the cluster network), or keep the env actors on the "
+                "orchestrator's node.",
+            )
+        with profiling.span("program", "env", flow=episode_id.rpartition("#")[0] or episode_id):
+            return await play_with_deadline(self._program, task, base_url, api_key, timeout_s)
+
     async def _in_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
@@ -265,6 +317,17 @@ class RemoteEnv:
     async def close(self) -> None:
         _value_or_failure(await self._call("close"))
 
+    async def play(
+        self,
+        task: Task,
+        base_url: str,
+        api_key: str,
+        timeout_s: float,
+        gateway_node_id: str | None = None,
+    ) -> ProgramOutcome:
+        """``EnvActor.play`` on this episode's actor (an agent program's episode)."""
+        return await self._call("play", task, base_url, api_key, timeout_s, gateway_node_id)
+
 
 def _value_or_failure(value: Any) -> Any:
     """``value``, or ``EnvFailure`` (not retryable: the same code would fail again) with
@@ -285,6 +348,14 @@ class LocalEnv:
         self._env = make_env(env_name, **env_kwargs)
         self._task_id = ""
 
+    @classmethod
+    def of(cls, env: Any) -> LocalEnv:
+        """A client for an environment built already (an ``AgentProgramEnv`` shared by
+        episodes, a test's env)."""
+        client = cls.__new__(cls)
+        client._env, client._task_id = env, ""
+        return client
+
     async def reset(self, task: Task) -> str:
         self._task_id = task.task_id
         return _value_or_failure(guarded_call(self._env, "reset", task.task_id, task))
@@ -294,6 +365,23 @@ class LocalEnv:
 
     async def close(self) -> None:
         _value_or_failure(guarded_call(self._env, "close", self._task_id))
+
+    async def play(
+        self,
+        task: Task,
+        base_url: str,
+        api_key: str,
+        timeout_s: float,
+        gateway_node_id: str | None = None,
+    ) -> ProgramOutcome:
+        """An agent program's episode in this process (``play_with_deadline``).
+
+        Raises:
+          TypeError: the environment is not an ``AgentProgramEnv``.
+        """
+        if not isinstance(self._env, AgentProgramEnv):
+            raise TypeError(f"{type(self._env).__name__} is not an agent program: no play.")
+        return await play_with_deadline(self._env, task, base_url, api_key, timeout_s)
 
 
 class EnvPool:

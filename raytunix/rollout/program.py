@@ -3,127 +3,131 @@
 One episode::
 
     base_url, key = gateway.open_episode(...)         # a key of its own
-    reward = program.play(task, base_url, key)        # in a thread of its own, with a deadline
+    outcome = await env.play(task, base_url, key)     # in an env actor, with a deadline
     calls = gateway.close_episode(key)                # later calls with the key: 401
     trajectories = episode_trajectories(calls, ...)   # one per segment, sharing the reward
 
 Status: ``completed`` when the program returned a reward in time; ``timeout`` when it ran
 past ``episode_timeout_s`` (its thread is left to finish on its own; every call it makes
 from then on is refused, so it cannot add to the episode); ``env_error`` (with the
-traceback) when the program or its reward function raised. A failed episode keeps the
-tokens of the calls it made, with reward 0 (the orchestrator zeroes its loss mask). An
-episode that made no call is one empty trajectory. Neither a hanging nor a crashing program
-touches any other episode or the run.
+traceback) when the program or its reward function raised, or when its env actor died
+(a program that exits its process, a crash in native code: the episode is re-run on a live
+actor up to ``rollout.max_episode_restarts`` times, like any episode whose actor died). A
+failed episode keeps the tokens of the calls it made, with reward 0 (the orchestrator
+zeroes its loss mask). An episode that made no call is one empty trajectory. Neither a
+hanging nor a crashing program touches any other episode or the run.
 
 The gateway runs on the orchestrator's event loop, in front of the same engine client the
-native episodes use, so the program's calls join the engine's continuous batching.
+native episodes use, so the program's calls join the engine's continuous batching; the
+programs run in the env actors (``EnvActor.play``), which reach it over HTTP.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
+import random
 import time
-import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, cast
 
-from raytunix.envs.agent_program import AgentProgramEnv
-from raytunix.envs.contract import check_reward
+from raytunix.envs.agent_program import ProgramOutcome
 from raytunix.gateway import Gateway, episode_trajectories
 from raytunix.gateway.recorder import ExtendRule
 from raytunix.rollout.orchestrator import RolloutOrchestrator
-from raytunix.types import EpisodeStatus, SamplingParams, Task, Trajectory
+from raytunix.types import EnvFailure, EpisodeStatus, SamplingParams, Task, Trajectory
+
+# How much longer than episode_timeout_s the orchestrator waits for an env actor's answer
+# (the actor enforces the deadline itself; this covers Ray's round trip and a busy actor).
+HOST_MARGIN_S = 30.0
 
 
-async def _in_thread(fn: Callable[[], Any], name: str) -> Any:
-    """``fn()`` in a fresh daemon thread; awaiting it never blocks the loop, and a caller
-    that stops waiting (a deadline) leaves the thread behind instead of a pool's worker.
-    A ``SystemExit`` or ``KeyboardInterrupt`` of ``fn`` comes back as a ``RuntimeError``:
-    raised in the awaiting task it would stop the whole event loop, not one episode."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future = loop.create_future()
+class ProgramHost(Protocol):
+    """Where a program's episode runs: ``RemoteEnv`` (an env actor) or ``LocalEnv`` (this
+    process). ``play`` raises ``EnvFailure`` (``retryable`` when the host died)."""
 
-    def settle(ok: bool, value: Any) -> None:
-        if not done.done():
-            (done.set_result if ok else done.set_exception)(value)
-
-    def main() -> None:
-        try:
-            value, ok = fn(), True
-        except Exception as e:  # noqa: BLE001 - handed to the awaiting episode
-            value, ok = e, False
-        except BaseException as e:  # noqa: BLE001 - SystemExit raised on the loop would stop it
-            value, ok = RuntimeError(f"the program raised {type(e).__name__}: {e}"), False
-            value.__cause__ = e
-        try:
-            loop.call_soon_threadsafe(settle, ok, value)
-        except RuntimeError:  # the loop is closed: nobody waits any more
-            pass
-
-    threading.Thread(target=main, name=name, daemon=True).start()
-    return await done
+    async def play(
+        self,
+        task: Task,
+        base_url: str,
+        api_key: str,
+        timeout_s: float,
+        gateway_node_id: str | None = None,
+    ) -> ProgramOutcome: ...
 
 
 async def run_program_episode(
     gateway: Gateway,
-    program: AgentProgramEnv,
+    host: ProgramHost,
     task: Task,
     group_id: str,
     seed: int,
     timeout_s: float,
     extend: ExtendRule = "latest",
+    gateway_node_id: str | None = None,
 ) -> list[Trajectory]:
-    """One agent-program episode (see the module docstring); never raises for the
-    program's faults.
+    """One agent-program episode on ``host`` (see the module docstring); never raises for
+    the program's or its host's faults.
 
     Returns:
       One ``Trajectory`` per segment of the recorded calls (``episode_trajectories``), all
-      with the episode's reward and status; metrics ``program_s`` (seconds) and
-      ``gateway_calls``; ``error`` says the deadline (``timeout``) or holds the
-      program's traceback, its last 2,000 characters (``env_error``).
+      with the episode's reward and status; metrics ``program_s`` (seconds),
+      ``gateway_calls``, and ``env_failure_retryable`` = 1.0 when the host died (the
+      episode may run again elsewhere); ``error`` says the deadline (``timeout``) or holds
+      the program's traceback, its last 2,000 characters (``env_error``).
     """
     episode_id = f"{group_id}/{seed}/{time.monotonic_ns()}"
     base_url, key = gateway.open_episode(episode_id=episode_id, seed=seed)
     started = time.monotonic()
-    reward, status, error = 0.0, EpisodeStatus.COMPLETED, ""
+    retryable = False
     try:
-        async with asyncio.timeout(timeout_s):
-            played = await _in_thread(
-                lambda: program.play(task, base_url, key), f"agent-program-{episode_id}"
-            )
-            # Whatever env played it (a subclass's play too), one rule for its reward.
-            reward = check_reward(played, f"{type(program).__name__}.play")
+        async with asyncio.timeout(timeout_s + HOST_MARGIN_S):
+            outcome = await host.play(task, base_url, key, timeout_s, gateway_node_id)
     except TimeoutError:
-        status = EpisodeStatus.TIMEOUT
-        error = f"the program did not return within episode_timeout_s={timeout_s:g} s"
-    except Exception as e:  # noqa: BLE001 - the program's fault ends its episode only
-        status = EpisodeStatus.ENV_ERROR
-        error = "".join(traceback.format_exception(e))[-2000:]
+        outcome = ProgramOutcome(
+            0.0,
+            EpisodeStatus.TIMEOUT,
+            f"the program's env actor did not answer within episode_timeout_s={timeout_s:g} s "
+            f"+ {HOST_MARGIN_S:g} s",
+        )
+    except EnvFailure as e:
+        retryable = e.retryable
+        outcome = ProgramOutcome(0.0, EpisodeStatus.ENV_ERROR, str(e)[-2000:])
     finally:
         calls = gateway.close_episode(key)
     metrics = {"program_s": time.monotonic() - started, "gateway_calls": float(len(calls))}
+    if retryable:
+        metrics["env_failure_retryable"] = 1.0
     trajectories = episode_trajectories(
-        calls, task.task_id, group_id, reward, status, extend=extend, metrics=metrics
+        calls,
+        task.task_id,
+        group_id,
+        outcome.reward,
+        outcome.status,
+        extend=extend,
+        metrics=metrics,
     )
     if not trajectories:
         trajectories = [
-            Trajectory(task.task_id, group_id, [], [], [], [], reward, status, 0, metrics)
+            Trajectory(
+                task.task_id, group_id, [], [], [], [], outcome.reward, outcome.status, 0, metrics
+            )
         ]
     for t in trajectories:
-        t.error = error
+        t.error = outcome.error
     return trajectories
 
 
 class ProgramOrchestrator(RolloutOrchestrator):
-    """``RolloutOrchestrator`` whose episodes are ``AgentProgramEnv`` programs run through
-    a ``Gateway`` (started on this orchestrator's loop at the first episode).
+    """``RolloutOrchestrator`` whose episodes are agent programs run through a ``Gateway``
+    (started on this orchestrator's loop at the first episode); each program runs in the
+    env actor ``env_provider`` leases for its episode (``EnvActor.play``).
 
     Args:
-      program: the resolved program (``AgentProgramEnv(**env.kwargs)``).
       make_gateway: builds the gateway in front of an engine client (the orchestrator's
         own, so calls join the same engines and continuous batching).
       segments: ``gateway.segments``, the rule of ``raytunix.gateway.recorder``.
+      gateway_node_id: the Ray node this orchestrator (and so the gateway) runs on; env
+        actors elsewhere cannot reach a loopback gateway and say so. None = not checked.
       **kwargs: ``RolloutOrchestrator``'s.
 
     A group of G episodes holds one trajectory per segment of each; all segments of an
@@ -134,14 +138,14 @@ class ProgramOrchestrator(RolloutOrchestrator):
     def __init__(
         self,
         *,
-        program: AgentProgramEnv,
         make_gateway: Callable[[Any], Gateway],
         segments: ExtendRule = "latest",
+        gateway_node_id: str | None = None,
         **kwargs: Any,
     ):
         super().__init__(**kwargs)
-        self.program = program
         self.segments = segments
+        self.gateway_node_id = gateway_node_id
         self.gateway = make_gateway(self._engine)
         self._gateway_lock: asyncio.Lock | None = None
         self._gateway_up = False
@@ -165,15 +169,43 @@ class ProgramOrchestrator(RolloutOrchestrator):
         one_version: bool | None = None,
     ) -> list[Trajectory] | Trajectory:
         """An agent-program episode: its segments, or for an evaluation episode (group
-        ``eval<i>``) its first segment, the one row ``evaluate`` scores per task.
-        ``sampling`` is the program's to choose (it sets its own ``temperature`` and
-        ``max_tokens`` per call) and ``one_version`` does not apply (calls are stamped
-        with the versions that made their tokens)."""
+        ``eval<i>``) its first segment, the one row ``evaluate`` scores per task. Re-run
+        on a live env actor (after a backoff) while its actor died under it, up to
+        ``max_episode_restarts`` times. ``sampling`` is the program's to choose (it sets
+        its own ``temperature`` and ``max_tokens`` per call) and ``one_version`` does not
+        apply (calls are stamped with the versions that made their tokens)."""
         gateway = await self._ensure_gateway()
-        segments = await run_program_episode(
-            gateway, self.program, task, group_id, seed, self.episode_timeout_s, self.segments
-        )
-        return segments[0] if group_id.startswith("eval") else segments
+        rng = random.Random(seed)
+        restarts = 0
+        while True:
+            env, release = self._env_provider(group_id)
+            try:
+                if not hasattr(env, "play"):
+                    raise TypeError(
+                        f"the env provider gave a {type(env).__name__}, which cannot run an "
+                        "agent program (no play); use EnvPool or LocalEnv."
+                    )
+                segments = await run_program_episode(
+                    gateway,
+                    cast(ProgramHost, env),
+                    task,
+                    group_id,
+                    seed,
+                    self.episode_timeout_s,
+                    self.segments,
+                    self.gateway_node_id,
+                )
+            finally:
+                release()
+            if not segments[0].metrics.get("env_failure_retryable") or (
+                restarts >= self.max_episode_restarts
+            ):
+                return segments[0] if group_id.startswith("eval") else segments
+            self.counters["episodes_restarted_env_error"] += 1
+            if not group_id.startswith("eval"):
+                self._count_dropped("restarted_env_failure", segments)
+            await asyncio.sleep(self.retry_backoff.delay_s(restarts, rng))
+            restarts += 1
 
     async def stop(self) -> None:
         """Stops the episodes, then the gateway."""
@@ -184,13 +216,15 @@ class ProgramOrchestrator(RolloutOrchestrator):
 
 def program_parts(settings: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
     """``ProgramOrchestrator``'s own arguments from the driver's ``settings``
-    (``raytunix.driver.prepare.program_settings``): the program, ``env_name`` (an
-    ``AgentProgramEnv``: ``agent_program`` or ``verifiers``) built from ``env_kwargs``
-    and a gateway factory with the ``gateway.*`` settings and the run's chat template.
+    (``raytunix.driver.prepare.program_settings``): a gateway factory with the
+    ``gateway.*`` settings and the run's chat template, the segment rule, and the node the
+    gateway serves from (this process's Ray node, when Ray is up).
 
     Raises:
-      ValueError: a bad entrypoint (``AgentProgramEnv``) or renderer setting.
+      ValueError: a bad renderer setting.
     """
+    import ray
+
     from raytunix.gateway import make_renderer
 
     renderer = make_renderer(
@@ -209,16 +243,9 @@ def program_parts(settings: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
             vocab_size=getattr(tokenizer, "vocab_size", None),
         )
 
-    from raytunix.envs import make_env
-
-    program = make_env(settings.get("env_name", "agent_program"), **settings["env_kwargs"])
-    if not isinstance(program, AgentProgramEnv):
-        raise ValueError(
-            f"env.name={settings['env_name']!r} is a {type(program).__name__}, not an agent "
-            "program (raytunix.envs.agent_program.AgentProgramEnv)."
-        )
+    node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
     return {
-        "program": program,
         "make_gateway": make_gateway,
         "segments": settings["segments"],
+        "gateway_node_id": node_id,
     }
