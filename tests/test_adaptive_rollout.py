@@ -346,7 +346,7 @@ def test_every_group_degenerate_is_capped_warned_and_trained_not_looped_forever(
         await orchestrator.stop()
         return consumed, orchestrator.state(), orchestrator.stats()["batches_formed"]
 
-    with caplog.at_level(logging.WARNING, logger="raytunix.rollout.orchestrator"):
+    with caplog.at_level(logging.WARNING, logger="raytunix.rollout.packer"):
         consumed, state, batches_formed = run(main())
     counters = state["counters"]
     assert len(consumed) == 3

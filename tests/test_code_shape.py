@@ -17,10 +17,7 @@ MAX_CLASS_LINES = 500
 # last line of the body, docstring included), as `ruff format` lays the code out: the sizes
 # were re-measured when the code was first formatted, which added about a fifth to every
 # block and brought 15 more over the limit. Shrink these; never raise them.
-ALLOWED = {
-    "rollout/orchestrator.py::RolloutOrchestrator": 754,
-    "rollout/orchestrator.py::RolloutOrchestrator.__init__": 112,
-}
+ALLOWED: dict[str, int] = {}
 
 
 def block_lengths(source: str) -> dict[str, tuple[str, int]]:

@@ -23,7 +23,7 @@ from test_partial_rollout import _partial_run, _straggler_run, straggler
 from raytunix.learner.batch import Batch, PackedBatch, generated_tokens_cut
 from raytunix.profiling.report import render_report
 from raytunix.rollout.batch import trajectories_to_record_batch
-from raytunix.rollout.orchestrator import DROPPED_TOKEN_KINDS
+from raytunix.rollout.recorder import DROPPED_TOKEN_KINDS
 from raytunix.types import EnvFailure, EpisodeStatus, Trajectory
 
 KEY = "generated_tokens_dropped_"

@@ -16,10 +16,8 @@ from raytunix.driver import steps  # noqa: E402
 from raytunix.driver.run_dir import RunDir  # noqa: E402
 from raytunix.profiling.learning import SignalWatch, judge_learning  # noqa: E402
 from raytunix.profiling.report import render_report  # noqa: E402
-from raytunix.rollout.orchestrator import (  # noqa: E402
-    evaluation_result,
-    learning_signal_metrics,
-)
+from raytunix.rollout.orchestrator import evaluation_result  # noqa: E402
+from raytunix.rollout.packer import learning_signal_metrics  # noqa: E402
 from raytunix.types import EpisodeStatus, Trajectory  # noqa: E402
 
 LEARNER_ADVICE = "fewer trajectories per batch"  # what a learner-bound run is told

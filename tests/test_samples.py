@@ -11,7 +11,7 @@ import pytest
 from raytunix.agents import ToolAgent
 from raytunix.cli import main
 from raytunix.models.tokenizer import Tokenizer
-from raytunix.rollout.orchestrator import batch_info
+from raytunix.rollout.packer import batch_info
 from raytunix.samples import (
     SampleLog,
     SamplesError,

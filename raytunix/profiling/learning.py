@@ -8,7 +8,7 @@ faster.
 
 Each RL step's record in ``metrics.jsonl`` carries its batch's
 ``zero_variance_group_fraction``, ``format_error_fraction``, ``tool_error_fraction``,
-``truncated_fraction`` and ``reward_mean`` (``raytunix.rollout.orchestrator.
+``truncated_fraction`` and ``reward_mean`` (``raytunix.rollout.packer.
 learning_signal_metrics``) and the learner's ``grad_norm``. The rules, one setting each:
 
 * a step has **no learning signal** when its ``zero_variance_group_fraction`` is at least

@@ -657,7 +657,7 @@ def dropped_tokens_and_env_errors(
 ) -> tuple[dict[str, int], dict[str, int]]:
     """Sums over RL step records: ``({kind: generated tokens kept from the loss}, {kind:
     env errors})``, from each step's ``generated_tokens_dropped_<kind>`` and
-    ``env_errors`` (``raytunix.rollout.orchestrator.DROPPED_TOKEN_KINDS``, the learner's
+    ``env_errors`` (``raytunix.rollout.recorder.DROPPED_TOKEN_KINDS``, the learner's
     ``generated_tokens_cut``, ``raytunix.envs.contract``)."""
     dropped: dict[str, int] = {}
     errors: dict[str, int] = {}
