@@ -169,6 +169,7 @@ def test_a_program_that_extends_its_history_is_one_trajectory_of_the_engines_own
         assert t.logprobs[n : n + len(result.token_ids)] == list(result.logprobs)
         generated += list(result.token_ids)
     assert [i for i, m in zip(t.token_ids, t.loss_mask) if m] == generated
+    assert t.metrics["generated_tokens"] == len(generated)  # counted like a native episode's
 
 
 def test_a_program_that_rewrites_its_history_yields_segments_sharing_the_reward(served):
