@@ -388,6 +388,22 @@ class RolloutOrchestrator:
         self._halted.set()
         self._wake.set()
 
+    async def _rerun_after_env_failure(
+        self, group_id: str, trajectories: list[Trajectory], restarts: int, rng: random.Random
+    ) -> bool:
+        """True, after a backoff, when the episode behind ``trajectories`` lost its env actor
+        (``env_failure_retryable``) and may run again (``restarts`` <
+        ``max_episode_restarts``); its tokens count as ``restarted_env_failure``."""
+        if not trajectories[0].metrics.get("env_failure_retryable") or (
+            restarts >= self.max_episode_restarts
+        ):
+            return False
+        self.counters["episodes_restarted_env_error"] += 1
+        if not group_id.startswith("eval"):
+            self._count_dropped("restarted_env_failure", trajectories)
+        await asyncio.sleep(self.retry_backoff.delay_s(restarts, rng))
+        return True
+
     async def _episode(
         self,
         task: Task,
@@ -439,14 +455,7 @@ class RolloutOrchestrator:
                 continue
             finally:
                 release()
-            if (
-                trajectory.metrics.get("env_failure_retryable")
-                and env_restarts < self.max_episode_restarts
-            ):
-                self.counters["episodes_restarted_env_error"] += 1
-                if not group_id.startswith("eval"):
-                    self._count_dropped("restarted_env_failure", [trajectory])
-                await asyncio.sleep(self.retry_backoff.delay_s(env_restarts, rng))
+            if await self._rerun_after_env_failure(group_id, [trajectory], env_restarts, rng):
                 env_restarts += 1
                 continue
             if (

@@ -200,14 +200,8 @@ class ProgramOrchestrator(RolloutOrchestrator):
                 )
             finally:
                 release()
-            if not segments[0].metrics.get("env_failure_retryable") or (
-                restarts >= self.max_episode_restarts
-            ):
+            if not await self._rerun_after_env_failure(group_id, segments, restarts, rng):
                 return segments[0] if group_id.startswith("eval") else segments
-            self.counters["episodes_restarted_env_error"] += 1
-            if not group_id.startswith("eval"):
-                self._count_dropped("restarted_env_failure", segments)
-            await asyncio.sleep(self.retry_backoff.delay_s(restarts, rng))
             restarts += 1
 
     async def stop(self) -> None:
