@@ -139,7 +139,11 @@ def setting(
 
 @dataclasses.dataclass
 class RunConfig:
-    name: str = setting("default", "run name; the run directory is output_dir/name-<timestamp>")
+    name: str = setting(
+        "default",
+        "run name; the run directory is output_dir/name-<timestamp> (an env.name override "
+        "without one names the run after the environment)",
+    )
     output_dir: str = setting("runs", "parent of run directories")
     seed: int = setting(
         0,
@@ -1784,6 +1788,7 @@ def load_config(
       ConfigError: unknown preset or file, bad YAML, unknown section/key, bad value.
     """
     cfg = (schema or Config)()
+    file_names_run = False  # a user's YAML file that sets run.name keeps it
     if config:
         if os.path.isdir(config):
             raise ConfigError(
@@ -1791,7 +1796,9 @@ def load_config(
             )
         if os.path.exists(config):
             with open(config) as f:
-                _merge(cfg, _read_yaml(f.read(), config), config)
+                data = _read_yaml(f.read(), config)
+            _merge(cfg, data, config)
+            file_names_run = isinstance(data.get("run"), dict) and "name" in data["run"]
         elif config in preset_names():
             text = resources.files("raytunix.configs").joinpath(f"{config}.yaml").read_text()
             _merge(cfg, _read_yaml(text, f"preset {config}"), f"preset {config}")
@@ -1802,9 +1809,31 @@ def load_config(
                 f"config {config!r} is neither a YAML file nor a preset; presets: "
                 f"{', '.join(preset_names())}."
             )
-    for item in overrides:
-        apply_override(cfg, item)
+    preset_env = cfg.env.name
+    overridden = {apply_override(cfg, item) for item in overrides}
+    renamed_env = "env.name" in overridden and cfg.env.name != preset_env
+    if renamed_env and "run.name" not in overridden and not file_names_run:
+        cfg.run.name = run_name_for_env(cfg)
     return validate(cfg)
+
+
+def run_name_for_env(cfg: Config) -> str:
+    """``<environment>-<advantage estimator>``, the run name of a run whose ``env.name``
+    was overridden without a ``run.name`` (so ``env.name=agent_program`` on the default
+    preset does not write ``runs/calculator-grpo-*``). The environment is the agent
+    program's or verifiers environment's module for those two, else the env's registered
+    name or class: ``my_agent-grpo``, ``parityenv-grpo``, ``reasoning-gym-grpo``.
+    """
+    env = cfg.env
+    source = str(
+        env.kwargs.get({"agent_program": "entrypoint", "verifiers": "env_id"}.get(env.name, ""), "")
+    )
+    if source:
+        base = source.split(":")[0].split(".")[-1]
+    else:
+        base = env.name.split(":")[-1].split(".")[-1]
+    slug = re.sub(r"[^a-z0-9]+", "-", base.lower()).strip("-") or "env"
+    return f"{slug}-{cfg.learner.advantage_estimator}"
 
 
 def apply_override(cfg: Config, item: str) -> str:

@@ -302,3 +302,15 @@ def test_a_setting_another_one_makes_of_no_effect_is_named_with_the_one_that_dec
 
     for name in preset_names():  # the shipped presets say nothing twice
         assert shadowed_settings(load_config(name)) == [], name
+
+
+def test_a_run_whose_env_is_overridden_is_named_after_that_env_unless_a_name_is_given(tmp_path):
+    assert load_config("default").run.name == "calculator-grpo"
+    assert load_config("default", ["env.name=python_math"]).run.name == "python-math-grpo"
+    named = ["env.name=python_math", "run.name=mine"]
+    assert load_config("default", named).run.name == "mine"
+    # the preset's own env, set again, keeps the preset's name
+    assert load_config("default", ["env.name=calculator_math"]).run.name == "calculator-grpo"
+    path = tmp_path / "run.yaml"
+    path.write_text("run:\n  name: my-experiment\n")
+    assert load_config(str(path), ["env.name=python_math"]).run.name == "my-experiment"
