@@ -325,11 +325,14 @@ def test_the_readme_agent_program_trains_two_rl_steps_by_config(ray_session, tmp
         "env.kwargs.reward=agent_program_example:score",
         "model.max_seq_len=512",
         "rollout.episode_timeout_s=300",
-        "warmup.enabled=false",
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     [run_dir] = _run_dirs(tmp_path)
     assert _rl_steps(run_dir) == [1, 2]
+    assert os.path.basename(run_dir).startswith("agent-program-example-grpo-")
+    # arithmetic tasks, but the calculator's demonstrations are not the program's conversation
+    assert "warm start: skipped; nothing demonstrates these tasks" in result.stdout
+    assert "an agent program's episodes are its own conversations" in result.stdout
 
 
 @pytest.mark.slow
@@ -445,3 +448,20 @@ def test_a_gateway_on_every_interface_gives_programs_an_address_they_can_reach()
     gateway = Gateway(None, make_renderer(TOKENIZER), host="0.0.0.0", port=8000)
     assert gateway.url.startswith("http://") and "0.0.0.0" not in gateway.url
     assert Gateway(None, make_renderer(TOKENIZER), host="::1", port=1).url == "http://[::1]:1"
+
+
+def test_a_program_episode_leaves_the_trace_spans_of_a_native_one(served):
+    from raytunix import profiling
+
+    thread, engine = served
+    engine.seen.clear()
+    profiling.recorder().drain()  # this process's spans of earlier tests
+    [t] = thread.run(_episode(thread, "conversation", group="spans"))
+    spans = [s for s in profiling.recorder().drain()["spans"] if s[5] == "spans/0"]
+    turns = [args for name, _, _, _, args, _ in spans if name == "turn"]
+    [episode] = [args for name, _, _, _, args, _ in spans if name == "episode"]
+    assert [a["tokens"] for a in turns] == [len(r.token_ids) for _, r in engine.seen]
+    assert sum(a["tokens"] for a in turns) == t.metrics["generated_tokens"]
+    assert (episode["status"], episode["turns"], episode["reward"]) == ("completed", 3, 0.5)
+    assert episode["generate_s"] + episode["env_s"] == pytest.approx(t.metrics["program_s"])
+    assert 0 < episode["generate_s"] <= t.metrics["program_s"]

@@ -102,7 +102,7 @@ def test_a_segment_becomes_a_trajectory_with_the_fields_an_agent_builds():
     assert trajectory.policy_versions == [-1, -1, 3, 3]
     assert (trajectory.task_id, trajectory.group_id, trajectory.reward) == ("t1", "g0", 1.5)
     assert trajectory.status is EpisodeStatus.COMPLETED and trajectory.num_turns == 1
-    assert trajectory.metrics == {"env_s": 0.25}
+    assert trajectory.metrics == {"env_s": 0.25, "tool_calls": 0.0}
     trajectory.token_ids.append(99)  # a copy: the segment is unchanged
     assert segment.token_ids == [1, 2, 10, 11]
 
@@ -114,8 +114,8 @@ def test_every_segment_of_an_episode_shares_its_reward_and_status():
     assert {t.reward for t in trajectories} == {2.0}
     assert {t.status for t in trajectories} == {EpisodeStatus.TRUNCATED}
     assert [t.metrics for t in trajectories] == [
-        {"segment": 0.0, "segments": 2.0},
-        {"segment": 1.0, "segments": 2.0},
+        {"segment": 0.0, "segments": 2.0, "tool_calls": 0.0},
+        {"segment": 1.0, "segments": 2.0, "tool_calls": 0.0},
     ]
 
 
@@ -154,3 +154,14 @@ def test_a_trajectory_reads_as_its_newest_calls_messages_and_reply():
     # Id prompts with no text leave it empty rather than inventing one.
     (bare,) = episode_trajectories([_call(0, [1], [2])], "t", "g", 0.0, "completed")
     assert bare.transcript == []
+
+
+def test_a_segment_counts_the_tool_calls_of_its_replies_as_a_native_episode_does():
+    with_calls = dataclasses.replace(_choice([10, 11]), tool_calls=2)
+    calls = [
+        RecordedCall(0, "chat.completions", (1, 2), (with_calls,)),
+        _call(1, [1, 2, 10, 11, 4], [12]),  # extends it, no call in this reply
+        _call(2, [7], [13]),  # a rewritten history: a segment of its own
+    ]
+    first, second = episode_trajectories(calls, "t", "g", 1.0, EpisodeStatus.COMPLETED)
+    assert (first.metrics["tool_calls"], second.metrics["tool_calls"]) == (2.0, 0.0)

@@ -598,11 +598,24 @@ NO_WARM_START = (
 )
 
 
+def no_warm_start_advice(cfg: Config) -> str:
+    """What gives a run with no demonstrations a warm start (``NO_WARM_START``, or for
+    agent programs the two sources that fit a program's own conversation)."""
+    if program_settings(cfg) is None:
+        return NO_WARM_START
+    return (
+        "an agent program's episodes are its own conversations, so give "
+        "warmup.demonstrations=FILE (chat-format .jsonl or .parquet, the messages as your "
+        "program sends them) or warmup.source=rejection (the run's own successful episodes)"
+    )
+
+
 def warm_start_demonstrations(cfg: Config, tasks, env_pool: EnvPool) -> Demonstrations | None:
     """The warm start's demonstrations by ``warmup.source``: ``auto`` takes the file
     (``warmup.demonstrations``) if given, else the environment's expert episodes on
     ``tasks`` (``BaseEnv.demonstrate``, played in the env actors), else the synthetic
-    calculator ones for arithmetic tasks; None when ``warmup.enabled`` is off or none
+    calculator ones for arithmetic tasks unless the episodes are agent programs (whose
+    conversations are their own); None when ``warmup.enabled`` is off or none
     applies. Deterministic in ``run.seed`` (and the environment's expert).
 
     Raises:
@@ -629,6 +642,10 @@ def warm_start_demonstrations(cfg: Config, tasks, env_pool: EnvPool) -> Demonstr
             return found
     from raytunix.data.tasks import is_arithmetic
 
+    if w.source == "auto" and program_settings(cfg) is not None:
+        # The calculator demonstrations teach the calculator agent's conversation; a
+        # program writes its own (its prompts, its tool schemas), which they would not fit.
+        return None
     if not is_arithmetic(tasks):
         if w.source == "arithmetic":
             raise RunError(

@@ -193,7 +193,7 @@ def warm_start(cfg: Config, job: Job, run: RunDir, tasks: Tasks, collector) -> d
             if w.enabled:
                 say(
                     f"warm start: skipped; nothing demonstrates these tasks ({tasks.source}): "
-                    f"{prepare.NO_WARM_START}"
+                    f"{prepare.no_warm_start_advice(cfg)}"
                 )
             return {}
         tokens, mask, dropped = prepare.demonstration_arrays(cfg, demos, job.tokenizer)

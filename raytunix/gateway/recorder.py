@@ -52,6 +52,7 @@ class RecordedChoice:
       num_cached_tokens: prompt tokens whose KV the engine reused for it.
       text: the reply as the program read it (its content, then any tool calls as
         ``name(arguments)`` lines), for people (the sample log); never tokenized.
+      tool_calls: how many tool calls the gateway parsed from the reply.
     """
 
     token_ids: tuple[int, ...]
@@ -61,6 +62,7 @@ class RecordedChoice:
     request_id: str = ""
     num_cached_tokens: int = 0
     text: str = ""
+    tool_calls: int = 0
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -109,6 +111,7 @@ class Segment:
 
     Attributes:
       calls: ``(call index, choice index)`` of each generation, in order.
+      tool_calls: tool calls parsed from its generations, summed.
       finish_reasons: the ``FinishReason`` value of each generation, in order.
       transcript: the newest call's messages and reply as text (``Trajectory.transcript``).
     """
@@ -118,6 +121,7 @@ class Segment:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     policy_versions: list[int] = dataclasses.field(default_factory=list)
     calls: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    tool_calls: int = 0
     finish_reasons: list[str] = dataclasses.field(default_factory=list)
     transcript: list[dict[str, str]] = dataclasses.field(default_factory=list)
 
@@ -143,6 +147,7 @@ class Segment:
         self.logprobs.extend(float(x) for x in choice.logprobs)
         self.policy_versions.extend(int(v) for v in choice.policy_versions)
         self.calls.append((call, index))
+        self.tool_calls += choice.tool_calls
         self.finish_reasons.append(choice.finish_reason)
 
     def _read_as(self, call: RecordedCall, choice: RecordedChoice) -> None:
@@ -203,7 +208,9 @@ def segment_to_trajectory(
     """A ``Trajectory`` holding ``segment``'s tokens (copies of its lists), as an agent's
     ``to_trajectory`` would build it: the first prompt and every observation with loss
     mask 0, logprob 0.0 and policy version -1; generated ids with mask 1 and the engine's
-    logprobs and versions; ``num_turns`` = generations.
+    logprobs and versions; ``num_turns`` = generations; metrics ``tool_calls`` = the
+    segment's parsed tool calls (the batch's tool-use rate counts it, as a native
+    episode's).
 
     Raises:
       ValueError: ``status`` is not an ``EpisodeStatus`` value.
@@ -218,7 +225,7 @@ def segment_to_trajectory(
         reward=float(reward),
         status=EpisodeStatus(status),
         num_turns=segment.num_turns,
-        metrics=dict(metrics or {}),
+        metrics={**(metrics or {}), "tool_calls": float(segment.tool_calls)},
         transcript=[dict(m) for m in segment.transcript],
     )
 

@@ -345,7 +345,7 @@ class Gateway:
         ]
         readable = (
             tuple({"role": m.role, "content": m.content} for m in call.messages),
-            [reply.text for reply in replies],
+            [(reply.text, len(reply.tool_calls)) for reply in replies],
         )
         self._record(
             episode, index, "chat.completions", prompt + forced, results, started, readable
@@ -383,7 +383,7 @@ class Gateway:
                 for r in results
             ]
             asked = ({"role": "user", "content": prompt},) if isinstance(prompt, str) else ()
-            readable = (asked, [reply.text for reply in replies])
+            readable = (asked, [(reply.text, 0) for reply in replies])
             self._record(episode, index, "completions", ids, results, started, readable)
             usage["prompt_tokens"] += len(ids)
             for result, reply in zip(results, replies):
@@ -510,11 +510,12 @@ class Gateway:
         prompt: Sequence[int],
         results: Sequence[GenerationResult],
         started: float,
-        readable: tuple[tuple[dict[str, str], ...], Sequence[str]],
+        readable: tuple[tuple[dict[str, str], ...], Sequence[tuple[str, int]]],
     ) -> None:
         """Appends the call to the episode; ``readable`` is ``(the request's messages, each
-        choice's reply text)``, kept for people to read (``RecordedCall.messages``)."""
-        messages, texts = readable
+        choice's (reply text, tool calls parsed))``, the text kept for people to read
+        (``RecordedCall.messages``)."""
+        messages, replies = readable
         call = RecordedCall(
             index=index,
             endpoint=endpoint,
@@ -528,8 +529,9 @@ class Gateway:
                     request_id=r.request_id,
                     num_cached_tokens=r.num_cached_tokens,
                     text=text,
+                    tool_calls=tool_calls,
                 )
-                for r, text in zip(results, texts)
+                for r, (text, tool_calls) in zip(results, replies)
             ),
             started_s=started,
             duration_s=time.time() - started,

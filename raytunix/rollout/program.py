@@ -30,9 +30,10 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol, cast
 
+from raytunix import profiling
 from raytunix.envs.agent_program import ProgramOutcome
 from raytunix.gateway import Gateway, episode_trajectories
-from raytunix.gateway.recorder import ExtendRule
+from raytunix.gateway.recorder import ExtendRule, RecordedCall
 from raytunix.rollout.orchestrator import RolloutOrchestrator
 from raytunix.types import EnvFailure, EpisodeStatus, SamplingParams, Task, Trajectory
 
@@ -71,6 +72,8 @@ async def run_program_episode(
     Returns:
       One ``Trajectory`` per segment of the recorded calls (``episode_trajectories``), all
       with the episode's reward and status; metrics ``program_s`` (seconds),
+      ``generate_s`` (seconds its calls took, overlapping calls counted once each, at most
+      ``program_s``), ``env_s`` (the rest: the program's own work and its tools),
       ``gateway_calls``, and ``env_failure_retryable`` = 1.0 when the host died (the
       episode may run again elsewhere); ``error`` says the deadline (``timeout``) or holds
       the program's traceback, its last 2,000 characters (``env_error``).
@@ -94,7 +97,14 @@ async def run_program_episode(
         outcome = ProgramOutcome(0.0, EpisodeStatus.ENV_ERROR, str(e)[-2000:])
     finally:
         calls = gateway.close_episode(key)
-    metrics = {"program_s": time.monotonic() - started, "gateway_calls": float(len(calls))}
+    program_s = time.monotonic() - started
+    generate_s = min(program_s, sum(c.duration_s for c in calls))
+    metrics = {
+        "program_s": program_s,
+        "generate_s": generate_s,
+        "env_s": program_s - generate_s,
+        "gateway_calls": float(len(calls)),
+    }
     if retryable:
         metrics["env_failure_retryable"] = 1.0
     trajectories = episode_trajectories(
@@ -117,7 +127,42 @@ async def run_program_episode(
         # The completions the gateway recorded (loss mask 1), which the batch's
         # generated_tokens_mean and tokens/s count as they do a native episode's.
         t.metrics = {**t.metrics, "generated_tokens": float(sum(t.loss_mask))}
+    _record_spans(calls, task, f"{group_id}/{seed}", outcome, metrics)
     return trajectories
+
+
+def _record_spans(
+    calls: list[RecordedCall],
+    task: Task,
+    session_id: str,
+    outcome: ProgramOutcome,
+    metrics: dict[str, float],
+) -> None:
+    """The episode's trace spans, as a native episode's: a ``turn`` per call (its
+    generated tokens, which the window's tokens/s counts) and the ``episode`` with its
+    ``generate_s`` and ``env_s`` (``raytunix.profiling.metrics``)."""
+    end = time.perf_counter()
+    offset = end - time.time()  # the calls are stamped with time.time()
+    for call in calls:
+        start = call.started_s + offset
+        tokens = sum(len(c.token_ids) for c in call.choices)
+        args = {"turn": call.index, "tokens": tokens, "generate_s": call.duration_s}
+        profiling.add("turn", start, start + call.duration_s, "episodes", args, session_id)
+    profiling.add(
+        "episode",
+        end - metrics["program_s"],
+        end,
+        "episodes",
+        {
+            "task_id": task.task_id,
+            "status": outcome.status.value,
+            "turns": len(calls),
+            "reward": outcome.reward,
+            "generate_s": metrics["generate_s"],
+            "env_s": metrics["env_s"],
+        },
+        session_id,
+    )
 
 
 class ProgramOrchestrator(RolloutOrchestrator):
