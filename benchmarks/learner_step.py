@@ -10,6 +10,10 @@ Two configs, each measured in one invocation:
 * ``100m``: a Llama-style model of ~100M parameters (d_model 768, 12 layers, 12 heads,
   4 KV heads, d_ff 2048, vocabulary 32,000, tied embeddings, context 256) on 4
   trajectories of 256 tokens, so a step takes seconds on 2 CPU cores.
+* ``qwen2.5-0.5b`` (only when named): the shapes of Qwen2.5-0.5B with random weights
+  (vocabulary 151,936, d_model 896, 24 layers, 14 query / 2 KV heads, head_dim 64, d_ff
+  4864, QKV bias, tied embeddings), on 2 trajectories of 128 tokens by default: the LM head
+  and log-softmax over a real vocabulary, which the others leave out.
 
 The batch: random token ids; each trajectory a prompt (loss mask 0) followed by generated
 tokens (loss mask 1, behaviour logprobs drawn around -log V, policy version 0), lengths
@@ -34,7 +38,8 @@ median step reported:
 Tokens/s counts every token of the padded batch (B x T, prompt and padding included: the
 tokens the forward pass runs over); ``trainable_tokens`` gives the loss-masked count. The
 ratio is the same either way. Prints one JSON object; top-level ``ratio_vs_bare`` is the
-``100m`` config's when it ran, else ``tiny``'s.
+``100m`` config's when it ran, else ``tiny``'s, else the one config's. Each config also
+reports ``peak_memory`` (the process's peak RSS; the device's peak where it is reported).
 
 With ``--packing`` each config also compares the update on the batch padded to its
 longest trajectory (``padded_update_s``) with the same update on the batch packed several
@@ -46,6 +51,7 @@ packing's host step (``pack_build_s``) apart. Key ``packing_speedup`` = padded /
     python benchmarks/learner_step.py                 # both configs
     python benchmarks/learner_step.py --config tiny --steps 3
     python benchmarks/learner_step.py --config tiny --packing
+    python benchmarks/learner_step.py --config qwen2.5-0.5b --steps 3
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ import argparse
 import dataclasses
 import json
 import os
+import resource
 import statistics
 import time
 
@@ -104,13 +111,30 @@ CONFIGS = {
         ),
         4,
     ),
+    "qwen2.5-0.5b": (
+        ModelConfig(
+            vocab_size=151936,
+            d_model=896,
+            n_layers=24,
+            n_heads=14,
+            n_kv_heads=2,
+            head_dim=64,
+            d_ff=4864,
+            max_seq_len=128,
+            rope_theta=1000000.0,
+            norm_eps=1e-6,
+            tie_embeddings=True,
+            qkv_bias=True,
+        ),
+        2,
+    ),
 }
 GROUP_SIZE = 8
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", choices=("tiny", "100m", "both"), default="both")
+    p.add_argument("--config", choices=(*CONFIGS, "both"), default="both")
     p.add_argument(
         "--steps",
         type=int,
@@ -121,14 +145,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--batch-size",
         type=int,
         default=None,
-        help="trajectories per batch (default: 128 for tiny, 4 for 100m)",
+        help="trajectories per batch (default: 128 for tiny, 4 for 100m, 2 for qwen2.5-0.5b)",
     )
     p.add_argument(
         "--seq-len",
         type=int,
         default=None,
         help="padded tokens per trajectory and the model's context (default: 128 "
-        "for tiny, 256 for 100m)",
+        "for tiny, 256 for 100m, 128 for qwen2.5-0.5b)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -344,7 +368,21 @@ def measure(name: str, args) -> dict:
         "ratio_vs_bare_with_batch_build": round(
             median["bare"] / (median["learner"] + batch_build_s), 3
         ),
+        "peak_memory": peak_memory(),
     }
+
+
+def peak_memory() -> dict:
+    """The process's peak resident memory so far (GiB; it only grows, so a config measured
+    after another reads at least that one's peak) and, where the backend reports it, the
+    first device's peak bytes in use."""
+    out = {
+        "process_peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
+    }
+    stats = jax.devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        out["device_peak_gib"] = round(stats["peak_bytes_in_use"] / 2**30, 3)
+    return out
 
 
 def measure_packing(name: str, args) -> dict:
@@ -421,7 +459,7 @@ def main(argv=None) -> dict:
     if args.packing:
         for name in names:
             results[name]["packing"] = measure_packing(name, args)
-    headline = results.get("100m", results.get("tiny"))
+    headline = results.get("100m") or results.get("tiny") or next(iter(results.values()))
     gemm = gemm_gflops()  # the machine's matmul rate, in this run
     for result in results.values():
         result["fraction_of_gemm_rate"] = round(result["update_gflops"] / gemm, 3)
