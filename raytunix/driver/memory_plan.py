@@ -422,20 +422,22 @@ def learner_items(
     Raises:
       ConfigError: a parameter the mesh does not divide, or optimizer settings refused.
     """
-    if cfg.learner.advantage_estimator == "gae":  # PPO's value head beside the params
-        params = (params, jax.eval_shape(lambda: init_value_head(model.d_model)))
+    trained = [params]
+    if cfg.learner.advantage_estimator == "gae":  # PPO's value head, its own optimizer state
+        trained.append(jax.eval_shape(lambda: init_value_head(model.d_model)))
     try:
-        hp = RLHyperparams.from_config(cfg)
-        optimizers = [("RL", make_optimizer_from(hp))]
-        if cfg.warmup.enabled:
-            optimizers.append(("warm start", SFTHyperparams.from_config(cfg).optimizer()))
-        states = {phase: jax.eval_shape(opt.init, params) for phase, opt in optimizers}
-        param_bytes = _bytes_per_device(params, mesh)
-        opt_bytes = {phase: _bytes_per_device(s, mesh) for phase, s in states.items()}
+        rl = make_optimizer_from(RLHyperparams.from_config(cfg))
+        opt_bytes = {
+            "RL": sum(_bytes_per_device(jax.eval_shape(rl.init, t), mesh) for t in trained)
+        }
+        if cfg.warmup.enabled:  # the warm start's optimizer, on the policy's params
+            sft = SFTHyperparams.from_config(cfg).optimizer()
+            opt_bytes["warm start"] = _bytes_per_device(jax.eval_shape(sft.init, params), mesh)
+        param_bytes = sum(_bytes_per_device(t, mesh) for t in trained)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     phase = max(opt_bytes, key=lambda p: opt_bytes[p])
-    count = sum(x.size for x in jax.tree.leaves(params))
+    count = sum(x.size for x in jax.tree.leaves(trained))
     split = "split by the learner's partition rules"
     f32 = np.dtype(np.float32)
     master = (
