@@ -320,6 +320,7 @@ def memory_plan(cfg: Config, capacity: Capacity) -> MemoryPlan:
         else "the whole params, twice while a new version is swapped in"
     )
     engine = {k: 0 for k in ITEMS} | {"engine_weights": engine_weights, "kv_cache": kv}
+    devices: tuple[DevicePlan, ...]
     if colocated:
         devices = (DevicePlan("policy device (learner + engine)", _add(learner, engine)),)
     else:
@@ -514,7 +515,8 @@ def activation_bytes(
     own (``compiled.memory_analysis().temp_size_in_bytes`` of the warm-start update on
     CPU, which also holds the gradients): within about 20% of it, below it.
     """
-    e, d, hd = compute_itemsize, model.d_model, model.head_dim
+    e, d = compute_itemsize, model.d_model
+    hd = model.head_dim or d // model.n_heads  # resolved once the config is built
     q = model.n_heads * hd // tensor
     kv = model.n_kv_heads * hd // tensor
     f = model.d_ff // tensor
