@@ -48,6 +48,7 @@ def test_params_and_optimizer_bytes_are_those_of_the_real_train_state(estimator)
     assert items["params"] == _nbytes((state.params, state.value_head))
     assert items["optimizer_state"] == _nbytes((state.opt_state, state.value_opt_state))
     assert items["new_state"] == items["params"] + items["optimizer_state"]
+    assert items["engine_weights"] == 0  # a colocated engine reads the learner's arrays
 
 
 def test_with_a_warm_start_the_larger_optimizer_state_of_the_two_phases_counts():
@@ -167,3 +168,17 @@ def test_a_run_that_fits_says_how_full_its_fullest_device_is(tmp_path, capsys):
     _, run, _ = steps.open_run(cfg, None)
     run.unlock()
     assert "memory plan: the policy device (learner + engine) needs" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # starts a Python process that imports JAX
+def test_the_driver_measures_the_devices_in_a_child_process():
+    from raytunix.driver.memory_plan import probe_devices, probe_devices_elsewhere
+
+    child, here = probe_devices_elsewhere(), probe_devices()
+    assert child is not None
+    assert (child.platform, child.count, child.bytes_limit) == (
+        here.platform,
+        here.count,
+        here.bytes_limit,
+    )
+    assert child.host_available is None or child.host_available > 0

@@ -312,7 +312,7 @@ def memory_plan(cfg: Config, capacity: Capacity) -> MemoryPlan:
     # A colocated engine reads the learner's own arrays when device 0 holds them whole;
     # otherwise it, like a separate engine, holds a full copy, and a second while the next
     # version's weights are swapped in.
-    shared = colocated and learner["params"] == full_params
+    shared = colocated and _bytes_per_device(params, mesh) == full_params
     engine_weights = 0 if shared else 2 * full_params
     how["engine_weights"] = (
         "the learner's params on this device, by reference"
