@@ -4,6 +4,8 @@ raytunix train [--config PRESET|FILE] [section.key=value ...]
 raytunix train --resume RUN_DIR [learner.rl_steps=N ...]
 raytunix config [--config PRESET|FILE] [section.key=value ...]
 raytunix config --explain [SECTION|KEY] [--markdown]   each setting: type, default, bounds, doc
+raytunix plan [--config PRESET|FILE] [section.key=value ...] [--device-memory GIB] [--json]
+                                       bytes per device of a run; exit 2 if it cannot fit
 raytunix profile RUN_DIR [--out DIR]   report.txt, trace.json and profile.png of a run, again
 raytunix submit [--address ADDR] [--config PRESET|FILE] [section.key=value ...]
 raytunix status [--address ADDR] [JOB_ID]
@@ -18,6 +20,8 @@ import argparse
 import os
 import signal
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from raytunix.config import ConfigError, load_config, preset_names
 
@@ -31,6 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_train(sub)
     _add_config(sub)
+    _add_plan(sub)
     _add_profile(sub)
     _add_submit(sub)
     _add_status(sub)
@@ -96,6 +101,60 @@ def _add_config(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         metavar="section.key=value",
         help="config overrides, e.g. learner.rl_steps=20",
     )
+
+
+def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``raytunix plan``: a run's memory per device, checked against a device's memory
+    (``raytunix.driver.memory_plan``)."""
+    plan = sub.add_parser(
+        "plan",
+        help="print the memory a run needs on each device and whether it fits",
+        description="Prints, for each device the config places work on, the bytes of the "
+        "params, master weights, optimizer state, gradients, the update's new state, the KL "
+        "reference, activations, engine weights and KV cache, the total and the device "
+        "memory it was checked against; exits 2 when the run cannot fit (as `raytunix "
+        "train` would stop before it starts). Allocates nothing.",
+    )
+    plan.add_argument(
+        "--config", default="default", help=f"a preset ({', '.join(preset_names())}) or a YAML file"
+    )
+    plan.add_argument(
+        "--device-memory",
+        type=_positive(float),
+        default=0.0,
+        metavar="GIB",
+        help="one device's memory in GiB (default: run.device_memory_gib, else measured: the "
+        "device's bytes_limit, on CPU the host's available memory)",
+    )
+    plan.add_argument(
+        "--devices",
+        type=_positive(int),
+        metavar="N",
+        help="the learner's devices on all its hosts, for a learner.mesh_* of -1 (default: "
+        "this machine's x learner.num_hosts)",
+    )
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="section.key=value",
+        help="config overrides, e.g. learner.micro_batch_size=8",
+    )
+
+
+def _positive(kind: type) -> Callable[[str], Any]:
+    """An argparse ``type``: ``kind(text)``, refused unless > 0."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+        return value
+
+    return parse
 
 
 def _add_profile(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -247,6 +306,36 @@ def _samples(run_dir: str, step: int | None, as_json: bool) -> int:
         json.dumps(record, indent=2) if as_json else format_step(record),
         end="\n" if as_json else "",
     )
+    return 0
+
+
+def _plan(cfg, args: argparse.Namespace) -> int:
+    """``raytunix plan``: 0 when the run fits (or no capacity is known), 2 when it cannot
+    fit or its model, mesh or optimizer cannot be planned."""
+    import dataclasses
+    import json
+
+    # Opening a GPU backend takes most of its memory by default; the plan needs none.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    from raytunix.driver import memory_plan
+
+    try:
+        capacity = memory_plan.device_capacity(cfg, memory_plan.probe_devices(), args.device_memory)
+        if args.devices:
+            capacity = dataclasses.replace(capacity, devices=args.devices)
+        plan = memory_plan.memory_plan(cfg, capacity)
+    except ConfigError as e:
+        print(f"raytunix: config error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(plan.to_json(), indent=2))
+    else:
+        print(memory_plan.format_plan(plan), end="")
+    try:
+        plan.check()
+    except ConfigError as e:  # MemoryPlanError
+        print(f"raytunix: config error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -453,6 +542,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config":
         print(cfg.to_yaml(), end="")
         return 0
+    if args.command == "plan":
+        return _plan(cfg, args)
     from raytunix.train import RunError, main_train
 
     try:

@@ -194,6 +194,15 @@ class RunConfig:
         resume=True,
         hint="e.g. 3 (best, worst, one at random)",
     )
+    device_memory_gib: float = setting(
+        0.0,
+        "memory of one accelerator in GiB that the memory plan (raytunix plan, and the check "
+        "before a run starts) holds the run to; 0 = measured: the device's bytes_limit, on "
+        "CPU the host's available memory",
+        bounds=">= 0",
+        resume=True,
+        hint="GiB, e.g. 80 for an H100; 0 = measured",
+    )
     no_signal_steps: int = setting(
         3,
         "the driver warns once (a console line and a learning_signal record in metrics.jsonl) "

@@ -1,6 +1,7 @@
-"""What a run needs before its actors train: Ray, the names its config resolves to, the
-sandbox pool, the tasks, the tokenizer, the prompt check and the warm start's
-demonstrations. Each step raises ``RunError`` (or ``ConfigError``) with what to do."""
+"""What a run needs before its actors train: the memory plan checked, Ray, the names its
+config resolves to, the sandbox pool, the tasks, the tokenizer, the prompt check and the
+warm start's demonstrations. Each step raises ``RunError`` (or ``ConfigError``) with what
+to do."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import numpy as np
 import ray
 
 from raytunix import plugins
-from raytunix.config import Config
+from raytunix.config import Config, ConfigError
+from raytunix.driver import memory_plan
 from raytunix.driver.init_from import copy_tokenizer
 from raytunix.driver.run_dir import RunDir, RunError, say
 from raytunix.models.llama import ModelConfig
@@ -207,36 +209,61 @@ def uses_tools(cfg: Config) -> bool:
 
 def model_config(cfg: Config, tokenizer: Tokenizer) -> ModelConfig:
     """The run's model: ``model.path``'s config.json at ``model.max_seq_len`` tokens of
-    context, else a fresh model of the ``model.*`` sizes over ``tokenizer``'s ids.
+    context, else a fresh model of the ``model.*`` sizes over ``tokenizer``'s ids
+    (``memory_plan.model_shape``).
 
     Raises:
       RunError: the folder's model cannot be read, or its embedding has fewer ids than
         its tokenizer.
     """
-    m = cfg.model
-    if not m.path:
-        return ModelConfig(
-            vocab_size=tokenizer.vocab_size,
-            d_model=m.d_model,
-            n_layers=m.n_layers,
-            n_heads=m.n_heads,
-            n_kv_heads=m.n_kv_heads,
-            d_ff=m.d_ff,
-            max_seq_len=m.max_seq_len,
-        )
-    from raytunix.models.hf import CheckpointError, read_model_config
-
     try:
-        config = read_model_config(m.path, m.max_seq_len)
-    except CheckpointError as e:
-        raise RunError(f"model.path: {e}") from None
-    if tokenizer.vocab_size > config.vocab_size:
+        config = memory_plan.model_shape(cfg, tokenizer.vocab_size)
+    except ConfigError as e:
+        raise RunError(str(e)) from None
+    if cfg.model.path and tokenizer.vocab_size > config.vocab_size:
         raise RunError(
-            f"model.path={m.path!r}: tokenizer.json has {tokenizer.vocab_size} ids but "
+            f"model.path={cfg.model.path!r}: tokenizer.json has {tokenizer.vocab_size} ids but "
             f"the model's embedding only {config.vocab_size}; the folder's files do "
             "not belong together."
         )
     return config
+
+
+def check_memory(cfg: Config) -> None:
+    """The run's memory plan (``raytunix.driver.memory_plan``) against its devices, before
+    Ray or any actor starts; one line says how full the fullest device will be. The
+    devices are measured in a child process (the driver leaves the accelerator to the
+    learner and engine), or read from ``run.device_memory_gib``; on a cluster
+    (``RAY_ADDRESS``) only the latter, as this machine's devices are not the run's.
+
+    Raises:
+      MemoryPlanError: a device's total exceeds its memory (a ``ConfigError``, naming the
+        device, its largest item, the numbers and what to change).
+      ConfigError: the mesh or the optimizer settings do not fit the model.
+    """
+    local = not os.environ.get("RAY_ADDRESS")
+    if not local and not cfg.run.device_memory_gib:
+        say(
+            "memory plan: not checked, the devices are the cluster's (RAY_ADDRESS); set "
+            "run.device_memory_gib to check it, or run `raytunix plan` on a device host"
+        )
+        return
+    probe = None
+    if local:  # a CPU-only driver opens no accelerator: no child process needed
+        cpu_only = os.environ.get("JAX_PLATFORMS", "") == "cpu"
+        probe = memory_plan.probe_devices() if cpu_only else memory_plan.probe_devices_elsewhere()
+    plan = memory_plan.memory_plan(cfg, memory_plan.device_capacity(cfg, probe))
+    plan.check()
+    fullest, capacity = plan.fullest(), plan.capacity
+    room = (
+        f" of {memory_plan.gib(capacity.bytes)} ({capacity.source})"
+        if capacity.bytes is not None
+        else ", capacity unknown (set run.device_memory_gib to check it)"
+    )
+    say(
+        f"memory plan: the {fullest.name} needs {memory_plan.gib(fullest.total)}{room}; "
+        f"largest item {fullest.largest()} (`raytunix plan` prints every item)"
+    )
 
 
 # -- actors before the learner ---------------------------------------------------------------

@@ -79,7 +79,8 @@ def open_run(
     Raises:
       FileNotFoundError: ``resume`` is not a run directory.
       ValueError: neither ``cfg`` nor ``resume``.
-      ConfigError: a bad override, or the dataset cannot be read.
+      ConfigError: a bad override, or the dataset cannot be read; or the run does not fit
+        its devices (``MemoryPlanError``, ``prepare.check_memory``).
       RunError: the checkpoint already holds ``learner.rl_steps`` steps, or another
         process runs ``resume`` now.
 
@@ -92,6 +93,7 @@ def open_run(
         raise ValueError("a new run needs a config: pass cfg (load_config(...)) or resume=RUN_DIR")
     if resume:
         cfg = load_run_config(resume, overrides)
+        prepare.check_memory(cfg)  # an override (engine.max_batch_size...) may not fit
         run = RunDir(resume)
         run.lock()  # before anything is written: another driver may be running it
         try:
@@ -102,6 +104,7 @@ def open_run(
     cfg = adopt_init_from(cfg)  # model.init_from's shape, checked before anything is made
     for line in shadowed_settings(cfg):
         say(f"note: {line}")
+    prepare.check_memory(cfg)  # a run that cannot fit its devices stops before anything starts
     try:
         dataset = dataset_splits(cfg.data)  # a file, split or column missing: stop before Ray
     except DatasetError as e:

@@ -464,6 +464,18 @@ def _request_span(seq: Sequence, reason: FinishReason) -> None:
     )
 
 
+def kv_pool_blocks(
+    seq_len: int, block_size: int, max_batch_size: int, kv_cache_tokens: int | None
+) -> int:
+    """The KV blocks the engine's pool holds (``init_kv_pages``' ``num_blocks``):
+    ``kv_cache_tokens`` rounded up to whole blocks, or by default ``4 * max_batch_size``
+    full contexts of ``seq_len`` tokens (each context rounded up to whole blocks); 0 for a
+    ``kv_cache_tokens`` that is not an int (``_check_settings`` refuses it)."""
+    if kv_cache_tokens is None:
+        kv_cache_tokens = 4 * max_batch_size * -(-seq_len // block_size) * block_size
+    return -(-kv_cache_tokens // block_size) if isinstance(kv_cache_tokens, int) else 0
+
+
 def _check_settings(
     seq_len: int, kv_cache_tokens: int | None, kv_on_weight_update: str, **ints: int
 ) -> int:
@@ -491,9 +503,7 @@ def _check_settings(
         )
     block_size = ints["block_size"]
     max_blocks = -(-seq_len // block_size)  # blocks of one full context
-    if kv_cache_tokens is None:
-        kv_cache_tokens = 4 * ints["max_batch_size"] * max_blocks * block_size
-    num_blocks = -(-kv_cache_tokens // block_size) if isinstance(kv_cache_tokens, int) else 0
+    num_blocks = kv_pool_blocks(seq_len, block_size, ints["max_batch_size"], kv_cache_tokens)
     if num_blocks < max_blocks:
         raise ValueError(
             f"InferenceEngine: kv_cache_tokens={kv_cache_tokens!r} holds less than one "

@@ -54,7 +54,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from raytunix.learner.batch import Batch
@@ -178,10 +178,13 @@ def path_name(path: tuple) -> str:
 
 
 def partition_spec(
-    name: str, shape: Sequence[int], mesh: Mesh, rules: Sequence[tuple[str, P]] = PARAM_RULES
+    name: str,
+    shape: Sequence[int],
+    mesh: Mesh | AbstractMesh,
+    rules: Sequence[tuple[str, P]] = PARAM_RULES,
 ) -> P:
     """The ``PartitionSpec`` of the leaf at ``name`` (see ``path_name``) of ``shape`` on
-    ``mesh``: the first rule whose regex ``re.search``-es ``name``; replicated when none
+    ``mesh`` (or a mesh's shape alone, an ``AbstractMesh``): the first rule whose regex ``re.search``-es ``name``; replicated when none
     does (logged at debug level for a leaf with dimensions).
 
     Raises:
