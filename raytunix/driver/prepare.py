@@ -229,11 +229,24 @@ def model_config(cfg: Config, tokenizer: Tokenizer) -> ModelConfig:
     return config
 
 
+def _accelerator_installed() -> bool:
+    """Whether JAX could open an accelerator here: libtpu, or a PJRT plugin (the CUDA and
+    ROCm ones), which JAX finds as ``jax_plugins`` modules or entry points."""
+    import importlib.metadata
+    import importlib.util
+
+    return (
+        importlib.util.find_spec("libtpu") is not None
+        or importlib.util.find_spec("jax_plugins") is not None
+        or bool(importlib.metadata.entry_points(group="jax_plugins"))
+    )
+
+
 def check_memory(cfg: Config) -> None:
     """The run's memory plan (``raytunix.driver.memory_plan``) against its devices, before
     Ray or any actor starts; one line says how full the fullest device will be. The
-    devices are measured in a child process (the driver leaves the accelerator to the
-    learner and engine), or read from ``run.device_memory_gib``; on a cluster
+    devices are measured in a child process where an accelerator is installed (the driver
+    leaves it to the learner and engine), in this one where only the CPU is, or read from ``run.device_memory_gib``; on a cluster
     (``RAY_ADDRESS``) only the latter, as this machine's devices are not the run's.
 
     Raises:
@@ -250,7 +263,7 @@ def check_memory(cfg: Config) -> None:
         return
     probe = None
     if local:  # a CPU-only driver opens no accelerator: no child process needed
-        cpu_only = os.environ.get("JAX_PLATFORMS", "") == "cpu"
+        cpu_only = os.environ.get("JAX_PLATFORMS", "") == "cpu" or not _accelerator_installed()
         probe = memory_plan.probe_devices() if cpu_only else memory_plan.probe_devices_elsewhere()
     plan = memory_plan.memory_plan(cfg, memory_plan.device_capacity(cfg, probe))
     plan.check()
