@@ -15,7 +15,9 @@ import pytest
 from raytunix.envs import make_env
 from raytunix.types import TOOL_ERRORS_KEY, Action, EpisodeStatus
 
-gem = pytest.importorskip("gem", reason="GEM is the gem extra: pip install -e '.[test,gem]'")
+gem = pytest.importorskip(
+    "gem", reason="GEM is the gem extra (in hubs on Python 3.11): pip install -e '.[test,hubs]'"
+)
 
 HARD = "game:GuessTheNumber-v0-hard"  # 1..50 in 7 turns
 EASY = "game:GuessTheNumber-v0-easy"  # 1..10 in 4 turns
