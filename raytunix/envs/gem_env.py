@@ -66,7 +66,8 @@ class GEMEnv(BaseEnv):
     the game's first message says it). The observation is the game's, followed by
     ``info["suffix"]`` when GEM gives one (as GEM's observation wrappers show it: the
     board, "Enter your next guess."). Rewards are GEM's, step by step (the episode's reward
-    is their sum): 0 for a hint, GEM's penalty for a reply the game cannot parse
+    is their sum; GuessTheNumber pays 0 for a hint and 1 for the number, Minesweeper each
+    reveal's share of the board): GEM's penalty for a reply the game cannot parse
     (``LanguageGameReward.format_error_reward``, -0.1; GEM then ends the game, and the step
     counts one ``format`` tool error with ``info["format_error"]``), the game's partial
     credit when its turns run out (GuessTheNumber: 1 - distance / range). A move the game
