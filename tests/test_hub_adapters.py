@@ -1,8 +1,5 @@
-"""Environment hubs by name: TextArena's single-player games through ``env.name=textarena``.
-
-GEM (``gem-llm``) has no adapter: every release pins reasoning-gym==0.1.23, below raytunix's
-own pin, so it cannot be installed beside raytunix (setup.cfg, the ``hubs`` extra).
-"""
+"""Environment hubs by name: TextArena's single-player games through ``env.name=textarena``
+(GEM's games through ``env.name=gem``: tests/test_gem_env.py)."""
 
 from __future__ import annotations
 

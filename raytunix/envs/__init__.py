@@ -1,8 +1,8 @@
 """Environments: the ``BaseEnv`` contract, gymnasium adapters both ways, math environments
 (calculator and Python tools, single-turn verifier), a bash terminal, text-to-SQL, a
-web-API shop, repository repair, TextArena's single-player games, verifiers environments
-and agent programs (run through the gateway), and a simulated slow-tool environment for
-benchmarks.
+web-API shop, repository repair, TextArena's single-player games, GEM's games, verifiers
+environments and agent programs (run through the gateway), and a simulated slow-tool
+environment for benchmarks.
 
 Each environment registers itself by name (``@register("env", name)``,
 ``raytunix.registry``); ``make_env`` builds one from a registered name, a package's entry
@@ -22,6 +22,7 @@ from raytunix import registry
 from raytunix.envs.agent_program import AgentProgramEnv
 from raytunix.envs.base import BaseEnv
 from raytunix.envs.bash_env import BashTerminalEnv
+from raytunix.envs.gem_env import GEMEnv
 from raytunix.envs.gym_text import (
     GYMNASIUM_NAMESPACE,
     GymTextEnv,
@@ -61,6 +62,7 @@ __all__ = [
     "BashTerminalEnv",
     "CalculatorMathEnv",
     "ENVS",
+    "GEMEnv",
     "GYMNASIUM_NAMESPACE",
     "GymTextEnv",
     "GymnasiumEnv",

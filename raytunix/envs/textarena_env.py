@@ -22,26 +22,13 @@ downloaded weights, so none plays offline.
 from __future__ import annotations
 
 import collections.abc
-import contextlib
 import importlib
-import random
-import threading
 from typing import Any
 
 from raytunix.envs.base import BaseEnv
+from raytunix.envs.global_random import EpisodeRandom, reset_seeds
 from raytunix.registry import register
 from raytunix.types import TOOL_ERRORS_KEY, Action, EpisodeStatus, StepResult, Task, ToolErrorKind
-
-# TextArena seeds and draws from Python's global ``random`` (State.__init__ calls
-# random.seed), and an env actor runs episodes in threads: without this lock two resets in
-# one process interleave their seeding and draws, and episodes of one group start from
-# different states. Every reset, step and close of every TextArenaEnv in the process holds it,
-# and swaps in its own episode's stream of ``random`` (``_own_stream``).
-GLOBAL_RNG_LOCK = threading.Lock()
-# Reset seeds: data seed s trains on seeds from 2*s*SEEDS_PER_SPLIT and holds out the next
-# SEEDS_PER_SPLIT, modulo 2**31.
-SEEDS_PER_SPLIT = 1 << 20
-_SPLIT_INDEX = {"train": 0, "heldout": 1}
 
 
 @register("env", "textarena")
@@ -51,9 +38,10 @@ class TextArenaEnv(BaseEnv):
     A task is a reset seed (``tasks``): the G episodes of a group reset with the same seed,
     so they start from the same state. TextArena's games are not thread-safe (they seed and
     draw from the global ``random``): every call into the game holds ``GLOBAL_RNG_LOCK``
-    with this episode's own stream of ``random`` swapped in, so episodes interleaved in one
-    env actor draw as if each ran alone (same seed and moves, same game) and the process's
-    global ``random`` is left as it was.
+    with this episode's own stream of ``random`` swapped in
+    (``raytunix.envs.global_random``), so episodes interleaved in one env actor draw as if
+    each ran alone (same seed and moves, same game) and the process's global ``random`` is
+    left as it was.
 
     Per step, the model's reply (``Action.text``) goes to the game as it is: the game's own
     action syntax applies (``[5]`` in GuessTheNumber, ``[crane]`` in Wordle; the game's first
@@ -87,7 +75,7 @@ class TextArenaEnv(BaseEnv):
             raise TypeError(f"make_kwargs must be a mapping, got {make_kwargs!r}.")
         self.env_id = env_id
         self.game = _make(env_id, dict(make_kwargs or {}))
-        self._rng_state: Any = None
+        self._streams = EpisodeRandom()
         try:
             self._reset(0)
         except AssertionError as e:
@@ -98,31 +86,22 @@ class TextArenaEnv(BaseEnv):
             ) from e
 
     def tasks(self, split: str, size: int, seed: int) -> list[Task]:
-        """``size`` tasks, one reset seed each (``seed * 2 * SEEDS_PER_SPLIT`` onwards, the
-        held-out ones ``SEEDS_PER_SPLIT`` further, modulo 2**31); the question is the
-        game's first observation under that seed.
+        """``size`` tasks, one reset seed each (``raytunix.envs.global_random.reset_seeds``:
+        ``seed * 2**21`` onwards, the held-out ones ``2**20`` further, modulo 2**31); the
+        question is the game's first observation under that seed.
 
         Raises:
-          ValueError: ``split`` is not "train" or "heldout", or ``size`` exceeds
-            ``SEEDS_PER_SPLIT``.
+          ValueError: ``split`` is not "train" or "heldout", or ``size`` exceeds 2**20.
         """
-        if split not in _SPLIT_INDEX:
-            raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
-        if size > SEEDS_PER_SPLIT:
-            raise ValueError(f"size={size} is over the {SEEDS_PER_SPLIT} tasks a split holds.")
-        first = (int(seed) * 2 + _SPLIT_INDEX[split]) * SEEDS_PER_SPLIT
-        tasks = []
-        for i in range(size):
-            reset_seed = (first + i) % (1 << 31)
-            tasks.append(
-                Task(
-                    task_id=f"{split}-{i:06d}",
-                    question=self._reset(reset_seed),
-                    answer="",
-                    metadata={"seed": reset_seed, "textarena_id": self.env_id},
-                )
+        return [
+            Task(
+                task_id=f"{split}-{i:06d}",
+                question=self._reset(reset_seed),
+                answer="",
+                metadata={"seed": reset_seed, "textarena_id": self.env_id},
             )
-        return tasks
+            for i, reset_seed in enumerate(reset_seeds(split, size, seed))
+        ]
 
     def demonstrate(self, task: Task) -> list[dict[str, str]] | None:
         """An expert's game on ``task``, played against this instance: for GuessTheNumber
@@ -143,7 +122,7 @@ class TextArenaEnv(BaseEnv):
         return self._reset(seed)
 
     def _step_impl(self, action: Action) -> StepResult:
-        with self._own_stream():
+        with self._streams.use():
             done, _ = self.game.step(action.text)
             state = self.game.state
             warned = not done and getattr(state, "error_count", 0) > 0
@@ -173,26 +152,12 @@ class TextArenaEnv(BaseEnv):
         )
 
     def _reset(self, seed: int) -> str:
-        self._rng_state = None  # the game's reset seeds a fresh stream
-        with self._own_stream():
+        # Games also draw from the global random while they step (2048's new tile,
+        # Blackjack's cards), so the stream the reset seeds is kept for the episode's steps.
+        self._streams.restart()
+        with self._streams.use():
             self.game.reset(num_players=1, seed=seed)
             return self._drain()
-
-    @contextlib.contextmanager
-    def _own_stream(self) -> Any:
-        # Games also draw from the global random while they step (2048's new tile,
-        # Blackjack's cards): each episode keeps its own stream, so episodes that run
-        # interleaved in one process draw as if each ran alone, and the process's global
-        # random is left as it was.
-        with GLOBAL_RNG_LOCK:
-            outer = random.getstate()
-            if self._rng_state is not None:
-                random.setstate(self._rng_state)
-            try:
-                yield
-            finally:
-                self._rng_state = random.getstate()
-                random.setstate(outer)
 
     def _drain(self) -> str:
         # Called under GLOBAL_RNG_LOCK. The game echoes the player's own move back as a
