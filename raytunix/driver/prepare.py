@@ -207,7 +207,8 @@ def uses_tools(cfg: Config) -> bool:
 
 def model_config(cfg: Config, tokenizer: Tokenizer) -> ModelConfig:
     """The run's model: ``model.path``'s config.json at ``model.max_seq_len`` tokens of
-    context, else a fresh model of the ``model.*`` sizes over ``tokenizer``'s ids.
+    context, else a fresh model of the ``model.*`` sizes over ``tokenizer``'s ids; either
+    computes in ``model.dtype``.
 
     Raises:
       RunError: the folder's model cannot be read, or its embedding has fewer ids than
@@ -223,6 +224,7 @@ def model_config(cfg: Config, tokenizer: Tokenizer) -> ModelConfig:
             n_kv_heads=m.n_kv_heads,
             d_ff=m.d_ff,
             max_seq_len=m.max_seq_len,
+            dtype=m.dtype,
         )
     from raytunix.models.hf import CheckpointError, read_model_config
 
@@ -236,7 +238,7 @@ def model_config(cfg: Config, tokenizer: Tokenizer) -> ModelConfig:
             f"the model's embedding only {config.vocab_size}; the folder's files do "
             "not belong together."
         )
-    return config
+    return dataclasses.replace(config, dtype=m.dtype)
 
 
 # -- actors before the learner ---------------------------------------------------------------
