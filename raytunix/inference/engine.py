@@ -93,7 +93,6 @@ from raytunix.inference.weights import check_weight_update, on_engine_device
 from raytunix.models.llama import (
     KVPages,
     ModelConfig,
-    cast_params,
     forward,
     init_kv_pages,
     kv_bytes_per_token,
@@ -549,9 +548,7 @@ class InferenceEngine:
     """Continuous-batching generation for one model on one device (see module docstring).
 
     Args:
-      graphdef, params: the model, as returned by ``raytunix.models.llama.init_model``;
-        the engine holds ``params`` (and later weights) in the model's compute dtype,
-        ``model_config.dtype`` (``cast_params``).
+      graphdef, params: the model (``init_model``), its weights held in ``model_config.dtype``.
       model_config: its ``ModelConfig``.
       tokenizer: has ``decode(ids) -> str``; used for stop strings and ``result.text``.
       max_batch_size: most requests decoded together (rows of a decode step); the oldest
@@ -568,8 +565,7 @@ class InferenceEngine:
         and recomputed) or ``"keep"`` (kept, and counted as stale per token).
       sessions: keep a session's KV between its requests; False ignores ``session_id``
         (every turn is prefilled from the prefix cache or computed).
-      kv_dtype: the KV cache's dtype, ``"float32"`` or ``"bfloat16"``; ``"auto"``: the
-        model's compute dtype (``kv_cache_dtype``).
+      kv_dtype: the KV cache's dtype, ``"float32"``, ``"bfloat16"`` or ``"auto"`` (the model's).
       prefill_min_batch, max_prefill_delay_steps: while other requests decode, fewer than
         ``prefill_min_batch`` requests to prefill wait up to ``max_prefill_delay_steps``
         decode steps for company (one fuller prefill instead of several padded ones);
@@ -621,7 +617,9 @@ class InferenceEngine:
             max_prefill_delay_steps=max_prefill_delay_steps,
         )
         self._config = model_config
-        self._kv_dtype = kv_cache_dtype(kv_dtype, model_config)
+        pages = (model_config, num_blocks, block_size, kv_cache_dtype(kv_dtype, model_config))
+        self._new_pages = functools.partial(init_kv_pages, *pages)  # empty KV pages
+        self._kv_token_bytes = kv_bytes_per_token(model_config, pages[3])
         self._tokenizer = tokenizer
         self._max_seq_len = seq_len
         self._kv_mode = kv_on_weight_update
@@ -637,11 +635,10 @@ class InferenceEngine:
             prefill_min_batch=prefill_min_batch,
             max_prefill_delay_steps=max_prefill_delay_steps,
         )
-        self._params = on_engine_device(cast_params(params, model_config.dtype))
+        self._params = on_engine_device(params, model_config.dtype)
         self._version = int(policy_version)
         self._pending_weights: tuple[Any, int] | None = None
-        max_running = self._scheduler.max_running
-        layout = (self._params, model_config, num_blocks, block_size, self._kv_dtype, max_running)
+        layout = (self._params, *pages, self._scheduler.max_running)
         self._programs = _step_programs(graphdef, layout, self._reachable, bool(compile_ahead))
         self._pages: KVPages | None = None  # None: (re)build before the next device call
         # Token each running request sampled last, by slot; the last slot is padding's.
@@ -738,9 +735,8 @@ class InferenceEngine:
         Tokens sampled after the swap carry ``version``. With
         ``kv_on_weight_update="recompute"`` every request in flight is re-prefilled
         (prompt + its tokens so far) under the new weights, and sessions and the prefix
-        cache are emptied. Floating-point weights in another dtype are cast to the
-        model's compute dtype (a learner publishes them in it already). Safe to call from
-        the event loop or another thread.
+        cache are emptied. Weights are cast to the model's compute dtype. Safe to call
+        from the event loop or another thread.
 
         Raises:
           ValueError: ``version`` is lower than the current or already queued version,
@@ -749,9 +745,9 @@ class InferenceEngine:
         """
         if self._closed:
             raise RuntimeError("InferenceEngine is closed; build a new one.")
-        params = cast_params(params, self._config.dtype)
+        params = on_engine_device(params, self._config.dtype)
         version = check_weight_update(params, version, self._params, self._received_version())
-        self._pending_weights = (on_engine_device(params), version)
+        self._pending_weights = (params, version)
         self._notify()
 
     async def pause(self, timeout_s: float = 5.0) -> None:
@@ -815,7 +811,7 @@ class InferenceEngine:
             "active_slots": len(self._scheduler.running),
             "waiting": len(self._scheduler.waiting),
             **prompt_stats(c),
-            **kv_stats(self._kv, kv_bytes_per_token(self._config, self._kv_dtype)),
+            **kv_stats(self._kv, self._kv_token_bytes),
             "stale_kv_tokens": c["stale_kv_tokens"],
             "preemptions": c["preemptions"],
             "session_evictions": c["session_evictions"],
@@ -934,9 +930,7 @@ class InferenceEngine:
     def _ensure_buffers(self) -> None:
         """Builds the KV pages and the token buffer if there are none (first use, reset)."""
         if self._pages is None:
-            self._pages = init_kv_pages(
-                self._config, self._kv.num_blocks, self._kv.block_size, self._kv_dtype
-            )
+            self._pages = self._new_pages()
         if self._last_tokens is None:
             self._last_tokens = jnp.zeros((self._scheduler.max_running + 1,), jnp.int32)
 
@@ -953,13 +947,8 @@ class InferenceEngine:
                     self._pending_weights = None
                     if self._kv_mode == "recompute":
                         self._kv.drop_weights_kv(self._scheduler.requests())
-                    profiling.add(
-                        "weight_swap",
-                        swap_start,
-                        time.perf_counter(),
-                        "weights",
-                        {"version": self._version},
-                    )
+                    args = {"version": self._version}
+                    profiling.add("weight_swap", swap_start, time.perf_counter(), "weights", args)
                 if self._paused:
                     await self._drain()
                     await self._wake.wait()
