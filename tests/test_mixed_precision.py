@@ -37,6 +37,7 @@ from raytunix.learner.train_state import (
     make_optimizer,
     make_sft_update,
 )
+from raytunix.models.hf import hf_config_from_model
 from raytunix.models.llama import ModelConfig, cast_params, init_model
 from raytunix.models.tokenizer import Tokenizer
 from raytunix.types import GenerationRequest, SamplingParams
@@ -195,3 +196,9 @@ def test_model_dtype_and_kv_dtype_are_settings_and_reach_the_model():
         dataclasses.replace(FP32, dtype="float16")
     with pytest.raises(ValueError, match="kv_dtype must be one of"):
         InferenceEngine(GRAPH_FP32, PARAMS, FP32, TOKENIZER, kv_dtype="int8")
+
+
+def test_a_bf16_run_exports_against_its_source_folders_config():
+    source = hf_config_from_model(FP32)  # the config.json of the folder a run started from
+    exported = hf_config_from_model(BF16, base=source, dtype="float32")
+    assert exported == source  # written as the float32 master weights, shape unchanged
