@@ -34,6 +34,8 @@ class ConfigError(ValueError):
 # behaviour import them from here (this module imports nothing of raytunix at import time).
 EnginePlacement = Literal["colocated", "disaggregated"]
 KVOnWeightUpdate = Literal["recompute", "keep"]
+ModelDtype = Literal["float32", "bfloat16"]  # raytunix.models.llama.MODEL_DTYPES
+KVDtype = Literal["auto", ModelDtype]  # auto: the model's
 LossAggregation = Literal["token_mean", "sequence_mean_token_mean", "sequence_mean_token_sum_norm"]
 OffPolicyCorrection = Literal["none", "decoupled_ppo"]
 ImportanceSampling = Literal["token_tis", "sequence_tis", "geometric_tis"]
@@ -246,6 +248,13 @@ class ModelConfig:
         "byte-level BPE vocabulary, trained on the demonstrations",
         bounds=">= 272",
         hint="256 bytes plus the special tokens",
+    )
+    dtype: ModelDtype = setting(
+        "float32",
+        "compute dtype of the model's matmuls and activations, and of the weights published "
+        "to engines (bfloat16 halves their bytes); master weights, optimizer state, "
+        "checkpoints, attention softmax, logits, logprobs and losses stay float32",
+        resume=True,
     )
 
 
@@ -539,6 +548,12 @@ class EngineConfig:
     sessions: bool = setting(
         True, "keep an episode's KV in the engine between its turns", resume=True
     )
+    kv_dtype: KVDtype = setting(
+        "auto",
+        "dtype of the KV cache; auto = model.dtype (a bfloat16 model's keys and values are "
+        "bfloat16 already, so a float32 cache would hold the same numbers in twice the bytes)",
+        resume=True,
+    )
     compile_ahead: bool = setting(
         True,
         "compile every step program the engine can reach on a background thread from its "
@@ -572,6 +587,7 @@ class EngineConfig:
             "prefill_chunk_tokens": self.prefill_chunk_tokens,
             "kv_on_weight_update": self.kv_on_weight_update,
             "sessions": self.sessions,
+            "kv_dtype": self.kv_dtype,
             "compile_ahead": self.compile_ahead,
         }
 

@@ -28,6 +28,7 @@ import sys
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from raytunix.config import Config, ConfigError
@@ -100,14 +101,13 @@ class Precision:
 
 
 def precision(cfg: Config) -> Precision:
-    """The run's dtypes. Every one is float32 today: ``init_model`` makes float32 params,
-    the forward computes in them, the engine's KV pages are float32 (``init_kv_pages``'
-    default). A dtype setting in the config (e.g. ``model.dtype``) is read here, and the
-    plan follows it: params in it, a float32 master copy beside them when it is not
-    float32."""
-    del cfg  # nothing to read yet
-    f32 = np.dtype(np.float32)
-    return Precision(params=f32, compute=f32, kv_cache=f32)
+    """The run's dtypes: the learner's params are float32 master weights whatever
+    ``model.dtype`` says (the forward casts them to it); activations and the engine's
+    weights are in ``model.dtype``; the KV pages in ``engine.kv_dtype`` (``auto``: the
+    model's)."""
+    compute = np.dtype(jnp.dtype(cfg.model.dtype))
+    kv = compute if cfg.engine.kv_dtype == "auto" else np.dtype(jnp.dtype(cfg.engine.kv_dtype))
+    return Precision(params=np.dtype(np.float32), compute=compute, kv_cache=kv)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,12 +312,18 @@ def memory_plan(cfg: Config, capacity: Capacity) -> MemoryPlan:
     # A colocated engine reads the learner's own arrays when device 0 holds them whole;
     # otherwise it, like a separate engine, holds a full copy, and a second while the next
     # version's weights are swapped in.
-    shared = colocated and _bytes_per_device(params, mesh) == full_params
-    engine_weights = 0 if shared else 2 * full_params
+    # Under another compute dtype the engine gets the learner's params cast, a copy.
+    shared = (
+        colocated
+        and dtypes.compute == np.float32
+        and _bytes_per_device(params, mesh) == full_params
+    )
+    engine_copy = full_params * dtypes.compute.itemsize // dtypes.params.itemsize
+    engine_weights = 0 if shared else 2 * engine_copy
     how["engine_weights"] = (
         "the learner's params on this device, by reference"
         if shared
-        else "the whole params, twice while a new version is swapped in"
+        else f"the whole params in {dtypes.compute.name}, twice while a new version is swapped in"
     )
     engine = {k: 0 for k in ITEMS} | {"engine_weights": engine_weights, "kv_cache": kv}
     devices: tuple[DevicePlan, ...]
@@ -345,7 +351,8 @@ def _add(learner: dict[str, int], engine: dict[str, int]) -> dict[str, int]:
 def model_shape(cfg: Config, vocab_size: int | None = None) -> ModelConfig:
     """The run's model: ``model.path``'s config.json at ``model.max_seq_len`` tokens of
     context, else a fresh model of the ``model.*`` sizes over ``vocab_size`` ids
-    (default ``model.tokenizer_vocab_size``, the most the trained tokenizer has).
+    (default ``model.tokenizer_vocab_size``, the most the trained tokenizer has); either
+    computing in ``model.dtype``.
 
     Raises:
       ConfigError: the folder's config.json cannot be read as a model.
@@ -360,11 +367,12 @@ def model_shape(cfg: Config, vocab_size: int | None = None) -> ModelConfig:
             n_kv_heads=m.n_kv_heads,
             d_ff=m.d_ff,
             max_seq_len=m.max_seq_len,
+            dtype=m.dtype,
         )
     from raytunix.models.hf import CheckpointError, read_model_config
 
     try:
-        return read_model_config(m.path, m.max_seq_len)
+        return dataclasses.replace(read_model_config(m.path, m.max_seq_len), dtype=m.dtype)
     except CheckpointError as e:
         raise ConfigError(f"model.path: {e}") from None
 
@@ -440,18 +448,11 @@ def learner_items(
     phase = max(opt_bytes, key=lambda p: opt_bytes[p])
     count = sum(x.size for x in jax.tree.leaves(trained))
     split = "split by the learner's partition rules"
-    f32 = np.dtype(np.float32)
-    master = (
-        0
-        if precision(cfg).params == f32
-        else _bytes_per_device(
-            jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, f32), params), mesh
-        )
-    )
+    compute = precision(cfg).compute
     accumulate = _rl_micro_batches(cfg, mesh.shape["data"] * mesh.shape["fsdp"]) > 1
     items = {
         "params": param_bytes,
-        "master_weights": master,
+        "master_weights": 0,  # the params are the master weights (see ``how``)
         "optimizer_state": opt_bytes[phase],
         "gradients": param_bytes * (2 if accumulate else 1),
         "new_state": param_bytes + opt_bytes[phase],
@@ -460,8 +461,9 @@ def learner_items(
     how = {
         "params": f"jax.eval_shape of init_model, {count:,} values, {split}",
         "master_weights": "none: params are float32"
-        if not master
-        else "a float32 copy of the params the optimizer updates",
+        if compute == np.float32
+        else f"none apart: the params are the float32 master weights, cast to {compute.name} "
+        "inside the forward",
         "optimizer_state": f"jax.eval_shape of the {phase} optax optimizer's init "
         f"(learner.optimizer={cfg.learner.optimizer}), {split}",
         "gradients": "the params' shape; twice: the micro-batches' sum and one pass's own"

@@ -210,7 +210,7 @@ def uses_tools(cfg: Config) -> bool:
 def model_config(cfg: Config, tokenizer: Tokenizer) -> ModelConfig:
     """The run's model: ``model.path``'s config.json at ``model.max_seq_len`` tokens of
     context, else a fresh model of the ``model.*`` sizes over ``tokenizer``'s ids
-    (``memory_plan.model_shape``).
+    (``memory_plan.model_shape``); either computes in ``model.dtype``.
 
     Raises:
       RunError: the folder's model cannot be read, or its embedding has fewer ids than

@@ -81,7 +81,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from raytunix.config import KVOnWeightUpdate
+from raytunix.config import KVDtype, KVOnWeightUpdate
 from raytunix import profiling
 from raytunix.inference.accounting import DeviceAccounting, kv_stats, prompt_stats
 from raytunix.inference.kv_cache import NO_KV, KVCacheManager, Sequence
@@ -106,6 +106,19 @@ _Sequence = Sequence
 logger = logging.getLogger(__name__)
 
 KV_ON_WEIGHT_UPDATE: tuple[str, ...] = get_args(KVOnWeightUpdate)  # engine.kv_on_weight_update
+KV_DTYPES: tuple[str, ...] = get_args(KVDtype)  # engine.kv_dtype
+
+
+def kv_cache_dtype(kv_dtype: str, model_config: ModelConfig) -> jnp.dtype:
+    """The KV cache's dtype for the setting ``kv_dtype`` (``KV_DTYPES``; ``"auto"``: the
+    model's compute dtype, ``model_config.dtype``).
+
+    Raises:
+      ValueError: ``kv_dtype`` is not one of ``KV_DTYPES``.
+    """
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"InferenceEngine: kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}.")
+    return jnp.dtype(model_config.dtype if kv_dtype == "auto" else kv_dtype)
 
 
 def _forward_step(
@@ -172,10 +185,11 @@ def _step_fn(graphdef):
 
 
 def _layout_key(
-    params, config: ModelConfig, num_blocks: int, block_size: int, max_running: int
+    params, config: ModelConfig, num_blocks: int, block_size: int, kv_dtype, max_running: int
 ) -> tuple:
     """What a step program is built for besides its shape: the weights' structure,
-    shapes, dtypes and shardings, and the KV pages' and token buffer's sizes."""
+    shapes, dtypes and shardings, the KV pages' size and dtype and the token buffer's
+    size."""
     leaves, treedef = jax.tree.flatten(params)
     return (
         treedef,
@@ -183,6 +197,7 @@ def _layout_key(
         config,
         num_blocks,
         block_size,
+        jnp.dtype(kv_dtype),
         max_running,
     )
 
@@ -193,6 +208,7 @@ def _lower_step(
     config: ModelConfig,
     num_blocks: int,
     block_size: int,
+    kv_dtype,
     max_running: int,
     shape: Shape,
 ):
@@ -204,7 +220,7 @@ def _lower_step(
     def host(dims, dtype):
         return jax.ShapeDtypeStruct(dims, dtype, sharding=device)
 
-    pages = jax.eval_shape(lambda: init_kv_pages(config, num_blocks, block_size))
+    pages = jax.eval_shape(lambda: init_kv_pages(config, num_blocks, block_size, kv_dtype))
     b, t, i32, f32, u32 = shape.batch, shape.length, np.int32, np.float32, np.uint32
     return step.lower(
         shape.truncate,
@@ -230,7 +246,7 @@ def _step_programs(
     graphdef, layout: tuple, reachable: Callable[[bool], list[Shape]], ahead: bool
 ) -> StepPrograms:
     """The step programs of one engine: ``layout`` is ``(params, config, num_blocks,
-    block_size, max_running)`` (see ``_layout_key``); programs of an equal layout are
+    block_size, kv_dtype, max_running)`` (see ``_layout_key``); programs of an equal layout are
     shared between the engines of a process; ``reachable(truncate)`` lists the shapes the
     scheduler can call, compiled on a background thread from now on when ``ahead``."""
     step = _step_fn(graphdef)
@@ -542,7 +558,7 @@ class InferenceEngine:
     """Continuous-batching generation for one model on one device (see module docstring).
 
     Args:
-      graphdef, params: the model, as returned by ``raytunix.models.llama.init_model``.
+      graphdef, params: the model (``init_model``), its weights held in ``model_config.dtype``.
       model_config: its ``ModelConfig``.
       tokenizer: has ``decode(ids) -> str``; used for stop strings and ``result.text``.
       max_batch_size: most requests decoded together (rows of a decode step); the oldest
@@ -559,6 +575,7 @@ class InferenceEngine:
         and recomputed) or ``"keep"`` (kept, and counted as stale per token).
       sessions: keep a session's KV between its requests; False ignores ``session_id``
         (every turn is prefilled from the prefix cache or computed).
+      kv_dtype: the KV cache's dtype, ``"float32"``, ``"bfloat16"`` or ``"auto"`` (the model's).
       prefill_min_batch, max_prefill_delay_steps: while other requests decode, fewer than
         ``prefill_min_batch`` requests to prefill wait up to ``max_prefill_delay_steps``
         decode steps for company (one fuller prefill instead of several padded ones);
@@ -593,6 +610,7 @@ class InferenceEngine:
         policy_version: int = 0,
         kv_on_weight_update: str = "recompute",
         sessions: bool = True,
+        kv_dtype: str = "auto",
         prefill_min_batch: int = 4,
         max_prefill_delay_steps: int = 4,
         compile_ahead: bool = False,
@@ -609,6 +627,9 @@ class InferenceEngine:
             max_prefill_delay_steps=max_prefill_delay_steps,
         )
         self._config = model_config
+        pages = (model_config, num_blocks, block_size, kv_cache_dtype(kv_dtype, model_config))
+        self._new_pages = functools.partial(init_kv_pages, *pages)  # empty KV pages
+        self._kv_token_bytes = kv_bytes_per_token(model_config, pages[3])
         self._tokenizer = tokenizer
         self._max_seq_len = seq_len
         self._kv_mode = kv_on_weight_update
@@ -624,10 +645,10 @@ class InferenceEngine:
             prefill_min_batch=prefill_min_batch,
             max_prefill_delay_steps=max_prefill_delay_steps,
         )
-        self._params = on_engine_device(params)
+        self._params = on_engine_device(params, model_config.dtype)
         self._version = int(policy_version)
         self._pending_weights: tuple[Any, int] | None = None
-        layout = (self._params, model_config, num_blocks, block_size, self._scheduler.max_running)
+        layout = (self._params, *pages, self._scheduler.max_running)
         self._programs = _step_programs(graphdef, layout, self._reachable, bool(compile_ahead))
         self._pages: KVPages | None = None  # None: (re)build before the next device call
         # Token each running request sampled last, by slot; the last slot is padding's.
@@ -724,18 +745,19 @@ class InferenceEngine:
         Tokens sampled after the swap carry ``version``. With
         ``kv_on_weight_update="recompute"`` every request in flight is re-prefilled
         (prompt + its tokens so far) under the new weights, and sessions and the prefix
-        cache are emptied. Safe to call from the event loop or another thread.
+        cache are emptied. Weights are cast to the model's compute dtype. Safe to call
+        from the event loop or another thread.
 
         Raises:
           ValueError: ``version`` is lower than the current or already queued version,
-            or ``params`` does not have the structure, shapes and dtypes of the
-            current weights.
+            or ``params`` does not have the structure and shapes of the current weights.
           RuntimeError: the engine is closed.
         """
         if self._closed:
             raise RuntimeError("InferenceEngine is closed; build a new one.")
+        params = on_engine_device(params, self._config.dtype)
         version = check_weight_update(params, version, self._params, self._received_version())
-        self._pending_weights = (on_engine_device(params), version)
+        self._pending_weights = (params, version)
         self._notify()
 
     async def pause(self, timeout_s: float = 5.0) -> None:
@@ -799,7 +821,7 @@ class InferenceEngine:
             "active_slots": len(self._scheduler.running),
             "waiting": len(self._scheduler.waiting),
             **prompt_stats(c),
-            **kv_stats(self._kv, kv_bytes_per_token(self._config)),
+            **kv_stats(self._kv, self._kv_token_bytes),
             "stale_kv_tokens": c["stale_kv_tokens"],
             "preemptions": c["preemptions"],
             "session_evictions": c["session_evictions"],
@@ -918,7 +940,7 @@ class InferenceEngine:
     def _ensure_buffers(self) -> None:
         """Builds the KV pages and the token buffer if there are none (first use, reset)."""
         if self._pages is None:
-            self._pages = init_kv_pages(self._config, self._kv.num_blocks, self._kv.block_size)
+            self._pages = self._new_pages()
         if self._last_tokens is None:
             self._last_tokens = jnp.zeros((self._scheduler.max_running + 1,), jnp.int32)
 
@@ -935,13 +957,8 @@ class InferenceEngine:
                     self._pending_weights = None
                     if self._kv_mode == "recompute":
                         self._kv.drop_weights_kv(self._scheduler.requests())
-                    profiling.add(
-                        "weight_swap",
-                        swap_start,
-                        time.perf_counter(),
-                        "weights",
-                        {"version": self._version},
-                    )
+                    args = {"version": self._version}
+                    profiling.add("weight_swap", swap_start, time.perf_counter(), "weights", args)
                 if self._paused:
                     await self._drain()
                     await self._wake.wait()

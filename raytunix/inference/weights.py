@@ -8,12 +8,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from raytunix.models.llama import cast_params
 
-def on_engine_device(params: Any) -> Any:
+
+def on_engine_device(params: Any, dtype: Any = None) -> Any:
     """``params`` on the engine's one device, ``jax.devices()[0]``: weights a learner split
     over a mesh (even a one-device mesh) have another array type than plain ones, and
     every step program would compile again for them at the first weight update. Arrays
-    some other process holds a part of stay as they are."""
+    some other process holds a part of stay as they are. With ``dtype`` (the model's
+    compute dtype), floating-point weights are cast to it first (``cast_params``: a no-op
+    for weights a learner published in it)."""
+    if dtype is not None:
+        params = cast_params(params, dtype)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     leaves = jax.tree.leaves(params)
     if all(not isinstance(x, jax.Array) or x.is_fully_addressable for x in leaves):

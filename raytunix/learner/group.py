@@ -236,7 +236,7 @@ class LearnerHost(LearnerActor):
         from parameters every host helps gather; the others return []."""
         from raytunix.models.hf import export_checkpoint
 
-        params = await self._in_thread(self.learner.weights_numpy)
+        params = await self._in_thread(self.learner.weights_numpy, True)  # float32 master
         if self.rank != 0:
             return []
         return await self._in_thread(

@@ -49,7 +49,7 @@ from raytunix.learner.train_state import (
     make_sft_update,
     packed_row_multiple,
 )
-from raytunix.models.llama import ModelConfig, init_model
+from raytunix.models.llama import ModelConfig, cast_params, init_model
 
 __all__ = ["Learner", "RLHyperparams", "SFTHyperparams"]
 
@@ -301,16 +301,19 @@ class Learner:
         return metrics
 
     def policy(self) -> tuple[Any, int]:
-        """``(params, policy_version)`` read together: the parameters are those of that
-        version even while an update runs in another thread."""
+        """``(params, policy_version)`` read together, the parameters those of that version
+        even while an update runs in another thread, in the model's compute dtype
+        (``model_config.dtype``): what an engine is given."""
         with self._policy_lock:
-            return self.params, self.version
+            return cast_params(self.params, self.model_config.dtype), self.version
 
-    def weights_numpy(self):
-        """The parameters as a pytree of full numpy arrays (for shipping to engine
-        actors). With a mesh over several processes, every process must call it
-        (``sharding.gather_to_host``)."""
-        return gather_to_host(self.params)
+    def weights_numpy(self, master: bool = False):
+        """The parameters as a pytree of full numpy arrays: in the compute dtype, what is
+        shipped to engine actors, or with ``master`` the float32 master weights (what
+        checkpoints hold and an export writes). With a mesh over several processes, every
+        process must call it (``sharding.gather_to_host``)."""
+        params = self.params if master else cast_params(self.params, self.model_config.dtype)
+        return gather_to_host(params)
 
     def versioned_weights_numpy(self) -> tuple[Any, int]:
         """``(weights_numpy(), policy_version)`` of one and the same update (``policy``)."""

@@ -256,7 +256,8 @@ def hf_config_from_model(
     """
     if base is not None:
         described = model_config_from_hf(base, config.max_seq_len, "the source config.json")
-        if described != config:
+        # The compute dtype (model.dtype) is the run's choice, not the folder's.
+        if dataclasses.replace(described, dtype=config.dtype) != config:
             raise CheckpointError(
                 f"the source config.json describes {described}, not the exported model "
                 f"{config}; export without a source or from the folder the model came from."

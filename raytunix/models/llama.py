@@ -27,16 +27,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
+from typing import NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from raytunix.config import ModelDtype
+
 # Added to masked attention scores. Finite, so that a query that may see nothing (a padding
 # row with a negative position) yields uniform, NaN-free garbage instead of NaNs.
 _MASK_VALUE = -1e30
-_PRECISION = jax.lax.Precision.HIGHEST
+
+MODEL_DTYPES: tuple[str, ...] = get_args(ModelDtype)
+"""Compute dtypes ``ModelConfig.dtype`` takes (the config's ``model.dtype``)."""
 
 
 ROPE_SCALING_KINDS = ("linear", "llama3")
@@ -111,6 +115,11 @@ class ModelConfig:
       qk_norm: whether each query and key head goes through its own RMSNorm (weights
         shared across heads, over ``head_dim``) before the rotation (Qwen3).
       rope_scaling: how the rotary frequencies are scaled, or None for plain RoPE.
+      dtype: the compute dtype, one of ``MODEL_DTYPES``: every layer casts its input and
+        its weights to it (Flax's ``dtype``), so activations and the weights an engine
+        holds are in it, while parameters are created, trained and checkpointed in
+        float32 (``param_dtype``) and gradients come back in float32. Attention scores,
+        softmax and the logits are float32 in either (``Transformer.logits``).
     """
 
     vocab_size: int
@@ -128,6 +137,7 @@ class ModelConfig:
     o_bias: bool = False
     qk_norm: bool = False
     rope_scaling: RopeScaling | None = None
+    dtype: str = "float32"
 
     def __post_init__(self):
         for name in (
@@ -178,6 +188,10 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.rope_scaling must be a RopeScaling or None, got "
                 f"{self.rope_scaling!r}."
+            )
+        if self.dtype not in MODEL_DTYPES:
+            raise ValueError(
+                f"ModelConfig.dtype={self.dtype!r} is not supported; use one of {MODEL_DTYPES}."
             )
 
 
@@ -335,6 +349,17 @@ def _normal(std: float):
     return nnx.initializers.normal(stddev=std)
 
 
+def _linear(config: ModelConfig, d_in: int, d_out: int, init, rngs: nnx.Rngs, bias=False):
+    """A float32-parameter dense layer that computes in ``config.dtype``."""
+    dtype = jnp.dtype(config.dtype)
+    return nnx.Linear(d_in, d_out, use_bias=bias, kernel_init=init, dtype=dtype, rngs=rngs)
+
+
+def _rms_norm(config: ModelConfig, width: int, rngs: nnx.Rngs):
+    """An RMSNorm with float32 scale and statistics whose output is ``config.dtype``."""
+    return nnx.RMSNorm(width, epsilon=config.norm_eps, dtype=jnp.dtype(config.dtype), rngs=rngs)
+
+
 class Attention(nnx.Module):
     """Grouped-query self-attention with rotary embeddings and an optional KV cache;
     optional projection biases and per-head q/k RMSNorm (see ``ModelConfig``)."""
@@ -345,13 +370,13 @@ class Attention(nnx.Module):
         init = _normal(0.02)
         out_init = _normal(0.02 / math.sqrt(2 * config.n_layers))
         qkv_bias = config.qkv_bias
-        self.q_proj = nnx.Linear(d, h * hd, use_bias=qkv_bias, kernel_init=init, rngs=rngs)
-        self.k_proj = nnx.Linear(d, kv * hd, use_bias=qkv_bias, kernel_init=init, rngs=rngs)
-        self.v_proj = nnx.Linear(d, kv * hd, use_bias=qkv_bias, kernel_init=init, rngs=rngs)
-        self.o_proj = nnx.Linear(h * hd, d, use_bias=config.o_bias, kernel_init=out_init, rngs=rngs)
+        self.q_proj = _linear(config, d, h * hd, init, rngs, bias=qkv_bias)
+        self.k_proj = _linear(config, d, kv * hd, init, rngs, bias=qkv_bias)
+        self.v_proj = _linear(config, d, kv * hd, init, rngs, bias=qkv_bias)
+        self.o_proj = _linear(config, h * hd, d, out_init, rngs, bias=config.o_bias)
         if config.qk_norm:
-            self.q_norm = nnx.RMSNorm(hd, epsilon=config.norm_eps, rngs=rngs)
-            self.k_norm = nnx.RMSNorm(hd, epsilon=config.norm_eps, rngs=rngs)
+            self.q_norm = _rms_norm(config, hd, rngs)
+            self.k_norm = _rms_norm(config, hd, rngs)
         else:
             self.q_norm = self.k_norm = None
 
@@ -379,7 +404,6 @@ class Attention(nnx.Module):
         tokens of its own segment (sequence packing)."""
         cfg = self.config
         batch, length, _ = x.shape
-        groups = cfg.n_heads // cfg.n_kv_heads
         q = self.q_proj(x).reshape(batch, length, cfg.n_heads, cfg.head_dim)
         k = self.k_proj(x).reshape(batch, length, cfg.n_kv_heads, cfg.head_dim)
         v = self.v_proj(x).reshape(batch, length, cfg.n_kv_heads, cfg.head_dim)
@@ -418,25 +442,13 @@ class Attention(nnx.Module):
             keys, values = cache_k[layer], cache_v[layer]  # [B, KVH, S, D]
             mask = jnp.arange(cache_len)[None, None, :] <= positions[:, :, None]  # [B, T, S]
 
-        # Query head h uses key/value head h // groups, as in the HF repeat_kv layout.
-        q = q.reshape(batch, length, cfg.n_kv_heads, groups, cfg.head_dim)
-        q = q.transpose(0, 2, 3, 1, 4).reshape(batch, cfg.n_kv_heads, groups * length, cfg.head_dim)
-        scores = jnp.einsum(
-            "bkqd,bksd->bkqs", q.astype(jnp.float32), keys.astype(jnp.float32), precision=_PRECISION
-        ) / math.sqrt(cfg.head_dim)
-        scores = scores.reshape(batch, cfg.n_kv_heads, groups, length, -1)
-        scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
-        probs = jax.nn.softmax(scores, axis=-1).reshape(batch, cfg.n_kv_heads, groups * length, -1)
-        out = jnp.einsum("bkqs,bksd->bkqd", probs, values.astype(jnp.float32), precision=_PRECISION)
-        out = out.reshape(batch, cfg.n_kv_heads, groups, length, cfg.head_dim)
-        out = out.transpose(0, 3, 1, 2, 4).reshape(batch, length, cfg.n_heads * cfg.head_dim)
+        out = _grouped_attention(q, keys, values, mask)
         return self.o_proj(out.astype(x.dtype)), cache
 
     def _paged(self, q, k, v, positions, cache, layer, block_tables, dtype):
         """Attention over a paged cache; q ``[B, T, H, D]``, k/v ``[B, KVH, T, D]``."""
         cfg = self.config
         batch, length = positions.shape
-        groups = cfg.n_heads // cfg.n_kv_heads
         pages_k, pages_v = cache
         num_blocks, block_size = pages_k.shape[1], pages_k.shape[3]
         safe = jnp.maximum(positions, 0)
@@ -459,21 +471,36 @@ class Attention(nnx.Module):
 
         keys, values = gather(pages_k), gather(pages_v)
         mask = jnp.arange(span)[None, None, :] <= positions[:, :, None]  # [B, T, span]
-        # The layout of the dense path: query head h uses key/value head h // groups.
-        q = q.reshape(batch, length, cfg.n_kv_heads, groups, cfg.head_dim)
-        q = q.transpose(0, 2, 3, 1, 4).reshape(batch, cfg.n_kv_heads, groups * length, cfg.head_dim)
-        scores = jnp.einsum(
-            "bkqd,bksd->bkqs", q.astype(jnp.float32), keys.astype(jnp.float32), precision=_PRECISION
-        ) / math.sqrt(cfg.head_dim)
-        scores = scores.reshape(batch, cfg.n_kv_heads, groups, length, span)
-        scores = jnp.where(mask[:, None, None], scores, _MASK_VALUE)
-        probs = jax.nn.softmax(scores, axis=-1).reshape(
-            batch, cfg.n_kv_heads, groups * length, span
-        )
-        out = jnp.einsum("bkqs,bksd->bkqd", probs, values.astype(jnp.float32), precision=_PRECISION)
-        out = out.reshape(batch, cfg.n_kv_heads, groups, length, cfg.head_dim)
-        out = out.transpose(0, 3, 1, 2, 4).reshape(batch, length, cfg.n_heads * cfg.head_dim)
+        out = _grouped_attention(q, keys, values, mask)
         return self.o_proj(out.astype(dtype)), (pages_k, pages_v)
+
+
+def _grouped_attention(q, keys, values, mask):
+    """Softmax attention of queries ``q`` ``[B, T, H, D]`` over ``keys`` and ``values``
+    ``[B, KVH, S, D]`` where ``mask`` ``bool[B, T, S]`` allows it; query head h uses
+    key/value head ``h // (H / KVH)``, the Hugging Face ``repeat_kv`` layout.
+
+    The products take their inputs as they come (bfloat16 under a bfloat16 model) and sum
+    in float32 (``preferred_element_type``); scores and softmax are float32, and the
+    probabilities are cast to the values' dtype for the second product, as mixed-precision
+    training does (Micikevicius et al. 2018, arXiv:1710.03740). With float32 inputs it is
+    plain float32 attention. Returns ``float32[B, T, H * D]``."""
+    batch, length, heads, head_dim = q.shape
+    kv_heads = keys.shape[1]
+    groups = heads // kv_heads
+    q = q.reshape(batch, length, kv_heads, groups, head_dim)
+    q = q.transpose(0, 2, 3, 1, 4).reshape(batch, kv_heads, groups * length, head_dim)
+    scores = jnp.einsum("bkqd,bksd->bkqs", q, keys, preferred_element_type=jnp.float32) / math.sqrt(
+        head_dim
+    )
+    scores = scores.reshape(batch, kv_heads, groups, length, -1)
+    scores = jnp.where(mask[:, None, None], scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).reshape(batch, kv_heads, groups * length, -1)
+    out = jnp.einsum(
+        "bkqs,bksd->bkqd", probs.astype(values.dtype), values, preferred_element_type=jnp.float32
+    )
+    out = out.reshape(batch, kv_heads, groups, length, head_dim)
+    return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, heads * head_dim)
 
 
 class MLP(nnx.Module):
@@ -484,9 +511,9 @@ class MLP(nnx.Module):
         d, f = config.d_model, config.d_ff
         init = _normal(0.02)
         out_init = _normal(0.02 / math.sqrt(2 * config.n_layers))
-        self.gate_proj = nnx.Linear(d, f, use_bias=False, kernel_init=init, rngs=rngs)
-        self.up_proj = nnx.Linear(d, f, use_bias=False, kernel_init=init, rngs=rngs)
-        self.down_proj = nnx.Linear(f, d, use_bias=False, kernel_init=out_init, rngs=rngs)
+        self.gate_proj = _linear(config, d, f, init, rngs)
+        self.up_proj = _linear(config, d, f, init, rngs)
+        self.down_proj = _linear(config, f, d, out_init, rngs)
 
     def __call__(self, x):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -496,11 +523,9 @@ class Block(nnx.Module):
     """One pre-norm transformer block: attention then MLP, each with a residual."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-        self.input_layernorm = nnx.RMSNorm(config.d_model, epsilon=config.norm_eps, rngs=rngs)
+        self.input_layernorm = _rms_norm(config, config.d_model, rngs)
         self.self_attn = Attention(config, rngs=rngs)
-        self.post_attention_layernorm = nnx.RMSNorm(
-            config.d_model, epsilon=config.norm_eps, rngs=rngs
-        )
+        self.post_attention_layernorm = _rms_norm(config, config.d_model, rngs)
         self.mlp = MLP(config, rngs=rngs)
 
     def __call__(self, x, positions, cache, layer: int, block_tables=None, segment_ids=None):
@@ -518,20 +543,18 @@ class Transformer(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
         self.embed_tokens = nnx.Embed(
-            config.vocab_size, config.d_model, embedding_init=_normal(0.02), rngs=rngs
+            config.vocab_size,
+            config.d_model,
+            embedding_init=_normal(0.02),
+            dtype=jnp.dtype(config.dtype),
+            rngs=rngs,
         )
         self.layers = nnx.List([Block(config, rngs=rngs) for _ in range(config.n_layers)])
-        self.norm = nnx.RMSNorm(config.d_model, epsilon=config.norm_eps, rngs=rngs)
+        self.norm = _rms_norm(config, config.d_model, rngs)
         if config.tie_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nnx.Linear(
-                config.d_model,
-                config.vocab_size,
-                use_bias=False,
-                kernel_init=_normal(0.02),
-                rngs=rngs,
-            )
+            self.lm_head = _linear(config, config.d_model, config.vocab_size, _normal(0.02), rngs)
 
     def __call__(
         self,
@@ -604,9 +627,14 @@ class Transformer(nnx.Module):
 
     def logits(self, hidden):
         """``float32[..., vocab_size]`` logits of the final hidden state (tied embeddings
-        or the LM head)."""
-        logits = self.embed_tokens.attend(hidden) if self.lm_head is None else self.lm_head(hidden)
-        return logits.astype(jnp.float32)
+        or the LM head). The product's inputs are in the compute dtype, its sums and
+        output float32: rounding bfloat16 logits would move logprobs by up to about
+        ``|logit| / 256`` nats, more than the rest of the model's rounding does."""
+        if self.lm_head is None:
+            weight = self.embed_tokens.embedding[...].T
+        else:
+            weight = self.lm_head.kernel[...]
+        return jnp.dot(hidden, weight.astype(hidden.dtype), preferred_element_type=jnp.float32)
 
 
 def _check_forward_args(
@@ -678,10 +706,25 @@ def init_model(config: ModelConfig, seed: int) -> tuple[nnx.GraphDef, nnx.State]
     """Builds a freshly initialised model and splits it for functional use.
 
     Returns:
-      ``(graphdef, state)`` from ``nnx.split``; ``state`` holds float32 parameters and is
-      a pytree that can be passed through ``jax.jit``.
+      ``(graphdef, state)`` from ``nnx.split``; ``state`` holds float32 parameters (the
+      model computes in ``config.dtype`` whatever its parameters' dtype) and is a pytree
+      that can be passed through ``jax.jit``.
     """
     return nnx.split(Transformer(config, rngs=nnx.Rngs(seed)))
+
+
+def cast_params(state: nnx.State, dtype) -> nnx.State:
+    """``state`` with every floating-point array in ``dtype`` (a name or numpy/jax dtype);
+    arrays already in it are passed through, not copied. What a learner publishes to its
+    engines: weights in the compute dtype (``ModelConfig.dtype``), half the bytes of
+    float32 ones in bfloat16."""
+    dtype = jnp.dtype(dtype)
+
+    def cast(x):
+        floating = jnp.issubdtype(x.dtype, jnp.floating)
+        return x.astype(dtype) if floating and x.dtype != dtype else x
+
+    return jax.tree.map(cast, state)
 
 
 def forward(
