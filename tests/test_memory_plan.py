@@ -182,3 +182,29 @@ def test_the_driver_measures_the_devices_in_a_child_process():
         here.bytes_limit,
     )
     assert child.host_available is None or child.host_available > 0
+
+
+def test_a_bfloat16_run_plans_its_kv_pages_and_engine_copy_in_bfloat16():
+    cfg, plan = _plan(["model.dtype=bfloat16", "engine.max_batch_size=8"])
+    _, fp32 = _plan(["engine.max_batch_size=8"])
+    items, fp32_items = plan.devices[0].items, fp32.devices[0].items
+    model = model_shape(cfg, vocab_size=300)
+    graphdef, params = init_model(model, 0)
+    engine = InferenceEngine(
+        graphdef,
+        params,
+        model,
+        Tokenizer.byte_level(),
+        **{**cfg.engine.engine_kwargs(), "compile_ahead": False},
+    )
+    engine._ensure_buffers()
+    assert items["kv_cache"] == _nbytes(engine._pages) == fp32_items["kv_cache"] // 2
+    # the learner keeps float32 params (the master weights) and optimizer state ...
+    assert (items["params"], items["optimizer_state"], items["master_weights"]) == (
+        fp32_items["params"],
+        fp32_items["optimizer_state"],
+        0,
+    )
+    # ... and the colocated engine holds a bfloat16 copy, twice while one is swapped in
+    assert fp32_items["engine_weights"] == 0
+    assert items["engine_weights"] == 2 * (fp32_items["params"] // 2)
