@@ -350,7 +350,10 @@ class EnvConfig:
         resume=True,
     )
     env_actor_max_restarts: int = setting(
-        3, "a crashed env actor is restarted this often", bounds=">= 0"
+        3,
+        "a crashed env actor is restarted this often, then replaced by a new one",
+        bounds=">= 0",
+        resume=True,
     )
     actor_resources: dict[str, float] = setting(
         factory=dict,

@@ -444,6 +444,42 @@ def test_a_program_that_ends_its_process_ends_only_the_episodes_of_its_env_actor
             ray.kill(actor)
 
 
+@pytest.mark.slow
+def test_an_env_actor_a_program_ended_for_good_is_replaced_and_the_episodes_go_on(
+    ray_session, served
+):
+    from raytunix.rollout.env_pool import EnvPool
+
+    thread, _ = served
+    pool = EnvPool(
+        "agent_program",
+        {"entrypoint": "program_faults_example:run"},
+        num_actors=1,
+        max_restarts=0,  # its first death is for good
+        import_paths=[os.path.dirname(__file__)],
+    )
+    pool.wait_ready()
+    exits = Task(task_id="t-exit", question="Bye.", answer="", metadata={"exit": True})
+
+    async def on_the_pool(task, group):
+        env, index = pool.lease(group)
+        try:
+            return await run_program_episode(thread.gateway, env, task, group, 0, 120.0)
+        finally:
+            pool.release(index)
+
+    try:
+        [crashed] = thread.run(on_the_pool(exits, "r0"))
+        assert crashed.status == EpisodeStatus.ENV_ERROR
+        assert (pool.replaced, pool.membership()["dead"], pool.num_alive) == (1, [0], 1)
+        [t] = thread.run(on_the_pool(TASK, "r1"))  # on the replacement, once it is up
+        assert t.status == EpisodeStatus.COMPLETED
+        assert pool.membership()["leases"] == [1, 1]
+    finally:
+        for actor in pool.actors:
+            ray.kill(actor)
+
+
 def test_a_gateway_on_every_interface_gives_programs_an_address_they_can_reach():
     gateway = Gateway(None, make_renderer(TOKENIZER), host="0.0.0.0", port=8000)
     assert gateway.url.startswith("http://") and "0.0.0.0" not in gateway.url

@@ -15,6 +15,7 @@ import time
 import pytest
 
 from raytunix.agents import ToolAgent
+from raytunix.envs.math_envs import CalculatorMathEnv
 from raytunix.models.tokenizer import Tokenizer
 from raytunix.rollout.env_pool import EnvPool, EnvPoolExhausted, LocalEnv
 from raytunix.rollout.episode import run_episode
@@ -385,10 +386,27 @@ def test_an_env_actor_killed_mid_episode_is_restarted_and_its_episodes_re_run(ra
     assert state["counters"].get("groups_filtered_env_error", 0) == 0
 
 
+class FragileEnv(CalculatorMathEnv):
+    """The calculator env, which cannot be built once its ``broken`` file exists."""
+
+    def __init__(self, broken: str, **kwargs):
+        if os.path.exists(broken):
+            raise RuntimeError(f"{broken} exists")
+        super().__init__(**kwargs)
+
+
 @pytest.mark.slow
-def test_a_dead_env_pool_stops_the_rollout_with_one_clear_error(ray_session):
-    pool = EnvPool("calculator_math", {}, num_actors=2, max_restarts=0)
+def test_a_dead_env_pool_stops_the_rollout_with_one_clear_error(ray_session, tmp_path):
+    broken = tmp_path / "broken"
+    pool = EnvPool(
+        "test_rollout_faults:FragileEnv",
+        {"broken": str(broken)},
+        num_actors=2,
+        max_restarts=0,
+        import_paths=[os.path.dirname(__file__)],
+    )
     pool.wait_ready(timeout_s=120)
+    broken.touch()  # the actors that replace the killed ones cannot start
     for actor in pool.actors:
         ray_session.kill(actor, no_restart=True)
 
@@ -406,8 +424,8 @@ def test_a_dead_env_pool_stops_the_rollout_with_one_clear_error(ray_session):
 
     error, state = asyncio.run(main())
     assert isinstance(error, RolloutHalted)
-    assert "all 2 env actors are dead" in str(error) and "resume" in str(error)
-    assert pool.num_alive == 0
+    assert "all 4 env actors are dead" in str(error) and "resume" in str(error)
+    assert (pool.num_alive, pool.replaced) == (0, 2)
     assert state["counters"].get("groups_trained", 0) == 0
     assert state["pending"]  # the tasks handed out stay in the ledger for a resumed run
 

@@ -5,8 +5,12 @@ their steps in threads, so a slow tool on one episode does not stall the others.
 size is configured on its own (``env.num_env_actors``); actors restart on failure, and an
 episode whose actor died ends as ``env_error`` (and is re-run by the orchestrator) instead
 of taking the run with it. An actor that is dead for good (its restarts spent) gets no more
-episodes; when none is left, ``lease`` raises ``EnvPoolExhausted`` and the run stops with
-that one error instead of producing failed episodes.
+episodes; one that was serving is replaced by a new actor (an agent program that ends its
+process kills its actor on each such episode, which ends as ``env_error``: the run goes on;
+an environment that fails every episode trips the orchestrator's breaker instead). An
+actor that cannot start (its environment cannot be built) is not replaced; when none is
+left, ``lease`` raises ``EnvPoolExhausted`` and the run stops with that one error instead
+of producing failed episodes.
 
 The pool resizes during a run (``EnvPool.resize``, reached from the driver through
 ``OrchestratorActor.resize_env_pool``): new actors take episodes once they are ready, and
@@ -445,6 +449,7 @@ class EnvPool:
         self._leases: list[int] = []  # episodes leased per actor since it started
         self._ids = itertools.count()
         self._dead: set[int] = set()
+        self.replaced = 0  # actors started in place of ones dead for good
         self._retiring: set[int] = set()
         self._retired: set[int] = set()
         self._starting: dict[int, Any] = {}  # index -> ObjectRef of its readiness probe
@@ -528,17 +533,28 @@ class EnvPool:
             async with asyncio.timeout(self.probe_timeout_s):
                 await self.actors[index].num_envs.remote()
         except ray.exceptions.ActorDiedError as e:
+            if index in self._dead:  # another episode of it found out first
+                return
             self._dead.add(index)
-            self._starting.pop(index, None)
+            was_active = self._starting.pop(index, None) is None and index not in self._retiring
+            replacement = self._start_replacement() if was_active else None
             logger.error(
-                "env actor %d is dead for good (%d of %d left): %s",
+                "env actor %d is dead for good (%d of %d left)%s: %s",
                 index,
                 self.size,
                 len(self.actors) - len(self._retired),
+                f"; env actor {replacement} replaces it" if replacement is not None else "",
                 e,
             )
         except (ray.exceptions.RayActorError, TimeoutError):
             pass  # restarting or slow: not known dead
+
+    def _start_replacement(self) -> int:
+        """Starts a new actor that takes leases once it answers its probe; its index."""
+        index = self._start_actor()
+        self._starting[index] = self.actors[index].num_envs.remote()
+        self.replaced += 1
+        return index
 
     def release(self, index: int) -> None:
         """Gives back a lease of ``lease``; a retiring actor whose last episode this was
