@@ -501,3 +501,13 @@ def test_a_program_episode_leaves_the_trace_spans_of_a_native_one(served):
     assert (episode["status"], episode["turns"], episode["reward"]) == ("completed", 3, 0.5)
     assert episode["generate_s"] + episode["env_s"] == pytest.approx(t.metrics["program_s"])
     assert 0 < episode["generate_s"] <= t.metrics["program_s"]
+
+
+def test_a_long_error_keeps_both_ends_of_its_traceback():
+    from raytunix.envs.agent_program import clip_error
+
+    assert clip_error("short") == "short"
+    text = "Traceback (most recent call last):\n  File x.py, line 3\nValueError: " + "x" * 100_000
+    clipped = clip_error(text)
+    assert len(clipped) < 2100 and clipped.startswith("Traceback") and "ValueError" in clipped
+    assert clipped.endswith("x" * 1000) and f"[... {len(text) - 2000} characters ...]" in clipped

@@ -166,6 +166,20 @@ class AgentProgramEnv(BaseEnv):
         )
 
 
+MAX_ERROR_CHARS = 2000  # of a program's traceback kept on its episode
+
+
+def clip_error(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """``text`` if it is at most ``limit`` characters, else its first and last
+    ``limit // 2`` with how many were left out between them: a traceback keeps its first
+    frames and its last (the exception's type and place are at one end or the other, also
+    under a 100,000-character message)."""
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]}\n[... {len(text) - 2 * half} characters ...]\n{text[-half:]}"
+
+
 async def _awaited(awaitable: Any) -> Any:
     return await awaitable
 
@@ -193,7 +207,7 @@ class ProgramOutcome:
     Attributes:
       reward: the checked reward (``check_reward``); 0.0 unless ``completed``.
       status: ``completed``, ``timeout`` or ``env_error``.
-      error: the deadline for ``timeout``; the traceback's last 2,000 characters for
+      error: the deadline for ``timeout``; the traceback (``clip_error``) for
         ``env_error``; "" when completed.
     """
 
@@ -256,5 +270,5 @@ async def play_with_deadline(
         )
     except Exception as e:  # noqa: BLE001 - the program's fault ends its episode only
         return ProgramOutcome(
-            0.0, EpisodeStatus.ENV_ERROR, "".join(traceback.format_exception(e))[-2000:]
+            0.0, EpisodeStatus.ENV_ERROR, clip_error("".join(traceback.format_exception(e)))
         )

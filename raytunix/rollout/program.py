@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Any, Protocol, cast
 
 from raytunix import profiling
-from raytunix.envs.agent_program import ProgramOutcome
+from raytunix.envs.agent_program import ProgramOutcome, clip_error
 from raytunix.gateway import Gateway, episode_trajectories
 from raytunix.gateway.recorder import ExtendRule, RecordedCall
 from raytunix.rollout.orchestrator import RolloutOrchestrator
@@ -76,7 +76,7 @@ async def run_program_episode(
       ``program_s``), ``env_s`` (the rest: the program's own work and its tools),
       ``gateway_calls``, and ``env_failure_retryable`` = 1.0 when the host died (the
       episode may run again elsewhere); ``error`` says the deadline (``timeout``) or holds
-      the program's traceback, its last 2,000 characters (``env_error``).
+      the program's traceback, clipped by ``clip_error`` (``env_error``).
     """
     episode_id = f"{group_id}/{seed}/{time.monotonic_ns()}"
     base_url, key = gateway.open_episode(episode_id=episode_id, seed=seed)
@@ -94,7 +94,7 @@ async def run_program_episode(
         )
     except EnvFailure as e:
         retryable = e.retryable
-        outcome = ProgramOutcome(0.0, EpisodeStatus.ENV_ERROR, str(e)[-2000:])
+        outcome = ProgramOutcome(0.0, EpisodeStatus.ENV_ERROR, clip_error(str(e)))
     finally:
         calls = gateway.close_episode(key)
     program_s = time.monotonic() - started
