@@ -20,6 +20,7 @@ run; ``ModelConfig.attention_kernels`` overrides the backend (``ATTENTION_KERNEL
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -152,14 +153,15 @@ def dense_attention(q, keys, values, mask, backend: str, causal: bool = False):
     impl = dense_attention_impl(backend, q.dtype, keys.dtype, head_dim, length, keys.shape[2])
     if impl == "reference":
         return reference_attention(q, keys, values, mask)
+    fused: Literal["xla", "cudnn"] = "cudnn" if impl == "cudnn" else "xla"
     dtype = jnp.promote_types(q.dtype, keys.dtype)  # the function wants one dtype
     out = jax.nn.dot_product_attention(
         q.astype(dtype),
         keys.transpose(0, 2, 1, 3).astype(dtype),  # [B, S, KVH, D]
         values.transpose(0, 2, 1, 3).astype(dtype),
-        mask=None if causal and impl == "cudnn" else mask[:, None],  # [B, 1, T, S]
-        is_causal=causal and impl == "cudnn",
-        implementation=impl,
+        mask=None if causal and fused == "cudnn" else mask[:, None],  # [B, 1, T, S]
+        is_causal=causal and fused == "cudnn",
+        implementation=fused,
     )
     return out.reshape(batch, length, heads * head_dim).astype(jnp.float32)
 
