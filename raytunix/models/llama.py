@@ -34,10 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from raytunix.config import ModelDtype
-
-# Added to masked attention scores. Finite, so that a query that may see nothing (a padding
-# row with a negative position) yields uniform, NaN-free garbage instead of NaNs.
-_MASK_VALUE = -1e30
+from raytunix.models.attention import ATTENTION_KERNELS, dense_attention, paged_decode_attention
 
 MODEL_DTYPES: tuple[str, ...] = get_args(ModelDtype)
 """Compute dtypes ``ModelConfig.dtype`` takes (the config's ``model.dtype``)."""
@@ -120,6 +117,10 @@ class ModelConfig:
         holds are in it, while parameters are created, trained and checkpointed in
         float32 (``param_dtype``) and gradients come back in float32. Attention scores,
         softmax and the logits are float32 in either (``Transformer.logits``).
+      attention_kernels: which attention kernels run, one of ``ATTENTION_KERNELS``:
+        ``"auto"`` picks by backend (fused or Pallas kernels on GPU/TPU where the shapes
+        fit, plain ``jnp`` on CPU; ``raytunix.models.attention``), ``"reference"`` the CPU
+        path everywhere, ``"interpret"`` the GPU's choice with Pallas interpreted (tests).
     """
 
     vocab_size: int
@@ -138,6 +139,7 @@ class ModelConfig:
     qk_norm: bool = False
     rope_scaling: RopeScaling | None = None
     dtype: str = "float32"
+    attention_kernels: str = "auto"
 
     def __post_init__(self):
         for name in (
@@ -193,6 +195,11 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.dtype={self.dtype!r} is not supported; use one of {MODEL_DTYPES}."
             )
+        if self.attention_kernels not in ATTENTION_KERNELS:
+            raise ValueError(
+                f"ModelConfig.attention_kernels={self.attention_kernels!r} is not one of "
+                f"{ATTENTION_KERNELS}."
+            )
 
 
 class KVCache(NamedTuple):
@@ -243,13 +250,14 @@ class KVPages(NamedTuple):
     """A paged KV cache: fixed-size blocks of positions, shared by all sequences.
 
     Attributes:
-      k: ``[n_layers, num_blocks, n_kv_heads, block_size, head_dim]``, the cache dtype
-        (heads before positions, so that a gathered span is a batched matmul operand
-        after one transpose).
+      k: ``[n_layers, n_kv_heads, num_blocks, block_size, head_dim]``, the cache dtype.
+        Heads before blocks: one layer is the pages layout of the Pallas paged attention
+        kernels, which then read it in place; a gathered span is a batched matmul operand
+        after one transpose.
       v: same shape and dtype as ``k``.
 
     A sequence owns a list of block ids, its *block table*: position ``p`` of the
-    sequence lives at ``[:, table[p // block_size], :, p % block_size]``. Blocks can be
+    sequence lives at ``[:, :, table[p // block_size], p % block_size]``. Blocks can be
     shared by several sequences (a common prompt prefix) as long as none rewrites them.
     This is the layout of vLLM's PagedAttention (Kwon et al., SOSP 2023,
     arXiv:2309.06180); attention gathers only the blocks a batch's tables name, so its
@@ -267,7 +275,7 @@ class KVPages(NamedTuple):
     @property
     def num_blocks(self) -> int:
         """Blocks in the pool."""
-        return self.k.shape[1]
+        return self.k.shape[2]
 
 
 def init_kv_pages(
@@ -284,7 +292,7 @@ def init_kv_pages(
             f"init_kv_pages: num_blocks={num_blocks} and block_size={block_size} "
             "must both be positive."
         )
-    shape = (config.n_layers, num_blocks, config.n_kv_heads, block_size, config.head_dim)
+    shape = (config.n_layers, config.n_kv_heads, num_blocks, block_size, config.head_dim)
     return KVPages(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
 
@@ -396,7 +404,7 @@ class Attention(nnx.Module):
         a decode step moves no more than one token per row (no per-layer copies).
 
         With ``block_tables`` (``int32[B, NB]``), ``cache`` is paged instead (``KVPages``
-        arrays ``[n_layers, num_blocks, n_kv_heads, block_size, head_dim]``): each token's
+        arrays ``[n_layers, n_kv_heads, num_blocks, block_size, head_dim]``): each token's
         key/value is written at its row's block for its position, and attention reads the
         ``NB * block_size`` positions the row's table names.
 
@@ -416,6 +424,7 @@ class Attention(nnx.Module):
 
         if block_tables is not None:
             return self._paged(q, k, v, positions, cache, layer, block_tables, x.dtype)
+        causal = cache is None and segment_ids is None
         if cache is None:
             keys, values = k, v
             idx = jnp.arange(length)
@@ -442,65 +451,37 @@ class Attention(nnx.Module):
             keys, values = cache_k[layer], cache_v[layer]  # [B, KVH, S, D]
             mask = jnp.arange(cache_len)[None, None, :] <= positions[:, :, None]  # [B, T, S]
 
-        out = _grouped_attention(q, keys, values, mask)
+        out = dense_attention(q, keys, values, mask, _backend(cfg), causal)
         return self.o_proj(out.astype(x.dtype)), cache
 
     def _paged(self, q, k, v, positions, cache, layer, block_tables, dtype):
         """Attention over a paged cache; q ``[B, T, H, D]``, k/v ``[B, KVH, T, D]``."""
-        cfg = self.config
-        batch, length = positions.shape
         pages_k, pages_v = cache
-        num_blocks, block_size = pages_k.shape[1], pages_k.shape[3]
+        num_blocks, block_size = pages_k.shape[2], pages_k.shape[3]
         safe = jnp.maximum(positions, 0)
         block = jnp.take_along_axis(block_tables, safe // block_size, axis=1)  # [B, T]
         # Padding (negative positions) goes to the out-of-range block id and is dropped.
         block = jnp.where(positions >= 0, block, num_blocks)
         offset = safe % block_size
-        # Indexed [layer, block[b, t], :, offset[b, t]]: the written slice is [B, T, KVH, D].
-        pages_k = pages_k.at[layer, block, :, offset].set(
+        # Indexed [layer, :, block[b, t], offset[b, t]]: the advanced indices are apart, so
+        # the written slice is [B, T, KVH, D].
+        pages_k = pages_k.at[layer, :, block, offset].set(
             k.transpose(0, 2, 1, 3).astype(pages_k.dtype), mode="drop"
         )
-        pages_v = pages_v.at[layer, block, :, offset].set(
+        pages_v = pages_v.at[layer, :, block, offset].set(
             v.transpose(0, 2, 1, 3).astype(pages_v.dtype), mode="drop"
         )
-        span = block_tables.shape[1] * block_size
-
-        def gather(pages):  # [B, NB, KVH, BS, D] -> [B, KVH, NB * BS, D]
-            rows = pages[layer][block_tables].transpose(0, 2, 1, 3, 4)
-            return rows.reshape(batch, cfg.n_kv_heads, span, cfg.head_dim)
-
-        keys, values = gather(pages_k), gather(pages_v)
-        mask = jnp.arange(span)[None, None, :] <= positions[:, :, None]  # [B, T, span]
-        out = _grouped_attention(q, keys, values, mask)
+        out = paged_decode_attention(
+            q, pages_k[layer], pages_v[layer], block_tables, positions, _backend(self.config)
+        )
         return self.o_proj(out.astype(dtype)), (pages_k, pages_v)
 
 
-def _grouped_attention(q, keys, values, mask):
-    """Softmax attention of queries ``q`` ``[B, T, H, D]`` over ``keys`` and ``values``
-    ``[B, KVH, S, D]`` where ``mask`` ``bool[B, T, S]`` allows it; query head h uses
-    key/value head ``h // (H / KVH)``, the Hugging Face ``repeat_kv`` layout.
-
-    The products take their inputs as they come (bfloat16 under a bfloat16 model) and sum
-    in float32 (``preferred_element_type``); scores and softmax are float32, and the
-    probabilities are cast to the values' dtype for the second product, as mixed-precision
-    training does (Micikevicius et al. 2018, arXiv:1710.03740). With float32 inputs it is
-    plain float32 attention. Returns ``float32[B, T, H * D]``."""
-    batch, length, heads, head_dim = q.shape
-    kv_heads = keys.shape[1]
-    groups = heads // kv_heads
-    q = q.reshape(batch, length, kv_heads, groups, head_dim)
-    q = q.transpose(0, 2, 3, 1, 4).reshape(batch, kv_heads, groups * length, head_dim)
-    scores = jnp.einsum("bkqd,bksd->bkqs", q, keys, preferred_element_type=jnp.float32) / math.sqrt(
-        head_dim
-    )
-    scores = scores.reshape(batch, kv_heads, groups, length, -1)
-    scores = jnp.where(mask[:, None, None], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).reshape(batch, kv_heads, groups * length, -1)
-    out = jnp.einsum(
-        "bkqs,bksd->bkqd", probs.astype(values.dtype), values, preferred_element_type=jnp.float32
-    )
-    out = out.reshape(batch, kv_heads, groups, length, head_dim)
-    return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, heads * head_dim)
+def _backend(config: ModelConfig) -> str:
+    """The backend name the attention kernels are chosen for (``ATTENTION_KERNELS``)."""
+    if config.attention_kernels == "auto":
+        return jax.default_backend()
+    return "cpu" if config.attention_kernels == "reference" else "interpret"
 
 
 class MLP(nnx.Module):
@@ -667,7 +648,7 @@ def _check_cache(
 ) -> None:
     """Raises ``ValueError`` unless ``kv_cache`` is None or fits ``cfg`` and a batch of
     ``batch`` rows: a ``KVCache`` ``[n_layers, batch, n_kv_heads, S, head_dim]``, or a
-    ``KVPages`` ``[n_layers, blocks, n_kv_heads, block_size, head_dim]`` with
+    ``KVPages`` ``[n_layers, n_kv_heads, blocks, block_size, head_dim]`` with
     ``block_tables`` ``[batch, NB]`` (and block tables only with one)."""
     paged = isinstance(kv_cache, KVPages)
     if paged != (block_tables is not None):
@@ -676,7 +657,7 @@ def _check_cache(
         )
     if paged:
         expected = (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
-        got = (kv_cache.k.shape[0], kv_cache.k.shape[2], kv_cache.k.shape[4])
+        got = (kv_cache.k.shape[0], kv_cache.k.shape[1], kv_cache.k.shape[4])
         if (
             kv_cache.k.ndim != 5
             or got != expected
@@ -686,7 +667,7 @@ def _check_cache(
         ):
             raise ValueError(
                 f"KVPages k {kv_cache.k.shape} / block_tables {block_tables.shape} do not "
-                f"fit [n_layers={cfg.n_layers}, blocks, n_kv_heads={cfg.n_kv_heads}, "
+                f"fit [n_layers={cfg.n_layers}, n_kv_heads={cfg.n_kv_heads}, blocks, "
                 f"block_size, head_dim={cfg.head_dim}] and "
                 f"[B={batch}, NB]; build the cache with init_kv_pages(config, ...)."
             )
