@@ -511,3 +511,25 @@ def test_a_long_error_keeps_both_ends_of_its_traceback():
     clipped = clip_error(text)
     assert len(clipped) < 2100 and clipped.startswith("Traceback") and "ValueError" in clipped
     assert clipped.endswith("x" * 1000) and f"[... {len(text) - 2000} characters ...]" in clipped
+
+
+def test_a_gateway_that_cannot_listen_is_a_config_error_naming_the_key(monkeypatch):
+    import socket
+
+    from raytunix.config import load_config
+    from raytunix.driver.prepare import check_gateway
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    program = ["env.name=agent_program", "env.kwargs.entrypoint=agent_program_example:run"]
+    check_gateway(load_config("default", program))  # loopback, any port: fine
+    with pytest.raises(ConfigError, match=r"gateway.host='nonsense.invalid' does not resolve"):
+        check_gateway(load_config("default", [*program, "gateway.host=nonsense.invalid"]))
+    with pytest.raises(ConfigError, match=r"'203.0.113.77' is not local"):
+        check_gateway(load_config("default", [*program, "gateway.host=203.0.113.77"]))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=rf"gateway.port={port} is in use"):
+            check_gateway(load_config("default", [*program, f"gateway.port={port}"]))
+    check_gateway(load_config("default", ["gateway.host=nonsense.invalid"]))  # no program

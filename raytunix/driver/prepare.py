@@ -229,6 +229,40 @@ def model_config(cfg: Config, tokenizer: Tokenizer) -> ModelConfig:
     return config
 
 
+def check_gateway(cfg: Config) -> None:
+    """For a run of agent programs on this machine (no ``RAY_ADDRESS``: the orchestrator,
+    which serves the gateway, runs here): ``gateway.host`` resolves to an address this
+    machine can bind, and ``gateway.port`` (unless 0, any free port) is free. On a
+    cluster the orchestrator's node is not known yet, so nothing is checked.
+
+    Raises:
+      ConfigError: naming the key, its value and what to set instead.
+    """
+    if os.environ.get("RAY_ADDRESS") or program_settings(cfg) is None:
+        return
+    host, port = cfg.gateway.host, cfg.gateway.port
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM
+        )[0]
+    except socket.gaierror as e:
+        raise ConfigError(
+            f"gateway.host={host!r} does not resolve ({e.strerror}); use 127.0.0.1 (the "
+            "default, loopback), 0.0.0.0 (every interface) or an address of this machine."
+        ) from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds
+        try:
+            probe.bind(address)
+        except OSError as e:
+            what = f"gateway.port={port} is in use" if port else f"{host!r} is not local"
+            raise ConfigError(
+                f"the gateway cannot listen on gateway.host={host!r} gateway.port={port}: "
+                f"{e.strerror} ({what}?); set gateway.port=0 (any free port) or a "
+                "gateway.host of this machine."
+            ) from None
+
+
 def _accelerator_installed() -> bool:
     """Whether JAX could open an accelerator here: libtpu, or a PJRT plugin (the CUDA and
     ROCm ones), which JAX finds as ``jax_plugins`` modules or entry points."""

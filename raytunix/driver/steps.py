@@ -80,7 +80,8 @@ def open_run(
       FileNotFoundError: ``resume`` is not a run directory.
       ValueError: neither ``cfg`` nor ``resume``.
       ConfigError: a bad override, or the dataset cannot be read; or the run does not fit
-        its devices (``MemoryPlanError``, ``prepare.check_memory``).
+        its devices (``MemoryPlanError``, ``prepare.check_memory``); or the gateway of an
+        agent-program run cannot listen where it is told (``prepare.check_gateway``).
       RunError: the checkpoint already holds ``learner.rl_steps`` steps, or another
         process runs ``resume`` now.
 
@@ -94,6 +95,7 @@ def open_run(
     if resume:
         cfg = load_run_config(resume, overrides)
         prepare.check_memory(cfg)  # an override (engine.max_batch_size...) may not fit
+        prepare.check_gateway(cfg)
         run = RunDir(resume)
         run.lock()  # before anything is written: another driver may be running it
         try:
@@ -105,6 +107,7 @@ def open_run(
     for line in shadowed_settings(cfg):
         say(f"note: {line}")
     prepare.check_memory(cfg)  # a run that cannot fit its devices stops before anything starts
+    prepare.check_gateway(cfg)
     try:
         dataset = dataset_splits(cfg.data)  # a file, split or column missing: stop before Ray
     except DatasetError as e:
