@@ -242,9 +242,7 @@ def check_gateway(cfg: Config) -> None:
         return
     host, port = cfg.gateway.host, cfg.gateway.port
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM
-        )[0]
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as e:
         raise ConfigError(
             f"gateway.host={host!r} does not resolve ({e.strerror}); use 127.0.0.1 (the "
