@@ -533,3 +533,41 @@ def test_a_gateway_that_cannot_listen_is_a_config_error_naming_the_key(monkeypat
         with pytest.raises(ConfigError, match=rf"gateway.port={port} is in use"):
             check_gateway(load_config("default", [*program, f"gateway.port={port}"]))
     check_gateway(load_config("default", ["gateway.host=nonsense.invalid"]))  # no program
+
+
+def cut_short(task, base_url, api_key):
+    """A reply cut at max_tokens, kept in the history, then one more call."""
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": task["question"]}]
+    for _ in range(2):
+        reply = client.chat.completions.create(
+            model="tiny", messages=messages, temperature=0, max_tokens=3
+        )
+        messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+        messages.append({"role": "user", "content": "Go on."})
+    return 1.0
+
+
+def test_a_reply_cut_at_max_tokens_is_extended_by_the_next_call_of_its_history(served, monkeypatch):
+    thread, engine = served
+    engine.seen.clear()
+    renderer, seen_known = thread.gateway.renderer, []
+    real = renderer.chat_prompt
+
+    def chat_prompt(messages, tools, known):
+        seen_known.append(dict(known))
+        return real(messages, tools, known)
+
+    monkeypatch.setattr(renderer, "chat_prompt", chat_prompt)
+    [t] = thread.run(_episode(thread, "cut_short"))
+    # the second call rendered the cut reply from its exact ids, not from its text
+    assert [len(k) for k in seen_known] == [0, 1]
+    [ids] = seen_known[1].values()
+    assert ids[: len(engine.seen[0][1].token_ids)] == list(engine.seen[0][1].token_ids)
+    (first, cut), (second, _) = engine.seen
+    assert cut.finish_reason.value == "length" and len(cut.token_ids) == 3
+    # the cut reply's own ids, closed as any message is, then the new user turn
+    n = len(first.prompt_ids) + len(cut.token_ids)
+    assert list(second.prompt_ids[:n]) == list(first.prompt_ids) + list(cut.token_ids)
+    assert second.prompt_ids[n] == thread.gateway.renderer.stop_token_ids[0]
+    assert t.num_turns == 2 and t.token_ids[: len(second.prompt_ids)] == list(second.prompt_ids)

@@ -351,8 +351,10 @@ class Gateway:
             episode, index, "chat.completions", prompt + forced, results, started, readable
         )
         for reply, result in zip(replies, results):
+            # A reply cut at max_tokens that the program keeps in its history is closed
+            # as the template closes any message, so its next call still extends these ids.
             closing = self.renderer.close_turn(
-                result.token_ids, result.finish_reason == FinishReason.STOP
+                result.token_ids, result.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
             )
             if closing is not None:
                 episode.known[reply.key] = [*forced, *result.token_ids, *closing]
