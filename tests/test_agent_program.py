@@ -271,9 +271,9 @@ def test_rewards_are_numbers_or_a_dict_with_one_within_float32():
     [
         ({"entrypoint": "no_such_module_xyz:run"}, "no module named 'no_such_module_xyz'"),
         ({"entrypoint": "test_agent_program:nothing"}, "has no attribute 'nothing'"),
-        ({"entrypoint": "test_agent_program:TASK"}, "is a Task, not a function"),
+        ({"entrypoint": "test_agent_program:TASK"}, "of type Task, not a function"),
         ({"entrypoint": "test_agent_program:two_args"}, "must take 3"),
-        ({"entrypoint": "run_without_module"}, "not an import path"),
+        ({"entrypoint": "run_without_module"}, "not an import path; write package.module:function"),
         (
             {"entrypoint": "test_agent_program:crasher", "reward": "test_agent_program:crasher"},
             "env.kwargs.reward.*must take 2",

@@ -55,12 +55,16 @@ def load_callable(path: str, key: str, arity: int) -> Callable[..., Any]:
     """
     if not isinstance(path, str) or not path:
         raise ValueError(f"{key}={path!r}: give an import path package.module:function.")
+    if ":" not in path:
+        raise ValueError(f"{key}={path!r} is not an import path; write package.module:function.")
     try:
         fn = import_object(path, key)
     except PluginError as e:
         raise ValueError(str(e)) from None
     if not callable(fn):
-        raise ValueError(f"{key}={path!r} is a {type(fn).__name__}, not a function.")
+        raise ValueError(
+            f"{key}={path!r} is an object of type {type(fn).__name__}, not a function."
+        )
     try:
         inspect.signature(fn).bind(*range(arity))
     except TypeError:
