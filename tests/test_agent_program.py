@@ -198,6 +198,11 @@ def test_a_crashing_program_ends_only_its_episode_with_the_traceback(served):
     assert "Traceback" in crashed[0].error
     assert crashed[0].reward == 0.0 and sum(crashed[0].loss_mask) > 0  # its call's tokens
     assert {t.status for t in fine} == {EpisodeStatus.COMPLETED}
+    # reported by kind, as a native environment's error is (env_errors.jsonl)
+    report = crashed[0].error_report
+    assert report.kind == "AgentProgramEnv.play:ValueError" and report.task_id == "t0"
+    assert report.location.startswith(__file__) and "the agent's own bug" in report.message
+    assert fine[0].error_report is None
 
 
 def test_a_program_that_raises_system_exit_ends_only_its_episode(served):

@@ -34,13 +34,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import inspect
+import os
 import threading
 import traceback
 from collections.abc import Callable, Mapping
 from typing import Any, Sequence
 
 from raytunix.envs.base import BaseEnv
-from raytunix.envs.contract import check_reward
+from raytunix.envs.contract import EnvErrorReport, check_reward, report_for
 from raytunix.registry import PluginError, import_object, register
 from raytunix.types import Action, EpisodeStatus, StepResult, Task
 
@@ -213,11 +214,15 @@ class ProgramOutcome:
       status: ``completed``, ``timeout`` or ``env_error``.
       error: the deadline for ``timeout``; the traceback (``clip_error``) for
         ``env_error``; "" when completed.
+      report: for ``env_error``, the ``EnvErrorReport`` of what the program (method
+        ``play``) raised or returned, which the run tallies by kind
+        (``env_errors.jsonl``) as it does a native environment's; else None.
     """
 
     reward: float
     status: EpisodeStatus
     error: str = ""
+    report: EnvErrorReport | None = None
 
 
 async def _in_fresh_thread(fn: Callable[[], Any], name: str) -> Any:
@@ -249,6 +254,14 @@ async def _in_fresh_thread(fn: Callable[[], Any], name: str) -> Any:
     return await done
 
 
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _users(filename: str) -> bool:
+    """Whether a traceback frame's file is outside raytunix (the user's program's)."""
+    return not os.path.abspath(filename).startswith(_PACKAGE_DIR + os.sep)
+
+
 async def play_with_deadline(
     program: AgentProgramEnv, task: Task, base_url: str, api_key: str, timeout_s: float
 ) -> ProgramOutcome:
@@ -273,6 +286,11 @@ async def play_with_deadline(
             f"the program did not return within episode_timeout_s={timeout_s:g} s",
         )
     except Exception as e:  # noqa: BLE001 - the program's fault ends its episode only
-        return ProgramOutcome(
-            0.0, EpisodeStatus.ENV_ERROR, clip_error("".join(traceback.format_exception(e)))
-        )
+        formatted = "".join(traceback.format_exception(e))
+        report = report_for(e, program, "play", task.task_id, formatted)
+        outside = [f for f in traceback.extract_tb(e.__traceback__) if _users(f.filename)]
+        if outside:  # where the user's program raised, not the adapter that called it
+            report = dataclasses.replace(
+                report, location=f"{outside[-1].filename}:{outside[-1].lineno}"
+            )
+        return ProgramOutcome(0.0, EpisodeStatus.ENV_ERROR, clip_error(formatted), report)

@@ -124,6 +124,7 @@ async def run_program_episode(
         ]
     for t in trajectories:
         t.error = outcome.error
+        t.error_report = outcome.report
         # The completions the gateway recorded (loss mask 1), which the batch's
         # generated_tokens_mean and tokens/s count as they do a native episode's.
         t.metrics = {**t.metrics, "generated_tokens": float(sum(t.loss_mask))}
