@@ -106,9 +106,7 @@ def _largest_key_where(holds, lead: tuple[int, ...]) -> jax.Array:
     return jax.lax.fori_loop(0, 32, settle_bit, jnp.zeros(lead, jnp.uint32))
 
 
-def _kept_tokens(
-    logp: jax.Array, top_k: jax.Array | None, top_p: jax.Array | None
-) -> jax.Array:
+def _kept_tokens(logp: jax.Array, top_k: jax.Array | None, top_p: jax.Array | None) -> jax.Array:
     """``bool[..., V]``: the tokens kept by top-k, then top-p over the renormalised top-k.
 
     ``logp`` is ``float32[..., V]`` (temperature-scaled log-softmax); ``top_k`` int32 and
