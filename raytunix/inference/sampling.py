@@ -95,8 +95,9 @@ def _largest_key_where(holds, lead: tuple[int, ...]) -> jax.Array:
     """``uint32[lead]``: per row, the largest key ``t`` for which ``holds(t)`` is true,
     for a ``holds`` that is true up to some key and false above it (0 if it never holds).
 
-    One bit per pass, from the top: 32 passes of ``holds``, each a reduction over the
-    vocabulary, where a sort would take about log2(V)**2 / 2 passes.
+    One bit per pass, from the top: 32 calls of ``holds`` (each a reduction over the
+    vocabulary) settle every bit, so the answer is exact, not an approximation to some
+    tolerance.
     """
 
     def settle_bit(i, t):
