@@ -13,7 +13,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from raytunix.inference.sampling import sample_tokens, sampling_logprobs  # noqa: E402
+from raytunix.inference.sampling import (  # noqa: E402
+    _inverse_cdf,
+    sample_tokens,
+    sampling_logprobs,
+)
 
 # Ten tokens, most likely not first, so the cumulative sum in vocabulary order is tested
 # against a distribution in another order.
@@ -112,7 +116,7 @@ def test_draws_fit_the_truncated_softmax_in_every_setting_of_one_batch():
 
 def test_kept_sets_and_probabilities_match_the_sorted_definition_ties_included():
     rng = np.random.default_rng(4)
-    rows, vocab = 96, 64
+    rows, vocab = 96, 300  # three blocks of the two-level running sum, the last padded
     logits = rng.normal(scale=2.0, size=(rows, vocab)).astype(np.float32)
     logits[::2] = rng.integers(0, 5, size=(rows // 2, vocab))  # many exact ties
     t = rng.choice([0.5, 1.0, 1.7], rows)
@@ -136,6 +140,18 @@ def test_the_most_likely_token_alone_when_top_p_is_below_its_probability():
     logits = np.tile(LOGITS, (64, 1))
     tokens, logprobs = _sample(logits, 1.0, 0, 0.2, seeds=np.arange(64))
     assert (tokens == np.argmax(PROBS)).all() and (logprobs == 0.0).all()
+
+
+def test_the_inverse_cdf_gives_each_token_its_share_of_evenly_spaced_uniforms():
+    # Zeros at block edges and a last block that is mostly padding (blocks of 4 over 10).
+    weights = np.array([0.0, 3.0, 1.0, 0.0, 2.0, 0.0, 0.0, 0.0, 4.0, 0.5], np.float32)
+    n = 10_500  # a multiple of 10.5, the total, so every share is a whole count
+    u = (np.arange(n) + 0.5) / n
+    tokens = np.asarray(_inverse_cdf(jnp.tile(weights, (n, 1)), jnp.asarray(u, jnp.float32), 4))
+    counts = np.bincount(tokens, minlength=len(weights))
+    np.testing.assert_allclose(counts, n * weights / weights.sum(), atol=1)
+    # In vocabulary order: u sorted gives tokens sorted.
+    assert (np.diff(tokens) >= 0).all()
 
 
 def _random_draw_shapes(jaxpr) -> list[tuple[int, ...]]:

@@ -222,20 +222,40 @@ def sampling_logprobs(logits: jax.Array, temperature, top_k, top_p) -> jax.Array
     return _renormalised(*_truncated(logits, temperature, top_k, top_p))
 
 
-def _inverse_cdf(weights: jax.Array, u: jax.Array, fallback: jax.Array) -> jax.Array:
-    """``int32[B]``: per row, the first token whose cumulative weight (vocabulary order)
-    exceeds ``u`` times the row's total, among tokens of positive weight.
+def _last_positive(weights: jax.Array) -> jax.Array:
+    """``int32[B]``: the index of each row's last positive weight (0 if none)."""
+    n = weights.shape[-1]
+    return n - 1 - jnp.argmax(weights[:, ::-1] > 0.0, axis=-1)
 
-    ``weights`` is ``float32[B, V]`` (>= 0, unnormalised), ``u`` ``float32[B]`` in [0, 1).
-    Token j is drawn with probability ``weights[j] / total`` up to float32 rounding of the
-    running sum (an ulp of the total, about 6e-8 of it). Zero-weight tokens are never
-    drawn even where that rounding would put ``u`` on them; a row where rounding leaves no
-    token above the target takes ``fallback``.
-    """
-    running = jnp.cumsum(weights, axis=-1)
-    target = u * running[:, -1]
+
+def _first_above(running: jax.Array, weights: jax.Array, target: jax.Array) -> jax.Array:
+    """``int32[B]``: the first index of positive weight whose running sum exceeds
+    ``target``; the last positive weight where rounding leaves none above it."""
     hit = (running > target[:, None]) & (weights > 0.0)
-    return jnp.where(jnp.any(hit, axis=-1), jnp.argmax(hit, axis=-1), fallback)
+    return jnp.where(jnp.any(hit, axis=-1), jnp.argmax(hit, axis=-1), _last_positive(weights))
+
+
+def _inverse_cdf(weights: jax.Array, u: jax.Array, block: int = 128) -> jax.Array:
+    """``int32[B]``: per row, the first token whose cumulative weight (vocabulary order)
+    exceeds ``u`` times the row's total.
+
+    ``weights`` is ``float32[B, V]`` (>= 0, unnormalised, some positive), ``u``
+    ``float32[B]`` in [0, 1). Token j is drawn with probability ``weights[j] / total`` up
+    to float32 rounding of the running sums (about 6e-8 of the total). The running sum is
+    taken in two levels, over blocks of ``block`` tokens and then within the one block
+    the target falls in, because a cumulative sum over the whole vocabulary is many times
+    the cost of a reduction on a CPU. Zero-weight tokens are never drawn.
+    """
+    batch, vocab = weights.shape
+    padded = jnp.pad(weights, ((0, 0), (0, -vocab % block))).reshape(batch, -1, block)
+    block_mass = jnp.sum(padded, axis=-1)
+    running = jnp.cumsum(block_mass, axis=-1)
+    target = u * running[:, -1]
+    j = _first_above(running, block_mass, target)
+    before = jnp.take_along_axis(running - block_mass, j[:, None], axis=-1)[:, 0]
+    inner = jnp.take_along_axis(padded, j[:, None, None], axis=1)[:, 0]
+    i = _first_above(jnp.cumsum(inner, axis=-1), inner, target - before)
+    return j * block + i
 
 
 def sample_tokens(
@@ -289,8 +309,7 @@ def sample_tokens(
     weights = jnp.exp(logp) if kept is None else jnp.where(kept, jnp.exp(logp), 0.0)
     keys = row_keys(seed_lo, seed_hi, token_index)
     u = jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys)
-    top = jnp.argmax(logits, axis=-1)
-    drawn = _inverse_cdf(weights, u, fallback=top)
-    tokens = jnp.where(greedy, top, drawn).astype(jnp.int32)
+    drawn = _inverse_cdf(weights, u)
+    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     return tokens, chosen
