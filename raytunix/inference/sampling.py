@@ -7,7 +7,14 @@ scores tokens with the same one (``sampling_logprobs``)::
 
     logits --/ temperature--> top-k --renormalise--> top-p (nucleus) --renormalise--> p
 
-Each row's randomness comes from its request seed and the index of the token being
+Nothing here sorts the vocabulary. The kept set of a row is every token whose
+log-probability is at least a threshold, and the threshold is found by bisection over the
+32 bits of the float (``_kept_tokens``): top-k as the k-th largest log-probability, top-p
+as the lowest one whose renormalised top-k mass before it is still below ``top_p``. A
+token is then drawn by inverse transform sampling: one uniform number per row against
+the cumulative kept mass in vocabulary order.
+
+Each row's random number comes from its request seed and the index of the token being
 sampled (``fold_in(fold_in(key(seed_lo), seed_hi), token_index)``), never from a key
 shared by the batch. So a request's samples do not depend on which other requests share
 its batch or which slot it sits in, and two requests with different seeds differ.
@@ -58,38 +65,127 @@ def row_keys(seed_lo: jax.Array, seed_hi: jax.Array, token_index: jax.Array) -> 
 
 def _truncation_is_off(top_k, top_p) -> bool:
     """True when both settings are Python numbers that turn truncation off (so the
-    caller can skip the sort at trace time); False for arrays or active settings."""
-    return (
-        isinstance(top_k, numbers.Integral)
-        and top_k <= 0
-        and isinstance(top_p, numbers.Real)
-        and top_p >= 1.0
-    )
+    caller can skip the threshold search at trace time); False for arrays or active
+    settings."""
+    return _top_k_is_off(top_k) and _top_p_is_off(top_p)
 
 
-def _allowed_tokens(logp: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+def _top_k_is_off(top_k) -> bool:
+    return isinstance(top_k, numbers.Integral) and top_k <= 0
+
+
+def _top_p_is_off(top_p) -> bool:
+    return isinstance(top_p, numbers.Real) and top_p >= 1.0
+
+
+def _order_keys(x: jax.Array) -> jax.Array:
+    """``uint32`` keys in the order of the float32 values ``x`` (-0.0 sorts just below
+    +0.0; NaN is not expected). The sign bit decides the half; negative floats flip so a
+    larger magnitude gives a smaller key."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _from_order_keys(keys: jax.Array) -> jax.Array:
+    """The float32 bits (as ``uint32``) of the values with these ``_order_keys``."""
+    return jnp.where(keys >> 31 == 1, keys & jnp.uint32(0x7FFFFFFF), ~keys)
+
+
+def _largest_key_where(holds, lead: tuple[int, ...]) -> jax.Array:
+    """``uint32[lead]``: per row, the largest key ``t`` for which ``holds(t)`` is true,
+    for a ``holds`` that is true up to some key and false above it (0 if it never holds).
+
+    One bit per pass, from the top: 32 calls of ``holds`` (each a reduction over the
+    vocabulary) settle every bit, so the answer is exact, not an approximation to some
+    tolerance.
+    """
+
+    def settle_bit(i, t):
+        trial = t | (jnp.uint32(1) << (31 - i).astype(jnp.uint32))
+        return jnp.where(holds(trial), trial, t)
+
+    return jax.lax.fori_loop(0, 32, settle_bit, jnp.zeros(lead, jnp.uint32))
+
+
+def _kept_tokens(logp: jax.Array, top_k: jax.Array | None, top_p: jax.Array | None) -> jax.Array:
     """``bool[..., V]``: the tokens kept by top-k, then top-p over the renormalised top-k.
 
     ``logp`` is ``float32[..., V]`` (temperature-scaled log-softmax); ``top_k`` int32 and
-    ``top_p`` float32 broadcast to its leading dims. The kept set is the shortest prefix
-    of the tokens sorted by probability whose renormalised top-k mass reaches ``top_p``
-    (it always holds the most likely token). Tokens tied with the last kept one are kept
-    too, so with exactly equal logits the set can hold more than ``top_k`` tokens.
+    ``top_p`` float32 have its leading shape, or are None where the setting is off in every
+    row. The kept set is the shortest run of most likely tokens whose renormalised top-k
+    mass reaches ``top_p`` (it always holds the most likely token). Tokens tied with the
+    last kept one are kept too, so with exactly equal logits the set can hold more than
+    ``top_k`` tokens.
+
+    Both truncations are thresholds on ``logp``, found without a sort. Top-k: the k-th
+    largest key ``t_k`` is the largest key that at least ``k`` tokens reach. Top-p: a
+    token of ``logp`` value v is kept when the mass of the tokens above it is below
+    ``top_p * Z`` (``Z`` the mass of the top k, counting ties at ``t_k`` only up to k, as
+    a sorted list would); so the cut is the largest key whose mass at or above it still
+    reaches ``top_p * Z``. Masses are float32 sums, so a cut that falls exactly on
+    ``top_p`` may land one token either side of an exact float64 computation.
     """
-    vocab = logp.shape[-1]
-    ranked = -jnp.sort(-logp, axis=-1)  # descending
-    rank = jnp.arange(vocab, dtype=jnp.int32)
-    k = jnp.where((top_k <= 0) | (top_k > vocab), vocab, top_k)[..., None]
-    in_top_k = rank < k
-    top_k_logp = jnp.where(in_top_k, ranked, -jnp.inf)
-    probs = jnp.exp(top_k_logp - jax.nn.logsumexp(top_k_logp, axis=-1, keepdims=True))
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    p = top_p[..., None]
-    # p >= 1 keeps every top-k token even where float rounding lets mass_before reach 1.
-    keep = in_top_k & ((mass_before < p) | (p >= 1.0))
-    n_keep = jnp.maximum(jnp.sum(keep, axis=-1, keepdims=True), 1)
-    threshold = jnp.take_along_axis(ranked, n_keep - 1, axis=-1)
-    return logp >= threshold
+    lead, vocab = logp.shape[:-1], logp.shape[-1]
+    keys = _order_keys(logp)
+    probs = jnp.exp(logp)
+    # Rows with top-k off take k = V: the cut then lies at the least likely token.
+    k = jnp.full(lead, vocab, jnp.int32) if top_k is None else top_k
+    k = jnp.where((k <= 0) | (k > vocab), vocab, k)
+
+    def count_at_or_above(t):
+        return jnp.sum(keys >= t[..., None], axis=-1, dtype=jnp.int32)
+
+    def top_k_cut(_):
+        return _largest_key_where(lambda t: count_at_or_above(t) >= k, lead)
+
+    if top_k is None:
+        cut = jnp.min(keys, axis=-1)
+    else:
+        active = jnp.any(k < vocab)
+        cut = jax.lax.cond(active, top_k_cut, lambda _: jnp.min(keys, axis=-1), None)
+    if top_p is None:
+        return keys >= cut[..., None]
+
+    above = keys > cut[..., None]
+    n_above = jnp.sum(above, axis=-1, dtype=jnp.int32)
+    at_cut = jnp.exp(jax.lax.bitcast_convert_type(_from_order_keys(cut), jnp.float32))
+    top_k_mass = jnp.sum(jnp.where(above, probs, 0.0), axis=-1) + (k - n_above) * at_cut
+    target = top_p * top_k_mass
+
+    def mass_at_or_above(t):
+        return jnp.sum(jnp.where(keys >= t[..., None], probs, 0.0), axis=-1)
+
+    def top_p_cut(_):
+        found = _largest_key_where(lambda t: mass_at_or_above(t) >= target, lead)
+        # top_p >= 1 keeps all of the top k even where float rounding says otherwise.
+        return jnp.where(top_p >= 1.0, cut, jnp.maximum(cut, found))
+
+    cut = jax.lax.cond(jnp.any(top_p < 1.0), top_p_cut, lambda _: cut, None)
+    return keys >= cut[..., None]
+
+
+def _truncated(logits, temperature, top_k, top_p) -> tuple[jax.Array, jax.Array | None]:
+    """``(logp, kept)``: ``log_softmax(logits / temperature)`` (float32[..., V]) and the
+    ``_kept_tokens`` mask, or None when truncation is statically off. Python-number
+    settings that turn one truncation off skip its search at trace time; arrays skip it at
+    run time when no row has it on (``lax.cond``)."""
+    logits = jnp.asarray(logits, jnp.float32)
+    lead = logits.shape[:-1]
+    temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), lead)
+    logp = jax.nn.log_softmax(logits / temperature[..., None], axis=-1)
+    if _truncation_is_off(top_k, top_p):
+        return logp, None
+    k = None if _top_k_is_off(top_k) else jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), lead)
+    p = None if _top_p_is_off(top_p) else jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), lead)
+    return logp, _kept_tokens(jax.lax.stop_gradient(logp), k, p)
+
+
+def _renormalised(logp: jax.Array, kept: jax.Array | None) -> jax.Array:
+    """``logp`` restricted to ``kept`` and renormalised there (``-inf`` outside)."""
+    if kept is None:
+        return logp
+    mass = jnp.sum(jnp.where(kept, jnp.exp(logp), 0.0), axis=-1, keepdims=True)
+    return jnp.where(kept, logp - jnp.log(mass), -jnp.inf)
 
 
 def sampling_logprobs(logits: jax.Array, temperature, top_k, top_p) -> jax.Array:
@@ -114,33 +210,52 @@ def sampling_logprobs(logits: jax.Array, temperature, top_k, top_p) -> jax.Array
     Returns:
       ``float32[..., V]`` log-probabilities (nats) that sum to one over the allowed
       tokens; ``-inf`` for tokens the truncation removed. With both truncations off this
-      is ``log_softmax(logits / temperature)``. When ``top_k``/``top_p`` are Python
-      numbers that turn truncation off, no sort is traced; with arrays the sort runs
-      only if some row has truncation on (``lax.cond``).
+      is ``log_softmax(logits / temperature)``. No sort is traced: the kept set is a
+      threshold found by bisection (32 reductions over the vocabulary for each of top-k
+      and top-p), skipped at trace time for a Python-number setting that is off, and at
+      run time (``lax.cond``) when no row of an array setting has it on.
 
     Jittable, vmappable and differentiable in ``logits`` (the allowed set carries no
     gradient). Values are not checked here: ``temperature <= 0`` gives inf/NaN; the
     config, the engine and the learner validate settings before they get here.
     """
-    logits = jnp.asarray(logits, jnp.float32)
-    lead = logits.shape[:-1]
-    temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), lead)
-    logp = jax.nn.log_softmax(logits / temperature[..., None], axis=-1)
-    if _truncation_is_off(top_k, top_p):
-        return logp
-    static = not isinstance(top_k, jax.Array) and not isinstance(top_p, jax.Array)
-    top_k = jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), lead)
-    top_p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), lead)
+    return _renormalised(*_truncated(logits, temperature, top_k, top_p))
 
-    def truncate(logp):
-        allowed = _allowed_tokens(jax.lax.stop_gradient(logp), top_k, top_p)
-        kept = jnp.where(allowed, logp, -jnp.inf)
-        return kept - jax.nn.logsumexp(kept, axis=-1, keepdims=True)
 
-    if static:
-        return truncate(logp)
-    active = ((top_k > 0) & (top_k < logits.shape[-1])) | (top_p < 1.0)
-    return jax.lax.cond(jnp.any(active), truncate, lambda x: x, logp)
+def _last_positive(weights: jax.Array) -> jax.Array:
+    """``int32[B]``: the index of each row's last positive weight (0 if none)."""
+    n = weights.shape[-1]
+    return n - 1 - jnp.argmax(weights[:, ::-1] > 0.0, axis=-1)
+
+
+def _first_above(running: jax.Array, weights: jax.Array, target: jax.Array) -> jax.Array:
+    """``int32[B]``: the first index of positive weight whose running sum exceeds
+    ``target``; the last positive weight where rounding leaves none above it."""
+    hit = (running > target[:, None]) & (weights > 0.0)
+    return jnp.where(jnp.any(hit, axis=-1), jnp.argmax(hit, axis=-1), _last_positive(weights))
+
+
+def _inverse_cdf(weights: jax.Array, u: jax.Array, block: int = 128) -> jax.Array:
+    """``int32[B]``: per row, the first token whose cumulative weight (vocabulary order)
+    exceeds ``u`` times the row's total.
+
+    ``weights`` is ``float32[B, V]`` (>= 0, unnormalised, some positive), ``u``
+    ``float32[B]`` in [0, 1). Token j is drawn with probability ``weights[j] / total`` up
+    to float32 rounding of the running sums (about 6e-8 of the total). The running sum is
+    taken in two levels, over blocks of ``block`` tokens and then within the one block
+    the target falls in, because a cumulative sum over the whole vocabulary is many times
+    the cost of a reduction on a CPU. Zero-weight tokens are never drawn.
+    """
+    batch, vocab = weights.shape
+    padded = jnp.pad(weights, ((0, 0), (0, -vocab % block))).reshape(batch, -1, block)
+    block_mass = jnp.sum(padded, axis=-1)
+    running = jnp.cumsum(block_mass, axis=-1)
+    target = u * running[:, -1]
+    j = _first_above(running, block_mass, target)
+    before = jnp.take_along_axis(running - block_mass, j[:, None], axis=-1)[:, 0]
+    inner = jnp.take_along_axis(padded, j[:, None, None], axis=1)[:, 0]
+    i = _first_above(jnp.cumsum(inner, axis=-1), inner, target - before)
+    return j * block + i
 
 
 def sample_tokens(
@@ -157,8 +272,10 @@ def sample_tokens(
     A row with ``temperature > 0`` draws from the distribution of ``sampling_logprobs``
     (temperature, then top-k, then top-p, renormalised) and reports the token's
     log-probability under that same distribution, so a learner that scores the token
-    with ``sampling_logprobs`` and the same settings gets the same number. A row with
-    ``temperature == 0`` takes the argmax of its logits (greedy; top-k/top-p cannot
+    with ``sampling_logprobs`` and the same settings gets the same number. The draw is
+    inverse transform sampling with one uniform number per row (``_inverse_cdf``), so its
+    cost is a few passes over ``[B, V]`` rather than a random number per token. A row
+    with ``temperature == 0`` takes the argmax of its logits (greedy; top-k/top-p cannot
     change the argmax) and reports ``log_softmax(logits)[token]``, the raw model
     log-probability at temperature 1 (greedy rows are for evaluation, never scored).
 
@@ -177,8 +294,7 @@ def sample_tokens(
     greedy = temperature <= 0.0
     safe_t = jnp.where(greedy, 1.0, temperature).astype(jnp.float32)
     if top_k is None and top_p is None:
-        # Static "off": no sort over the vocabulary is traced (a cheaper program).
-        logprobs = sampling_logprobs(logits, safe_t, 0, 1.0)
+        logp, kept = _truncated(logits, safe_t, 0, 1.0)  # static "off": nothing to search
     else:
         top_k = jnp.zeros((batch,), jnp.int32) if top_k is None else jnp.asarray(top_k, jnp.int32)
         top_p = (
@@ -186,9 +302,14 @@ def sample_tokens(
         )
         top_k = jnp.where(greedy, 0, top_k)
         top_p = jnp.where(greedy, 1.0, top_p)
-        logprobs = sampling_logprobs(logits, safe_t, top_k, top_p)
+        logp, kept = _truncated(logits, safe_t, top_k, top_p)
+    logprobs = _renormalised(logp, kept)
+    # The draw weighs tokens by exp(logp) before renormalisation: the same distribution,
+    # and a row's weights do not depend on whether a batch-mate made the kept set a mask.
+    weights = jnp.exp(logp) if kept is None else jnp.where(kept, jnp.exp(logp), 0.0)
     keys = row_keys(seed_lo, seed_hi, token_index)
-    drawn = jax.vmap(jax.random.categorical)(keys, logprobs)
+    u = jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys)
+    drawn = _inverse_cdf(weights, u)
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     return tokens, chosen

@@ -22,9 +22,9 @@ def greedy_top_p_bound(top_k: int, vocab_size: int | None) -> float | None:
     ``vocab_size`` tokens after top-k (exact ties aside), or None when unknown.
 
     The most likely of n tokens has probability >= 1/n, so its mass alone reaches any
-    ``top_p <= 1/n`` and nucleus sampling keeps nothing else (``_allowed_tokens``); above
-    1/n the uniform distribution keeps a second token. n is ``top_k`` when it is on and
-    below the vocabulary, else ``vocab_size``.
+    ``top_p <= 1/n`` and nucleus sampling keeps nothing else (``sampling._kept_tokens``);
+    above 1/n the uniform distribution keeps a second token. n is ``top_k`` when it is on
+    and below the vocabulary, else ``vocab_size``.
     """
     sizes = [n for n in (top_k if top_k > 0 else None, vocab_size) if n]
     return 1.0 / min(sizes) if sizes else None
