@@ -71,8 +71,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pyarrow as pa
-from machine_rates import gemm_gflops  # benchmarks/ is on sys.path when run as a script
-from rollout_overlap import machine
+from machine_rates import gemm_gflops, machine  # benchmarks/ is on sys.path as a script
 
 from raytunix.config import RolloutConfig
 from raytunix.learner.batch import Batch, PackedBatch

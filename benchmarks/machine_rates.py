@@ -5,6 +5,9 @@ benchmarks (``benchmarks/`` is on ``sys.path`` when they run as scripts)."""
 
 from __future__ import annotations
 
+import importlib.metadata
+import os
+import platform
 import time
 
 import jax
@@ -40,3 +43,27 @@ def copy_gb_per_s(megabytes: int = 256) -> float:
 
 def machine_rates() -> dict:
     return {"gemm_gflops": round(gemm_gflops(), 1), "copy_gb_per_s": round(copy_gb_per_s(), 2)}
+
+
+def machine() -> dict:
+    """The host: CPU count and model, platform, Python, and Ray's version where installed
+    (the device check runs where Ray is not)."""
+    model = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in open("/proc/cpuinfo")
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    try:
+        ray_version = importlib.metadata.version("ray")
+    except importlib.metadata.PackageNotFoundError:
+        ray_version = None
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpu_model": model,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "ray": ray_version,
+    }

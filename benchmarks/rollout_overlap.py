@@ -44,13 +44,13 @@ import collections
 import json
 import math
 import os
-import platform
 import statistics
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import ray  # noqa: E402
+from machine_rates import machine  # noqa: E402, F401 - also imported from here
 
 from raytunix.agents import make_agent  # noqa: E402
 from raytunix.envs import SimulatedToolEnv  # noqa: E402
@@ -180,24 +180,6 @@ def parse_args(argv=None) -> argparse.Namespace:
             f"multiple of --max-batch-size ({b}): lockstep runs whole batches."
         )
     return args
-
-
-def machine() -> dict:
-    model = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in open("/proc/cpuinfo")
-            if line.startswith("model name")
-        ),
-        platform.processor(),
-    )
-    return {
-        "cpu_count": os.cpu_count(),
-        "cpu_model": model,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "ray": ray.__version__,
-    }
 
 
 def make_tasks(n: int, prefix: str) -> list[Task]:

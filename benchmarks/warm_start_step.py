@@ -41,7 +41,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
 import numpy as np
-from rollout_overlap import machine  # benchmarks/ is on sys.path when run as a script
+from machine_rates import machine  # benchmarks/ is on sys.path when run as a script
 
 from raytunix.config import load_config
 from raytunix.data.demonstrations import tokenizer_corpus

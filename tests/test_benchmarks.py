@@ -303,6 +303,27 @@ def test_learner_step_compares_the_update_with_a_bare_train_step():
 
 
 @pytest.mark.benchmark
+def test_device_check_runs_every_part_on_the_cpu_without_ray():
+    report = _run(
+        "device_check.py",
+        *("--shape", "tiny", "--rows", "4", "--prompt", "32", "--decode-steps", "8"),
+        *("--learner-rows", "2", "--learner-seq", "64", "--learner-steps", "1"),
+        *("--peak-tflops", "1", "--hbm-gbps", "10"),  # a CPU has no data-sheet entry
+        timeout_s=900,
+    )
+    decode = report["decode"]
+    assert report["model"] == {"shape": "tiny", "dtype": "bfloat16", "params": 106_816}
+    assert decode["engine"]["decode_steps"] >= 7 and decode["bare_tokens_per_s"] > 0
+    # the roofline: rows x bandwidth / (bf16 weights + the KV bytes read per step)
+    kv = 4 * (32 + 8 / 2) * 2 * 2 * 2 * 16 * 2  # rows x context x (k, v) x layers x kv heads
+    assert decode["bytes_per_step"] == 106_816 * 2 + kv
+    assert decode["roofline_tokens_per_s"] == round(4 * 10e9 / decode["bytes_per_step"], 1)
+    assert 0 < report["prefill"]["mfu"] and 0 < report["learner"]["mfu"]
+    assert report["publish"]["bytes"] == 106_816 * 2  # published in bfloat16
+    assert report["machine"]["backend"] == "cpu"
+
+
+@pytest.mark.benchmark
 @pytest.mark.timeout(
     2700
 )  # three launches of raytunix train: past the suite's 600 s on a loaded machine
