@@ -5,12 +5,12 @@ their steps in threads, so a slow tool on one episode does not stall the others.
 size is configured on its own (``env.num_env_actors``); actors restart on failure, and an
 episode whose actor died ends as ``env_error`` (and is re-run by the orchestrator) instead
 of taking the run with it. An actor that is dead for good (its restarts spent) gets no more
-episodes; one that was serving is replaced by a new actor (an agent program that ends its
-process kills its actor on each such episode, which ends as ``env_error``: the run goes on;
-an environment that fails every episode trips the orchestrator's breaker instead). An
-actor that cannot start (its environment cannot be built) is not replaced; when none is
-left, ``lease`` raises ``EnvPoolExhausted`` and the run stops with that one error instead
-of producing failed episodes.
+episodes, and a new actor replaces it (an agent program that ends its process kills its
+actor on each such episode, which ends as ``env_error``: the run goes on; an environment
+that fails every episode trips the orchestrator's breaker instead). An actor that cannot
+build its environment is not replaced; when none is left, ``lease`` raises
+``EnvPoolExhausted`` and the run stops with that one error instead of producing failed
+episodes.
 
 The pool resizes during a run (``EnvPool.resize``, reached from the driver through
 ``OrchestratorActor.resize_env_pool``): new actors take episodes once they are ready, and
@@ -536,8 +536,8 @@ class EnvPool:
             if index in self._dead:  # another episode of it found out first
                 return
             self._dead.add(index)
-            was_active = self._starting.pop(index, None) is None and index not in self._retiring
-            replacement = self._start_replacement() if was_active else None
+            self._starting.pop(index, None)
+            replacement = self._replace(index, e)
             logger.error(
                 "env actor %d is dead for good (%d of %d left)%s: %s",
                 index,
@@ -549,12 +549,16 @@ class EnvPool:
         except (ray.exceptions.RayActorError, TimeoutError):
             pass  # restarting or slow: not known dead
 
-    def _start_replacement(self) -> int:
-        """Starts a new actor that takes leases once it answers its probe; its index."""
-        index = self._start_actor()
-        self._starting[index] = self.actors[index].num_envs.remote()
+    def _replace(self, index: int, death: BaseException) -> int | None:
+        """Starts a new actor in place of ``index``, dead for good of ``death``, unless it
+        could not build its environment (a new one could not either) or was retiring;
+        the new actor's index, or None."""
+        if getattr(death, "_actor_init_failed", False) or index in self._retiring:
+            return None
+        new = self._start_actor()
+        self._starting[new] = self.actors[new].num_envs.remote()
         self.replaced += 1
-        return index
+        return new
 
     def release(self, index: int) -> None:
         """Gives back a lease of ``lease``; a retiring actor whose last episode this was
@@ -632,10 +636,17 @@ class EnvPool:
             error = probe.exception()
             if error is None:
                 logger.info("env pool: env actor %d is ready and takes episodes", index)
+            elif isinstance(error, ray.exceptions.ActorUnavailableError):
+                # Restarting (an episode it took while starting ended its process): ask again.
+                self._starting[index] = self.actors[index].num_envs.remote()
             else:
                 self._dead.add(index)
+                replacement = self._replace(index, error)
                 logger.error(
-                    "env pool: env actor %d could not start and is left out: %s", index, error
+                    "env pool: env actor %d could not start and is left out%s: %s",
+                    index,
+                    f"; env actor {replacement} replaces it" if replacement is not None else "",
+                    error,
                 )
 
     def membership(self) -> dict[str, Any]:
