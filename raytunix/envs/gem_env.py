@@ -30,7 +30,7 @@ import re
 from typing import Any
 
 from raytunix.envs.base import BaseEnv
-from raytunix.envs.global_random import EpisodeRandom, reset_seeds
+from raytunix.envs.global_random import EpisodeRandom, binary_search_game, seeded_tasks
 from raytunix.registry import register
 from raytunix.types import TOOL_ERRORS_KEY, Action, EpisodeStatus, StepResult, Task, ToolErrorKind
 
@@ -112,15 +112,7 @@ class GEMEnv(BaseEnv):
         Raises:
           ValueError: ``split`` is not "train" or "heldout", or ``size`` exceeds 2**20.
         """
-        return [
-            Task(
-                task_id=f"{split}-{i:06d}",
-                question=self._reset(reset_seed),
-                answer="",
-                metadata={"seed": reset_seed, "gem_id": self.env_id},
-            )
-            for i, reset_seed in enumerate(reset_seeds(split, size, seed))
-        ]
+        return seeded_tasks(split, size, seed, self._reset, gem_id=self.env_id)
 
     def demonstrate(self, task: Task) -> list[dict[str, str]] | None:
         """An expert's game on ``task``, played against this instance: for GuessTheNumber
@@ -183,26 +175,25 @@ def _shown(observation: Any, info: Any) -> str:
 
 
 def _binary_search_game(env: GEMEnv, task: Task) -> list[dict[str, str]] | None:
-    """Plays GuessTheNumber by halving ``[min_number, max_number]`` on each hint; the
-    messages of the game if it was won, else None."""
-    messages = [{"role": "user", "content": env.reset(task)}]
+    """GuessTheNumber by binary search over ``[min_number, max_number]``, moves
+    ``\\boxed{n}``, GEM's "higher than n"/"lower than n" hints, won when GEM says
+    ``correct`` (``binary_search_game``)."""
     game = env.game.unwrapped
-    low, high = int(game.min_number), int(game.max_number)
-    while low <= high:
-        guess = (low + high) // 2
-        reply = f"\\boxed{{{guess}}}"
-        messages.append({"role": "assistant", "content": reply})
-        result = env.step(Action(text=reply))
-        if result.done:
-            return messages if result.info.get("correct") else None
-        if f"higher than {guess}" in result.observation:
-            low = guess + 1
-        elif f"lower than {guess}" in result.observation:
-            high = guess - 1
-        else:
-            return None  # a message the expert does not understand
-        messages.append({"role": "tool", "content": result.observation})
-    return None
+
+    def direction(observation: str, guess: int) -> int:
+        if f"higher than {guess}" in observation:
+            return 1
+        return -1 if f"lower than {guess}" in observation else 0
+
+    return binary_search_game(
+        env,
+        task,
+        int(game.min_number),
+        int(game.max_number),
+        lambda guess: f"\\boxed{{{guess}}}",
+        direction,
+        lambda result: bool(result.info.get("correct")),
+    )
 
 
 def _import_gem() -> tuple[dict[str, Any], float]:

@@ -22,9 +22,11 @@ from __future__ import annotations
 import contextlib
 import random
 import threading
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
+
+from raytunix.types import Action, Task
 
 GLOBAL_RNG_LOCK = threading.Lock()
 # Reset seeds of hub tasks: data seed s trains on seeds from 2*s*SEEDS_PER_SPLIT and holds
@@ -79,3 +81,54 @@ def reset_seeds(split: str, size: int, seed: int) -> list[int]:
         raise ValueError(f"size={size} is over the {SEEDS_PER_SPLIT} tasks a split holds.")
     first = (int(seed) * 2 + _SPLIT_INDEX[split]) * SEEDS_PER_SPLIT
     return [(first + i) % SEED_MODULUS for i in range(size)]
+
+
+def seeded_tasks(
+    split: str, size: int, seed: int, first_observation: Callable[[int], str], **metadata: Any
+) -> list[Task]:
+    """``size`` tasks of a seeded game, one reset seed each (``reset_seeds``): ids
+    ``<split>-000000`` onwards, the question the game's first observation under that seed
+    (``first_observation(seed)``), metadata ``{"seed": ..., **metadata}``.
+
+    Raises:
+      ValueError: as ``reset_seeds``.
+    """
+    return [
+        Task(
+            task_id=f"{split}-{i:06d}",
+            question=first_observation(reset_seed),
+            answer="",
+            metadata={"seed": reset_seed, **metadata},
+        )
+        for i, reset_seed in enumerate(reset_seeds(split, size, seed))
+    ]
+
+
+def binary_search_game(
+    env: Any,
+    task: Task,
+    low: int,
+    high: int,
+    reply_for: Callable[[int], str],
+    direction: Callable[[str, int], int],
+    won: Callable[[Any], bool],
+) -> list[dict[str, str]] | None:
+    """An expert's GuessTheNumber game on ``task`` against ``env``: halves ``[low, high]``
+    on each hint, never reading the secret. ``reply_for(guess)`` is the move in the game's
+    syntax; ``direction(observation, guess)`` is +1 (the number is higher), -1 (lower) or
+    0 (a message the expert does not understand: it gives up); ``won(result)`` reads the
+    final ``StepResult``. The game's messages if it was won, else None."""
+    messages = [{"role": "user", "content": env.reset(task)}]
+    while low <= high:
+        guess = (low + high) // 2
+        reply = reply_for(guess)
+        messages.append({"role": "assistant", "content": reply})
+        result = env.step(Action(text=reply))
+        if result.done:
+            return messages if won(result) else None
+        step = direction(result.observation, guess)
+        if step == 0:
+            return None
+        low, high = (guess + 1, high) if step > 0 else (low, guess - 1)
+        messages.append({"role": "tool", "content": result.observation})
+    return None

@@ -26,7 +26,7 @@ import importlib
 from typing import Any
 
 from raytunix.envs.base import BaseEnv
-from raytunix.envs.global_random import EpisodeRandom, reset_seeds
+from raytunix.envs.global_random import EpisodeRandom, binary_search_game, seeded_tasks
 from raytunix.registry import register
 from raytunix.types import TOOL_ERRORS_KEY, Action, EpisodeStatus, StepResult, Task, ToolErrorKind
 
@@ -93,15 +93,7 @@ class TextArenaEnv(BaseEnv):
         Raises:
           ValueError: ``split`` is not "train" or "heldout", or ``size`` exceeds 2**20.
         """
-        return [
-            Task(
-                task_id=f"{split}-{i:06d}",
-                question=self._reset(reset_seed),
-                answer="",
-                metadata={"seed": reset_seed, "textarena_id": self.env_id},
-            )
-            for i, reset_seed in enumerate(reset_seeds(split, size, seed))
-        ]
+        return seeded_tasks(split, size, seed, self._reset, textarena_id=self.env_id)
 
     def demonstrate(self, task: Task) -> list[dict[str, str]] | None:
         """An expert's game on ``task``, played against this instance: for GuessTheNumber
@@ -173,26 +165,22 @@ class TextArenaEnv(BaseEnv):
 
 
 def _binary_search_game(env: TextArenaEnv, task: Task) -> list[dict[str, str]] | None:
-    """Plays GuessTheNumber by halving ``[min_number, max_number]`` on each hint; the
-    messages of the game if it was won, else None."""
-    messages = [{"role": "user", "content": env.reset(task)}]
-    low, high = int(env.game.min_number), int(env.game.max_number)
-    while low <= high:
-        guess = (low + high) // 2
-        reply = f"[{guess}]"
-        messages.append({"role": "assistant", "content": reply})
-        result = env.step(Action(text=reply))
-        if result.done:
-            return messages if result.reward >= 1.0 else None
-        hint = result.observation.lower()
-        if "higher" in hint:
-            low = guess + 1
-        elif "lower" in hint:
-            high = guess - 1
-        else:
-            return None  # a message the expert does not understand
-        messages.append({"role": "tool", "content": result.observation})
-    return None
+    """GuessTheNumber by binary search over ``[min_number, max_number]``, moves ``[n]``,
+    TextArena's "higher"/"lower" hints, won at reward 1 (``binary_search_game``)."""
+
+    def direction(observation: str, guess: int) -> int:
+        hint = observation.lower()
+        return 1 if "higher" in hint else -1 if "lower" in hint else 0
+
+    return binary_search_game(
+        env,
+        task,
+        int(env.game.min_number),
+        int(env.game.max_number),
+        lambda guess: f"[{guess}]",
+        direction,
+        lambda result: result.reward >= 1.0,
+    )
 
 
 def _make(env_id: str, make_kwargs: dict[str, Any]) -> Any:
