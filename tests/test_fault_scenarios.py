@@ -198,8 +198,15 @@ def test_async_at_zero_staleness_with_one_engine_matches_the_synchronous_loop():
                 err_msg=f"{key} at step {step + 1}",
             )
     # The trace is not trivially zero: rewards differ within groups, so the update moved.
+    # (On-policy the surrogate's value is about 0 whatever the advantages: the ratio is 1
+    # and each group's advantages sum to 0; its gradient is what carries them.)
+    groups = [
+        {t.reward for t in a if t.group_id == g}
+        for a, _ in async_steps
+        for g in {t.group_id for t in a}
+    ]
+    assert any(len(rewards) > 1 for rewards in groups)
     assert all(m["grad_norm"] > 1e-3 for _, m in async_steps)
-    assert any(abs(m["loss"]) > 1e-4 for _, m in async_steps)
 
 
 # -- 2. an env actor that exits mid-episode ------------------------------------------------------
