@@ -595,6 +595,20 @@ class EngineConfig:
         }
 
 
+# The dense layers of raytunix.models.llama by attribute name: what learner.lora_target_modules
+# may name (raytunix.learner.lora).
+LORA_TARGET_MODULES = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "lm_head",
+)
+
+
 @dataclasses.dataclass
 class LearnerConfig:
     rl_steps: int = setting(40, "GRPO updates", bounds=">= 0", resume=True)
@@ -695,6 +709,20 @@ class LearnerConfig:
         "tokens of the widest packed row (>= 2); 0 = model.max_seq_len; a narrower padding "
         "width is used when it holds the batch in fewer tokens; a longer trajectory is cut to "
         "it",
+    )
+    lora_rank: int = setting(
+        0,
+        "LoRA (Hu et al. 2021): rank of the adapters trained instead of the whole model, "
+        "which stays frozen and is the KL reference; 0 = off (full fine-tuning)",
+        bounds=">= 0",
+    )
+    lora_alpha: float = setting(
+        16.0, "LoRA: the adapters' update is scaled by lora_alpha / lora_rank", bounds="> 0"
+    )
+    lora_target_modules: str = setting(
+        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+        "LoRA: the dense layers that get adapters, comma-separated, among "
+        + ", ".join(LORA_TARGET_MODULES),
     )
     off_policy_correction: OffPolicyCorrection = setting(
         "none",
@@ -1553,6 +1581,14 @@ def _validate_learner(cfg: Config) -> None:
         raise ConfigError(
             f"learner.pack_width={learner.pack_width!r} must be >= 2 tokens per "
             "packed row, or 0 for model.max_seq_len."
+        )
+    targets = [n.strip() for n in learner.lora_target_modules.split(",") if n.strip()]
+    unknown = [n for n in targets if n not in LORA_TARGET_MODULES]
+    if unknown or not targets:
+        raise ConfigError(
+            f"learner.lora_target_modules={learner.lora_target_modules!r}: "
+            f"{', '.join(map(repr, unknown)) or 'no layer named'}; name some of "
+            f"{', '.join(LORA_TARGET_MODULES)}, comma-separated."
         )
     longest = cfg.env.max_turns * cfg.rollout.max_new_tokens
     if learner.overlong_buffer_tokens > longest:

@@ -48,7 +48,9 @@ from raytunix.learner.train_state import (
     make_policy_update,
     make_sft_update,
     packed_row_multiple,
+    policy_params,
 )
+from raytunix.learner.lora import LoraSpec
 from raytunix.models.llama import ModelConfig, cast_params, init_model
 
 __all__ = ["Learner", "RLHyperparams", "SFTHyperparams"]
@@ -130,23 +132,41 @@ class Learner:
     @property
     def params(self):
         """The current model parameters (an ``nnx.State`` of jax arrays; split over
-        ``mesh`` once a phase has started)."""
-        return self._state.params if self._state is not None else self._params
+        ``mesh`` once a phase has started); with LoRA the base with the adapters merged
+        in (``policy_params``)."""
+        return policy_params(self._state) if self._state is not None else self._params
 
-    def _fresh_state(self, optimizer, mesh_config) -> TrainState:
+    def _fresh_state(self, optimizer, mesh_config, lora: LoraSpec) -> TrainState:
         """A new ``TrainState`` for the current params on the mesh of ``mesh_config``
-        (``self.mesh``), params placed before the optimizer state is made from them."""
+        (``self.mesh``), params placed before the optimizer state is made from them; with
+        ``lora`` enabled they are its frozen base, fresh adapters trained over them (a
+        warm start's adapters are merged in first)."""
         self.mesh = mesh_config.build()
         params = shard_tree(self.params, self.mesh)
         return shard_tree(
-            create_train_state(self.graphdef, params, optimizer, self.seed), self.mesh
+            create_train_state(self.graphdef, params, optimizer, self.seed, lora), self.mesh
         )
+
+    def _saved(self) -> TrainState:
+        """What a checkpoint holds: the state without a LoRA base (the base is the model
+        the phase started from, rebuilt by the run, never changed by it)."""
+        state: Any = self._state  # flax's replace is not visible to mypy
+        return state.replace(base=None)
+
+    def _restored(self, checkpointer: Checkpointer, step: int | None, **kw) -> tuple[Any, dict]:
+        """``checkpointer.restore`` into the current state (``_saved``'s form), the LoRA
+        base and scale put back."""
+        current: Any = self._state
+        restored: tuple[Any, dict] = checkpointer.restore(step, self._saved(), **kw)
+        state, extras = restored
+        # The checkpoint rebuilds a TrainState without its static lora_scale.
+        return state.replace(base=current.base, lora_scale=current.lora_scale), extras
 
     # ------------------------------------------------------------------ warm start
     def start_warmup(self, hp: SFTHyperparams) -> None:
         """A fresh optimizer for supervised steps (``sft_steps``), as ``hp`` says."""
         optimizer = hp.optimizer()
-        self._state = self._fresh_state(optimizer, hp.mesh)
+        self._state = self._fresh_state(optimizer, hp.mesh, hp.lora)
         # No buffer donation: a colocated engine may still hold the previous params.
         self._update = jax.jit(make_sft_update(self.graphdef, optimizer, mesh=self.mesh))
 
@@ -215,14 +235,19 @@ class Learner:
         hp.check(vocab_size=self.model_config.vocab_size)
         optimizer = make_optimizer_from(hp)
         self._hp = hp
-        self._state = self._fresh_state(optimizer, hp.mesh)
+        self._state = self._fresh_state(optimizer, hp.mesh, hp.lora)
         if hp.advantage_estimator == "gae":  # PPO's value head, beside the policy's params
             self._state = shard_tree(
                 add_value_head(self._state, optimizer, self.model_config.d_model), self.mesh
             )
-        self._ref_params = (
-            shard_tree(jax.tree.map(jnp.copy, self.params), self.mesh) if hp.kl_coef > 0 else None
-        )
+        self._ref_params = None
+        if hp.kl_coef > 0:  # LoRA's frozen base is the reference, no copy needed
+            base = self._state.base
+            self._ref_params = (
+                base
+                if base is not None
+                else shard_tree(jax.tree.map(jnp.copy, self.params), self.mesh)
+            )
         # Jitted inside; the host part checks rewards, skips empty batches, pads rows.
         self._update = make_policy_update(
             self.graphdef, optimizer, hp, max_seq_len=self.model_config.max_seq_len, mesh=self.mesh
@@ -338,7 +363,7 @@ class Learner:
             updates_skipped=self.updates_skipped,
             updates_skipped_nonfinite=self.updates_skipped_nonfinite,
         )
-        checkpointer.save(self.rl_step, self._state, extras, metrics)
+        checkpointer.save(self.rl_step, self._saved(), extras, metrics)
 
     def save_warmup(self, checkpointer: Checkpointer, steps: int, extras: dict[str, Any]) -> None:
         """Starts saving the warm start's state after ``steps`` supervised steps as
@@ -353,7 +378,7 @@ class Learner:
         if self._state is None or self._hp is not None:
             raise RuntimeError("save_warmup is for the warm start: call start_warmup first")
         extras = dict(extras, sft_rows_rng=self._sft_rng.bit_generator.state)
-        checkpointer.save(steps, self._state, extras)
+        checkpointer.save(steps, self._saved(), extras)
 
     def restore_warmup(self, checkpointer: Checkpointer) -> dict[str, Any] | None:
         """Restores the newest warm-start checkpoint (``save_warmup``) into the SFT state
@@ -367,13 +392,16 @@ class Learner:
             raise RuntimeError("restore_warmup is for the warm start: call start_warmup first")
         if checkpointer.latest_step() is None:
             return None
-        self._state, extras = checkpointer.restore(None, self._state)
+        self._state, extras = self._restored(checkpointer, None)
         self._sft_rng.bit_generator.state = extras.pop("sft_rows_rng")
         return extras
 
     def save_reference(self, checkpointer: Checkpointer) -> None:
         """Saves the KL reference policy (the weights at ``start_rl``) once, so that a
-        resumed run penalizes KL to the same policy. No-op without a KL penalty."""
+        resumed run penalizes KL to the same policy. No-op without a KL penalty, and with
+        LoRA, whose reference is the frozen base the run rebuilds."""
+        if self._state is not None and self._state.base is not None:
+            return
         if self._ref_params is not None and checkpointer.latest_step() is None:
             checkpointer.save(0, self._state.replace(params=self._ref_params), {"reference": True})
             checkpointer.wait_until_finished()
@@ -395,14 +423,16 @@ class Learner:
         """
         if self._hp is None:
             raise RuntimeError("call start_rl (with the run's hyperparameters) before restore")
-        state, extras = checkpointer.restore(step, self._state, among=among)
+        state, extras = self._restored(checkpointer, step, among=among)
         with self._policy_lock:
             self._state = state
             self.version = int(extras["policy_version"])
         self.rl_step = int(extras["rl_step"])
         self.updates_skipped = int(extras.get("updates_skipped", 0))
         self.updates_skipped_nonfinite = int(extras.get("updates_skipped_nonfinite", 0))
-        if self._hp.kl_coef > 0:
+        if self._hp.kl_coef > 0 and state.base is not None:
+            self._ref_params = state.base
+        elif self._hp.kl_coef > 0:
             if reference is None or reference.latest_step() is None:
                 raise RuntimeError(
                     "learner.kl_coef > 0 but the run has no saved reference policy; resume "

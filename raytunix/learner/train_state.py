@@ -39,6 +39,7 @@ from raytunix.learner.advantages import (
     whiten,
 )
 from raytunix.learner.batch import ROW_MULTIPLE, Batch, PackedBatch
+from raytunix.learner.lora import LoraSpec, init_adapters, merge_adapters
 from raytunix.learner.losses import (
     AGGREGATIONS,
     IMPORTANCE_SAMPLING_LEVELS,
@@ -95,6 +96,10 @@ class TrainState:
         and the checkpoints of other runs are unchanged.
       value_opt_state: the optimizer state of ``value_head`` (the same optax optimizer as
         ``params``, its own gradient clipping), or None.
+      base: with LoRA (``raytunix.learner.lora``), the frozen base model's parameters, an
+        ``nnx.State``; ``params`` then holds the adapters, the only trained parameters
+        (``opt_state`` is theirs), and the model is ``policy_params(state)``. None without.
+      lora_scale: LoRA's ``alpha / rank`` (static, not an array); 0.0 without LoRA.
     """
 
     params: nnx.State
@@ -103,6 +108,8 @@ class TrainState:
     rng: jax.Array
     value_head: Any = None
     value_opt_state: Any = None
+    base: Any = None
+    lora_scale: float = flax.struct.field(pytree_node=False, default=0.0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -157,7 +164,15 @@ class RLHyperparams:
     num_iterations: int = LearnerConfig.num_iterations
     sequence_packing: bool = LearnerConfig.sequence_packing
     pack_width: int = LearnerConfig.pack_width
+    lora_rank: int = LearnerConfig.lora_rank
+    lora_alpha: float = LearnerConfig.lora_alpha
+    lora_target_modules: str = LearnerConfig.lora_target_modules
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+
+    @property
+    def lora(self) -> LoraSpec:
+        """The LoRA adapters to train (rank 0: the whole model trains)."""
+        return LoraSpec(self.lora_rank, self.lora_alpha, self.lora_target_modules)
 
     @classmethod
     def from_config(cls, cfg: Config) -> RLHyperparams:
@@ -202,6 +217,7 @@ class RLHyperparams:
                     f"{name}={getattr(self, name)!r} is not supported; use one "
                     f"of {', '.join(allowed)}."
                 )
+        self.lora.check()
         if not self.importance_cap >= 1.0:
             raise ValueError(
                 f"importance_cap={self.importance_cap!r} must be >= 1 (e.g. 2.0); a cap below 1 "
@@ -237,20 +253,26 @@ class RLHyperparams:
 class SFTHyperparams:
     """The numbers of the supervised warm start: ``warmup.learning_rate`` and
     ``warmup.warmup_steps`` (the learning rate's linear warmup), and the RL phase's
-    ``learner.max_grad_norm``, and the learner's device mesh (``learner.mesh_*``); the
+    ``learner.max_grad_norm``, the LoRA adapters of ``learner.lora_*`` (the warm start
+    trains the same adapters as RL) and the learner's device mesh (``learner.mesh_*``); the
     config holds each default. Build with ``from_config``."""
 
     learning_rate: float = WarmupConfig.learning_rate
     warmup_steps: int = WarmupConfig.warmup_steps
     max_grad_norm: float = LearnerConfig.max_grad_norm
+    lora: LoraSpec = LoraSpec(
+        LearnerConfig.lora_rank, LearnerConfig.lora_alpha, LearnerConfig.lora_target_modules
+    )
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
     @classmethod
     def from_config(cls, cfg: Config) -> SFTHyperparams:
+        learner = cfg.learner
         return cls(
             learning_rate=cfg.warmup.learning_rate,
             warmup_steps=cfg.warmup.warmup_steps,
-            max_grad_norm=cfg.learner.max_grad_norm,
+            max_grad_norm=learner.max_grad_norm,
+            lora=LoraSpec(learner.lora_rank, learner.lora_alpha, learner.lora_target_modules),
             mesh=MeshConfig.from_config(cfg),
         )
 
@@ -376,12 +398,20 @@ def make_optimizer_from(hp: RLHyperparams) -> optax.GradientTransformation:
 
 
 def create_train_state(
-    graphdef: nnx.GraphDef, params: nnx.State, optimizer: optax.GradientTransformation, seed: int
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    optimizer: optax.GradientTransformation,
+    seed: int,
+    lora: LoraSpec | None = None,
 ) -> TrainState:
-    """A fresh ``TrainState`` at step 0 for ``params`` of the model ``graphdef``.
+    """A fresh ``TrainState`` at step 0 for ``params`` of the model ``graphdef``. With
+    ``lora`` enabled (rank > 0), ``params`` become the frozen ``base`` and fresh adapters
+    (``init_adapters``, from ``seed``) the trained ``params``, the optimizer state theirs
+    alone.
 
     Raises:
-      ValueError: if ``params`` does not fit ``graphdef`` (from another model).
+      ValueError: if ``params`` does not fit ``graphdef`` (from another model), or
+        ``lora`` is invalid or names no layer of the model (``init_adapters``).
     """
     try:
         nnx.merge(graphdef, params)
@@ -390,12 +420,31 @@ def create_train_state(
             f"create_train_state: params do not match the model graphdef ({e}); pass the "
             "state returned together with this graphdef by init_model / nnx.split."
         ) from e
+    rng = jax.random.key_data(jax.random.key(seed))
+    step = jnp.zeros((), jnp.int32)
+    if lora is None or not lora.enabled:
+        return TrainState(params=params, opt_state=optimizer.init(params), step=step, rng=rng)
+    adapters = init_adapters(params, lora, seed)
     return TrainState(
-        params=params,
-        opt_state=optimizer.init(params),
-        step=jnp.zeros((), jnp.int32),
-        rng=jax.random.key_data(jax.random.key(seed)),
+        params=adapters,
+        opt_state=optimizer.init(adapters),
+        step=step,
+        rng=rng,
+        base=params,
+        lora_scale=lora.scale,
     )
+
+
+def model_params(params: Any, base: nnx.State | None, lora_scale: float) -> nnx.State:
+    """The model's parameters: ``params`` themselves, or with a LoRA ``base`` the base
+    with the adapters ``params`` merged in (``merge_adapters``; differentiable in them)."""
+    return params if base is None else merge_adapters(base, params, lora_scale)
+
+
+def policy_params(state: TrainState) -> nnx.State:
+    """The policy's full parameters, an ``nnx.State`` like ``init_model``'s: what an
+    engine is served and an export writes (with LoRA, base + adapters merged)."""
+    return model_params(state.params, state.base, state.lora_scale)
 
 
 def init_value_head(d_model: int) -> dict[str, jax.Array]:
@@ -677,7 +726,7 @@ def micro_batches(
         mbs.update(positions=batch.positions, segment_ids=batch.segment_ids)
     if hp.advantage_estimator == "gae":
         inputs = {k: v for k, v in mbs.items() if k in ("tokens", "positions", "segment_ids")}
-        old_values = start_values(graphdef, state.params, state.value_head, inputs, rows)
+        old_values = start_values(graphdef, policy_params(state), state.value_head, inputs, rows)
         targets, metrics = gae_targets(batch, rewards, old_values, hp)
     else:
         targets, metrics = episode_advantage_targets(batch, rewards, hp, num_rows)
@@ -856,13 +905,18 @@ def micro_batch_loss(
     graphdef: nnx.GraphDef,
     hp: RLHyperparams,
     max_seq_len: int,
+    base: nnx.State | None = None,
+    lora_scale: float = 0.0,
 ) -> tuple[jax.Array, tuple]:
     """The loss of one micro-batch (one row-slice of ``micro_batches``): one forward pass
     of the policy (and of the value head on its hidden state when ``trainable`` is
     ``(params, value_head)`` with a head), one of the reference when ``ref_params`` are
     given, then ``policy_loss_terms`` + ``hp.value_coef`` x ``value_loss_terms``.
-    Differentiable in ``trainable``; returns ``(loss, (sums, prox, support))``."""
+    With a LoRA ``base``, ``trainable``'s params are the adapters, merged into it
+    (``model_params``). Differentiable in ``trainable``; returns ``(loss, (sums, prox,
+    support))``."""
     params, value_head = trainable
+    params = model_params(params, base, lora_scale)
     packing = {k: mb[k] for k in ("positions", "segment_ids") if k in mb}
     seqs = packed_sequence_index(mb["segment_ids"][:, 1:]) if packing else {}
     sampling = {"temperature": hp.temperature, "top_k": hp.top_k, "top_p": hp.top_p}
@@ -1181,6 +1235,17 @@ def skipped_update_metrics(batch: Batch | PackedBatch) -> dict[str, float]:
     }
 
 
+def _optimizer_step_of(
+    loss: Callable, optimizer: optax.GradientTransformation, hp: RLHyperparams, base, lora_scale
+) -> Callable:
+    """``optimizer_step`` bound to the gradient of ``loss`` (``micro_batch_loss`` with its
+    model and settings) in the trainable params, a LoRA ``base`` (or None) a constant."""
+    grad_fn = jax.grad(functools.partial(loss, base=base, lora_scale=lora_scale), has_aux=True)
+    return functools.partial(
+        optimizer_step, grad_fn=grad_fn, optimizer=optimizer, gae=hp.advantage_estimator == "gae"
+    )
+
+
 def make_policy_update(
     graphdef: nnx.GraphDef,
     optimizer: optax.GradientTransformation,
@@ -1205,7 +1270,9 @@ def make_policy_update(
     A batch with no trainable token (checked on the host, for a concrete batch) is
     skipped: state unchanged, metrics ``update_skipped`` 1, ``num_tokens`` 0,
     ``reward_mean``. ``ref_params``: the reference policy's parameters for the KL penalty,
-    or None when ``hp.kl_coef == 0``. With a ``mesh``, ``state`` and ``ref_params`` come
+    or None when ``hp.kl_coef == 0``. A LoRA state (``create_train_state`` with
+    ``hp.lora``) trains its adapters only; its ``base`` is the reference at no extra
+    memory (pass ``state.base``). With a ``mesh``, ``state`` and ``ref_params`` come
     split by ``shard_train_state`` / ``shard_tree`` and the state goes back so; the rows
     are split over its data x fsdp devices (each micro-batch too), the result equal to
     the single-device one up to float32 rounding.
@@ -1224,13 +1291,7 @@ def make_policy_update(
     """
     hp.check()
     shards = micro_batch_shards(hp, mesh)
-    grad_fn = jax.grad(
-        functools.partial(micro_batch_loss, graphdef=graphdef, hp=hp, max_seq_len=max_seq_len),
-        has_aux=True,
-    )
-    step = functools.partial(
-        optimizer_step, grad_fn=grad_fn, optimizer=optimizer, gae=hp.advantage_estimator == "gae"
-    )
+    loss = functools.partial(micro_batch_loss, graphdef=graphdef, hp=hp, max_seq_len=max_seq_len)
 
     @jax.jit
     def _update(state, ref_params, batch, num_rows):
@@ -1239,11 +1300,15 @@ def make_policy_update(
         )
         if mesh is not None:
             mbs = _rows_split_within_micro_batches(mbs, mesh)
+        # A LoRA base is a constant of the loss, never in the optimizer or the guard's select.
+        base, state = state.base, state.replace(base=None)
+        step = _optimizer_step_of(loss, optimizer, hp, base, state.lora_scale)
         state, metrics = iterate_and_guard(
             lambda s, anchors: step(s, ref_params, mbs, denominator, anchors),
             state,
             hp.num_iterations,
         )
+        state = state.replace(base=base)
         real = (jnp.arange(batch.rewards.shape[0]) < num_rows).astype(jnp.float32)
         metrics.update(extra, reward_mean=jnp.sum(batch.rewards * real) / num_rows)
         return (constrain(state, mesh) if mesh is not None else state), metrics
@@ -1314,7 +1379,11 @@ def make_sft_update(
                 for x in (tokens, loss_mask, positions, segment_ids)
             )
 
+        # A LoRA base is a constant of the loss, never in the optimizer or the guard's select.
+        base, state = state.base, state.replace(base=None)
+
         def loss_fn(params):
+            params = model_params(params, base, state.lora_scale)
             logits = _next_token_logits(graphdef, params, tokens, positions, segment_ids)
             return sft_loss(logits, tokens[:, 1:], loss_mask[:, 1:])
 
@@ -1327,6 +1396,7 @@ def make_sft_update(
             "new_state": _all_finite((new_state.params, new_state.opt_state)),
         }
         state, applied = keep_if_finite(finite, new_state, state)
+        state = state.replace(base=base)
         metrics = {
             "loss": loss,
             "grad_norm": grad_norm,
