@@ -432,7 +432,7 @@ def test_a_dead_env_pool_stops_the_rollout_with_one_clear_error(ray_session, tmp
 
 @pytest.mark.slow
 def test_the_halt_reaches_the_driver_as_rollout_halted_and_a_dead_engine_as_engine_failure(
-    ray_session,
+    ray_session, tmp_path
 ):
     """What train.py relies on: the error crosses the actor boundary with its type (the
     driver turns it into one RunError and a non-zero exit)."""
@@ -444,8 +444,16 @@ def test_the_halt_reaches_the_driver_as_rollout_halted_and_a_dead_engine_as_engi
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # tests/ is not on workers' path
     engine = ray_session.remote(Engine).options(num_cpus=0, max_concurrency=100).remote()
-    pool = EnvPool("calculator_math", {}, num_actors=1, max_restarts=0)
+    broken = tmp_path / "broken"
+    pool = EnvPool(
+        "test_rollout_faults:FragileEnv",
+        {"broken": str(broken)},
+        num_actors=1,
+        max_restarts=0,
+        import_paths=[os.path.dirname(__file__)],
+    )
     pool.wait_ready(timeout_s=120)
+    broken.touch()  # the actor that replaces the killed one cannot start
     ray_session.kill(pool.actors[0], no_restart=True)
     orchestrator = (
         ray_session.remote(OrchestratorActor)

@@ -126,8 +126,9 @@ def test_a_mesh_the_devices_cannot_hold_stops_the_run_before_it_trains(ray_sessi
     from raytunix.train import train
 
     cfg = load_config(None, [*TINY, f"run.output_dir={tmp_path}", "learner.mesh_data=3"])
+    # The memory plan, checked before Ray or any actor starts, finds it first.
     with pytest.raises(
-        RunError,
+        ConfigError,
         match=r"the learner's device mesh: learner\.mesh_data .* = 3 devices, "
         r"but this run has 1",
     ):
