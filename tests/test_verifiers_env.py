@@ -60,17 +60,20 @@ def test_a_multi_turn_environment_resumes_the_conversation_through_the_gateway(s
     engine.seen.clear()
     segments = thread.run(_episode(thread, env, task))
     (first, first_out), (second, second_out) = engine.seen
-    # The tiny model's first reply is cut short at the gateway's 8 tokens, so it cannot be
-    # put back as its ids (no end of turn): the resumed call re-renders its text and starts
-    # a second segment, by the gateway's documented rule; both share the episode's reward.
+    # The tiny model's first reply is cut short at the gateway's 8 tokens; the resumed call
+    # puts it back as its own ids (closed as any message is), so the conversation stays one
+    # trajectory: the second call's prompt extends the first call's prompt and reply.
     assert first_out.finish_reason.name == "LENGTH"
-    assert [t.status for t in segments] == [EpisodeStatus.COMPLETED] * 2, segments[0].error
-    for t, (request, result) in zip(segments, engine.seen):
-        assert t.token_ids == list(request.prompt_ids) + list(result.token_ids)
+    [t] = segments
+    assert t.status == EpisodeStatus.COMPLETED, t.error
+    n = len(first.prompt_ids) + len(first_out.token_ids)
+    assert list(second.prompt_ids[:n]) == list(first.prompt_ids) + list(first_out.token_ids)
+    assert t.token_ids == list(second.prompt_ids) + list(second_out.token_ids)
+    assert t.num_turns == 2
     prompt = TOKENIZER.decode(list(second.prompt_ids))
     assert prompt.index(task.question) < prompt.index("Check it and answer again.")
     last_reply = TOKENIZER.decode(list(second_out.token_ids))
-    assert [t.reward for t in segments] == [pytest.approx(score(task.answer, last_reply))] * 2
+    assert t.reward == pytest.approx(score(task.answer, last_reply))
 
 
 def test_a_taskset_loads_by_id_played_offline_by_raytunix_chat(served):
@@ -129,7 +132,7 @@ def test_a_hanging_rubric_times_out_alone(served):
     "kwargs, message",
     [
         ({"env_id": ""}, "name a verifiers environment"),
-        ({"env_id": "verifiers_example:SUMS"}, "is a list, not a function"),
+        ({"env_id": "verifiers_example:SUMS"}, "is an object of type list, not a function"),
         ({"env_id": "verifiers_example:score"}, "must take 0"),
         ({"env_id": "no_such_vf_env_xyz"}, "does not load.*no_such_vf_env_xyz"),
     ],
