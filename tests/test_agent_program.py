@@ -391,22 +391,22 @@ def test_the_program_orchestrator_packs_every_segment_of_a_group_into_its_batch(
     assert orchestrator.counters["episodes_restarted_env_error"] == 2  # re-run elsewhere
 
 
-@pytest.mark.slow
-def test_a_program_that_ends_its_process_ends_only_the_episodes_of_its_env_actor(
-    ray_session, served
-):
+EXITS = Task(task_id="t-exit", question="Bye.", answer="", metadata={"exit": True})
+
+
+def _faults_pool(thread, num_actors, max_restarts):
+    """``(EnvPool of program_faults_example, on_the_pool(task, group))``: a ready pool, and
+    a coroutine running one episode on an env actor it leases."""
     from raytunix.rollout.env_pool import EnvPool
 
-    thread, _ = served
     pool = EnvPool(
         "agent_program",
         {"entrypoint": "program_faults_example:run"},
-        num_actors=2,
-        max_restarts=1,
+        num_actors=num_actors,
+        max_restarts=max_restarts,
         import_paths=[os.path.dirname(__file__)],
     )
     pool.wait_ready()
-    exits = Task(task_id="t-exit", question="Bye.", answer="", metadata={"exit": True})
 
     async def on_the_pool(task, group):
         env, index = pool.lease(group)
@@ -415,8 +415,18 @@ def test_a_program_that_ends_its_process_ends_only_the_episodes_of_its_env_actor
         finally:
             pool.release(index)
 
+    return pool, on_the_pool
+
+
+@pytest.mark.slow
+def test_a_program_that_ends_its_process_ends_only_the_episodes_of_its_env_actor(
+    ray_session, served
+):
+    thread, _ = served
+    pool, on_the_pool = _faults_pool(thread, num_actors=2, max_restarts=1)
+
     async def both():
-        return await asyncio.gather(on_the_pool(exits, "g5"), on_the_pool(TASK, "g6"))
+        return await asyncio.gather(on_the_pool(EXITS, "g5"), on_the_pool(TASK, "g6"))
 
     try:
         [crashed], fine = thread.run(both())
@@ -453,28 +463,11 @@ def test_a_program_that_ends_its_process_ends_only_the_episodes_of_its_env_actor
 def test_an_env_actor_a_program_ended_for_good_is_replaced_and_the_episodes_go_on(
     ray_session, served
 ):
-    from raytunix.rollout.env_pool import EnvPool
-
     thread, _ = served
-    pool = EnvPool(
-        "agent_program",
-        {"entrypoint": "program_faults_example:run"},
-        num_actors=1,
-        max_restarts=0,  # its first death is for good
-        import_paths=[os.path.dirname(__file__)],
-    )
-    pool.wait_ready()
-    exits = Task(task_id="t-exit", question="Bye.", answer="", metadata={"exit": True})
-
-    async def on_the_pool(task, group):
-        env, index = pool.lease(group)
-        try:
-            return await run_program_episode(thread.gateway, env, task, group, 0, 120.0)
-        finally:
-            pool.release(index)
+    pool, on_the_pool = _faults_pool(thread, num_actors=1, max_restarts=0)  # dies for good
 
     try:
-        [crashed] = thread.run(on_the_pool(exits, "r0"))
+        [crashed] = thread.run(on_the_pool(EXITS, "r0"))
         assert crashed.status == EpisodeStatus.ENV_ERROR
         assert (pool.replaced, pool.membership()["dead"], pool.num_alive) == (1, [0], 1)
         [t] = thread.run(on_the_pool(TASK, "r1"))  # on the replacement, once it is up

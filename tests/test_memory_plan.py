@@ -61,20 +61,25 @@ def test_with_a_warm_start_the_larger_optimizer_state_of_the_two_phases_counts()
     assert "warm start" in plan.how["optimizer_state"]
 
 
+def _engine_kv_bytes(cfg):
+    """Bytes of the KV pages the engine of ``cfg`` allocates (the tiny model, 300 ids)."""
+    model = model_shape(cfg, vocab_size=300)
+    graphdef, params = init_model(model, 0)
+    engine = InferenceEngine(
+        graphdef,
+        params,
+        model,
+        Tokenizer.byte_level(),
+        **{**cfg.engine.engine_kwargs(), "compile_ahead": False},
+    )
+    engine._ensure_buffers()
+    return _nbytes(engine._pages)
+
+
 def test_kv_bytes_are_what_the_engine_allocates():
     for kv_tokens in (0, 1000):  # the default pool, and 1000 tokens: 63 blocks of 16
         cfg, plan = _plan([f"engine.kv_cache_tokens={kv_tokens}", "engine.max_batch_size=8"])
-        model = model_shape(cfg, vocab_size=300)
-        graphdef, params = init_model(model, 0)
-        engine = InferenceEngine(
-            graphdef,
-            params,
-            model,
-            Tokenizer.byte_level(),
-            **{**cfg.engine.engine_kwargs(), "compile_ahead": False},
-        )
-        engine._ensure_buffers()
-        assert plan.devices[0].items["kv_cache"] == _nbytes(engine._pages)
+        assert plan.devices[0].items["kv_cache"] == _engine_kv_bytes(cfg)
     assert plan.devices[0].items["kv_cache"] == 2 * 3 * 63 * 2 * 16 * 32 * 4  # k+v, layers...
 
 
@@ -188,17 +193,7 @@ def test_a_bfloat16_run_plans_its_kv_pages_and_engine_copy_in_bfloat16():
     cfg, plan = _plan(["model.dtype=bfloat16", "engine.max_batch_size=8"])
     _, fp32 = _plan(["engine.max_batch_size=8"])
     items, fp32_items = plan.devices[0].items, fp32.devices[0].items
-    model = model_shape(cfg, vocab_size=300)
-    graphdef, params = init_model(model, 0)
-    engine = InferenceEngine(
-        graphdef,
-        params,
-        model,
-        Tokenizer.byte_level(),
-        **{**cfg.engine.engine_kwargs(), "compile_ahead": False},
-    )
-    engine._ensure_buffers()
-    assert items["kv_cache"] == _nbytes(engine._pages) == fp32_items["kv_cache"] // 2
+    assert items["kv_cache"] == _engine_kv_bytes(cfg) == fp32_items["kv_cache"] // 2
     # the learner keeps float32 params (the master weights) and optimizer state ...
     assert (items["params"], items["optimizer_state"], items["master_weights"]) == (
         fp32_items["params"],
