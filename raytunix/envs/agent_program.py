@@ -34,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import inspect
-import os
 import threading
 import traceback
 from collections.abc import Callable, Mapping
@@ -125,6 +124,7 @@ class AgentProgramEnv(BaseEnv):
     """
 
     default_agent = "text"
+    runs_outside_code = True  # its errors are located in the user's program (contract.py)
 
     def __init__(self, entrypoint: str, reward: str = "", tasks: str = ""):
         super().__init__()
@@ -254,14 +254,6 @@ async def _in_fresh_thread(fn: Callable[[], Any], name: str) -> Any:
     return await done
 
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _users(filename: str) -> bool:
-    """Whether a traceback frame's file is outside raytunix (the user's program's)."""
-    return not os.path.abspath(filename).startswith(_PACKAGE_DIR + os.sep)
-
-
 async def play_with_deadline(
     program: AgentProgramEnv, task: Task, base_url: str, api_key: str, timeout_s: float
 ) -> ProgramOutcome:
@@ -288,9 +280,4 @@ async def play_with_deadline(
     except Exception as e:  # noqa: BLE001 - the program's fault ends its episode only
         formatted = "".join(traceback.format_exception(e))
         report = report_for(e, program, "play", task.task_id, formatted)
-        outside = [f for f in traceback.extract_tb(e.__traceback__) if _users(f.filename)]
-        if outside:  # where the user's program raised, not the adapter that called it
-            report = dataclasses.replace(
-                report, location=f"{outside[-1].filename}:{outside[-1].lineno}"
-            )
         return ProgramOutcome(0.0, EpisodeStatus.ENV_ERROR, clip_error(formatted), report)

@@ -225,7 +225,9 @@ def _definition(env: Any, method: str) -> str:
 
 def _raise_site(error: BaseException, env: Any) -> str:
     """file:line where ``error`` was raised in the environment's code: the innermost frame
-    in the env class's file, else the innermost outside raytunix, else the innermost."""
+    in the env class's file, else the innermost outside raytunix, else the innermost. An
+    env whose class says ``runs_outside_code`` (an adapter that runs a user's program)
+    looks outside raytunix first: the program's line, not the adapter's call of it."""
     frames = traceback.extract_tb(error.__traceback__)
     if not frames:
         return "unknown"
@@ -233,11 +235,19 @@ def _raise_site(error: BaseException, env: Any) -> str:
         env_file = os.path.abspath(inspect.getsourcefile(type(env)) or "")
     except (TypeError, OSError):
         env_file = ""
-    for test in (
-        lambda f: os.path.abspath(f.filename) == env_file,
-        lambda f: not os.path.abspath(f.filename).startswith(_PACKAGE_DIR + os.sep),
-        lambda f: True,
-    ):
+
+    def in_env_file(f: traceback.FrameSummary) -> bool:
+        return os.path.abspath(f.filename) == env_file
+
+    def outside(f: traceback.FrameSummary) -> bool:
+        return not os.path.abspath(f.filename).startswith(_PACKAGE_DIR + os.sep)
+
+    first, second = (
+        (outside, in_env_file)
+        if getattr(env, "runs_outside_code", False)
+        else (in_env_file, outside)
+    )
+    for test in (first, second, lambda f: True):
         chosen = [f for f in frames if test(f)]
         if chosen:
             return f"{chosen[-1].filename}:{chosen[-1].lineno}"
