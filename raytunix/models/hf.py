@@ -365,7 +365,7 @@ def _weight_files(folder: str) -> dict[str, str]:
     )
 
 
-def _abstract_model(config: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+def abstract_model(config: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
     """The model's graph and parameter shapes, without initialising any weight."""
     return nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
 
@@ -389,7 +389,7 @@ def load_weights(
         message names the tensor and the file).
     """
     files = _weight_files(folder)
-    graphdef, abstract = _abstract_model(config)
+    graphdef, abstract = abstract_model(config)
     flat = {path: var.get_value() for path, var in nnx.to_flat_state(abstract)}
     values: dict[tuple, jax.Array] = {}
     with contextlib.ExitStack() as stack:
