@@ -512,6 +512,15 @@ def _whole_number(flag: str, value: str | None) -> int | None:
         ) from None
 
 
+# The commands that read (or resize) one run directory and need no config: exit status of each.
+_RUN_DIR_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "samples": lambda a: _samples(a.run_dir, a.step, a.json),
+    "export-adapter": lambda a: _export_adapter(a.run_dir, a.out),
+    "profile": lambda a: _profile(a.run_dir, a.out),
+    "scale": lambda a: _scale(a.run_dir, a.env_actors, a.sandbox_actors),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from raytunix.cluster.jobs import check_shipped_package
@@ -520,12 +529,8 @@ def main(argv: list[str] | None = None) -> int:
     if wrong:
         print(f"raytunix: {wrong}", file=sys.stderr)
         return 2
-    if args.command == "samples":
-        return _samples(args.run_dir, args.step, args.json)
-    if args.command == "export-adapter":
-        return _export_adapter(args.run_dir, args.out)
-    if args.command == "profile":
-        return _profile(args.run_dir, args.out)
+    if args.command in _RUN_DIR_COMMANDS:
+        return _RUN_DIR_COMMANDS[args.command](args)
     if args.command == "config" and (args.explain is not None or args.markdown):
         if args.overrides:  # --explain describes the settings, not one run's values
             print(
@@ -536,8 +541,6 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
         return _explain(args.explain or "", args.markdown)
-    if args.command == "scale":
-        return _scale(args.run_dir, args.env_actors, args.sandbox_actors)
     if args.command in ("submit", "status"):
         from raytunix.cluster import jobs
 

@@ -50,6 +50,7 @@ def _nonzero_b(adapters):
     }
 
 
+@pytest.mark.slow  # transformers and peft load a model: about 25 s on 2 cores
 def test_peft_over_the_exported_base_computes_the_merged_logits(tmp_path):
     graphdef, params = init_model(CONFIG, seed=3)
     adapters = _nonzero_b(init_adapters(params, SPEC, seed=0))
@@ -116,6 +117,7 @@ def _lora_run(tmp_path, *overrides, rank=4, checkpoint=True):
     return run.path, base_dir, state.params
 
 
+@pytest.mark.slow  # an orbax save and restore: about 17 s on 2 cores
 def test_export_adapter_writes_the_checkpoints_adapters_for_peft(tmp_path, capsys):
     run_dir, base_dir, adapters = _lora_run(tmp_path)
     assert main(["export-adapter", run_dir]) == 0
@@ -151,6 +153,7 @@ def test_a_run_without_adapters_says_what_to_do(tmp_path, capsys, what, match):
     assert not os.path.exists(os.path.join(run_dir, "adapter"))
 
 
+@pytest.mark.slow  # two learners start their RL phase: about 13 s on 2 cores
 def test_the_learner_hands_out_its_adapters_only_with_lora():
     from raytunix.learner.learner import Learner
     from raytunix.learner.train_state import RLHyperparams
