@@ -12,6 +12,7 @@ raytunix status [--address ADDR] [JOB_ID]
 raytunix scale RUN_DIR --env-actors N [--sandbox-actors M]   resize a running run's pools
 raytunix eval RUN_DIR [--env NAME] [--k N] [--episodes N] [--temperature T] [--json]
 raytunix samples RUN_DIR [--step N] [--json]   a run's logged episodes of an RL step, decoded
+raytunix export-adapter RUN_DIR [--out DIR]    a LoRA run's adapters as a peft folder
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_scale(sub)
     _add_eval(sub)
     _add_samples(sub)
+    _add_export_adapter(sub)
     return parser
 
 
@@ -291,6 +293,37 @@ def _add_samples(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     samples.add_argument("--json", action="store_true", help="print the step's line as JSON")
 
 
+def _add_export_adapter(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``raytunix export-adapter RUN_DIR``: a LoRA run's adapters as a ``peft`` folder
+    (``raytunix.driver.export_adapter``)."""
+    export = sub.add_parser(
+        "export-adapter",
+        help="write a LoRA run's adapters (newest RL checkpoint) as a Hugging Face peft folder",
+        description="Writes adapter_config.json and adapter_model.safetensors, which "
+        "peft's PeftModel.from_pretrained loads over the run's model.path; the merged "
+        "weights of a finished run are RUN_DIR/export.",
+    )
+    export.add_argument("run_dir", metavar="RUN_DIR", help="a LoRA run directory (model.path)")
+    export.add_argument(
+        "--out", metavar="DIR", help="the folder to write (default RUN_DIR/adapter)"
+    )
+
+
+def _export_adapter(run_dir: str, out_dir: str | None) -> int:
+    """``raytunix export-adapter``: 0 once written, 2 when the run has no adapters to
+    export (the message says why and what to do)."""
+    from raytunix.driver.export_adapter import export_run_adapters
+    from raytunix.driver.run_dir import RunError
+
+    try:
+        out, step = export_run_adapters(run_dir, out_dir)
+    except (FileNotFoundError, RunError, ConfigError) as e:
+        print(f"raytunix: {e}", file=sys.stderr)
+        return 2
+    print(f"LoRA adapters of RL step {step} written to {out} (peft's layout)")
+    return 0
+
+
 def _samples(run_dir: str, step: int | None, as_json: bool) -> int:
     """``raytunix samples``: 0 once printed, 2 when the run or the step has no samples."""
     import json
@@ -479,6 +512,15 @@ def _whole_number(flag: str, value: str | None) -> int | None:
         ) from None
 
 
+# The commands that read (or resize) one run directory and need no config: exit status of each.
+_RUN_DIR_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "samples": lambda a: _samples(a.run_dir, a.step, a.json),
+    "export-adapter": lambda a: _export_adapter(a.run_dir, a.out),
+    "profile": lambda a: _profile(a.run_dir, a.out),
+    "scale": lambda a: _scale(a.run_dir, a.env_actors, a.sandbox_actors),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from raytunix.cluster.jobs import check_shipped_package
@@ -487,10 +529,8 @@ def main(argv: list[str] | None = None) -> int:
     if wrong:
         print(f"raytunix: {wrong}", file=sys.stderr)
         return 2
-    if args.command == "samples":
-        return _samples(args.run_dir, args.step, args.json)
-    if args.command == "profile":
-        return _profile(args.run_dir, args.out)
+    if args.command in _RUN_DIR_COMMANDS:
+        return _RUN_DIR_COMMANDS[args.command](args)
     if args.command == "config" and (args.explain is not None or args.markdown):
         if args.overrides:  # --explain describes the settings, not one run's values
             print(
@@ -501,8 +541,6 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
         return _explain(args.explain or "", args.markdown)
-    if args.command == "scale":
-        return _scale(args.run_dir, args.env_actors, args.sandbox_actors)
     if args.command in ("submit", "status"):
         from raytunix.cluster import jobs
 

@@ -7,6 +7,9 @@ what a stopped run left to resume from.
     RUN_DIR/warmup/           the warm start's latest checkpoint (orbax; SFT state + steps)
     RUN_DIR/checkpoints/      the RL checkpoints (orbax; learner state + orchestrator state)
     RUN_DIR/state.json        the newest committed RL checkpoint's step and data position
+    RUN_DIR/export/           the trained policy, Hugging Face layout (model.path runs)
+    RUN_DIR/adapter/          LoRA model.path runs: the adapters as a peft folder
+                              (``raytunix export-adapter`` writes it from a checkpoint)
     RUN_DIR/summary.json      written once the run ends
     RUN_DIR/samples.jsonl     a few whole episodes of each RL step, decoded (``raytunix.samples``)
     RUN_DIR/env_errors.jsonl  the first error of each kind from the environment's code
@@ -67,6 +70,7 @@ class RunDir:
         self.export = os.path.join(
             self.path, "export"
         )  # the trained policy in HF layout (model.path runs)
+        self.adapter = os.path.join(self.path, "adapter")  # LoRA runs: peft's adapter folder
         self.summary = os.path.join(self.path, "summary.json")
         self.state = os.path.join(self.path, "state.json")
         self.env_errors = os.path.join(self.path, "env_errors.jsonl")

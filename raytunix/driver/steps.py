@@ -814,10 +814,20 @@ def best_metric(cfg: Config, record: dict[str, Any]) -> dict[str, float] | None:
 
 def export_policy(cfg: Config, job: Job, run: RunDir) -> None:
     """With ``model.path``: the trained policy to ``RUN_DIR/export`` in the Hugging Face
-    layout, beside the source folder's tokenizer files."""
-    if cfg.model.path:
-        files = job.learner_get(job.learner.export.remote(run.export), "export", slow=True)
-        say(f"trained policy exported to {run.export} ({len(files)} files, Hugging Face layout)")
+    layout, beside the source folder's tokenizer files, and with LoRA its adapters to
+    ``RUN_DIR/adapter`` as a ``peft`` folder over ``model.path``."""
+    if not cfg.model.path:
+        return
+    files = job.learner_get(job.learner.export.remote(run.export), "export", slow=True)
+    say(f"trained policy exported to {run.export} ({len(files)} files, Hugging Face layout)")
+    if cfg.learner.lora_rank > 0:
+        learner = cfg.learner
+        job.learner_get(
+            job.learner.export_adapters.remote(run.adapter, learner.lora_alpha),
+            "export_adapters",
+            slow=True,
+        )
+        say(f"LoRA adapters exported to {run.adapter} (peft's layout, over {cfg.model.path})")
 
 
 def summarise(

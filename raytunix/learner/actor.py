@@ -141,6 +141,22 @@ class LearnerActor(profiling.ProfiledActor):
             )
         )
 
+    async def export_adapters(self, out_dir: str, alpha: float, dropout: float = 0.0) -> list[str]:
+        """Writes the LoRA adapters to ``out_dir`` as a ``peft`` folder over ``model_path``
+        (``raytunix.models.hf.export_adapters``); returns the file names.
+
+        Raises:
+          RuntimeError: the learner has no adapters (``Learner.adapters_numpy``).
+        """
+        from raytunix.models.hf import export_adapters
+
+        adapters = await self._in_thread(self.learner.adapters_numpy)
+        return await self._in_thread(
+            lambda: export_adapters(
+                out_dir, adapters, alpha=alpha, base_model=self.model_path, dropout=dropout
+            )
+        )
+
     # checkpoints ------------------------------------------------------------------------------
     async def save(
         self,

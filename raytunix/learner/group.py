@@ -245,6 +245,20 @@ class LearnerHost(LearnerActor):
             )
         )
 
+    async def export_adapters(self, out_dir: str, alpha: float, dropout: float = 0.0) -> list[str]:
+        """Rank 0 writes the LoRA adapters as a ``peft`` folder
+        (``LearnerActor.export_adapters``), gathered by every host; the others return []."""
+        from raytunix.models.hf import export_adapters
+
+        adapters = await self._in_thread(self.learner.adapters_numpy)
+        if self.rank != 0:
+            return []
+        return await self._in_thread(
+            lambda: export_adapters(
+                out_dir, adapters, alpha=alpha, base_model=self.model_path, dropout=dropout
+            )
+        )
+
 
 def place_learner_hosts(
     spec: LearnerHostsSpec, timeout_s: float = 600.0, runtime_env: dict[str, Any] | None = None
@@ -581,6 +595,11 @@ class LearnerGroup:
 
     def export(self, out_dir: str) -> list[str]:
         return self._on_all("export", out_dir, timeout_s=self.slow_call_timeout_s)[0]
+
+    def export_adapters(self, out_dir: str, alpha: float, dropout: float = 0.0) -> list[str]:
+        return self._on_all(
+            "export_adapters", out_dir, alpha, dropout, timeout_s=self.slow_call_timeout_s
+        )[0]
 
     def save(
         self,

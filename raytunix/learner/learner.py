@@ -340,6 +340,24 @@ class Learner:
         params = self.params if master else cast_params(self.params, self.model_config.dtype)
         return gather_to_host(params)
 
+    def adapters_numpy(self) -> dict[str, dict[str, Any]]:
+        """The LoRA adapters as full float32 numpy arrays, ``{layer path: {"lora_A":
+        [rank, d_in], "lora_B": [d_out, rank]}}`` (``raytunix.learner.lora``); every
+        process of a mesh must call it (``sharding.gather_to_host``).
+
+        Raises:
+          RuntimeError: the learner trains the whole model (``learner.lora_rank=0``), or no
+            phase has started.
+        """
+        with self._policy_lock:
+            state = self._state
+        if state is None or state.base is None:
+            raise RuntimeError(
+                "this learner has no LoRA adapters (learner.lora_rank=0 trains the whole "
+                "model, or no phase has started); export its weights with export_checkpoint."
+            )
+        return gather_to_host(state.params)
+
     def versioned_weights_numpy(self) -> tuple[Any, int]:
         """``(weights_numpy(), policy_version)`` of one and the same update (``policy``)."""
         params, version = self.policy()

@@ -66,6 +66,9 @@ TOKENIZER_FILES = (
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+"""The two files of a PEFT LoRA adapter folder (``export_adapters``)."""
 # Tensors a checkpoint may hold that the model computes instead of storing.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -362,7 +365,7 @@ def _weight_files(folder: str) -> dict[str, str]:
     )
 
 
-def _abstract_model(config: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+def abstract_model(config: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
     """The model's graph and parameter shapes, without initialising any weight."""
     return nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
 
@@ -386,7 +389,7 @@ def load_weights(
         message names the tensor and the file).
     """
     files = _weight_files(folder)
-    graphdef, abstract = _abstract_model(config)
+    graphdef, abstract = abstract_model(config)
     flat = {path: var.get_value() for path, var in nnx.to_flat_state(abstract)}
     values: dict[tuple, jax.Array] = {}
     with contextlib.ExitStack() as stack:
@@ -506,6 +509,84 @@ def export_checkpoint(
                 shutil.copyfile(os.path.join(source, name), os.path.join(out_dir, name))
                 written.append(name)
     return written
+
+
+def export_adapters(
+    out_dir: str,
+    adapters: Mapping[str, Mapping[str, Any]],
+    *,
+    alpha: float,
+    base_model: str,
+    dropout: float = 0.0,
+) -> list[str]:
+    """Writes LoRA adapters (``raytunix.learner.lora``) as a folder that Hugging Face
+    ``peft`` loads over the base model (``PeftModel.from_pretrained(base, out_dir)``):
+    ``adapter_config.json`` (peft's ``LoraConfig``) and ``adapter_model.safetensors``.
+
+    Tensors are named as ``export_checkpoint`` names the adapted layer (``_hf_name``),
+    under peft's prefix: ``layers.3.self_attn.q_proj`` becomes
+    ``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight`` float32[rank, d_in]
+    and ``...lora_B.weight`` float32[d_out, rank]. Our adapters are already in peft's
+    orientation (``W' = W + (alpha / rank) * (B @ A).T`` on our ``[in, out]`` kernel is
+    ``W + (alpha / rank) * B @ A`` on torch's ``[out, in]`` weight), so no transpose.
+
+    Args:
+      out_dir: the folder to write (created; the two files are replaced).
+      adapters: ``{layer path: {"lora_A": [rank, d_in], "lora_B": [d_out, rank]}}``, on
+        any device.
+      alpha: ``learner.lora_alpha``; peft scales by ``alpha / rank`` as we do.
+      base_model: the base model's folder or hub id (``model.path``), which peft loads.
+      dropout: ``learner.lora_dropout``, recorded for further training with peft.
+
+    Returns:
+      The names of the files written.
+
+    Raises:
+      CheckpointError: no adapters, ranks that differ, or a factor of the wrong shape.
+    """
+    tensors, rank = _peft_tensors(adapters)
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": dropout,
+        "target_modules": sorted({key.rpartition(".")[2] for key in adapters}),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "inference_mode": True,
+    }
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, ADAPTER_CONFIG), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    return [ADAPTER_WEIGHTS, ADAPTER_CONFIG]
+
+
+def _peft_tensors(
+    adapters: Mapping[str, Mapping[str, Any]],
+) -> tuple[dict[str, np.ndarray], int]:
+    """``(peft's tensors, rank)`` of ``adapters`` (see ``export_adapters``)."""
+    if not adapters:
+        raise CheckpointError("no adapters to export; this model was trained without LoRA.")
+    tensors: dict[str, np.ndarray] = {}
+    ranks = set()
+    for key, adapter in adapters.items():
+        a, b = (np.asarray(jax.device_get(adapter[n]), np.float32) for n in ("lora_A", "lora_B"))
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
+            raise CheckpointError(
+                f"adapter {key!r}: lora_A {a.shape} and lora_B {b.shape} are not "
+                "[rank, d_in] and [d_out, rank]."
+            )
+        ranks.add(a.shape[0])
+        module = _hf_name((*key.split("."), "kernel")).removesuffix(".weight")
+        tensors[f"base_model.model.{module}.lora_A.weight"] = np.ascontiguousarray(a)
+        tensors[f"base_model.model.{module}.lora_B.weight"] = np.ascontiguousarray(b)
+    if len(ranks) != 1:
+        raise CheckpointError(f"the adapters have different ranks {sorted(ranks)}; peft needs one.")
+    return tensors, ranks.pop()
 
 
 def _hf_tensors(params: nnx.State, dtype=None) -> dict[str, np.ndarray]:
