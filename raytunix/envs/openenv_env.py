@@ -131,16 +131,18 @@ class OpenEnvEnv(BaseEnv):
             if not isinstance(value, numbers.Real) or not value > 0:
                 raise ValueError(f"env.kwargs.{key}={value!r}: give a positive number of seconds.")
         self.env_id = env_id
+        args: dict[str, Any] = dict(env_args or {})
         self._spec = {
             "env_id": env_id,
-            "env_args": dict(env_args or {}),
+            "env_args": args,
             "action_cls": action_cls,
             "observation_cls": observation_cls,
         }
         # Resolved here too in process mode: a bad env_id fails when the env is built.
-        resolved = resolve(env_id, self._spec["env_args"], action_cls, observation_cls)
+        resolved = resolve(env_id, args, action_cls, observation_cls)
         self._make_app = resolved.make_app
-        self.action_cls = resolved.action_cls
+        # A pydantic model class (openenv's Action).
+        self.action_cls: Any = resolved.action_cls
         self.action_field = _text_field(self.action_cls, action_field)
         self.observation_field = observation_field
         # A package's app is one per process and holds one session at a time.
@@ -233,13 +235,30 @@ class OpenEnvEnv(BaseEnv):
             with self._streams.use():
                 return call()
         except RuntimeError as e:
-            hint = (
-                f" The environment's constructor raised: build it by hand with "
-                f"env.kwargs.env_args={self._spec['env_args']!r} to see why."
-                if "FACTORY_ERROR" in str(e)
-                else ""
-            )
-            raise RuntimeError(f"OpenEnv environment {self.env_id!r}, {method}: {e}.{hint}") from e
+            # The server's error message: FACTORY_ERROR when the constructor raised.
+            raise RuntimeError(
+                f"OpenEnv environment {self.env_id!r}, {method}: {e}."
+                + (self._constructor_hint() if "FACTORY_ERROR" in str(e) else "")
+            ) from e
+        except ConnectionError as e:
+            raise RuntimeError(
+                f"OpenEnv environment {self.env_id!r}, {method}: cannot reach its server: {e}."
+            ) from e
+        except Exception as e:
+            # A session whose environment could not be built can be closed by the server
+            # before its error message is read (websockets' ConnectionClosed).
+            if "ConnectionClosed" not in type(e).__name__:
+                raise
+            raise RuntimeError(
+                f"OpenEnv environment {self.env_id!r}, {method}: the server closed the session "
+                f"({e}).{self._constructor_hint()}"
+            ) from e
+
+    def _constructor_hint(self) -> str:
+        return (
+            " The environment's constructor raised: build it by hand with "
+            f"env.kwargs.env_args={self._spec['env_args']!r} to see why."
+        )
 
     def _connected(self) -> Any:
         """The client, starting the server and connecting on first use."""
@@ -318,7 +337,7 @@ class OpenEnvEnv(BaseEnv):
             logger.warning("%s", message)
 
 
-def _text_field(action_cls: type, action_field: str | None) -> str | None:
+def _text_field(action_cls: Any, action_field: str | None) -> str | None:
     """The action's field that takes the reply as text: ``action_field`` (checked), else
     its only field besides ``metadata`` when that is a str, else None (JSON replies).
 
