@@ -1,8 +1,8 @@
 """Environments: the ``BaseEnv`` contract, gymnasium adapters both ways, math environments
 (calculator and Python tools, single-turn verifier), a bash terminal, text-to-SQL, a
-web-API shop, repository repair, TextArena's single-player games, GEM's games, verifiers
-environments and agent programs (run through the gateway), and a simulated slow-tool
-environment for benchmarks.
+web-API shop, repository repair, TextArena's single-player games, GEM's games, OpenEnv
+environments (each served on 127.0.0.1), verifiers environments and agent programs (run
+through the gateway), and a simulated slow-tool environment for benchmarks.
 
 Each environment registers itself by name (``@register("env", name)``,
 ``raytunix.registry``); ``make_env`` builds one from a registered name, a package's entry
@@ -31,6 +31,7 @@ from raytunix.envs.gym_text import (
 )
 from raytunix.envs.gymnasium_env import GymnasiumEnv
 from raytunix.envs.math_envs import CalculatorMathEnv, MathVerifierEnv
+from raytunix.envs.openenv_env import OpenEnvEnv
 from raytunix.envs.python_math import PythonMathEnv
 from raytunix.envs.reasoning_gym_env import ReasoningGymEnv
 from raytunix.envs.repo_repair import RepoRepairEnv
@@ -67,6 +68,7 @@ __all__ = [
     "GymTextEnv",
     "GymnasiumEnv",
     "MathVerifierEnv",
+    "OpenEnvEnv",
     "PythonMathEnv",
     "ReasoningGymEnv",
     "RepoRepairEnv",
