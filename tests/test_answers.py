@@ -58,6 +58,7 @@ def test_rule_holds_off_the_main_thread():
     assert results and all(results)
 
 
+@pytest.mark.slow
 def test_a_symbolic_comparison_without_end_is_cut_off():
     # 9^(9^9) has 370 million digits; sympy would compute it. The helper process is killed
     # at its deadline, the answer does not match, and the next comparison gets a new one.

@@ -119,6 +119,7 @@ def test_dot_product_attention_matches_the_jnp_path_with_gqa_and_a_mask(causal):
     )
 
 
+@pytest.mark.slow
 def test_a_decode_step_through_the_pallas_kernel_gives_the_gather_paths_logits():
     kw = dict(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16)
     ref_cfg = ModelConfig(**kw, d_ff=64, max_seq_len=64, attention_kernels="reference")

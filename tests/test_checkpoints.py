@@ -173,6 +173,7 @@ def _record_batch(step: int):
     return trajectories_to_record_batch(rows)
 
 
+@pytest.mark.slow
 def test_a_learner_resumed_from_an_async_checkpoint_trains_on_bit_identically(tmp_path):
     from raytunix.learner.learner import Learner, RLHyperparams
     from raytunix.models.llama import ModelConfig

@@ -93,6 +93,7 @@ def test_a_second_process_with_the_same_cache_dir_compiles_nothing(tmp_path):
     assert second.get("cache_hits", 0) >= first["cache_misses"] - first.get("cache_hits", 0)
 
 
+@pytest.mark.slow
 def test_without_the_cache_every_process_compiles_again(tmp_path):
     off = compilation_cache_env(load_config(None, ["run.compilation_cache_dir="]))
     counts = _run_learner(off)

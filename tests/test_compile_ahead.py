@@ -139,6 +139,7 @@ def test_a_lazy_engine_counts_the_seconds_steps_waited_for_the_compiler():
     assert stats["steps_on_larger_program"] == 0
 
 
+@pytest.mark.slow
 def test_steps_on_larger_programs_sample_what_their_own_programs_sample():
     waves = _mixed_workload(seed=11, n=40)
 

@@ -109,6 +109,7 @@ def test_new_run_dir_names_do_not_collide_and_a_bad_output_dir_is_named(tmp_path
 # -- warm start: the learner's part of resuming it -----------------------------------------
 
 
+@pytest.mark.slow
 def test_a_warm_start_restored_after_k_steps_trains_on_bit_identically(tmp_path):
     """k SFT steps, a warm-start checkpoint, k more: a learner restored from it (another
     init, another seed) ends where the uninterrupted one does, rows drawn included."""

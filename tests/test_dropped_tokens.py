@@ -262,6 +262,7 @@ def test_the_report_shows_dropped_tokens_and_env_errors_by_kind(tmp_path):
     assert none.split()[1] == "4"
 
 
+@pytest.mark.slow
 def test_a_learner_step_reports_what_its_rows_cut_and_what_lies_outside_its_support():
     import os
 

@@ -92,6 +92,7 @@ def test_batched_greedy_equals_one_at_a_time():
     assert 0.0 < stats["busy_fraction"] <= 1.0
 
 
+@pytest.mark.slow
 def test_short_request_is_admitted_while_long_one_decodes():
     long_request = _request("long", _prompt(5), max_new_tokens=40)
     short_request = _request("short", _prompt(3, start=50), max_new_tokens=3)
@@ -558,6 +559,7 @@ def test_top_k_one_and_tiny_top_p_sample_the_argmax():
     assert free.token_ids != greedy.token_ids
 
 
+@pytest.mark.slow
 def test_memory_pressure_evicts_sessions_and_preempts_without_changing_outputs():
     # 12 blocks of 8 tokens: less than the four 40-token requests need at once.
     requests = [

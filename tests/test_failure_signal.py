@@ -243,6 +243,7 @@ def _member(i, reward, status, masked):
     return Trajectory("t", "g0", toks, mask, [-1.0] * 12, [0] * 12, reward, status, 1)
 
 
+@pytest.mark.slow
 def test_failed_member_excluded_from_group_baseline():
     update, state = _update()
     trajectories = [_member(i, 1.0, EpisodeStatus.COMPLETED, False) for i in range(7)]

@@ -161,6 +161,7 @@ def test_first_update_loss_is_ppo_on_gae_advantages_plus_the_value_loss():
     )
 
 
+@pytest.mark.slow
 def test_value_head_moves_toward_the_returns():
     _, state, update, _ = _setup()
     batch = Batch.from_record_batch(_record_batch(), pad_id=0, max_seq_len=64)

@@ -213,6 +213,7 @@ def _tokens(vocab: int, rows: int = 2, length: int = 12, seed: int = 0) -> np.nd
     return np.random.default_rng(seed).integers(0, vocab, size=(rows, length), dtype=np.int32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_logits_equal_transformers(checkpoints, family):
     folder, model = checkpoints[family]
@@ -252,6 +253,7 @@ def test_a_wrong_feature_changes_the_logits(checkpoints):
         assert np.abs(np.asarray(ours) - _torch_logits(model, tokens, positions)).max() > 1e-2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama3-tied", "qwen2", "qwen3"])
 def test_paged_engine_greedy_equals_plain_forward(checkpoints, family):
     """Prefill and decode through the paged KV cache, continuous batching, pick the

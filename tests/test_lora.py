@@ -67,6 +67,7 @@ def test_only_the_adapters_carry_optimizer_state(model):
     )
 
 
+@pytest.mark.slow
 def test_b_starts_at_zero_so_the_first_forward_is_the_base_models(model):
     graphdef, params = model
     adapters = init_adapters(params, SPEC, seed=0)

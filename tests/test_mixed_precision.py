@@ -86,6 +86,7 @@ def test_bf16_logprobs_of_the_same_weights_stay_within_the_bound_of_fp32():
     assert 0 < gap.mean() <= BF16_LOGPROB_BOUND / 5  # bfloat16 did round something
 
 
+@pytest.mark.slow
 def test_bf16_learner_keeps_fp32_master_weights_and_optimizer_state_and_learns():
     optimizer = make_optimizer(3e-3)
     state = create_train_state(GRAPH_BF16, PARAMS, optimizer, seed=0)
@@ -160,6 +161,7 @@ def _generate_and_score(config, graphdef, kv_dtype):
     return np.concatenate(gaps), stats
 
 
+@pytest.mark.slow
 def test_a_bf16_engine_generates_and_matches_the_bf16_learner_within_the_bound():
     gap, stats = _generate_and_score(BF16, GRAPH_BF16, "auto")
 

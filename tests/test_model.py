@@ -130,6 +130,7 @@ def test_negative_positions_leave_the_cache_untouched():
     assert np.isfinite(np.asarray(logits)).all()
 
 
+@pytest.mark.slow
 def test_untied_head_and_param_count():
     tied = ModelConfig(vocab_size=61, d_model=32, n_layers=1, n_heads=4, n_kv_heads=1, d_ff=48)
     untied = ModelConfig(

@@ -174,6 +174,7 @@ def _demonstrations():
     return tokens, mask
 
 
+@pytest.mark.slow
 def test_a_warm_start_step_that_is_not_finite_is_not_applied_and_is_counted():
     from raytunix.learner.learner import SFTHyperparams
 

@@ -329,6 +329,7 @@ def test_decoupled_step_equals_one_computed_with_a_separate_no_grad_proximal_pas
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_on_policy_data_gives_every_mode_the_same_step(model):
     """Behaviour logprobs equal to the learner's: weights 1, anchors equal, so decoupled
     PPO with any weight level takes exactly the standard step, and the mismatch is 0."""
@@ -397,6 +398,7 @@ def test_config_keys_reach_the_learner_and_bad_values_name_the_key():
 @pytest.mark.parametrize(
     "correction,level", [("none", "token_tis"), ("decoupled_ppo", "sequence_tis")]
 )
+@pytest.mark.slow
 def test_learner_train_step_reports_the_mismatch(correction, level):
     learner = Learner(TINY, seed=0, pad_id=0)
     learner.start_rl(

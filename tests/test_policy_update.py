@@ -159,6 +159,7 @@ def test_episode_advantage_targets_are_grpo_per_trajectory_and_gathered_when_pac
     np.testing.assert_allclose(gathered["advantages"], want[index], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_start_values_are_the_value_head_on_the_hidden_state_whatever_the_micro_batch(model):
     from raytunix.learner.train_state import _next_token_logits
 

@@ -286,6 +286,7 @@ def test_repo_repair_the_harness_key_stays_out_of_the_projects_reach(sandbox, mo
     assert len(keys) == 1 and keys[0] not in step.info["test_output"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("forgery", sorted(REPO_FORGERIES))
 def test_repo_repair_forgeries_that_leave_the_bug_score_zero(repo_env, forgery):
     repo_env.reset(TASK)

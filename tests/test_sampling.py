@@ -103,6 +103,7 @@ def test_draws_stay_in_the_allowed_set_with_the_right_frequencies(temperature, t
     assert np.all(np.abs(counts - expected) <= 5 * sd + 1e-3)
 
 
+@pytest.mark.slow
 def test_rows_keep_their_own_settings_in_one_batch():
     rng = np.random.default_rng(2)
     logits = rng.normal(size=(5, VOCAB)).astype(np.float32)
@@ -198,6 +199,7 @@ def _learner_logprobs(prompt, generated, temperature, top_k=0, top_p=1.0):
     return np.asarray(score(PARAMS, tokens, mask))[0, n : n + m]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_engine_logprobs_equal_the_learners_recomputed_logprobs(temperature):
     requests = [

@@ -64,6 +64,7 @@ def test_engine_and_learner_entry_points_refuse_it_too(temperature):
     check_sampling_settings(0.0, 0, 1.0, allow_greedy=True)  # exact 0: greedy generation
 
 
+@pytest.mark.slow
 def test_at_the_floor_engine_and_learner_logprobs_are_finite_and_equal():
     logits = jnp.array([[2.0e4, -1.5e4, 1.99e4, 0.0], [3.0, 3.0 + 1e-2, -7.0, 2.99]], jnp.float32)
     t = jnp.full((2,), MIN_TEMPERATURE, jnp.float32)

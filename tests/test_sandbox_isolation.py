@@ -420,6 +420,7 @@ def _private_tmpfs(fs: str) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path_kind", PATHS)
 def test_one_run_cannot_fill_the_file_system_of_the_work_dirs(scratch, path_kind):
     out = scenario(

@@ -98,6 +98,7 @@ def box_path(session: SandboxSession) -> str:
     return session.client.workspace_path(session.workspace)
 
 
+@pytest.mark.slow
 def test_a_call_past_its_deadline_is_a_timeout_error_with_the_output_so_far(session):
     result = BashTool(session, limits=QUICK)(command="echo started; sleep 60")
     assert result.error_kind is ToolErrorKind.TIMEOUT

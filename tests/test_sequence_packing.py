@@ -133,6 +133,7 @@ def test_packed_width_takes_the_bucket_with_fewest_tokens():
     assert packed_width(np.array([5, 7]), 128) == 32  # the narrowest bucket that holds them
 
 
+@pytest.mark.slow
 def test_packed_logits_equal_per_trajectory(models, record_batch):
     graphdef, params, _ = models
     packed = PackedBatch.from_record_batch(record_batch, pad_id=0, max_seq_len=WIDTH)

@@ -367,6 +367,7 @@ def test_web_api_retries_server_errors_with_backoff_then_gives_a_typed_error():
 # --- repo_repair ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_repo_repair_rewards_only_a_fix_that_passes_the_hidden_tests():
     env = RepoRepairEnv()
     try:

@@ -81,6 +81,7 @@ BOMBS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("via", ["tool", "answer"])
 @pytest.mark.parametrize("query", BOMBS)
 def test_one_query_cannot_allocate_hundreds_of_mb_in_the_env_process(query, via):

@@ -79,6 +79,7 @@ def _sequence_logprob(logprobs, batch, row):
     return float(np.sum(np.asarray(logprobs)[row] * batch.loss_mask[row]))
 
 
+@pytest.mark.slow
 def test_logprobs_fn_aligns_logprob_t_with_token_t(model):
     graphdef, params = model
     batch = _grpo_batch()
@@ -93,6 +94,7 @@ def test_logprobs_fn_aligns_logprob_t_with_token_t(model):
     assert np.all(np.asarray(got)[batch.loss_mask == 0] == 0.0)
 
 
+@pytest.mark.slow
 def test_grpo_update_raises_probability_of_rewarded_completions(model):
     graphdef, params = model
     optimizer = make_optimizer(3e-3)
@@ -127,6 +129,7 @@ def test_grpo_update_raises_probability_of_rewarded_completions(model):
     assert gains[1] < -0.1 and gains[2] < -0.1  # unrewarded ones
 
 
+@pytest.mark.slow
 def test_grpo_update_kl_penalty_needs_reference_params(model):
     graphdef, params = model
     optimizer = make_optimizer(1e-3)
@@ -185,6 +188,7 @@ def test_grpo_update_rejects_bad_arguments(model):
         _grpo_update(graphdef, make_optimizer(1e-3), top_k=-1)
 
 
+@pytest.mark.slow
 def test_sft_update_overfits_a_tiny_batch(model):
     graphdef, params = model
     optimizer = make_optimizer(1e-2)
@@ -234,6 +238,7 @@ def _trained_state(trainer, steps):
     return state
 
 
+@pytest.mark.slow
 def test_checkpoint_round_trip(trainer, tmp_path):
     state = _trained_state(trainer, 2)
     ckpt = Checkpointer(str(tmp_path / "ckpt"))
@@ -256,6 +261,7 @@ def test_checkpoint_round_trip(trainer, tmp_path):
         ckpt.read_extras(5)
 
 
+@pytest.mark.slow
 def test_resume_then_step_equals_uninterrupted(trainer, tmp_path):
     fresh, update, batch = trainer
     uninterrupted = _trained_state(trainer, 4)
@@ -357,6 +363,7 @@ def test_four_micro_batches_make_the_whole_batch_update(model, aggregation, sett
     np.testing.assert_allclose(odd_metrics["reward_mean"], whole_metrics["reward_mean"])
 
 
+@pytest.mark.slow
 def test_iterations_without_correction_anchor_every_step_at_the_behaviour_policy(model):
     graphdef, params = model
     optimizer = optax.sgd(0.5)
@@ -434,6 +441,7 @@ def test_iterations_with_decoupled_ppo_keep_the_proximal_policy_of_the_batch_sta
     )
 
 
+@pytest.mark.slow
 def test_a_batch_without_trainable_tokens_changes_nothing_and_is_counted():
     from raytunix.learner.learner import RLHyperparams as LearnerHyperparams
     from raytunix.learner.learner import Learner

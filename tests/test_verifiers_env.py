@@ -110,6 +110,7 @@ def test_a_rubric_that_raises_ends_only_its_episode(served):
     assert fine.status == EpisodeStatus.COMPLETED
 
 
+@pytest.mark.slow
 def test_a_hanging_rubric_times_out_alone(served):
     thread, _ = served
     hung = VerifiersEnv(env_id="verifiers_example:make_env", env_args={"stall_s": 60.0})
