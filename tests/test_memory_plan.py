@@ -203,3 +203,26 @@ def test_a_bfloat16_run_plans_its_kv_pages_and_engine_copy_in_bfloat16():
     # ... and the colocated engine holds a bfloat16 copy, twice while one is swapped in
     assert fp32_items["engine_weights"] == 0
     assert items["engine_weights"] == 2 * (fp32_items["params"] // 2)
+
+
+def test_with_lora_the_optimizer_state_and_gradients_are_the_adapters_and_the_base_is_free():
+    overrides = ["learner.lora_rank=8", "warmup.enabled=false", "learner.kl_coef=0.05"]
+    cfg, plan = _plan(overrides)
+    _, full = _plan(["warmup.enabled=false", "learner.kl_coef=0.05"])
+    learner = Learner(model_shape(cfg), seed=cfg.run.seed)
+    learner.start_rl(RLHyperparams.from_config(cfg))
+    state = learner._state
+    items, whole = plan.devices[0].items, full.devices[0].items
+    adapters = _nbytes(state.params)
+    assert 0 < adapters < _nbytes(state.base) // 4
+    assert items["optimizer_state"] == _nbytes(state.opt_state) < whole["optimizer_state"] // 4
+    twice = "twice" in plan.how["gradients"]
+    assert items["gradients"] == adapters * (2 if twice else 1)
+    assert items["new_state"] == adapters + items["optimizer_state"]
+    assert items["reference_params"] == 0 < whole["reference_params"]  # the base is the reference
+    merged = sum(  # each adapted kernel, as the forward builds it
+        a["lora_A"].shape[1] * a["lora_B"].shape[0] * 4 for a in state.params.values()
+    )
+    assert items["params"] == _nbytes(state.base) + adapters + merged
+    assert items["engine_weights"] > 0 == whole["engine_weights"]  # merged weights: a copy
+    assert plan.devices[0].total < full.devices[0].total

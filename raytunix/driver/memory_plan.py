@@ -33,6 +33,7 @@ import numpy as np
 
 from raytunix.config import Config, ConfigError
 from raytunix.learner.batch import widest_packed_row
+from raytunix.learner.lora import LoraSpec, init_adapters
 from raytunix.learner.sharding import MESH_AXES, MeshConfig, partition_spec, path_name
 from raytunix.learner.train_state import (
     RLHyperparams,
@@ -315,6 +316,7 @@ def memory_plan(cfg: Config, capacity: Capacity) -> MemoryPlan:
     # Under another compute dtype the engine gets the learner's params cast, a copy.
     shared = (
         colocated
+        and not _lora(cfg).enabled  # LoRA serves merged weights: arrays of their own
         and dtypes.compute == np.float32
         and _bytes_per_device(params, mesh) == full_params
     )
@@ -421,28 +423,63 @@ def _bytes_per_device(tree: Any, mesh: jax.sharding.AbstractMesh) -> int:
     return total
 
 
+def _lora(cfg: Config) -> LoraSpec:
+    return LoraSpec(cfg.learner.lora_rank, cfg.learner.lora_alpha, cfg.learner.lora_target_modules)
+
+
+def _trained(cfg: Config, params: Any, model: ModelConfig) -> tuple[list[Any], Any]:
+    """The abstract trees the optimizer trains (the policy's params, or its LoRA adapters;
+    PPO's value head) and the frozen LoRA base (None without LoRA).
+
+    Raises:
+      ValueError: invalid LoRA settings (``init_adapters``).
+    """
+    lora = _lora(cfg)
+    trained = [params]
+    frozen = None
+    if lora.enabled:  # only the adapters train and carry optimizer state (raytunix.learner.lora)
+        trained = [jax.eval_shape(lambda base: init_adapters(base, lora, 0), params)]
+        frozen = params
+    if cfg.learner.advantage_estimator == "gae":  # PPO's value head, its own optimizer state
+        trained.append(jax.eval_shape(lambda: init_value_head(model.d_model)))
+    return trained, frozen
+
+
+def _merged_kernel_bytes(trained: list[Any]) -> int:
+    """Bytes of the adapted kernels LoRA's forward builds (``W + scale (B A)^T``, one
+    float32[d_in, d_out] per adapter, counted whole), 0 without LoRA."""
+    return sum(
+        a["lora_A"].shape[1] * a["lora_B"].shape[0] * 4
+        for tree in trained
+        if isinstance(tree, dict)
+        for a in tree.values()
+        if isinstance(a, dict) and "lora_A" in a
+    )
+
+
 def learner_items(
     cfg: Config, params: Any, model: ModelConfig, mesh: jax.sharding.AbstractMesh
 ) -> tuple[dict[str, int], dict[str, str]]:
     """A learner device's bytes of its state for the abstract policy ``params``: params,
     master weights, optimizer state, gradients, the update's new state and the KL
-    reference, with how each was counted.
+    reference, with how each was counted. With LoRA the optimizer state, gradients and new
+    state are the adapters', the params hold the frozen base, the adapters and the merged
+    kernels of the forward, and the base is the KL reference at no cost of its own.
 
     Raises:
-      ConfigError: a parameter the mesh does not divide, or optimizer settings refused.
+      ConfigError: a parameter the mesh does not divide, or optimizer or LoRA settings
+        refused.
     """
-    trained = [params]
-    if cfg.learner.advantage_estimator == "gae":  # PPO's value head, its own optimizer state
-        trained.append(jax.eval_shape(lambda: init_value_head(model.d_model)))
     try:
+        trained, frozen = _trained(cfg, params, model)
         rl = make_optimizer_from(RLHyperparams.from_config(cfg))
         opt_bytes = {
             "RL": sum(_bytes_per_device(jax.eval_shape(rl.init, t), mesh) for t in trained)
         }
-        if cfg.warmup.enabled:  # the warm start's optimizer, on the policy's params
+        if cfg.warmup.enabled:  # the warm start's optimizer, on what the policy trains
             sft = SFTHyperparams.from_config(cfg).optimizer()
-            opt_bytes["warm start"] = _bytes_per_device(jax.eval_shape(sft.init, params), mesh)
-        param_bytes = sum(_bytes_per_device(t, mesh) for t in trained)
+            opt_bytes["warm start"] = _bytes_per_device(jax.eval_shape(sft.init, trained[0]), mesh)
+        trained_bytes = sum(_bytes_per_device(t, mesh) for t in trained)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     phase = max(opt_bytes, key=lambda p: opt_bytes[p])
@@ -450,28 +487,37 @@ def learner_items(
     split = "split by the learner's partition rules"
     compute = precision(cfg).compute
     accumulate = _rl_micro_batches(cfg, mesh.shape["data"] * mesh.shape["fsdp"]) > 1
+    lora = frozen is not None
+    frozen_bytes = 0 if frozen is None else _bytes_per_device(frozen, mesh)
+    merged = _merged_kernel_bytes(trained)
     items = {
-        "params": param_bytes,
+        "params": trained_bytes + frozen_bytes + merged,
         "master_weights": 0,  # the params are the master weights (see ``how``)
         "optimizer_state": opt_bytes[phase],
-        "gradients": param_bytes * (2 if accumulate else 1),
-        "new_state": param_bytes + opt_bytes[phase],
-        "reference_params": param_bytes if cfg.learner.kl_coef > 0 else 0,
+        "gradients": trained_bytes * (2 if accumulate else 1),
+        "new_state": trained_bytes + opt_bytes[phase],
+        "reference_params": trained_bytes if cfg.learner.kl_coef > 0 and not lora else 0,
     }
+    trains = "the adapters" if lora else "the params"
     how = {
-        "params": f"jax.eval_shape of init_model, {count:,} values, {split}",
+        "params": f"the frozen base ({frozen_bytes:,} B), the LoRA adapters ({count:,} values) "
+        f"and the adapted kernels the forward builds ({merged:,} B), {split}"
+        if lora
+        else f"jax.eval_shape of init_model, {count:,} values, {split}",
         "master_weights": "none: params are float32"
         if compute == np.float32
         else f"none apart: the params are the float32 master weights, cast to {compute.name} "
         "inside the forward",
         "optimizer_state": f"jax.eval_shape of the {phase} optax optimizer's init "
-        f"(learner.optimizer={cfg.learner.optimizer}), {split}",
-        "gradients": "the params' shape; twice: the micro-batches' sum and one pass's own"
+        f"(learner.optimizer={cfg.learner.optimizer}) on {trains}, {split}",
+        "gradients": f"{trains}' shape; twice: the micro-batches' sum and one pass's own"
         if accumulate
-        else "the params' shape, one pass",
-        "new_state": "params and optimizer state the update writes while the old ones live "
-        "(no buffer donation)",
-        "reference_params": "the KL reference policy, learner.kl_coef > 0"
+        else f"{trains}' shape, one pass",
+        "new_state": f"{trains} and optimizer state the update writes while the old ones "
+        "live (no buffer donation)",
+        "reference_params": "none: the frozen LoRA base is the reference policy"
+        if lora and cfg.learner.kl_coef > 0
+        else "the KL reference policy, learner.kl_coef > 0"
         if cfg.learner.kl_coef > 0
         else "none: learner.kl_coef=0",
     }
