@@ -226,3 +226,15 @@ def test_with_lora_the_optimizer_state_and_gradients_are_the_adapters_and_the_ba
     assert items["params"] == _nbytes(state.base) + adapters + merged
     assert items["engine_weights"] > 0 == whole["engine_weights"]  # merged weights: a copy
     assert plan.devices[0].total < full.devices[0].total
+
+
+def test_a_separate_lora_engine_holds_the_base_beside_the_merged_weights():
+    # It is sent the adapters only and merges them onto the learner's base, kept on its device.
+    overrides = ["engine.placement=disaggregated", "learner.lora_rank=8", "model.dtype=bfloat16"]
+    _, lora = _plan(overrides)
+    _, whole = _plan(overrides[:1] + overrides[2:])
+    engine, engine_whole = lora.devices[1].items, whole.devices[1].items
+    assert engine_whole["engine_weights"] % 2 == 0
+    assert engine["engine_weights"] == 3 * (engine_whole["engine_weights"] // 2)
+    assert "LoRA base in bfloat16" in lora.how["engine_weights"]
+    assert "base" not in whole.how["engine_weights"]

@@ -238,7 +238,9 @@ class Job:
         )
 
     def publish_weights(self) -> None:
-        """Disaggregated placement: ship the learner's weights to the engines. A replica
+        """Disaggregated placement: ship the learner's weights to the engines (under LoRA
+        only the adapters, which each engine merges onto the learner's base, fetched once
+        per base: ``LearnerActor.weights``, ``EngineActor.update_weights``). A replica
         that crashed is asked again, with backoff, until Ray has restarted it (a call to a
         restarting actor fails at once with ``ActorUnavailableError``).
 

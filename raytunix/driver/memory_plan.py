@@ -321,12 +321,19 @@ def memory_plan(cfg: Config, capacity: Capacity) -> MemoryPlan:
         and _bytes_per_device(params, mesh) == full_params
     )
     engine_copy = full_params * dtypes.compute.itemsize // dtypes.params.itemsize
-    engine_weights = 0 if shared else 2 * engine_copy
+    # A separate engine under LoRA is sent adapters only and keeps the base to merge onto.
+    lora_base = not colocated and _lora(cfg).enabled
+    engine_weights = 0 if shared else (3 if lora_base else 2) * engine_copy
     how["engine_weights"] = (
-        "the learner's params on this device, by reference"
-        if shared
-        else f"the whole params in {dtypes.compute.name}, twice while a new version is swapped in"
+        f"the whole params in {dtypes.compute.name}, twice while a new version is swapped in"
     )
+    if shared:
+        how["engine_weights"] = "the learner's params on this device, by reference"
+    elif lora_base:
+        how["engine_weights"] = (
+            f"the LoRA base in {dtypes.compute.name} (the published adapters are merged onto "
+            "it here) and the merged params, twice while a new version is swapped in: 3 copies"
+        )
     engine = {k: 0 for k in ITEMS} | {"engine_weights": engine_weights, "kv_cache": kv}
     devices: tuple[DevicePlan, ...]
     if colocated:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import jax
@@ -10,6 +11,8 @@ import ray
 from raytunix import profiling
 from raytunix.cluster import heap
 from raytunix.inference.engine import InferenceEngine
+from raytunix.inference.weights import LoraBase
+from raytunix.learner.lora import PublishedAdapters
 from raytunix.models.llama import ModelConfig, init_model
 
 
@@ -21,6 +24,12 @@ class EngineActor(profiling.ProfiledActor):
     restarted after a crash (``max_restarts``) takes the current weights and policy version
     from ``weights_source`` (the learner: its ``weights()``) before it serves: the first
     weights are older than every token's version would claim.
+
+    Under LoRA the learner publishes only the adapters (``PublishedAdapters``); the actor
+    merges them on its device onto the learner's frozen base, which it fetches from
+    ``weights_source`` (``base_weights()``) the first time, again when the learner starts
+    a new base (a new phase), and after a restart: the learner's base, which may come
+    from ``model.init_from`` or a warm start, not the weights this actor started with.
     """
 
     def __init__(
@@ -40,8 +49,14 @@ class EngineActor(profiling.ProfiledActor):
         else:
             graphdef, params = init_model(model_config, seed)
         self.engine = InferenceEngine(graphdef, params, model_config, tokenizer, **engine_kwargs)
+        self._weights_source = weights_source
+        self._lora = LoraBase(model_config.dtype)
+        self._updating = asyncio.Lock()  # versions are taken in the order they came
         if weights_source is not None and ray.get_runtime_context().was_current_actor_reconstructed:
-            self.update_weights(ray.get(weights_source.weights.remote()))
+            published = ray.get(weights_source.weights.remote())
+            if isinstance(published, PublishedAdapters):
+                self._take_base(ray.get(weights_source.base_weights.remote()))
+            self._receive(published)
         heap.settle()  # the model is built: out of the garbage collector's scans
 
     async def generate(self, request):
@@ -55,10 +70,46 @@ class EngineActor(profiling.ProfiledActor):
         """Frees the KV a finished episode's session kept."""
         self.engine.end_session(session_id)
 
-    def update_weights(self, weights_and_version) -> int:
-        """Takes ``(numpy params, version)`` as returned by ``LearnerActor.weights``."""
-        params, version = weights_and_version
-        with profiling.span("weight_receive", "weights", {"version": version}):
+    async def update_weights(self, published: tuple[Any, int] | PublishedAdapters) -> int:
+        """Takes what ``LearnerActor.weights`` returns and queues it; returns its policy
+        version. ``(numpy params, version)`` replace the weights; LoRA adapters
+        (``PublishedAdapters``) are merged onto the learner's base first, which is fetched
+        from ``weights_source`` when this actor does not hold that base yet.
+
+        Raises:
+          RuntimeError: adapters came and the base they need is not here, with no
+            ``weights_source`` to fetch it from.
+          ValueError: an older version, or weights of another model
+            (``InferenceEngine.update_weights``).
+        """
+        async with self._updating:
+            if isinstance(published, PublishedAdapters) and published.base_id != self._lora.base_id:
+                if self._weights_source is None:
+                    raise RuntimeError(
+                        f"EngineActor got the LoRA adapters of policy version "
+                        f"{published.version} but holds no base to merge them onto: it was "
+                        "built without weights_source. Build it with weights_source=<the "
+                        "learner actor> (its base_weights() is fetched once per base), or "
+                        "publish whole weights (LearnerActor.weights(whole=True))."
+                    )
+                self._take_base(await self._weights_source.base_weights.remote())
+            return self._receive(published)
+
+    def _take_base(self, base_id_and_base: tuple[str, Any]) -> None:
+        base_id, base = base_id_and_base
+        args = {"base": True, "bytes": sum(x.nbytes for x in jax.tree.leaves(base))}
+        with profiling.span("weight_receive", "weights", args):
+            self._lora.set(base_id, base)
+
+    def _receive(self, published: tuple[Any, int] | PublishedAdapters) -> int:
+        if isinstance(published, PublishedAdapters):
+            args = {"version": published.version, "bytes": published.nbytes, "adapters": True}
+            with profiling.span("weight_receive", "weights", args):
+                self.engine.update_weights(self._lora.merged(published), published.version)
+            return published.version
+        params, version = published
+        args = {"version": version, "bytes": sum(x.nbytes for x in jax.tree.leaves(params))}
+        with profiling.span("weight_receive", "weights", args):
             self.engine.update_weights(jax.device_put(params), version)
         return version
 

@@ -20,6 +20,7 @@ from raytunix import profiling
 from raytunix.cluster import heap
 from raytunix.learner.checkpoint import Checkpointer
 from raytunix.learner.learner import Learner, RLHyperparams, SFTHyperparams
+from raytunix.learner.lora import PublishedAdapters
 from raytunix.models.llama import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -111,10 +112,32 @@ class LearnerActor(profiling.ProfiledActor):
         with profiling.span("weight_publish", "learner", {"version": self.learner.version}):
             self._publish()
 
-    def weights(self) -> tuple[Any, int]:
-        """(numpy parameter pytree, policy version) for engines in other processes."""
-        with profiling.span("weights_to_host", "learner", {"version": self.learner.version}):
-            return self.learner.versioned_weights_numpy()
+    def weights(self, whole: bool = False) -> tuple[Any, int] | PublishedAdapters:
+        """What a weight publish ships to engines in other processes: ``(numpy parameter
+        pytree in the compute dtype, policy version)``, or under LoRA only the adapters
+        (``PublishedAdapters``, float32), which an engine merges onto ``base_weights()``.
+        ``whole``: the merged parameters even under LoRA."""
+        with profiling.span("weights_to_host", "learner", {"version": self.learner.version}) as a:
+            if self.learner.has_adapters and not whole:
+                adapters = self.learner.versioned_adapters_numpy()
+                a["bytes"] = adapters.nbytes
+                return adapters
+            params, version = self.learner.versioned_weights_numpy()
+            a["bytes"] = _nbytes(params)
+            return params, version
+
+    def base_weights(self) -> tuple[str, Any]:
+        """``(base_id, numpy base pytree in the compute dtype)``: the frozen LoRA base an
+        engine merges published adapters onto (``Learner.base_weights_numpy``); fetched
+        once per base.
+
+        Raises:
+          RuntimeError: the learner trains no LoRA adapters.
+        """
+        with profiling.span("weights_to_host", "learner", {"base": True}) as args:
+            base_id, base = self.learner.base_weights_numpy()
+            args["bytes"] = _nbytes(base)
+            return base_id, base
 
     def policy_version(self) -> int:
         return self.learner.version
@@ -274,6 +297,10 @@ class PolicyActor(LearnerActor):
 
     def engine_stats(self) -> dict:
         return self.engine.stats()
+
+
+def _nbytes(tree: Any) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
 
 
 def _load(model_path: str, model_config: ModelConfig, init_from: str = "", seed: int = 0):

@@ -225,11 +225,17 @@ class LearnerHost(LearnerActor):
         mesh = getattr(self.learner, "mesh", None)
         return {} if mesh is None else {k: int(v) for k, v in mesh.shape.items()}
 
-    def weights(self) -> tuple[Any, int]:
-        """(numpy parameter pytree, policy version) on rank 0, (None, version) on the
-        others; every host must call it (gathering split parameters is a collective)."""
-        tree, version = super().weights()
-        return (tree if self.rank == 0 else None), version
+    def weights(self, whole: bool = False) -> Any:
+        """``LearnerActor.weights`` on rank 0, None on the others; every host must call it
+        (gathering split parameters is a collective)."""
+        payload = super().weights(whole)
+        return payload if self.rank == 0 else None
+
+    def base_weights(self) -> Any:
+        """``LearnerActor.base_weights`` on rank 0, None on the others; every host must
+        call it."""
+        payload = super().base_weights()
+        return payload if self.rank == 0 else None
 
     async def export(self, out_dir: str) -> list[str]:
         """Rank 0 writes the policy as a Hugging Face folder (``LearnerActor.export``),
@@ -577,10 +583,15 @@ class LearnerGroup:
         self._compiled = True
         return metrics
 
-    def weights(self) -> tuple[Any, int]:
-        """(numpy parameter pytree, policy version), gathered by every host and shipped
-        by rank 0 alone."""
-        return self._on_all("weights")[0]
+    def weights(self, whole: bool = False) -> Any:
+        """``LearnerActor.weights`` (the parameters and policy version, or under LoRA the
+        adapters), gathered by every host and shipped by rank 0 alone."""
+        return self._on_all("weights", whole)[0]
+
+    def base_weights(self) -> Any:
+        """``LearnerActor.base_weights`` (the LoRA base), gathered by every host and
+        shipped by rank 0 alone."""
+        return self._on_all("base_weights")[0]
 
     def policy_version(self) -> int:
         return self._on_all("policy_version")[0]

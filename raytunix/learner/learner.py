@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+import uuid
 from typing import Any
 
 import jax
@@ -50,7 +51,7 @@ from raytunix.learner.train_state import (
     packed_row_multiple,
     policy_params,
 )
-from raytunix.learner.lora import LoraSpec
+from raytunix.learner.lora import LoraSpec, PublishedAdapters
 from raytunix.models.llama import ModelConfig, cast_params, init_model
 
 __all__ = ["Learner", "RLHyperparams", "SFTHyperparams"]
@@ -128,6 +129,8 @@ class Learner:
         self.sft_nonfinite_in_a_row = 0
         self._sft_rng = np.random.default_rng(seed)
         self.mesh: jax.sharding.Mesh | None = None
+        # Names the current LoRA base ("" without one): engines refetch it when it changes.
+        self.base_id = ""
 
     @property
     def params(self):
@@ -143,6 +146,7 @@ class Learner:
         warm start's adapters are merged in first)."""
         self.mesh = mesh_config.build()
         params = shard_tree(self.params, self.mesh)
+        self.base_id = uuid.uuid4().hex if lora.enabled else ""
         return shard_tree(
             create_train_state(self.graphdef, params, optimizer, self.seed, lora), self.mesh
         )
@@ -362,6 +366,47 @@ class Learner:
         """``(weights_numpy(), policy_version)`` of one and the same update (``policy``)."""
         params, version = self.policy()
         return gather_to_host(params), version
+
+    @property
+    def has_adapters(self) -> bool:
+        """Whether the current phase trains LoRA adapters over a frozen base."""
+        return self._state is not None and self._state.base is not None
+
+    def versioned_adapters_numpy(self) -> PublishedAdapters:
+        """The adapters of one policy version, float32 numpy (``adapters_numpy``'s
+        layout), with the scale and the base's id: what a LoRA learner publishes to an
+        engine in another process, which merges them onto ``base_weights_numpy()``. Every
+        process of a mesh must call it.
+
+        Raises:
+          RuntimeError: no LoRA adapters (``has_adapters`` is False).
+        """
+        with self._policy_lock:
+            state, version, base_id = self._state, self.version, self.base_id
+        if state is None or state.base is None:
+            raise RuntimeError(
+                "this learner has no LoRA adapters to publish (learner.lora_rank=0, or no "
+                "phase has started); publish its whole weights (versioned_weights_numpy)."
+            )
+        return PublishedAdapters(gather_to_host(state.params), state.lora_scale, version, base_id)
+
+    def base_weights_numpy(self) -> tuple[str, Any]:
+        """``(base_id, base)``: the frozen LoRA base the adapters are merged onto, as full
+        numpy arrays in the compute dtype (``model_config.dtype``; the params' tree). An
+        engine fetches it once per base, not per version. Every process of a mesh must
+        call it.
+
+        Raises:
+          RuntimeError: no LoRA base (``has_adapters`` is False).
+        """
+        with self._policy_lock:
+            state, base_id = self._state, self.base_id
+        if state is None or state.base is None:
+            raise RuntimeError(
+                "this learner has no LoRA base (learner.lora_rank=0, or no phase has "
+                "started): engines take its whole weights (versioned_weights_numpy)."
+            )
+        return base_id, gather_to_host(cast_params(state.base, self.model_config.dtype))
 
     # ------------------------------------------------------------------ checkpoints
     def save(

@@ -13,7 +13,9 @@ adapters train; the base parameters stay frozen::
     logits, _ = forward(graphdef, merge_adapters(base, adapters, spec.scale), tokens, positions)
 
 The learner's ``TrainState`` holds the adapters as its ``params`` and the base beside
-them (``raytunix.learner.train_state``); engines are served the merged weights.
+them (``raytunix.learner.train_state``); engines are served the merged weights. An engine
+in its own process is sent only the adapters each version (``PublishedAdapters``) and
+merges them onto the base it fetched once (``raytunix.inference.actor.EngineActor``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from raytunix.config import LORA_TARGET_MODULES
@@ -145,3 +148,26 @@ def merge_adapters(base: nnx.State, adapters: Adapters, scale: float) -> Any:
         return (leaf + adapter_delta(adapters[key], scale)).astype(leaf.dtype)
 
     return jax.tree_util.tree_map_with_path(merged, base)
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishedAdapters:
+    """What a LoRA learner publishes to an engine in another process: the adapters of one
+    policy version, to merge onto the base as ``merge_adapters(base, adapters, scale)``.
+
+    ``adapters``: ``{layer path: {"lora_A": float32[rank, d_in], "lora_B":
+    float32[d_out, rank]}}`` as numpy arrays; ``scale``: ``alpha / rank``; ``version``:
+    the policy version; ``base_id``: names the base they were trained over (a new one for
+    each phase's ``TrainState``: a warm start's adapters are merged into the RL phase's
+    base), so an engine fetches a base only when it changes.
+    """
+
+    adapters: dict[str, dict[str, np.ndarray]]
+    scale: float
+    version: int
+    base_id: str
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the adapters' arrays (what a publish ships)."""
+        return sum(x.nbytes for x in jax.tree.leaves(self.adapters))
