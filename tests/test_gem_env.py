@@ -6,12 +6,12 @@ import concurrent.futures
 import json
 import os
 import random
-import re
 import sys
 
 import numpy as np
 import pytest
 
+from guess_by_bisection import BOXED, bisection_episode
 from raytunix.envs import make_env
 from raytunix.types import TOOL_ERRORS_KEY, Action, EpisodeStatus
 
@@ -23,25 +23,14 @@ HARD = "game:GuessTheNumber-v0-hard"  # 1..50 in 7 turns
 EASY = "game:GuessTheNumber-v0-easy"  # 1..10 in 4 turns
 
 
+def _gem_hint(observation, guess):
+    """GEM says "higher than N" when the number is higher, else that it is lower."""
+    return "higher" if f"higher than {guess}" in observation else "lower"
+
+
 def _bisection_episode(env, task, first_reply="I guess \\boxed{25}"):
-    """Plays GuessTheNumber 1..50 by bisection from ``first_reply``; returns the
-    observations and step results."""
-    observations = [env.reset(task)]
-    results = []
-    low, high = 1, 50
-    reply = first_reply
-    while True:
-        result = env.step(Action(text=reply))
-        results.append(result)
-        observations.append(result.observation)
-        if result.done:
-            return observations, results
-        guess = int(re.search(r"\\boxed\{(\d+)\}", reply).group(1))
-        if f"higher than {guess}" in result.observation:
-            low = guess + 1
-        else:
-            high = guess - 1
-        reply = f"so \\boxed{{{(low + high) // 2}}}"
+    """Plays GuessTheNumber 1..50 by bisection from ``first_reply``."""
+    return bisection_episode(env, task, first_reply, high=50, syntax=BOXED, hint=_gem_hint)
 
 
 def test_gem_group_starts_from_one_state_and_pays_the_win_at_the_end():

@@ -7,11 +7,11 @@ import concurrent.futures
 import json
 import os
 import random
-import re
 import sys
 
 import pytest
 
+from guess_by_bisection import bisection_episode
 from raytunix.envs import make_env
 from raytunix.types import TOOL_ERRORS_KEY, Action, EpisodeStatus
 
@@ -21,24 +21,8 @@ textarena = pytest.importorskip(
 
 
 def _binary_search_episode(env, task, first_reply="[10]"):
-    """Plays GuessTheNumber (1..20) by bisection from ``first_reply``; returns the
-    observations and step results."""
-    observations = [env.reset(task)]
-    results = []
-    low, high = 1, 20
-    reply = first_reply
-    while True:
-        result = env.step(Action(text=reply))
-        results.append(result)
-        observations.append(result.observation)
-        if result.done:
-            return observations, results
-        guess = int(re.search(r"\[(\d+)\]", reply).group(1))
-        if "higher" in result.observation:
-            low = guess + 1
-        elif "lower" in result.observation:
-            high = guess - 1
-        reply = f"I guess [{(low + high) // 2}]"
+    """Plays GuessTheNumber (1..20) by bisection from ``first_reply``."""
+    return bisection_episode(env, task, first_reply, high=20)
 
 
 def test_textarena_group_starts_from_one_state_and_pays_only_at_the_end():

@@ -8,7 +8,6 @@ import concurrent.futures
 import json
 import os
 import random
-import re
 import sys
 import textwrap
 
@@ -19,6 +18,7 @@ pytest.importorskip(
     reason="OpenEnv is the openenv extra (in hubs): pip install -e '.[test,openenv]'",
 )
 
+from guess_by_bisection import bisection_episode  # noqa: E402
 from raytunix.envs import make_env  # noqa: E402
 from raytunix.types import TOOL_ERRORS_KEY, Action, EpisodeStatus  # noqa: E402
 
@@ -26,26 +26,8 @@ GUESS = "openenv_example:GuessEnvironment"
 
 
 def _bisection_episode(env, task, first_reply="[10]"):
-    """Plays GuessEnvironment (1..20) by bisection from ``first_reply``; returns the
-    observations and step results."""
-    observations = [env.reset(task)]
-    results = []
-    low, high = 1, 20
-    reply = first_reply
-    while True:
-        result = env.step(Action(text=reply))
-        results.append(result)
-        observations.append(result.observation)
-        if result.done:
-            return observations, results
-        match = re.search(r"\[(\d+)\]", reply)
-        if match is not None:
-            guess = int(match.group(1))
-            if "higher" in result.observation:
-                low = guess + 1
-            elif "lower" in result.observation:
-                high = guess - 1
-        reply = f"I guess [{(low + high) // 2}]"
+    """Plays GuessEnvironment (1..20) by bisection from ``first_reply``."""
+    return bisection_episode(env, task, first_reply, high=20)
 
 
 def test_openenv_group_starts_from_one_state_and_pays_only_at_the_end():
