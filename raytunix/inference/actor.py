@@ -13,6 +13,7 @@ from raytunix.cluster import heap
 from raytunix.inference.engine import InferenceEngine
 from raytunix.inference.weights import LoraBase
 from raytunix.learner.lora import PublishedAdapters
+from raytunix.learner.sharding import tree_nbytes
 from raytunix.models.llama import ModelConfig, init_model
 
 
@@ -97,7 +98,7 @@ class EngineActor(profiling.ProfiledActor):
 
     def _take_base(self, base_id_and_base: tuple[str, Any]) -> None:
         base_id, base = base_id_and_base
-        args = {"base": True, "bytes": sum(x.nbytes for x in jax.tree.leaves(base))}
+        args = {"base": True, "bytes": tree_nbytes(base)}
         with profiling.span("weight_receive", "weights", args):
             self._lora.set(base_id, base)
 
@@ -108,7 +109,7 @@ class EngineActor(profiling.ProfiledActor):
                 self.engine.update_weights(self._lora.merged(published), published.version)
             return published.version
         params, version = published
-        args = {"version": version, "bytes": sum(x.nbytes for x in jax.tree.leaves(params))}
+        args = {"version": version, "bytes": tree_nbytes(params)}
         with profiling.span("weight_receive", "weights", args):
             self.engine.update_weights(jax.device_put(params), version)
         return version

@@ -21,6 +21,7 @@ from raytunix.cluster import heap
 from raytunix.learner.checkpoint import Checkpointer
 from raytunix.learner.learner import Learner, RLHyperparams, SFTHyperparams
 from raytunix.learner.lora import PublishedAdapters
+from raytunix.learner.sharding import tree_nbytes
 from raytunix.models.llama import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -123,7 +124,7 @@ class LearnerActor(profiling.ProfiledActor):
                 a["bytes"] = adapters.nbytes
                 return adapters
             params, version = self.learner.versioned_weights_numpy()
-            a["bytes"] = _nbytes(params)
+            a["bytes"] = tree_nbytes(params)
             return params, version
 
     def base_weights(self) -> tuple[str, Any]:
@@ -136,7 +137,7 @@ class LearnerActor(profiling.ProfiledActor):
         """
         with profiling.span("weights_to_host", "learner", {"base": True}) as args:
             base_id, base = self.learner.base_weights_numpy()
-            args["bytes"] = _nbytes(base)
+            args["bytes"] = tree_nbytes(base)
             return base_id, base
 
     def policy_version(self) -> int:
@@ -164,9 +165,13 @@ class LearnerActor(profiling.ProfiledActor):
             )
         )
 
-    async def export_adapters(self, out_dir: str, alpha: float, dropout: float = 0.0) -> list[str]:
+    # Whether this process writes exports: in a multi-host group, rank 0 alone.
+    writes_exports = True
+
+    async def export_adapters(self, out_dir: str, alpha: float) -> list[str]:
         """Writes the LoRA adapters to ``out_dir`` as a ``peft`` folder over ``model_path``
-        (``raytunix.models.hf.export_adapters``); returns the file names.
+        (``raytunix.models.hf.export_adapters``); returns the file names ([] where
+        ``writes_exports`` is False: every host of a group gathers, rank 0 writes).
 
         Raises:
           RuntimeError: the learner has no adapters (``Learner.adapters_numpy``).
@@ -174,10 +179,10 @@ class LearnerActor(profiling.ProfiledActor):
         from raytunix.models.hf import export_adapters
 
         adapters = await self._in_thread(self.learner.adapters_numpy)
+        if not self.writes_exports:
+            return []
         return await self._in_thread(
-            lambda: export_adapters(
-                out_dir, adapters, alpha=alpha, base_model=self.model_path, dropout=dropout
-            )
+            lambda: export_adapters(out_dir, adapters, alpha=alpha, base_model=self.model_path)
         )
 
     # checkpoints ------------------------------------------------------------------------------
@@ -297,10 +302,6 @@ class PolicyActor(LearnerActor):
 
     def engine_stats(self) -> dict:
         return self.engine.stats()
-
-
-def _nbytes(tree: Any) -> int:
-    return sum(x.nbytes for x in jax.tree.leaves(tree))
 
 
 def _load(model_path: str, model_config: ModelConfig, init_from: str = "", seed: int = 0):

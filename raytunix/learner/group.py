@@ -225,6 +225,10 @@ class LearnerHost(LearnerActor):
         mesh = getattr(self.learner, "mesh", None)
         return {} if mesh is None else {k: int(v) for k, v in mesh.shape.items()}
 
+    @property
+    def writes_exports(self) -> bool:  # type: ignore[override]
+        return self.rank == 0
+
     def weights(self, whole: bool = False) -> Any:
         """``LearnerActor.weights`` on rank 0, None on the others; every host must call it
         (gathering split parameters is a collective)."""
@@ -248,20 +252,6 @@ class LearnerHost(LearnerActor):
         return await self._in_thread(
             lambda: export_checkpoint(
                 out_dir, self.learner.model_config, params, source=self.model_path or None
-            )
-        )
-
-    async def export_adapters(self, out_dir: str, alpha: float, dropout: float = 0.0) -> list[str]:
-        """Rank 0 writes the LoRA adapters as a ``peft`` folder
-        (``LearnerActor.export_adapters``), gathered by every host; the others return []."""
-        from raytunix.models.hf import export_adapters
-
-        adapters = await self._in_thread(self.learner.adapters_numpy)
-        if self.rank != 0:
-            return []
-        return await self._in_thread(
-            lambda: export_adapters(
-                out_dir, adapters, alpha=alpha, base_model=self.model_path, dropout=dropout
             )
         )
 
@@ -607,10 +597,10 @@ class LearnerGroup:
     def export(self, out_dir: str) -> list[str]:
         return self._on_all("export", out_dir, timeout_s=self.slow_call_timeout_s)[0]
 
-    def export_adapters(self, out_dir: str, alpha: float, dropout: float = 0.0) -> list[str]:
-        return self._on_all(
-            "export_adapters", out_dir, alpha, dropout, timeout_s=self.slow_call_timeout_s
-        )[0]
+    def export_adapters(self, out_dir: str, alpha: float) -> list[str]:
+        return self._on_all("export_adapters", out_dir, alpha, timeout_s=self.slow_call_timeout_s)[
+            0
+        ]
 
     def save(
         self,

@@ -353,13 +353,7 @@ class Learner:
           RuntimeError: the learner trains the whole model (``learner.lora_rank=0``), or no
             phase has started.
         """
-        with self._policy_lock:
-            state = self._state
-        if state is None or state.base is None:
-            raise RuntimeError(
-                "this learner has no LoRA adapters (learner.lora_rank=0 trains the whole "
-                "model, or no phase has started); export its weights with export_checkpoint."
-            )
+        state, _, _ = self._lora_state("adapters", "export its weights with export_checkpoint")
         return gather_to_host(state.params)
 
     def versioned_weights_numpy(self) -> tuple[Any, int]:
@@ -381,13 +375,9 @@ class Learner:
         Raises:
           RuntimeError: no LoRA adapters (``has_adapters`` is False).
         """
-        with self._policy_lock:
-            state, version, base_id = self._state, self.version, self.base_id
-        if state is None or state.base is None:
-            raise RuntimeError(
-                "this learner has no LoRA adapters to publish (learner.lora_rank=0, or no "
-                "phase has started); publish its whole weights (versioned_weights_numpy)."
-            )
+        state, version, base_id = self._lora_state(
+            "adapters to publish", "publish its whole weights (versioned_weights_numpy)"
+        )
         return PublishedAdapters(gather_to_host(state.params), state.lora_scale, version, base_id)
 
     def base_weights_numpy(self) -> tuple[str, Any]:
@@ -399,14 +389,27 @@ class Learner:
         Raises:
           RuntimeError: no LoRA base (``has_adapters`` is False).
         """
+        state, _, base_id = self._lora_state(
+            "base", "engines take its whole weights (versioned_weights_numpy)"
+        )
+        return base_id, gather_to_host(cast_params(state.base, self.model_config.dtype))
+
+    def _lora_state(self, missing: str, instead: str) -> tuple[TrainState, int, str]:
+        """``(state, policy version, base_id)`` of one and the same update, for a phase
+        that trains LoRA adapters.
+
+        Raises:
+          RuntimeError: no LoRA adapters (``has_adapters`` is False); the message names
+            what is ``missing`` and ends with ``instead``, what to do without it.
+        """
         with self._policy_lock:
-            state, base_id = self._state, self.base_id
+            state, version, base_id = self._state, self.version, self.base_id
         if state is None or state.base is None:
             raise RuntimeError(
-                "this learner has no LoRA base (learner.lora_rank=0, or no phase has "
-                "started): engines take its whole weights (versioned_weights_numpy)."
+                f"this learner has no LoRA {missing} (learner.lora_rank=0 trains the whole "
+                f"model, or no phase has started); {instead}."
             )
-        return base_id, gather_to_host(cast_params(state.base, self.model_config.dtype))
+        return state, version, base_id
 
     # ------------------------------------------------------------------ checkpoints
     def save(

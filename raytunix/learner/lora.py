@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from raytunix.config import LORA_TARGET_MODULES
-from raytunix.learner.sharding import path_name
+from raytunix.learner.sharding import path_name, tree_nbytes
 
 # The adapters: one entry per adapted layer, keyed by its path (``layers.0.self_attn.q_proj``),
 # each {"lora_A": float32[rank, d_in], "lora_B": float32[d_out, rank]}.
@@ -170,4 +170,4 @@ class PublishedAdapters:
     @property
     def nbytes(self) -> int:
         """Bytes of the adapters' arrays (what a publish ships)."""
-        return sum(x.nbytes for x in jax.tree.leaves(self.adapters))
+        return tree_nbytes(self.adapters)

@@ -311,6 +311,11 @@ def place_batch(batch: Batch, mesh: Mesh) -> Batch:
     return Batch(*(place_rows(field, mesh) for field in batch))
 
 
+def tree_nbytes(tree: Any) -> int:
+    """Bytes of the array leaves of ``tree`` (numpy or jax arrays; not abstract shapes)."""
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
 def gather_to_host(tree: Any) -> Any:
     """``tree`` as full numpy arrays on the host. With several processes this is a
     collective (``process_allgather``) that every process must call."""
