@@ -395,17 +395,24 @@ class FragileEnv(CalculatorMathEnv):
         super().__init__(**kwargs)
 
 
-@pytest.mark.slow
-def test_a_dead_env_pool_stops_the_rollout_with_one_clear_error(ray_session, tmp_path):
+def _fragile_pool(tmp_path, num_actors):
+    """A ready pool of ``FragileEnv`` actors that Ray does not restart, and the file whose
+    existence breaks them."""
     broken = tmp_path / "broken"
     pool = EnvPool(
         "test_rollout_faults:FragileEnv",
         {"broken": str(broken)},
-        num_actors=2,
+        num_actors=num_actors,
         max_restarts=0,
         import_paths=[os.path.dirname(__file__)],
     )
     pool.wait_ready(timeout_s=120)
+    return broken, pool
+
+
+@pytest.mark.slow
+def test_a_dead_env_pool_stops_the_rollout_with_one_clear_error(ray_session, tmp_path):
+    broken, pool = _fragile_pool(tmp_path, num_actors=2)
     broken.touch()  # the actors that replace the killed ones cannot start
     for actor in pool.actors:
         ray_session.kill(actor, no_restart=True)
@@ -444,15 +451,7 @@ def test_the_halt_reaches_the_driver_as_rollout_halted_and_a_dead_engine_as_engi
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # tests/ is not on workers' path
     engine = ray_session.remote(Engine).options(num_cpus=0, max_concurrency=100).remote()
-    broken = tmp_path / "broken"
-    pool = EnvPool(
-        "test_rollout_faults:FragileEnv",
-        {"broken": str(broken)},
-        num_actors=1,
-        max_restarts=0,
-        import_paths=[os.path.dirname(__file__)],
-    )
-    pool.wait_ready(timeout_s=120)
+    broken, pool = _fragile_pool(tmp_path, num_actors=1)
     broken.touch()  # the actor that replaces the killed one cannot start
     ray_session.kill(pool.actors[0], no_restart=True)
     orchestrator = (
