@@ -193,12 +193,15 @@ class DigitsEnv(BaseEnv):
 # Rollouts that replay exactly: one group in flight at a time, on-policy (max_staleness=0),
 # one engine that decodes one sequence at a time (a row's float sums then never depend on
 # which other requests share its decode step), single-turn episodes.
+# One episode at a time, one sequence per engine step: episodes in flight together reach
+# the engine in an order that timing decides (a loaded machine, e.g. two test workers, swaps
+# it), and the engine's logprobs, which enter the loss, are only bit-reproducible in one order.
 DETERMINISTIC_ROLLOUTS = [
     "env.name=digits_env:DigitsEnv",
     "env.max_turns=1",
     "rollout.max_staleness=0",
     "rollout.adaptive_concurrency=false",
-    "rollout.max_concurrent_episodes=2",
+    "rollout.max_concurrent_episodes=1",
     "engine.max_batch_size=1",
     "engine.placement=colocated",
 ]
