@@ -70,12 +70,9 @@ SIMULATED_RESOURCES = {"TPU": 4, "raytunix_env": 4}
 PLACEMENT = ["learner.resources={TPU: 4}", "env.actor_resources={raytunix_env: 1}"]
 
 
-@pytest.fixture(scope="module")
-def ray_head():
-    """The job server address of a fresh local head: 2 CPUs, dashboard on, token auth on
-    (Ray 2.60's default when ~/.ray/auth_token exists, which `ray start` creates)."""
-    # Short: Ray's socket paths under it must fit the 107-byte Unix socket limit.
-    temp_dir = tempfile.mkdtemp(prefix="rtxsub", dir="/tmp")
+def _start_head(temp_dir: str) -> tuple[subprocess.CompletedProcess, int]:
+    """One ``ray start --head`` on ports that were free a moment ago; returns the finished
+    command and the dashboard port."""
     (
         gcs,
         dashboard,
@@ -125,11 +122,32 @@ def ray_head():
     # The host's TPU worker id, as a TPU VM's environment gives it (placement.tpu_worker_id).
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "TPU_WORKER_ID": "0"}
     env.pop("RAY_ADDRESS", None)
+    started = subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=180, check=False
+    )
+    return started, dashboard
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    """The job server address of a fresh local head: 2 CPUs, dashboard on, token auth on
+    (Ray 2.60's default when ~/.ray/auth_token exists, which `ray start` creates)."""
+    # Short: Ray's socket paths under it must fit the 107-byte Unix socket limit.
+    temp_dir = tempfile.mkdtemp(prefix="rtxsub", dir="/tmp")
     try:
-        started = subprocess.run(
-            command, env=env, capture_output=True, text=True, timeout=180, check=False
-        )
-        assert started.returncode == 0, started.stdout + started.stderr
+        # A port found free can be taken before the head binds it (another test worker's
+        # Ray picks ports too): such a start is retried on new ports, any other failure not.
+        for attempt in range(3):
+            started, dashboard = _start_head(temp_dir)
+            output = started.stdout + started.stderr
+            port_taken = any(
+                text in output.lower()
+                for text in ("already in use", "failed to start the grpc server")
+            )
+            if started.returncode == 0 or not port_taken or attempt == 2:
+                break
+            _kill_cluster(temp_dir)
+        assert started.returncode == 0, output
         yield f"http://127.0.0.1:{dashboard}"
     finally:
         _kill_cluster(temp_dir)
