@@ -190,12 +190,11 @@ class DigitsEnv(BaseEnv):
         return StepResult("", reward, True, EpisodeStatus.COMPLETED)
 '''
 
-# Rollouts that replay exactly: one group in flight at a time, on-policy (max_staleness=0),
-# one engine that decodes one sequence at a time (a row's float sums then never depend on
-# which other requests share its decode step), single-turn episodes.
-# One episode at a time, one sequence per engine step: episodes in flight together reach
-# the engine in an order that timing decides (a loaded machine, e.g. two test workers, swaps
-# it), and the engine's logprobs, which enter the loss, are only bit-reproducible in one order.
+# Rollouts that replay exactly: one episode in flight at a time, on-policy
+# (max_staleness=0), one engine that decodes one sequence at a time (a row's float sums then
+# never depend on which other requests share its decode step), single-turn episodes. Two
+# episodes in flight together reach the engine in an order that timing decides: under two
+# test workers one run in three saw the optimizer state differ in its last bits.
 DETERMINISTIC_ROLLOUTS = [
     "env.name=digits_env:DigitsEnv",
     "env.max_turns=1",
