@@ -98,10 +98,10 @@ def _train(directory: str, done: str, failed: str) -> None:
     try:
         with contextlib.redirect_stdout(out):
             summary = train(load_config(None, overrides(directory)))
-    except Exception:
+    except Exception:  # noqa: BLE001 - trained() raises it, with the driver's last lines
         with open(failed, "w") as f:
             f.write(out.getvalue()[-5000:] + traceback.format_exc())
-        raise
+        return
     run = TinyRun(summary["run_dir"], out.getvalue(), demonstrations)
     with open(done, "w") as f:
         json.dump(dataclasses.asdict(run), f)
