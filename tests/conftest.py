@@ -1,5 +1,6 @@
 """Shared fixtures. Ray starts once per test session, and only for tests that ask for it:
-starting Ray per test is the main way to make this suite slow."""
+starting Ray per test is the main way to make this suite slow. For the same reason the
+tests that only read a trained run's directory share one (``tiny_run``)."""
 
 from __future__ import annotations
 
@@ -66,8 +67,8 @@ def pytest_collection(session):
     child before exec. Once JAX's runtime threads run in this process, such a fork can
     deadlock (JAX warns "os.fork() was called"), and some test modules start JAX when they
     are imported; so Ray starts before collection imports them. Files are checked by their
-    text, before import; a file that mentions the fixture but whose tests are deselected
-    costs one idle Ray start (~3 s).
+    text, before import; a file that mentions the fixture (or ``tiny_run``, which uses it)
+    but whose tests are deselected costs one idle Ray start (~3 s).
     """
     if session.config.option.collectonly:
         return
@@ -75,12 +76,16 @@ def pytest_collection(session):
     for arg in session.config.args:
         path = base / arg.split("::", 1)[0]
         files = sorted(path.rglob("test_*.py")) if path.is_dir() else [path]
-        if any(f.is_file() and "ray_session" in f.read_text(errors="ignore") for f in files):
+        if any(f.is_file() and _needs_ray(f.read_text(errors="ignore")) for f in files):
             try:
                 _start_ray()
             except Exception:  # noqa: BLE001 - the fixture tries again and fails the tests that need Ray
                 pass
             return
+
+
+def _needs_ray(test_file_text: str) -> bool:
+    return "ray_session" in test_file_text or "tiny_run" in test_file_text
 
 
 @pytest.fixture(scope="session")
@@ -90,3 +95,19 @@ def ray_session():
     yield ray
     if _started_here:
         ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_run(ray_session, tmp_path_factory):
+    """A finished tiny run (``shared_runs.TinyRun``: its directory, its driver's output),
+    trained on first use. The directory is shared: copy it before writing into it."""
+    from filelock import FileLock
+
+    import shared_runs
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's, above each worker's own: one run for all
+    directory = str(root / "tiny-run")
+    with FileLock(directory + ".lock"):
+        return shared_runs.trained(directory)

@@ -3,6 +3,7 @@ errors of a bad request, and one evaluation of a freshly trained tiny run."""
 
 import json
 import os
+import shutil
 import subprocess
 
 import pytest
@@ -118,19 +119,13 @@ def test_an_unknown_env_is_named(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_eval_of_a_trained_tiny_run(ray_session, tmp_path):
-    from test_byo_env import REPO, TESTS_DIR, _cli_train, _run_dirs
+def test_eval_of_a_trained_tiny_run(tiny_run, ray_session, tmp_path):
+    """``raytunix eval`` as a user runs it, on (a copy of) the shared tiny run: ParityEnv,
+    8 held-out tasks, 5 RL steps with a checkpoint after each."""
+    from test_byo_env import REPO, TESTS_DIR
 
-    trained = _cli_train(
-        ray_session,
-        tmp_path,
-        "env.name=test_byo_env:ParityEnv",
-        "env.kwargs.max_number=50",
-        "env.max_turns=1",
-        "learner.rl_steps=1",
-    )
-    assert trained.returncode == 0, trained.stderr[-3000:]
-    (run_dir,) = _run_dirs(tmp_path)
+    run_dir = str(tmp_path / "run")
+    shutil.copytree(tiny_run.path, run_dir)  # eval writes eval/ into it
     env = {
         **os.environ,
         "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address,
@@ -151,7 +146,7 @@ def test_eval_of_a_trained_tiny_run(ray_session, tmp_path):
     assert "pass@k" in result.stdout and "test_byo_env:ParityEnv" in result.stdout
     with open(os.path.join(run_dir, "eval", "summary.json")) as f:
         summary = json.load(f)
-    assert summary["checkpoint_step"] == 1
+    assert summary["checkpoint_step"] == 5
     (row,) = summary["envs"]
     assert set(evaluation.SUMMARY_KEYS) <= set(row)
     assert row["num_tasks"] == 8 and row["sampled_episodes_per_task"] == 3 and row["k"] == 2
@@ -162,26 +157,11 @@ def test_eval_of_a_trained_tiny_run(ray_session, tmp_path):
 
 
 @pytest.mark.slow
-def test_eval_every_logs_held_out_evaluations_at_the_named_steps(ray_session, tmp_path, capsys):
-    from test_train import TINY
-
-    from raytunix.train import train
-
-    cfg = load_config(
-        None,
-        TINY
-        + [
-            f"run.output_dir={tmp_path / 'runs'}",
-            "env.name=test_byo_env:ParityEnv",
-            "env.kwargs.max_number=50",
-            "env.max_turns=1",
-            "learner.rl_steps=5",
-            "eval.every=2",  # due after steps 2 and 4; step 5's is the after_rl one
-        ],
-    )
-    summary = train(cfg)
-    out = capsys.readouterr().out
-    with open(os.path.join(summary["run_dir"], "metrics.jsonl")) as f:
+def test_eval_every_logs_held_out_evaluations_at_the_named_steps(tiny_run):
+    # The shared tiny run: learner.rl_steps=5, eval.every=2 (due after steps 2 and 4; step
+    # 5's is the after_rl one), 8 held-out tasks.
+    out = tiny_run.stdout
+    with open(os.path.join(tiny_run.path, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     during = [r for r in records if r["phase"] == "eval" and r["when"] == "during_rl"]
     skipped = [r["step"] for r in records if r["phase"] == "eval_skipped"]
@@ -192,7 +172,7 @@ def test_eval_every_logs_held_out_evaluations_at_the_named_steps(ray_session, tm
     for r in during:
         assert r["policy_version"] == rl_versions[r["step"]]
         assert r["step"] <= r["finished_after_step"] <= 5
-        assert r["num_tasks"] == 16 and 0.0 <= r["success_rate"] <= 1.0 and "reward_mean" in r
+        assert r["num_tasks"] == 8 and 0.0 <= r["success_rate"] <= 1.0 and "reward_mean" in r
         assert f"held-out at RL step {r['step']} (policy version {r['policy_version']})" in out
     whens = [r["when"] for r in records if r["phase"] == "eval"]
     assert whens[0] == "before_rl" and whens[-1] == "after_rl"

@@ -4,6 +4,7 @@ model shape, on any env, and says clearly when the earlier run cannot be started
 import dataclasses
 import filecmp
 import os
+import shutil
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -111,30 +112,32 @@ def test_the_tokenizer_is_copied_and_a_resumed_run_keeps_its_own_checkpoints(tmp
 
 
 @pytest.mark.slow
-def test_a_run_on_another_env_continues_from_an_earlier_runs_checkpoint(ray_session, tmp_path):
-    from test_byo_env import _cli_train, _run_dirs
+def test_a_run_on_another_env_continues_from_an_earlier_runs_checkpoint(tiny_run, tmp_path):
+    """The earlier run is the shared tiny run (ParityEnv, a 20-step warm start that moves
+    the weights far from their init, 5 RL steps); the new one trains math_verifier."""
+    from test_train import TINY
 
-    first = _cli_train(
-        ray_session,
-        tmp_path / "first",
-        "warmup.max_steps=30",
-        "warmup.min_steps=30",
-        "learner.rl_steps=1",
+    from raytunix.train import train
+
+    earlier = str(tmp_path / "earlier")
+    shutil.copytree(tiny_run.path, earlier)  # the new run only reads it; others share it
+    cfg = load_config(
+        None,
+        TINY
+        + [
+            f"run.output_dir={tmp_path / 'second'}",
+            f"model.init_from={earlier}",
+            "model.d_model=32",  # the TINY size, which is also the earlier run's: accepted
+            "env.name=math_verifier",
+            "env.max_turns=1",
+            "warmup.enabled=false",
+            "data.heldout_size=4",
+            "eval.heldout_size=4",
+            "eval.max_new_tokens=16",
+            "learner.rl_steps=1",
+        ],
     )
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    (earlier,) = _run_dirs(tmp_path / "first")
-    second = _cli_train(
-        ray_session,
-        tmp_path / "second",
-        f"model.init_from={earlier}",
-        "model.d_model=32",  # the TINY size, which is also the earlier run's: accepted
-        "env.name=test_byo_env:ParityEnv",
-        "env.max_turns=1",
-        "warmup.enabled=false",
-        "learner.rl_steps=1",
-    )
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    (later,) = _run_dirs(tmp_path / "second")
+    later = train(cfg)["run_dir"]
     assert filecmp.cmp(
         os.path.join(later, "tokenizer.json"), os.path.join(earlier, "tokenizer.json")
     )

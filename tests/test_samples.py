@@ -195,31 +195,14 @@ def test_format_says_when_an_episode_has_no_transcript():
 
 
 @pytest.mark.slow
-def test_a_tiny_run_leaves_the_episodes_of_each_rl_step(ray_session, tmp_path, capsys):
-    from test_train import TINY
-
-    from raytunix.config import load_config
-    from raytunix.train import train
-
-    cfg = load_config(
-        None,
-        TINY
-        + [
-            f"run.output_dir={tmp_path / 'runs'}",
-            "env.name=test_byo_env:ParityEnv",
-            "env.kwargs.max_number=50",
-            "env.max_turns=1",
-            "learner.rl_steps=2",
-            "run.samples_per_step=4",  # the whole batch (2 groups of 2): checkable against it
-        ],
-    )
-    summary = train(cfg)
-    run_dir = summary["run_dir"]
+def test_a_tiny_run_leaves_the_episodes_of_each_rl_step(tiny_run, capsys):
+    # 5 RL steps of 2 groups of 2 episodes, all 4 kept (run.samples_per_step=4).
+    run_dir = tiny_run.path
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rl = {r["step"]: r for r in map(json.loads, f) if r["phase"] == "rl"}
     with open(os.path.join(run_dir, "samples.jsonl")) as f:
         lines = [json.loads(line) for line in f]
-    assert [line["step"] for line in lines] == sorted(rl) == [1, 2]
+    assert [line["step"] for line in lines] == sorted(rl) == [1, 2, 3, 4, 5]
     for line in lines:
         record, episodes = rl[line["step"]], line["episodes"]
         assert line["batch_trajectories"] == record["num_trajectories"] == 4
@@ -242,9 +225,9 @@ def test_a_tiny_run_leaves_the_episodes_of_each_rl_step(ray_session, tmp_path, c
     capsys.readouterr()
     assert main(["samples", run_dir]) == 0
     out = capsys.readouterr().out
-    assert "RL step 2: 4 of 4 trajectories" in out and "even or odd" in out
+    assert "RL step 5: 4 of 4 trajectories" in out and "even or odd" in out
     assert main(["samples", run_dir, "--step", "9"]) == 2
-    assert "steps with samples: 1-2" in capsys.readouterr().err
+    assert "steps with samples: 1-5" in capsys.readouterr().err
 
 
 def test_control_characters_of_a_reply_are_escaped_not_sent_to_the_terminal():

@@ -263,13 +263,35 @@ def test_the_sql_expert_answers_the_gold_query_and_it_scores():
 # -- a run -----------------------------------------------------------------------------
 
 
-@pytest.mark.slow
-def test_a_reasoning_gym_run_warm_starts_from_the_expert(ray_session, tmp_path):
-    from test_byo_env import _cli_train, _run_dirs
+def _train(tmp_path, capsys, *overrides):
+    """test_byo_env's tiny run in this process (on the session's Ray) with no RL step:
+    the warm start is what these runs are for. Returns its directory and what its driver
+    printed."""
+    from test_byo_env import TINY
 
-    result = _cli_train(
-        ray_session,
+    from raytunix.train import train
+
+    cfg = load_config(
+        None,
+        TINY
+        + [
+            f"run.output_dir={tmp_path / 'runs'}",
+            "learner.rl_steps=0",
+            "data.heldout_size=4",
+            "eval.heldout_size=4",
+            "eval.max_new_tokens=16",
+            *overrides,
+        ],
+    )
+    summary = train(cfg)
+    return summary["run_dir"], capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_reasoning_gym_run_warm_starts_from_the_expert(ray_session, tmp_path, capsys):
+    run_dir, stdout = _train(
         tmp_path,
+        capsys,
         "env.name=reasoning_gym",
         "env.kwargs.task=chain_sum",
         "env.kwargs.dataset_kwargs={min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}",
@@ -280,10 +302,8 @@ def test_a_reasoning_gym_run_warm_starts_from_the_expert(ray_session, tmp_path):
         "warmup.eval_every=2",
         "warmup.batch_size=8",
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "demonstrations from environment 'reasoning_gym''s expert" in result.stdout
-    assert "(the step budget: no dev check for this source)" in result.stdout
-    (run_dir,) = _run_dirs(tmp_path)
+    assert "demonstrations from environment 'reasoning_gym''s expert" in stdout
+    assert "(the step budget: no dev check for this source)" in stdout
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = list(map(json.loads, f))
     (source,) = [r for r in records if r["phase"] == "warmup_source"]
@@ -314,12 +334,10 @@ class EvenReplyEnv(BaseEnv):
 
 
 @pytest.mark.slow
-def test_rejection_sampling_warm_starts_from_the_runs_own_successes(ray_session, tmp_path):
-    from test_byo_env import _cli_train, _run_dirs
-
-    result = _cli_train(
-        ray_session,
+def test_rejection_sampling_warm_starts_from_the_runs_own_successes(ray_session, tmp_path, capsys):
+    run_dir, stdout = _train(
         tmp_path,
+        capsys,
         "env.name=test_warm_start_sources:EvenReplyEnv",
         "env.max_turns=1",
         "warmup.source=rejection",
@@ -329,10 +347,8 @@ def test_rejection_sampling_warm_starts_from_the_runs_own_successes(ray_session,
         "warmup.eval_every=2",
         "warmup.batch_size=4",
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    kept = re.search(r"rejection sampling kept (\d+) of 32 episodes", result.stdout)
-    assert kept is not None, result.stdout[-3000:]
-    (run_dir,) = _run_dirs(tmp_path)
+    kept = re.search(r"rejection sampling kept (\d+) of 32 episodes", stdout)
+    assert kept is not None, stdout[-3000:]
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = list(map(json.loads, f))
     (source,) = [r for r in records if r["phase"] == "warmup_source"]
@@ -370,43 +386,16 @@ def test_rejection_keeps_only_completed_episodes_that_succeeded():
 
 
 @pytest.mark.slow
-def test_a_run_warm_starts_from_a_demonstrations_file(ray_session, tmp_path):
-    from test_byo_env import _cli_train, _run_dirs
-
-    rows = [
-        {
-            "messages": [
-                {"role": "system", "content": "Add."},
-                {"role": "user", "content": f"What is {a} + {b}?"},
-                {"role": "assistant", "content": f"<answer>{a + b}</answer>"},
-            ]
-        }
-        for a in range(6)
-        for b in range(6)
-    ]
-    rows.append({"messages": [rows[0]["messages"][1], {"role": "assistant", "content": "9"}]})
-    path = _jsonl(tmp_path, rows)
-    result = _cli_train(
-        ray_session,
-        tmp_path / "runs",
-        "env.name=reasoning_gym",
-        "env.kwargs.task=chain_sum",
-        "env.max_turns=1",
-        "model.max_seq_len=192",
-        f"warmup.demonstrations={path}",
-        "warmup.max_steps=2",
-        "warmup.min_steps=0",
-        "warmup.eval_every=2",
-        "warmup.batch_size=4",
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "36 rows of" in result.stdout and "start with a system message" in result.stdout
-    assert f"warm start: 36 demonstrations from {path}" in result.stdout
-    assert "(1 unparseable left out)" in result.stdout  # "9" is no <answer> for the agent
-    (run_dir,) = _run_dirs(tmp_path / "runs")
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+def test_a_run_warm_starts_from_a_demonstrations_file(tiny_run):
+    # The shared tiny run's warm start: 20 steps on shared_runs.write_demonstrations' file,
+    # 36 parity answers, each after a system message, and one reply with no <answer> tag.
+    path, stdout = tiny_run.demonstrations, tiny_run.stdout
+    assert "36 rows of" in stdout and "start with a system message" in stdout
+    assert f"warm start: 36 demonstrations from {path}" in stdout
+    assert "(1 unparseable left out)" in stdout  # "odd" is no <answer> for the agent
+    with open(os.path.join(tiny_run.path, "metrics.jsonl")) as f:
         records = list(map(json.loads, f))
     (source,) = [r for r in records if r["phase"] == "warmup_source"]
     counts = {k: source[k] for k in ("source", "rows", "too_long", "unparseable")}
     assert counts == {"source": "file", "rows": 36, "too_long": 0, "unparseable": 1}
-    assert [r["step"] for r in records if r["phase"] == "warmup"] == [2]
+    assert [r["step"] for r in records if r["phase"] == "warmup"] == [20]
