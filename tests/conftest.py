@@ -111,3 +111,11 @@ def tiny_run(ray_session, tmp_path_factory):
     directory = str(root / "tiny-run")
     with FileLock(directory + ".lock"):
         return shared_runs.trained(directory)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Runs the slow tier first, each tier in its usual order. With two workers
+    (``-n 2``) the end-to-end tests then share the run's first part and the many short
+    tests fill the last minutes, instead of one worker finishing a two-minute test alone
+    while the other idles."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
