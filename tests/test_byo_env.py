@@ -152,6 +152,31 @@ def _cli_train(ray_session, tmp_path, *overrides):
     )
 
 
+# What a run that shows "this environment trains by config" needs on top of TINY: few tasks
+# (the tokenizer trains on them, an expert demonstrates each, the prompt check resets some),
+# two held-out ones evaluated before and after RL, one checkpoint, and the engine compiling
+# only the programs it runs (compiling every reachable one ahead costs more than two steps).
+SMALL = [
+    "data.train_size=32",
+    "data.heldout_size=2",
+    "eval.heldout_size=2",
+    "learner.checkpoint_every=2",
+    "engine.compile_ahead=false",
+]
+
+
+def _train(tmp_path, *overrides):
+    """``train(cfg)`` of the TINY + SMALL run in this process, on the test session's Ray
+    (the caller asks for ``ray_session``): where the command line is not the point, a run
+    needs no process of its own, whose start and imports cost seconds. The driver's lines
+    go to this process's stdout (``capsys``); returns the summary."""
+    from raytunix.config import load_config
+    from raytunix.train import train
+
+    overrides = [*TINY, *SMALL, f"run.output_dir={tmp_path}", *overrides]
+    return train(load_config("default", overrides))  # the preset `raytunix train` starts from
+
+
 def _run_dirs(tmp_path):
     return [os.path.join(tmp_path, d) for d in os.listdir(tmp_path)]
 
@@ -172,6 +197,7 @@ def test_own_env_trains_by_import_path_from_the_command_line(ray_session, tmp_pa
         "env.name=test_byo_env:ParityEnv",
         "env.kwargs.max_number=50",
         "env.max_turns=1",
+        *SMALL,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "warm start: skipped" in result.stdout
@@ -184,7 +210,7 @@ def test_own_env_trains_by_import_path_from_the_command_line(ray_session, tmp_pa
     assert _rl_steps(run_dir) == [1, 2]
     with open(os.path.join(run_dir, "summary.json")) as f:
         summary = json.load(f)
-    assert summary["env"] == "test_byo_env:ParityEnv" and summary["heldout_tasks"] == 8
+    assert summary["env"] == "test_byo_env:ParityEnv" and summary["heldout_tasks"] == 2
     assert summary["warm_start_steps"] == 0
     with open(os.path.join(run_dir, "config.yaml")) as f:
         assert "max_number: 50" in f.read()
@@ -206,15 +232,18 @@ def test_env_that_cannot_be_built_in_the_actors_stops_before_training(ray_sessio
 
 @pytest.mark.slow
 def test_prompts_longer_than_the_context_stop_before_training(ray_session, tmp_path):
+    # In this process: the command line's exit 2 with one `raytunix: <RunError>` line is
+    # the test above's; this one is about the check and its message.
+    from raytunix.train import RunError
+
     long_instructions = " ".join(str(i) for i in range(200))  # ~700 characters
-    result = _cli_train(
-        ray_session,
-        tmp_path,
-        "env.name=test_byo_env:ParityEnv",
-        f"env.kwargs.instructions={long_instructions}",
-    )
-    assert result.returncode == 2
-    (message,) = [line for line in result.stderr.splitlines() if line.startswith("raytunix: ")]
+    with pytest.raises(RunError) as e:
+        _train(
+            tmp_path,
+            "env.name=test_byo_env:ParityEnv",
+            f"env.kwargs.instructions={long_instructions}",
+        )
+    message = str(e.value)
     assert "have a first prompt that leaves no room for a reply in model.max_seq_len=128" in message
     assert "Raise model.max_seq_len above" in message
     assert _run_dirs(tmp_path) == []  # stopped before training: no run directory is left
@@ -253,21 +282,13 @@ def test_bad_env_kwargs_are_refused_at_config_time_naming_the_key():
 
 @pytest.mark.slow
 def test_text_gymnasium_env_trains_through_the_adapter(ray_session, tmp_path):
-    from raytunix.config import load_config
-    from raytunix.train import train
-
-    cfg = load_config(
-        None,
-        TINY
-        + [
-            f"run.output_dir={tmp_path}",
-            "env.name=gymnasium",
-            "env.kwargs.env_id=test_byo_env:RepeatWordEnv",
-            "env.kwargs.make_kwargs={max_misses: 1}",
-            "env.max_turns=2",
-        ],
+    summary = _train(
+        tmp_path,
+        "env.name=gymnasium",
+        "env.kwargs.env_id=test_byo_env:RepeatWordEnv",
+        "env.kwargs.make_kwargs={max_misses: 1}",
+        "env.max_turns=2",
     )
-    summary = train(cfg)
     assert _rl_steps(summary["run_dir"]) == [1, 2]
     assert summary["warm_start_steps"] == 0  # the adapter brings its own tasks: reset seeds
     statuses = summary["orchestrator"]

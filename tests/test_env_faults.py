@@ -334,18 +334,11 @@ class FlakyEnv(BaseEnv):
 
 @pytest.mark.slow
 def test_a_run_whose_env_returns_bad_values_and_raises_finishes_with_the_evidence(
-    ray_session, tmp_path
+    ray_session, tmp_path, capsys
 ):
-    from test_byo_env import _cli_train, _rl_steps, _run_dirs
+    from test_byo_env import _rl_steps, _run_dirs, _train
 
-    result = _cli_train(
-        ray_session,
-        tmp_path,
-        f"env.name={__name__}:FlakyEnv",
-        "env.max_turns=2",
-        "learner.checkpoint_every=2",
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    _train(tmp_path, f"env.name={__name__}:FlakyEnv", "env.max_turns=2")
     (run_dir,) = _run_dirs(tmp_path)
     assert _rl_steps(run_dir) == [1, 2]
     with open(os.path.join(run_dir, "summary.json")) as f:
@@ -367,7 +360,7 @@ def test_a_run_whose_env_returns_bad_values_and_raises_finishes_with_the_evidenc
         assert r["location"].startswith(THIS_FILE + ":")
     (raised,) = [r for r in reports if r["kind"] == "FlakyEnv.step:KeyError"]
     assert "KeyError" in raised["traceback"] and THIS_FILE in raised["traceback"]
-    assert "env error FlakyEnv.step:KeyError (first of its kind" in result.stdout
+    assert "env error FlakyEnv.step:KeyError (first of its kind" in capsys.readouterr().out
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     counted = {}

@@ -240,6 +240,12 @@ def test_a_run_whose_environment_never_rewards_says_it_is_not_learning(
             "warmup.enabled=false",
             "learner.rl_steps=3",
             "run.no_signal_steps=2",
+            # Few tasks and one checkpoint: the verdict needs three steps, nothing more.
+            "data.train_size=32",
+            "data.heldout_size=2",
+            "eval.heldout_size=2",
+            "learner.checkpoint_every=3",
+            "engine.compile_ahead=false",
         ],
     )
     summary = train(cfg)

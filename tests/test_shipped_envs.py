@@ -441,6 +441,7 @@ TINY_RUN = [
     "env.num_env_actors=1",
     "learner.checkpoint_every=2",
     "learner.rl_steps=2",
+    "engine.compile_ahead=false",  # compile only the programs two steps run
 ]
 
 # What changes from one environment to the next: the env entries, nothing else.
