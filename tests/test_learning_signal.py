@@ -245,7 +245,6 @@ def test_a_run_whose_environment_never_rewards_says_it_is_not_learning(
             "data.heldout_size=2",
             "eval.heldout_size=2",
             "learner.checkpoint_every=3",
-            "engine.compile_ahead=false",
         ],
     )
     summary = train(cfg)

@@ -37,6 +37,9 @@ TINY = [
     "engine.max_batch_size=8",
     "env.num_env_actors=1",
     "learner.checkpoint_every=1",
+    # A run of a few steps meets a few engine shapes; building all it could reach ahead
+    # takes a core from it (test_compile_ahead.py and the disaggregated run below keep it on).
+    "engine.compile_ahead=false",
 ]
 
 
@@ -74,6 +77,7 @@ def test_short_training_run_on_local_ray(
             f"engine.placement={placement}",
             f"engine.num_replicas={replicas}",
             "rollout.adaptive_interval_s=0.2",
+            f"engine.compile_ahead={placement == 'disaggregated'}",
         ]
         + (["run.profile_window_s=1000", "learner.checkpoint_every=3"] if shared else []),
     )
