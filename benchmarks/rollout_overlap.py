@@ -50,6 +50,7 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import ray  # noqa: E402
+from local_ray import add_ray_address_arg, init_ray  # noqa: E402
 from machine_rates import machine  # noqa: E402, F401 - also imported from here
 
 from raytunix.agents import make_agent  # noqa: E402
@@ -165,6 +166,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="1: also run the batch-synchronous baseline at the async run's "
         "concurrency, with and without stragglers (and async without them)",
     )
+    add_ray_address_arg(p)
     args = p.parse_args(argv)
     b = args.max_batch_size
     if args.trajectories < b or args.trajectories % b:
@@ -496,17 +498,11 @@ def calibrate(tokenizer, engine, args) -> float:
 
 
 def start_engine(args: argparse.Namespace):
-    """Starts local Ray and one ``EngineActor`` of a random-weight model sized by ``args``
-    (``d_model``, ``n_layers``, ``max_seq_len``, ``max_batch_size``, ``kv_cache_tokens``,
-    ``seed``); returns ``(tokenizer, model_config, engine)``."""
-    ray.init(
-        address="local",
-        include_dashboard=False,
-        num_cpus=os.cpu_count() or 2,
-        object_store_memory=128 * 1024**2,
-        log_to_driver=False,
-        runtime_env=_ACTOR_ENV,
-    )
+    """Starts local Ray (or connects to ``--ray-address``) and one ``EngineActor`` of a
+    random-weight model sized by ``args`` (``d_model``, ``n_layers``, ``max_seq_len``,
+    ``max_batch_size``, ``kv_cache_tokens``, ``seed``); returns ``(tokenizer,
+    model_config, engine)``."""
+    init_ray(args.ray_address, _ACTOR_ENV)
     tokenizer = Tokenizer.byte_level()
     model_config = ModelConfig(
         vocab_size=tokenizer.vocab_size,
