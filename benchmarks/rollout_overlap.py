@@ -484,16 +484,14 @@ def summarize(runs: list[dict]) -> dict:
     return {**{k: spread[k]["median"] for k in keys}, "repeats": spread, "runs": runs}
 
 
-def calibrate(tokenizer, engine, args) -> float:
-    """Median seconds of one generation turn of a full lockstep batch, tools taking none."""
-    pool = EnvPool("simulated_tool", {"tool_latency_s": 0.0, "turns": args.turns}, num_actors=1)
+def calibrate(tokenizer, engine, pool: EnvPool, args) -> float:
+    """Median seconds of one generation turn of a full lockstep batch on ``pool``, whose
+    tools take no time."""
     b = args.max_batch_size
     tasks = make_tasks(2 * b, "calibrate")
     turn_times: list[float] = []
     asyncio.run(run_lockstep(tasks[:b], tokenizer, engine, pool, args))
     asyncio.run(run_lockstep(tasks[b:], tokenizer, engine, pool, args, turn_times))
-    for actor in pool.actors:
-        ray.kill(actor)
     return statistics.median(turn_times)
 
 
@@ -529,7 +527,9 @@ def main(argv=None) -> dict:
     shapes = ray.get(engine.warmup.remote())  # no compilation inside a measurement
     warmup_s = time.perf_counter() - t0
 
-    turn_s = calibrate(tokenizer, engine, args)
+    # The zero-latency pool calibrates too: one env actor process fewer to start.
+    instant = EnvPool("simulated_tool", env_kwargs(args, 0.0), num_actors=args.env_actors)
+    turn_s = calibrate(tokenizer, engine, instant, args)
     latency = args.tool_latency_s
     if latency is None:
         latency = args.latency_factor * turn_s
@@ -544,7 +544,7 @@ def main(argv=None) -> dict:
     pools = {
         "slow": EnvPool("simulated_tool", env_kwargs(args, latency), num_actors=args.env_actors),
         "no_stragglers": EnvPool("simulated_tool", smooth, num_actors=args.env_actors),
-        "instant": EnvPool("simulated_tool", env_kwargs(args, 0.0), num_actors=args.env_actors),
+        "instant": instant,
     }
     for pool in pools.values():
         pool.wait_ready()
