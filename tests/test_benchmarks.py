@@ -2,9 +2,11 @@
 with the keys its claim is read from. Numbers are not checked against targets (a test
 never asserts on speed); these only keep the scripts from rotting.
 
-Marked ``benchmark``: the orchestrator one takes ~10 s; the rollout one starts its own Ray
-and compiles 4 small programs, ~70 s on a 2-core machine at load 20 (less when quiet). The
-chaos one runs ``raytunix train`` twice (killed, then resumed): minutes, not seconds."""
+Marked ``benchmark``. Each script runs in a subprocess of its own; those on Ray connect to
+the session's cluster (``--ray-address``) rather than start one, and every one compiles
+with XLA's optimizations off (``_run``). The chaos one runs ``raytunix train`` twice
+(killed, then resumed) on a cluster of its own, which the driver's kill must take down:
+the longest, a minute or two on a 2-core machine."""
 
 from __future__ import annotations
 
