@@ -15,7 +15,8 @@ is appended as a user message (latency 0 by default, ``--latency-s``). Both arms
 conversation the same way (``EncoderRenderer.chat_prompt``: the model's own replies put
 back as the ids it generated when its turn ended, re-encoded from their text when cut at
 ``max_tokens``), so the engine does identical work; each episode keeps its engine session.
-The model is the default ``ModelConfig`` dims with random weights.
+The model is the default ``ModelConfig`` dims with random weights (``--d-model``,
+``--n-layers`` and ``--max-seq-len`` shrink it for a smoke run).
 
 The programs run in a process of their own (a thread per episode), apart from the engine's,
 as in a training run (there they are threads of the orchestrator actor, beside the gateway,
@@ -91,6 +92,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--calls", type=int, default=60, help="calls per arm for the per-call overhead")
+    # The model and context: ModelConfig's dims and a context that fits the conversation,
+    # unless given (smaller ones compile fewer, faster programs for a smoke run).
+    p.add_argument("--d-model", type=int, default=None, help="model width (ModelConfig's)")
+    p.add_argument("--n-layers", type=int, default=None, help="model depth (ModelConfig's)")
+    p.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=None,
+        help="engine context in tokens (default: system + question + 128 per turn, rounded "
+        "up to 64)",
+    )
     return p.parse_args(argv)
 
 
@@ -318,8 +330,15 @@ def spread(values: list[float], digits: int = 1, worst=min) -> dict:
 
 async def measure(args) -> dict:
     tokenizer = Tokenizer.byte_level()
-    max_seq_len = -(-(args.system_tokens + args.question_tokens + 2 * args.turns * 64) // 64) * 64
-    config = ModelConfig(vocab_size=tokenizer.vocab_size, max_seq_len=max_seq_len)
+    max_seq_len = args.max_seq_len or (
+        -(-(args.system_tokens + args.question_tokens + 2 * args.turns * 64) // 64) * 64
+    )
+    dims = {"d_model": args.d_model, "n_layers": args.n_layers}
+    config = ModelConfig(
+        vocab_size=tokenizer.vocab_size,
+        max_seq_len=max_seq_len,
+        **{k: v for k, v in dims.items() if v is not None},
+    )
     graphdef, params = init_model(config, seed=0)
     engine = InferenceEngine(
         graphdef,

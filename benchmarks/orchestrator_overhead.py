@@ -50,6 +50,8 @@ import statistics
 import sys
 import time
 
+from local_ray import add_ray_address_arg, init_ray
+
 from raytunix.agents import make_agent
 from raytunix.models.tokenizer import Tokenizer
 from raytunix.rollout.env_pool import LocalEnv
@@ -155,6 +157,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--ray-concurrency", type=int, default=256, help="episodes in flight in the Ray measurement"
     )
     p.add_argument("--env-actors", type=int, default=2, help="env actors (Ray measurement)")
+    add_ray_address_arg(p)
     args = p.parse_args(argv)
     for name in ("turns_measured", "warmup_turns"):
         if getattr(args, name) < 1:
@@ -281,15 +284,7 @@ def measure_ray(args) -> dict:
     from raytunix.rollout.actor import OrchestratorActor
     from raytunix.rollout.env_pool import EnvPool
 
-    env_vars = {"env_vars": {"JAX_PLATFORMS": "cpu"}}
-    ray.init(
-        address="local",
-        include_dashboard=False,
-        num_cpus=os.cpu_count() or 2,
-        object_store_memory=128 * 1024**2,
-        log_to_driver=False,
-        runtime_env=env_vars,
-    )
+    init_ray(args.ray_address, {"env_vars": {"JAX_PLATFORMS": "cpu"}})
     try:
         tokenizer = Tokenizer.byte_level()
         engine = (

@@ -38,6 +38,7 @@ import time
 
 import psutil
 import ray
+from local_ray import add_ray_address_arg, init_ray
 
 from raytunix.profiling import ProfiledActor, configure, recorder
 from raytunix.profiling import add as record
@@ -137,6 +138,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=1.4,
         help="seconds between two drains, for machine_fraction_at_interval",
     )
+    add_ray_address_arg(p)
     args = p.parse_args(argv)
     for name in ("rounds", "batch", "turns", "tokens", "env_actors"):
         if getattr(args, name) < 1:
@@ -154,7 +156,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def ray_processes() -> dict[str, psutil.Process]:
     """This session's raylet and GCS server: the local cluster ``ray.init`` started, so
-    children of this process (another cluster's on the host are not)."""
+    children of this process (another cluster's on the host are not; with
+    ``--ray-address`` there are none, and neither is counted)."""
     found = {}
     for proc in psutil.Process().children(recursive=True):
         try:
@@ -183,13 +186,7 @@ def cpu_seconds(processes: dict[str, psutil.Process]) -> dict[str, float]:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    ray.init(
-        address="local",
-        include_dashboard=False,
-        num_cpus=os.cpu_count() or 2,
-        object_store_memory=128 * 1024**2,
-        log_to_driver=False,
-    )
+    init_ray(args.ray_address)
     shaped = ray.remote(ShapedActor).options(num_cpus=0)
     actors = [
         ("engine 0", shaped.remote("engine 0", "engine")),

@@ -71,6 +71,7 @@ from raytunix.profiling import Recorder, spans  # noqa: E402
 from raytunix.profiling.collect import Collector, spans_path  # noqa: E402
 from raytunix.rollout.env_pool import EnvPool  # noqa: E402
 
+from local_ray import add_ray_address_arg  # noqa: E402
 from rollout_overlap import (  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
     add_latency_shape_args,
     env_kwargs,
@@ -158,6 +159,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0, help="tool latencies and sampling")
     add_latency_shape_args(p, dist="lognormal", sigma=0.5, jitter=0.0, straggler_fraction=0.0)
+    add_ray_address_arg(p)
     args = p.parse_args(argv)
     for name in (
         "pairs",

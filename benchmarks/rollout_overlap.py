@@ -50,6 +50,7 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import ray  # noqa: E402
+from local_ray import add_ray_address_arg, init_ray  # noqa: E402
 from machine_rates import machine  # noqa: E402, F401 - also imported from here
 
 from raytunix.agents import make_agent  # noqa: E402
@@ -165,6 +166,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="1: also run the batch-synchronous baseline at the async run's "
         "concurrency, with and without stragglers (and async without them)",
     )
+    add_ray_address_arg(p)
     args = p.parse_args(argv)
     b = args.max_batch_size
     if args.trajectories < b or args.trajectories % b:
@@ -482,31 +484,23 @@ def summarize(runs: list[dict]) -> dict:
     return {**{k: spread[k]["median"] for k in keys}, "repeats": spread, "runs": runs}
 
 
-def calibrate(tokenizer, engine, args) -> float:
-    """Median seconds of one generation turn of a full lockstep batch, tools taking none."""
-    pool = EnvPool("simulated_tool", {"tool_latency_s": 0.0, "turns": args.turns}, num_actors=1)
+def calibrate(tokenizer, engine, pool: EnvPool, args) -> float:
+    """Median seconds of one generation turn of a full lockstep batch on ``pool``, whose
+    tools take no time."""
     b = args.max_batch_size
     tasks = make_tasks(2 * b, "calibrate")
     turn_times: list[float] = []
     asyncio.run(run_lockstep(tasks[:b], tokenizer, engine, pool, args))
     asyncio.run(run_lockstep(tasks[b:], tokenizer, engine, pool, args, turn_times))
-    for actor in pool.actors:
-        ray.kill(actor)
     return statistics.median(turn_times)
 
 
 def start_engine(args: argparse.Namespace):
-    """Starts local Ray and one ``EngineActor`` of a random-weight model sized by ``args``
-    (``d_model``, ``n_layers``, ``max_seq_len``, ``max_batch_size``, ``kv_cache_tokens``,
-    ``seed``); returns ``(tokenizer, model_config, engine)``."""
-    ray.init(
-        address="local",
-        include_dashboard=False,
-        num_cpus=os.cpu_count() or 2,
-        object_store_memory=128 * 1024**2,
-        log_to_driver=False,
-        runtime_env=_ACTOR_ENV,
-    )
+    """Starts local Ray (or connects to ``--ray-address``) and one ``EngineActor`` of a
+    random-weight model sized by ``args`` (``d_model``, ``n_layers``, ``max_seq_len``,
+    ``max_batch_size``, ``kv_cache_tokens``, ``seed``); returns ``(tokenizer,
+    model_config, engine)``."""
+    init_ray(args.ray_address, _ACTOR_ENV)
     tokenizer = Tokenizer.byte_level()
     model_config = ModelConfig(
         vocab_size=tokenizer.vocab_size,
@@ -533,7 +527,9 @@ def main(argv=None) -> dict:
     shapes = ray.get(engine.warmup.remote())  # no compilation inside a measurement
     warmup_s = time.perf_counter() - t0
 
-    turn_s = calibrate(tokenizer, engine, args)
+    # The zero-latency pool calibrates too: one env actor process fewer to start.
+    instant = EnvPool("simulated_tool", env_kwargs(args, 0.0), num_actors=args.env_actors)
+    turn_s = calibrate(tokenizer, engine, instant, args)
     latency = args.tool_latency_s
     if latency is None:
         latency = args.latency_factor * turn_s
@@ -548,7 +544,7 @@ def main(argv=None) -> dict:
     pools = {
         "slow": EnvPool("simulated_tool", env_kwargs(args, latency), num_actors=args.env_actors),
         "no_stragglers": EnvPool("simulated_tool", smooth, num_actors=args.env_actors),
-        "instant": EnvPool("simulated_tool", env_kwargs(args, 0.0), num_actors=args.env_actors),
+        "instant": instant,
     }
     for pool in pools.values():
         pool.wait_ready()
