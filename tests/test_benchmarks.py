@@ -375,11 +375,11 @@ def test_chaos_kills_every_kind_and_the_run_survives_with_nothing_lost():
     assert report["runs_survived"] == 1 and report["seeds_unchecked"] == []
     assert report["tasks_lost"] == report["tasks_duplicated"] == 0, row
     assert report["checkpoints_lost"] == report["processes_left"] == 0, row
-    assert set(report["kills"]) == {"env_actor", "sandbox_actor", "engine_replica", "driver"}
-    assert sum(report["kills"].values()) + report["kills_missed"] == 4
-    assert (
-        report["kills"]["driver"] == 1 and row["launches"] - row["ray_startup_retries"] == 2
-    )  # killed, resumed
+    # Every kind was killed once: a kill at most 1 s after RL step 1 comes seconds before
+    # a 3-step run ends (step 2, step 3, the held-out evaluation), so none is missed.
+    kinds = {"env_actor", "sandbox_actor", "engine_replica", "driver"}
+    assert report["kills"] == dict.fromkeys(kinds, 1) and report["kills_missed"] == 0, row
+    assert row["launches"] - row["ray_startup_retries"] == 2  # killed, resumed
     (resume,) = row["resumes"]
     assert resume["resumed_at"] >= resume["committed_at_kill"]
     # the final checkpoint holds every RL step's batch: 2 tasks a step, each trained once
