@@ -25,8 +25,10 @@ from raytunix.rollout.batch import trajectories_to_record_batch
 from raytunix.types import EpisodeStatus, Trajectory
 
 SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
+# One layer: the estimator and the value head's update hold at any size, and each jitted
+# update compiles faster than a two-layer model's.
 CONFIG = ModelConfig(
-    vocab_size=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=64
+    vocab_size=16, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32, max_seq_len=64
 )
 
 
@@ -113,8 +115,13 @@ def _record_batch():
     )
 
 
-def _setup(**settings):
-    graphdef, params = init_model(CONFIG, seed=0)
+@pytest.fixture(scope="module")
+def model():
+    return init_model(CONFIG, seed=0)
+
+
+def _setup(model, **settings):
+    graphdef, params = model
     optimizer = optax.adam(1e-2)
     hp = RLHyperparams(**{**SAMPLING, "advantage_estimator": "gae", **settings})
     state = add_value_head(
@@ -124,9 +131,15 @@ def _setup(**settings):
     return graphdef, state, update, hp
 
 
+@pytest.fixture(scope="module")
+def default_update(model):
+    """``_setup`` with the defaults, its update jitted once for the tests that share it."""
+    return _setup(model)
+
+
 @pytest.mark.slow
-def test_first_update_loss_is_ppo_on_gae_advantages_plus_the_value_loss():
-    graphdef, state, update, _ = _setup()
+def test_first_update_loss_is_ppo_on_gae_advantages_plus_the_value_loss(default_update):
+    graphdef, state, update, _ = default_update
     batch = Batch.from_record_batch(_record_batch(), pad_id=0, max_seq_len=64)
     _, metrics = update(state, None, batch)
     # By hand: the value head starts at 0, so the returns are the (gamma = 1) rewards,
@@ -162,8 +175,8 @@ def test_first_update_loss_is_ppo_on_gae_advantages_plus_the_value_loss():
 
 
 @pytest.mark.slow
-def test_value_head_moves_toward_the_returns():
-    _, state, update, _ = _setup()
+def test_value_head_moves_toward_the_returns(default_update):
+    _, state, update, _ = default_update
     batch = Batch.from_record_batch(_record_batch(), pad_id=0, max_seq_len=64)
     losses = []
     for _ in range(6):
@@ -174,15 +187,14 @@ def test_value_head_moves_toward_the_returns():
 
 
 @pytest.mark.slow
-def test_micro_batches_and_packing_give_the_whole_padded_update():
-    _, state, whole, _ = _setup(sequence_packing=False)
+def test_micro_batches_and_packing_give_the_whole_padded_update(model, default_update):
+    _, state, whole, _ = default_update
     batch = Batch.from_record_batch(_record_batch(), pad_id=0, max_seq_len=64)
     want, want_m = whole(state, None, batch)
-    _, _, micro, _ = _setup(micro_batch_size=2)
+    _, _, micro, _ = _setup(model, micro_batch_size=2)
     got, got_m = micro(state, None, batch)
     packed = PackedBatch.from_record_batch(_record_batch(), pad_id=0, max_seq_len=64)
-    _, _, packed_update, _ = _setup()
-    got_p, got_pm = packed_update(state, None, packed)
+    got_p, got_pm = whole(state, None, packed)
     for other, metrics in ((got, got_m), (got_p, got_pm)):
         for key in ("loss", "value_loss", "return_mean", "advantage_abs_mean"):
             np.testing.assert_allclose(

@@ -17,8 +17,9 @@ from raytunix.learner.learner import Learner, SFTHyperparams
 from raytunix.learner.train_state import create_train_state, make_optimizer, make_sft_update
 from raytunix.models.llama import ModelConfig, init_model
 
+# One layer: packing is checked at any depth, and each step's program compiles faster.
 CONFIG = ModelConfig(
-    vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=48
+    vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64, max_seq_len=48
 )
 
 

@@ -32,8 +32,10 @@ from raytunix.rollout.batch import record_batch_to_arrays, trajectories_to_recor
 from raytunix.types import EpisodeStatus, Trajectory
 
 SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}  # the rollout's settings
+# One layer, two query heads sharing one KV head: every update below holds at any size,
+# and each jitted update compiles in about two thirds of a two-layer model's time.
 CONFIG = ModelConfig(
-    vocab_size=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=64
+    vocab_size=16, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32, max_seq_len=64
 )
 
 
@@ -129,14 +131,23 @@ def test_grpo_update_raises_probability_of_rewarded_completions(model):
     assert gains[1] < -0.1 and gains[2] < -0.1  # unrewarded ones
 
 
-@pytest.mark.slow
-def test_grpo_update_kl_penalty_needs_reference_params(model):
-    graphdef, params = model
+TRUNCATED = {"temperature": 0.7, "top_k": 3, "top_p": 0.95}
+
+
+@pytest.fixture(scope="module")
+def kl_update(model):
+    """(optimizer, GRPO update with a KL penalty under top-k / top-p sampling), compiled
+    once for the two KL tests."""
+    graphdef, _ = model
     optimizer = make_optimizer(1e-3)
+    return optimizer, _grpo_update(graphdef, optimizer, kl_coef=0.1, **TRUNCATED)
+
+
+@pytest.mark.slow
+def test_grpo_update_kl_penalty_needs_reference_params(model, kl_update):
+    graphdef, params = model
+    optimizer, update = kl_update
     state = create_train_state(graphdef, params, optimizer, seed=0)
-    update = _grpo_update(
-        graphdef, optimizer, kl_coef=0.1, loss_aggregation="sequence_mean_token_mean"
-    )
     batch = _grpo_batch()
     with pytest.raises(ValueError, match="ref_params"):
         update(state, None, batch)
@@ -146,17 +157,15 @@ def test_grpo_update_kl_penalty_needs_reference_params(model):
 
 
 @pytest.mark.slow
-def test_grpo_update_with_truncation_scores_like_the_sampler_and_stays_finite(model):
+def test_grpo_update_with_truncation_scores_like_the_sampler_and_stays_finite(model, kl_update):
     """With top-k on, completion tokens outside the current policy's top-k set have
     logprob -inf: they get no gradient, are counted, and the loss (with a KL penalty)
     and every metric stay finite."""
     graphdef, params = model
-    sampling = {"temperature": 0.7, "top_k": 3, "top_p": 0.95}
-    optimizer = make_optimizer(1e-3)
+    optimizer, update = kl_update
     state = create_train_state(graphdef, params, optimizer, seed=0)
-    update = _grpo_update(graphdef, optimizer, kl_coef=0.1, **sampling)
     batch = _grpo_batch()
-    scored = np.asarray(logprobs_fn(graphdef, **sampling)(params, batch.tokens, batch.loss_mask))
+    scored = np.asarray(logprobs_fn(graphdef, **TRUNCATED)(params, batch.tokens, batch.loss_mask))
     generated = batch.loss_mask > 0
     outside = np.isneginf(scored) & generated
     assert 0 < outside.sum() < generated.sum()  # some tokens in the set, some out
@@ -430,7 +439,7 @@ def test_iterations_with_decoupled_ppo_keep_the_proximal_policy_of_the_batch_sta
             importance_weights=weights,
         )[0]
 
-    grads = jax.grad(loss_fn)(after_one.params)
+    grads = jax.jit(jax.grad(loss_fn))(after_one.params)  # eagerly, each op dispatches alone
     expected = jax.tree.map(lambda p, g: p - 0.5 * g, after_one.params, grads)
     _assert_trees_close(twice.params, expected, rtol=1e-4, atol=1e-6)
     # Calling the one-step update again re-anchors at the new parameters: another step.
