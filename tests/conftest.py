@@ -21,6 +21,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 else:
     _JAX_CACHE = None
 
+# The suite compiles hundreds of tiny programs and runs each a few times: JAX's switch for
+# when compiling costs more than running cuts an update program's compile by about 40%
+# (4.7 s to 2.9 s of CPU, measured on 2 cores). Every process of the session inherits it.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+
 import pytest  # noqa: E402
 
 
