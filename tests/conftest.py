@@ -30,6 +30,11 @@ import pytest  # noqa: E402
 
 
 def pytest_configure(config):
+    # xdist's load scheduler hands each worker a quarter of the suite, in order, at the
+    # start: with the slow tier first, one worker got nearly all of it (21 min 40 s on 2
+    # cores). One test at a time keeps both workers on the slow tier until it is done.
+    if getattr(config.option, "maxschedchunk", 0) is None:
+        config.option.maxschedchunk = 1
     config.addinivalue_line(
         "markers",
         "benchmark: runs a benchmarks/ script end to end with tiny settings, in "
@@ -120,7 +125,7 @@ def tiny_run(ray_session, tmp_path_factory):
 
 def pytest_collection_modifyitems(config, items):
     """Runs the slow tier first, each tier in its usual order. With two workers
-    (``-n 2``) the end-to-end tests then share the run's first part and the many short
-    tests fill the last minutes, instead of one worker finishing a two-minute test alone
-    while the other idles."""
+    (``-n 2``) handed one test at a time (``pytest_configure``), the end-to-end tests then
+    share the run's first part and the many short tests fill the last minutes, instead of
+    one worker finishing a two-minute test alone while the other idles."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
