@@ -1,20 +1,23 @@
-"""The inference engine as its own Ray actor (``engine.placement: disaggregated``)."""
+"""The inference engine as its own Ray actor (``engine.placement: disaggregated``).
+
+This module imports no JAX: Ray imports it in every process that receives a handle to an
+engine (the orchestrator, the learner), so the engine's stack loads where the actor runs,
+in the methods that use it.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax
 import ray
 
 from raytunix import profiling
 from raytunix.cluster import heap
-from raytunix.inference.engine import InferenceEngine
-from raytunix.inference.weights import LoraBase
-from raytunix.learner.lora import PublishedAdapters
-from raytunix.learner.sharding import tree_nbytes
-from raytunix.models.llama import ModelConfig, init_model
+
+if TYPE_CHECKING:
+    from raytunix.learner.lora import PublishedAdapters
+    from raytunix.models.llama import ModelConfig
 
 
 class EngineActor(profiling.ProfiledActor):
@@ -42,6 +45,11 @@ class EngineActor(profiling.ProfiledActor):
         model_path: str = "",
         weights_source=None,
     ):
+        from raytunix.inference.engine import InferenceEngine
+        from raytunix.inference.weights import LoraBase
+        from raytunix.learner.lora import PublishedAdapters
+        from raytunix.models.llama import init_model
+
         profiling.configure("engine", "engine")
         if model_path:
             from raytunix.models.hf import load_weights
@@ -83,6 +91,8 @@ class EngineActor(profiling.ProfiledActor):
           ValueError: an older version, or weights of another model
             (``InferenceEngine.update_weights``).
         """
+        from raytunix.learner.lora import PublishedAdapters
+
         async with self._updating:
             if isinstance(published, PublishedAdapters) and published.base_id != self._lora.base_id:
                 if self._weights_source is None:
@@ -97,12 +107,19 @@ class EngineActor(profiling.ProfiledActor):
             return self._receive(published)
 
     def _take_base(self, base_id_and_base: tuple[str, Any]) -> None:
+        from raytunix.learner.sharding import tree_nbytes
+
         base_id, base = base_id_and_base
         args = {"base": True, "bytes": tree_nbytes(base)}
         with profiling.span("weight_receive", "weights", args):
             self._lora.set(base_id, base)
 
     def _receive(self, published: tuple[Any, int] | PublishedAdapters) -> int:
+        import jax
+
+        from raytunix.learner.lora import PublishedAdapters
+        from raytunix.learner.sharding import tree_nbytes
+
         if isinstance(published, PublishedAdapters):
             args = {"version": published.version, "bytes": published.nbytes, "adapters": True}
             with profiling.span("weight_receive", "weights", args):

@@ -4,6 +4,10 @@ one JAX process, weights handed to the engine by reference, no copies.
 
 Device work (updates, decode steps) runs in worker threads so the actor's event loop keeps
 accepting generation requests while an update is computed.
+
+This module imports no JAX: Ray imports an actor's module in every process that receives
+a handle to it (the orchestrator holds the engines', env actors none), so the learner's
+stack loads where the actor runs, in the methods that use it.
 """
 
 from __future__ import annotations
@@ -11,18 +15,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
-
-import jax
-import jax.numpy as jnp
+from typing import TYPE_CHECKING, Any
 
 from raytunix import profiling
 from raytunix.cluster import heap
-from raytunix.learner.checkpoint import Checkpointer
-from raytunix.learner.learner import Learner, RLHyperparams, SFTHyperparams
-from raytunix.learner.lora import PublishedAdapters
-from raytunix.learner.sharding import tree_nbytes
-from raytunix.models.llama import ModelConfig
+
+if TYPE_CHECKING:
+    from raytunix.learner.checkpoint import Checkpointer
+    from raytunix.learner.learner import RLHyperparams, SFTHyperparams
+    from raytunix.learner.lora import PublishedAdapters
+    from raytunix.models.llama import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +45,8 @@ class LearnerActor(profiling.ProfiledActor):
         model_path: str = "",
         init_from: str = "",
     ):
+        from raytunix.learner.learner import Learner
+
         profiling.configure("learner", "learner")
         self.model_path = model_path
         model = _load(model_path, model_config, init_from, seed)
@@ -67,6 +71,8 @@ class LearnerActor(profiling.ProfiledActor):
         keep_best_by: str = "",
         keep_best_mode: str = "max",
     ) -> Checkpointer:
+        from raytunix.learner.checkpoint import Checkpointer
+
         if directory not in self._checkpointers:
             self._checkpointers[directory] = Checkpointer(
                 directory,
@@ -118,6 +124,8 @@ class LearnerActor(profiling.ProfiledActor):
         pytree in the compute dtype, policy version)``, or under LoRA only the adapters
         (``PublishedAdapters``, float32), which an engine merges onto ``base_weights()``.
         ``whole``: the merged parameters even under LoRA."""
+        from raytunix.learner.sharding import tree_nbytes
+
         with profiling.span("weights_to_host", "learner", {"version": self.learner.version}) as a:
             if self.learner.has_adapters and not whole:
                 adapters = self.learner.versioned_adapters_numpy()
@@ -135,6 +143,8 @@ class LearnerActor(profiling.ProfiledActor):
         Raises:
           RuntimeError: the learner trains no LoRA adapters.
         """
+        from raytunix.learner.sharding import tree_nbytes
+
         with profiling.span("weights_to_host", "learner", {"base": True}) as args:
             base_id, base = self.learner.base_weights_numpy()
             args["bytes"] = tree_nbytes(base)
@@ -314,6 +324,11 @@ def _load(model_path: str, model_config: ModelConfig, init_from: str = "", seed:
       FileNotFoundError: ``init_from`` holds no checkpoint.
       CheckpointMismatch: its checkpoint holds another model shape.
     """
+    import jax
+    import jax.numpy as jnp
+
+    from raytunix.learner.checkpoint import Checkpointer
+
     if not model_path and not init_from:
         return None
     if model_path:
