@@ -30,9 +30,12 @@ import pytest  # noqa: E402
 
 
 def pytest_configure(config):
-    # xdist's load scheduler hands each worker a quarter of the suite, in order, at the
-    # start: with the slow tier first, one worker got nearly all of it (21 min 40 s on 2
-    # cores). One test at a time keeps both workers on the slow tier until it is done.
+    # setup.cfg's addopts pick xdist's group scheduler (``--dist loadgroup``): tests that
+    # share a module- or class-scoped fixture go to one worker (``_group_shared_fixtures``),
+    # which builds it once (handed out one at a time, they met on both workers: a 4-node
+    # cluster scenario was built twice, 47 s + 38 s), and every other test is handed out
+    # one at a time in collection order (``--no-loadscope-reorder``). Under ``--dist load``,
+    # one test at a time too: the default chunks gave one worker nearly the whole slow tier.
     if getattr(config.option, "maxschedchunk", 0) is None:
         config.option.maxschedchunk = 1
     config.addinivalue_line(
@@ -123,9 +126,31 @@ def tiny_run(ray_session, tmp_path_factory):
         return shared_runs.trained(directory)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which names each test by its group
 def pytest_collection_modifyitems(config, items):
     """Runs the slow tier first, each tier in its usual order. With two workers
     (``-n 2``) handed one test at a time (``pytest_configure``), the end-to-end tests then
     share the run's first part and the many short tests fill the last minutes, instead of
     one worker finishing a two-minute test alone while the other idles."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    _group_shared_fixtures(items)
+
+
+_SHARED_SCOPES = {"class", "module", "package"}
+
+
+def _group_shared_fixtures(items) -> None:
+    """Marks each test that uses a module-, class- or package-scoped fixture, directly or
+    through another fixture, with its file's ``xdist_group``: under ``-n`` those tests run
+    on one worker, which builds the fixture once (``pytest_configure`` picks the group
+    scheduler). Session-scoped fixtures are per worker anyway and group nothing."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None or item.get_closest_marker("xdist_group") is not None:
+            continue
+        if any(
+            definitions[-1].scope in _SHARED_SCOPES
+            for definitions in info.name2fixturedefs.values()
+            if definitions
+        ):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
