@@ -30,19 +30,34 @@ import pytest  # noqa: E402
 
 
 def pytest_configure(config):
-    # setup.cfg's addopts pick xdist's group scheduler (``--dist loadgroup``): tests that
-    # share a module- or class-scoped fixture go to one worker (``_group_shared_fixtures``),
-    # which builds it once (handed out one at a time, they met on both workers: a 4-node
-    # cluster scenario was built twice, 47 s + 38 s), and every other test is handed out
-    # one at a time in collection order (``--no-loadscope-reorder``). Under ``--dist load``,
-    # one test at a time too: the default chunks gave one worker nearly the whole slow tier.
+    # Under -n, xdist's group scheduler: tests that share a module- or class-scoped
+    # fixture go to one worker (``_group_shared_fixtures``), which builds it once (handed
+    # out one at a time, they met on both workers: a 4-node cluster scenario was built
+    # twice, 47 s + 38 s); every other test goes out one at a time in collection order.
+    # A --dist given on the command line is kept, handing out one test at a time too (the
+    # default chunks gave one worker nearly the whole slow tier).
+    if getattr(config.option, "dist", "no") == "load" and "--dist" not in " ".join(
+        config.invocation_params.args
+    ):
+        config.option.dist = "loadgroup"
+        config.option.loadscopereorder = False
     if getattr(config.option, "maxschedchunk", 0) is None:
         config.option.maxschedchunk = 1
+    # A worker names each grouped test by its group (xdist reads ``loadgroup`` when it
+    # collects); it parses the command line itself, where no --dist asked for groups.
+    if getattr(config, "workerinput", {}).get("raytunix_test_groups"):
+        config.option.loadgroup = True
     config.addinivalue_line(
         "markers",
         "benchmark: runs a benchmarks/ script end to end with tiny settings, in "
         "a subprocess (10 s to a minute each on 2 cores); -m 'not benchmark' skips them",
     )
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown without xdist
+def pytest_configure_node(node):
+    """(xdist, in the controller) Tells a worker whether tests are scheduled by group."""
+    node.workerinput["raytunix_test_groups"] = node.config.option.dist == "loadgroup"
 
 
 _RAY_INIT = dict(

@@ -148,31 +148,33 @@ def _check_profile(run_dir, summary, records, placement, replicas):
 
 
 @pytest.mark.slow
-def test_resume_continues_step_counter_optimizer_and_data_position(ray_session, tmp_path):
+def test_resume_continues_step_counter_optimizer_and_data_position(tiny_run, tmp_path):
+    import shutil
+
     from raytunix.learner.checkpoint import Checkpointer
 
-    cfg = load_config(None, TINY + [f"run.output_dir={tmp_path}", "learner.rl_steps=2"])
-    run_dir = train(cfg)["run_dir"]
+    run_dir = str(tmp_path / "run")
+    shutil.copytree(tiny_run.path, run_dir)  # the shared run: 5 RL steps, a checkpoint each
     with open(os.path.join(run_dir, "state.json")) as f:
         state = json.load(f)
-    assert state["checkpoint_step"] == 2
+    assert state["checkpoint_step"] == 5
     ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"))
-    assert ckpt.latest_step() == 2
+    assert ckpt.latest_step() == 5
     ckpt.close()
 
-    summary = train(cfg, resume=run_dir, resume_overrides=["learner.rl_steps=4"])
+    summary = train(None, resume=run_dir, resume_overrides=["learner.rl_steps=6"])
     records = _rl_records(run_dir)
-    assert [r["step"] for r in records] == [1, 2, 3, 4]
-    assert [r["policy_version"] for r in records] == [1, 2, 3, 4]  # counter continued
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert [r["policy_version"] for r in records] == [1, 2, 3, 4, 5, 6]  # counter continued
     # Batches after the resume start where the checkpoint's data position left off.
     with open(os.path.join(run_dir, "state.json")) as f:
         resumed = json.load(f)
-    assert resumed["checkpoint_step"] == 4
+    assert resumed["checkpoint_step"] == 6
     assert resumed["data_position"] >= state["data_position"]
-    assert summary["rl_steps"] == 4
+    assert summary["rl_steps"] == 6
     # Asking for fewer steps than the checkpoint holds is refused, not silently ignored.
     with pytest.raises(RunError, match="nothing left to train"):
-        train(cfg, resume=run_dir, resume_overrides=["learner.rl_steps=3"])
+        train(None, resume=run_dir, resume_overrides=["learner.rl_steps=5"])
 
 
 # Rewards every reply by its share of digits: the tiny model never solves a task, but its
