@@ -313,10 +313,14 @@ class DataConfig:
         bounds="[0, 4294967295]",
         hint="a 32-bit seed",
     )
-    min_terms: int = setting(2, "basic_arithmetic: fewest terms of a question")
-    max_terms: int = setting(3, "basic_arithmetic: most terms of a question")
-    min_digits: int = setting(2, "basic_arithmetic: fewest digits of a term")
-    max_digits: int = setting(3, "basic_arithmetic: most digits of a term")
+    min_terms: int = setting(2, "basic_arithmetic: fewest terms of a question", bounds=">= 1")
+    max_terms: int = setting(
+        3, "basic_arithmetic: most terms of a question (>= data.min_terms)", bounds=">= 1"
+    )
+    min_digits: int = setting(2, "basic_arithmetic: fewest digits of a term", bounds=">= 1")
+    max_digits: int = setting(
+        3, "basic_arithmetic: most digits of a term (>= data.min_digits)", bounds=">= 1"
+    )
 
 
 @dataclasses.dataclass
@@ -1428,6 +1432,12 @@ def _validate_data(data: DataConfig) -> None:
                     f"of {', '.join(typing.get_args(FileSource))} (it is {data.source!r}); set "
                     "data.source."
                 )
+    for low, high in (("min_terms", "max_terms"), ("min_digits", "max_digits")):
+        if getattr(data, low) > getattr(data, high):
+            raise ConfigError(
+                f"data.{low}={getattr(data, low)} exceeds data.{high}={getattr(data, high)}; "
+                f"lower data.{low} or raise data.{high}."
+            )
     for key in ("question_column", "answer_column", "split"):
         if not getattr(data, key):
             raise ConfigError(f"data.{key} is empty; name the column (or split) to read.")

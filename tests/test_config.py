@@ -75,6 +75,10 @@ def test_override_values_are_coerced_to_the_field_type():
         ("run.profile_window_s=inf", "run.profile_window_s=inf"),  # a window that never closes
         ("run.profile_window_s=nan", "profile_window_s=nan must be a number >= 0"),  # not a number
         ("learner.learning_rate=nan", "learning_rate=nan must be a number > 0"),
+        ("data.min_terms=-1", "data.min_terms=-1 must be >= 1"),  # arithmetic's own bounds
+        ("data.max_digits=0", "data.max_digits=0 must be >= 1"),
+        ("data.min_terms=5", "data.min_terms=5 exceeds data.max_terms=3"),  # an empty range
+        ("data.min_digits=4", "data.min_digits=4 exceeds data.max_digits=3"),
         ("rollout.group_size", "rollout.group_size"),  # no '='
         ("group_size=4", "group_size"),  # no section
     ],

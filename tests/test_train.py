@@ -279,6 +279,18 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(ray_session, tmp_path, 
             assert steps[r["step"]][key] == r[key], (r["step"], key)
 
 
+@pytest.mark.slow
+def test_dataset_settings_reasoning_gym_refuses_stop_the_run_naming_the_keys(ray_session, tmp_path):
+    # The config cannot know every dataset's rules: the dataset is built when the run
+    # starts, and its refusal is the run's one error (the CLI prints it, exit 2).
+    cfg = load_config(
+        None, TINY + [f"run.output_dir={tmp_path}", "data.dataset_kwargs.min_terms=-1"]
+    )
+    with pytest.raises(RunError, match=r"min_terms must be positive; change data.dataset_kwargs"):
+        train(cfg)
+    assert os.listdir(tmp_path) == []  # stopped before training: no run directory is left
+
+
 def test_resume_refuses_overrides_the_checkpoint_depends_on(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()

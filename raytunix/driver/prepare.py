@@ -412,8 +412,10 @@ def task_splits(cfg: Config, env_pool: EnvPool, dataset) -> Tasks:
 
     Raises:
       RunError: no held-out task is left, or the environment's tasks() fails or answers
-        only one split, or ``data.source=env`` and the environment brings none.
+        only one split, or ``data.source=env`` and the environment brings none, or
+        reasoning-gym refuses the dataset's settings.
     """
+    from raytunix.data.datasets import DatasetError
     from raytunix.data.tasks import generator_splits
 
     d = cfg.data
@@ -453,7 +455,11 @@ def task_splits(cfg: Config, env_pool: EnvPool, dataset) -> Tasks:
             f"data.source=env but environment {cfg.env.name!r} brings no tasks "
             "(its tasks() returns None); set data.source to a dataset."
         )
-    train, heldout = generator_splits(d)
+    try:
+        train, heldout = generator_splits(d)
+    except DatasetError as e:  # reasoning-gym refused the settings it was built with
+        keys = "data.dataset_kwargs" if d.dataset_kwargs else "the data.min_*/max_* keys"
+        raise RunError(f"data.dataset={d.dataset!r}: {e}; change {keys}.") from None
     return _tasks(cfg, train, heldout, f"reasoning-gym {d.dataset}")
 
 
