@@ -29,18 +29,26 @@ os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 import pytest  # noqa: E402
 
 
-def pytest_configure(config):
-    # Under -n, xdist's group scheduler: tests that share a module- or class-scoped
-    # fixture go to one worker (``_group_shared_fixtures``), which builds it once (handed
-    # out one at a time, they met on both workers: a 4-node cluster scenario was built
-    # twice, 47 s + 38 s); every other test goes out one at a time in collection order.
-    # A --dist given on the command line is kept, handing out one test at a time too (the
-    # default chunks gave one worker nearly the whole slow tier).
-    if getattr(config.option, "dist", "no") == "load" and "--dist" not in " ".join(
-        config.invocation_params.args
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which turns -n's "no" dist into "load"
+def pytest_cmdline_main(config):
+    # Under -n with no --dist chosen (on the command line, -d, or PYTEST_ADDOPTS), xdist's
+    # group scheduler: tests that share a module- or class-scoped fixture go to one worker
+    # (``_group_shared_fixtures``), which builds it once (handed out one at a time, they
+    # met on both workers: a 4-node cluster scenario was built twice, 47 s + 38 s); every
+    # other test goes out one at a time in collection order (slow tier first).
+    option = config.option
+    if (
+        getattr(option, "numprocesses", None)
+        and getattr(option, "dist", "no") == "no"
+        and not getattr(option, "distload", False)
     ):
-        config.option.dist = "loadgroup"
-        config.option.loadscopereorder = False
+        option.dist = "loadgroup"
+        option.loadscopereorder = False
+
+
+def pytest_configure(config):
+    # A chosen --dist load hands out one test at a time too: its default chunks gave one
+    # worker nearly the whole slow tier.
     if getattr(config.option, "maxschedchunk", 0) is None:
         config.option.maxschedchunk = 1
     # A worker names each grouped test by its group (xdist reads ``loadgroup`` when it
@@ -148,7 +156,8 @@ def pytest_collection_modifyitems(config, items):
     share the run's first part and the many short tests fill the last minutes, instead of
     one worker finishing a two-minute test alone while the other idles."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-    _group_shared_fixtures(items)
+    if getattr(config.option, "loadgroup", False):  # a worker of a group-scheduled run
+        _group_shared_fixtures(items)
 
 
 _SHARED_SCOPES = {"class", "module", "package"}
@@ -157,7 +166,7 @@ _SHARED_SCOPES = {"class", "module", "package"}
 def _group_shared_fixtures(items) -> None:
     """Marks each test that uses a module-, class- or package-scoped fixture, directly or
     through another fixture, with its file's ``xdist_group``: under ``-n`` those tests run
-    on one worker, which builds the fixture once (``pytest_configure`` picks the group
+    on one worker, which builds the fixture once (``pytest_cmdline_main`` picks the group
     scheduler). Session-scoped fixtures are per worker anyway and group nothing."""
     for item in items:
         info = getattr(item, "_fixtureinfo", None)
