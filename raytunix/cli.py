@@ -521,6 +521,25 @@ _RUN_DIR_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
+def _explain_extra_words(explained: str | None, words: list[str]) -> str:
+    """The error for words after ``config --explain [KEY]``: more keys (say how to explain
+    each) or overrides (say how to see their resolved values)."""
+    keys = [w for w in words if "=" not in w]
+    if keys and not explained and len(keys) == 1:
+        return (
+            "config --explain takes its SECTION or KEY right after it; run "
+            f"`raytunix config --explain {keys[0]}`."
+        )
+    if keys:
+        each = list(dict.fromkeys(([explained] if explained else []) + keys))
+        commands = ", ".join(f"`raytunix config --explain {k}`" for k in each)
+        return f"config --explain takes one SECTION or KEY at a time; run {commands}."
+    return (
+        f"config --explain takes one SECTION or KEY, not overrides ({' '.join(words)}); "
+        f"drop them, or run `raytunix config {' '.join(words)}` for the resolved values."
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from raytunix.cluster.jobs import check_shipped_package
@@ -534,10 +553,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config" and (args.explain is not None or args.markdown):
         if args.overrides:  # --explain describes the settings, not one run's values
             print(
-                f"raytunix: config --explain takes one SECTION or KEY, not overrides "
-                f"({' '.join(args.overrides)}); drop them, or run `raytunix config "
-                f"{' '.join(args.overrides)}` for the resolved values.",
-                file=sys.stderr,
+                f"raytunix: {_explain_extra_words(args.explain, args.overrides)}", file=sys.stderr
             )
             return 2
         return _explain(args.explain or "", args.markdown)

@@ -139,6 +139,17 @@ def test_the_command_line_explains_a_key_and_names_close_matches_for_a_bad_one(c
     assert (
         "takes one SECTION or KEY, not overrides (rollout.group_size=4)" in capsys.readouterr().err
     )
+    # More keys, or the key after another option: each suggested command works as given.
+    assert cli.main(["config", "--explain", "rollout.top_k", "rollout.top_p"]) == 2
+    err = capsys.readouterr().err
+    assert "run `raytunix config --explain rollout.top_k`, `raytunix config --explain " in err
+    for argv in (
+        ["config", "--explain", "rollout.top_k"],
+        ["config", "--explain", "rollout.top_p"],
+    ):
+        assert cli.main(argv) == 0
+    assert cli.main(["config", "--explain", "--config", "single_turn", "env.max_turns"]) == 2
+    assert "run `raytunix config --explain env.max_turns`" in capsys.readouterr().err
     assert cli.main(["config", "--explain", "--markdown"]) == 0
     tables = capsys.readouterr().out
     assert tables.count("| key | type | default |") == len({k.split(".")[0] for k in settings()})
