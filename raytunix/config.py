@@ -1010,7 +1010,7 @@ class Config:
         return dataclasses.asdict(self)
 
     def to_yaml(self) -> str:
-        return str(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        return str(yaml.dump(self.to_dict(), Dumper=_Dumper, sort_keys=False))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1800,12 +1800,32 @@ class _Loader(yaml.SafeLoader):
     (YAML 1.1 wants a dot, ``1.0e1``, and reads ``1e1`` as text): a float written in
     scientific notation reaches a free mapping such as ``env.kwargs`` as a float."""
 
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        # PyYAML keeps the last of two equal keys: a second `learner:` section would
+        # silently drop the first one's settings.
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if not isinstance(key, typing.Hashable):
+                continue  # the base class names an unhashable key
+            if key in first_line:
+                raise yaml.constructor.ConstructorError(
+                    problem=f"the key {key!r} appears twice, on lines {first_line[key]} and "
+                    f"{line}; keep one"
+                )
+            first_line[key] = line
+        return super().construct_mapping(node, deep=deep)
 
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
+
+class _Dumper(yaml.SafeDumper):
+    """PyYAML's safe dumper that quotes what ``_Loader`` would read as a number (a text
+    value ``1e3`` written bare would come back as the float 1000.0)."""
+
+
+_SCIENTIFIC = re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
+for _yaml_class in (_Loader, _Dumper):
+    _yaml_class.add_implicit_resolver("tag:yaml.org,2002:float", _SCIENTIFIC, list("-+0123456789"))
 
 
 def load_yaml(text: str) -> Any:

@@ -2,7 +2,14 @@ import random
 
 import pytest
 
-from raytunix.config import Config, ConfigError, config_from_dict, load_config, preset_names
+from raytunix.config import (
+    Config,
+    ConfigError,
+    config_from_dict,
+    load_config,
+    load_yaml,
+    preset_names,
+)
 
 
 def test_every_preset_loads_and_validates():
@@ -95,6 +102,33 @@ def test_bad_value_in_a_file_names_the_file_key_and_value(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(str(path))
     assert "learner.rl_steps" in str(e.value) and "'many'" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "text, named",
+    [
+        (
+            "learner:\n  rl_steps: 5\nlearner:\n  kl_coef: 0.1\n",
+            "'learner' appears twice, on lines 1 and 3",
+        ),
+        ("learner:\n  rl_steps: 5\n  rl_steps: 7\n", "'rl_steps' appears twice, on lines 2 and 3"),
+    ],
+)
+def test_a_key_given_twice_in_a_file_is_refused_not_silently_dropped(tmp_path, text, named):
+    path = tmp_path / "twice.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=named) as e:
+        load_config(str(path))
+    assert str(path) in str(e.value)
+
+
+def test_text_values_that_read_as_numbers_survive_a_save_and_reload():
+    # The loader reads 1e3 as a number (YAML 1.2); the saved config.yaml must quote the
+    # text "1e3", or a resumed run would get the float 1000.0 in its place.
+    cfg = load_config(None, ['run.name="1e3"', 'data.dataset_kwargs.tag="5E-2"'])
+    again = load_yaml(cfg.to_yaml())
+    assert again["run"]["name"] == "1e3" and again["data"]["dataset_kwargs"]["tag"] == "5E-2"
+    assert load_yaml("x: 1e3")["x"] == 1000.0  # the number itself still reads as one
 
 
 @pytest.mark.parametrize(
