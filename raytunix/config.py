@@ -419,6 +419,9 @@ class RolloutConfig:
         1.0,
         "sampling temperature for training rollouts (>= 0.01 in float32, so logprobs stay "
         "finite; eval is always greedy)",
+        bounds="> 0",
+        hint="e.g. rollout.temperature=1.0: training rollouts must sample; greedy decoding (0) "
+        "gives every sampled token probability 1, so the policy gradient has nothing to score",
     )
     top_k: int = setting(0, "sample among the k most likely tokens; 0 = off", bounds=">= 0")
     top_p: float = setting(
@@ -495,10 +498,18 @@ class RolloutConfig:
         0.1, "first wait before an engine call is retried, seconds", bounds="> 0", resume=True
     )
     engine_retry_max_delay_s: float = setting(
-        5.0, "cap on one wait between engine call attempts, seconds", resume=True
+        5.0,
+        "cap on one wait between engine call attempts, seconds (>= "
+        "rollout.engine_retry_initial_delay_s)",
+        bounds="> 0",
+        resume=True,
     )
     engine_retry_multiplier: float = setting(
-        2.0, "each wait between engine call attempts grows by this factor (>= 1)", resume=True
+        2.0,
+        "each wait between engine call attempts grows by this factor",
+        bounds=">= 1",
+        resume=True,
+        hint="1: constant waits, 2: each wait doubles",
     )
     engine_retry_jitter: float = setting(
         0.5,
@@ -513,12 +524,18 @@ class RolloutConfig:
         resume=True,
     )
     retry_max_delay_s: float = setting(
-        30.0, "cap on one wait between group retries or episode re-runs, seconds", resume=True
+        30.0,
+        "cap on one wait between group retries or episode re-runs, seconds (>= "
+        "rollout.retry_initial_delay_s)",
+        bounds="> 0",
+        resume=True,
     )
     retry_multiplier: float = setting(
         2.0,
-        "each wait between group retries or episode re-runs grows by this factor (>= 1)",
+        "each wait between group retries or episode re-runs grows by this factor",
+        bounds=">= 1",
         resume=True,
+        hint="1: constant waits, 2: each wait doubles",
     )
     retry_jitter: float = setting(
         0.5, "random fraction of each such wait", bounds="[0, 1]", resume=True
@@ -739,7 +756,12 @@ class LearnerConfig:
         "decoupled_ppo's weight pi_prox/pi_behav: per token (token_tis), per sequence as the "
         "product (sequence_tis) or geometric mean (geometric_tis) of token ratios",
     )
-    importance_cap: float = setting(2.0, "the importance weight is truncated at this (>= 1)")
+    importance_cap: float = setting(
+        2.0,
+        "the importance weight is truncated at this",
+        bounds=">= 1",
+        hint="e.g. 2.0: a cap below 1 down-weights tokens that are exactly on-policy",
+    )
     max_consecutive_nonfinite_updates: int = setting(
         3,
         "an update (RL or warm start) whose loss, gradients or new parameters are not "
@@ -1320,11 +1342,6 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"{key}={flat[key]!r} is not one of {', '.join(spec.choices)}.")
     for key, spec in table.items():
         _validate_number(key, spec, flat[key])
-    if not (cfg.learner.importance_cap >= 1.0 and math.isfinite(cfg.learner.importance_cap)):
-        raise ConfigError(
-            f"learner.importance_cap={cfg.learner.importance_cap!r} must be a finite number "
-            ">= 1 (e.g. 2.0): a cap below 1 down-weights tokens that are exactly on-policy."
-        )
     _validate_learner(cfg)
     _validate_placement(cfg)
     _validate_model(cfg.model)
@@ -1721,16 +1738,10 @@ def _validate_backoffs(rollout: RolloutConfig) -> None:
     for prefix in ("engine_retry", "retry"):
         initial = getattr(rollout, f"{prefix}_initial_delay_s")
         cap = getattr(rollout, f"{prefix}_max_delay_s")
-        multiplier = getattr(rollout, f"{prefix}_multiplier")
         if not (cap >= initial and math.isfinite(cap)):
             raise ConfigError(
                 f"rollout.{prefix}_max_delay_s={cap!r} must be finite and >= "
                 f"rollout.{prefix}_initial_delay_s={initial!r}; it caps each wait."
-            )
-        if not (multiplier >= 1 and math.isfinite(multiplier)):
-            raise ConfigError(
-                f"rollout.{prefix}_multiplier={multiplier!r} must be a finite "
-                "number >= 1 (1: constant waits, 2: each wait doubles)."
             )
 
 
@@ -1752,14 +1763,6 @@ def _validate_sampling(rollout: RolloutConfig, model: ModelConfig) -> None:
     (``raytunix.inference.sampling_checks``: the bounds the engine and learner check too)."""
     from raytunix.inference.sampling_checks import check_sampling_settings
 
-    t = rollout.temperature
-    if not (t > 0 and math.isfinite(t)):
-        raise ConfigError(
-            f"rollout.temperature={t!r}: training rollouts must sample, with a finite "
-            "temperature > 0 (e.g. rollout.temperature=1.0). Greedy decoding (0) gives every "
-            "sampled token probability 1, so the policy gradient has nothing to score and "
-            "every sample of a group is the same; held-out evaluation is greedy already."
-        )
     if rollout.top_k == 1:
         raise ConfigError(
             "rollout.top_k=1 is greedy decoding: every sampled token has probability 1 and "
@@ -1767,7 +1770,11 @@ def _validate_sampling(rollout: RolloutConfig, model: ModelConfig) -> None:
         )
     try:
         check_sampling_settings(
-            t, rollout.top_k, rollout.top_p, allow_greedy=False, vocab_size=_vocab_size(model)
+            rollout.temperature,
+            rollout.top_k,
+            rollout.top_p,
+            allow_greedy=False,
+            vocab_size=_vocab_size(model),
         )
     except ValueError as e:  # its message starts with the setting: temperature=..., top_p=...
         raise ConfigError(f"rollout.{e}") from None
