@@ -1272,8 +1272,11 @@ def _set(
     fields = {f.name: f for f in dataclasses.fields(section)}
     full = f"{section_name}.{key}"
     if key not in fields:
+        close = difflib.get_close_matches(key, list(fields), n=3, cutoff=0.75)
+        guess = f"did you mean {', '.join(f'{section_name}.{k}' for k in close)}? " if close else ""
         raise ConfigError(
-            f"{source}: unknown key {full!r}; valid keys in {section_name!r}: {', '.join(fields)}."
+            f"{source}: unknown key {full!r}; {guess}valid keys in {section_name!r}: "
+            f"{', '.join(fields)}."
         )
     setattr(section, key, _coerce(full, value, settings(schema)[full].type))
 

@@ -96,6 +96,11 @@ def test_bad_overrides_name_the_key_and_value(override, named):
     assert named in str(e.value)
 
 
+def test_an_unknown_key_names_the_close_ones():
+    with pytest.raises(ConfigError, match="did you mean learner.rl_steps"):
+        load_config(None, ["learner.rl_step=5"])
+
+
 def test_bad_value_in_a_file_names_the_file_key_and_value(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("learner:\n  rl_steps: many\n")

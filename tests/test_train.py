@@ -295,9 +295,13 @@ def test_resume_refuses_overrides_the_checkpoint_depends_on(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text(load_config(None).to_yaml())
-    with pytest.raises(ConfigError, match="model.d_model cannot change when resuming"):
+    d_model = load_config(None).model.d_model
+    with pytest.raises(ConfigError, match="model.d_model cannot change when resuming") as e:
         load_run_config(str(run_dir), ["model.d_model=64"])
+    assert f"the run has model.d_model={d_model}" in str(e.value)
     assert load_run_config(str(run_dir), ["learner.rl_steps=80"]).learner.rl_steps == 80
+    # The run's own value repeated (a resume given the first command's overrides) is no change.
+    assert load_run_config(str(run_dir), [f"model.d_model={d_model}"]).model.d_model == d_model
     (run_dir / "config.yaml").write_text("run: [unclosed")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_run_config(str(run_dir))

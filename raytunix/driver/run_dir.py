@@ -260,11 +260,15 @@ def load_run_config(
     cfg = config_from_dict(tree, schema)
     resumable = resumable_keys(schema)
     for item in overrides:
+        saved = cfg.to_dict()
         key = apply_override(cfg, item)  # an unknown key is reported as unknown
-        if key not in resumable:
+        section, name = key.split(".", 1)
+        unchanged = cfg.to_dict()[section][name] == saved[section][name]
+        if key not in resumable and not unchanged:  # the run's own value may be repeated
             raise ConfigError(
-                f"{key} cannot change when resuming (the checkpoint depends on it); "
-                f"keys a resume may change: {', '.join(sorted(resumable))}."
+                f"{key} cannot change when resuming (the checkpoint depends on it; the run "
+                f"has {key}={saved[section][name]!r}); `raytunix config --explain` says of "
+                "each key whether a resume may change it."
             )
     return validate(cfg)
 
