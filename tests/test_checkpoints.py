@@ -38,7 +38,7 @@ def _assert_trees_equal(a, b):
 # -- async saves and crashes mid-save ------------------------------------------------------------
 
 CRASH_MID_SAVE = textwrap.dedent('''
-    import os, signal, sys
+    import os, signal, sys, time
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax, jax.numpy as jnp
     from raytunix.learner.checkpoint import Checkpointer
@@ -55,9 +55,16 @@ CRASH_MID_SAVE = textwrap.dedent('''
     ckpt.save(1, state(1.0), {"step": 1})
     ckpt.wait_until_finished()
     ckpt.save(2, state(2.0), {"step": 2})
-    # save returned: the arrays are copied, the files are still being written.
-    in_flight = os.path.exists(os.path.join(directory, "2.orbax-checkpoint-tmp"))
-    committed = os.path.exists(os.path.join(directory, "2"))
+    # save returned: the arrays are copied, the files are still being written. Orbax may
+    # make its temporary directory from its writer thread, after save returned (a loaded
+    # machine saw neither it nor step 2 at that moment): wait for one of the two.
+    def seen():
+        names = os.listdir(directory)
+        return "2.orbax-checkpoint-tmp" in names, "2" in names
+    deadline = time.monotonic() + 60
+    while not any(seen()) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    in_flight, committed = seen()
     print(f"in_flight={in_flight} committed={committed}", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer or a preemption would
 ''')
