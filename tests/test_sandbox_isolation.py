@@ -522,6 +522,11 @@ while len(alive()) < 2 and time.monotonic() < deadline and t.is_alive():
 during = alive()
 sb.close_workspace(ws)
 t.join(60)
+# The kills are sent by then; on a loaded machine one landed after close returned (a
+# SIGKILLed process leaves /proc when the kernel has torn it down): a few seconds' grace.
+deadline = time.monotonic() + 10
+while alive() and time.monotonic() < deadline:
+    time.sleep(0.05)
 print("RESULT:" + json.dumps({"backend": sb.backend.value, "why": sb.fallback_reason,
     "stdout": r.stdout, "after_run": after_run, "during": during, "after_close": alive(),
     "late": [x.exit_code for x in late], "late_stderr": [x.stderr[-500:] for x in late]}))
