@@ -29,7 +29,9 @@ import json
 import logging
 import math
 import numbers
+import os
 import re
+import threading
 from typing import Any
 
 from raytunix.envs.base import BaseEnv
@@ -43,6 +45,20 @@ logger = logging.getLogger(__name__)
 SERVER_MODES = ("thread", "process")
 # A JSON object in a reply: the whole reply, else the last fenced block, else the span from
 # the first "{" to the last "}".
+# openenv-core's client adds localhost to NO_PROXY around each connect and then removes
+# it again: a thread reading os.environ meanwhile (another episode's connect, in an env
+# actor's threads) raised KeyError. With localhost already there it changes nothing.
+_CONNECT_LOCK = threading.Lock()
+
+
+def _localhost_without_proxy() -> None:
+    current = os.environ.get("NO_PROXY", "")
+    if "localhost" not in current.lower():
+        os.environ["NO_PROXY"] = (
+            f"{current},localhost,127.0.0.1" if current else ("localhost,127.0.0.1")
+        )
+
+
 _FENCED = re.compile(r"```(?:json)?\s*(.*?)```", re.DOTALL)
 
 
@@ -281,7 +297,9 @@ class OpenEnvEnv(BaseEnv):
         # openenv-core 0.3's client is async with a .sync() wrapper; 0.2's is synchronous.
         sync = getattr(client, "sync", None)
         self._client = sync() if callable(sync) else client
-        self._client.connect()
+        with _CONNECT_LOCK:
+            _localhost_without_proxy()
+            self._client.connect()
         return self._client
 
     def _action_payload(self, text: str) -> dict[str, Any] | str:
