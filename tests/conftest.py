@@ -152,7 +152,7 @@ def tiny_run(ray_session, tmp_path_factory):
 @pytest.hookimpl(tryfirst=True)  # before xdist's, which names each test by its group
 def pytest_collection_modifyitems(config, items):
     """Runs the slow tier first, each tier in its usual order. With two workers
-    (``-n 2``) handed one test at a time (``pytest_configure``), the end-to-end tests then
+    (``-n 2``) handed one test at a time (``pytest_cmdline_main``), the end-to-end tests then
     share the run's first part and the many short tests fill the last minutes, instead of
     one worker finishing a two-minute test alone while the other idles."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)

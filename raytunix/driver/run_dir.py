@@ -259,8 +259,8 @@ def load_run_config(
         raise ConfigError(f"{path} does not hold a config mapping; restore it or start a new run.")
     cfg = config_from_dict(tree, schema)
     resumable = resumable_keys(schema)
+    saved = cfg.to_dict()  # the run's own values, which an override may repeat
     for item in overrides:
-        saved = cfg.to_dict()
         key = apply_override(cfg, item)  # an unknown key is reported as unknown
         section, name = key.split(".", 1)
         unchanged = cfg.to_dict()[section][name] == saved[section][name]

@@ -43,8 +43,6 @@ from raytunix.types import TOOL_ERRORS_KEY, Action, EpisodeStatus, StepResult, T
 logger = logging.getLogger(__name__)
 
 SERVER_MODES = ("thread", "process")
-# A JSON object in a reply: the whole reply, else the last fenced block, else the span from
-# the first "{" to the last "}".
 # openenv-core's client adds localhost to NO_PROXY around each connect and then removes
 # it again: a thread reading os.environ meanwhile (another episode's connect, in an env
 # actor's threads) raised KeyError. With localhost already there it changes nothing.
@@ -55,10 +53,12 @@ def _localhost_without_proxy() -> None:
     current = os.environ.get("NO_PROXY", "")
     if "localhost" not in current.lower():
         os.environ["NO_PROXY"] = (
-            f"{current},localhost,127.0.0.1" if current else ("localhost,127.0.0.1")
+            f"{current},localhost,127.0.0.1" if current else "localhost,127.0.0.1"
         )
 
 
+# A JSON object in a reply: the whole reply, else the last fenced block, else the span from
+# the first "{" to the last "}".
 _FENCED = re.compile(r"```(?:json)?\s*(.*?)```", re.DOTALL)
 
 
